@@ -1,0 +1,44 @@
+"""The `actstore` command: a thin click group; each feature module registers its commands.
+
+A module `actstore/cli/<name>.py` listed in COMMAND_MODULES defines `register(main)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+import click
+
+from actstore import __version__
+from actstore.errors import ActstoreError
+
+COMMAND_MODULES = ("core", "capture", "saev", "integrity", "loaders", "bench")
+
+
+class _Group(click.Group):
+    """Maps actstore's errors to a one-line message and exit code 1 (no traceback)."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ActstoreError, FileNotFoundError, ValueError) as e:
+            click.echo(f"actstore: error: {e}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="actstore")
+def main() -> None:
+    """actstore: capture, store, read and export transformer activations.
+
+    A store is a folder: manifest.json plus one Zarr group per writer under shards/.
+    Typical flow: `actstore write` (or ShardWriter in your own loop), `actstore finalize`,
+    `actstore info`, then read with actstore.ActStore or export with `actstore export-saev`.
+    """
+
+
+for _name in COMMAND_MODULES:
+    if importlib.util.find_spec(f"actstore.cli.{_name}") is not None:
+        importlib.import_module(f"actstore.cli.{_name}").register(main)

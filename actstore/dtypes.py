@@ -1,0 +1,119 @@
+"""Conversions between users' arrays (numpy or torch) and the stored dtypes.
+
+bfloat16 is stored as its raw 16 bits (uint16); reading it back widens exactly to float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actstore.spec import FLOAT16_MAX
+
+_F16_EXP = np.uint16(0x7C00)
+_ABS16 = np.uint16(0x7FFF)
+
+
+def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:
+    """A numpy view/copy of `x` and its source dtype name ('bfloat16' for torch bf16 bits)."""
+    if hasattr(x, "detach") and hasattr(x, "dtype") and type(x).__module__.startswith("torch"):
+        import torch
+
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            return t.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        return t.contiguous().numpy(), str(t.dtype).removeprefix("torch.")
+    if isinstance(x, np.ndarray):
+        return x, x.dtype.name
+    try:
+        arr = np.asarray(x)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}") from e
+    return arr, arr.dtype.name
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (round to nearest even), returned as uint16 bits; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = np.uint16(0x7FC0)
+    return rounded
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Exact widening of bfloat16 bits (uint16) to float32."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def count_nonfinite_16(bits_or_f16: np.ndarray) -> int:
+    """Number of inf/NaN values in a float16 or bfloat16 (as uint16) array, by exponent bits."""
+    u = bits_or_f16.view(np.uint16)
+    if (u & _ABS16).max(initial=0) < _F16_EXP and bits_or_f16.dtype == np.float16:
+        return 0
+    if bits_or_f16.dtype == np.float16:
+        return int(np.count_nonzero((u & _F16_EXP) == _F16_EXP))
+    return int(np.count_nonzero((u & np.uint16(0x7F80)) == np.uint16(0x7F80)))
+
+
+def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
+    """Convert `x` (dtype name `src`) to stored dtype `dst`.
+
+    Returns (converted C-contiguous array, non-finite count in the input, count of finite
+    input values that overflow to infinity in `dst`).
+    """
+    if src not in ("float16", "float32", "float64", "bfloat16"):
+        raise TypeError(f"activations must be float16, bfloat16, float32 or float64, got {src}")
+    if src == "bfloat16":
+        if dst == "bfloat16":
+            out = np.ascontiguousarray(x)
+            return out, count_nonfinite_16(out), 0
+        x = bf16_bits_to_f32(x)
+        src = "float32"
+    if dst == "bfloat16":
+        f = np.asarray(x, dtype=np.float32) if src != "float64" else x
+        nonfinite = int(np.count_nonzero(~np.isfinite(f))) if not np.isfinite(f.max(initial=0) - f.min(initial=0)) else 0
+        if src == "float64":
+            over = int(np.count_nonzero(np.isfinite(f) & (np.abs(f) > np.finfo(np.float32).max)))
+            f = f.astype(np.float32)
+        else:
+            over = 0
+        out = f32_to_bf16_bits(f)
+        if not nonfinite:
+            over += count_nonfinite_16(out)
+        return out, nonfinite, over
+    target = np.float16 if dst == "float16" else np.float32
+    if src == dst:
+        out = np.ascontiguousarray(x)
+        if dst == "float16":
+            return out, count_nonfinite_16(out), 0
+        return out, _count_nonfinite(out), 0
+    nonfinite = _count_nonfinite(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.ascontiguousarray(x, dtype=target)
+    over = 0
+    if np.dtype(target).itemsize < x.dtype.itemsize:
+        out_bad = count_nonfinite_16(out) if dst == "float16" else _count_nonfinite(out)
+        if out_bad > nonfinite:
+            # Values just above the max round down to it; only |x| past the rounding edge overflow.
+            over = int(np.count_nonzero(np.isfinite(x) & ~np.isfinite(out)))
+    return out, nonfinite, over
+
+
+def _count_nonfinite(x: np.ndarray) -> int:
+    if np.isfinite(x.max(initial=0)) and np.isfinite(x.min(initial=0)):
+        return 0
+    return int(np.count_nonzero(~np.isfinite(x)))
+
+
+def clip_to(x: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """Saturate finite values to the target dtype's range (on_overflow='clip')."""
+    if src == "bfloat16":
+        x = bf16_bits_to_f32(x)
+    hi = FLOAT16_MAX if dst == "float16" else float(np.finfo(np.float32).max)
+    finite = np.isfinite(x)
+    return np.where(finite, np.clip(x, -hi, hi), x)

@@ -1,0 +1,70 @@
+"""The exception tree. Each class also subclasses the builtin a caller would expect."""
+
+from __future__ import annotations
+
+
+class ActstoreError(Exception):
+    """Base of every error actstore raises on purpose."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StoreNotFoundError(ActstoreError, FileNotFoundError):
+    """The path holds no actstore store (or no such shard)."""
+
+
+class NotFinalizedError(ActstoreError, RuntimeError):
+    """The store has writer shards but no manifest yet."""
+
+
+class StoreMismatchError(ActstoreError, ValueError):
+    """The path already holds a store whose configuration differs from the one asked for."""
+
+
+class ShardExistsError(ActstoreError, FileExistsError):
+    """A writer shard exists and neither resume nor overwrite was asked for."""
+
+
+class ShardCompleteError(ActstoreError, RuntimeError):
+    """A writer asked to resume a shard that was already closed."""
+
+
+class AppendError(ActstoreError, ValueError):
+    """A batch passed to ShardWriter.append does not fit the store."""
+
+
+class NonFiniteError(AppendError):
+    """A batch holds NaN or infinity and the writer was told to refuse them."""
+
+
+class Float16OverflowError(AppendError):
+    """Finite input values lie beyond float16's range (|x| > 65504)."""
+
+
+class ExampleIndexError(ActstoreError, IndexError):
+    """An example index outside the store."""
+
+
+class LayerNotFoundError(ActstoreError, KeyError):
+    """A layer number that the store does not hold."""
+
+
+class SegmentNotFoundError(ActstoreError, KeyError):
+    """A segment name that the store does not hold."""
+
+
+class FormatVersionError(ActstoreError, ValueError):
+    """A store written by a newer (or unknown) version of the format."""
+
+
+class CorruptStoreError(ActstoreError, ValueError):
+    """A file of the store does not match what its metadata promises."""
+
+
+class CorruptChunkError(CorruptStoreError):
+    """A chunk file has the wrong size or checksum."""
+
+
+class UnsafePathError(CorruptStoreError):
+    """Metadata names a path outside the store."""

@@ -1,0 +1,105 @@
+"""What `actstore info` reports about a store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from actstore.store import ActStore
+
+
+def disk_bytes(path: str | os.PathLike) -> int:
+    """Bytes allocated on disk under `path` (sparse files count what they use)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def store_info(path: str | os.PathLike) -> dict[str, Any]:
+    """A JSON-ready description of a finalized store."""
+    store = ActStore(path)
+    cfg = store.config
+    n = len(store)
+    on_disk = disk_bytes(path)
+    tokens = {s.name: int(store.segment(s.name).lengths().sum()) for s in cfg.segments} if n else {s.name: 0 for s in cfg.segments}
+    n_tokens = sum(tokens.values())
+    stats = store.stats()
+    return {
+        "path": str(Path(path)),
+        "n_examples": n,
+        "layers": list(cfg.layers),
+        "d_model": cfg.d_model,
+        "dtype": cfg.dtype,
+        "zarr_format": cfg.zarr_format,
+        "model_id": cfg.model_id,
+        "segments": {
+            s.name: {
+                "shape": [n, cfg.n_layers, s.t_max, cfg.d_model],
+                "chunks": [1, 1, s.t_chunk, cfg.d_model],
+                "fixed": s.fixed,
+                "tokens": tokens[s.name],
+                "mean_length": tokens[s.name] / n if n else 0.0,
+                "truncated": store.manifest.truncation.get(s.name, {}),
+            }
+            for s in cfg.segments
+        },
+        "bytes_on_disk": on_disk,
+        "bytes_per_token": (on_disk / (n_tokens * cfg.n_layers)) if n_tokens else None,
+        "bytes_per_token_ideal": cfg.d_model * cfg.itemsize,
+        "nonfinite": store.manifest.nonfinite,
+        "overflow": store.manifest.overflow,
+        "shards": [{"shard": s.shard, "n_examples": s.n_examples, "complete": s.complete} for s in store.manifest.shards],
+        "statistics": stats.summary() if stats is not None else None,
+        "attrs": dict(cfg.attrs),
+        "created": store.manifest.created,
+        "actstore_version": store.manifest.actstore_version,
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """Human-readable rendering of store_info()."""
+    lines = [
+        f"store        {info['path']}",
+        f"examples     {info['n_examples']:,}",
+        f"layers       {info['layers']}",
+        f"d_model      {info['d_model']}",
+        f"dtype        {info['dtype']} (Zarr format {info['zarr_format']})",
+        f"model        {info['model_id']}",
+        f"on disk      {_size(info['bytes_on_disk'])}"
+        + (f"  ({info['bytes_per_token']:.0f} B per stored token vector; {info['bytes_per_token_ideal']} B of data)" if info["bytes_per_token"] else ""),
+        "segments:",
+    ]
+    for name, s in info["segments"].items():
+        tr = s["truncated"]
+        lines.append(
+            f"  {name:<10} shape {tuple(s['shape'])} chunks {tuple(s['chunks'])} "
+            f"{'fixed' if s['fixed'] else 'padded'}, mean length {s['mean_length']:.1f}, "
+            f"truncated {tr.get('count', 0)} ({100 * tr.get('fraction', 0.0):.2f}%)"
+        )
+    bad = {k: v for k, v in info["nonfinite"].items() if v}
+    over = {k: v for k, v in info["overflow"].items() if v}
+    if bad or over:
+        lines.append(f"non-finite   {bad}   clipped overflow {over}")
+    lines.append(f"shards       {len(info['shards'])}: " + ", ".join(f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]) + (" ..." if len(info["shards"]) > 20 else ""))
+    if info["statistics"]:
+        lines.append("statistics (per layer/segment):")
+        lines.append(f"  {'key':<22}{'count':>12}{'mean |x|':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}")
+        for key, st in info["statistics"].items():
+            lines.append(
+                f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""Running activation statistics: exact per-batch moments merged with Chan's formula.
+
+One accumulator keeps, for each (layer, segment) key, over every stored token vector:
+count, per-dimension mean and M2 (sum of squared deviations; variance = M2 / count),
+the sum of L2 norms, the min and max element, and the count of vectors that held a
+non-finite value (those are left out of the moments). Everything is float64. Merging two
+accumulators (blocks, writer shards) gives the same result as one pass over all data, up
+to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from actstore.fsutil import atomic_write_bytes
+
+_FIELDS = ("count", "mean", "m2", "norm_sum", "min", "max", "nonfinite")
+
+
+class RunningStats:
+    """Statistics for `keys` (e.g. "layer6/prompt") over d_model-dimensional vectors."""
+
+    def __init__(self, keys: Sequence[str], d_model: int):
+        self.keys = list(keys)
+        k = len(self.keys)
+        self.d_model = d_model
+        self.count = np.zeros(k, np.int64)
+        self.mean = np.zeros((k, d_model), np.float64)
+        self.m2 = np.zeros((k, d_model), np.float64)
+        self.norm_sum = np.zeros(k, np.float64)
+        self.min = np.full(k, np.inf)
+        self.max = np.full(k, -np.inf)
+        self.nonfinite = np.zeros(k, np.int64)
+        self._pos = {key: i for i, key in enumerate(self.keys)}
+
+    def update(self, key: str, vectors_nd: np.ndarray) -> None:
+        """Add a batch of vectors (n, d_model) of any float dtype under `key`."""
+        k = self._pos[key]
+        x = np.asarray(vectors_nd, dtype=np.float64)
+        if x.shape[0] == 0:
+            return
+        finite = np.isfinite(x).all(axis=1)
+        bad = int(x.shape[0] - finite.sum())
+        if bad:
+            self.nonfinite[k] += bad
+            x = x[finite]
+            if x.shape[0] == 0:
+                return
+        n = x.shape[0]
+        mean = x.mean(axis=0)
+        dev = x - mean
+        m2 = np.einsum("nd,nd->d", dev, dev)
+        self._merge_one(k, n, mean, m2, float(np.sqrt(np.einsum("nd,nd->n", x, x)).sum()), float(x.min()), float(x.max()))
+
+    def _merge_one(self, k: int, n: int, mean: np.ndarray, m2: np.ndarray, norm_sum: float, lo: float, hi: float) -> None:
+        na = int(self.count[k])
+        total = na + n
+        delta = mean - self.mean[k]
+        self.mean[k] += delta * (n / total)
+        self.m2[k] += m2 + delta * delta * (na * n / total)
+        self.count[k] = total
+        self.norm_sum[k] += norm_sum
+        self.min[k] = min(self.min[k], lo)
+        self.max[k] = max(self.max[k], hi)
+
+    def merge(self, other: RunningStats) -> None:
+        """Fold `other` (same keys and d_model) into this accumulator."""
+        if other.keys != self.keys or other.d_model != self.d_model:
+            raise ValueError(f"cannot merge statistics over keys {other.keys} into {self.keys}")
+        for k in range(len(self.keys)):
+            self.nonfinite[k] += other.nonfinite[k]
+            if other.count[k]:
+                self._merge_one(k, int(other.count[k]), other.mean[k], other.m2[k], other.norm_sum[k], other.min[k], other.max[k])
+
+    def variance(self, key: str) -> np.ndarray:
+        k = self._pos[key]
+        return self.m2[k] / max(int(self.count[k]), 1)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Scalars per key, for `actstore info`."""
+        out = {}
+        for k, key in enumerate(self.keys):
+            n = int(self.count[k])
+            out[key] = {
+                "count": n,
+                "mean_norm": float(self.norm_sum[k] / n) if n else float("nan"),
+                "mean_of_mean": float(self.mean[k].mean()) if n else float("nan"),
+                "mean_std": float(np.sqrt(self.m2[k] / n).mean()) if n else float("nan"),
+                "min": float(self.min[k]) if n else float("nan"),
+                "max": float(self.max[k]) if n else float("nan"),
+                "nonfinite": int(self.nonfinite[k]),
+            }
+        return out
+
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, keys=np.array(self.keys), **{f: getattr(self, f) for f in _FIELDS})
+        return buf.getvalue()
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_bytes(path, self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> RunningStats:
+        with np.load(path, allow_pickle=False) as z:
+            keys = [str(k) for k in z["keys"]]
+            st = cls(keys, int(z["mean"].shape[1]))
+            for f in _FIELDS:
+                arr = z[f]
+                if arr.shape != getattr(st, f).shape:
+                    raise ValueError(f"statistics file {path} has field {f} of shape {arr.shape}")
+                setattr(st, f, arr.astype(getattr(st, f).dtype))
+        return st
+
+
+def stats_key(layer: int, segment: str) -> str:
+    return f"layer{layer}/{segment}"

@@ -1,0 +1,338 @@
+"""ActStore: random access to (example, layer) activations over a finalized manifest.
+
+The reader does not import torch. On local uncompressed shards it reads chunk files
+directly (actstore.chunkio); compressed arrays go through zarr-python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore import spec
+from actstore.chunkio import ChunkLayout, layout_from_metadata, load_array_meta
+from actstore.config import SegmentSpec, StoreConfig
+from actstore.dtypes import bf16_bits_to_f32
+from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.index import ExampleIndex, layer_position
+from actstore.manifest import Manifest, ShardEntry, load_manifest
+
+
+class _ShardReader:
+    """Lazily opened handles of one writer shard: chunk layouts, lengths, zarr fallback."""
+
+    def __init__(self, root: Path, entry: ShardEntry, cfg: StoreConfig):
+        self.dir = root / spec.SHARDS_DIR / entry.name
+        self.entry = entry
+        self.cfg = cfg
+        if not self.dir.is_dir():
+            raise StoreNotFoundError(
+                f"shard {entry.name} listed in the manifest of {root} is missing (holds examples "
+                f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {_present_shards(root)}"
+            )
+        self.layouts: dict[str, ChunkLayout | None] = {}
+        self._zarr: dict[str, Any] = {}
+        self._lengths: dict[str, np.ndarray] = {}
+        self._per_sample: dict[str, np.ndarray] = {}
+        self._meta = _consolidated(self.dir)
+        for seg in cfg.segments:
+            rel = f"{spec.ARRAYS_GROUP}/{seg.name}{spec.ACTS_SUFFIX}"
+            meta = self._meta.get(rel) if self._meta else None
+            if meta is None:
+                try:
+                    meta = load_array_meta(self.dir / rel)
+                except FileNotFoundError:
+                    raise CorruptStoreError(f"shard {self.dir} has no array {rel}") from None
+            if meta.get("shape", [None])[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
+                raise CorruptStoreError(
+                    f"array {self.dir / rel} has shape {meta.get('shape')}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})"
+                )
+            if meta["shape"][0] < entry.n_examples:
+                raise CorruptStoreError(
+                    f"array {self.dir / rel} holds {meta['shape'][0]} examples; the manifest says {entry.n_examples}"
+                )
+            self.layouts[seg.name] = layout_from_metadata(self.dir / rel, meta, cfg.n_layers, cfg.d_model)
+
+    def per_sample(self, name: str) -> np.ndarray:
+        arr = self._per_sample.get(name)
+        if arr is None:
+            import zarr
+
+            z = zarr.open_array(str(self.dir / spec.ARRAYS_GROUP / name), mode="r")
+            n = self.entry.n_examples
+            if z.shape[0] < n:
+                raise CorruptStoreError(f"array {self.dir / spec.ARRAYS_GROUP / name} holds {z.shape[0]} values; the manifest says {n}")
+            arr = np.asarray(z[:n])
+            self._per_sample[name] = arr
+        return arr
+
+    def lengths(self, seg: SegmentSpec) -> np.ndarray:
+        arr = self._lengths.get(seg.name)
+        if arr is None:
+            arr = self.per_sample(seg.name + spec.LEN_SUFFIX)
+            if arr.size and (arr.min() < 0 or arr.max() > seg.t_max):
+                raise CorruptStoreError(f"shard {self.dir}: lengths of segment {seg.name!r} lie outside 0..{seg.t_max}")
+            self._lengths[seg.name] = arr
+        return arr
+
+    def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
+        """Fill `out` (n_chunks * t_chunk, D) in the stored dtype with every token chunk."""
+        lay = self.layouts[seg.name]
+        if lay is not None:
+            lay.read_into(local, lp, out)
+            return
+        z = self._zarr.get(seg.name)
+        if z is None:
+            import zarr
+
+            z = zarr.open_array(str(self.dir / spec.ARRAYS_GROUP / f"{seg.name}{spec.ACTS_SUFFIX}"), mode="r")
+            self._zarr[seg.name] = z
+        out[: seg.t_max] = z[local, lp]
+        out[seg.t_max :] = 0
+
+
+class SegmentView:
+    """`store.segment(name)[ex, layer]` -> (length, D) of one segment."""
+
+    def __init__(self, store: ActStore, seg: SegmentSpec):
+        self._store = store
+        self.spec = seg
+        self.name = seg.name
+        self.t_max = seg.t_max
+
+    def __getitem__(self, key: tuple[int, int]) -> np.ndarray:
+        ex, layer = _split_key(key)
+        return self._store._read_segment(self.spec, ex, layer, pad=False)
+
+    def padded(self, ex: int, layer: int) -> np.ndarray:
+        """(T_max, D) with the zero padding, as stored."""
+        return self._store._read_segment(self.spec, ex, layer, pad=True)
+
+    def lengths(self) -> np.ndarray:
+        """Lengths of this segment for every example, in global order."""
+        return self._store._global_per_sample(self.name + spec.LEN_SUFFIX)
+
+
+class ActStore:
+    """A finalized actstore store, read-only.
+
+    `store[ex, layer]` returns the (T_i, D) activations of example `ex` at model layer
+    number `layer`, exactly as logged (prompt[:p] then response[:r] for several segments).
+    Safe to use from many processes, and picklable (workers reopen it lazily).
+
+    Args:
+        path: the store root (holding manifest.json).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
+        self.path = Path(path)
+        self._verify = verify
+        self._open()
+
+    def _open(self) -> None:
+        if not self.path.exists():
+            raise StoreNotFoundError(f"no store at {self.path}")
+        self.manifest: Manifest = load_manifest(self.path)
+        self.config: StoreConfig = self.manifest.config
+        self.index = ExampleIndex([s.n_examples for s in self.manifest.shards])
+        self._shards: dict[int, _ShardReader] = {}
+        self._segs = {s.name: s for s in self.config.segments}
+        self._buffers: dict[str, np.ndarray] = {}
+        if self._verify:
+            from actstore.verify import verify_store
+
+            verify_store(self.path, deep=self._verify == "deep", raise_on_error=True)
+
+    # ---- pickling: only the path travels -------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), "verify": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = Path(state["path"])
+        self._verify = state["verify"]
+        self._open()
+
+    # ---- description ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.n_examples
+
+    def __repr__(self) -> str:
+        segs = ", ".join(f"{s.name}={s.t_max}" for s in self.config.segments)
+        return f"ActStore({str(self.path)!r}, n={len(self)}, layers={list(self.layers)}, d_model={self.d_model}, {segs}, {self.dtype})"
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.config.layers
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        return tuple(self._segs)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Global metadata: model id, layers, d_model, dtype, segments, attrs, truncation."""
+        cfg = self.config
+        return {
+            "model_id": cfg.model_id,
+            "layers": list(cfg.layers),
+            "d_model": cfg.d_model,
+            "dtype": cfg.dtype,
+            "segments": {s.name: {"t_max": s.t_max, "t_chunk": s.t_chunk, "fixed": s.fixed} for s in cfg.segments},
+            "n_examples": len(self),
+            "truncation": self.manifest.truncation,
+            "nonfinite": self.manifest.nonfinite,
+            "overflow": self.manifest.overflow,
+            "created": self.manifest.created,
+            "actstore_version": self.manifest.actstore_version,
+            **dict(cfg.attrs),
+        }
+
+    def segment(self, name: str) -> SegmentView:
+        return SegmentView(self, self.config.segment(name))
+
+    # ---- reads ---------------------------------------------------------------------
+    def __getitem__(self, key: tuple[int, int]) -> np.ndarray:
+        ex, layer = _split_key(key)
+        segs = self.config.segments
+        if len(segs) == 1:
+            return self._read_segment(segs[0], ex, layer, pad=False)
+        parts = [self._read_segment(s, ex, layer, pad=False) for s in segs]
+        return np.concatenate(parts, axis=0)  # one copy to join the segments
+
+    def lengths(self, ex: int) -> dict[str, int]:
+        """True (capped) token counts of example `ex`, per segment."""
+        pos, local = self.index.locate(ex)
+        sh = self._shard(pos)
+        return {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
+
+    def read_into(self, ex: int, layer: int, segment: str, out: np.ndarray) -> int:
+        """Read segment `segment` of (ex, layer) padded to T_max into `out` (stored dtype,
+        shape (>= n_chunks*t_chunk, D)); returns the example's length. For loaders."""
+        seg = self.config.segment(segment)
+        pos, local = self.index.locate(ex)
+        lp = layer_position(self.config.layers, layer)
+        sh = self._shard(pos)
+        sh.read_padded(seg, local, lp, out)
+        return int(sh.lengths(seg)[local])
+
+    def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
+        pos, local = self.index.locate(ex)
+        lp = layer_position(self.config.layers, layer)
+        sh = self._shard(pos)
+        n_pad = seg.n_chunks * seg.t_chunk
+        buf = np.empty((n_pad, self.config.d_model), dtype=spec.ACT_DTYPES[self.config.dtype])
+        sh.read_padded(seg, local, lp, buf)
+        n = seg.t_max if pad else int(sh.lengths(seg)[local])
+        out = buf[:n]
+        if self.config.dtype == "bfloat16":
+            return bf16_bits_to_f32(out)
+        return out
+
+    def sample(self, ex: int) -> dict[str, Any]:
+        """Per-sample metadata of example `ex`: sample_key, lengths, fields and texts."""
+        from actstore.zarrio import decode_keys
+
+        pos, local = self.index.locate(ex)
+        sh = self._shard(pos)
+        out: dict[str, Any] = {"example": ex if ex >= 0 else ex + len(self)}
+        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1])[0]
+        out["lengths"] = {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
+        for name in self.config.fields:
+            out[name] = sh.per_sample(name)[local].item()
+        for name in self.config.texts:
+            out[name] = _jsonl_line(sh.dir / spec.TEXT_DIR / f"{name}.jsonl", local)[name]
+        return out
+
+    def field(self, name: str) -> np.ndarray:
+        """A per-sample field (or `sample_key`, or `<segment>_len`) over all examples."""
+        if name == spec.SAMPLE_KEY:
+            from actstore.zarrio import decode_keys
+
+            return np.array([k for pos in range(len(self.manifest.shards)) for k in decode_keys(self._shard(pos).per_sample(name))])
+        allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
+        if self.config.token_labels:
+            allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
+        if name not in allowed:
+            raise KeyError(f"no per-sample field {name!r}; this store has {[spec.SAMPLE_KEY, *allowed]}")
+        return self._global_per_sample(name)
+
+    def texts(self, name: str) -> Iterator[Any]:
+        """Every value of text field `name`, in global example order."""
+        if name not in self.config.texts:
+            raise KeyError(f"no text field {name!r}; this store has {list(self.config.texts)}")
+        for pos, entry in enumerate(self.manifest.shards):
+            path = self._shard(pos).dir / spec.TEXT_DIR / f"{name}.jsonl"
+            with open(path, "rb") as f:
+                for i, line in enumerate(f):
+                    if i >= entry.n_examples:
+                        break
+                    yield json.loads(line)[name]
+
+    def stats(self):
+        """Running statistics merged over all shards (RunningStats), or None if not kept."""
+        if self.manifest.stats is None:
+            return None
+        from actstore.stats import RunningStats
+
+        return RunningStats.load(self.path / self.manifest.stats)
+
+    def _global_per_sample(self, name: str) -> np.ndarray:
+        parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def _shard(self, pos: int) -> _ShardReader:
+        sh = self._shards.get(pos)
+        if sh is None:
+            sh = _ShardReader(self.path, self.manifest.shards[pos], self.config)
+            self._shards[pos] = sh
+        return sh
+
+
+def _split_key(key: Any) -> tuple[int, int]:
+    if not isinstance(key, tuple) or len(key) != 2:
+        raise TypeError(f"index the store as store[example, layer] with two ints, got {key!r}")
+    ex, layer = key
+    if not isinstance(ex, (int, np.integer)) or isinstance(ex, bool):
+        raise TypeError(f"example index must be an int, got {ex!r}")
+    return int(ex), layer
+
+
+def _consolidated(shard_dir: Path) -> dict[str, Any] | None:
+    """Array metadata keyed by path from consolidated metadata, when the shard has it."""
+    p = shard_dir / ".zmetadata"
+    if p.exists():
+        meta = json.loads(p.read_text())["metadata"]
+        return {k[: -len("/.zarray")]: v for k, v in meta.items() if k.endswith("/.zarray")}
+    p = shard_dir / "zarr.json"
+    if p.exists():
+        root = json.loads(p.read_text())
+        cm = (root.get("consolidated_metadata") or {}).get("metadata")
+        if cm:
+            return {k: v for k, v in cm.items() if v.get("node_type") == "array"}
+    return None
+
+
+def _present_shards(root: Path) -> list[str]:
+    d = root / spec.SHARDS_DIR
+    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
+
+
+def _jsonl_line(path: Path, i: int) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        for k, line in enumerate(f):
+            if k == i:
+                return json.loads(line)
+    raise CorruptStoreError(f"{path} has fewer than {i + 1} lines")

@@ -1,0 +1,125 @@
+"""zarr-python plumbing: atomic metadata writes and creation of a shard's arrays."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+from actstore import spec
+from actstore.config import StoreConfig
+from actstore.fsutil import atomic_write_bytes
+
+
+class AtomicLocalStore(LocalStore):
+    """A LocalStore whose every write goes to a temporary file renamed into place.
+
+    zarr-python 3.1's LocalStore writes in place: a crash mid-write would leave a
+    half-written `.zarray` or per-sample chunk. Here no reader ever sees one.
+    """
+
+    async def set(self, key: str, value: Any) -> None:  # noqa: D102
+        if not self._is_open:
+            await self._open()
+        self._check_writable()
+        path = Path(self.root) / key
+        data = value.to_bytes()
+
+        def put() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, data)
+
+        await asyncio.to_thread(put)
+
+
+def open_group(path: str | os.PathLike, mode: str = "r", zarr_format: int | None = None) -> zarr.Group:
+    store = AtomicLocalStore(str(path), read_only=(mode == "r"))
+    return zarr.open_group(store=store, mode=mode, zarr_format=zarr_format)
+
+
+def acts_name(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.ACTS_SUFFIX}"
+
+
+def len_name(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.LEN_SUFFIX}"
+
+
+def labels_name(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.TOKEN_LABELS_SUFFIX}"
+
+
+def field_name(name: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{name}"
+
+
+def create_shard_arrays(group: zarr.Group, cfg: StoreConfig, compressor: Any = None) -> None:
+    """Create every array of an empty shard (shape 0 along examples)."""
+    L, D = cfg.n_layers, cfg.d_model
+    v3 = cfg.zarr_format == 3
+    common: dict[str, Any] = {"fill_value": spec.FILL_VALUE}
+    if not v3:
+        common["filters"] = None
+    comp = {"compressors": compressor} if compressor is not None else {"compressors": None}
+    for seg in cfg.segments:
+        t_pad = seg.n_chunks * seg.t_chunk
+        kw: dict[str, Any] = dict(common, **comp)
+        if cfg.shard_examples is not None:
+            kw["shards"] = (cfg.shard_examples, L, t_pad, D)
+        arr = group.create_array(
+            acts_name(seg.name),
+            shape=(0, L, seg.t_max, D),
+            chunks=(1, 1, seg.t_chunk, D),
+            dtype=cfg.zarr_dtype,
+            dimension_names=spec.AXES if v3 else None,
+            **kw,
+        )
+        arr.attrs.update(
+            {"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name,
+             "_ARRAY_DIMENSIONS": list(spec.AXES)}
+        )
+        per_sample(group, len_name(seg.name), "<i4", ())
+        if cfg.token_labels:
+            per_sample(group, labels_name(seg.name), "|u1", (seg.t_max,))
+    if v3:
+        per_sample(group, field_name(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,))
+    else:
+        per_sample(group, field_name(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", ())
+    for name, dt in cfg.fields.items():
+        per_sample(group, field_name(name), dt, ())
+
+
+def per_sample(group: zarr.Group, name: str, dtype: str, tail: tuple[int, ...]) -> zarr.Array:
+    rows = max(1, min(spec.PER_SAMPLE_CHUNK, (4 * 2**20) // max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)))
+    fill = b"" if np.dtype(dtype).kind == "S" else 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return group.create_array(
+            name, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, compressors=None, fill_value=fill
+        )
+
+
+def encode_keys(keys: list[str], zarr_format: int) -> np.ndarray:
+    raw = [k.encode("utf-8") for k in keys]
+    long = [k for k in raw if len(k) > spec.SAMPLE_KEY_BYTES]
+    if long:
+        raise ValueError(
+            f"sample_key {long[0][:80]!r}... has {len(long[0])} bytes; keys hold at most "
+            f"{spec.SAMPLE_KEY_BYTES} UTF-8 bytes (use a hash such as sha256 hex)"
+        )
+    arr = np.array(raw, dtype=f"S{spec.SAMPLE_KEY_BYTES}")
+    if zarr_format == 3:
+        return arr.view(np.uint8).reshape(len(raw), spec.SAMPLE_KEY_BYTES)
+    return arr
+
+
+def decode_keys(arr: np.ndarray) -> list[str]:
+    if arr.dtype == np.uint8:
+        arr = arr.reshape(-1).view(f"S{spec.SAMPLE_KEY_BYTES}") if arr.size else np.zeros(0, f"S{spec.SAMPLE_KEY_BYTES}")
+    return [k.decode("utf-8") for k in arr]

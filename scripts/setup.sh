@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv and installs actstore with everything its tests and demo need.
+# Idempotent: skips the install when pyproject.toml and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+stamp=.venv/.actstore-setup
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+pip install --upgrade pip
+# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+pip install "torch==2.13.0"
+pip install -e ".[dev]"
+echo "$want" > "$stamp"
