@@ -1,0 +1,24 @@
+"""Small builders shared by the core tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+
+
+def random_acts(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Random activations already representable in `dtype` (bf16 as float32 values)."""
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    if dtype == "float16":
+        return x.astype(np.float16)
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    return x
+
+
+def expected_view(x: np.ndarray, dtype: str) -> np.ndarray:
+    """What ActStore returns for data logged as `x` in a `dtype` store."""
+    if dtype == "float16":
+        return x.astype(np.float16)
+    return x.astype(np.float32)

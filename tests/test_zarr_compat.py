@@ -1,0 +1,134 @@
+"""Byte compatibility with zarr-python, both ways, for every storage layout."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+import actstore
+from actstore import ActStore, ShardWriter
+from actstore.chunkio import layout_from_metadata, load_array_meta
+from tests.helpers import random_acts
+
+LAYERS = [3, 7]
+
+
+def _write(path, rng, n=7, **kw):
+    data = random_acts(rng, (n, 2, 10, 12), kw.get("dtype", "float16"))
+    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, commit_bytes=3000, **kw) as w:
+        w.append(data[:3])
+        w.append(data[3:])
+    actstore.finalize(path)
+    return data
+
+
+@pytest.mark.parametrize(
+    "kw,chunk_files",
+    [
+        ({}, "flat"),
+        ({"t_chunk": 4}, "flat"),
+        ({"zarr_format": 3}, "nested"),
+        ({"zarr_format": 3, "shard_examples": 4}, "sharded"),
+        ({"dtype": "float32"}, "flat"),
+        ({"dtype": "bfloat16"}, "flat"),
+    ],
+)
+def test_zarr_python_reads_what_actstore_wrote(tmp_path, rng, kw, chunk_files):
+    path = tmp_path / "s"
+    data = _write(path, rng, **kw)
+    shard = path / "shards" / "shard-00000.zarr"
+    g = zarr.open_group(str(shard), mode="r")
+    arr = g["arrays/tokens_activations"]
+    t_chunk = kw.get("t_chunk", 10)
+    assert arr.shape == (7, 2, 10, 12)
+    assert arr.chunks == (1, 1, t_chunk, 12)
+    assert arr.compressors == ()
+    assert arr.filters == ()
+    assert arr.fill_value == 0
+    got = arr[:]
+    if kw.get("dtype") == "bfloat16":
+        assert arr.attrs["actstore_dtype"] == "bfloat16"
+        got = (got.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, data)
+    # The consolidated metadata opens too.
+    zc = zarr.open_consolidated(str(shard), mode="r", zarr_format=kw.get("zarr_format", 2))
+    assert zc["arrays/tokens_activations"].shape == (7, 2, 10, 12)
+    assert list(zc["arrays/tokens_len"][:]) == [10] * 7
+    files = sorted(str(p.relative_to(shard / "arrays/tokens_activations")) for p in (shard / "arrays/tokens_activations").rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != "zarr.json")
+    if chunk_files == "flat":
+        assert "0.0.0.0" in files and f"6.1.{(10 - 1) // t_chunk}.0" in files
+        size = os.path.getsize(shard / "arrays/tokens_activations/0.0.0.0")
+        assert size == t_chunk * 12 * np.dtype(kw.get("dtype", "float16").replace("bfloat16", "uint16")).itemsize
+    elif chunk_files == "nested":
+        assert "c/0/0/0/0" in files and "c/6/1/0/0" in files
+    else:
+        assert files == ["c/0/0/0/0", "c/1/0/0/0"]
+
+
+def _zarr_written_store(tmp_path, rng, fmt: int, sharded: bool):
+    """A store whose activation chunks were written by zarr-python itself."""
+    path = tmp_path / "s"
+    kw = {"zarr_format": fmt}
+    if sharded:
+        kw["shard_examples"] = 3
+    data = random_acts(rng, (7, 2, 10, 12), "float16")
+    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, engine="zarr", **kw) as w:
+        w.append(data)
+    actstore.finalize(path)
+    arr = zarr.open_array(str(path / "shards/shard-00000.zarr/arrays/tokens_activations"), mode="r+")
+    fresh = random_acts(rng, (7, 2, 10, 12), "float16")
+    fresh[2, 1] = 0  # an all-zero chunk: zarr-python does not write it (missing = fill value)
+    arr[:] = fresh
+    return path, fresh
+
+
+@pytest.mark.parametrize("fmt,sharded", [(2, False), (3, False), (3, True)])
+def test_actstore_reads_what_zarr_python_wrote(tmp_path, rng, fmt, sharded):
+    path, fresh = _zarr_written_store(tmp_path, rng, fmt, sharded)
+    store = ActStore(path)
+    sh = store._shard(0)
+    assert sh.layouts["tokens"] is not None  # the direct path, not the zarr fallback
+    if not sharded:
+        key = "2.1.0.0" if fmt == 2 else "c/2/1/0/0"
+        assert not (path / "shards/shard-00000.zarr/arrays/tokens_activations" / key).exists()
+    for ex in range(7):
+        for lp, layer in enumerate(LAYERS):
+            np.testing.assert_array_equal(store[ex, layer], fresh[ex, lp])
+
+
+def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
+    path = tmp_path / "s"
+    data = random_acts(rng, (5, 2, 10, 12), "float16")
+    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, zarr_format=3, compressor=ZstdCodec(level=3)) as w:
+        w.append(data)
+    actstore.finalize(path)
+    meta = json.loads((path / "shards/shard-00000.zarr/arrays/tokens_activations/zarr.json").read_text())
+    assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd"]
+    store = ActStore(path)
+    assert store._shard(0).layouts["tokens"] is None
+    for ex in range(5):
+        np.testing.assert_array_equal(store[ex, 7], data[ex, 1])
+
+
+def test_layout_detection_refuses_non_raw_metadata(tmp_path):
+    base = {"zarr_format": 2, "shape": [4, 2, 10, 12], "chunks": [1, 1, 10, 12], "dtype": "<f2",
+            "compressor": None, "filters": None, "order": "C", "dimension_separator": "."}
+    assert layout_from_metadata(tmp_path, base, 2, 12) is not None
+    for change in ({"compressor": {"id": "zstd"}}, {"filters": [{"id": "delta"}]}, {"order": "F"},
+                   {"dtype": ">f2"}, {"chunks": [2, 1, 10, 12]}, {"chunks": [1, 2, 10, 12]}):
+        assert layout_from_metadata(tmp_path, {**base, **change}, 2, 12) is None, change
+
+
+def test_missing_chunk_reads_as_fill_value(tmp_path, rng):
+    path = tmp_path / "s"
+    _write(path, rng)
+    os.unlink(path / "shards/shard-00000.zarr/arrays/tokens_activations/4.1.0.0")
+    store = ActStore(path)
+    assert not store[4, 7].any()
+    assert store[4, 3].any()

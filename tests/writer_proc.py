@@ -1,0 +1,54 @@
+"""A writer process for multi-process tests: deterministic data per global example id.
+
+python -m tests.writer_proc STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S]
+writes examples FIRST..FIRST+COUNT-1 as shard SHARD; example id k holds example_data(k).
+With --resume it continues after the shard's last committed example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from actstore import ShardWriter
+
+LAYERS = [1, 4]
+D = 16
+T = 9
+
+
+def example_data(k: int) -> np.ndarray:
+    return np.random.default_rng(k).standard_normal((len(LAYERS), T, D)).astype(np.float16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("store")
+    ap.add_argument("shard", type=int)
+    ap.add_argument("first", type=int)
+    ap.add_argument("count", type=int)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--commit-bytes", type=int, default=4000)
+    ap.add_argument("--sleep", type=float, default=0.0)
+    a = ap.parse_args()
+    with ShardWriter(a.store, shard=a.shard, layers=LAYERS, d_model=D, tokens=T, resume=a.resume,
+                     commit_bytes=a.commit_bytes, texts=["id"]) as w:
+        done = w.n_committed
+        print(f"start {done}", flush=True)
+        k = done
+        while k < a.count:
+            ids = list(range(a.first + k, a.first + min(k + a.batch, a.count)))
+            w.append(np.stack([example_data(i) for i in ids]), sample_keys=[f"ex{i}" for i in ids], texts={"id": ids})
+            k += len(ids)
+            print(f"appended {k} committed {w.n_committed}", flush=True)
+            if a.sleep:
+                time.sleep(a.sleep)
+    print("closed", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
