@@ -1,0 +1,3 @@
+from actstore.cli import main
+
+main(prog_name="actstore")

@@ -1,0 +1,130 @@
+"""Core store benchmark (issue 2): write throughput and warm random (example, layer) reads.
+
+All figures come from one run on the same bytes:
+- write: ShardWriter appends of fp16 batches (+ close, + syncfs) vs a raw sequential
+  write of the same bytes to one file (+ fsync); ratio = raw time / actstore time.
+- read: p50/mean of random warm store[ex, layer] vs np.memmap of a raw file holding the
+  same bytes in (N, L, T, D) order (copied out, as the store returns an array), and vs
+  zarr-python's own arr[i, l] on the same shard.
+
+Run: .venv/bin/python benchmarks/bench_store.py [--examples N] [--tokens T] [--d-model D] [--layers L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zarr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import percentile_us, save  # noqa: E402
+
+import actstore  # noqa: E402
+from actstore.fsutil import syncfs  # noqa: E402
+
+
+def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int) -> dict:
+    nbytes = sum(b.nbytes for b in batches) * repeats
+    raw = root / "raw.bin"
+    t0 = time.perf_counter()
+    with open(raw, "wb", buffering=0) as f:
+        for _ in range(repeats):
+            for b in batches:
+                f.write(memoryview(b).cast("B"))
+        os.fsync(f.fileno())
+    t_raw = time.perf_counter() - t0
+    store = root / "store"
+    t0 = time.perf_counter()
+    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens) as w:
+        for _ in range(repeats):
+            for b in batches:
+                w.append(b)
+    syncfs(store)
+    t_store = time.perf_counter() - t0
+    actstore.finalize(store)
+    return {
+        "bytes": nbytes,
+        "raw_seconds": t_raw,
+        "actstore_seconds": t_store,
+        "raw_MBps": nbytes / t_raw / 1e6,
+        "actstore_MBps": nbytes / t_store / 1e6,
+        "ratio_vs_raw": t_raw / t_store,
+    }
+
+
+def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int) -> dict:
+    store = actstore.ActStore(root / "store")
+    raw = np.memmap(root / "raw.bin", dtype=np.float16, mode="r", shape=(n, n_layers, store.config.segments[0].t_max, store.d_model))
+    z = zarr.open_array(str(root / "store/shards/shard-00000.zarr/arrays/tokens_activations"), mode="r")
+    rng = np.random.default_rng(seed)
+    pairs = list(zip(rng.integers(0, n, queries).tolist(), rng.integers(0, n_layers, queries).tolist()))
+    # Equal bytes: the raw file was written from the same batches in the same order.
+    ex, l = pairs[0]
+    assert np.array_equal(store[ex, l], raw[ex, l]) and np.array_equal(z[ex, l], raw[ex, l])
+    for ex, l in pairs:  # warm every page the timed loops touch
+        store[ex, l]
+        np.array(raw[ex, l])
+
+    def timed(fn, qs):
+        out = []
+        for ex, l in qs:
+            t0 = time.perf_counter()
+            fn(ex, l)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    res = {}
+    for name, fn, qs in (
+        ("memmap", lambda e, l: np.array(raw[e, l]), pairs),
+        ("actstore", lambda e, l: store[e, l], pairs),
+        ("zarr", lambda e, l: z[e, l], pairs[: max(200, queries // 10)]),
+    ):
+        ts = timed(fn, qs)
+        res[name] = {"p50_us": percentile_us(ts, 50), "p95_us": percentile_us(ts, 95), "mean_us": 1e6 * sum(ts) / len(ts), "queries": len(qs)}
+    res["actstore_p50_vs_memmap"] = res["actstore"]["p50_us"] / res["memmap"]["p50_us"]
+    res["zarr_p50_vs_actstore"] = res["zarr"]["p50_us"] / res["actstore"]["p50_us"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--examples", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=257)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--queries", type=int, default=5000)
+    ap.add_argument("--dir", default=None, help="where to put the temporary store (default: a temp dir)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    rng = np.random.default_rng(a.seed)
+    pool = 8  # distinct batches, cycled: generating random numbers is not what we measure
+    batches = [rng.standard_normal((a.batch, a.layers, a.tokens, a.d_model), dtype=np.float32).astype(np.float16) for _ in range(pool)]
+    repeats = max(1, a.examples // (a.batch * pool))
+    n = repeats * pool * a.batch
+    root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-"))
+    try:
+        w = bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats)
+        r = bench_read(root, n, a.layers, a.queries, a.seed)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "write": w, "read": r}
+    path = save("store", result)
+    gb = w["bytes"] / 1e9
+    print(f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} (fp16, {gb:.2f} GB)")
+    print(f"write: raw {w['raw_MBps']:.0f} MB/s, actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
+    print(f"warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
+          f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
+          f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)")
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""docs/format.md is normative: its field tables must match what the code writes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+import actstore
+from actstore import ShardWriter, spec
+
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
+
+
+def _table_fields(heading_fragment: str, first_header: str = "field") -> list[str]:
+    """Field names of the first table after a line containing `heading_fragment`."""
+    lines = DOC.splitlines()
+    start = next(i for i, line in enumerate(lines) if heading_fragment in line)
+    rows, in_table = [], False
+    for line in lines[start + 1 :]:
+        if line.startswith(f"| {first_header} |"):
+            in_table = True
+            continue
+        if in_table:
+            if not line.startswith("|"):
+                break
+            cell = line.split("|")[1].strip()
+            if set(cell) <= {"-"}:
+                continue
+            rows.append(cell.strip("`"))
+    return rows
+
+
+def test_tables_list_exactly_the_code_fields():
+    assert _table_fields("### 1.1 actstore.json") == list(spec.IDENTITY_FIELDS)
+    assert _table_fields("### 1.2 The configuration object") == list(spec.CONFIG_FIELDS)
+    assert _table_fields("Each entry of `segments`") == ["name", *spec.SEGMENT_FIELDS]
+    assert _table_fields("commit.json:") == list(spec.COMMIT_FIELDS)
+    assert _table_fields("## 6. The manifest") == list(spec.MANIFEST_FIELDS)
+    assert _table_fields("Each entry of `shards`") == list(spec.MANIFEST_SHARD_FIELDS)
+    assert _table_fields("### 3.2 Dtypes", "dtype") == list(spec.ACT_DTYPES)
+
+
+def test_every_spec_constant_is_named_in_the_document():
+    names = [n for n in dir(spec) if n.isupper()]
+    missing = [n for n in names if n not in DOC and not n.endswith("_FIELDS")]
+    assert missing == []
+    for n in names:
+        v = getattr(spec, n)
+        if isinstance(v, str) and n not in ("SEGMENT_NAME_PATTERN",):
+            assert v.replace("{:05d}", "") in DOC or v in DOC, n
+
+
+def test_written_documents_have_exactly_the_documented_fields(store_path):
+    with ShardWriter(store_path, shard=0, layers=[0], d_model=2, tokens=3) as w:
+        w.append(np.zeros((2, 1, 3, 2), np.float16))
+    actstore.finalize(store_path)
+    ident = json.loads((store_path / spec.IDENTITY_FILE).read_text())
+    manifest = json.loads((store_path / spec.MANIFEST_FILE).read_text())
+    commit = json.loads((store_path / "shards/shard-00000.zarr" / spec.COMMIT_FILE).read_text())
+    block = json.loads((store_path / "shards/shard-00000.zarr" / spec.BLOCKS_FILE).read_text().splitlines()[0])
+    assert list(ident) == _table_fields("### 1.1 actstore.json")
+    assert list(ident["config"]) == _table_fields("### 1.2 The configuration object")
+    assert sorted(ident["config"]["segments"][0]) == sorted(_table_fields("Each entry of `segments`"))
+    assert list(commit) == _table_fields("commit.json:")
+    assert list(manifest) == _table_fields("## 6. The manifest")
+    assert list(manifest["shards"][0]) == _table_fields("Each entry of `shards`")
+    documented_block = re.search(r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\"\}`", DOC)
+    assert documented_block and list(block) == ["start", "stop", "crc32c", "nbytes"]
