@@ -281,6 +281,25 @@ class ActStore:
                         break
                     yield json.loads(line)[name]
 
+    def to_xarray(self, ex: int, segment: str | None = None):
+        """Example `ex` as an xarray.DataArray (layer, token, d_model), every stored layer.
+
+        Coordinates: `layer` holds the model layer numbers, `token` the positions 0..T_i-1
+        (and a `segment` coordinate naming each token's segment). One read per layer.
+        """
+        import xarray as xr
+
+        names = [segment] if segment is not None else list(self._segs)
+        views = [self.segment(n) for n in names]
+        data = np.stack([np.concatenate([v[ex, layer] for v in views], axis=0) for layer in self.layers])
+        seg_of_token = np.concatenate([np.full(self.lengths(ex)[n], n, dtype=object) for n in names])
+        return xr.DataArray(
+            data,
+            dims=("layer", "token", "d_model"),
+            coords={"layer": list(self.layers), "token": np.arange(data.shape[1]), "segment": ("token", seg_of_token)},
+            attrs={"example": ex, "model_id": self.config.model_id or "", "dtype": self.dtype},
+        )
+
     def stats(self):
         """Running statistics merged over all shards (RunningStats), or None if not kept."""
         if self.manifest.stats is None:

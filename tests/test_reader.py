@@ -84,3 +84,14 @@ def test_many_dataloader_workers_read_the_same_values(store_path, rng):
             np.testing.assert_array_equal(x[j].numpy(), want)
             n += 1
     assert n == 20
+
+
+def test_to_xarray_labels_layers_and_segments(store_path, rng):
+    logged = _qa_store(store_path, rng)
+    s = ActStore(store_path)
+    da = s.to_xarray(4)
+    p, r, pl, rl, _ = logged[4]
+    assert da.dims == ("layer", "token", "d_model") and list(da.layer.values) == [1, 3]
+    np.testing.assert_array_equal(da.sel(layer=3).values, np.concatenate([p[1, :pl], r[1, :rl]]))
+    assert list(da.segment.values) == ["prompt"] * pl + ["response"] * rl
+    np.testing.assert_array_equal(s.to_xarray(4, "response").sel(layer=1).values, r[0, :rl])
