@@ -132,3 +132,25 @@ def test_missing_chunk_reads_as_fill_value(tmp_path, rng):
     store = ActStore(path)
     assert not store[4, 7].any()
     assert store[4, 3].any()
+
+
+@pytest.mark.parametrize("kw", [{}, {"t_chunk": 3}, {"zarr_format": 3}])
+def test_a_read_touches_only_the_asked_chunks(tmp_path, rng, kw):
+    """Every other chunk file is replaced by a damaged one: reads that touched them would raise."""
+    from actstore.errors import CorruptChunkError
+
+    path = tmp_path / "s"
+    data = _write(path, rng, **kw)
+    adir = path / "shards/shard-00000.zarr/arrays/tokens_activations"
+    store = ActStore(path)
+    lay = store._shard(0).layouts["tokens"]
+    keep = {lay.chunk_path(4, 1, tc) for tc in range(lay.n_tchunks)}
+    damaged = 0
+    for f in adir.rglob("*"):
+        if f.is_file() and not f.name.startswith(".") and f.name != "zarr.json" and str(f) not in keep:
+            f.write_bytes(b"x")
+            damaged += 1
+    assert damaged == 7 * 2 * lay.n_tchunks - lay.n_tchunks
+    np.testing.assert_array_equal(store[4, 7], data[4, 1])
+    with pytest.raises(CorruptChunkError, match="has 1 bytes, expected"):
+        store[4, 3]
