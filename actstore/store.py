@@ -129,6 +129,15 @@ class ActStore:
         path: the store root (holding manifest.json).
     """
 
+    def __new__(cls, path: str | os.PathLike | None = None, *args: Any, **kwargs: Any):
+        # A saev 2.0/2.1 shard directory opens as a SaevStore (same reading API, np.memmap).
+        if cls is ActStore and path is not None:
+            from actstore.saev.reader import SaevStore, is_saev_dir
+
+            if is_saev_dir(path):
+                return SaevStore(path)
+        return super().__new__(cls)
+
     def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
         self.path = Path(path)
         self._verify = verify

@@ -1,0 +1,125 @@
+"""`actstore export-saev`, `verify-saev`, `import-saev` and `link-run` (see docs/export.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from actstore.saev import protocol as P
+
+
+def register(main: click.Group) -> None:
+    main.add_command(export_cmd)
+    main.add_command(verify_cmd)
+    main.add_command(import_cmd)
+    main.add_command(link_run_cmd)
+
+
+def _ints(value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected layer numbers like 6,11; got {value!r}") from None
+
+
+def _names(value: str | None) -> list[str] | None:
+    return None if value is None else [x for x in value.replace(",", " ").split() if x]
+
+
+@click.command("export-saev")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("dump_to", required=False, type=click.Path(file_okay=False))
+@click.option("--protocol", type=click.Choice(P.PROTOCOLS), default=P.DEFAULT_PROTOCOL, show_default=True,
+              help="2.0: the seed protocol exactly. 2.1: what saev's current loaders read.")
+@click.option("--layers", help="Layer numbers to export, e.g. 6,11 (default: all stored).")
+@click.option("--segments", help="Segments making up the token axis, e.g. prompt,response (default: all).")
+@click.option("--cls", "cls_mode", type=click.Choice(["keep", "drop", "none"]),
+              help="Token 0 is CLS and exported (keep), is CLS and left out (drop), or there is no CLS (none). "
+                   "Default: the store's attrs['cls_token'].")
+@click.option("--family", help="Model family saev knows (2.0: clip, siglip, dinov2). Default: the store's metadata.")
+@click.option("--ckpt", help="Model identifier. Default: the store's attrs['ckpt'] or model_id.")
+@click.option("--dataset", type=click.Path(), help="Root folder of the original data set. Default: attrs['dataset'].")
+@click.option("--data", help="Dataset description: a JSON object with __class__ (2.0) or a string (2.1). Default: attrs['data'] or a description of the store.")
+@click.option("--patches-per-shard", type=int, default=P.DEFAULT_BUDGET, show_default=True,
+              help="Token budget per shard (2.1: max_tokens_per_shard); examples per shard = budget // (T * layers).")
+@click.option("--pixel-agg", type=click.Choice(P.PIXEL_AGGS), help="Protocol 2.1 only (default majority).")
+@click.option("--labels/--no-labels", default=None, help="Write labels.bin from the store's per-token labels (default: when stored).")
+@click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")
+@click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckpt, dataset, data,
+               patches_per_shard, pixel_agg, labels, overwrite, workers, quiet) -> None:
+    """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
+
+    Float32 shards in the store's example order; the directory is built beside its target
+    and renamed into place when complete. Rerunning with the same inputs returns the
+    existing directory after verifying it. Prints the directory.
+    """
+    from actstore.saev import export_saev
+
+    res = export_saev(
+        store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
+        family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
+        pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, progress=not quiet,
+    )
+    what = "exists, verified" if res.reused else "exported"
+    click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
+    click.echo(str(res.path))
+
+
+@click.command("verify-saev")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--values", is_flag=True, help="Also read every activation and check it is finite (reads everything).")
+@click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
+def verify_cmd(directory, values, as_json) -> None:
+    """Check a saev shard DIRECTORY against every rule of its protocol; list each violation.
+
+    Exit status 0 when it verifies, 1 otherwise.
+    """
+    from actstore.saev import verify_saev
+
+    report = verify_saev(directory, values=values, progress=values)
+    if as_json:
+        click.echo(json.dumps({"path": str(report.path), "protocol": report.protocol, "problems": report.problems}, indent=1))
+    elif report.ok:
+        g = report.geometry
+        click.echo(f"ok: protocol {report.protocol}, {g.n_examples} examples in {g.n_shards} shards")
+    else:
+        for p in report.problems:
+            click.echo(p)
+        click.echo(f"{len(report.problems)} problem(s) in {directory}", err=True)
+    if not report.ok:
+        sys.exit(1)
+
+
+@click.command("import-saev")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Stored dtype of the new store.")
+@click.option("--overwrite", is_flag=True, help="Replace the store's shard 0 if it exists (not a finalized one).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def import_cmd(directory, store, dtype, overwrite, quiet) -> None:
+    """Convert the saev shard DIRECTORY into a new actstore STORE (finalized)."""
+    from actstore.saev import import_saev
+
+    st = import_saev(directory, store, dtype=dtype, overwrite=overwrite, progress=not quiet)
+    click.echo(f"imported {len(st)} examples into {store}")
+
+
+@click.command("link-run")
+@click.option("--run", required=True, help="<runs_root>/<run_id>, or a bare run id under $SAEV_NFS/saev/runs.")
+@click.option("--train-shards", required=True, help="A saev <HASH> directory, or a bare hash under $SAEV_SCRATCH/saev/shards.")
+@click.option("--val-shards", help="The same for validation.")
+@click.option("--dataset", type=click.Path(exists=True, file_okay=False), help="Training data set root (default: from the shards' metadata).")
+@click.option("--val-dataset", type=click.Path(exists=True, file_okay=False), help="Validation data set root.")
+def link_run_cmd(run, train_shards, val_shards, dataset, val_dataset) -> None:
+    """Create a run directory: checkpoint/, inference/ and links/ to the shards and data sets."""
+    from actstore.saev import link_run
+
+    run_dir = link_run(run, train_shards=train_shards, val_shards=val_shards, dataset=dataset, val_dataset=val_dataset)
+    click.echo(str(run_dir))

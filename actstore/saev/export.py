@@ -1,0 +1,346 @@
+"""export_saev: an actstore store -> a saev 2.0 / 2.1 shard directory, at disk speed.
+
+Pipeline: worker threads read chunks (store.read_into) and convert them to float32 into a
+small pool of reusable buffers; the calling thread writes the buffers in order with plain
+sequential writes; a closer thread pads (sparse), fsyncs and seals each finished shard
+file. Memory is the buffer pool, whatever the store's size.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore import spec
+from actstore.saev import protocol as P
+from actstore.saev.errors import SaevExistsError, SaevOptionError
+from actstore.saev.plan import ExportPlan, make_plan
+from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
+from actstore.saev.verify import verify_saev
+
+DEFAULT_BATCH_BYTES = 32 * 2**20
+READ_ONLY = 0o444
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaevExport:
+    """Where an export landed and what it holds; `reused` when an identical one existed."""
+
+    path: Path
+    hash: str
+    protocol: str
+    metadata: dict[str, Any]
+    n_examples: int
+    n_shards: int
+    nbytes: int
+    reused: bool
+
+
+def default_dump_to() -> Path:
+    """$SAEV_SCRATCH/saev/shards (the storage & run manifest's shards_root)."""
+    scratch = os.environ.get("SAEV_SCRATCH")
+    if not scratch:
+        raise SaevOptionError("no dump_to given and $SAEV_SCRATCH is not set; pass dump_to (e.g. $SAEV_SCRATCH/saev/shards)")
+    return Path(scratch) / "saev" / "shards"
+
+
+def export_saev(
+    store: Any,
+    dump_to: str | os.PathLike | None = None,
+    *,
+    protocol: str = P.DEFAULT_PROTOCOL,
+    layers: Any = None,
+    segments: Any = None,
+    cls: str | bool | None = None,
+    family: str | None = None,
+    ckpt: str | None = None,
+    dataset: str | os.PathLike | None = None,
+    data: Any = None,
+    patches_per_shard: int = P.DEFAULT_BUDGET,
+    pixel_agg: str | None = None,
+    labels: bool | None = None,
+    overwrite: bool = False,
+    workers: int = 2,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool = True,
+) -> SaevExport:
+    """Export a finalized store as a saev shard directory `<dump_to>/<HASH>`.
+
+    Float32, C-order (example, layer, token, d_model), examples in the store's global
+    order; the last shard file is full size (sparse zero padding). Published read-only
+    and atomically; rerunning with the same inputs verifies and returns the existing
+    directory.
+
+    Args:
+        store: an ActStore or the path of one.
+        dump_to: the shards root; default $SAEV_SCRATCH/saev/shards. Protocol 2.1 needs a
+            path ending in saev/shards (saev's loaders check).
+        protocol: "2.0" (the seed, default) or "2.1" (what saev's loaders read).
+        layers: model layer numbers to export, in this order (default: all stored).
+        segments: segments that make up the fixed token axis, concatenated zero-padded to
+            their T_max (default: all, in store order).
+        cls: "keep" (token 0 is CLS, exported), "drop" (token 0 is CLS, left out) or
+            "none" (no CLS); default from the store's attrs["cls_token"].
+        family, ckpt, dataset, data: saev metadata; default from the store's attrs
+            (ckpt from its model_id; family guessed from the model id when it names one).
+        patches_per_shard: token budget per shard (2.1: max_tokens_per_shard).
+        pixel_agg: "majority" (default) or "prefer-fg"; protocol 2.1 only.
+        labels: write labels.bin from the store's per-token labels (default: when stored).
+        overwrite: rebuild and replace an existing <HASH> directory.
+        workers: reader/converter threads.
+        batch_bytes: float32 bytes per work unit (memory is about (workers + 2) units).
+        progress: show a progress bar.
+    """
+    from actstore.store import ActStore
+
+    if not hasattr(store, "read_into"):
+        store = ActStore(store)
+    if not hasattr(store, "manifest"):
+        raise SaevOptionError(f"{store.path} is not an actstore store (a saev directory cannot be exported again)")
+    plan = make_plan(
+        store, protocol=protocol, layers=layers, segments=segments, cls=cls, family=family, ckpt=ckpt,
+        dataset=dataset, data=data, patches_per_shard=patches_per_shard, pixel_agg=pixel_agg, labels=labels,
+    )
+    root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
+    if protocol == "2.1" and root.parts[-2:] != P.SHARDS_ROOT_PARTS:
+        raise SaevOptionError(
+            f"protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); "
+            f"dump_to {root} does not end in saev/shards: pass e.g. {root / 'saev' / 'shards'}"
+        )
+    if workers < 1:
+        raise SaevOptionError(f"workers must be a positive int. Got {workers!r}.")
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale(root, plan.hash)
+    target = root / plan.hash
+    if target.exists() and not overwrite:
+        return _reuse(target, plan)
+    nonfinite = sum(store.manifest.nonfinite.values())
+    if nonfinite:
+        warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
+    tmp = temp_dir(root, plan.hash)
+    try:
+        _ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, progress=progress).run()
+        if plan.labels:
+            _write_labels(store, plan, tmp / P.LABELS_FILE)
+        counts = plan.geometry.shard_counts()
+        _write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol))
+        _write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol))
+        fsync_dir(tmp)
+        published = publish(tmp, target, replace=overwrite)
+    except BaseException:
+        _rmtree(tmp)
+        raise
+    if not published:  # another process published the same hash meanwhile
+        _rmtree(tmp)
+        return _reuse(target, plan)
+    return _result(target, plan, reused=False)
+
+
+def _reuse(target: Path, plan: ExportPlan) -> SaevExport:
+    report = verify_saev(target)
+    if report.problems or report.metadata != plan.metadata:
+        why = "; ".join(report.problems) or "its metadata.json differs from this export's"
+        raise SaevExistsError(
+            f"{target} already exists but does not verify ({why}); pass overwrite=True (--overwrite) to rebuild it"
+        )
+    return _result(target, plan, reused=True)
+
+
+def _result(target: Path, plan: ExportPlan, *, reused: bool) -> SaevExport:
+    g = plan.geometry
+    return SaevExport(
+        path=target, hash=plan.hash, protocol=plan.protocol, metadata=plan.metadata, n_examples=g.n_examples,
+        n_shards=g.n_shards, nbytes=g.n_examples * g.example_nbytes, reused=reused,
+    )
+
+
+class _ShardPipeline:
+    """Reads/converts work units on worker threads; writes them in order on the caller's thread.
+
+    A work unit is a run of consecutive (example, layer) rows of one shard: every row is
+    one (T, D) float32 block, contiguous in the output file.
+    """
+
+    def __init__(self, store: Any, plan: ExportPlan, out_dir: Path, *, workers: int, batch_bytes: int, progress: bool):
+        self.plan = plan
+        self.dir = out_dir
+        self.workers = workers
+        self.progress = progress
+        g = plan.geometry
+        self.row_shape = (g.tokens_per_example, g.d_model)
+        row_bytes = g.tokens_per_example * g.d_model * P.ITEMSIZE
+        self.rows_per_unit = max(1, int(batch_bytes) // row_bytes)
+        self.store_path = store.path
+        self._local = threading.local()
+        self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
+        self._d_model = g.d_model
+
+    def units(self) -> list[tuple[int, int, int]]:
+        """(shard, first row, end row) with rows counted within the shard, in file order."""
+        g = self.plan.geometry
+        out = []
+        for s, n in enumerate(g.shard_counts()):
+            rows = n * g.n_layers
+            out += [(s, r, min(r + self.rows_per_unit, rows)) for r in range(0, rows, self.rows_per_unit)]
+        return out
+
+    def run(self) -> None:
+        from tqdm import tqdm
+
+        g = self.plan.geometry
+        units = self.units()
+        n_bufs = self.workers + 2
+        free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        for _ in range(min(n_bufs, len(units))):
+            free.put(np.empty((self.rows_per_unit, *self.row_shape), dtype=np.float32))
+        pending: deque = deque()
+        todo = iter(units)
+        fd, shard = -1, -1
+        closing = []
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
+                tqdm(total=g.n_examples * g.example_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                     desc=f"export saev {self.plan.hash[:8]}", disable=not self.progress) as bar:
+            try:
+                def submit() -> None:
+                    unit = next(todo, None)
+                    if unit is not None:
+                        buf = free.get()
+                        pending.append((unit, buf, pool.submit(self._fill, unit, buf)))
+
+                for _ in range(n_bufs):
+                    submit()
+                while pending:
+                    (s, r0, r1), buf, fut = pending.popleft()
+                    fut.result()
+                    if s != shard:
+                        if fd >= 0:
+                            closing.append(closer.submit(_seal, fd, g.shard_nbytes))
+                        fd, shard = _create(self.dir / P.SHARD_NAME_FORMAT.format(s)), s
+                    _write_all(fd, buf[: r1 - r0])
+                    bar.update((r1 - r0) * buf[0].nbytes)
+                    free.put(buf)
+                    submit()
+                if fd >= 0:
+                    closing.append(closer.submit(_seal, fd, g.shard_nbytes))
+                    fd = -1
+                for c in closing:
+                    c.result()
+            except BaseException:
+                for _, _, f in pending:
+                    f.cancel()
+                if fd >= 0:
+                    os.close(fd)
+                raise
+
+    def _reader(self) -> tuple[Any, dict[str, np.ndarray]]:
+        """This thread's own ActStore (its caches are not shared) and scratch buffers."""
+        loc = self._local
+        if not hasattr(loc, "store"):
+            from actstore.store import ActStore
+
+            loc.store = ActStore(self.store_path)
+            loc.scratch = {
+                p.segment: np.empty((self.rows_per_unit, p.n_pad, self._d_model), dtype=self._stored)
+                for p in self.plan.parts
+            }
+        return loc.store, loc.scratch
+
+    def _fill(self, unit: tuple[int, int, int], buf: np.ndarray) -> None:
+        """Fill buf[:rows] with float32 rows of one work unit (runs on a worker thread)."""
+        store, scratch = self._reader()
+        plan = self.plan
+        g = plan.geometry
+        L = g.n_layers
+        s, r0, r1 = unit
+        base = s * g.examples_per_shard * L + r0  # global row of the unit's first row
+        rows = r1 - r0
+        out = buf[:rows]
+        lens = np.empty(rows, dtype=np.int64)
+        for part in plan.parts:
+            dst = out[:, part.dst : part.dst + part.count]
+            direct = plan.stored_dtype == "float32" and part.skip == 0 and part.n_pad == part.count
+            sc = scratch[part.segment]
+            for j in range(rows):
+                ex, lp = divmod(base + j, L)
+                target = dst[j] if direct else sc[j]
+                lens[j] = store.read_into(ex, plan.layers[lp], part.segment, target)
+            if not direct:
+                src = sc[:rows, part.skip : part.skip + part.count]
+                if plan.stored_dtype == "bfloat16":
+                    bits = dst.view(np.uint32)
+                    bits[...] = src  # widen the 16 stored bits, then move them to the top half
+                    bits <<= np.uint32(16)
+                else:
+                    dst[...] = src  # the float16 -> float32 (or float32 copy) conversion
+            if not part.fixed:
+                short = np.flatnonzero(lens < part.skip + part.count)
+                for j in short:  # tokens past a segment's length do not exist: zeros
+                    dst[j, max(int(lens[j]) - part.skip, 0) :] = 0
+
+
+def _create(path: Path) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _write_all(fd: int, arr: np.ndarray) -> None:
+    view = memoryview(arr.reshape(-1).view(np.uint8))
+    while view.nbytes:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _seal(fd: int, size: int) -> None:
+    """Pad a shard file to full size (a sparse hole), flush it and make it read-only."""
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+        os.fchmod(fd, READ_ONLY)
+    finally:
+        os.close(fd)
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    fd = _create(path)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+        os.fchmod(fd, READ_ONLY)
+    finally:
+        os.close(fd)
+
+
+def _write_labels(store: Any, plan: ExportPlan, path: Path) -> None:
+    """labels.bin: uint8 (n_examples, content tokens), CLS excluded, zeros past a segment's length."""
+    cols = []
+    for part in plan.parts:
+        lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))[:, part.skip : part.skip + part.count]
+        if not part.fixed:
+            lens = np.asarray(store.field(part.segment + spec.LEN_SUFFIX)) - part.skip
+            lab = np.where(np.arange(part.count)[None, :] < lens[:, None], lab, 0)
+        cols.append(lab.astype(np.uint8))
+    labels = np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+    if plan.cls == "keep":
+        labels = labels[:, 1:]  # labels.bin covers content tokens only
+    fd = _create(path)
+    try:
+        _write_all(fd, np.ascontiguousarray(labels))
+        os.fsync(fd)
+        os.fchmod(fd, READ_ONLY)
+    finally:
+        os.close(fd)
+
+
+def _rmtree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,277 @@
+"""Resolve export options against a store into an ExportPlan: the saev metadata, its hash,
+and which stored tokens land where. Pure (reads only the store's metadata).
+
+Store metadata used (the `attrs` a writer was given, each overridable by an option):
+`cls_token` (bool: token 0 of the store's tokens is a CLS token), `family`, `ckpt`
+(default: the store's model_id), `dataset` (absolute path of the original data set),
+`data` (object or string describing it) and `pixel_agg`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from actstore.chunkio import crc32c
+from actstore.index import layer_position
+from actstore.saev import protocol as P
+from actstore.saev.errors import SaevOptionError
+
+CLS_MODES = ("keep", "drop", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Part:
+    """Tokens [skip, skip + count) of segment `segment` land at exported tokens [dst, dst + count)."""
+
+    segment: str
+    skip: int
+    count: int
+    dst: int
+    n_pad: int  # rows a padded read of the segment fills (token chunks x chunk length)
+    fixed: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportPlan:
+    protocol: str
+    metadata: dict[str, Any]
+    hash: str
+    geometry: P.ShardGeometry
+    layers: tuple[int, ...]
+    parts: tuple[Part, ...]
+    cls: str
+    labels: bool
+    stored_dtype: str
+
+
+def make_plan(
+    store: Any,
+    *,
+    protocol: str = P.DEFAULT_PROTOCOL,
+    layers: Sequence[int] | None = None,
+    segments: Sequence[str] | None = None,
+    cls: str | bool | None = None,
+    family: str | None = None,
+    ckpt: str | None = None,
+    dataset: str | os.PathLike | None = None,
+    data: Any = None,
+    patches_per_shard: int = P.DEFAULT_BUDGET,
+    pixel_agg: str | None = None,
+    labels: bool | None = None,
+) -> ExportPlan:
+    """Validate every export option against `store` (an ActStore); see export_saev."""
+    if protocol not in P.PROTOCOLS:
+        raise SaevOptionError(f"protocol must be one of {list(P.PROTOCOLS)}. Got {protocol!r}.")
+    cfg = store.config
+    attrs = dict(cfg.attrs)
+    n = len(store)
+    if n == 0:
+        raise SaevOptionError(f"store {store.path} holds no examples; there is nothing to export")
+    layers_t = _layers(layers, cfg.layers)
+    seg_names = _segments(segments, cfg)
+    cls_mode = _cls_mode(cls, attrs, [cfg.segment(s) for s in seg_names])
+    parts, t_total = _parts(seg_names, cfg, cls_mode)
+    cls_token = cls_mode == "keep"
+    content = t_total - int(cls_token)
+    if content < 1:
+        raise SaevOptionError(
+            f"the exported examples would hold no content tokens (segments {seg_names}, cls {cls_mode!r}); "
+            "choose segments with more tokens"
+        )
+    if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, int) or patches_per_shard <= 0:
+        raise SaevOptionError(f"patches_per_shard must be a positive int. Got {patches_per_shard!r}.")
+    geom = P.ShardGeometry(
+        n_examples=n, n_layers=len(layers_t), content_tokens=content, cls_token=cls_token,
+        d_model=cfg.d_model, budget=patches_per_shard,
+    )
+    if geom.examples_per_shard < 1:
+        need = geom.tokens_per_example * geom.n_layers
+        raise SaevOptionError(
+            f"patches_per_shard {patches_per_shard} is smaller than one example ({geom.tokens_per_example} tokens "
+            f"x {geom.n_layers} layers = {need}); raise it to at least {need}"
+        )
+    want_labels = _labels(labels, cfg)
+    values = {
+        "family": _family(family, attrs, cfg.model_id, protocol),
+        "ckpt": _ckpt(ckpt, attrs, cfg.model_id),
+        "layers": list(layers_t),
+        P.CONTENT_KEY[protocol]: content,
+        "cls_token": cls_token,
+        "d_model": cfg.d_model,
+        P.N_KEY[protocol]: n,
+        P.BUDGET_KEY[protocol]: patches_per_shard,
+        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode)),
+        "dataset": _dataset(dataset, attrs),
+        "pixel_agg": _pixel_agg(pixel_agg, attrs, protocol),
+        "dtype": P.DTYPE,
+        "protocol": protocol,
+    }
+    metadata = {k: values[k] for k in P.FIELDS[protocol]}
+    try:
+        digest = P.metadata_hash(metadata, protocol)
+    except (TypeError, ValueError) as e:
+        raise SaevOptionError(f"the saev metadata must be plain JSON (check data and the store's attrs): {e}") from None
+    return ExportPlan(
+        protocol=protocol, metadata=metadata, hash=digest, geometry=geom,
+        layers=layers_t, parts=parts, cls=cls_mode, labels=want_labels, stored_dtype=cfg.dtype,
+    )
+
+
+def _layers(layers: Sequence[int] | None, stored: tuple[int, ...]) -> tuple[int, ...]:
+    if layers is None:
+        return tuple(stored)
+    out = tuple(int(x) for x in layers)
+    if not out or len(set(out)) != len(out):
+        raise SaevOptionError(f"layers must be a non-empty list of distinct layer numbers. Got {list(layers)}.")
+    for x in out:
+        layer_position(stored, x)  # raises LayerNotFoundError naming the stored layers
+    return out
+
+
+def _segments(segments: Sequence[str] | None, cfg: Any) -> list[str]:
+    if segments is None:
+        return [s.name for s in cfg.segments]
+    names = list(segments)
+    if not names or len(set(names)) != len(names):
+        raise SaevOptionError(f"segments must be a non-empty list of distinct segment names. Got {names}.")
+    for name in names:
+        cfg.segment(name)  # raises SegmentNotFoundError listing the store's segments
+    return names
+
+
+def _cls_mode(cls: str | bool | None, attrs: dict[str, Any], segs: list[Any]) -> str:
+    if cls is True or cls is False:
+        cls = "keep" if cls else "none"
+    if cls is None:
+        known = attrs.get("cls_token")
+        if isinstance(known, bool):
+            return "keep" if known else "none"
+        if all(not s.fixed for s in segs):
+            return "none"  # padded text segments: no CLS token
+        raise SaevOptionError(
+            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass "
+            "cls='keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)"
+        )
+    if cls not in CLS_MODES:
+        raise SaevOptionError(f"cls must be one of {list(CLS_MODES)}. Got {cls!r}.")
+    return cls
+
+
+def _parts(seg_names: list[str], cfg: Any, cls_mode: str) -> tuple[tuple[Part, ...], int]:
+    parts, dst = [], 0
+    for k, name in enumerate(seg_names):
+        seg = cfg.segment(name)
+        skip = 1 if k == 0 and cls_mode == "drop" else 0
+        count = seg.t_max - skip
+        if count > 0:
+            parts.append(Part(segment=name, skip=skip, count=count, dst=dst, n_pad=seg.n_chunks * seg.t_chunk, fixed=seg.fixed))
+        dst += count
+    return tuple(parts), dst
+
+
+def _labels(labels: bool | None, cfg: Any) -> bool:
+    if labels is None:
+        return bool(cfg.token_labels)
+    if labels and not cfg.token_labels:
+        raise SaevOptionError(
+            "the store has no per-token labels (it was written without token_labels=True); export without labels"
+        )
+    return bool(labels)
+
+
+def _family(family: str | None, attrs: dict[str, Any], model_id: str | None, protocol: str) -> str:
+    allowed = P.FAMILIES[protocol]
+    source = "family"
+    if family is None:
+        family, source = attrs.get("family"), "the store's attrs['family']"
+    if family is None:
+        hits = sorted((f for f in allowed if model_id and f in model_id.lower()), key=len, reverse=True)
+        if hits:
+            return hits[0]
+        raise SaevOptionError(
+            f"the store does not record its model family (attrs['family']) and its model_id {model_id!r} names none; "
+            f"pass family (--family), one of {list(allowed)}"
+        )
+    if family not in allowed:
+        raise SaevOptionError(
+            f"{source} {family!r} is not a saev protocol {protocol} family; saev accepts only {list(allowed)}: "
+            "pass one with --family"
+        )
+    return family
+
+
+def _ckpt(ckpt: str | None, attrs: dict[str, Any], model_id: str | None) -> str:
+    value = ckpt if ckpt is not None else attrs.get("ckpt", model_id)
+    if not isinstance(value, str) or not value:
+        raise SaevOptionError(
+            "the store records no model identifier (model_id or attrs['ckpt']); pass ckpt (--ckpt), "
+            "e.g. 'facebook/dinov2-small'"
+        )
+    return value
+
+
+def _dataset(dataset: str | os.PathLike | None, attrs: dict[str, Any]) -> str:
+    if dataset is not None:
+        return os.path.abspath(os.fspath(dataset))
+    value = attrs.get("dataset")
+    if value is None:
+        raise SaevOptionError(
+            "the store does not record its dataset root (attrs['dataset']); pass dataset (--dataset), the "
+            "absolute path of the original data set (saev links it for visuals)"
+        )
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise SaevOptionError(f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)")
+    return value
+
+
+def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> str | None:
+    if protocol == "2.0":
+        if pixel_agg is not None:
+            raise SaevOptionError("pixel_agg exists only in protocol 2.1; drop it or pass protocol='2.1'")
+        return None
+    value = pixel_agg if pixel_agg is not None else attrs.get("pixel_agg", P.DEFAULT_PIXEL_AGG)
+    if value not in P.PIXEL_AGGS:
+        raise SaevOptionError(f"pixel_agg must be one of {list(P.PIXEL_AGGS)}. Got {value!r}.")
+    return value
+
+
+def _default_data(store: Any, seg_names: list[str], cls_mode: str) -> dict[str, Any]:
+    """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
+    crc = 0
+    for s in store.manifest.shards:
+        crc = crc32c(struct.pack("<QQI", s.n_examples, s.nbytes, s.crc32c & 0xFFFFFFFF), crc)
+    return {
+        "__class__": "ActStore",
+        "model_id": store.config.model_id,
+        "segments": seg_names,
+        "cls": cls_mode,
+        "content_crc32c": f"{crc:08x}",
+    }
+
+
+def _data(data: Any, attrs: dict[str, Any], protocol: str, default: dict[str, Any]) -> Any:
+    source = "data"
+    if data is None:
+        data, source = attrs.get("data", default), "the store's attrs['data']"
+    if protocol == "2.1":
+        if isinstance(data, dict):
+            return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if not isinstance(data, str):
+            raise SaevOptionError(f"{source} must be a string (or an object, stored as JSON) for protocol 2.1. Got {data!r}.")
+        return data
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except json.JSONDecodeError:
+            raise SaevOptionError(f"{source} must be a JSON object for protocol 2.0. Got {data!r}.") from None
+    if not isinstance(data, dict) or not isinstance(data.get("__class__"), str):
+        raise SaevOptionError(
+            f"{source} must be an object with a string '__class__' field naming the dataset config class "
+            f"(protocol 2.0 stores dataclasses.asdict(cfg.data) plus __class__). Got {data!r}."
+        )
+    return data
