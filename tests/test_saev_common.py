@@ -1,0 +1,146 @@
+"""Shared helpers of the saev tests (stores, an independent seed-formula reader), and tests of
+the pure protocol maths."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import actstore
+from actstore.saev import protocol as P
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16", cls=True, labels=True,
+                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1):
+    """A ViT-like store (one fixed segment) with random values; cls=None records no cls_token."""
+    rng = np.random.default_rng(seed)
+    a = {"dataset": "/datasets/images"} | ({} if cls is None else {"cls_token": cls}) | dict(attrs or {})
+    per = -(-n // n_shards)
+    for shard in range(n_shards):
+        b = min(per, n - shard * per)
+        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, tokens=tokens, dtype=dtype,
+                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk) as w:
+            x = (rng.standard_normal((b, len(layers), tokens, d_model)) * 3).astype(np.float32)
+            kw = {"token_labels": rng.integers(0, 20, (b, tokens)).astype(np.uint8)} if labels else {}
+            w.append(x, **kw)
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+def make_llm_store(path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1,
+                   t_chunk=None):
+    """A prompt/response store with random lengths, garbage past the lengths, and labels."""
+    rng = np.random.default_rng(seed)
+    with actstore.ShardWriter(path, layers=list(layers), d_model=d_model, segments={"prompt": p_max, "response": r_max},
+                              dtype=dtype, token_labels=labels, model_id="HuggingFaceTB/SmolLM2-135M", t_chunk=t_chunk) as w:
+        L = len(layers)
+        p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
+        r = (rng.standard_normal((n, L, r_max, d_model)) * 2).astype(np.float32)
+        lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
+        kw = {}
+        if labels:
+            kw["token_labels"] = {"prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
+                                  "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8)}
+        w.append(prompt=p, response=r, lengths=lens, **kw)
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+def expected_rows(store, ex, layer, segments, cls):
+    """The exported (T, D) float32 of (ex, layer): segments zero-padded to T_max, concatenated."""
+    parts = []
+    for name in segments:
+        seg = store.segment(name)
+        x = np.asarray(seg[ex, layer], dtype=np.float32)
+        pad = np.zeros((seg.t_max, store.d_model), np.float32)
+        pad[: len(x)] = x
+        parts.append(pad)
+    rows = np.concatenate(parts)
+    return rows[1:] if cls == "drop" else rows
+
+
+def expected_labels(store, segments, cls):
+    cols = []
+    for name in segments:
+        lab = store.field(f"{name}_token_labels").astype(np.uint8)
+        lens = store.field(f"{name}_len")
+        cols.append(np.where(np.arange(lab.shape[1])[None] < lens[:, None], lab, 0))
+    lab = np.concatenate(cols, axis=1)
+    return lab[:, 1:] if cls in ("keep", "drop") else lab
+
+
+def seed_read_vector(directory, ex, layer, token):
+    """One vector read with seek + read at the offset of section 4.2 of the seed (no numpy maps)."""
+    directory = Path(directory)
+    md = json.loads((directory / "metadata.json").read_text())
+    proto = md["protocol"]
+    content = md["patches_per_ex"] if proto == "2.0" else md["content_tokens_per_example"]
+    budget = md["patches_per_shard"] if proto == "2.0" else md["max_tokens_per_shard"]
+    L, T, D = len(md["layers"]), content + (1 if md["cls_token"] else 0), md["d_model"]
+    S = budget // (T * L)
+    shard_idx, ex_in_shard = ex // S, ex % S
+    layer_idx = md["layers"].index(layer)
+    offset_in_bytes = ((ex_in_shard * L * T) + (layer_idx * T) + token) * D * 4
+    with open(directory / f"acts{shard_idx:06d}.bin", "rb") as f:
+        f.seek(offset_in_bytes)
+        return np.frombuffer(f.read(D * 4), dtype="<f4")
+
+
+def dir_files(directory) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir())}
+
+
+# ---- tests of the pure protocol maths ---------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 500), L=st.integers(1, 4), content=st.integers(1, 40), cls=st.booleans(),
+    D=st.integers(1, 16), extra=st.integers(0, 3000),
+)
+def test_geometry_tiles_examples_and_offsets_match_c_order(n, L, content, cls, D, extra):
+    T = content + int(cls)
+    g = P.ShardGeometry(n_examples=n, n_layers=L, content_tokens=content, cls_token=cls, d_model=D, budget=T * L + extra)
+    S = g.examples_per_shard
+    assert S == (T * L + extra) // (T * L) >= 1
+    counts = g.shard_counts()
+    assert sum(counts) == n and all(c == S for c in counts[:-1]) and 1 <= counts[-1] <= S
+    assert len(counts) == g.n_shards
+    rng = np.random.default_rng(n * 31 + L)
+    for ex in [0, n - 1, int(rng.integers(n))]:
+        lp, tok = int(rng.integers(L)), int(rng.integers(T))
+        shard, off = g.locate(ex, lp, tok)
+        assert shard == ex // S
+        assert off == np.ravel_multi_index((ex % S, lp, tok, 0), g.shard_shape) * 4
+        assert off + D * 4 <= g.shard_nbytes
+
+
+def test_hashes_follow_each_protocol():
+    md20 = {"b": 1, "a": "é"}
+    text20 = '{"a":"\\u00e9","b":1}'
+    import hashlib
+
+    assert P.metadata_hash(md20, "2.0") == hashlib.sha256(text20.encode()).hexdigest()
+    text21 = '{"b":1,"a":"é"}'  # field order kept, non-ASCII not escaped
+    assert P.metadata_hash(md20, "2.1") == hashlib.sha256(text21.encode("utf-8")).hexdigest()[:8]
+    assert json.loads(P.shards_bytes([3, 1], "2.0")) == [{"name": "acts000000.bin", "n_ex": 3}, {"name": "acts000001.bin", "n_ex": 1}]
+    assert json.loads(P.shards_bytes([2], "2.1")) == [{"name": "acts000000.bin", "n_examples": 2}]
+
+
+def test_export_doc_lists_every_field_family_and_rule():
+    doc = (ROOT / "docs" / "export.md").read_text(encoding="utf-8")
+    for proto in P.PROTOCOLS:
+        for name in P.FIELDS[proto] + P.FAMILIES[proto]:
+            assert re.search(rf"`{re.escape(name)}`", doc), f"docs/export.md does not mention `{name}` ({proto})"
+        # the 2.1 field order as written in the doc equals the code's
+    listed = re.search(r"2\.1 fields, in order: (.+)", doc).group(1)
+    assert re.findall(r"`([a-z_]+)`", listed) == list(P.FIELDS["2.1"])
+    listed20 = re.search(r"2\.0 fields, in order: (.+)", doc).group(1)
+    assert re.findall(r"`([a-z_]+)`", listed20) == list(P.FIELDS["2.0"])
