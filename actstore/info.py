@@ -97,9 +97,9 @@ def format_info(info: dict[str, Any]) -> str:
     lines.append(f"shards       {len(info['shards'])}: " + ", ".join(f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]) + (" ..." if len(info["shards"]) > 20 else ""))
     if info["statistics"]:
         lines.append("statistics (per layer/segment):")
-        lines.append(f"  {'key':<22}{'count':>12}{'mean |x|':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}")
+        lines.append(f"  {'key':<22}{'count':>12}{'mean |x|':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}")
         for key, st in info["statistics"].items():
             lines.append(
-                f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}"
+                f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}{st.get('overflow', 0):>10}"
             )
     return "\n".join(lines)

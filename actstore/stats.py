@@ -2,9 +2,10 @@
 
 One accumulator keeps, for each (layer, segment) key, over every stored token vector:
 count, per-dimension mean and M2 (sum of squared deviations; variance = M2 / count),
-the sum of L2 norms, the min and max element, and the count of vectors that held a
-non-finite value (those are left out of the moments). Everything is float64. Merging two
-accumulators (blocks, writer shards) gives the same result as one pass over all data, up
+the sum of L2 norms, the min and max element, the count of vectors that held a
+non-finite value (those are left out of the moments), and the count of values that
+overflowed the stored dtype (clipped; counted by capture, see `add_overflow`).
+Everything is float64. Merging two accumulators (blocks, writer shards) gives the same result as one pass over all data, up
 to float64 rounding.
 """
 
@@ -18,7 +19,8 @@ import numpy as np
 
 from actstore.fsutil import atomic_write_bytes
 
-_FIELDS = ("count", "mean", "m2", "norm_sum", "min", "max", "nonfinite")
+_FIELDS = ("count", "mean", "m2", "norm_sum", "min", "max", "nonfinite", "overflow")
+_OPTIONAL_FIELDS = ("overflow",)  # absent from files written before it existed: zeros
 
 
 class RunningStats:
@@ -35,6 +37,7 @@ class RunningStats:
         self.min = np.full(k, np.inf)
         self.max = np.full(k, -np.inf)
         self.nonfinite = np.zeros(k, np.int64)
+        self.overflow = np.zeros(k, np.int64)
         self._pos = {key: i for i, key in enumerate(self.keys)}
 
     def update(self, key: str, vectors_nd: np.ndarray) -> None:
@@ -73,8 +76,13 @@ class RunningStats:
             raise ValueError(f"cannot merge statistics over keys {other.keys} into {self.keys}")
         for k in range(len(self.keys)):
             self.nonfinite[k] += other.nonfinite[k]
+            self.overflow[k] += other.overflow[k]
             if other.count[k]:
                 self._merge_one(k, int(other.count[k]), other.mean[k], other.m2[k], other.norm_sum[k], other.min[k], other.max[k])
+
+    def add_overflow(self, key: str, n: int) -> None:
+        """Count `n` values under `key` that overflowed the stored dtype (and were clipped)."""
+        self.overflow[self._pos[key]] += int(n)
 
     def variance(self, key: str) -> np.ndarray:
         k = self._pos[key]
@@ -93,6 +101,7 @@ class RunningStats:
                 "min": float(self.min[k]) if n else float("nan"),
                 "max": float(self.max[k]) if n else float("nan"),
                 "nonfinite": int(self.nonfinite[k]),
+                "overflow": int(self.overflow[k]),
             }
         return out
 
@@ -110,6 +119,8 @@ class RunningStats:
             keys = [str(k) for k in z["keys"]]
             st = cls(keys, int(z["mean"].shape[1]))
             for f in _FIELDS:
+                if f in _OPTIONAL_FIELDS and f not in z.files:
+                    continue
                 arr = z[f]
                 if arr.shape != getattr(st, f).shape:
                     raise ValueError(f"statistics file {path} has field {f} of shape {arr.shape}")
