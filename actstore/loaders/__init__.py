@@ -1,0 +1,11 @@
+"""Training loaders over an ActStore (needs torch); see docs/loaders.md.
+
+- PairDataset + PairBatchSampler: b random examples x k random layers -> (b, k, T, D).
+- TokenStream (+ TokenLoader): shuffled, resumable (batch_size, D) token vectors.
+"""
+
+from actstore.loaders.pairs import PairBatchSampler, PairDataset, PairIndex
+from actstore.loaders.tokenloader import TokenLoader
+from actstore.loaders.tokens import TokenStream
+
+__all__ = ["PairBatchSampler", "PairDataset", "PairIndex", "TokenLoader", "TokenStream"]

@@ -1,0 +1,212 @@
+"""What the loaders need from a store, through ActStore's public API only, so that they
+work on any object with that API (an actstore store, a saev directory opened by ActStore):
+`len`, `layers`, `d_model`, `dtype`, `config.segments`, `segment(name).lengths()`,
+`read_into(ex, layer, segment, out)` and `stats()`.
+
+Per-token masks (the option hook): `token_mask` selects which tokens inside each
+example's length are kept. It is one of
+- None: keep every token up to the length (only padding is skipped);
+- a str NAME: the per-token array `store.field(f"{segment}_{NAME}")`, shape (N, T_max),
+  nonzero = keep (e.g. "token_labels" keeps tokens whose label is not 0; a capture that
+  records a special-token mask as `<segment>_token_mask` is used with "token_mask");
+- a mapping {segment: array (N, T_max)} (segments left out are not masked);
+- a callable segment_name -> array (N, T_max) or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actstore import spec
+from actstore.errors import ActstoreError, LayerNotFoundError, SegmentNotFoundError
+
+class TokenMaskError(ActstoreError, KeyError):
+    """token_mask names a per-token array that the store does not hold."""
+
+
+TokenMask = None | str | Mapping[str, Any] | Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class SegmentGeometry:
+    """A segment as the loaders see it: `t_pad` rows are read, `t_max` are meaningful."""
+
+    name: str
+    t_max: int
+    t_pad: int
+
+
+def segment_geometry(store: Any) -> dict[str, SegmentGeometry]:
+    out = {}
+    for s in store.config.segments:
+        t_chunk = getattr(s, "t_chunk", s.t_max)
+        t_pad = -(-s.t_max // t_chunk) * t_chunk
+        out[s.name] = SegmentGeometry(name=s.name, t_max=int(s.t_max), t_pad=int(t_pad))
+    return out
+
+
+def stored_numpy_dtype(store: Any) -> np.dtype:
+    return np.dtype(spec.ACT_DTYPES[store.dtype])
+
+
+def pick_layers(store: Any, layers: Sequence[int] | int | None) -> tuple[int, ...]:
+    """The model layer numbers asked for, checked against the store's."""
+    have = tuple(int(x) for x in store.layers)
+    if layers is None:
+        return have
+    picked = (int(layers),) if isinstance(layers, (int, np.integer)) else tuple(int(x) for x in layers)
+    if not picked:
+        raise ValueError(f"layers must name at least one of the store's layers {list(have)}")
+    missing = [x for x in picked if x not in have]
+    if missing:
+        raise LayerNotFoundError(f"layers {missing} are not stored; this store holds layers {list(have)}")
+    if len(set(picked)) != len(picked):
+        raise ValueError(f"layers must be distinct. Got {list(picked)}.")
+    return picked
+
+
+def pick_segments(store: Any, segments: Sequence[str] | str | None) -> tuple[SegmentGeometry, ...]:
+    geo = segment_geometry(store)
+    if segments is None:
+        return tuple(geo.values())
+    names = (segments,) if isinstance(segments, str) else tuple(segments)
+    missing = [n for n in names if n not in geo]
+    if missing or not names:
+        raise SegmentNotFoundError(f"segments {missing or names} are not in this store; it has segments {list(geo)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"segments must be distinct. Got {list(names)}.")
+    return tuple(geo[n] for n in names)
+
+
+def segment_lengths(store: Any, seg: SegmentGeometry) -> np.ndarray:
+    lens = np.asarray(store.segment(seg.name).lengths()).astype(np.int64).reshape(-1)
+    if lens.shape != (len(store),):
+        raise ValueError(f"segment {seg.name!r}: the store gives {lens.shape} lengths for {len(store)} examples")
+    return lens
+
+
+def resolve_mask(store: Any, seg: SegmentGeometry, token_mask: TokenMask) -> np.ndarray | None:
+    """The (N, t_max) bool keep-mask of one segment, or None (keep all)."""
+    if token_mask is None:
+        return None
+    if isinstance(token_mask, str):
+        name = f"{seg.name}_{token_mask}"
+        try:
+            arr = store.field(name)
+        except KeyError as e:
+            raise TokenMaskError(
+                f"token_mask={token_mask!r} reads the per-token array {name!r}, which this store lacks "
+                f"({e.args[0] if e.args else e}); "
+                "pass token_mask=None, another name, or {segment: array (N, T_max)}"
+            ) from None
+    elif isinstance(token_mask, Mapping):
+        unknown = sorted(set(token_mask) - set(segment_geometry(store)))
+        if unknown:
+            raise SegmentNotFoundError(f"token_mask names segments {unknown} that are not in this store")
+        arr = token_mask.get(seg.name)
+    elif callable(token_mask):
+        arr = token_mask(seg.name)
+    else:
+        raise TypeError(
+            f"token_mask must be None, a per-token field name, a mapping {{segment: array}} or a callable. Got {type(token_mask).__name__}."
+        )
+    if arr is None:
+        return None
+    arr = np.asarray(arr)
+    if arr.shape != (len(store), seg.t_max):
+        raise ValueError(
+            f"token mask of segment {seg.name!r} must have shape (n_examples, T_max) = ({len(store)}, {seg.t_max}); "
+            f"got {arr.shape}"
+        )
+    return arr != 0
+
+
+class TokenUnits:
+    """The stream's units: unit u is (example, layer, segment) with u = (ex*L + li)*S + si.
+
+    Args:
+        store: an ActStore (or an object with its API).
+        layers: model layer numbers (each unit's layer is layers[li]).
+        segments: the segments streamed.
+        token_mask: see the module docstring.
+    """
+
+    def __init__(self, store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], token_mask: TokenMask):
+        self.n_examples = len(store)
+        self.layers = layers
+        self.segments = segments
+        self.n_layers, self.n_segments = len(layers), len(segments)
+        self.lengths = np.stack([segment_lengths(store, s) for s in segments], axis=1) if segments else np.zeros((0, 0))
+        self.masks = [resolve_mask(store, s, token_mask) for s in segments]
+        kept = self.lengths.copy()
+        for si, m in enumerate(self.masks):
+            if m is not None:
+                within = np.arange(segments[si].t_max)[None, :] < self.lengths[:, si : si + 1]
+                kept[:, si] = (m & within).sum(axis=1)
+        self.kept_ex = kept  # (N, S) kept tokens per example and segment
+        self.counts = np.broadcast_to(kept[:, None, :], (self.n_examples, self.n_layers, self.n_segments)).reshape(-1)
+
+    def decode(self, units: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(example, layer position, segment position) of each unit id."""
+        units = np.asarray(units, dtype=np.int64)
+        ex, rest = np.divmod(units, self.n_layers * self.n_segments)
+        li, si = np.divmod(rest, self.n_segments)
+        return ex, li, si
+
+    def kept_rows(self, ex: int, si: int) -> np.ndarray | None:
+        """Rows kept inside the length of (ex, segment), or None when all of 0..len are."""
+        m = self.masks[si]
+        if m is None:
+            return None
+        return np.flatnonzero(m[ex, : self.lengths[ex, si]])
+
+
+def reader(store: Any) -> Callable[[int, int, str, np.ndarray], None]:
+    """read(ex, layer, segment, out): fills `out` (t_pad, D) in the stored dtype."""
+    if hasattr(store, "read_into"):
+        def read(ex: int, layer: int, segment: str, out: np.ndarray) -> None:
+            store.read_into(ex, layer, segment, out)
+        return read
+
+    def read_padded(ex: int, layer: int, segment: str, out: np.ndarray) -> None:
+        # Fallback for stores without read_into: one extra copy per read.
+        x = np.asarray(store.segment(segment).padded(ex, layer))
+        out[: len(x)] = x.view(out.dtype) if x.dtype.itemsize == out.dtype.itemsize else x
+        out[len(x) :] = 0
+    return read_padded
+
+
+def stats_tables(store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per (layer, segment) key k = li*S + si: (shift (K, D), scale (K, D)) float32 so that
+    normalised = (x - shift) * scale. Modes: 'standardize' (per-dimension mean and std),
+    'scale' (one factor per key making the mean L2 norm sqrt(D), no shift)."""
+    if mode not in ("standardize", "scale"):
+        raise ValueError(f"normalize must be one of [None, 'standardize', 'scale']. Got {mode!r}.")
+    st = store.stats()
+    if st is None:
+        raise ValueError(
+            f"normalize={mode!r} needs the store's statistics, but this store kept none; "
+            "write it with ShardWriter(..., stats=True) (or `actstore write` with statistics), or pass normalize=None"
+        )
+    d = int(store.d_model)
+    shift = np.zeros((len(layers) * len(segments), d), np.float32)
+    scale = np.ones_like(shift)
+    for li, layer in enumerate(layers):
+        for si, seg in enumerate(segments):
+            key = f"layer{layer}/{seg.name}"
+            if key not in st.keys:
+                raise ValueError(f"the store's statistics lack {key!r}; they hold {st.keys}")
+            k, pos = li * len(segments) + si, st.keys.index(key)
+            n = int(st.count[pos])
+            if n == 0:
+                raise ValueError(f"the store's statistics for {key!r} count no vectors; cannot normalise")
+            if mode == "standardize":
+                shift[k] = st.mean[pos]
+                scale[k] = 1.0 / np.sqrt(st.m2[pos] / n + 1e-6)
+            else:
+                scale[k] = np.sqrt(d) / max(float(st.norm_sum[pos]) / n, 1e-12)
+    return shift, scale

@@ -1,0 +1,416 @@
+"""TokenStream: shuffled (batch_size, D) batches of single token vectors for SAE training.
+
+The order is EpochPlan's (actstore/loaders/plan.py): shuffled units, each rank a
+contiguous run of batches, windows of `buffer_bytes` read whole and permuted in memory,
+windows dealt to DataLoader workers. Inside one consumer (a worker, or the main process),
+a reader thread fills window buffers through a thread pool while an assembler thread
+gathers batches from the previous window, so the training loop finds a batch waiting.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from actstore.loaders.plan import EpochPlan, WindowSlice, consumed_per_worker
+from actstore.loaders.source import (
+    TokenMask,
+    TokenUnits,
+    pick_layers,
+    pick_segments,
+    reader,
+    stats_tables,
+    stored_numpy_dtype,
+)
+
+STATE_FORMAT = "actstore.TokenStream"
+STATE_VERSION = 1
+DEFAULT_BUFFER_BYTES = 256 * 2**20
+_STOP = object()
+_TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# State fields that must match for a saved position to mean the same batches.
+_PLAN_FIELDS = ("n_tokens", "batch_size", "window_batches", "world_size", "rank", "shuffle", "drop_last")
+
+
+def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """rank/world_size as given, else from torch.distributed when initialised, else 0/1."""
+    if rank is None or world_size is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank() if rank is None else rank
+            world_size = torch.distributed.get_world_size() if world_size is None else world_size
+        rank = 0 if rank is None else rank
+        world_size = 1 if world_size is None else world_size
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank must be in 0..world_size-1 with world_size >= 1. Got rank={rank!r}, world_size={world_size!r}.")
+    return rank, world_size
+
+
+class TokenStream(IterableDataset):
+    """Batches of single token vectors, in a shuffled order that is a pure function of
+    (seed, epoch) and the sizes; padding and masked tokens are skipped.
+
+    Each epoch yields every kept token vector exactly once, split disjointly over
+    torch.distributed ranks and DataLoader workers. Iterating again continues where the
+    last consumed batch left off (the next epoch once one is complete); `state_dict()`
+    saves that position and `load_state_dict()` restores it, so a restarted run yields
+    exactly the batches the uninterrupted run would have. With DataLoader workers, iterate
+    `stream.loader(num_workers=...)`: it counts the batches the loop consumed.
+
+    Args:
+        store: an ActStore (or an ActStore over a saev directory).
+        batch_size: token vectors per batch (the last batch of an epoch may be smaller).
+        layers: model layer numbers to stream (default all); rows of all of them are mixed.
+        segments: segment names to stream (default all).
+        seed: the shuffle seed.
+        shuffle: False streams units and tokens in store order (evaluation).
+        buffer_bytes: size of one shuffle window: tokens are mixed freely within a window
+            of buffer_bytes / (D * itemsize) tokens, which spans that many tokens' worth of
+            randomly chosen units. Memory is about (prefetch + 2) windows per consumer.
+        drop_last: drop the last partial batch and give every rank the same number of batches.
+        rank, world_size: this process's share; default from torch.distributed when initialised.
+        token_mask: which tokens inside each length to keep (see actstore.loaders.source).
+        normalize: None, "standardize" ((x - mean) / std per dimension) or "scale"
+            (x * sqrt(D) / mean L2 norm), with the store's statistics per (layer, segment).
+        dtype: output dtype (default float32); None keeps the stored dtype.
+        return_index: yield dicts {"acts", "example", "layer", "segment", "token"} instead of tensors.
+        threads: reader threads per consumer.
+        prefetch: windows read ahead of the one being served.
+        pin_memory: allocate batches in pinned memory (main process, with an accelerator).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        batch_size: int = 4096,
+        layers: Sequence[int] | int | None = None,
+        segments: Sequence[str] | str | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        token_mask: TokenMask = None,
+        normalize: str | None = None,
+        dtype: torch.dtype | None = torch.float32,
+        return_index: bool = False,
+        threads: int = 8,
+        prefetch: int = 1,
+        pin_memory: bool = False,
+    ):
+        for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name} must be a positive int. Got {v!r}.")
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0. Got {prefetch!r}.")
+        self.store = store
+        self.batch_size = int(batch_size)
+        self.layers = pick_layers(store, layers)
+        self.segments = pick_segments(store, segments)
+        self.seed, self.shuffle, self.drop_last = int(seed), bool(shuffle), bool(drop_last)
+        self.rank, self.world_size = dist_rank_world(rank, world_size)
+        self.d_model = int(store.d_model)
+        self.stored_dtype = stored_numpy_dtype(store)
+        self.dtype = _TORCH_DTYPES[store.dtype] if dtype is None else dtype
+        if normalize is not None and not self.dtype.is_floating_point:
+            raise ValueError(f"normalize needs a floating output dtype, got {self.dtype}")
+        self.normalize = normalize
+        self._norm = stats_tables(store, self.layers, self.segments, normalize) if normalize else None
+        if self._norm is not None and self.dtype in (torch.float16, torch.bfloat16) and dtype is None:
+            self.dtype = torch.float32  # normalised values are computed and returned in float32
+        self.return_index = bool(return_index)
+        self.threads, self.prefetch, self.pin_memory = int(threads), prefetch, bool(pin_memory)
+        self.units = TokenUnits(store, self.layers, self.segments, token_mask)
+        row_bytes = self.d_model * self.stored_dtype.itemsize
+        self.window_batches = max(1, int(buffer_bytes) // (row_bytes * self.batch_size))
+        self.buffer_bytes = int(buffer_bytes)
+        self.n_tokens = int(self.units.counts.sum(dtype=np.int64))
+        self._epoch = 0
+        self._batches_done = 0
+        self._num_workers = 0  # set by TokenLoader; the worker split the saved position refers to
+
+    # ---- the position -------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of `epoch`."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0. Got {epoch!r}.")
+        self._epoch, self._batches_done = epoch, 0
+
+    def plan(self, epoch: int | None = None) -> EpochPlan:
+        return EpochPlan(
+            self.units.counts, batch_size=self.batch_size, window_batches=self.window_batches, seed=self.seed,
+            epoch=self._epoch if epoch is None else epoch, rank=self.rank, world_size=self.world_size,
+            shuffle=self.shuffle, drop_last=self.drop_last,
+        )
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch."""
+        return self.plan(0).n_batches
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last consumed batch (JSON-serialisable)."""
+        return {
+            "format": STATE_FORMAT, "version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
+            "batches_done": self._batches_done, "num_workers": self._num_workers, "n_tokens": self.n_tokens,
+            "batch_size": self.batch_size, "window_batches": self.window_batches, "world_size": self.world_size,
+            "rank": self.rank, "shuffle": self.shuffle, "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a position saved by state_dict() of an identically configured stream."""
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not a TokenStream state (expected a dict from TokenStream.state_dict())")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"TokenStream state version {state.get('version')!r}; this actstore reads version {STATE_VERSION}")
+        mine = self.state_dict()
+        diffs = [f"{k}: saved {state.get(k)!r}, this stream {mine[k]!r}" for k in _PLAN_FIELDS if state.get(k) != mine[k]]
+        if diffs:
+            raise ValueError(
+                "the saved position belongs to a differently configured stream (" + "; ".join(diffs) + "); "
+                "rebuild the stream with the same store, layers, segments, mask, batch_size, buffer_bytes and ranks"
+            )
+        self.seed = int(state["seed"])
+        self._epoch, self._batches_done = int(state["epoch"]), int(state["batches_done"])
+        self._num_workers = int(state["num_workers"])
+
+    def _end_epoch(self) -> None:
+        self._epoch += 1
+        self._batches_done = 0
+
+    def loader(self, num_workers: int = 0, **kwargs: Any) -> TokenLoader:
+        """A resumable loader over this stream with `num_workers` DataLoader workers."""
+        from actstore.loaders.tokenloader import TokenLoader
+
+        return TokenLoader(self, num_workers=num_workers, **kwargs)
+
+    # ---- iteration ----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        plan = self.plan()
+        if info is None:
+            worker, n_workers, skip = 0, 1, self._batches_done
+            in_main = True
+        else:
+            worker, n_workers, in_main = info.id, info.num_workers, False
+            if self._batches_done and self._num_workers != n_workers:
+                raise ValueError(
+                    f"this position was saved with num_workers={self._num_workers}; resume it with the same "
+                    f"number of DataLoader workers (got {n_workers})"
+                )
+            done, first = consumed_per_worker(plan.worker_batches(n_workers), self._batches_done)
+            worker = (worker + first) % n_workers  # continue the DataLoader's cycle where it stopped
+            skip = int(done[worker])
+        pipe = _Pipeline(self, plan, plan.worker_windows(worker, n_workers), skip, pin=self.pin_memory and in_main)
+        try:
+            for batch in pipe:
+                if in_main:
+                    self._batches_done += 1
+                yield batch
+            if in_main:
+                self._end_epoch()
+        finally:
+            pipe.close()
+
+
+class _Pipeline:
+    """One consumer's reader and assembler threads, with bounded queues between them."""
+
+    def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, pin: bool):
+        self.ts, self.plan, self.pin = ts, plan, pin
+        self.read = reader(ts.store)
+        n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
+        self.free: queue.Queue = queue.Queue()
+        cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
+        for _ in range(min(n_buf, max(len(windows), 1))):
+            self.free.put(np.empty((cap, ts.d_model), ts.stored_dtype))
+        self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
+        self.out: queue.Queue = queue.Queue(maxsize=4)
+        self.stop = threading.Event()
+        self.local = threading.local()
+        # Skip whole windows already consumed; `first` batches of the next are skipped too.
+        todo = list(windows)
+        while todo and skip >= plan.window_n_batches(todo[0]):
+            skip -= plan.window_n_batches(todo.pop(0))
+        self.windows, self.first_skip = todo, skip
+        self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
+        self.threads = [
+            threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
+            threading.Thread(target=self._guard, args=(self._assemble, self.out), daemon=True, name="actstore-batches"),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self._get(self.out)
+            if item is _STOP:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- threads ------------------------------------------------------------------
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _STOP
+
+    def _put(self, q: queue.Queue, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _guard(self, target: Any, q: queue.Queue) -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(q, e)
+        else:
+            self._put(q, _STOP)
+
+    def _read_windows(self) -> None:
+        for j in self.windows:
+            buf = self._get(self.free)
+            if buf is _STOP:
+                return
+            w = self.plan.window(j)
+            self._fill(w, buf)
+            if not self._put(self.full, (w, buf)):
+                return
+
+    def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
+        """Read every unit of window w into buf[dest:dest+n] through the thread pool."""
+        n = len(w.units)
+        step = max(1, -(-n // (self.ts.threads * 4)))
+        futures = [self.pool.submit(self._read_units, w, buf, i, min(i + step, n)) for i in range(0, n, step)]
+        for f in futures:
+            f.result()
+
+    def _read_units(self, w: WindowSlice, buf: np.ndarray, i0: int, i1: int) -> None:
+        units = self.ts.units
+        ex, li, si = units.decode(w.units[i0:i1])
+        for i in range(i0, i1):
+            k = i - i0
+            e, s = int(ex[k]), int(si[k])
+            seg = units.segments[s]
+            lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
+            rows = units.kept_rows(e, s)
+            if rows is None and lo == 0 and hi == seg.t_pad:
+                # The unit fills t_pad rows of the window exactly: read straight into it.
+                self.read(e, units.layers[int(li[k])], seg.name, buf[dest : dest + seg.t_pad])
+                continue
+            scratch = self._scratch(seg.t_pad)
+            self.read(e, units.layers[int(li[k])], seg.name, scratch)
+            # One copy: the kept rows of this unit into the window.
+            buf[dest : dest + hi - lo] = scratch[lo:hi] if rows is None else scratch[rows[lo:hi]]
+
+    def _scratch(self, t_pad: int) -> np.ndarray:
+        s = getattr(self.local, "buf", None)
+        if s is None or s.shape[0] < t_pad:
+            s = np.empty((t_pad, self.ts.d_model), self.ts.stored_dtype)
+            self.local.buf = s
+        return s[:t_pad]
+
+    def _assemble(self) -> None:
+        ts = self.ts
+        first = self.first_skip
+        while True:
+            item = self._get(self.full)
+            if item is _STOP or isinstance(item, BaseException):
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            w, buf = item
+            perm = self.plan.window_permutation(w)
+            win = _as_torch(buf[: w.n_tokens], ts.store.dtype)
+            keys = index = None
+            if (ts._norm is not None and len(ts._norm[0]) > 1) or ts.return_index:
+                index = _window_index(ts.units, w)
+                keys = index[1] * ts.units.n_segments + index[2]
+            for b in range(first, w.n_batches):
+                rows = perm[b * ts.batch_size : (b + 1) * ts.batch_size]
+                batch = self._batch(win, rows, keys)
+                if ts.return_index:
+                    batch = _index_dict(batch, ts.units, index, rows)
+                if not self._put(self.out, batch):
+                    return
+            first = 0
+            self.free.put(buf)
+            if self.stop.is_set():
+                return
+
+    def _batch(self, win: torch.Tensor, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
+        ts = self.ts
+        idx = torch.from_numpy(rows)
+        gathered = torch.index_select(win, 0, idx)  # copy: the batch's rows out of the window
+        if gathered.dtype == ts.dtype and ts._norm is None and not self.pin:
+            return gathered
+        out = torch.empty(gathered.shape, dtype=ts.dtype, pin_memory=self.pin)
+        out.copy_(gathered)  # copy: dtype conversion (and into pinned memory)
+        if ts._norm is not None:
+            shift, scale = (torch.from_numpy(t) for t in ts._norm)
+            if keys is None:
+                out.sub_(shift[0]).mul_(scale[0])
+            else:
+                k = torch.from_numpy(keys[rows])
+                out.sub_(shift[k]).mul_(scale[k])
+        return out
+
+
+def _as_torch(arr: np.ndarray, stored: str) -> torch.Tensor:
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if stored == "bfloat16" else t
+
+
+def _window_index(units: TokenUnits, w: WindowSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(example, layer position, segment position, token row) of every row of window w."""
+    n = (w.hi - w.lo).astype(np.int64)
+    ex, li, si = units.decode(w.units)
+    rep = lambda a: np.repeat(a, n)  # noqa: E731
+    offs = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    tok = rep(w.lo.astype(np.int64)) + offs
+    for i in range(len(w.units)):
+        rows = units.kept_rows(int(ex[i]), int(si[i]))
+        if rows is not None:
+            d = int(w.dest[i])
+            tok[d : d + n[i]] = rows[w.lo[i] : w.hi[i]]
+    return rep(ex), rep(li), rep(si), tok
+
+
+def _index_dict(acts: torch.Tensor, units: TokenUnits, index: tuple, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    ex, li, si, tok = (a[rows] for a in index)
+    layers = np.asarray(units.layers, dtype=np.int64)
+    return {
+        "acts": acts,
+        "example": torch.from_numpy(ex),
+        "layer": torch.from_numpy(layers[li]),
+        "segment": torch.from_numpy(si),
+        "token": torch.from_numpy(tok),
+    }

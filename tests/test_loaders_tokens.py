@@ -1,0 +1,239 @@
+"""TokenStream invariants on small stores: each epoch yields every kept token vector exactly
+once with the value ActStore holds; the order is a function of (seed, epoch); workers and
+ranks are disjoint and complete; a resumed run yields exactly the remaining batches."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import actstore
+from actstore import ActStore, ShardWriter
+from actstore.torch import TokenLoader, TokenStream
+
+
+def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True):
+    """Two shards of a prompt/response store with random lengths (some 0) and labels."""
+    rng = np.random.default_rng(seed)
+    for shard in range(shards):
+        with ShardWriter(path, shard=shard, layers=[2, 5, 9], d_model=d, segments={"prompt": 9, "response": 4},
+                         t_chunk={"prompt": 4, "response": 4}, dtype=dtype, token_labels=True, stats=stats) as w:
+            w.append(prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
+                     response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
+                     lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
+                     token_labels={"prompt": rng.integers(0, 3, (n, 9)).astype(np.uint8),
+                                   "response": rng.integers(0, 3, (n, 4)).astype(np.uint8)})
+    actstore.finalize(path)
+    return ActStore(path)
+
+
+def vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1):
+    rng = np.random.default_rng(seed)
+    with ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=True) as w:
+        w.append(rng.standard_normal((n, len(layers), t, d)).astype(np.float16))
+    actstore.finalize(path)
+    return ActStore(path)
+
+
+def expected_rows(store, layers=None, segments=None, keep=None):
+    """Every kept (example, layer, segment position, token) of the store."""
+    layers = store.layers if layers is None else layers
+    segs = store.segments if segments is None else segments
+    out = []
+    for ex in range(len(store)):
+        lens = store.lengths(ex)
+        for layer in layers:
+            for si, name in enumerate(segs):
+                out.extend((ex, layer, si, t) for t in range(lens[name]) if keep is None or keep[name][ex, t])
+    return out
+
+
+def rows_of(batches):
+    return [(int(e), int(l), int(s), int(t)) for b in batches for e, l, s, t in
+            zip(b["example"], b["layer"], b["segment"], b["token"])]
+
+
+def check_values(store, ts, batches):
+    """Every yielded row equals the matching ActStore row (float32)."""
+    for b in batches:
+        for i in range(len(b["acts"])):
+            name = ts.segments[int(b["segment"][i])].name
+            ref = store.segment(name).padded(int(b["example"][i]), int(b["layer"][i]))[int(b["token"][i])]
+            np.testing.assert_array_equal(b["acts"][i].numpy(), np.asarray(ref, dtype=np.float32))
+
+
+def test_epoch_yields_every_token_once_with_store_values(tmp_path):
+    store = qa_store(tmp_path / "s")
+    ts = TokenStream(store, batch_size=7, buffer_bytes=7 * 8 * 2 * 3, return_index=True)
+    assert ts.window_batches == 3
+    batches = list(ts)
+    rows = rows_of(batches)
+    assert sorted(rows) == sorted(expected_rows(store))
+    assert len(rows) == ts.n_tokens and len(batches) == len(ts) == -(-ts.n_tokens // 7)
+    assert all(len(b["acts"]) == 7 for b in batches[:-1]) and batches[0]["acts"].dtype == torch.float32
+    check_values(store, ts, batches)
+    assert ts.epoch == 1 and ts.state_dict()["batches_done"] == 0
+
+
+def test_layers_segments_and_stored_dtype(tmp_path):
+    store = qa_store(tmp_path / "s", dtype="bfloat16")
+    ts = TokenStream(store, batch_size=5, layers=[9], segments="response", dtype=None, return_index=True, buffer_bytes=1)
+    batches = list(ts)
+    assert batches[0]["acts"].dtype == torch.bfloat16 and ts.window_batches == 1
+    assert sorted(rows_of(batches)) == sorted(expected_rows(store, layers=[9], segments=["response"]))
+    for b in batches:
+        for i in range(len(b["acts"])):
+            ref = store.segment("response")[int(b["example"][i]), 9][int(b["token"][i])]
+            np.testing.assert_array_equal(b["acts"][i].float().numpy(), ref)
+
+
+def test_plain_tensors_without_index(tmp_path):
+    store = vit_store(tmp_path / "s")
+    ts = TokenStream(store, batch_size=16, shuffle=False)
+    got = torch.cat(list(ts)).numpy()
+    want = np.stack([store[ex, layer] for ex in range(len(store)) for layer in store.layers]).reshape(-1, 6)
+    np.testing.assert_array_equal(got, want.astype(np.float32))  # no shuffle: store order
+
+
+def test_token_mask_skips_masked_tokens(tmp_path):
+    store = qa_store(tmp_path / "s")
+    labels = {name: store.field(f"{name}_token_labels") for name in store.segments}
+    ts = TokenStream(store, batch_size=6, token_mask="token_labels", return_index=True)
+    rows = rows_of(list(ts))
+    assert sorted(rows) == sorted(expected_rows(store, keep={k: v != 0 for k, v in labels.items()}))
+    assert all(labels[store.segments[s]][e, t] != 0 for e, _, s, t in rows)
+    only_prompt = TokenStream(store, batch_size=6, token_mask={"prompt": labels["prompt"] == 1}, return_index=True)
+    keep = {"prompt": labels["prompt"] == 1, "response": np.ones_like(labels["response"], dtype=bool)}
+    assert sorted(rows_of(list(only_prompt))) == sorted(expected_rows(store, keep=keep))
+
+
+def test_same_seed_same_order_other_seed_and_epoch_another(tmp_path):
+    store = qa_store(tmp_path / "s")
+    def run(seed, epoch=0):
+        ts = TokenStream(store, batch_size=8, seed=seed, return_index=True, buffer_bytes=8 * 16 * 2)
+        ts.set_epoch(epoch)
+        return rows_of(list(ts))
+    a = run(1)
+    assert a == run(1)
+    assert a != run(2) and sorted(a) == sorted(run(2))
+    assert a != run(1, epoch=1) and sorted(a) == sorted(run(1, epoch=1))
+    ts = TokenStream(store, batch_size=8, seed=1, return_index=True, buffer_bytes=8 * 16 * 2)
+    first, second = rows_of(list(ts)), rows_of(list(ts))  # iterating again gives the next epoch
+    assert (first, second) == (a, run(1, epoch=1))
+
+
+def test_ranks_and_workers_are_disjoint_and_complete(tmp_path):
+    store = qa_store(tmp_path / "s")
+    everything = Counter()
+    counts = []
+    for rank in range(3):
+        ts = TokenStream(store, batch_size=5, rank=rank, world_size=3, return_index=True, buffer_bytes=5 * 16 * 2)
+        batches = list(ts.loader(num_workers=2, multiprocessing_context="fork"))
+        counts.append(len(batches))
+        assert len(batches) == len(ts)
+        check_values(store, ts, batches)
+        everything.update(rows_of(batches))
+    assert max(everything.values()) == 1
+    assert sorted(everything) == sorted(expected_rows(store))
+    assert max(counts) - min(counts) <= 1
+
+
+def test_drop_last_gives_every_rank_the_same_full_batches(tmp_path):
+    store = qa_store(tmp_path / "s")
+    lens = []
+    for rank in range(2):
+        batches = list(TokenStream(store, batch_size=6, rank=rank, world_size=2, drop_last=True))
+        lens.append([len(b) for b in batches])
+    assert lens[0] == lens[1] and set(lens[0]) == {6}
+
+
+def _run(store, state=None, n=None, num_workers=0, **kw):
+    ts = TokenStream(store, batch_size=5, seed=3, buffer_bytes=5 * 16 * 2, return_index=True, **kw)
+    loader = ts.loader(num_workers=num_workers, multiprocessing_context="fork")
+    if state is not None:
+        loader.load_state_dict(state)
+    out = []
+    for b in loader:
+        out.append(rows_of([b]))
+        if n is not None and len(out) == n:
+            break
+    return out, loader.state_dict()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_yields_exactly_the_remaining_batches(tmp_path, num_workers):
+    store = qa_store(tmp_path / "s")
+    full, end_state = _run(store, num_workers=num_workers)
+    assert end_state["epoch"] == 1 and end_state["batches_done"] == 0
+    for cut in (1, 4, 5, len(full) - 1):
+        head, state = _run(store, n=cut, num_workers=num_workers)
+        assert head == full[:cut] and state["batches_done"] == cut and state["epoch"] == 0
+        tail, _ = _run(store, state=state, num_workers=num_workers)
+        assert tail == full[cut:]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.integers(1, 9), window=st.integers(1, 3), cut=st.integers(0, 60), seed=st.integers(0, 9))
+def test_resume_property_in_process(tmp_path, batch, window, cut, seed):
+    path = tmp_path / "hyp"
+    store = ActStore(path) if path.exists() else qa_store(path)
+    def make():
+        return TokenStream(store, batch_size=batch, seed=seed, buffer_bytes=batch * 16 * window, return_index=True)
+    full = [rows_of([b]) for b in make()]
+    cut = min(cut, len(full))
+    ts = make()
+    it = iter(ts)
+    head = [rows_of([next(it)]) for _ in range(cut)]
+    state = ts.state_dict()
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert head + [rows_of([b]) for b in resumed] == full
+
+
+def test_normalize_standardize_and_scale(tmp_path):
+    store = qa_store(tmp_path / "s")
+    st_ = store.stats()
+    ts = TokenStream(store, batch_size=64, normalize="standardize", return_index=True)
+    for b in ts:
+        for i in range(len(b["acts"])):
+            name = ts.segments[int(b["segment"][i])].name
+            k = st_.keys.index(f"layer{int(b['layer'][i])}/{name}")
+            x = store.segment(name).padded(int(b["example"][i]), int(b["layer"][i]))[int(b["token"][i])].astype(np.float64)
+            want = (x - st_.mean[k]) / np.sqrt(st_.m2[k] / st_.count[k] + 1e-6)
+            np.testing.assert_allclose(b["acts"][i].numpy(), want, rtol=1e-5, atol=1e-5)
+    one = TokenStream(store, batch_size=1000, layers=[5], segments="prompt", normalize="scale")
+    x = torch.cat(list(one)).numpy().astype(np.float64)
+    assert x.shape[0] == st_.count[st_.keys.index("layer5/prompt")]
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1).mean(), np.sqrt(8), rtol=1e-3)
+
+
+def test_bad_arguments_have_clear_errors(tmp_path):
+    store = qa_store(tmp_path / "s", stats=False)
+    with pytest.raises(KeyError, match=r"layers \[4\] are not stored; this store holds layers \[2, 5, 9\]"):
+        TokenStream(store, layers=[4])
+    with pytest.raises(KeyError, match=r"segments \['answer'\] are not in this store; it has segments \['prompt', 'response'\]"):
+        TokenStream(store, segments=["answer"])
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int\. Got 0\."):
+        TokenStream(store, batch_size=0)
+    with pytest.raises(ValueError, match=r"normalize='standardize' needs the store's statistics, but this store kept none"):
+        TokenStream(store, normalize="standardize")
+    with pytest.raises(ValueError, match=r"token mask of segment 'prompt' must have shape \(n_examples, T_max\) = \(14, 9\); got \(14, 4\)"):
+        TokenStream(store, token_mask={"prompt": np.ones((14, 4))})
+    with pytest.raises(KeyError, match=r"reads the per-token array 'prompt_special', which this store lacks"):
+        TokenStream(store, token_mask="special")
+    with pytest.raises(ValueError, match=r"rank must be in 0\.\.world_size-1"):
+        TokenStream(store, rank=2, world_size=2)
+    ts = TokenStream(store, batch_size=4)
+    state = ts.state_dict()
+    with pytest.raises(ValueError, match=r"batch_size: saved 4, this stream 5"):
+        TokenStream(store, batch_size=5).load_state_dict(state)
+    state.update(batches_done=3, num_workers=2)
+    ts.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"saved position was taken with num_workers=2; resume with the same number of workers \(got 0\)"):
+        ts.loader(num_workers=0)
