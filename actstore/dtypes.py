@@ -11,8 +11,6 @@ import numpy as np
 
 from actstore.spec import FLOAT16_MAX
 
-_F16_EXP = np.uint16(0x7C00)
-_ABS16 = np.uint16(0x7FFF)
 
 
 def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:
@@ -51,13 +49,19 @@ def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
 
 
 def count_nonfinite_16(bits_or_f16: np.ndarray) -> int:
-    """Number of inf/NaN values in a float16 or bfloat16 (as uint16) array, by exponent bits."""
-    u = bits_or_f16.view(np.uint16)
-    if (u & _ABS16).max(initial=0) < _F16_EXP and bits_or_f16.dtype == np.float16:
+    """Number of inf/NaN values in a float16 or bfloat16 (as uint16) array, by exponent bits.
+
+    Screened with two reductions that need no temporary array: a positive inf/NaN is the
+    only pattern whose int16 view is >= the all-ones exponent, a negative one the only
+    pattern whose uint16 view is >= sign|exponent.
+    """
+    if bits_or_f16.size == 0:
         return 0
-    if bits_or_f16.dtype == np.float16:
-        return int(np.count_nonzero((u & _F16_EXP) == _F16_EXP))
-    return int(np.count_nonzero((u & np.uint16(0x7F80)) == np.uint16(0x7F80)))
+    exp = 0x7C00 if bits_or_f16.dtype == np.float16 else 0x7F80
+    u = bits_or_f16.view(np.uint16)
+    if int(bits_or_f16.view(np.int16).max()) < exp and int(u.max()) < (0x8000 | exp):
+        return 0
+    return int(np.count_nonzero((u & np.uint16(exp)) == np.uint16(exp)))
 
 
 def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
