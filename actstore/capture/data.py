@@ -1,0 +1,224 @@
+"""Data sources: an image folder, a JSONL file, a saved HF `datasets` folder, or embedded data.
+
+A source is a sequence of records in a fixed order (the store keeps that order):
+image records {"key", "image": reference}, text records {"key", "text"}, or pair records
+{"key", "prompt", "response" (None when the model is to generate it)}.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.capture import embedded
+from actstore.capture.errors import DataError, EmptyDatasetError, UnreadableImageError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+EMBEDDED_PREFIX = "embedded:"
+
+
+@dataclass
+class Source:
+    """An ordered data source.
+
+    Attributes:
+        kind: "image", "text" or "pair".
+        name: the --data value, recorded in the store's attrs.
+        n: number of records.
+        get: record i (a dict; see the module docstring).
+    """
+
+    kind: str
+    name: str
+    n: int
+    get: Callable[[int], dict[str, Any]]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def limit(self, max_examples: int | None) -> Source:
+        if max_examples is None or max_examples >= self.n:
+            return self
+        if max_examples <= 0:
+            raise DataError(f"--max-examples must be a positive int. Got {max_examples}.")
+        return Source(kind=self.kind, name=self.name, n=max_examples, get=self.get)
+
+
+def load_source(spec: str) -> Source:
+    """Open a data source; raises EmptyDatasetError when it holds nothing."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        src = _embedded(spec.removeprefix(EMBEDDED_PREFIX))
+    else:
+        p = Path(spec).expanduser()
+        if not p.exists():
+            raise DataError(f"--data {spec}: no such file or folder")
+        if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
+            src = _hf_datasets(p)
+        elif p.is_dir():
+            src = _image_folder(p)
+        elif p.suffix == ".jsonl":
+            src = _jsonl(p)
+        else:
+            raise DataError(
+                f"--data {spec}: expected a folder of images, a .jsonl file of texts or prompt/response pairs, "
+                "a folder saved by datasets' save_to_disk, embedded:images or embedded:pydoc-topics"
+            )
+    if src.n == 0:
+        raise EmptyDatasetError(f"--data {spec} holds no examples; nothing to capture")
+    return src
+
+
+# ---- embedded ---------------------------------------------------------------------
+def _embedded(which: str) -> Source:
+    if which == "images":
+        items = embedded.embedded_images()
+        return Source(kind="image", name="embedded:images", n=len(items), get=lambda i: {"key": items[i][0], "image": {"embedded": items[i][0]}})
+    if which == "pydoc-topics":
+        topics = embedded.pydoc_topics()
+        return Source(kind="text", name="embedded:pydoc-topics", n=len(topics), get=lambda i: {"key": topics[i][0], "text": topics[i][1]})
+    raise DataError(f"no embedded data {which!r}; there are {[EMBEDDED_PREFIX + d for d in embedded.EMBEDDED_DATA]}")
+
+
+# ---- image folders ----------------------------------------------------------------
+def _image_folder(root: Path) -> Source:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+    if not files:
+        raise EmptyDatasetError(f"--data {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder; nothing to capture")
+    _check_headers(files)
+    root_abs = root.resolve()
+
+    def get(i: int) -> dict[str, Any]:
+        f = files[i].resolve()
+        return {"key": _key(str(f.relative_to(root_abs))), "image": {"path": str(f)}}
+
+    return Source(kind="image", name=str(root), n=len(files), get=get)
+
+
+def _check_headers(files: Sequence[Path]) -> None:
+    """Open every image's header (cheap) so a non-image fails before anything is written."""
+    from PIL import Image
+
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                im.size  # noqa: B018 - reading the header is the check
+        except Exception as e:  # noqa: BLE001 - PIL raises many types
+            raise UnreadableImageError(f"cannot read image {f}: {e}; remove or replace the file") from None
+
+
+def load_image(ref: dict[str, Any]) -> np.ndarray:
+    """(H, W, 3) uint8 RGB pixels of an image reference ({"path"} or {"embedded"})."""
+    if "embedded" in ref:
+        return embedded.load_embedded_image(ref["embedded"])
+    if "dataset" in ref:
+        ds = _open_dataset(ref["dataset"])
+        return np.asarray(ds[int(ref["row"])][ref["column"]].convert("RGB"))
+    from PIL import Image
+
+    path = ref["path"]
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except FileNotFoundError:
+        raise UnreadableImageError(f"image {path} no longer exists") from None
+    except Exception as e:  # noqa: BLE001
+        raise UnreadableImageError(f"cannot read image {path}: {e}; remove or replace the file") from None
+
+
+_DATASETS: dict[str, Any] = {}
+
+
+def _open_dataset(path: str) -> Any:
+    """A saved datasets folder (one split), opened once per process."""
+    ds = _DATASETS.get(path)
+    if ds is None:
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"{path} is a saved HF datasets folder; reading it needs `pip install datasets`") from None
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            split = "train" if "train" in ds else (next(iter(ds)) if len(ds) == 1 else None)
+            if split is None:
+                raise DataError(f"{path} holds splits {list(ds)}; save one split (or a 'train' split) to capture")
+            ds = ds[split]
+        _DATASETS[path] = ds
+    return ds
+
+
+def _key(s: str) -> str:
+    """A sample key of at most 64 UTF-8 bytes (long names keep their tail and a hash)."""
+    if len(s.encode()) <= 64:
+        return s
+    import hashlib
+
+    h = hashlib.sha1(s.encode()).hexdigest()[:16]
+    tail = s.encode()[-40:].decode("utf-8", "ignore")
+    return f"{h}-{tail}"
+
+
+# ---- JSONL ------------------------------------------------------------------------
+def _jsonl(path: Path) -> Source:
+    records = []
+    kinds = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            rec, kind = _record(obj, f"{path}:{lineno}", len(records))
+            kinds.add(kind)
+            records.append(rec)
+    if len(kinds) > 1:
+        raise DataError(f"{path} mixes plain texts and prompt/response pairs; use one kind per file")
+    kind = kinds.pop() if kinds else "text"
+    return Source(kind=kind, name=str(path), n=len(records), get=records.__getitem__)
+
+
+def _record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
+    if isinstance(obj, str):
+        return {"key": f"line-{i}", "text": obj}, "text"
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON string or an object with \"text\" or \"prompt\" (and \"response\"); got {type(obj).__name__}")
+    key = _key(str(obj.get("id", f"line-{i}")))
+    if "prompt" in obj:
+        resp = obj.get("response")
+        if not isinstance(obj["prompt"], str) or not (resp is None or isinstance(resp, str)):
+            raise DataError(f"{where}: \"prompt\" and \"response\" must be strings")
+        return {"key": key, "prompt": obj["prompt"], "response": resp}, "pair"
+    if isinstance(obj.get("text"), str):
+        return {"key": key, "text": obj["text"]}, "text"
+    raise DataError(f"{where}: the object has no \"text\" or \"prompt\" string (keys: {sorted(obj)[:10]})")
+
+
+# ---- HF datasets ------------------------------------------------------------------
+def _hf_datasets(path: Path) -> Source:
+    ds = _open_dataset(str(path.resolve()))
+    cols = set(ds.column_names)
+    if "image" in cols or "img" in cols:
+        col = "image" if "image" in cols else "img"
+
+        def get_img(i: int) -> dict[str, Any]:
+            return {"key": _row_key(ds, i), "image": {"dataset": str(path.resolve()), "column": col, "row": i}}
+
+        return Source(kind="image", name=str(path), n=len(ds), get=get_img)
+    if "prompt" in cols:
+        return Source(
+            kind="pair", name=str(path), n=len(ds),
+            get=lambda i: {"key": _row_key(ds, i), "prompt": ds[i]["prompt"], "response": ds[i].get("response")},
+        )
+    if "text" in cols:
+        return Source(kind="text", name=str(path), n=len(ds), get=lambda i: {"key": _row_key(ds, i), "text": ds[i]["text"]})
+    raise DataError(f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column; it has {sorted(cols)}")
+
+
+def _row_key(ds: Any, i: int) -> str:
+    return _key(str(ds[i]["id"])) if "id" in ds.column_names else f"row-{i}"

@@ -1,0 +1,227 @@
+"""Records -> model inputs: images resized and normalised, texts tokenised with masks.
+
+Token labels (stored as the store's per-token uint8 `token_labels` when special tokens
+are masked): 0 = content, 1 = special token (BOS, EOS, pad, ...), 2 = chat-template text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actstore.capture.data import Source, load_image
+from actstore.capture.errors import CaptureError
+from actstore.capture.models import ImageSpec
+
+CONTENT, SPECIAL, TEMPLATE = 0, 1, 2
+TOKEN_LABEL_MEANING = {"0": "content", "1": "special token", "2": "chat template"}
+SPECIAL_MODES = ("mask", "drop")
+
+
+@dataclass
+class CaptureBatch:
+    """One batch for the capture loop.
+
+    Attributes:
+        inputs: keyword arguments of the model's forward (torch tensors on the device).
+        keys: sample keys, one per example.
+        select: per segment, per example, the token positions stored (None: every token
+            of a fixed-length segment).
+        labels: per segment, per example, uint8 token labels aligned with `select`.
+        source_lengths: per segment, (b,) token counts before truncation.
+        texts: per text field, b JSON values.
+    """
+
+    inputs: dict[str, Any]
+    keys: list[str]
+    select: dict[str, list[np.ndarray]] | None = None
+    labels: dict[str, list[np.ndarray]] | None = None
+    source_lengths: dict[str, np.ndarray] | None = None
+    texts: dict[str, list[Any]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+# ---- images -----------------------------------------------------------------------
+def crop_pixels(rgb: np.ndarray, size: int) -> np.ndarray:
+    """Shorter side resized to `size` (bicubic), then the centre `size` x `size` square."""
+    from PIL import Image
+
+    im = Image.fromarray(rgb)
+    w, h = im.size
+    s = size / min(w, h)
+    nw, nh = max(size, round(w * s)), max(size, round(h * s))
+    im = im.resize((nw, nh), Image.BICUBIC)
+    left, top = (nw - size) // 2, (nh - size) // 2
+    return np.asarray(im.crop((left, top, left + size, top + size)))
+
+
+def image_batches(source: Source, start: int, stop: int, spec: ImageSpec, batch_size: int, device: Any) -> Iterator[CaptureBatch]:
+    import torch
+
+    mean = np.asarray(spec.mean, np.float32)[:, None, None]
+    std = np.asarray(spec.std, np.float32)[:, None, None]
+    for b0 in range(start, stop, batch_size):
+        recs = [source.get(i) for i in range(b0, min(b0 + batch_size, stop))]
+        pix = np.empty((len(recs), 3, spec.size, spec.size), np.float32)
+        for j, r in enumerate(recs):
+            px = crop_pixels(load_image(r["image"]), spec.size)
+            pix[j] = (px.transpose(2, 0, 1).astype(np.float32) / 255.0 - mean) / std
+        yield CaptureBatch(
+            inputs={"pixel_values": torch.from_numpy(pix).to(device)},
+            keys=[r["key"] for r in recs],
+            texts={"image": [r["image"] for r in recs]},
+        )
+
+
+# ---- texts ------------------------------------------------------------------------
+@dataclass
+class TextPlan:
+    """How texts become stored segments.
+
+    Attributes:
+        kind: "text" (one segment "tokens") or "pair" (segments "prompt" and "response").
+        p_max: stored token budget of the text or prompt.
+        r_max: stored token budget of the response (pairs).
+        special: "mask" (store every token plus token_labels) or "drop" (store content only).
+        chat_template: wrap prompts in the tokenizer's chat template.
+        generate: new tokens to generate as the response (0: take responses from the data).
+    """
+
+    kind: str
+    p_max: int
+    r_max: int = 0
+    special: str = "mask"
+    chat_template: bool = False
+    generate: int = 0
+
+    @property
+    def segments(self) -> dict[str, int]:
+        return {"tokens": self.p_max} if self.kind == "text" else {"prompt": self.p_max, "response": self.r_max}
+
+    @property
+    def texts(self) -> tuple[str, ...]:
+        return ("text",) if self.kind == "text" else ("prompt", "response")
+
+
+def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.ndarray]:
+    """Token ids and labels of a text or prompt (chat template applied when asked)."""
+    special = set(tok.all_special_ids)
+    if plan.chat_template and plan.kind == "pair":
+        if not getattr(tok, "chat_template", None):
+            raise CaptureError("--chat-template: this tokenizer has no chat template; drop the option")
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        at = rendered.rfind(text)
+        lo, hi = (at, at + len(text)) if at >= 0 and text else (0, 0)
+        labels = [
+            SPECIAL if t in special else (CONTENT if s < hi and e > lo else TEMPLATE)
+            for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
+        ]
+        return list(enc["input_ids"]), np.asarray(labels, np.uint8)
+    ids = list(tok(text, add_special_tokens=True)["input_ids"])
+    return ids, np.asarray([SPECIAL if t in special else CONTENT for t in ids], np.uint8)
+
+
+def response_tokens(tok: Any, text: str) -> tuple[list[int], np.ndarray]:
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    special = set(tok.all_special_ids)
+    return ids, np.asarray([SPECIAL if t in special else CONTENT for t in ids], np.uint8)
+
+
+def prompt_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
+    """Token counts of every text or prompt (for --p-quantile)."""
+    key = "text" if plan.kind == "text" else "prompt"
+    return np.asarray([len(prompt_tokens(tok, plan, source.get(i)[key])[0]) for i in range(len(source))], np.int64)
+
+
+def text_batches(
+    source: Source, start: int, stop: int, tok: Any, plan: TextPlan, batch_size: int, device: Any, model: Any = None
+) -> Iterator[CaptureBatch]:
+    import torch
+
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    for b0 in range(start, stop, batch_size):
+        recs = [source.get(i) for i in range(b0, min(b0 + batch_size, stop))]
+        key = "text" if plan.kind == "text" else "prompt"
+        prompts = [prompt_tokens(tok, plan, r[key]) for r in recs]
+        src_p = np.asarray([len(ids) for ids, _ in prompts], np.int64)
+        if plan.kind == "text":
+            prompts = [(ids[: plan.p_max], lab[: plan.p_max]) for ids, lab in prompts]  # keep the start
+        else:
+            prompts = [(ids[-plan.p_max :], lab[-plan.p_max :]) for ids, lab in prompts]  # keep the end, next to the response
+        if plan.kind == "pair":
+            if plan.generate:
+                responses = generate(model, tok, [ids for ids, _ in prompts], plan.generate, pad_id, device)
+            else:
+                missing = [r["key"] for r in recs if r.get("response") is None]
+                if missing:
+                    raise CaptureError(f"examples {missing[:3]} have no \"response\"; add responses to the data or pass --generate N")
+                responses = [response_tokens(tok, r["response"]) for r in recs]
+            src_r = np.asarray([len(ids) for ids, _ in responses], np.int64)
+            responses = [(ids[: plan.r_max], lab[: plan.r_max]) for ids, lab in responses]
+        else:
+            responses = [([], np.zeros(0, np.uint8)) for _ in recs]
+        seqs = [p[0] + r[0] for p, r in zip(prompts, responses)]
+        t = max(1, max(len(s) for s in seqs))
+        ids = np.full((len(seqs), t), pad_id, np.int64)
+        mask = np.zeros((len(seqs), t), np.int64)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = s
+            mask[j, : len(s)] = 1
+        select: dict[str, list[np.ndarray]] = {}
+        labels: dict[str, list[np.ndarray]] = {}
+        names = list(plan.segments)
+        for j, (p, r) in enumerate(zip(prompts, responses)):
+            spans = [(0, p[1])] if plan.kind == "text" else [(0, p[1]), (len(p[0]), r[1])]
+            for name, (off, lab) in zip(names, spans):
+                keep = np.flatnonzero(lab == CONTENT) if plan.special == "drop" else np.arange(len(lab))
+                select.setdefault(name, []).append(off + keep)
+                labels.setdefault(name, []).append(lab[keep])
+        texts: dict[str, list[Any]] = {}
+        if plan.kind == "text":
+            texts["text"] = [r["text"] for r in recs]
+            src = {"tokens": src_p}
+        else:
+            texts["prompt"] = [r["prompt"] for r in recs]
+            texts["response"] = [tok.decode(ids, skip_special_tokens=True) for ids, _ in responses] if plan.generate else [r["response"] for r in recs]
+            src = {"prompt": src_p, "response": src_r}
+        yield CaptureBatch(
+            inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
+            keys=[r["key"] for r in recs],
+            select=select,
+            labels=labels if plan.special == "mask" else None,
+            source_lengths=src,
+            texts=texts,
+        )
+
+
+def generate(model: Any, tok: Any, prompts: Sequence[list[int]], n_new: int, pad_id: int, device: Any) -> list[tuple[list[int], np.ndarray]]:
+    """Greedy responses of up to `n_new` tokens (cut after the first EOS, which is kept)."""
+    import torch
+
+    if not hasattr(model, "generate"):
+        raise CaptureError("--generate needs a causal language model; this model cannot generate")
+    t = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), t), dtype=torch.long)
+    for j, p in enumerate(prompts):  # left padding, as decoder-only generation needs
+        ids[j, t - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[j, t - len(p) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
+            do_sample=False, pad_token_id=pad_id,
+        )
+    eos = tok.eos_token_id
+    special = set(tok.all_special_ids)
+    res = []
+    for row in out[:, t:].tolist():
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        res.append((row, np.asarray([SPECIAL if x in special else CONTENT for x in row], np.uint8)))
+    return res

@@ -1,0 +1,400 @@
+"""record(): run a model over batches and write the hooked activations to one store shard.
+
+The forward pass runs on the calling thread; a background thread drains a bounded queue
+into a ShardWriter (conversion to the stored dtype, statistics, chunk writes, commits).
+The forward pass waits only when the queue is full. On CUDA, hooks copy each output to
+pinned host memory with non_blocking=True as soon as it is produced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore import spec
+from actstore.capture.errors import CaptureError, EmptyDatasetError
+from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
+from actstore.capture.models import LoadedModel, wrap_module
+from actstore.capture.prepare import TOKEN_LABEL_MEANING, CaptureBatch
+from actstore.errors import CorruptStoreError
+from actstore.stats import stats_key
+from actstore.writer import ShardWriter, shard_dir
+
+DEFAULT_QUEUE = 4
+_NEVER = 2**62  # the writer never commits on its own: record() commits after stats are whole
+
+
+@dataclass(frozen=True)
+class RecordResult:
+    """What one record() call did.
+
+    Attributes:
+        shard: the shard written.
+        n_before: examples already committed when the run started (resume).
+        n_written: examples written by this run.
+        tokens: token vectors stored per layer by this run.
+        nbytes: activation bytes written by this run.
+        seconds: wall time of the run.
+        forward_seconds: time spent in forward passes (and input preparation).
+        wait_seconds: time the forward loop waited for the writer (queue full).
+    """
+
+    shard: int
+    n_before: int
+    n_written: int
+    tokens: int
+    nbytes: int
+    seconds: float
+    forward_seconds: float
+    wait_seconds: float
+
+
+def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
+    """(examples committed, shard complete) of a writer shard; (0, False) if it does not exist."""
+    path = shard_dir(store, shard) / spec.COMMIT_FILE
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return 0, False
+    except json.JSONDecodeError as e:
+        raise CorruptStoreError(f"{path} is not valid JSON ({e})") from None
+    return int(rec["n_committed"]), bool(rec["complete"])
+
+
+def record(
+    model: Any,
+    batches: Iterable[Any],
+    store: str | os.PathLike,
+    *,
+    layers: Sequence[int | str],
+    shard: int = 0,
+    dtype: str = spec.DEFAULT_DTYPE,
+    segments: Mapping[str, int] | None = None,
+    token_labels: bool = False,
+    texts: Sequence[str] = (),
+    resume: bool = False,
+    model_id: str | None = None,
+    attrs: Mapping[str, Any] | None = None,
+    stats: bool = True,
+    on_overflow: str = "raise",
+    commit_bytes: int = spec.DEFAULT_COMMIT_BYTES,
+    queue_size: int = DEFAULT_QUEUE,
+    stop_early: bool = True,
+    progress: Callable[[int, int, int], None] | None = None,
+) -> RecordResult:
+    """Record the residual stream (or named modules) of `model` over `batches` into a shard.
+
+    Args:
+        model: a torch module (HF transformers model) or a LoadedModel from load_model.
+        batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
+            pixel_values, int: input_ids). Plain batches store every token (a fixed
+            segment) unless `segments` is given, in which case `attention_mask` marks the
+            tokens kept.
+        store: the store root.
+        layers: block numbers (layer N = output of block N = hidden_states[N + 1]) or
+            module paths such as "model.layers.6.mlp".
+        shard: this writer's shard number.
+        dtype: stored dtype ("float16", "bfloat16", "float32").
+        segments: {name: T_max} of zero-padded segments (texts); None for one fixed segment.
+        token_labels, texts: as in ShardWriter (CaptureBatch supplies the values).
+        resume: continue the shard after its committed examples; `batches` must start
+            after them (see committed()).
+        model_id, attrs: metadata for the store.
+        stats: keep running statistics per (layer, segment).
+        on_overflow: "raise" or "clip" values beyond the stored dtype's range.
+        commit_bytes: commit a block after this many activation bytes.
+        queue_size: batches the writer thread may lag behind the forward pass.
+        stop_early: stop the forward pass after the last hooked module.
+        progress: called with (examples, tokens, bytes) after each batch is written.
+
+    Returns:
+        A RecordResult. The shard is closed (complete) when every batch was written.
+    """
+    lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
+    hooks = resolve_hooks(lm.forward, layers)  # unknown layers fail before anything is written
+    device = _device_of(lm.forward)
+    extra = {"use_cache": False} if _accepts(lm.forward, "use_cache") else {}
+    job = _Job(
+        store=Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
+        token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
+        attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
+    )
+    t0 = time.perf_counter()
+    t_fwd = 0.0
+    drain: _Drain | None = None
+    try:
+        with Capture(lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda") as cap:
+            it = iter(batches)
+            while True:
+                t1 = time.perf_counter()
+                try:
+                    raw = next(it)
+                except StopIteration:
+                    break
+                batch = _as_batch(raw)
+                outs, event = cap.run({**batch.inputs, **extra})
+                t_fwd += time.perf_counter() - t1
+                if drain is None:
+                    job.open_writer(outs)
+                    drain = _Drain(job.write, queue_size)
+                drain.put((outs, event, batch))
+        if drain is None:
+            n0, complete = committed(store, shard)
+            if not (resume and (n0 or complete)):
+                raise EmptyDatasetError("no batches to record: the data is empty (nothing was written)")
+            if not complete:
+                ShardWriter(store, shard=shard, resume=True, **job.writer_kwargs_from_store()).close()
+            return RecordResult(shard=shard, n_before=n0, n_written=0, tokens=0, nbytes=0, seconds=time.perf_counter() - t0, forward_seconds=0.0, wait_seconds=0.0)
+        drain.close()
+        job.writer.close()
+    except BaseException:
+        if drain is not None:
+            drain.abort()
+        if job.writer is not None:
+            job.writer.__exit__(CaptureError, None, None)  # commit what was written; the shard stays open
+        raise
+    return RecordResult(
+        shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,
+        seconds=time.perf_counter() - t0, forward_seconds=t_fwd, wait_seconds=drain.wait_seconds,
+    )
+
+
+@dataclass
+class _Job:
+    """The writer side of a record() run: turns captured tensors into ShardWriter appends."""
+
+    store: Path
+    shard: int
+    hooks: list[HookPoint]
+    lm: LoadedModel
+    dtype: str
+    segments: dict[str, int] | None
+    token_labels: bool
+    texts: tuple[str, ...]
+    resume: bool
+    model_id: str
+    attrs: dict[str, Any]
+    stats: bool
+    on_overflow: str
+    commit_bytes: int
+    progress: Callable[[int, int, int], None] | None
+    writer: ShardWriter | None = None
+    n_before: int = 0
+    n_written: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    _since_commit: int = 0
+
+    def open_writer(self, outs: dict[int, Any]) -> None:
+        first = outs[self.hooks[0].layer]
+        b, t, d = first.shape
+        attrs = dict(self.attrs)
+        attrs["hooks"] = {str(hp.layer): hp.path for hp in self.hooks}
+        attrs["hook_kind"] = "block output (residual stream)" if self.hooks[0].block else "module output"
+        if self.token_labels:
+            attrs["token_labels"] = TOKEN_LABEL_MEANING
+        if self.lm.image is not None:
+            im = self.lm.image
+            grid = im.size // im.patch_size
+            attrs["image"] = {
+                "size": im.size, "patch_size": im.patch_size, "grid": [grid, grid], "prefix_tokens": t - grid * grid,
+                "mean": list(im.mean), "std": list(im.std), "preprocess": "shorter side resized to size (bicubic), centre crop",
+            }
+        seg_kw = {"segments": self.segments} if self.segments else {"tokens": t}
+        self.writer = ShardWriter(
+            self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,
+            texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
+            commit_bytes=_NEVER, on_overflow=self.on_overflow, stats=self.stats,
+        )
+        self.n_before = self.writer.n_committed
+
+    def writer_kwargs_from_store(self) -> dict[str, Any]:
+        """ShardWriter arguments equal to the store's identity (to reopen a shard to close it)."""
+        from actstore.writer import read_identity
+
+        cfg = read_identity(self.store)
+        seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
+        return dict(
+            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels,
+            model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format,
+        )
+
+    def write(self, item: tuple[dict[int, Any], Any, CaptureBatch]) -> None:
+        """Runs on the writer thread: stack layers, gather segments, append, commit."""
+        outs, event, batch = item
+        if event is not None:
+            event.synchronize()  # the pinned host copies have landed
+        w = self.writer
+        arrs = [_numpy(outs[hp.layer]) for hp in self.hooks]  # (B, T, D) each, zero-copy on CPU
+        b = arrs[0].shape[0]
+        kw: dict[str, Any] = {"sample_keys": batch.keys if batch.keys else None}
+        kw["texts"] = {name: batch.texts[name] for name in self.texts}
+        cfg = w.cfg
+        seg_x: dict[str, np.ndarray] = {}
+        if self.segments is None:
+            seg_x[cfg.segments[0].name] = np.stack(arrs, axis=1)  # (B, L, T, D): the one copy
+            n_tok = b * arrs[0].shape[1]
+            before = dict(w.overflow)
+            w.append(seg_x[cfg.segments[0].name], **kw)
+        else:
+            select = batch.select or _select_from_mask(batch, cfg)
+            lengths, src, labels = {}, {}, {}
+            for seg in cfg.segments:
+                sel = [s[: seg.t_max] for s in select[seg.name]]
+                seg_x[seg.name] = _gather(arrs, sel)
+                lengths[seg.name] = np.asarray([len(s) for s in sel], np.int32)
+                src[seg.name] = batch.source_lengths[seg.name] if batch.source_lengths else np.asarray([len(s) for s in select[seg.name]])
+                if self.token_labels:
+                    lab = np.zeros((b, seg_x[seg.name].shape[2]), np.uint8)
+                    for j, l in enumerate(batch.labels[seg.name]):
+                        lab[j, : lengths[seg.name][j]] = l[: seg.t_max]
+                    labels[seg.name] = lab
+            n_tok = int(sum(v.sum() for v in lengths.values()))
+            before = dict(w.overflow)
+            w.append(**seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, **kw)
+        if w.stats is not None and w.overflow != before:
+            self._count_overflow(seg_x)
+        nbytes = b * cfg.example_bytes()
+        self.n_written += b
+        self.tokens += n_tok
+        self.nbytes += nbytes
+        self._since_commit += nbytes
+        if self._since_commit >= self.commit_bytes:
+            w.commit()
+            self._since_commit = 0
+        if self.progress is not None:
+            self.progress(b, n_tok, nbytes)
+
+    def _count_overflow(self, seg_x: dict[str, np.ndarray]) -> None:
+        """Per-layer counts of values clipped to the stored dtype's range (rare path)."""
+        hi = spec.FLOAT16_MAX if self.dtype == "float16" else float(np.finfo(np.float32).max)
+        for name, x in seg_x.items():
+            for lp, hp in enumerate(self.hooks):
+                xl = x[:, lp]
+                n = int(np.count_nonzero(np.isfinite(xl) & (np.abs(xl) > hi)))
+                if n:
+                    self.writer.stats.add_overflow(stats_key(hp.layer, name), n)
+
+
+class _Drain:
+    """A bounded queue drained by one background thread running `work`."""
+
+    def __init__(self, work: Callable[[Any], None], maxsize: int):
+        if maxsize < 1:
+            raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
+        self._q: queue.Queue[Any] = queue.Queue(maxsize)
+        self._work = work
+        self.error: BaseException | None = None
+        self.wait_seconds = 0.0
+        self._thread = threading.Thread(target=self._loop, name="actstore-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self._work(item)
+                except BaseException as e:  # noqa: BLE001 - handed to the forward thread
+                    self.error = e
+
+    def put(self, item: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        t = time.perf_counter()
+        while True:
+            try:
+                self._q.put(item, timeout=0.5)
+                break
+            except queue.Full:
+                if self.error is not None:
+                    raise self.error from None
+        self.wait_seconds += time.perf_counter() - t
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        if self.error is None:
+            self.error = CaptureError("aborted")
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._q.put(None)
+        self._thread.join()
+
+
+def _numpy(t: Any) -> np.ndarray:
+    import torch
+
+    if t.dtype in (torch.float32, torch.float16):
+        return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+    return t.float().cpu().numpy()  # bfloat16 and others: widened (exact for bfloat16)
+
+
+def _gather(arrs: list[np.ndarray], select: list[np.ndarray]) -> np.ndarray:
+    """(B, L, T_b, D) of the selected token positions, zero-padded to the longest."""
+    b, _, d = arrs[0].shape
+    t_b = max((len(s) for s in select), default=0)
+    out = np.zeros((b, len(arrs), t_b, d), dtype=arrs[0].dtype)
+    for j, s in enumerate(select):
+        n = len(s)
+        if not n:
+            continue
+        idx: Any = slice(int(s[0]), int(s[0]) + n) if int(s[-1]) - int(s[0]) + 1 == n else s
+        for lp, a in enumerate(arrs):
+            out[j, lp, :n] = a[j, idx]
+    return out
+
+
+def _select_from_mask(batch: CaptureBatch, cfg: Any) -> dict[str, list[np.ndarray]]:
+    mask = batch.inputs.get("attention_mask")
+    if mask is None:
+        raise CaptureError("a store with padded segments needs CaptureBatch.select or an attention_mask in each batch")
+    if len(cfg.segments) != 1:
+        raise CaptureError("several segments need CaptureBatch objects that say which tokens go where (select)")
+    m = mask.detach().cpu().numpy()
+    return {cfg.segments[0].name: [np.flatnonzero(row) for row in m]}
+
+
+def _as_batch(raw: Any) -> CaptureBatch:
+    if isinstance(raw, CaptureBatch):
+        return raw
+    if isinstance(raw, Mapping):
+        return CaptureBatch(inputs=dict(raw), keys=[])
+    if hasattr(raw, "dtype") and hasattr(raw, "is_floating_point"):
+        return CaptureBatch(inputs={"pixel_values" if raw.is_floating_point() else "input_ids": raw}, keys=[])
+    raise CaptureError(f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}")
+
+
+def _device_of(module: Any) -> Any:
+    import torch
+
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _accepts(module: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False

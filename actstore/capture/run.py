@@ -1,0 +1,312 @@
+"""write(): the whole capture job behind `actstore write`, in one process or many.
+
+The data (cut to --max-examples) is split into contiguous, deterministic slices, one per
+writer: writer r of w takes examples [n*r//w, n*(r+1)//w) into shard r. Since finalize
+orders examples shard-major, the finalized store lists the examples in data order
+whatever the number of writers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore import spec
+from actstore.capture.data import Source, load_source
+from actstore.capture.errors import CaptureError
+from actstore.capture.models import LoadedModel, load_model
+from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
+from actstore.capture.record import RecordResult, committed, record
+
+DEFAULT_P_MAX = 256
+DEFAULT_R_MAX = 64
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """Everything `actstore write` takes (see `actstore write --help`)."""
+
+    store: str
+    model: str
+    data: str
+    layers: tuple[int | str, ...]
+    dtype: str = spec.DEFAULT_DTYPE
+    batch_size: int = 8
+    device: str = "cpu"
+    model_dtype: str = "float32"
+    max_examples: int | None = None
+    p_max: int | None = None
+    r_max: int | None = None
+    p_quantile: float | None = None
+    r_quantile: float | None = None
+    generate: int = 0
+    special: str = "mask"
+    chat_template: bool = False
+    workers: int = 1
+    rank: int = 0
+    world_size: int = 1
+    resume: bool = False
+    finalize: bool = True
+    commit_mb: float = spec.DEFAULT_COMMIT_BYTES / 2**20
+    on_overflow: str = "raise"
+    queue_size: int = 4
+    stats: bool = True
+    progress: bool = True
+    threads: int | None = None
+
+
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The contiguous slice [start, stop) of n examples that writer `rank` of `world` takes."""
+    return n * rank // world, n * (rank + 1) // world
+
+
+def check_options(o: WriteOptions) -> None:
+    """Reject contradictory options before anything is loaded or written."""
+    if o.batch_size < 1:
+        raise CaptureError(f"--batch-size must be a positive int. Got {o.batch_size}.")
+    if o.workers < 1:
+        raise CaptureError(f"--workers must be a positive int. Got {o.workers}.")
+    if o.world_size < 1 or not 0 <= o.rank < o.world_size:
+        raise CaptureError(f"--rank must be in 0..world_size-1 (world size {o.world_size}). Got {o.rank}.")
+    if o.workers > 1 and o.world_size > 1:
+        raise CaptureError("use either --workers N (processes on this machine) or --rank/--world-size (one writer per launch), not both")
+    if o.special not in SPECIAL_MODES:
+        raise CaptureError(f"--special must be one of {list(SPECIAL_MODES)}. Got {o.special!r}.")
+    if o.p_max is not None and o.p_quantile is not None:
+        raise CaptureError("give --p-max or --p-quantile, not both")
+    if o.r_max is not None and o.r_quantile is not None:
+        raise CaptureError("give --r-max or --r-quantile, not both")
+    for name, q in (("--p-quantile", o.p_quantile), ("--r-quantile", o.r_quantile)):
+        if q is not None and not 0 < q <= 1:
+            raise CaptureError(f"{name} must be in (0, 1], e.g. 0.99. Got {q}.")
+    for name, v in (("--p-max", o.p_max), ("--r-max", o.r_max)):
+        if v is not None and v < 1:
+            raise CaptureError(f"{name} must be a positive int. Got {v}.")
+    if o.generate < 0:
+        raise CaptureError(f"--generate must be a non-negative int. Got {o.generate}.")
+    if o.generate and o.r_quantile is not None:
+        raise CaptureError("--r-quantile needs responses in the data; with --generate N the response budget is N (or --r-max)")
+    if o.commit_mb <= 0:
+        raise CaptureError(f"--commit-mb must be positive. Got {o.commit_mb}.")
+
+
+def write(o: WriteOptions) -> dict[str, Any]:
+    """Run the capture job; returns a summary (examples, tokens, bytes, seconds, shards).
+
+    With --workers N, N processes write shards 0..N-1 and the store is finalized; with
+    --rank r --world-size w this process writes shard r only (finalize once every rank
+    is done); otherwise one writer writes shard 0 and the store is finalized.
+    """
+    check_options(o)
+    source = load_source(o.data).limit(o.max_examples)  # empty data fails before anything is written
+    world = o.workers if o.workers > 1 else o.world_size
+    if world > len(source):
+        raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
+    root = Path(o.store)
+    created = not root.exists()
+    t0 = time.perf_counter()
+    try:
+        if o.workers > 1:
+            results = _run_workers(o, len(source))
+        else:
+            results = [run_shard(o, o.rank, o.world_size, source=source)]
+    except BaseException:
+        if created and o.world_size == 1:
+            _remove_if_nothing_committed(root, world)
+        raise
+    summary = {
+        "store": str(root),
+        "examples": sum(r.n_before + r.n_written for r in results),
+        "written": sum(r.n_written for r in results),
+        "tokens": sum(r.tokens for r in results),
+        "bytes": sum(r.nbytes for r in results),
+        "seconds": time.perf_counter() - t0,
+        "wait_seconds": sum(r.wait_seconds for r in results),
+        "shards": [r.shard for r in results],
+        "finalized": False,
+    }
+    if o.finalize and o.world_size == 1:
+        from actstore.manifest import finalize
+
+        finalize(root)
+        summary["finalized"] = True
+    return summary
+
+
+def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None = None, progress: Any = None) -> RecordResult:
+    """Load the model and write shard `rank`'s slice of the data (one writer process)."""
+    import torch
+
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    source = source or load_source(o.data).limit(o.max_examples)
+    start, stop = split(len(source), world, rank)
+    n_done, complete = committed(o.store, rank) if o.resume else (0, False)
+    lm = load_model(o.model, device=o.device, torch_dtype=o.model_dtype)
+    _check_modality(lm, source)
+    if lm.modality == "text" and o.generate and source.kind == "text":
+        source = _as_prompts(source)  # texts become the prompts to respond to
+    plan = _text_plan(o, lm, source) if lm.modality == "text" else None
+    first = start + n_done
+    if complete or first > stop:
+        first = stop
+    if plan is None:
+        batches = image_batches(source, first, stop, lm.image, o.batch_size, lm.device)
+    else:
+        batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
+    attrs = {"data": source.name, "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
+                                                "chat_template": o.chat_template, "generate": o.generate, "world_size": world}}
+    bar = progress
+    own_bar = None
+    if bar is None and o.progress:
+        own_bar = bar = Progress(total=stop - first, desc=f"shard {rank}")
+    try:
+        return record(
+            lm, batches, o.store, layers=o.layers, shard=rank, dtype=o.dtype,
+            segments=plan.segments if plan else None, token_labels=bool(plan and o.special == "mask"),
+            texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
+            on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
+            progress=bar.update if bar is not None else None,
+        )
+    finally:
+        if own_bar is not None:
+            own_bar.close()
+
+
+def _check_modality(lm: LoadedModel, source: Source) -> None:
+    want = "image" if source.kind == "image" else "text"
+    if lm.modality != want:
+        raise CaptureError(f"model {lm.model_id} takes {lm.modality} input but --data {source.name} holds {source.kind} examples")
+
+
+def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
+    kind = source.kind
+    if o.generate and not lm.is_decoder:
+        raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
+    plan = TextPlan(kind=kind, p_max=o.p_max or DEFAULT_P_MAX, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
+    if o.p_quantile is not None:
+        lengths = prompt_lengths(lm.tokenizer, plan, source)
+        plan = replace(plan, p_max=max(1, int(np.quantile(lengths, o.p_quantile, method="higher"))))
+    if kind == "pair":
+        r_max = o.r_max or (o.generate if o.generate else DEFAULT_R_MAX)
+        if o.r_quantile is not None:
+            from actstore.capture.prepare import response_tokens
+
+            lens = [len(response_tokens(lm.tokenizer, source.get(i)["response"] or "")[0]) for i in range(len(source))]
+            r_max = max(1, int(np.quantile(lens, o.r_quantile, method="higher")))
+        plan = replace(plan, r_max=r_max)
+    total = plan.p_max + plan.r_max
+    if lm.max_tokens and total > lm.max_tokens:
+        raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
+    return plan
+
+
+def _as_prompts(source: Source) -> Source:
+    get = source.get
+
+    def as_pair(i: int) -> dict[str, Any]:
+        r = get(i)
+        return {"key": r["key"], "prompt": r["text"], "response": None} if "text" in r else r
+
+    return Source(kind="pair", name=source.name, n=source.n, get=as_pair)
+
+
+def _remove_if_nothing_committed(root: Path, world: int) -> None:
+    """After a failed fresh run: delete the store it created if no writer committed anything."""
+    if not root.exists():
+        return
+    if any(committed(root, r)[0] for r in range(world)):
+        return
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- progress ---------------------------------------------------------------------
+class Progress:
+    """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm)."""
+
+    def __init__(self, total: int, desc: str = "capture", disable: bool = False):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.nbytes = 0
+
+    def update(self, examples: int, tokens: int, nbytes: int) -> None:
+        self.tokens += tokens
+        self.nbytes += nbytes
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.nbytes / dt / 2**20:.1f} MB/s", refresh=False)
+        self.bar.update(examples)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ---- worker processes -------------------------------------------------------------
+def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # torch and threads: never fork a process that runs torch
+    q = ctx.Queue()
+    threads = o.threads or max(1, (os.cpu_count() or 1) // o.workers)
+    wo = replace(o, threads=threads, progress=False)
+    procs = [ctx.Process(target=_worker_main, args=(wo, r, q), name=f"actstore-writer-{r}") for r in range(o.workers)]
+    for p in procs:
+        p.start()
+    todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
+    done_n = sum(committed(o.store, r)[0] for r in range(o.workers)) if o.resume else 0
+    bar = Progress(total=max(todo - done_n, 0), desc=f"{o.workers} writers", disable=not o.progress)
+    results: dict[int, RecordResult] = {}
+    errors: list[str] = []
+    try:
+        while len(results) + len(errors) < o.workers:
+            try:
+                msg = q.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty: check the processes are alive
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead and q.empty():
+                    errors += [f"writer {p.name} died (exit code {p.exitcode})" for p in dead if p.name not in {e.split(':')[0] for e in errors}]
+                    break
+                continue
+            kind = msg[0]
+            if kind == "progress":
+                bar.update(*msg[1:])
+            elif kind == "done":
+                results[msg[1]] = msg[2]
+            else:
+                errors.append(f"writer {msg[1]}: {msg[2]}")
+    finally:
+        bar.close()
+        for p in procs:
+            p.join(timeout=None if not errors else 5)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if errors:
+        raise CaptureError("; ".join(errors))
+    return [results[r] for r in range(o.workers)]
+
+
+def _worker_main(o: WriteOptions, rank: int, q: Any) -> None:
+    """Entry point of a writer process: write one shard, report progress and the result."""
+    try:
+        res = run_shard(o, rank, o.workers, progress=_QueueProgress(q))
+        q.put(("done", rank, res))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
+        q.put(("error", rank, str(e) or type(e).__name__))
+
+
+class _QueueProgress:
+    def __init__(self, q: Any):
+        self.q = q
+
+    def update(self, examples: int, tokens: int, nbytes: int) -> None:
+        self.q.put(("progress", examples, tokens, nbytes))
+

@@ -1,0 +1,99 @@
+"""`actstore write` (capture a model's activations into a store) and `actstore show`."""
+
+from __future__ import annotations
+
+import click
+
+from actstore import spec
+
+
+def register(main: click.Group) -> None:
+    main.add_command(write_cmd)
+    main.add_command(show_cmd)
+
+
+def _layers(value: str) -> tuple[int | str, ...]:
+    items = tuple(x.strip() for x in value.split(",") if x.strip())
+    out: list[int | str] = []
+    for x in items:
+        if x.isdigit():
+            out.append(int(x))
+        elif "-" in x and all(p.isdigit() for p in x.split("-", 1)):
+            a, b = (int(p) for p in x.split("-", 1))
+            out.extend(range(a, b + 1))
+        else:
+            out.append(x)
+    return tuple(out)
+
+
+@click.command("write")
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--model", required=True, help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.")
+@click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
+@click.option("--layers", required=True, help="Blocks to record, e.g. 6,11 or 0-11 (layer N = output of block N = hidden_states[N+1]), or module paths such as model.layers.6.mlp.")
+@click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True, help="Stored dtype.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@click.option("--model-dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True, help="The dtype the model computes in.")
+@click.option("--max-examples", type=int, default=None, help="Capture only the first N examples of the data.")
+@click.option("--p-max", type=int, default=None, help="Token budget of a text or prompt (default 256); longer ones are truncated and counted.")
+@click.option("--r-max", type=int, default=None, help="Token budget of a response (default 64, or N with --generate N).")
+@click.option("--p-quantile", type=float, default=None, help="Choose --p-max as this quantile of the prompt lengths, e.g. 0.99.")
+@click.option("--r-quantile", type=float, default=None, help="Choose --r-max as this quantile of the response lengths.")
+@click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
+@click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
+@click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
+@click.option("--workers", type=int, default=1, show_default=True, help="Writer processes on this machine (one shard each).")
+@click.option("--rank", type=int, default=0, show_default=True, help="This writer's rank (Slurm array / torchrun); writes shard RANK.")
+@click.option("--world-size", type=int, default=1, show_default=True, help="Number of ranks; run `actstore finalize STORE` once all are done.")
+@click.option("--resume", is_flag=True, help="Continue every writer after its last committed example.")
+@click.option("--no-finalize", is_flag=True, help="Leave the store unfinalized (run `actstore finalize` later).")
+@click.option("--commit-mb", type=float, default=spec.DEFAULT_COMMIT_BYTES / 2**20, show_default=True, help="Commit (make durable) every this many MB of activations.")
+@click.option("--on-overflow", type=click.Choice(["raise", "clip"]), default="raise", show_default=True, help="Values beyond the stored dtype's range: stop with an error, or clip and count them.")
+@click.option("--queue-size", type=int, default=4, show_default=True, help="Batches the writer thread may lag behind the model.")
+@click.option("--no-stats", is_flag=True, help="Do not keep running statistics.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def write_cmd(store: str, **kw) -> None:
+    """Capture a model's activations over a dataset into STORE.
+
+    Records the output of each chosen transformer block (the residual stream) for every
+    example, in data order, as (example, layer, token, d_model) activations; keeps
+    running statistics; finalizes the store. The main job on the embedded ViT:
+
+        actstore write out/vit.store --model embedded:dinov2-s14 --data embedded:images --layers 6,11
+    """
+    from actstore.capture.run import WriteOptions, write
+
+    opts = WriteOptions(
+        store=store, model=kw["model"], data=kw["data"], layers=_layers(kw["layers"]), dtype=kw["dtype"],
+        batch_size=kw["batch_size"], device=kw["device"], model_dtype=kw["model_dtype"], max_examples=kw["max_examples"],
+        p_max=kw["p_max"], r_max=kw["r_max"], p_quantile=kw["p_quantile"], r_quantile=kw["r_quantile"],
+        generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
+        rank=kw["rank"], world_size=kw["world_size"], resume=kw["resume"], finalize=not kw["no_finalize"],
+        commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
+        progress=not kw["quiet"],
+    )
+    s = write(opts)
+    rate = s["written"] / s["seconds"] if s["seconds"] else 0.0
+    click.echo(
+        f"wrote {s['written']} examples ({s['tokens']:,} tokens per layer, {s['bytes'] / 2**20:.1f} MiB) to {store} "
+        f"in {s['seconds']:.1f} s ({rate:.1f} examples/s); {s['examples']} examples in shard(s) {s['shards']}"
+        + ("; finalized" if s["finalized"] else f"; run `actstore finalize {store}` once every writer is done")
+    )
+
+
+@click.command("show")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.option("--ex", type=int, required=True, help="Example index.")
+@click.option("--layer", type=int, required=True, help="Stored layer number.")
+@click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="PNG to write (default exN-layerL.png).")
+def show_cmd(store: str, ex: int, layer: int, out: str | None) -> None:
+    """Draw per-patch activation norms of example EX at LAYER over the image (a PNG).
+
+    For stores written from a vision transformer; the image is re-read from the
+    reference the store keeps (a file path, an embedded image or a datasets row).
+    """
+    from actstore.capture.show import render
+
+    path = render(store, ex, layer, out)
+    click.echo(f"wrote {path}")
