@@ -4,7 +4,8 @@ examples x k random layers per batch, as padded (b, k, T, D) tensors.
 One dataset item is one whole batch: the sampler yields PairIndex(examples, layers) and
 the dataset reads its b*k*S (example, layer, segment) slices through a thread pool (the
 chunk reads release the GIL) straight into a preallocated buffer. In the main process a
-ring of `n_buffers` buffers is reused (optionally pinned); in a DataLoader worker each
+ring of `n_buffers` buffers is reused once the batch it held is dropped (optionally
+pinned); in a DataLoader worker each
 batch is read into a fresh shared-memory tensor, which the DataLoader passes to the
 main process without another copy. No lock is shared between workers.
 """
@@ -113,8 +114,9 @@ class PairDataset(Dataset):
       - "examples": (b,) and "layers": (b, k) int64 (model layer numbers);
       - "mask": (b, T) bool, True on real (and unmasked) tokens, when return_mask=True.
 
-    In the main process the tensors are views of one of `n_buffers` reused buffers: a
-    batch stays valid until `n_buffers` more batches have been read (clone to keep it).
+    In the main process the tensors are views of one of `n_buffers` reused buffers; a
+    buffer is reused only once no view of the batch it held is alive (a batch you keep is
+    never overwritten; one you drop costs no new allocation).
 
     Args:
         store: an ActStore (or an ActStore over a saev directory).
@@ -171,6 +173,8 @@ class PairDataset(Dataset):
                rank: int | None = None, world_size: int | None = None, **dataloader_kwargs: Any) -> DataLoader:
         """A DataLoader yielding batch dicts; extra keyword arguments go to DataLoader."""
         smp = self.sampler(batch_size=batch_size, k=k, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        if not dataloader_kwargs.get("num_workers"):
+            dataloader_kwargs.pop("multiprocessing_context", None)  # DataLoader refuses it without workers
         return DataLoader(self, sampler=smp, batch_size=None, **dataloader_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -192,17 +196,19 @@ class PairDataset(Dataset):
 
     def _buffer(self, b: int, k: int) -> torch.Tensor:
         shape = (b, k, self.t_total, self.d_model)
+        n = int(np.prod(shape))
         if get_worker_info() is not None:
             return _shared_empty(shape, self.torch_dtype)
         i = self._next % self.n_buffers
         self._next += 1
-        if len(self._ring) <= i or self._ring[i].numel() < int(np.prod(shape)):
-            t = torch.empty(int(np.prod(shape)), dtype=self.torch_dtype, pin_memory=self.pin_memory)
-            if len(self._ring) <= i:
-                self._ring.append(t)
-            else:
-                self._ring[i] = t
-        return self._ring[i][: int(np.prod(shape))].view(shape)
+        if len(self._ring) <= i:
+            self._ring.append(None)
+        t = self._ring[i]
+        if t is None or t.numel() < n or not _unreferenced(t):
+            # A batch still held by the caller is never overwritten: its slot gets a new buffer.
+            t = torch.empty(n, dtype=self.torch_dtype, pin_memory=self.pin_memory)
+            self._ring[i] = t
+        return t[:n].view(shape)
 
     def __getitem__(self, index: PairIndex | tuple) -> dict[str, torch.Tensor]:
         if not (isinstance(index, tuple) and len(index) == 2):
@@ -260,6 +266,21 @@ class PairDataset(Dataset):
                 m &= self.masks[s][exs]
             mask[:, o : o + seg.t_max] = m
         return mask
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+try:
+    _FREE_REFS = _storage_refs(torch.empty(1))  # references of a storage that only its tensor holds
+except Exception:  # noqa: BLE001 - private API gone: never reuse a buffer
+    _FREE_REFS = None
+
+
+def _unreferenced(t: torch.Tensor) -> bool:
+    """True when no view of `t` (a returned batch, a numpy array of it) is alive anywhere."""
+    return _FREE_REFS is not None and _storage_refs(t) == _FREE_REFS
 
 
 def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
