@@ -1,0 +1,104 @@
+"""`actstore verify`, `actstore import-pkl` and `actstore export-pkl` (see docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from actstore import spec
+
+
+def register(main: click.Group) -> None:
+    main.add_command(verify_cmd)
+    main.add_command(import_pkl_cmd)
+    main.add_command(export_pkl_cmd)
+
+
+def _bar(total: int | None, unit: str, quiet: bool, desc: str):
+    """A tqdm progress bar on stderr, or a stand-in when quiet (or stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr,
+                disable=quiet or not sys.stderr.isatty(), leave=False)
+
+
+@click.command("verify")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.option("--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool) -> None:
+    """Check STORE's integrity; exit 1 and print a table of problems when it is damaged.
+
+    Fast mode (default) checks metadata against itself and every chunk file's presence and
+    size. --deep also recomputes checksums and names each damaged (example, layer) and its
+    file. Warnings (a shard not yet finalized, leftover temporary files) do not fail unless
+    --strict.
+    """
+    from actstore.errors import ActstoreError
+    from actstore.manifest import load_manifest
+    from actstore.verify import verify_store
+
+    total = None
+    if deep:
+        try:  # the bar's total: activation bytes published (a damaged manifest just has no total)
+            total = sum(s.nbytes for s in load_manifest(store).shards)
+        except ActstoreError:
+            total = None
+    with _bar(total, "B", quiet, "verify --deep" if deep else "verify") as bar:
+        report = verify_store(store, deep=deep, progress=bar.update)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=1))
+    else:
+        click.echo(report.summary())
+        if report.problems:
+            click.echo(report.table())
+    if not report.ok or (strict and report.problems):
+        sys.exit(1)
+
+
+@click.command("import-pkl")
+@click.argument("source", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True,
+              help="Stored dtype (legacy activations are float32; float16 halves the size).")
+@click.option("--tokens", type=int, help="T_max when metadata.json has no extraction_config.max_seq_length.")
+@click.option("--max-shard-bytes", type=int, help="Refuse a shard whose pickle decompresses to more bytes (default: from its metadata).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, quiet: bool) -> None:
+    """Import the legacy pkl.gz directory SOURCE (metadata.json + shard_NNNN.pkl.gz) into STORE.
+
+    Shard pickles are loaded by a restricted unpickler that admits only numpy array
+    reconstruction, after their sha256 checksums match metadata.json. Layers, sample_idx,
+    text_preview and metadata map into the store (see docs/reliability.md); the store is
+    finalized. A rerun after an interruption continues where it stopped.
+    """
+    from actstore.legacy import import_pkl
+
+    with _bar(None, "ex", quiet, "import-pkl") as bar:
+        report = import_pkl(source, store, dtype=dtype, tokens=tokens, max_shard_bytes=max_shard_bytes, progress=bar.update)
+    click.echo(report.summary())
+
+
+@click.command("export-pkl")
+@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--examples-per-shard", type=int, default=100, show_default=True, help="Records per shard file.")
+@click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")
+@click.option("--overwrite", is_flag=True, help="Replace a finished export in OUT.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool) -> None:
+    """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT.
+
+    For tools that still read that format. Activations are float32 [T_i, D] per (example,
+    layer); metadata.json lists sha256 checksums and is written last.
+    """
+    from actstore.legacy import export_pkl
+
+    with _bar(None, "ex", quiet, "export-pkl") as bar:
+        report = export_pkl(store, out, examples_per_shard=examples_per_shard, compress=not no_compress,
+                            overwrite=overwrite, progress=bar.update)
+    click.echo(report.summary())
