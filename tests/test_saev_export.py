@@ -208,3 +208,18 @@ def test_dump_to_defaults_to_saev_scratch(tmp_path, monkeypatch):
 
 def test_top_level_api_is_exported():
     assert actstore.export_saev is export_saev and actstore.verify_saev is verify_saev
+
+
+def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypatch):
+    store = make_vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
+    kw = dict(patches_per_shard=30, cls="drop", progress=False)
+    real = export_mod._half_converter
+    monkeypatch.setattr(export_mod, "_half_converter", lambda nbytes: None)  # numpy's cast
+    a = export_saev(store, tmp_path / "numpy", **kw)
+    monkeypatch.setattr(export_mod, "_half_converter", real)
+    monkeypatch.setattr(export_mod, "TORCH_HALF_MIN_BYTES", 0)
+    assert export_mod._half_converter(10) is not None  # torch is a dev dependency
+    b = export_saev(store, tmp_path / "torch", **kw)
+    assert a.hash == b.hash
+    for p in a.path.iterdir():
+        assert (b.path / p.name).read_bytes() == p.read_bytes()

@@ -50,9 +50,10 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--labels/--no-labels", default=None, help="Write labels.bin from the store's per-token labels (default: when stored).")
 @click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
+@click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckpt, dataset, data,
-               patches_per_shard, pixel_agg, labels, overwrite, workers, quiet) -> None:
+               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet) -> None:
     """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
 
     Float32 shards in the store's example order; the directory is built beside its target
@@ -64,7 +65,8 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
     res = export_saev(
         store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
-        pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, progress=not quiet,
+        pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
+        progress=not quiet,
     )
     what = "exists, verified" if res.reused else "exported"
     click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
