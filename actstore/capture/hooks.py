@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from actstore.capture.errors import CaptureError, NoBlocksError, UnknownLayerError
 
 # Where HF transformers models keep their blocks, relative to the module we call.
@@ -91,7 +93,7 @@ def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
     index for `model.layers.6.mlp`); when some path has none or two share one, the paths
     are numbered 0..k-1 in the order given.
     """
-    items = [int(x) if isinstance(x, str) and x.strip().isdigit() else x for x in layers]
+    items = [int(x) if isinstance(x, (int, np.integer)) else x for x in layers]  # str: always a module path
     if not items:
         raise UnknownLayerError("no layers to record; pass layer numbers such as --layers 6,11")
     ints = [x for x in items if isinstance(x, int)]
@@ -169,6 +171,7 @@ class Capture:
         self.stop_early = stop_early
         self.to_host = to_host
         self._out: dict[int, Any] = {}
+        self._active = False
         self._handles: list[Any] = []
 
     def __enter__(self) -> Capture:
@@ -185,6 +188,8 @@ class Capture:
         import torch
 
         def hook(_mod: Any, _args: Any, out: Any) -> None:
+            if not self._active:
+                return  # a forward outside run() (e.g. generating the response)
             if hp.layer in self._out:
                 return  # a module that runs twice per forward: keep its first output
             t = _first_tensor(out)
@@ -203,16 +208,19 @@ class Capture:
 
         return hook
 
-    def run(self, inputs: dict[str, Any]) -> tuple[dict[int, Any], Any]:
+    def run(self, inputs: dict[str, Any], args: tuple[Any, ...] = ()) -> tuple[dict[int, Any], Any]:
         """One forward pass; returns ({layer: (B, T, D) tensor}, CUDA event or None)."""
         import torch
 
         self._out = {}
+        self._active = True
         with torch.inference_mode():
             try:
-                self.module(**inputs)
+                self.module(*args, **inputs)
             except _StopForward:
                 pass
+            finally:
+                self._active = False
             event = None
             if self.to_host and torch.cuda.is_available():
                 event = torch.cuda.Event()

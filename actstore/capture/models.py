@@ -54,14 +54,28 @@ class LoadedModel:
         return next(self.forward.parameters()).device
 
 
-def load_model(name: str, *, device: str = "cpu", torch_dtype: str = "float32") -> LoadedModel:
+_LOADED: dict[tuple[str, str, str], LoadedModel] = {}
+
+
+def load_model(name: str, *, device: str = "cpu", torch_dtype: str = "float32", cache: bool = True) -> LoadedModel:
     """Load `name`: `embedded:dinov2-s14|smollm2-135m|minilm-l6`, a local HF folder or a hub id.
 
     Args:
         name: what to load.
         device: "cpu", "cuda" or "cuda:N".
         torch_dtype: the dtype the model computes in ("float32", "bfloat16", "float16").
+        cache: reuse a model this process already loaded with the same arguments.
     """
+    key = (name, device, torch_dtype)
+    if cache and key in _LOADED:
+        return _LOADED[key]
+    lm = _load(name, device, torch_dtype)
+    if cache:
+        _LOADED[key] = lm
+    return lm
+
+
+def _load(name: str, device: str, torch_dtype: str) -> LoadedModel:
     import torch
 
     _check_device(device)

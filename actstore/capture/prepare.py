@@ -27,6 +27,7 @@ class CaptureBatch:
 
     Attributes:
         inputs: keyword arguments of the model's forward (torch tensors on the device).
+        args: positional arguments of the forward (for modules without named inputs).
         keys: sample keys, one per example.
         select: per segment, per example, the token positions stored (None: every token
             of a fixed-length segment).
@@ -37,6 +38,7 @@ class CaptureBatch:
 
     inputs: dict[str, Any]
     keys: list[str]
+    args: tuple[Any, ...] = ()
     select: dict[str, list[np.ndarray]] | None = None
     labels: dict[str, list[np.ndarray]] | None = None
     source_lengths: dict[str, np.ndarray] | None = None

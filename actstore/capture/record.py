@@ -140,8 +140,8 @@ def record(
                     raw = next(it)
                 except StopIteration:
                     break
-                batch = _as_batch(raw)
-                outs, event = cap.run({**batch.inputs, **extra})
+                batch = _as_batch(raw, lm.forward)
+                outs, event = cap.run({**batch.inputs, **extra}, batch.args)
                 t_fwd += time.perf_counter() - t1
                 if drain is None:
                     job.open_writer(outs)
@@ -373,13 +373,16 @@ def _select_from_mask(batch: CaptureBatch, cfg: Any) -> dict[str, list[np.ndarra
     return {cfg.segments[0].name: [np.flatnonzero(row) for row in m]}
 
 
-def _as_batch(raw: Any) -> CaptureBatch:
+def _as_batch(raw: Any, module: Any) -> CaptureBatch:
     if isinstance(raw, CaptureBatch):
         return raw
     if isinstance(raw, Mapping):
         return CaptureBatch(inputs=dict(raw), keys=[])
     if hasattr(raw, "dtype") and hasattr(raw, "is_floating_point"):
-        return CaptureBatch(inputs={"pixel_values" if raw.is_floating_point() else "input_ids": raw}, keys=[])
+        name = "pixel_values" if raw.is_floating_point() else "input_ids"
+        if _accepts(module, name):
+            return CaptureBatch(inputs={name: raw}, keys=[])
+        return CaptureBatch(inputs={}, keys=[], args=(raw,))  # a plain module: positional input
     raise CaptureError(f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}")
 
 

@@ -203,7 +203,9 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
         plan = replace(plan, r_max=r_max)
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
-        raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
+        if o.p_max is not None:
+            raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
+        plan = replace(plan, p_max=max(1, lm.max_tokens - plan.r_max))  # a default or quantile budget: fit the context
     return plan
 
 

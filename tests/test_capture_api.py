@@ -1,0 +1,192 @@
+"""actstore.record on tiny config-built models: stored activations equal the model's own
+output_hidden_states[N + 1] for block N, statistics equal numpy's, early stop, module paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import actstore
+from actstore.capture import Capture, CaptureError, NoBlocksError, UnknownLayerError, normalization, resolve_hooks
+from test_capture_support import all_vectors, tiny_dinov2, tiny_llama
+
+
+def _f16(x: torch.Tensor) -> np.ndarray:
+    return x.numpy().astype(np.float16)
+
+
+def test_llama_blocks_equal_hidden_states(tmp_path):
+    model, _ = tiny_llama(layers=4)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(4, model.config.vocab_size, (3, 9), generator=g) for _ in range(3)]
+    res = actstore.record(model, batches, tmp_path / "s", layers=[0, 1, 2])
+    assert (res.n_written, res.tokens) == (9, 81)  # 9 examples of 9 tokens
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    assert store.layers == (0, 1, 2) and len(store) == 9
+    with torch.inference_mode():
+        for b, ids in enumerate(batches):
+            hs = model(ids, output_hidden_states=True).hidden_states
+            for j in range(3):
+                for layer in (0, 1, 2):
+                    np.testing.assert_array_equal(store[b * 3 + j, layer], _f16(hs[layer + 1][j]))
+
+
+def test_last_block_is_the_residual_stream_before_the_final_norm(tmp_path):
+    # hidden_states[-1] of Llama is after model.norm; layer 3 (the last block) is before it.
+    model, _ = tiny_llama(layers=4)
+    ids = torch.randint(4, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    actstore.record(model, [ids], tmp_path / "s", layers=[3], dtype="float32")
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    with torch.inference_mode():
+        hs = model(ids, output_hidden_states=True).hidden_states
+        for j in range(2):
+            normed = model.model.norm(torch.from_numpy(store[j, 3].copy()))
+            np.testing.assert_allclose(normed.numpy(), hs[4][j].numpy(), rtol=1e-5, atol=1e-6)
+            assert not np.allclose(store[j, 3], hs[4][j].numpy(), atol=1e-3)
+
+
+def test_dinov2_blocks_equal_hidden_states_and_attrs(tmp_path):
+    model = tiny_dinov2(layers=3)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(2, 3, 28, 28, generator=g) for _ in range(2)]
+    actstore.record(model, batches, tmp_path / "s", layers=[0, 2], dtype="float16")
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    assert store.config.segments[0].t_max == 5 and store.config.segments[0].fixed  # CLS + 2x2 patches
+    assert store.config.attrs["hooks"] == {"0": "encoder.layer.0", "2": "encoder.layer.2"}
+    with torch.inference_mode():
+        for b, px in enumerate(batches):
+            hs = model(px, output_hidden_states=True).hidden_states
+            for j in range(2):
+                for layer in (0, 2):
+                    np.testing.assert_array_equal(store[b * 2 + j, layer], _f16(hs[layer + 1][j]))
+
+
+def test_padded_text_segment_keeps_only_attended_tokens(tmp_path):
+    model, _ = tiny_llama(layers=3)
+    ids = torch.randint(4, model.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(4))
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 2 + [0] * 6])
+    actstore.record(model, [{"input_ids": ids, "attention_mask": mask}], tmp_path / "s", layers=[1], segments={"tokens": 6})
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    assert [store.lengths(i)["tokens"] for i in range(3)] == [6, 5, 2]
+    assert store.manifest.truncation["tokens"]["count"] == 1
+    with torch.inference_mode():
+        hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    for j, n in enumerate([6, 5, 2]):
+        np.testing.assert_array_equal(store[j, 1], _f16(hs[2][j, :n]))
+
+
+def test_forward_stops_after_the_last_recorded_block():
+    model, _ = tiny_llama(layers=4)
+    ran = []
+    for i, blk in enumerate(model.model.layers):
+        blk.register_forward_hook(lambda m, a, o, i=i: ran.append(i))
+    head_calls = []
+    model.lm_head.register_forward_hook(lambda m, a, o: head_calls.append(1))
+    ids = torch.randint(4, 50, (1, 5))
+    with Capture(model, resolve_hooks(model, [0, 1])) as cap:
+        out, _ = cap.run({"input_ids": ids})
+    assert ran == [0, 1] and head_calls == [] and sorted(out) == [0, 1]
+    ran.clear()
+    with Capture(model, resolve_hooks(model, [1]), stop_early=False) as cap:
+        cap.run({"input_ids": ids})
+    assert ran == [0, 1, 2, 3] and head_calls == [1]
+
+
+def test_module_path_hooks_record_mlp_outputs(tmp_path):
+    model, _ = tiny_llama(layers=3)
+    ids = torch.randint(4, 50, (2, 5), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.setdefault("mlp1", o.detach().clone()))
+    actstore.record(model, [ids], tmp_path / "s", layers=["model.layers.1.mlp", "model.layers.2.self_attn"], dtype="float32")
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    assert store.layers == (1, 2)
+    assert store.config.attrs["hooks"] == {"1": "model.layers.1.mlp", "2": "model.layers.2.self_attn"}
+    np.testing.assert_array_equal(store[1, 1], seen["mlp1"][1].numpy())
+
+
+def test_statistics_equal_numpy_over_stored_vectors(tmp_path):
+    model, _ = tiny_llama(layers=3)
+    g = torch.Generator().manual_seed(6)
+    batches = [{"input_ids": torch.randint(4, 100, (4, 10), generator=g), "attention_mask": (torch.rand(4, 10, generator=g) > 0.3).long().cumprod(1)} for _ in range(3)]
+    for b in batches:
+        b["attention_mask"][:, 0] = 1
+    actstore.record(model, batches, tmp_path / "s", layers=[0, 2], segments={"tokens": 10}, commit_bytes=1)
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    st = store.stats()
+    for layer in (0, 2):
+        v = all_vectors(store, layer)
+        k = st.keys.index(f"layer{layer}/tokens")
+        assert st.count[k] == len(v) == int(store.segment("tokens").lengths().sum())
+        np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(st.variance(f"layer{layer}/tokens"), v.var(0), rtol=1e-9, atol=1e-12)
+        assert st.norm_sum[k] / st.count[k] == pytest.approx(np.linalg.norm(v, axis=1).mean(), rel=1e-12)
+        assert (st.min[k], st.max[k]) == (v.min(), v.max())
+        n = normalization(store, layer)
+        np.testing.assert_allclose(n.std, v.std(0), rtol=1e-9, atol=1e-12)
+
+
+def test_bfloat16_and_float32_stores(tmp_path):
+    model = tiny_dinov2()
+    px = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(7))
+    for dt in ("bfloat16", "float32"):
+        actstore.record(model, [px], tmp_path / dt, layers=[1], dtype=dt)
+        actstore.finalize(tmp_path / dt)
+    with torch.inference_mode():
+        ref = model(px, output_hidden_states=True).hidden_states[2]
+    np.testing.assert_array_equal(actstore.ActStore(tmp_path / "float32")[1, 1], ref[1].numpy())
+    np.testing.assert_array_equal(actstore.ActStore(tmp_path / "bfloat16")[1, 1], ref[1].bfloat16().float().numpy())
+
+
+def test_unknown_layer_names_the_layers_that_exist(tmp_path):
+    model, _ = tiny_llama(layers=4)
+    with pytest.raises(UnknownLayerError, match=r"layer 7 does not exist: LlamaForCausalLM has 4 blocks at model.layers, so layers 0..3 exist"):
+        actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=[1, 7])
+    with pytest.raises(UnknownLayerError, match=r"no module 'model.layers.1.mlpx'.*children \['gate_proj', 'up_proj', 'down_proj', 'act_fn'\]|children .*mlp"):
+        actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=["model.layers.1.mlpx"])
+    assert not (tmp_path / "s").exists()
+
+
+def test_model_without_blocks_is_refused(tmp_path):
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    with pytest.raises(NoBlocksError, match=r"Sequential has no recognised transformer blocks .*record modules by path"):
+        actstore.record(mlp, [torch.zeros(1, 2, 4)], tmp_path / "s", layers=[0])
+    assert not (tmp_path / "s").exists()
+    # by module path it works: the last Linear's output, stored under the path's number
+    x = torch.randn(2, 3, 4)
+    actstore.record(mlp, [x], tmp_path / "s", layers=["2"], dtype="float32")
+    actstore.finalize(tmp_path / "s")
+    with torch.inference_mode():
+        np.testing.assert_array_equal(actstore.ActStore(tmp_path / "s")[1, 2], mlp(x)[1].numpy())
+
+
+def test_empty_batches_write_nothing(tmp_path):
+    model = tiny_dinov2()
+    with pytest.raises(CaptureError, match="no batches to record: the data is empty"):
+        actstore.record(model, [], tmp_path / "s", layers=[0])
+    assert not (tmp_path / "s").exists()
+
+
+def test_fp16_overflow_is_refused_then_clipped_and_counted(tmp_path):
+    model, _ = tiny_llama(layers=2, scale=1e7)  # embeddings of std ~2e5 push |x| past 65504
+    ids = torch.randint(4, 100, (2, 6), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    n_over = int((hs[1].abs() > 65504).sum())
+    assert n_over > 0
+    with pytest.raises(actstore.Float16OverflowError, match=r"beyond the range of float16 .*dtype='float32' or 'bfloat16'"):
+        actstore.record(model, [ids], tmp_path / "s", layers=[0])
+    with pytest.raises(actstore.NotFinalizedError):
+        actstore.ActStore(tmp_path / "s")  # nothing visible to readers
+    actstore.record(model, [ids], tmp_path / "c", layers=[0], on_overflow="clip")
+    actstore.finalize(tmp_path / "c")
+    store = actstore.ActStore(tmp_path / "c")
+    st = store.stats()
+    assert st.overflow[st.keys.index("layer0/tokens")] == n_over == store.manifest.overflow["tokens"]
+    assert np.abs(store[0, 0].astype(np.float32)).max() == 65504.0

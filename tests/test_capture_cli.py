@@ -1,0 +1,274 @@
+"""`actstore write` and `actstore show` on tiny saved models: equality with the model's own
+hidden states, text segments and masks, parallel writers, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from PIL import Image
+
+import actstore
+from actstore.cli import main
+from test_capture_support import (
+    PAIRS, SENTENCES, all_vectors, make_images, reference_pixels, save_dinov2, save_llama, tiny_dinov2, tiny_llama, write_jsonl,
+)
+
+
+def cli(*args: str, ok: bool = True):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    if ok:
+        assert res.exit_code == 0, res.output + repr(res.exception)
+    return res
+
+
+def assert_f16_close(got: np.ndarray, ref: np.ndarray) -> None:
+    """Within float16 rounding: at most one fp16 ulp of the reference apart."""
+    got = np.asarray(got, np.float32)
+    ulp = np.maximum(np.abs(ref), 2.0**-14) * 2.0**-10
+    assert got.shape == ref.shape
+    assert (np.abs(got - ref) <= ulp).all(), float(np.abs(got - ref).max())
+
+
+@pytest.fixture(scope="module")
+def dino_dir(tmp_path_factory):
+    return save_dinov2(tmp_path_factory.mktemp("m") / "dino", layers=3)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_llama(tmp_path_factory.mktemp("m") / "llama", layers=3)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("imgs")
+    make_images(folder, n=6)
+    return folder
+
+
+def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, images):
+    out = tmp_path / "s"
+    res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--quiet")
+    assert "wrote 6 examples" in res.output and "finalized" in res.output
+    store = actstore.ActStore(out)
+    model = tiny_dinov2(layers=3)  # the same seed: the same weights as the saved folder
+    files = sorted(images.glob("*.png"))
+    px = torch.from_numpy(np.stack([reference_pixels(f, 28) for f in files]))
+    with torch.inference_mode():
+        hs = [model(px[:4], output_hidden_states=True).hidden_states, model(px[4:], output_hidden_states=True).hidden_states]
+    for i in range(6):
+        for layer in (0, 2):
+            assert_f16_close(store[i, layer], hs[i // 4][layer + 1][i % 4].numpy())
+        assert store.sample(i)["sample_key"] == files[i].name
+        assert store.sample(i)["image"] == {"path": str(files[i].resolve())}
+    assert store.config.attrs["image"]["grid"] == [2, 2] and store.config.attrs["image"]["prefix_tokens"] == 1
+    png = tmp_path / "p.png"
+    res = cli("show", out, "--ex", "3", "--layer", "2", "-o", png)
+    with Image.open(png) as im:
+        assert im.size[0] > 2 * 2 * 28 and im.mode == "RGB"
+        arr = np.asarray(im)
+    assert len(np.unique(arr.reshape(-1, 3), axis=0)) > 50  # a picture, not a blank canvas
+
+
+def test_text_store_truncates_masks_and_equals_hidden_states(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
+    out = tmp_path / "s"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "0,1", "--p-max", "7", "--batch-size", "4", "--quiet")
+    store = actstore.ActStore(out)
+    model, tok = tiny_llama(layers=3)
+    full = [tok(s)["input_ids"] for s in SENTENCES]
+    assert store.manifest.truncation["tokens"]["count"] == sum(len(f) > 7 for f in full) > 0
+    assert list(store.texts("text")) == SENTENCES
+    labels = store.field("tokens_token_labels")
+    for i, ids in enumerate(full):
+        ids = ids[:7]
+        assert store.lengths(i)["tokens"] == len(ids)
+        assert labels[i, 0] == 1 and (labels[i, 1 : len(ids)] == 0).all()  # <s> is special
+        with torch.inference_mode():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for layer in (0, 1):
+            assert_f16_close(store[i, layer], hs[layer + 1][0].numpy())
+
+
+def test_pairs_with_chat_template_label_template_tokens(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    out = tmp_path / "s"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--chat-template", "--r-max", "4", "--quiet")
+    store = actstore.ActStore(out)
+    assert store.segments == ("prompt", "response")
+    model, tok = tiny_llama(layers=3)
+    lab_p = store.field("prompt_token_labels")
+    for i, pair in enumerate(PAIRS):
+        rendered = tok.apply_chat_template([{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True)
+        p_ids = tok(rendered, add_special_tokens=False)["input_ids"]
+        r_ids = tok(pair["response"], add_special_tokens=False)["input_ids"][:4]
+        assert store.lengths(i) == {"prompt": len(p_ids), "response": len(r_ids)}
+        words = [tok.convert_ids_to_tokens(t) for t in p_ids]
+        want = [1 if w in ("<s>", "</s>") else (2 if w in ("user", "assistant", ":") else 0) for w in words]
+        assert lab_p[i, : len(p_ids)].tolist() == want
+        with torch.inference_mode():
+            hs = model(torch.tensor([p_ids + r_ids]), output_hidden_states=True).hidden_states[2][0].numpy()
+        assert_f16_close(store.segment("prompt")[i, 1], hs[: len(p_ids)])
+        assert_f16_close(store.segment("response")[i, 1], hs[len(p_ids) :])
+        assert store.sample(i)["response"] == pair["response"]
+    trunc = sum(len(tok(p["response"], add_special_tokens=False)["input_ids"]) > 4 for p in PAIRS)
+    assert store.manifest.truncation["response"]["count"] == trunc > 0
+
+
+def test_special_tokens_dropped_and_quantile_budget(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", SENTENCES)  # plain JSON strings
+    out = tmp_path / "s"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--special", "drop", "--p-quantile", "0.5", "--quiet")
+    store = actstore.ActStore(out)
+    model, tok = tiny_llama(layers=3)
+    lens = [len(tok(s)["input_ids"]) for s in SENTENCES]
+    p_max = int(np.quantile(lens, 0.5, method="higher"))
+    assert store.config.segment("tokens").t_max == p_max and not store.config.token_labels
+    for i, s in enumerate(SENTENCES):
+        ids = tok(s)["input_ids"][:p_max]
+        with torch.inference_mode():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
+        assert_f16_close(store[i, 1], hs[1:])  # position 0 (<s>) is not stored
+
+
+def test_generate_responses(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": p["prompt"]} for p in PAIRS[:3]])
+    out = tmp_path / "s"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--generate", "3", "--batch-size", "2", "--quiet")
+    store = actstore.ActStore(out)
+    model, tok = tiny_llama(layers=3)
+    for i, pair in enumerate(PAIRS[:3]):
+        p_ids = tok(pair["prompt"])["input_ids"]
+        with torch.inference_mode():
+            gen = model.generate(torch.tensor([p_ids]), max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p_ids) :].tolist()
+        if tok.eos_token_id in gen:
+            gen = gen[: gen.index(tok.eos_token_id) + 1]
+        assert store.lengths(i) == {"prompt": len(p_ids), "response": len(gen)}
+        assert store.sample(i)["response"] == tok.decode(gen, skip_special_tokens=True)
+        with torch.inference_mode():
+            hs = model(torch.tensor([p_ids + gen]), output_hidden_states=True).hidden_states[2][0].numpy()
+        assert_f16_close(store.segment("response")[i, 1], hs[len(p_ids) :])
+
+
+def test_workers_and_ranks_equal_a_single_writer(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 2)
+    common = ["--model", llama_dir, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
+    cli("write", tmp_path / "one", *common)
+    cli("write", tmp_path / "two", *common, "--workers", "2")
+    cli("write", tmp_path / "r", *common, "--rank", "1", "--world-size", "2")
+    res = cli("write", tmp_path / "r", *common, "--rank", "0", "--world-size", "2")
+    assert "run `actstore finalize" in res.output
+    cli("finalize", tmp_path / "r")
+    one = actstore.ActStore(tmp_path / "one")
+    for other in (actstore.ActStore(tmp_path / "two"), actstore.ActStore(tmp_path / "r")):
+        assert len(other.manifest.shards) == 2 and len(other) == len(one) == 10
+        assert list(other.field("sample_key")) == list(one.field("sample_key"))
+        assert list(other.texts("response")) == list(one.texts("response"))
+        for i in range(len(one)):
+            for layer in (0, 2):
+                np.testing.assert_array_equal(other[i, layer], one[i, layer])
+        st = other.stats()
+        for layer in (0, 2):
+            for seg in ("prompt", "response"):
+                v = all_vectors(other, layer, seg)
+                k = st.keys.index(f"layer{layer}/{seg}")
+                np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-10, atol=1e-12)
+                np.testing.assert_allclose(st.m2[k] / st.count[k], v.var(0), rtol=1e-9, atol=1e-12)
+                assert st.count[k] == len(v)
+
+
+def test_info_shows_statistics(tmp_path, dino_dir, images):
+    cli("write", tmp_path / "s", "--model", dino_dir, "--data", images, "--layers", "1", "--quiet")
+    out = cli("info", tmp_path / "s").output
+    assert "layer1/tokens" in out and "overflow" in out and "30" in out  # 6 images x 5 tokens
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("layer", r"actstore: error: layer 9 does not exist: Dinov2Model has 3 blocks at encoder.layer, so layers 0..2 exist"),
+        ("empty_folder", r"actstore: error: --data .*: no images \(.jpg.*\) in this folder; nothing to capture"),
+        ("empty_jsonl", r"actstore: error: --data .*empty.jsonl holds no examples; nothing to capture"),
+        ("bad_image", r"actstore: error: cannot read image .*broken.png: .*; remove or replace the file"),
+        ("modality", r"actstore: error: model .* takes image input but --data .* holds text examples"),
+        ("bad_json", r"actstore: error: .*bad.jsonl:2: not valid JSON"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, dino_dir, images, case, message):
+    import shutil
+
+    data = images
+    layers = "0"
+    if case == "layer":
+        layers = "0,9"
+    elif case == "empty_folder":
+        data = tmp_path / "none"
+        data.mkdir()
+    elif case == "empty_jsonl":
+        data = tmp_path / "empty.jsonl"
+        data.write_text("\n")
+    elif case == "bad_image":
+        data = tmp_path / "imgs"
+        shutil.copytree(images, data)
+        (data / "broken.png").write_bytes(b"\x89PNG not really an image")
+    elif case == "modality":
+        data = write_jsonl(tmp_path / "t.jsonl", ["some text"])
+    elif case == "bad_json":
+        data = tmp_path / "bad.jsonl"
+        data.write_text('{"text": "ok"}\n{"text": \n')
+    out = tmp_path / "s"
+    res = cli("write", out, "--model", dino_dir, "--data", data, "--layers", layers, "--quiet", ok=False)
+    assert res.exit_code == 1
+    assert re.search(message, res.output), res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_fp16_overflow_via_cli(tmp_path):
+    folder = save_llama(tmp_path / "big", layers=2, scale=1e7)
+    data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:3])
+    res = cli("write", tmp_path / "s", "--model", folder, "--data", data, "--layers", "0", "--quiet", ok=False)
+    assert res.exit_code == 1
+    assert re.search(r"actstore: error: segment 'tokens': \d+ finite float32 values lie beyond the range of float16", res.output), res.output
+    assert not (tmp_path / "s").exists()
+    cli("write", tmp_path / "c", "--model", folder, "--data", data, "--layers", "0", "--on-overflow", "clip", "--quiet")
+    store = actstore.ActStore(tmp_path / "c")
+    st = store.stats()
+    assert st.overflow[0] == store.manifest.overflow["tokens"] > 0
+    cli("write", tmp_path / "f", "--model", folder, "--data", data, "--layers", "0", "--dtype", "float32", "--quiet")
+    assert np.abs(all_vectors(actstore.ActStore(tmp_path / "f"), 0)).max() > 65504
+
+
+def test_datasets_folder(tmp_path, llama_dir):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": SENTENCES[:4]}).save_to_disk(str(tmp_path / "ds"))
+    cli("write", tmp_path / "s", "--model", llama_dir, "--data", tmp_path / "ds", "--layers", "1", "--quiet")
+    store = actstore.ActStore(tmp_path / "s")
+    assert list(store.texts("text")) == SENTENCES[:4]
+    assert list(store.field("sample_key")) == ["row-0", "row-1", "row-2", "row-3"]
+    model, tok = tiny_llama(layers=3)
+    with torch.inference_mode():
+        hs = model(torch.tensor([tok(SENTENCES[2])["input_ids"]]), output_hidden_states=True).hidden_states[2][0].numpy()
+    assert_f16_close(store[2, 1], hs)
+
+
+def test_show_refuses_text_stores(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:2])
+    cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", "--quiet")
+    res = cli("show", tmp_path / "s", "--ex", "0", "--layer", "1", ok=False)
+    assert res.exit_code == 1 and "holds no image activations" in res.output
+
+
+def test_max_examples_and_json_records(tmp_path, llama_dir):
+    rows = [{"id": f"doc{i}", "text": s} for i, s in enumerate(SENTENCES)]
+    data = write_jsonl(tmp_path / "t.jsonl", rows)
+    cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--max-examples", "3", "--quiet")
+    store = actstore.ActStore(tmp_path / "s")
+    assert list(store.field("sample_key")) == ["doc0", "doc1", "doc2"]
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["n_examples"] == 3
