@@ -47,6 +47,7 @@ from actstore.errors import (
 )
 from actstore.fsutil import safe_child
 from actstore.manifest import ShardEntry, blocks_checksum, load_manifest, read_blocks
+from actstore.store import rows_on_disk
 from actstore.writer import EL_CRC_FILE, _read_commit, read_identity
 
 ERROR = "error"
@@ -335,10 +336,13 @@ class _Verifier:
         blocks = self._blocks(ctx, n_blocks, entry)
         el = self._el_crcs(ctx)
         self._check_dir_entries(ctx)
+        # Deep reads only when the counts are backed by the commit record, the block records
+        # and files on disk: damaged metadata must not make verify read (or allocate) forever.
+        deep = self.deep and blocks is not None and (rec is None or rec["n_committed"] >= n) and self._rows_ok(ctx)
         for si, seg in enumerate(self.cfg.segments):
-            _ActsCheck(self, ctx, seg, si, blocks, el).run()
-        self._check_per_sample(ctx)
-        self._check_texts(ctx)
+            _ActsCheck(self, ctx, seg, si, blocks, el, deep).run()
+        self._check_per_sample(ctx, deep)
+        self._check_texts(ctx, deep)
         if rec is not None and rec["stats_file"] and n:
             try:
                 p = safe_child(sdir, rec["stats_file"])
@@ -350,6 +354,20 @@ class _Verifier:
                 elif self.deep:
                     self._load_stats(p, shard)
         self._flush_counts(shard)
+
+    def _rows_ok(self, ctx: _ShardCtx) -> bool:
+        try:
+            rows = rows_on_disk(ctx.sdir)
+        except ActstoreError as e:
+            self.add(ERROR, "array-meta", str(e), ctx.sdir / spec.ARRAYS_GROUP / spec.SAMPLE_KEY, shard=ctx.shard)
+            return False
+        if rows < ctx.n:
+            self.add(
+                ERROR, "per-sample", f"the {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples; {ctx.n} are published",
+                ctx.sdir / spec.ARRAYS_GROUP / spec.SAMPLE_KEY, shard=ctx.shard,
+            )
+            return False
+        return True
 
     def _commit_vs_manifest(self, ctx: _ShardCtx, entry: ShardEntry) -> None:
         rec = ctx.rec
@@ -449,7 +467,7 @@ class _Verifier:
                     elif not e.name.startswith("."):
                         self.add(WARNING, "stray-file", f"{e.name} is not part of a writer shard", e.path, shard=ctx.shard)
 
-    def _check_per_sample(self, ctx: _ShardCtx) -> None:
+    def _check_per_sample(self, ctx: _ShardCtx, deep: bool) -> None:
         for name in _array_names(self.cfg):
             if name.endswith(spec.ACTS_SUFFIX):
                 continue
@@ -468,7 +486,7 @@ class _Verifier:
             if not ok or shape[0] < ctx.n:
                 self.add(ERROR, "array-meta", f"per-sample array {name} holds {shape if not ok else shape[0]} values; {ctx.n} examples are published", adir, **where)
                 continue
-            if self.deep:
+            if deep:
                 self._deep_per_sample(ctx, name, adir)
 
     def _deep_per_sample(self, ctx: _ShardCtx, name: str, adir: Path) -> None:
@@ -487,7 +505,7 @@ class _Verifier:
                     adir, shard=ctx.shard, local=bad, example=ctx.global_index(bad), segment=seg.name,
                 )
 
-    def _check_texts(self, ctx: _ShardCtx) -> None:
+    def _check_texts(self, ctx: _ShardCtx, deep: bool) -> None:
         for name in self.cfg.texts:
             path = ctx.sdir / spec.TEXT_DIR / f"{name}.jsonl"
             where = dict(shard=ctx.shard)
@@ -500,7 +518,7 @@ class _Verifier:
             if want is not None and size < want:
                 self.add(ERROR, "text", f"text file {name}.jsonl has {size} bytes; the commit record says {want}", path, **where)
                 continue
-            if self.deep:
+            if deep:
                 self._deep_text(ctx, name, path)
 
     def _deep_text(self, ctx: _ShardCtx, name: str, path: Path) -> None:
@@ -565,8 +583,8 @@ def _array_names(cfg: StoreConfig) -> list[str]:
 class _ActsCheck:
     """Checks of one segment's activation array in one shard (fast, then deep)."""
 
-    def __init__(self, v: _Verifier, ctx: _ShardCtx, seg: SegmentSpec, si: int, blocks, el):
-        self.v, self.ctx, self.seg, self.si = v, ctx, seg, si
+    def __init__(self, v: _Verifier, ctx: _ShardCtx, seg: SegmentSpec, si: int, blocks, el, deep: bool):
+        self.v, self.ctx, self.seg, self.si, self.deep = v, ctx, seg, si, deep
         self.blocks, self.el = blocks, el
         self.cfg = v.cfg
         self.adir = ctx.sdir / spec.ARRAYS_GROUP / (seg.name + spec.ACTS_SUFFIX)
@@ -596,7 +614,7 @@ class _ActsCheck:
             return
         fmt, sep = _key_scheme(meta)
         self._walk(lay, fmt, sep, meta)
-        if self.v.deep:
+        if self.deep:
             self._deep(lay)
         for (local, lp), files in self.missing.items():
             self.add(
@@ -664,6 +682,7 @@ class _ActsCheck:
             return
         expected = n * L * n_tc
         if expected - len(found) > MAX_MISSING_ENUMERATED:
+            self.deep = False
             self.add(
                 ERROR, "missing-chunk",
                 f"the shard publishes {n} examples ({expected} chunk files) but only {len(found)} chunk files exist",
