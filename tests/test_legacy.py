@@ -216,11 +216,11 @@ def test_checksum_size_and_path_problems(legacy, tmp_path):
     shard.write_bytes(bytes(data[:-10]))
     with pytest.raises(LegacyFormatError, match=f"has {len(data) - 10} bytes; metadata.json says {len(data)} \\(truncated or replaced\\?\\)"):
         import_pkl(src, tmp_path / "s2")
-    for bad in ("../outside.pkl.gz", "/etc/passwd"):
+    for k, bad in enumerate(("../outside.pkl.gz", "/etc/passwd")):
         md["shards"][1]["filename"] = bad
         (src / "metadata.json").write_text(json.dumps(md))
         with pytest.raises(LegacyFormatError) as ei:
-            import_pkl(src, tmp_path / "s3")
+            import_pkl(src, tmp_path / f"s3-{k}")
         assert str(ei.value) == f"{src / 'metadata.json'}: shard filename {bad!r} points outside {src}; refusing to read it"
 
 
