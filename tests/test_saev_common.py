@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16", cls=True, labels=True,
-                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1):
+                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1, **writer_kw):
     """A ViT-like store (one fixed segment) with random values; cls=None records no cls_token."""
     rng = np.random.default_rng(seed)
     a = {"dataset": "/datasets/images"} | ({} if cls is None else {"cls_token": cls}) | dict(attrs or {})
@@ -26,7 +26,7 @@ def make_vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="flo
     for shard in range(n_shards):
         b = min(per, n - shard * per)
         with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, tokens=tokens, dtype=dtype,
-                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk) as w:
+                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk, **writer_kw) as w:
             x = (rng.standard_normal((b, len(layers), tokens, d_model)) * 3).astype(np.float32)
             kw = {"token_labels": rng.integers(0, 20, (b, tokens)).astype(np.uint8)} if labels else {}
             w.append(x, **kw)

@@ -24,6 +24,7 @@ CASES = [
     ("vit", "bfloat16", "2.1", {"patches_per_shard": 42, "layers": [5]}, {"cls": False}),
     ("vit", "float32", "2.0", {"patches_per_shard": 20, "cls": "drop"}, {"cls": True, "t_chunk": 2}),
     ("vit", "float32", "2.1", {"patches_per_shard": 40, "layers": [5, 2]}, {"cls": True, "n_shards": 3}),
+    ("vit", "float16", "2.0", {"patches_per_shard": 50}, {"cls": True, "zarr_format": 3, "shard_examples": 4}),
     ("llm", "float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text"}, {}),
     ("llm", "float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"]}, {"t_chunk": 3}),
     ("llm", "bfloat16", "2.0", {"patches_per_shard": 60, "family": "siglip", "dataset": "/d", "segments": ["response", "prompt"], "layers": [3]}, {}),
@@ -223,3 +224,10 @@ def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypa
     assert a.hash == b.hash
     for p in a.path.iterdir():
         assert (b.path / p.name).read_bytes() == p.read_bytes()
+
+
+def test_a_saev_directory_is_not_exported_again(tmp_path):
+    store = make_vit_store(tmp_path / "s", n=4)
+    res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
+    with pytest.raises(SaevOptionError, match=r"is not an actstore store \(a saev directory cannot be exported again\)"):
+        export_saev(res.path, tmp_path / "e", progress=False)
