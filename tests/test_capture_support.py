@@ -123,11 +123,14 @@ PAIRS = [
 ]
 
 
-def reference_pixels(path: Path, size: int) -> np.ndarray:
+def reference_pixels(path_or_rgb, size: int) -> np.ndarray:
     """(3, size, size) ImageNet-normalised pixels: shorter side to `size`, centre crop (computed here independently)."""
     from PIL import Image
 
-    im = Image.open(path).convert("RGB")
+    if isinstance(path_or_rgb, np.ndarray):
+        im = Image.fromarray(path_or_rgb)
+    else:
+        im = Image.open(path_or_rgb).convert("RGB")
     w, h = im.size
     s = size / min(w, h)
     nw, nh = max(size, round(w * s)), max(size, round(h * s))
