@@ -76,7 +76,7 @@ def main() -> None:
     store = actstore.ActStore(path)
     layer = store.layers[0] if args.layer is None else args.layer
     normalize = "standardize" if store.stats() is not None else None
-    stream = TokenStream(store, layers=[layer], batch_size=args.batch_size, seed=0, normalize=normalize)
+    stream = TokenStream(store, layers=[layer], batch_size=args.batch_size, seed=0, normalize=normalize, dtype=torch.float32)
     loader = stream.loader(num_workers=args.workers)
     print(f"{store}\ntraining on layer {layer}: {stream.n_tokens} token vectors, {len(stream)} batches per epoch, "
           f"normalize={normalize}")

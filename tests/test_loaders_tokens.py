@@ -59,12 +59,13 @@ def rows_of(batches):
 
 
 def check_values(store, ts, batches):
-    """Every yielded row equals the matching ActStore row (float32)."""
+    """Every yielded row equals the matching ActStore row, in the stream's dtype."""
     for b in batches:
+        assert b["acts"].dtype == ts.dtype
         for i in range(len(b["acts"])):
             name = ts.segments[int(b["segment"][i])].name
             ref = store.segment(name).padded(int(b["example"][i]), int(b["layer"][i]))[int(b["token"][i])]
-            np.testing.assert_array_equal(b["acts"][i].numpy(), np.asarray(ref, dtype=np.float32))
+            np.testing.assert_array_equal(b["acts"][i].float().numpy(), np.asarray(ref, dtype=np.float32))
 
 
 def test_epoch_yields_every_token_once_with_store_values(tmp_path):
@@ -75,9 +76,13 @@ def test_epoch_yields_every_token_once_with_store_values(tmp_path):
     rows = rows_of(batches)
     assert sorted(rows) == sorted(expected_rows(store))
     assert len(rows) == ts.n_tokens and len(batches) == len(ts) == -(-ts.n_tokens // 7)
-    assert all(len(b["acts"]) == 7 for b in batches[:-1]) and batches[0]["acts"].dtype == torch.float32
+    assert all(len(b["acts"]) == 7 for b in batches[:-1]) and batches[0]["acts"].dtype == torch.float16
     check_values(store, ts, batches)
     assert ts.epoch == 1 and ts.state_dict()["batches_done"] == 0
+    as_f32 = TokenStream(store, batch_size=7, buffer_bytes=7 * 8 * 2 * 3, return_index=True, dtype=torch.float32)
+    batches32 = list(as_f32)
+    assert batches32[0]["acts"].dtype == torch.float32 and rows_of(batches32) == rows
+    check_values(store, as_f32, batches32)
 
 
 def test_layers_segments_and_stored_dtype(tmp_path):
@@ -97,7 +102,7 @@ def test_plain_tensors_without_index(tmp_path):
     ts = TokenStream(store, batch_size=16, shuffle=False)
     got = torch.cat(list(ts)).numpy()
     want = np.stack([store[ex, layer] for ex in range(len(store)) for layer in store.layers]).reshape(-1, 6)
-    np.testing.assert_array_equal(got, want.astype(np.float32))  # no shuffle: store order
+    np.testing.assert_array_equal(got, want)  # no shuffle: store order, stored dtype
 
 
 def test_token_mask_skips_masked_tokens(tmp_path):

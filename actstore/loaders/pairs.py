@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from actstore.loaders.buffers import BufferRing
 from actstore.loaders.source import TokenMask, pick_layers, pick_segments, reader, resolve_mask, segment_lengths, stored_numpy_dtype
 from actstore.loaders.tokens import _TORCH_DTYPES, dist_rank_world
 
@@ -179,7 +180,7 @@ class PairDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_pool", "_ring", "_next", "_read"):
+        for k in ("_pool", "_ring", "_read"):
             state.pop(k, None)
         state["_pid"] = None
         return state
@@ -189,26 +190,13 @@ class PairDataset(Dataset):
         if self._pid == os.getpid():
             return
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-pairs")
-        self._ring: list[torch.Tensor] = []
-        self._next = 0
+        in_worker = get_worker_info() is not None
+        self._ring = BufferRing(self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker)
         self._read = reader(self.store)
         self._pid = os.getpid()
 
     def _buffer(self, b: int, k: int) -> torch.Tensor:
-        shape = (b, k, self.t_total, self.d_model)
-        n = int(np.prod(shape))
-        if get_worker_info() is not None:
-            return _shared_empty(shape, self.torch_dtype)
-        i = self._next % self.n_buffers
-        self._next += 1
-        if len(self._ring) <= i:
-            self._ring.append(None)
-        t = self._ring[i]
-        if t is None or t.numel() < n or not _unreferenced(t):
-            # A batch still held by the caller is never overwritten: its slot gets a new buffer.
-            t = torch.empty(n, dtype=self.torch_dtype, pin_memory=self.pin_memory)
-            self._ring[i] = t
-        return t[:n].view(shape)
+        return self._ring.take((b, k, self.t_total, self.d_model))
 
     def __getitem__(self, index: PairIndex | tuple) -> dict[str, torch.Tensor]:
         if not (isinstance(index, tuple) and len(index) == 2):
@@ -266,28 +254,3 @@ class PairDataset(Dataset):
                 m &= self.masks[s][exs]
             mask[:, o : o + seg.t_max] = m
         return mask
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-try:
-    _FREE_REFS = _storage_refs(torch.empty(1))  # references of a storage that only its tensor holds
-except Exception:  # noqa: BLE001 - private API gone: never reuse a buffer
-    _FREE_REFS = None
-
-
-def _unreferenced(t: torch.Tensor) -> bool:
-    """True when no view of `t` (a returned batch, a numpy array of it) is alive anywhere."""
-    return _FREE_REFS is not None and _storage_refs(t) == _FREE_REFS
-
-
-def _shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in shared memory: the DataLoader sends it by handle, no copy."""
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    try:
-        storage = torch.UntypedStorage._new_shared(nbytes)
-    except AttributeError:  # pragma: no cover - older torch
-        return torch.empty(shape, dtype=dtype).share_memory_()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)

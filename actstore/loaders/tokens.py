@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from actstore.loaders.buffers import BufferRing
 from actstore.loaders.plan import EpochPlan, WindowSlice, consumed_per_worker
 from actstore.loaders.source import (
     TokenMask,
@@ -78,7 +80,9 @@ class TokenStream(IterableDataset):
         token_mask: which tokens inside each length to keep (see actstore.loaders.source).
         normalize: None, "standardize" ((x - mean) / std per dimension) or "scale"
             (x * sqrt(D) / mean L2 norm), with the store's statistics per (layer, segment).
-        dtype: output dtype (default float32); None keeps the stored dtype.
+        dtype: output dtype; None (default) keeps the stored dtype (float16 for most
+            stores: half the bytes to move to the accelerator; convert there), float32
+            with normalize.
         return_index: yield dicts {"acts", "example", "layer", "segment", "token"} instead of tensors.
         threads: reader threads per consumer.
         prefetch: windows read ahead of the one being served.
@@ -100,7 +104,7 @@ class TokenStream(IterableDataset):
         world_size: int | None = None,
         token_mask: TokenMask = None,
         normalize: str | None = None,
-        dtype: torch.dtype | None = torch.float32,
+        dtype: torch.dtype | None = None,
         return_index: bool = False,
         threads: int = 8,
         prefetch: int = 1,
@@ -129,6 +133,9 @@ class TokenStream(IterableDataset):
         if self._norm is not None and self.dtype in (torch.float16, torch.bfloat16) and dtype is None:
             self.dtype = torch.float32  # normalised values are computed and returned in float32
         self.return_index = bool(return_index)
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=2)
+            pin_memory = False
         self.threads, self.prefetch, self.pin_memory = int(threads), prefetch, bool(pin_memory)
         self.units = TokenUnits(store, self.layers, self.segments, token_mask)
         row_bytes = self.d_model * self.stored_dtype.itemsize
@@ -138,6 +145,13 @@ class TokenStream(IterableDataset):
         self._epoch = 0
         self._batches_done = 0
         self._num_workers = 0  # set by TokenLoader; the worker split the saved position refers to
+        # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
+        self._spare: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_spare"] = {}
+        return state
 
     # ---- the position -------------------------------------------------------------
     @property
@@ -214,7 +228,7 @@ class TokenStream(IterableDataset):
             done, first = consumed_per_worker(plan.worker_batches(n_workers), self._batches_done)
             worker = (worker + first) % n_workers  # continue the DataLoader's cycle where it stopped
             skip = int(done[worker])
-        pipe = _Pipeline(self, plan, plan.worker_windows(worker, n_workers), skip, pin=self.pin_memory and in_main)
+        pipe = _Pipeline(self, plan, plan.worker_windows(worker, n_workers), skip, in_worker=not in_main)
         try:
             for batch in pipe:
                 if in_main:
@@ -229,16 +243,25 @@ class TokenStream(IterableDataset):
 class _Pipeline:
     """One consumer's reader and assembler threads, with bounded queues between them."""
 
-    def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, pin: bool):
-        self.ts, self.plan, self.pin = ts, plan, pin
+    def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
+        self.ts, self.plan = ts, plan
+        spare, ts._spare = ts._spare, {}
+        # Batches go into a ring of reused buffers: the queue holds 2, the loop one or two.
+        self.ring = spare.get("ring") or BufferRing(6, ts.dtype, pin=ts.pin_memory and not in_worker, shared=in_worker)
+        self.gather = spare.get("gather")
+        if self.gather is None:
+            self.gather = torch.empty((ts.batch_size, ts.d_model), dtype=_TORCH_DTYPES[ts.store.dtype])
         self.read = reader(ts.store)
         n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
         self.free: queue.Queue = queue.Queue()
         cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
-        for _ in range(min(n_buf, max(len(windows), 1))):
-            self.free.put(np.empty((cap, ts.d_model), ts.stored_dtype))
+        windows_spare = [b for b in spare.get("windows", []) if b.shape == (cap, ts.d_model)]
+        self.buffers = [windows_spare.pop() if windows_spare else np.empty((cap, ts.d_model), ts.stored_dtype)
+                        for _ in range(min(n_buf, max(len(windows), 1)))]
+        for b in self.buffers:
+            self.free.put(b)
         self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
-        self.out: queue.Queue = queue.Queue(maxsize=4)
+        self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stop = threading.Event()
         self.local = threading.local()
         # Skip whole windows already consumed; `first` batches of the next are skipped too.
@@ -268,6 +291,8 @@ class _Pipeline:
         for t in self.threads:
             t.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        if not any(t.is_alive() for t in self.threads):
+            self.ts._spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather}
 
     # ---- threads ------------------------------------------------------------------
     def _get(self, q: queue.Queue) -> Any:
@@ -306,18 +331,19 @@ class _Pipeline:
                 return
 
     def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
-        """Read every unit of window w into buf[dest:dest+n] through the thread pool."""
-        n = len(w.units)
+        """Read every unit of window w into buf[dest:dest+n] through the thread pool, in
+        store order (closer to sequential on disk; the window is permuted in memory anyway)."""
+        order = np.argsort(w.units, kind="stable")
+        n = len(order)
         step = max(1, -(-n // (self.ts.threads * 4)))
-        futures = [self.pool.submit(self._read_units, w, buf, i, min(i + step, n)) for i in range(0, n, step)]
+        futures = [self.pool.submit(self._read_units, w, buf, order[i : i + step]) for i in range(0, n, step)]
         for f in futures:
             f.result()
 
-    def _read_units(self, w: WindowSlice, buf: np.ndarray, i0: int, i1: int) -> None:
+    def _read_units(self, w: WindowSlice, buf: np.ndarray, which: np.ndarray) -> None:
         units = self.ts.units
-        ex, li, si = units.decode(w.units[i0:i1])
-        for i in range(i0, i1):
-            k = i - i0
+        ex, li, si = units.decode(w.units[which])
+        for k, i in enumerate(which.tolist()):
             e, s = int(ex[k]), int(si[k])
             seg = units.segments[s]
             lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
@@ -369,11 +395,13 @@ class _Pipeline:
     def _batch(self, win: torch.Tensor, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
         ts = self.ts
         idx = torch.from_numpy(rows)
-        gathered = torch.index_select(win, 0, idx)  # copy: the batch's rows out of the window
-        if gathered.dtype == ts.dtype and ts._norm is None and not self.pin:
-            return gathered
-        out = torch.empty(gathered.shape, dtype=ts.dtype, pin_memory=self.pin)
-        out.copy_(gathered)  # copy: dtype conversion (and into pinned memory)
+        out = self.ring.take((len(rows), ts.d_model))
+        if out.dtype == win.dtype:
+            torch.index_select(win, 0, idx, out=out)  # copy: the batch's rows out of the window
+        else:
+            g = self.gather[: len(rows)]
+            torch.index_select(win, 0, idx, out=g)  # copy: the batch's rows out of the window
+            out.copy_(g)  # copy: dtype conversion
         if ts._norm is not None:
             shift, scale = (torch.from_numpy(t) for t in ts._norm)
             if keys is None:
