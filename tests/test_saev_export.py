@@ -13,7 +13,7 @@ import pytest
 import actstore
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.saev import SaevExistsError, SaevOptionError, export_saev, verify_saev
-from actstore.saev import export as export_mod
+from actstore.saev import pipeline as pipeline_mod
 from test_saev_common import (
     expected_labels, expected_rows, make_llm_store, make_vit_store, seed_read_vector,
 )
@@ -133,7 +133,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         os.write(fd, arr.tobytes())
 
-    monkeypatch.setattr(export_mod, "_write_all", failing_write)
+    monkeypatch.setattr(pipeline_mod, "_write_all", failing_write)
     with pytest.raises(OSError, match="No space left"):
         export_saev(store, tmp_path / "d", patches_per_shard=30, batch_bytes=1, progress=False)
     assert os.listdir(tmp_path / "d") == []
@@ -214,12 +214,12 @@ def test_top_level_api_is_exported():
 def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypatch):
     store = make_vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
     kw = dict(patches_per_shard=30, cls="drop", progress=False)
-    real = export_mod._half_converter
-    monkeypatch.setattr(export_mod, "_half_converter", lambda nbytes: None)  # numpy's cast
+    real = pipeline_mod._half_converter
+    monkeypatch.setattr(pipeline_mod, "_half_converter", lambda nbytes: None)  # numpy's cast
     a = export_saev(store, tmp_path / "numpy", **kw)
-    monkeypatch.setattr(export_mod, "_half_converter", real)
-    monkeypatch.setattr(export_mod, "TORCH_HALF_MIN_BYTES", 0)
-    assert export_mod._half_converter(10) is not None  # torch is a dev dependency
+    monkeypatch.setattr(pipeline_mod, "_half_converter", real)
+    monkeypatch.setattr(pipeline_mod, "TORCH_HALF_MIN_BYTES", 0)
+    assert pipeline_mod._half_converter(10) is not None  # torch is a dev dependency
     b = export_saev(store, tmp_path / "torch", **kw)
     assert a.hash == b.hash
     for p in a.path.iterdir():

@@ -13,7 +13,7 @@ from test_saev_common import dir_files, make_vit_store
 
 CHILD = r"""
 import os, sys, time
-from actstore.saev import export as ex
+from actstore.saev import pipeline as ex, export_saev
 
 marker, store, dump = sys.argv[1:4]
 real = ex._write_all
@@ -27,7 +27,7 @@ def slow_write(fd, arr):
         time.sleep(120)
 
 ex._write_all = slow_write
-ex.export_saev(store, dump, patches_per_shard=30, batch_bytes=1, progress=False)
+export_saev(store, dump, patches_per_shard=30, batch_bytes=1, progress=False)
 """
 
 

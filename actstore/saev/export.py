@@ -1,39 +1,27 @@
-"""export_saev: an actstore store -> a saev 2.0 / 2.1 shard directory, at disk speed.
+"""export_saev: an actstore store -> a saev 2.0 / 2.1 shard directory `<dump_to>/<HASH>`.
 
-Pipeline: worker threads read chunks (store.read_into) and convert them to float32 into a
-small pool of reusable buffers; the calling thread writes the buffers in order with plain
-sequential writes; a closer thread pads (sparse), fsyncs and seals each finished shard
-file. Memory is the buffer pool, whatever the store's size.
+Resolves the options (plan.py), returns an identical existing directory after verifying
+it, else builds the files in a hidden temporary directory (pipeline.py) and publishes it
+with a rename (publish.py).
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import sys
-import threading
+import shutil
 import warnings
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from actstore import spec
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevExistsError, SaevOptionError
+from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
 from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
 from actstore.saev.verify import verify_saev
 
 DEFAULT_BATCH_BYTES = 32 * 2**20
-READ_ONLY = 0o444
-# float16 -> float32: numpy's cast runs at ~2 GB/s per core, torch's (F16C) at ~10 GB/s.
-# torch is used when installed, imported only for exports this big (its import takes ~1 s)
-# or when it is already loaded; both give the same (exact) values.
-TORCH_HALF_MIN_BYTES = 2**30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,12 +124,12 @@ def export_saev(
         warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
     tmp = temp_dir(root, plan.hash)
     try:
-        _ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
+        ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
         if plan.labels:
-            _write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
+            write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
         counts = plan.geometry.shard_counts()
-        _write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
-        _write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
+        write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
+        write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
         if fsync:
             fsync_dir(tmp)
         published = publish(tmp, target, replace=overwrite)
@@ -172,206 +160,5 @@ def _result(target: Path, plan: ExportPlan, *, reused: bool) -> SaevExport:
     )
 
 
-class _ShardPipeline:
-    """Reads/converts work units on worker threads; writes them in order on the caller's thread.
-
-    A work unit is a run of consecutive (example, layer) rows of one shard: every row is
-    one (T, D) float32 block, contiguous in the output file.
-    """
-
-    def __init__(self, store: Any, plan: ExportPlan, out_dir: Path, *, workers: int, batch_bytes: int, fsync: bool, progress: bool):
-        self.plan = plan
-        self.fsync = fsync
-        self.dir = out_dir
-        self.workers = workers
-        self.progress = progress
-        g = plan.geometry
-        self.row_shape = (g.tokens_per_example, g.d_model)
-        row_bytes = g.tokens_per_example * g.d_model * P.ITEMSIZE
-        self.rows_per_unit = max(1, int(batch_bytes) // row_bytes)
-        self.store_path = store.path
-        self._local = threading.local()
-        self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
-        self._d_model = g.d_model
-        self._half = _half_converter(g.n_examples * g.example_nbytes) if plan.stored_dtype == "float16" else None
-
-    def units(self) -> list[tuple[int, int, int]]:
-        """(shard, first row, end row) with rows counted within the shard, in file order."""
-        g = self.plan.geometry
-        out = []
-        for s, n in enumerate(g.shard_counts()):
-            rows = n * g.n_layers
-            out += [(s, r, min(r + self.rows_per_unit, rows)) for r in range(0, rows, self.rows_per_unit)]
-        return out
-
-    def run(self) -> None:
-        from tqdm import tqdm
-
-        g = self.plan.geometry
-        units = self.units()
-        n_bufs = self.workers + 2
-        free: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
-        for _ in range(min(n_bufs, len(units))):
-            free.put(np.empty((self.rows_per_unit, *self.row_shape), dtype=np.float32))
-        pending: deque = deque()
-        todo = iter(units)
-        fd, shard = -1, -1
-        closing = []
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
-                tqdm(total=g.n_examples * g.example_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                     desc=f"export saev {self.plan.hash[:8]}", disable=not self.progress) as bar:
-            try:
-                def submit() -> None:
-                    unit = next(todo, None)
-                    if unit is not None:
-                        buf = free.get()
-                        pending.append((unit, buf, pool.submit(self._fill, unit, buf)))
-
-                for _ in range(n_bufs):
-                    submit()
-                while pending:
-                    (s, r0, r1), buf, fut = pending.popleft()
-                    fut.result()
-                    if s != shard:
-                        if fd >= 0:
-                            closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync))
-                        fd, shard = _create(self.dir / P.SHARD_NAME_FORMAT.format(s)), s
-                    _write_all(fd, buf[: r1 - r0])
-                    bar.update((r1 - r0) * buf[0].nbytes)
-                    free.put(buf)
-                    submit()
-                if fd >= 0:
-                    closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync))
-                    fd = -1
-                for c in closing:
-                    c.result()
-            except BaseException:
-                for _, _, f in pending:
-                    f.cancel()
-                if fd >= 0:
-                    os.close(fd)
-                raise
-
-    def _reader(self) -> tuple[Any, dict[str, np.ndarray]]:
-        """This thread's own ActStore (its caches are not shared) and scratch buffers."""
-        loc = self._local
-        if not hasattr(loc, "store"):
-            from actstore.store import ActStore
-
-            loc.store = ActStore(self.store_path)
-            loc.scratch = {
-                p.segment: np.empty((self.rows_per_unit, p.n_pad, self._d_model), dtype=self._stored)
-                for p in self.plan.parts
-            }
-        return loc.store, loc.scratch
-
-    def _fill(self, unit: tuple[int, int, int], buf: np.ndarray) -> None:
-        """Fill buf[:rows] with float32 rows of one work unit (runs on a worker thread)."""
-        store, scratch = self._reader()
-        plan = self.plan
-        g = plan.geometry
-        L = g.n_layers
-        s, r0, r1 = unit
-        base = s * g.examples_per_shard * L + r0  # global row of the unit's first row
-        rows = r1 - r0
-        out = buf[:rows]
-        lens = np.empty(rows, dtype=np.int64)
-        for part in plan.parts:
-            dst = out[:, part.dst : part.dst + part.count]
-            direct = plan.stored_dtype == "float32" and part.skip == 0 and part.n_pad == part.count
-            sc = scratch[part.segment]
-            for j in range(rows):
-                ex, lp = divmod(base + j, L)
-                target = dst[j] if direct else sc[j]
-                lens[j] = store.read_into(ex, plan.layers[lp], part.segment, target)
-            if not direct:
-                src = sc[:rows, part.skip : part.skip + part.count]
-                if plan.stored_dtype == "bfloat16":
-                    bits = dst.view(np.uint32)
-                    bits[...] = src  # widen the 16 stored bits, then move them to the top half
-                    bits <<= np.uint32(16)
-                elif self._half is not None:
-                    self._half(dst, src)
-                else:
-                    dst[...] = src  # the float16 -> float32 (or float32 copy) conversion
-            if not part.fixed:
-                short = np.flatnonzero(lens < part.skip + part.count)
-                for j in short:  # tokens past a segment's length do not exist: zeros
-                    dst[j, max(int(lens[j]) - part.skip, 0) :] = 0
-
-
-def _half_converter(nbytes: int):
-    """torch's float16 -> float32 copy when worth it and available, else None (numpy)."""
-    if "torch" not in sys.modules and nbytes < TORCH_HALF_MIN_BYTES:
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-
-    def convert(dst: np.ndarray, src: np.ndarray) -> None:
-        torch.from_numpy(dst).copy_(torch.from_numpy(src))
-
-    return convert
-
-
-def _create(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-
-
-def _write_all(fd: int, arr: np.ndarray) -> None:
-    view = memoryview(arr.reshape(-1).view(np.uint8))
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _seal(fd: int, size: int, fsync: bool) -> None:
-    """Pad a shard file to full size (a sparse hole), flush it and make it read-only."""
-    try:
-        os.ftruncate(fd, size)
-        if fsync:
-            os.fsync(fd)
-        os.fchmod(fd, READ_ONLY)
-    finally:
-        os.close(fd)
-
-
-def _write_small(path: Path, data: bytes, fsync: bool) -> None:
-    fd = _create(path)
-    try:
-        _write_all(fd, np.frombuffer(data, dtype=np.uint8))
-        if fsync:
-            os.fsync(fd)
-        os.fchmod(fd, READ_ONLY)
-    finally:
-        os.close(fd)
-
-
-def _write_labels(store: Any, plan: ExportPlan, path: Path, fsync: bool) -> None:
-    """labels.bin: uint8 (n_examples, content tokens), CLS excluded, zeros past a segment's length."""
-    cols = []
-    for part in plan.parts:
-        lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))[:, part.skip : part.skip + part.count]
-        if not part.fixed:
-            lens = np.asarray(store.field(part.segment + spec.LEN_SUFFIX)) - part.skip
-            lab = np.where(np.arange(part.count)[None, :] < lens[:, None], lab, 0)
-        cols.append(lab.astype(np.uint8))
-    labels = np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
-    if plan.cls == "keep":
-        labels = labels[:, 1:]  # labels.bin covers content tokens only
-    fd = _create(path)
-    try:
-        _write_all(fd, np.ascontiguousarray(labels))
-        if fsync:
-            os.fsync(fd)
-        os.fchmod(fd, READ_ONLY)
-    finally:
-        os.close(fd)
-
-
 def _rmtree(path: Path) -> None:
-    import shutil
-
     shutil.rmtree(path, ignore_errors=True)
