@@ -163,13 +163,19 @@ class Capture:
         hooks: from resolve_hooks(module, layers).
         stop_early: end the forward pass once every hook has fired.
         to_host: copy outputs to host memory asynchronously (for CUDA models).
+        half: round CPU outputs to float16 in the hook (vectorised, ~0.3 ms per million
+            values), halving what the writer thread copies; an output whose rounding is
+            not finite (overflow, NaN) is kept as is for the writer to count or refuse.
     """
 
-    def __init__(self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, to_host: bool = False):
+    def __init__(
+        self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, to_host: bool = False, half: bool = False
+    ):
         self.module = module
         self.hooks = list(hooks)
         self.stop_early = stop_early
         self.to_host = to_host
+        self.half = half
         self._out: dict[int, Any] = {}
         self._active = False
         self._handles: list[Any] = []
@@ -192,11 +198,15 @@ class Capture:
                 return  # a forward outside run() (e.g. generating the response)
             if hp.layer in self._out:
                 return  # a module that runs twice per forward: keep its first output
-            t = _first_tensor(out)
-            if t is None:
+            src = _first_tensor(out)
+            if src is None:
                 raise CaptureError(f"module {hp.path} returned {type(out).__name__}, not a tensor; record another module")
-            t = t.detach()
-            if not hp.block:
+            t = src.detach()
+            if self.half and t.device.type == "cpu" and t.dtype != torch.float16:
+                h = t.to(torch.float16)  # a new tensor: later in-place changes cannot reach it
+                if bool(torch.isfinite(h).all()):
+                    t = h
+            if not hp.block and t.data_ptr() == src.data_ptr():
                 t = t.clone()  # an arbitrary module's output may be changed in place later
             if self.to_host and t.device.type != "cpu":
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

@@ -46,6 +46,7 @@ class RecordResult:
         seconds: wall time of the run.
         forward_seconds: time spent in forward passes (and input preparation).
         wait_seconds: time the forward loop waited for the writer (queue full).
+        writer_seconds: time the writer thread spent converting, writing and committing.
     """
 
     shard: int
@@ -56,6 +57,7 @@ class RecordResult:
     seconds: float
     forward_seconds: float
     wait_seconds: float
+    writer_seconds: float = 0.0
 
 
 def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
@@ -132,7 +134,7 @@ def record(
     t_fwd = 0.0
     drain: _Drain | None = None
     try:
-        with Capture(lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda") as cap:
+        with Capture(lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda", half=dtype == "float16") as cap:
             it = iter(batches)
             while True:
                 t1 = time.perf_counter()
@@ -165,6 +167,7 @@ def record(
     return RecordResult(
         shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,
         seconds=time.perf_counter() - t0, forward_seconds=t_fwd, wait_seconds=drain.wait_seconds,
+        writer_seconds=drain.busy_seconds,
     )
 
 
@@ -295,6 +298,7 @@ class _Drain:
         self._work = work
         self.error: BaseException | None = None
         self.wait_seconds = 0.0
+        self.busy_seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="actstore-writer", daemon=True)
         self._thread.start()
 
@@ -304,10 +308,12 @@ class _Drain:
             if item is None:
                 return
             if self.error is None:
+                t = time.perf_counter()
                 try:
                     self._work(item)
                 except BaseException as e:  # noqa: BLE001 - handed to the forward thread
                     self.error = e
+                self.busy_seconds += time.perf_counter() - t
 
     def put(self, item: Any) -> None:
         if self.error is not None:
