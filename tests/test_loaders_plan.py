@@ -21,6 +21,7 @@ plans = st.fixed_dictionaries(
         "n_workers": st.integers(1, 4),
         "shuffle": st.booleans(),
         "drop_last": st.booleans(),
+        "run": st.integers(1, 7),
     }
 )
 
@@ -29,7 +30,7 @@ def _tokens_of_rank(p, rank, n_workers):
     """(unit, token) pairs of every batch a rank yields, per worker, in yield order."""
     plan = EpochPlan(np.array(p["counts"], dtype=np.int64), batch_size=p["batch_size"], window_batches=p["window_batches"],
                      seed=p["seed"], epoch=p["epoch"], rank=rank, world_size=p["world_size"], shuffle=p["shuffle"],
-                     drop_last=p["drop_last"])
+                     drop_last=p["drop_last"], run=p["run"])
     per_worker = []
     for w in range(n_workers):
         batches = []
@@ -97,6 +98,18 @@ def test_same_seed_same_order_other_seed_or_epoch_another():
     assert order(3, 0) == order(3, 0)
     assert order(3, 0) != order(4, 0)
     assert order(3, 0) != order(3, 1)
+
+
+def test_runs_keep_consecutive_units_together():
+    counts = np.ones(23, dtype=np.int64)
+    counts[5] = 0
+    plan = EpochPlan(counts, batch_size=4, window_batches=1, seed=1, epoch=0, run=4)
+    order = plan.order.tolist()
+    assert sorted(order) == [u for u in range(23) if u != 5] and order != sorted(order)
+    runs = [tuple(u for u in order if u // 4 == g) for g in range(6)]
+    for r in runs:  # each run appears contiguously, in store order
+        i = order.index(r[0])
+        assert tuple(order[i : i + len(r)]) == r and list(r) == sorted(r)
 
 
 def test_no_shuffle_is_store_order():

@@ -117,6 +117,16 @@ def test_token_mask_skips_masked_tokens(tmp_path):
     assert sorted(rows_of(list(only_prompt))) == sorted(expected_rows(store, keep=keep))
 
 
+def test_runs_of_units_stay_together(tmp_path):
+    store = vit_store(tmp_path / "s", n=40)  # units of 5 tokens x 6 x 2 bytes = 60 bytes
+    ts = TokenStream(store, batch_size=5, run_bytes=4 * 60, buffer_bytes=5 * 12, return_index=True)
+    assert ts.run == 4 and ts.window_batches == 1  # one batch = one unit per window
+    units = [(int(b["example"][0]), int(b["layer"][0])) for b in ts]
+    assert sorted(units) == [(e, l) for e in range(40) for l in (0, 1)]
+    ids = [2 * e + l for e, l in units]
+    assert ids != sorted(ids) and all(ids[j + 1] == ids[j] + 1 for r in range(0, 80, 4) for j in range(r, r + 3))
+
+
 def test_same_seed_same_order_other_seed_and_epoch_another(tmp_path):
     store = qa_store(tmp_path / "s")
     def run(seed, epoch=0):
@@ -183,12 +193,13 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, num_workers):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.integers(1, 9), window=st.integers(1, 3), cut=st.integers(0, 60), seed=st.integers(0, 9))
-def test_resume_property_in_process(tmp_path, batch, window, cut, seed):
+@given(batch=st.integers(1, 9), window=st.integers(1, 3), cut=st.integers(0, 60), seed=st.integers(0, 9), run=st.integers(0, 6))
+def test_resume_property_in_process(tmp_path, batch, window, cut, seed, run):
     path = tmp_path / "hyp"
     store = ActStore(path) if path.exists() else qa_store(path)
     def make():
-        return TokenStream(store, batch_size=batch, seed=seed, buffer_bytes=batch * 16 * window, return_index=True)
+        return TokenStream(store, batch_size=batch, seed=seed, buffer_bytes=batch * 16 * window, return_index=True,
+                           run_bytes=run * 8 * 16 * 13 // 2)  # units average (12 + 4) / 2 rows of 16 bytes
     full = [rows_of([b]) for b in make()]
     cut = min(cut, len(full))
     ts = make()

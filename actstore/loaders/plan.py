@@ -6,9 +6,10 @@ read returns. `counts[u]` is how many of its tokens the stream yields (its lengt
 masked tokens). One epoch is defined by these steps, each a pure function of
 (counts, seed, epoch) and the sizes:
 
-1. Unit order: the units with at least one token, permuted by `rng(seed, epoch)`
-   (natural order when shuffle is off). Laying their tokens end to end gives the epoch's
-   token sequence of `n_tokens` tokens, cut into global batches of `batch_size`.
+1. Unit order: runs of `run` consecutive units (in store order, which is their order on
+   disk) permuted by `rng(seed, epoch)` (natural order when shuffle is off); units with
+   no token are left out. Laying their tokens end to end gives the epoch's token
+   sequence of `n_tokens` tokens, cut into global batches of `batch_size`.
 2. Ranks: rank r takes a contiguous run of global batches, so ranks differ by at most
    one batch (none with drop_last) and read disjoint units (but the two at a boundary).
 3. Windows: a rank's run is cut into windows of `window_batches` batches. A window's
@@ -56,6 +57,8 @@ class EpochPlan:
         seed, epoch: the random state; the order is a pure function of both.
         rank, world_size: this process's share of the epoch.
         shuffle: permute units and tokens (False: natural order, for evaluation).
+        run: units are shuffled in runs of this many consecutive units, so that a window
+            reads longer stretches of the disk (1: every unit on its own).
         drop_last: drop the last partial batch and trim so that every rank gets the same
             number of full batches (what DistributedDataParallel needs).
     """
@@ -72,17 +75,23 @@ class EpochPlan:
         world_size: int = 1,
         shuffle: bool = True,
         drop_last: bool = False,
+        run: int = 1,
     ):
         counts = np.asarray(counts)
-        assert counts.ndim == 1 and batch_size > 0 and window_batches > 0 and 0 <= rank < world_size
+        assert counts.ndim == 1 and batch_size > 0 and window_batches > 0 and 0 <= rank < world_size and run > 0
         self.counts = counts
         self.batch_size = batch_size
         self.window_batches = window_batches
         self.window_tokens = window_batches * batch_size
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
-        active = np.flatnonzero(counts > 0)
         if shuffle:
-            active = active[np.random.default_rng([seed, epoch, _ORDER_KEY]).permutation(len(active))]
+            n_runs = -(-len(counts) // run)
+            runs = np.random.default_rng([seed, epoch, _ORDER_KEY]).permutation(n_runs)
+            order = (runs[:, None] * run + np.arange(run)).reshape(-1)
+            order = order[order < len(counts)]
+            active = order[counts[order] > 0]
+        else:
+            active = np.flatnonzero(counts > 0)
         self.order = active
         self.ends = np.cumsum(counts[active], dtype=np.int64)
         self.n_tokens = int(self.ends[-1]) if len(self.ends) else 0

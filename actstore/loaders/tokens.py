@@ -35,10 +35,11 @@ from actstore.loaders.source import (
 STATE_FORMAT = "actstore.TokenStream"
 STATE_VERSION = 1
 DEFAULT_BUFFER_BYTES = 256 * 2**20
+DEFAULT_RUN_BYTES = 4 * 2**20
 _STOP = object()
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # State fields that must match for a saved position to mean the same batches.
-_PLAN_FIELDS = ("n_tokens", "batch_size", "window_batches", "world_size", "rank", "shuffle", "drop_last")
+_PLAN_FIELDS = ("n_tokens", "batch_size", "window_batches", "run", "world_size", "rank", "shuffle", "drop_last")
 
 
 def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -75,6 +76,10 @@ class TokenStream(IterableDataset):
         buffer_bytes: size of one shuffle window: tokens are mixed freely within a window
             of buffer_bytes / (D * itemsize) tokens, which spans that many tokens' worth of
             randomly chosen units. Memory is about (prefetch + 2) windows per consumer.
+        run_bytes: units are shuffled in runs of consecutive units (store order, which
+            is disk order) of about this many bytes, so that cold reads cover longer
+            stretches of the disk; 0 shuffles every unit on its own. Default: 4 MiB, but
+            runs of at most 1/256 of the units (small stores are shuffled unit by unit).
         drop_last: drop the last partial batch and give every rank the same number of batches.
         rank, world_size: this process's share; default from torch.distributed when initialised.
         token_mask: which tokens inside each length to keep (see actstore.loaders.source).
@@ -99,6 +104,7 @@ class TokenStream(IterableDataset):
         seed: int = 0,
         shuffle: bool = True,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        run_bytes: int | None = None,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -113,6 +119,8 @@ class TokenStream(IterableDataset):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive int. Got {v!r}.")
+        if run_bytes is not None and (isinstance(run_bytes, bool) or not isinstance(run_bytes, (int, np.integer)) or run_bytes < 0):
+            raise ValueError(f"run_bytes must be an int >= 0. Got {run_bytes!r}.")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -141,6 +149,12 @@ class TokenStream(IterableDataset):
         row_bytes = self.d_model * self.stored_dtype.itemsize
         self.window_batches = max(1, int(buffer_bytes) // (row_bytes * self.batch_size))
         self.buffer_bytes = int(buffer_bytes)
+        unit_bytes = row_bytes * sum(seg.t_pad for seg in self.segments) / len(self.segments)
+        if run_bytes is None:
+            run = min(DEFAULT_RUN_BYTES // unit_bytes, len(self.units.counts) // 256)
+        else:
+            run = run_bytes // unit_bytes
+        self.run = max(1, int(run))
         self.n_tokens = int(self.units.counts.sum(dtype=np.int64))
         self._epoch = 0
         self._batches_done = 0
@@ -168,7 +182,7 @@ class TokenStream(IterableDataset):
         return EpochPlan(
             self.units.counts, batch_size=self.batch_size, window_batches=self.window_batches, seed=self.seed,
             epoch=self._epoch if epoch is None else epoch, rank=self.rank, world_size=self.world_size,
-            shuffle=self.shuffle, drop_last=self.drop_last,
+            shuffle=self.shuffle, drop_last=self.drop_last, run=self.run,
         )
 
     def __len__(self) -> int:
@@ -180,7 +194,7 @@ class TokenStream(IterableDataset):
         return {
             "format": STATE_FORMAT, "version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
             "batches_done": self._batches_done, "num_workers": self._num_workers, "n_tokens": self.n_tokens,
-            "batch_size": self.batch_size, "window_batches": self.window_batches, "world_size": self.world_size,
+            "batch_size": self.batch_size, "window_batches": self.window_batches, "run": self.run, "world_size": self.world_size,
             "rank": self.rank, "shuffle": self.shuffle, "drop_last": self.drop_last,
         }
 
@@ -195,7 +209,7 @@ class TokenStream(IterableDataset):
         if diffs:
             raise ValueError(
                 "the saved position belongs to a differently configured stream (" + "; ".join(diffs) + "); "
-                "rebuild the stream with the same store, layers, segments, mask, batch_size, buffer_bytes and ranks"
+                "rebuild the stream with the same store, layers, segments, mask, batch_size, buffer_bytes, run_bytes and ranks"
             )
         self.seed = int(state["seed"])
         self._epoch, self._batches_done = int(state["epoch"]), int(state["batches_done"])
