@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,6 +47,7 @@ import actstore  # noqa: E402
 from actstore.torch import PairDataset, TokenStream  # noqa: E402
 
 BLOCK = 16 * 2**20
+warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 workers on a 2-core machine, on purpose
 
 
 # ---- data ---------------------------------------------------------------------------
@@ -117,6 +119,8 @@ def bench_pairs(store, raw_path, root, n, n_layers, tokens, d_model, b, k, threa
     out = np.empty((b, k, tokens, d_model), np.float16)
     t = {"memmap_warm": [], "pairs_warm": [], "pread_cold": [], "pairs_cold": [], "memmap_cold": []}
     warm(root)
+    for e in range(0, n, 64):  # map every page of the memmap once: its steady state in a training run
+        np.add.reduce(raw[e : e + 64], axis=None)
     for i in idx:  # warm: every page is cached
         t0 = time.perf_counter()
         x = raw[i.examples[:, None], i.layers]  # fancy indexing copies into a new array
@@ -128,8 +132,10 @@ def bench_pairs(store, raw_path, root, n, n_layers, tokens, d_model, b, k, threa
         del x
     for i in idx:  # cold: every file dropped from the page cache before each batch
         paths = chunk_paths(store, i.examples, i.layers)
+        # A fresh memmap each time: pages mapped into this process cannot be dropped.
+        fresh = lambda: np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, n_layers, tokens, d_model))  # noqa: E731
         for name, fn in (("pread_cold", lambda: pread_batch(pool, paths, out, threads)), ("pairs_cold", lambda: ds[i]),
-                         ("memmap_cold", lambda: raw[i.examples[:, None], i.layers])):
+                         ("memmap_cold", lambda: fresh()[i.examples[:, None], i.layers])):
             drop_all(root / "store", raw_path)
             t0 = time.perf_counter()
             x = fn()
@@ -178,15 +184,59 @@ def sequential_read(path: Path) -> float:
     return time.perf_counter() - t0
 
 
+FIRST_BATCH: dict[int, float] = {}
+
+
 def epoch_rate(ts: TokenStream, num_workers: int = 0) -> float:
     """Tokens/s of one whole epoch (from asking for the first batch to the last)."""
     n = 0
     t0 = time.perf_counter()
     for x in ts.loader(num_workers=num_workers, multiprocessing_context="fork" if num_workers else None):
+        if not n:
+            FIRST_BATCH[id(ts)] = time.perf_counter() - t0
         n += len(x)
     dt = time.perf_counter() - t0
     assert n == ts.n_tokens
     return n / dt
+
+
+def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, threads: int, repeats: int) -> dict:
+    """Whole epochs, tokens/s, cold then warm, each stream reused across epochs as in training
+    (its first, untimed epoch allocates its buffers)."""
+    streams = {
+        "f16": (TokenStream(store, batch_size=batch, threads=threads), 0),
+        "f32": (TokenStream(store, batch_size=batch, threads=threads, dtype=torch.float32), 0),
+        "f16_w2": (TokenStream(store, batch_size=batch, threads=threads), 2),
+        "f16_run0": (TokenStream(store, batch_size=batch, threads=threads, run_bytes=0), 0),
+    }
+    for ts, w in streams.values():
+        if not w:
+            epoch_rate(ts, w)
+    out = {}
+    for cond, reps in (("cold", 2), ("warm", repeats)):
+        if cond == "warm":
+            warm(root / "store", raw)
+        runs: dict[str, list[float]] = {k: [] for k in ("seq", *streams)}
+        first: list[float] = []
+        for _ in range(reps):
+            for name in runs:
+                if cond == "cold":
+                    drop_all(root / "store", raw)
+                if name == "seq":
+                    runs[name].append(n_tokens / sequential_read(raw))
+                else:
+                    ts, w = streams[name]
+                    runs[name].append(epoch_rate(ts, w))
+                    if name == "f16":
+                        first.append(FIRST_BATCH[id(ts)])
+        d = out[cond] = {k: statistics.median(v) for k, v in runs.items()}
+        d["f16_first_batch_s"] = statistics.median(first)
+        for k in streams:
+            d[f"{k}_vs_seq"] = d[k] / d["seq"]
+    first = streams["f16"][0]
+    out["window_tokens"] = first.window_batches * batch
+    out["run_units"] = first.run
+    return out
 
 
 # ---- saev's shuffled loader design, reimplemented for the comparison -------------------
@@ -314,6 +364,7 @@ def bench_knob(store, layer, batch_size, sizes_mb, threads, probe_batches) -> li
                             for _ in range(20))
     for mb in sizes_mb:
         ts = TokenStream(store, layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads)
+        epoch_rate(ts)  # first epoch: allocates its buffers
         rate = epoch_rate(ts)
         probe = TokenStream(store, layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads, return_index=True)
         mix = []
@@ -369,46 +420,23 @@ def main() -> None:
         res["pair_workers_batches_per_s"] = pw = bench_pair_workers(store, a.pair_batch, a.k, a.threads, 2 * a.repeats)
         print(f"PairDataset through a DataLoader, warm batches/s by workers: {pw}", flush=True)
 
-        tok = {}
-        runs = {"seq": [], "f32": [], "f16": [], "f16_w2": []}
-        for r in range(2):  # cold
-            for name in runs:
-                drop_all(root / "store", raw)
-                if name == "seq":
-                    runs[name].append(n * L * T / sequential_read(raw))
-                else:
-                    dt = None if name.startswith("f16") else torch.float32
-                    ts = TokenStream(store, batch_size=a.token_batch, dtype=dt, threads=a.threads, seed=r)
-                    runs[name].append(epoch_rate(ts, 2 if name.endswith("w2") else 0))
-        tok["cold"] = {k: statistics.median(v) for k, v in runs.items()}
-        warm(root / "store", raw)
-        runs = {k: [] for k in runs}
-        for r in range(a.repeats):
-            runs["seq"].append(n * L * T / sequential_read(raw))
-            for name in ("f32", "f16", "f16_w2"):
-                dt = None if name.startswith("f16") else torch.float32
-                ts = TokenStream(store, batch_size=a.token_batch, dtype=dt, threads=a.threads, seed=r)
-                runs[name].append(epoch_rate(ts, 2 if name.endswith("w2") else 0))
-        tok["warm"] = {k: statistics.median(v) for k, v in runs.items()}
-        for c in ("cold", "warm"):
-            tok[c]["f32_vs_seq"] = tok[c]["f32"] / tok[c]["seq"]
-            tok[c]["f16_vs_seq"] = tok[c]["f16"] / tok[c]["seq"]
-            tok[c]["f16_w2_vs_seq"] = tok[c]["f16_w2"] / tok[c]["seq"]
-        res["tokens"] = tok
+        res["tokens"] = tok = bench_tokens(store, root, raw, n * L * T, a.token_batch, a.threads, a.repeats)
         for c in ("cold", "warm"):
             d = tok[c]
-            print(f"TokenStream {c}: sequential read {d['seq'] / 1e6:.2f}M tok/s; stream float32 {d['f32'] / 1e6:.2f}M "
-                  f"({d['f32_vs_seq']:.2f}x), float16 {d['f16'] / 1e6:.2f}M ({d['f16_vs_seq']:.2f}x), "
-                  f"float16 2 workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x)", flush=True)
+            print(f"TokenStream {c}, tokens/s: sequential read {d['seq'] / 1e6:.2f}M; stream float16 {d['f16'] / 1e6:.2f}M "
+                  f"({d['f16_vs_seq']:.2f}x), float32 {d['f32'] / 1e6:.2f}M ({d['f32_vs_seq']:.2f}x), "
+                  f"float16 through 2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
+                  f"float16 without runs (run_bytes=0) {d['f16_run0'] / 1e6:.2f}M ({d['f16_run0_vs_seq']:.2f}x)", flush=True)
 
         layer = store.layers[0]
         drop_all(saev_dir)
         sv = bench_saev_design(saev_dir, 0, a.saev_batch, a.saev_buffer, 4, a.saev_batches)
         one = {}
+        ts = TokenStream(store, layers=[layer], batch_size=a.saev_batch, threads=a.threads, dtype=torch.float32)
+        epoch_rate(ts)  # first epoch: allocates its buffers
         for c in ("cold", "warm"):
             if c == "cold":
                 drop_all(root / "store")
-            ts = TokenStream(store, layers=[layer], batch_size=a.saev_batch, threads=a.threads)
             one[c] = epoch_rate(ts)
         sv["stream_one_layer_float32"] = one
         sv["stream_vs_saev"] = {c: one[c] / sv["tokens_per_s"] for c in one}

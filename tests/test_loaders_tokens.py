@@ -112,6 +112,9 @@ def test_token_mask_skips_masked_tokens(tmp_path):
     rows = rows_of(list(ts))
     assert sorted(rows) == sorted(expected_rows(store, keep={k: v != 0 for k, v in labels.items()}))
     assert all(labels[store.segments[s]][e, t] != 0 for e, _, s, t in rows)
+    content = rows_of(list(TokenStream(store, batch_size=6, token_mask="content", return_index=True)))
+    assert sorted(content) == sorted(expected_rows(store, keep={k: v == 0 for k, v in labels.items()}))
+    assert set(content).isdisjoint(rows) and len(content) + len(rows) == len(expected_rows(store))
     only_prompt = TokenStream(store, batch_size=6, token_mask={"prompt": labels["prompt"] == 1}, return_index=True)
     keep = {"prompt": labels["prompt"] == 1, "response": np.ones_like(labels["response"], dtype=bool)}
     assert sorted(rows_of(list(only_prompt))) == sorted(expected_rows(store, keep=keep))

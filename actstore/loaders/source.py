@@ -6,9 +6,12 @@ work on any object with that API (an actstore store, a saev directory opened by 
 Per-token masks (the option hook): `token_mask` selects which tokens inside each
 example's length are kept. It is one of
 - None: keep every token up to the length (only padding is skipped);
-- a str NAME: the per-token array `store.field(f"{segment}_{NAME}")`, shape (N, T_max),
-  nonzero = keep (e.g. "token_labels" keeps tokens whose label is not 0; a capture that
-  records a special-token mask as `<segment>_token_mask` is used with "token_mask");
+- "content": keep tokens whose stored token label is 0. `actstore write` with special
+  tokens masked stores labels 0 = content, 1 = special token, 2 = chat template;
+- another str NAME: the per-token array `store.field(f"{segment}_{NAME}")`, shape
+  (N, T_max), nonzero = keep (e.g. "token_labels" on a saev directory keeps tokens whose
+  labels.bin class is not 0, CLS included as 0; a future per-token uint8 field
+  `<segment>_token_mask` would be used with "token_mask");
 - a mapping {segment: array (N, T_max)} (segments left out are not masked);
 - a callable segment_name -> array (N, T_max) or None.
 """
@@ -28,6 +31,7 @@ class TokenMaskError(ActstoreError, KeyError):
     """token_mask names a per-token array that the store does not hold."""
 
 
+CONTENT = "content"  # token_mask shortcut: token label 0 (capture's content tokens)
 TokenMask = None | str | Mapping[str, Any] | Callable[[str], Any]
 
 
@@ -94,7 +98,8 @@ def resolve_mask(store: Any, seg: SegmentGeometry, token_mask: TokenMask) -> np.
     if token_mask is None:
         return None
     if isinstance(token_mask, str):
-        name = f"{seg.name}_{token_mask}"
+        content = token_mask == CONTENT
+        name = f"{seg.name}_{'token_labels' if content else token_mask}"
         try:
             arr = store.field(name)
         except KeyError as e:
@@ -103,6 +108,8 @@ def resolve_mask(store: Any, seg: SegmentGeometry, token_mask: TokenMask) -> np.
                 f"({e.args[0] if e.args else e}); "
                 "pass token_mask=None, another name, or {segment: array (N, T_max)}"
             ) from None
+        if content:
+            arr = np.asarray(arr) == 0
     elif isinstance(token_mask, Mapping):
         unknown = sorted(set(token_mask) - set(segment_geometry(store)))
         if unknown:
