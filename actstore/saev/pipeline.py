@@ -25,9 +25,10 @@ from actstore.saev.plan import ExportPlan
 
 READ_ONLY = 0o444
 # float16 -> float32: numpy's cast runs at ~2 GB/s per core, torch's (F16C) at ~10 GB/s.
-# torch is used when installed, imported only for exports this big (its import takes ~1 s)
-# or when it is already loaded; both give the same (exact) values.
-TORCH_HALF_MIN_BYTES = 2**30
+# torch's is used when torch is already imported (a capture or training process), or for
+# exports of at least this many bytes, where its import (1-4 s here, on the critical
+# path) pays off; both give the same (exact) values.
+TORCH_HALF_MIN_BYTES = 16 * 2**30
 
 
 class ShardPipeline:
