@@ -8,7 +8,8 @@ then alternates, --repeat times: (a) write the export's float32 byte count to on
 with os.write from a 16 MiB buffer and fsync it; (b) `export_saev` in a fresh process
 (which also reads the store, converts it, writes sparse-padded shards and fsyncs each).
 Both time from the first byte to durable data; os.sync() runs before each. The export
-process reports its own peak RSS (VmHWM). Prints a markdown table and a JSON line.
+process reports its own peak RSS (VmHWM). Prints a markdown table and a JSON line, and
+writes bench-results/export.json.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save  # noqa: E402
 
 CHILD = r"""
 import json, sys, time
@@ -134,6 +138,7 @@ def main() -> None:
         print(f"| export / plain write, both without fsync (medians) | {result['ratio_no_fsync']:.2f}x |")
         print(f"| export peak RSS | {result['peak_rss_mib']} MiB |")
         print(json.dumps(result))
+        print(f"wrote {save('export', result)}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
