@@ -1,0 +1,205 @@
+"""Property-based fuzzing of every parser of untrusted metadata (bounded, derandomized).
+
+Each parser may raise only its documented error types: actstore's CorruptStoreError family
+(with FormatVersionError, UnsafePathError) for store metadata, LegacyFormatError (with
+UnsafePickleError) for legacy files. Anything else (KeyError, TypeError, AttributeError,
+MemoryError, ...) is a bug.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actstore import spec
+from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError, LegacyFormatError
+from actstore.legacy import parse_metadata, restricted_loads
+from actstore.manifest import finalize, load_manifest, parse_manifest, read_blocks
+from actstore.verify import verify_store
+from actstore.writer import _read_commit, read_identity
+
+import faultlib as F
+
+SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+STORE_ERRORS = (CorruptStoreError, FormatVersionError)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=12) | st.sampled_from(["../x", "/etc/passwd", "shard-00000.zarr", "stats.npz", "prompt", "tokens", "1.0"]),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+# values of every JSON type, hostile ones first: most bugs are a field of an unexpected type
+hostile_values = st.sampled_from([None, True, -1, 0, 2**64, 1.5, float("nan"), "", "x", "../x", "/abs", [], [1], ["a"], {}, {"a": 1}, [[1]]]).map(copy.deepcopy)
+any_value = hostile_values | json_values
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz") / "store"
+    F.write_shard(root, 0, 5)
+    finalize(root)
+    return root
+
+
+def _paths(doc, prefix=()):
+    """Every (path, container) position inside a JSON document."""
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, prefix + (i,))
+
+
+def _mutate(doc, data):
+    """Up to three random edits: replace a value, delete a key or element, or add a key."""
+    doc = copy.deepcopy(doc)
+    for _ in range(data.draw(st.integers(1, 3))):
+        paths = list(_paths(doc))
+        path = data.draw(st.sampled_from(paths))
+        if not path:
+            return data.draw(any_value) if data.draw(st.booleans()) else doc
+        parent = doc
+        for k in path[:-1]:
+            parent = parent[k]
+        action = data.draw(st.sampled_from(["replace", "delete", "add"]))
+        if action == "replace":
+            parent[path[-1]] = data.draw(any_value)
+        elif action == "delete":
+            del parent[path[-1]]
+        elif isinstance(parent, dict):
+            parent[data.draw(st.text(max_size=6))] = data.draw(any_value)
+        else:
+            parent.append(data.draw(any_value))
+    return doc
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_parse_manifest(store, data):
+    doc = json.loads((store / spec.MANIFEST_FILE).read_text())
+    mutated = _mutate(doc, data)
+    try:
+        m = parse_manifest(mutated, store)
+    except STORE_ERRORS:
+        return
+    assert m.n_examples == sum(s.n_examples for s in m.shards) <= 2**48  # what parsed is consistent
+
+
+@SETTINGS
+@given(raw=st.binary(max_size=300) | st.text(max_size=300).map(str.encode))
+def test_fuzz_manifest_and_identity_bytes(tmp_path, raw):
+    root = tmp_path / "s"
+    root.mkdir(exist_ok=True)
+    (root / spec.MANIFEST_FILE).write_bytes(raw)
+    (root / spec.IDENTITY_FILE).write_bytes(raw)
+    with pytest.raises(STORE_ERRORS):
+        load_manifest(root)
+    with pytest.raises(STORE_ERRORS):
+        read_identity(root)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
+    sdir = store / "shards/shard-00000.zarr"
+    root = tmp_path / "s"
+    (root / "meta").mkdir(parents=True, exist_ok=True)
+    ident = _mutate(json.loads((store / spec.IDENTITY_FILE).read_text()), data)
+    (root / spec.IDENTITY_FILE).write_text(json.dumps(ident))
+    try:
+        read_identity(root)
+    except STORE_ERRORS:
+        pass
+    commit = _mutate(json.loads((sdir / spec.COMMIT_FILE).read_text()), data)
+    (root / spec.COMMIT_FILE).write_text(json.dumps(commit))
+    try:
+        rec = _read_commit(root)
+        assert isinstance(rec["n_committed"], int) and isinstance(rec["complete"], bool)
+    except STORE_ERRORS:
+        pass
+    lines = [json.loads(x) for x in (sdir / spec.BLOCKS_FILE).read_text().splitlines()]
+    blocks = _mutate(lines, data)
+    text = "\n".join(json.dumps(b) for b in blocks) + "\n" if isinstance(blocks, list) else json.dumps(blocks)
+    (root / spec.BLOCKS_FILE).write_text(text)
+    try:
+        got = read_blocks(root, data.draw(st.integers(0, 4)))
+        assert all(b["start"] < b["stop"] for b in got)
+    except STORE_ERRORS:
+        pass
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_verify_never_crashes(store, tmp_path_factory, data):
+    root = F.copy_store(store, tmp_path_factory.mktemp("v") / "s")
+    target = data.draw(st.sampled_from([spec.MANIFEST_FILE, "shards/shard-00000.zarr/meta/commit.json",
+                                        "shards/shard-00000.zarr/arrays/prompt_activations/.zarray",
+                                        "shards/shard-00000.zarr/.zmetadata"]))
+    doc = json.loads((root / target).read_text())
+    (root / target).write_text(json.dumps(_mutate(doc, data)))
+    try:
+        rep = verify_store(root, deep=True)
+    except ActstoreError:
+        return
+    assert rep.n_examples >= 0 and all(p.severity in ("error", "warning") for p in rep.problems)
+
+
+legacy_doc = {
+    "version": "1.0", "created_at": "2025-01-09T12:00:00Z",
+    "extraction_config": {"model_name": "m", "model_params": {"hidden_size": 4}, "layers_extracted": [1, 2], "max_seq_length": 8},
+    "distributed_config": {"machine_id": 0},
+    "shards": [{"shard_id": 1, "filename": "shard_0001.pkl.gz", "size_bytes": 10, "num_samples": 2, "layers": [1, 2],
+                "sample_id_range": [0, 1], "compressed": True, "checksum": "sha256:" + "ab" * 32}],
+    "statistics": {"total_shards": 1},
+}
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_legacy_metadata(data):
+    try:
+        md = parse_metadata(_mutate(legacy_doc, data))
+    except LegacyFormatError:
+        return
+    assert md.shards and all(set(s.layers) == set(md.layers) for s in md.shards)
+
+
+_valid_pickles = [
+    pickle.dumps({"layer_1": [{"sample_idx": 0, "activation": np.ones((2, 3), np.float32), "shape": (2, 3)}]}, protocol=p)
+    for p in (2, 4, 5)
+]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_fuzz_restricted_unpickler(data):
+    base = data.draw(st.sampled_from(_valid_pickles))
+    raw = bytearray(base)
+    for _ in range(data.draw(st.integers(1, 6))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    compressed = data.draw(st.booleans())
+    blob = gzip.compress(bytes(raw)) if compressed else bytes(raw)
+    try:
+        from actstore.legacy import load_shard_bytes
+
+        load_shard_bytes(blob, compressed=compressed, where="fuzz", max_bytes=1 << 16)
+    except LegacyFormatError:
+        pass
+    with pytest.raises(LegacyFormatError):
+        restricted_loads(data.draw(st.binary(max_size=40)) + b"\x00garbage-without-stop")
