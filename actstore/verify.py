@@ -47,7 +47,7 @@ from actstore.errors import (
 )
 from actstore.fsutil import safe_child
 from actstore.manifest import ShardEntry, blocks_checksum, load_manifest, read_blocks
-from actstore.store import rows_on_disk
+from actstore.store import _consolidated, rows_on_disk
 from actstore.writer import EL_CRC_FILE, _read_commit, read_identity
 
 ERROR = "error"
@@ -625,6 +625,7 @@ class _ActsCheck:
             )
 
     def _meta(self) -> dict[str, Any] | None:
+        """The array's metadata as readers see it: the consolidated copy when there is one."""
         cfg, seg = self.cfg, self.seg
         try:
             meta = load_array_meta(self.adir)
@@ -634,6 +635,17 @@ class _ActsCheck:
         except ValueError as e:
             self.add(ERROR, "array-meta", f"array metadata is damaged ({e})", self.adir)
             return None
+        try:
+            consolidated = _consolidated(self.ctx.sdir)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            self.add(ERROR, "array-meta", f"the shard's consolidated metadata is damaged ({e!r})", self.ctx.sdir)
+            return None
+        rel = f"{spec.ARRAYS_GROUP}/{self.adir.name}"
+        if consolidated is not None:
+            if consolidated.get(rel) != meta:
+                self.add(ERROR, "array-meta", "the shard's consolidated metadata disagrees with the array's own metadata "
+                         "(readers use the consolidated copy)", self.adir)
+            meta = consolidated.get(rel, meta)
         shape = meta.get("shape") if isinstance(meta, dict) else None
         if not isinstance(shape, list) or len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
             self.add(ERROR, "array-meta", f"array has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})", self.adir)

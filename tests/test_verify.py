@@ -312,3 +312,39 @@ def test_cli_verify_table_json_and_errors(store, tmp_path):
     assert r.output == f"actstore: error: {empty} is not an actstore store (no actstore.json or manifest.json)\n"
     with pytest.raises(StoreNotFoundError):
         verify_store(empty)
+
+
+def test_consolidated_metadata_must_agree_with_the_arrays(store):
+    zarray = store / SH0 / PROMPT / ".zarray"
+    meta = json.loads(zarray.read_text())
+    meta["chunks"] = [1, 1, 6, 16]
+    zarray.write_text(json.dumps(meta))
+    rep = verify_store(store)
+    assert kinds(rep) == [(ERROR, "array-meta")]
+    assert rep.problems[0].message == (
+        "the shard's consolidated metadata disagrees with the array's own metadata (readers use the consolidated copy)"
+    )
+    np.testing.assert_array_equal(ActStore(store)[0, 2], F.expected(0, 0, 2))  # readers are unaffected
+
+
+def test_resume_of_a_shard_without_per_example_checksums(tmp_path):
+    root = tmp_path / "s"
+    w = F.writer(root, 0)
+    F.append_range(w, 0, 0, 8)
+    w.commit()
+    w._close_files()  # a writer that stopped without closing (or an older actstore)
+    os.unlink(root / SH0 / EL_CRC_FILE)
+    F.write_shard(root, 0, 12)
+    actstore.finalize(root)
+    assert not (root / SH0 / EL_CRC_FILE).exists()
+    assert verify_store(root, deep=True).problems == []
+    F.check_store_values(root, {0: 12})
+
+
+def test_unreadable_statistics_file(store):
+    m = json.loads((store / spec.MANIFEST_FILE).read_text())
+    (store / m["stats"]).write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(actstore.CorruptStoreError, match=r"statistics file .* is unreadable \(BadZipFile"):
+        ActStore(store).stats()
+    rep = verify_store(store, deep=True)
+    assert kinds(rep) == [(ERROR, "stats")]
