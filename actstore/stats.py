@@ -43,21 +43,24 @@ class RunningStats:
     def update(self, key: str, vectors_nd: np.ndarray) -> None:
         """Add a batch of vectors (n, d_model) of any float dtype under `key`."""
         k = self._pos[key]
-        x = np.asarray(vectors_nd, dtype=np.float64)
+        x = np.array(vectors_nd, dtype=np.float64)  # a private copy: turned into deviations in place
         if x.shape[0] == 0:
             return
-        finite = np.isfinite(x).all(axis=1)
-        bad = int(x.shape[0] - finite.sum())
-        if bad:
+        sq = np.einsum("nd,nd->n", x, x)  # squared L2 norms; not finite where a row is not
+        if not np.isfinite(sq).all():
+            finite = np.isfinite(x).all(axis=1)  # exact (a huge finite row can square to inf)
+            bad = int(x.shape[0] - np.count_nonzero(finite))
             self.nonfinite[k] += bad
             x = x[finite]
             if x.shape[0] == 0:
                 return
+            sq = np.einsum("nd,nd->n", x, x)
         n = x.shape[0]
         mean = x.mean(axis=0)
-        dev = x - mean
-        m2 = np.einsum("nd,nd->d", dev, dev)
-        self._merge_one(k, n, mean, m2, float(np.sqrt(np.einsum("nd,nd->n", x, x)).sum()), float(x.min()), float(x.max()))
+        lo, hi = float(x.min()), float(x.max())
+        np.subtract(x, mean, out=x)
+        m2 = np.einsum("nd,nd->d", x, x)
+        self._merge_one(k, n, mean, m2, float(np.sqrt(sq).sum()), lo, hi)
 
     def _merge_one(self, k: int, n: int, mean: np.ndarray, m2: np.ndarray, norm_sum: float, lo: float, hi: float) -> None:
         na = int(self.count[k])
