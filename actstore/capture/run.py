@@ -127,6 +127,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
         "tokens": sum(r.tokens for r in results),
         "bytes": sum(r.nbytes for r in results),
         "seconds": time.perf_counter() - t0,
+        "capture_seconds": max(r.seconds for r in results),
         "wait_seconds": sum(r.wait_seconds for r in results),
         "shards": [r.shard for r in results],
         "finalized": False,

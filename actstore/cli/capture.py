@@ -74,10 +74,11 @@ def write_cmd(store: str, **kw) -> None:
         progress=not kw["quiet"],
     )
     s = write(opts)
-    rate = s["written"] / s["seconds"] if s["seconds"] else 0.0
+    rate = s["written"] / s["capture_seconds"] if s["capture_seconds"] else 0.0
     click.echo(
         f"wrote {s['written']} examples ({s['tokens']:,} tokens per layer, {s['bytes'] / 2**20:.1f} MiB) to {store} "
-        f"in {s['seconds']:.1f} s ({rate:.1f} examples/s); {s['examples']} examples in shard(s) {s['shards']}"
+        f"in {s['seconds']:.1f} s ({s['capture_seconds']:.1f} s capturing, {rate:.1f} examples/s); "
+        f"{s['examples']} examples in shard(s) {s['shards']}"
         + ("; finalized" if s["finalized"] else f"; run `actstore finalize {store}` once every writer is done")
     )
 
