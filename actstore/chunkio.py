@@ -10,6 +10,7 @@ writes exactly those bytes, so zarr-python and actstore read each other's output
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections import OrderedDict
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.errors import CorruptChunkError
+from actstore.errors import CorruptChunkError, UnsafePathError
 
 try:
     from crc32c import crc32c as _crc32c
@@ -27,6 +28,7 @@ except ImportError:  # pragma: no cover - crc32c is a declared dependency
 
 _EMPTY = np.uint64(2**64 - 1)
 _O_BINARY = getattr(os, "O_BINARY", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # chunk files are never links: refuse one planted in a store
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -203,10 +205,17 @@ def read_chunk_file(path: str, dest: memoryview) -> bool:
     damaged and raises CorruptChunkError: a reader never returns garbage.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | _O_BINARY)
+        fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW)
     except FileNotFoundError:
         dest[:] = b"\0" * len(dest)
         return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"chunk file {path} is a symbolic link; actstore never writes links, so the store was altered: "
+                "refusing to follow it (run `actstore verify`)"
+            ) from None
+        raise
     try:
         extra = bytearray(1)
         n = os.readv(fd, [dest, extra])

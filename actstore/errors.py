@@ -68,3 +68,30 @@ class CorruptChunkError(CorruptStoreError):
 
 class UnsafePathError(CorruptStoreError):
     """Metadata names a path outside the store."""
+
+
+class VerificationError(CorruptStoreError):
+    """`verify_store(..., raise_on_error=True)` (or ActStore(path, verify=...)) found damage.
+
+    The full report is in the `report` attribute (an actstore.verify.VerifyReport).
+    """
+
+    def __init__(self, message: str, report=None):
+        super().__init__(message)
+        self.report = report
+
+
+class DiskFullError(ActstoreError, OSError):
+    """A write failed for lack of space (ENOSPC, EDQUOT) or a file-size limit (EFBIG)."""
+
+
+class LegacyFormatError(ActstoreError, ValueError):
+    """A legacy pkl.gz directory does not match its format or its metadata.json."""
+
+
+class UnsafePickleError(LegacyFormatError):
+    """A legacy pickle asks for a global that the restricted unpickler does not admit."""
+
+
+class LegacyExportExistsError(ActstoreError, FileExistsError):
+    """The folder given to export-pkl holds a finished export or files an export did not write."""

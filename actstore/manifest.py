@@ -7,6 +7,7 @@ import os
 import re
 import struct
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from actstore import __version__, spec
 from actstore.chunkio import crc32c
 from actstore.config import StoreConfig, check_format_header
 from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
-from actstore.fsutil import atomic_write_json, safe_child
+from actstore.fsutil import atomic_write_bytes, atomic_write_json, safe_child
 from actstore.stats import RunningStats
 
 _SHARD_RE = re.compile(r"^shard-(\d{5})\.zarr$")
@@ -55,9 +56,28 @@ def read_blocks(shard_path: Path, n_blocks: int) -> list[dict[str, Any]]:
     if len(lines) - 1 < n_blocks:
         raise CorruptStoreError(f"{path} holds {len(lines) - 1} block records; its commit record says {n_blocks}")
     try:
-        return [json.loads(line) for line in lines[:n_blocks]]
-    except json.JSONDecodeError as e:
+        blocks = [json.loads(line) for line in lines[:n_blocks]]
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
         raise CorruptStoreError(f"{path} has a damaged block record ({e})") from None
+    for i, b in enumerate(blocks):
+        _check_block(b, path, i)
+    return blocks
+
+
+def _check_block(b: Any, path: Path, i: int) -> None:
+    """A block record has the documented fields and types (it is untrusted JSON)."""
+    ok = (
+        isinstance(b, dict)
+        and all(_is_count(b.get(k)) for k in ("start", "stop", "nbytes"))
+        and b["start"] < b["stop"]
+        and isinstance(b.get("crc32c"), dict)
+        and all(isinstance(k, str) and _is_count(v) and v < 2**32 for k, v in b["crc32c"].items())
+    )
+    if not ok:
+        raise CorruptStoreError(
+            f"{path}: block record {i} must be {{\"start\": int, \"stop\": int > start, \"crc32c\": {{segment: uint32}}, "
+            f"\"nbytes\": int}}, got {str(b)[:200]}"
+        )
 
 
 def blocks_checksum(blocks: list[dict[str, Any]]) -> int:
@@ -126,7 +146,10 @@ def finalize(path: str | os.PathLike, *, allow_partial: bool = False) -> Manifes
             for seg, v in rec[k].items():
                 d[seg] = d.get(seg, 0) + int(v)
         if rec.get("stats_file") and n:
-            st = RunningStats.load(sdir / rec["stats_file"])
+            try:
+                st = RunningStats.load(safe_child(sdir, rec["stats_file"]))
+            except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
+                raise CorruptStoreError(f"{sdir}: statistics file {rec['stats_file']!r} is unreadable ({e})") from None
             if stats is None:
                 stats = st
             else:
@@ -141,8 +164,12 @@ def finalize(path: str | os.PathLike, *, allow_partial: bool = False) -> Manifes
         )
     stats_name = None
     if stats is not None and stats_ok:
-        stats_name = spec.STATS_FILE
-        stats.save(root / stats_name)
+        # Named by content, so that a finalize killed before it replaces manifest.json
+        # leaves the old manifest with its own statistics (older files are kept for
+        # readers still holding the previous manifest; `actstore verify` lists them).
+        data = stats.to_bytes()
+        stats_name = spec.STATS_FILE.replace(".npz", f"-{crc32c(data):08x}.npz")
+        atomic_write_bytes(root / stats_name, data)
     n_total = start
     doc = {
         "format": spec.FORMAT_NAME,
@@ -195,7 +222,7 @@ def parse_manifest(doc: Any, root: Path) -> Manifest:
         raise CorruptStoreError(f"{where}: order must be {spec.ORDER_SHARD_MAJOR!r}, got {doc['order']!r}")
     try:
         cfg = StoreConfig.from_json(doc["config"])
-    except (ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
         raise CorruptStoreError(f"{where}: bad config ({e})") from None
     n_total = doc["n_examples"]
     if not _is_count(n_total) or n_total > MAX_EXAMPLES:
@@ -214,6 +241,13 @@ def parse_manifest(doc: Any, root: Path) -> Manifest:
         for k in ("shard", "start", "n_examples", "n_blocks", "crc32c", "nbytes"):
             if not _is_count(s[k]):
                 raise CorruptStoreError(f"{where}: shard {s['name']} field {k} must be a non-negative int, got {s[k]!r}")
+        if not isinstance(s["complete"], bool) or s["crc32c"] >= 2**32 or s["shard"] != int(s["name"][6:11]):
+            raise CorruptStoreError(f"{where}: shard {s['name']} has a bad complete, crc32c or shard number: {s!r}")
+        if s["n_blocks"] > s["n_examples"] or s["nbytes"] != s["n_examples"] * cfg.example_bytes():
+            raise CorruptStoreError(
+                f"{where}: shard {s['name']} claims {s['n_examples']} examples in {s['n_blocks']} blocks and {s['nbytes']} bytes; "
+                f"{s['n_examples']} examples of this store take {s['n_examples'] * cfg.example_bytes()} bytes"
+            )
         if s["start"] != start or s["name"] in seen:
             raise CorruptStoreError(f"{where}: shard {s['name']} starts at {s['start']}, expected {start} (shards must tile the examples)")
         seen.add(s["name"])
@@ -224,6 +258,17 @@ def parse_manifest(doc: Any, root: Path) -> Manifest:
     stats = doc["stats"]
     if stats is not None:
         safe_child(root, stats)
+    seg_names = {s.name for s in cfg.segments}
+    for k in ("nonfinite", "overflow", "truncation"):
+        v = doc[k]
+        if not isinstance(v, dict) or set(v) != seg_names:
+            raise CorruptStoreError(f"{where}: {k} must have one entry per segment {sorted(seg_names)}, got {v!r}")
+        if k != "truncation" and not all(_is_count(c) for c in v.values()):
+            raise CorruptStoreError(f"{where}: {k} must map segments to non-negative ints, got {v!r}")
+    if not all(isinstance(t, dict) and _is_count(t.get("count")) for t in doc["truncation"].values()):
+        raise CorruptStoreError(f"{where}: truncation must map segments to {{count, fraction}}, got {doc['truncation']!r}")
+    if not isinstance(doc["created"], str) or not isinstance(doc["actstore_version"], str):
+        raise CorruptStoreError(f"{where}: created and actstore_version must be strings")
     return Manifest(
         config=cfg, n_examples=n_total, shards=tuple(entries), truncation=doc["truncation"],
         nonfinite=doc["nonfinite"], overflow=doc["overflow"], stats=stats, created=doc["created"],

@@ -19,6 +19,7 @@ from actstore.chunkio import ChunkLayout, layout_from_metadata, load_array_meta
 from actstore.config import SegmentSpec, StoreConfig
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.fsutil import safe_child
 from actstore.index import ExampleIndex, layer_position
 from actstore.manifest import Manifest, ShardEntry, load_manifest
 
@@ -27,7 +28,7 @@ class _ShardReader:
     """Lazily opened handles of one writer shard: chunk layouts, lengths, zarr fallback."""
 
     def __init__(self, root: Path, entry: ShardEntry, cfg: StoreConfig):
-        self.dir = root / spec.SHARDS_DIR / entry.name
+        self.dir = safe_child(root, f"{spec.SHARDS_DIR}/{entry.name}")
         self.entry = entry
         self.cfg = cfg
         if not self.dir.is_dir():
@@ -39,7 +40,19 @@ class _ShardReader:
         self._zarr: dict[str, Any] = {}
         self._lengths: dict[str, np.ndarray] = {}
         self._per_sample: dict[str, np.ndarray] = {}
-        self._meta = _consolidated(self.dir)
+        self._rows_checked = False
+        from actstore.writer import _read_commit
+
+        committed = _read_commit(self.dir)["n_committed"]  # counts are checked before anything is allocated
+        if committed < entry.n_examples:
+            raise CorruptStoreError(
+                f"shard {self.dir} has committed {committed} examples but the manifest says {entry.n_examples}; "
+                "the manifest does not belong to these shards (run `actstore verify`)"
+            )
+        try:
+            self._meta = _consolidated(self.dir)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
+            raise CorruptStoreError(f"shard {self.dir} has damaged consolidated metadata ({e!r})") from None
         for seg in cfg.segments:
             rel = f"{spec.ARRAYS_GROUP}/{seg.name}{spec.ACTS_SUFFIX}"
             meta = self._meta.get(rel) if self._meta else None
@@ -48,26 +61,49 @@ class _ShardReader:
                     meta = load_array_meta(self.dir / rel)
                 except FileNotFoundError:
                     raise CorruptStoreError(f"shard {self.dir} has no array {rel}") from None
-            if meta.get("shape", [None])[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
+                except ValueError as e:
+                    raise CorruptStoreError(f"array metadata of {self.dir / rel} is damaged ({e})") from None
+            shape = meta.get("shape") if isinstance(meta, dict) else None
+            if not isinstance(shape, list) or len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
                 raise CorruptStoreError(
-                    f"array {self.dir / rel} has shape {meta.get('shape')}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})"
+                    f"array {self.dir / rel} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})"
                 )
-            if meta["shape"][0] < entry.n_examples:
+            if not isinstance(shape[0], int) or shape[0] < entry.n_examples:
                 raise CorruptStoreError(
-                    f"array {self.dir / rel} holds {meta['shape'][0]} examples; the manifest says {entry.n_examples}"
+                    f"array {self.dir / rel} holds {shape[0]} examples; the manifest says {entry.n_examples}"
                 )
-            self.layouts[seg.name] = layout_from_metadata(self.dir / rel, meta, cfg.n_layers, cfg.d_model)
+            try:
+                lay = layout_from_metadata(self.dir / rel, meta, cfg.n_layers, cfg.d_model)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+                raise CorruptStoreError(f"array metadata of {self.dir / rel} is damaged ({e!r})") from None
+            if lay is not None and (lay.t_chunk != seg.t_chunk or lay.dtype != np.dtype(cfg.zarr_dtype)):
+                raise CorruptStoreError(
+                    f"array {self.dir / rel} has chunks of {lay.t_chunk} tokens of {lay.dtype}; the store config says "
+                    f"{seg.t_chunk} tokens of {cfg.zarr_dtype}"
+                )
+            self.layouts[seg.name] = lay
 
     def per_sample(self, name: str) -> np.ndarray:
         arr = self._per_sample.get(name)
         if arr is None:
             import zarr
 
-            z = zarr.open_array(str(self.dir / spec.ARRAYS_GROUP / name), mode="r")
+            try:
+                z = zarr.open_array(str(safe_child(self.dir, f"{spec.ARRAYS_GROUP}/{name}")), mode="r")
+            except (ValueError, TypeError, KeyError, OSError) as e:
+                raise CorruptStoreError(f"array {self.dir / spec.ARRAYS_GROUP / name} cannot be opened ({e!r})") from None
             n = self.entry.n_examples
             if z.shape[0] < n:
                 raise CorruptStoreError(f"array {self.dir / spec.ARRAYS_GROUP / name} holds {z.shape[0]} values; the manifest says {n}")
-            arr = np.asarray(z[:n])
+            if not self._rows_checked:
+                rows = rows_on_disk(self.dir)
+                if rows < n:
+                    raise CorruptStoreError(
+                        f"shard {self.dir}: its {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples but the "
+                        f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
+                    )
+                self._rows_checked = True
+            arr = np.asarray(z[:n])  # n is now bounded by files on disk
             self._per_sample[name] = arr
         return arr
 
@@ -139,6 +175,8 @@ class ActStore:
         return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
+        if verify not in (None, False, "fast", "deep"):
+            raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
         self.path = Path(path)
         self._verify = verify
         self._open()
@@ -262,7 +300,7 @@ class ActStore:
         for name in self.config.fields:
             out[name] = sh.per_sample(name)[local].item()
         for name in self.config.texts:
-            out[name] = _jsonl_line(sh.dir / spec.TEXT_DIR / f"{name}.jsonl", local)[name]
+            out[name] = _jsonl_line(safe_child(sh.dir, f"{spec.TEXT_DIR}/{name}.jsonl"), local, name)
         return out
 
     def field(self, name: str) -> np.ndarray:
@@ -283,12 +321,12 @@ class ActStore:
         if name not in self.config.texts:
             raise KeyError(f"no text field {name!r}; this store has {list(self.config.texts)}")
         for pos, entry in enumerate(self.manifest.shards):
-            path = self._shard(pos).dir / spec.TEXT_DIR / f"{name}.jsonl"
+            path = safe_child(self._shard(pos).dir, f"{spec.TEXT_DIR}/{name}.jsonl")
             with open(path, "rb") as f:
                 for i, line in enumerate(f):
                     if i >= entry.n_examples:
                         break
-                    yield json.loads(line)[name]
+                    yield _text_value(line, path, i, name)
 
     def to_xarray(self, ex: int, segment: str | None = None):
         """Example `ex` as an xarray.DataArray (layer, token, d_model), every stored layer.
@@ -313,9 +351,15 @@ class ActStore:
         """Running statistics merged over all shards (RunningStats), or None if not kept."""
         if self.manifest.stats is None:
             return None
+        import zipfile
+
         from actstore.stats import RunningStats
 
-        return RunningStats.load(self.path / self.manifest.stats)
+        path = safe_child(self.path, self.manifest.stats)
+        try:
+            return RunningStats.load(path)
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
+            raise CorruptStoreError(f"statistics file {path} is unreadable ({e!r}); rerun `actstore finalize` to rewrite it") from None
 
     def _global_per_sample(self, name: str) -> np.ndarray:
         parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
@@ -338,6 +382,27 @@ def _split_key(key: Any) -> tuple[int, int]:
     return int(ex), layer
 
 
+def rows_on_disk(shard_dir: Path) -> int:
+    """An upper bound on a shard's examples from the files its sample_key array holds.
+
+    Checked before per-sample arrays are read, so that metadata claiming more examples than
+    were ever written cannot make a reader allocate for them. (zarr omits only chunks of all
+    zero bytes; the writer's default keys are never empty, and a whole chunk of empty
+    user-given keys is refused here.)
+    """
+    adir = shard_dir / spec.ARRAYS_GROUP / spec.SAMPLE_KEY
+    try:
+        meta = load_array_meta(adir)
+        chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
+        rows = int(chunks[0])
+        cdir = adir / "c" if meta.get("zarr_format") == 3 else adir
+        heads = [e.name.split(".")[0] for e in os.scandir(cdir)] if cdir.is_dir() else []
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise CorruptStoreError(f"array {adir} has damaged metadata ({e!r})") from None
+    top = max((int(h) for h in heads if h.isdigit()), default=-1)
+    return (top + 1) * rows
+
+
 def _consolidated(shard_dir: Path) -> dict[str, Any] | None:
     """Array metadata keyed by path from consolidated metadata, when the shard has it."""
     p = shard_dir / ".zmetadata"
@@ -358,9 +423,18 @@ def _present_shards(root: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
 
 
-def _jsonl_line(path: Path, i: int) -> dict[str, Any]:
+def _jsonl_line(path: Path, i: int, name: str) -> Any:
     with open(path, "rb") as f:
         for k, line in enumerate(f):
             if k == i:
-                return json.loads(line)
+                return _text_value(line, path, i, name)
     raise CorruptStoreError(f"{path} has fewer than {i + 1} lines")
+
+
+def _text_value(line: bytes, path: Path, i: int, name: str) -> Any:
+    """The value of text `name` on line i of its .jsonl file, refusing damaged lines."""
+    try:
+        rec = json.loads(line)
+        return rec[name]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptStoreError(f"{path}: line {i + 1} is damaged ({e!r}); run `actstore verify --deep`") from None

@@ -9,6 +9,7 @@ replaces meta/commit.json. commit.json is the single commit point: anything past
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -28,15 +29,22 @@ from actstore.dtypes import clip_to, convert, to_numpy
 from actstore.errors import (
     AppendError,
     CorruptStoreError,
+    DiskFullError,
     Float16OverflowError,
     NonFiniteError,
     ShardCompleteError,
     ShardExistsError,
     StoreMismatchError,
 )
-from actstore.fsutil import atomic_write_json, create_exclusive_json, syncfs
+from actstore.fsutil import atomic_write_json, create_exclusive_json, safe_child, syncfs
 from actstore.stats import RunningStats, stats_key
 from actstore import zarrio
+
+# Per (example, segment, layer) crc32c of the chunk bytes (token-chunk order, padding
+# included), little-endian uint32, appended at each commit; lets `actstore verify --deep`
+# name the damaged (example, layer). Shards without it are checked per block.
+EL_CRC_FILE = "meta/example_layer_crc32c.u32"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def shard_dir(root: str | os.PathLike, shard: int) -> Path:
@@ -67,10 +75,13 @@ def read_identity(root: Path) -> StoreConfig:
     path = root / spec.IDENTITY_FILE
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptStoreError(f"{path} is not valid JSON ({e}); the store's identity file is damaged") from None
     check_format_header(d, str(path))
-    return StoreConfig.from_json(d.get("config"))
+    try:
+        return StoreConfig.from_json(d.get("config"))
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
+        raise CorruptStoreError(f"{path}: bad config ({e}); the store's identity file is damaged") from None
 
 
 class ShardWriter:
@@ -197,6 +208,8 @@ class ShardWriter:
         self._pending_text: dict[str, list[bytes]] = {n: [] for n in self.cfg.texts}
         self._pending_acts: dict[str, list[np.ndarray]] = {s.name: [] for s in self.cfg.segments}
         self._block_crc = dict.fromkeys(names, 0)
+        self._el_crc: dict[str, list[int]] = {n: [] for n in names}
+        self._el_crc_file = True  # False for a resumed shard written without EL_CRC_FILE
         self._block_bytes = 0
         self._stats_file: str | None = None
 
@@ -225,6 +238,7 @@ class ShardWriter:
             for name in self.cfg.texts:
                 (tmp / spec.TEXT_DIR / f"{name}.jsonl").touch()
             (tmp / spec.BLOCKS_FILE).touch()
+            (tmp / EL_CRC_FILE).touch()
             atomic_write_json(tmp / spec.COMMIT_FILE, self._commit_record(False))
             try:
                 os.rename(tmp, self.dir)
@@ -259,13 +273,23 @@ class ShardWriter:
         self._group = group
         self._resize_all(n)
         for name, size in rec["text_bytes"].items():
+            if name not in self.cfg.texts:  # the name becomes a path: only declared texts
+                raise CorruptStoreError(f"{self.dir / spec.COMMIT_FILE} names text {name!r}; the store declares texts {list(self.cfg.texts)}")
             with open(self.dir / spec.TEXT_DIR / f"{name}.jsonl", "r+b") as f:
                 f.truncate(int(size))
             self.text_bytes[name] = int(size)
         _truncate_lines(self.dir / spec.BLOCKS_FILE, self.n_blocks)
+        el_path = self.dir / EL_CRC_FILE
+        el_size = n * len(self.cfg.segments) * self.cfg.n_layers * 4
+        if el_path.exists() and el_path.stat().st_size >= el_size:
+            with open(el_path, "r+b") as f:
+                f.truncate(el_size)
+        else:  # written by an older writer (or damaged): verify falls back to block checksums
+            el_path.unlink(missing_ok=True)
+            self._el_crc_file = False
         if self.stats is not None:
             if rec.get("stats_file"):
-                self.stats.merge(RunningStats.load(self.dir / rec["stats_file"]))
+                self.stats.merge(RunningStats.load(safe_child(self.dir, rec["stats_file"])))
                 self._stats_file = rec["stats_file"]
             elif n:
                 warnings.warn(f"shard {self.shard}: resumed with stats=True but the committed part kept no statistics", stacklevel=3)
@@ -330,6 +354,7 @@ class ShardWriter:
         """
         self._check_open()
         cfg = self.cfg
+        undo = self._undo_point()
         seg_names = [s.name for s in cfg.segments]
         if acts is not None:
             if len(seg_names) != 1:
@@ -391,16 +416,29 @@ class ShardWriter:
         per_sample = self._prepare_per_sample(b, lens_out, labels_d, sample_keys, fields, texts)
         # Everything is validated: from here on the batch is written.
         n0 = self.n_written
+        try:
+            for seg in cfg.segments:
+                arr = prepared[seg.name]
+                if self.engine == "direct":
+                    lay = self._layouts[seg.name]
+                    crc = self._block_crc[seg.name]
+                    for i in range(b):
+                        crc = lay.write_example(n0 + i, arr[i], crc)
+                    self._block_crc[seg.name] = crc
+                else:
+                    self._pending_acts[seg.name].append(arr)
+        except OSError as e:
+            self._undo(undo)
+            if e.errno in _DISK_FULL_ERRNOS:
+                raise self._disk_full(
+                    e, f"writing chunk files of shard {self.shard} of {self.root}",
+                    f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
+                    f"Free space, then append again, or reopen with ShardWriter(..., shard={self.shard}, resume=True)",
+                ) from e
+            raise
         for seg in cfg.segments:
             arr = prepared[seg.name]
-            if self.engine == "direct":
-                lay = self._layouts[seg.name]
-                crc = self._block_crc[seg.name]
-                for i in range(b):
-                    crc = lay.write_example(n0 + i, arr[i], crc)
-                self._block_crc[seg.name] = crc
-            else:
-                self._pending_acts[seg.name].append(arr)
+            self._el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(b) for lp in range(cfg.n_layers))
             if self.stats is not None and batch_stats is None:
                 self._update_stats(seg, arr, lens_out[seg.name])
         if batch_stats is not None and self.stats is not None:
@@ -504,6 +542,27 @@ class ShardWriter:
                 v = xl[mask]
             self.stats.update(stats_key(layer, seg.name), v)
 
+    def _undo_point(self) -> tuple:
+        """What append changes before a batch is accounted: restored when writing it fails."""
+        return (
+            dict(self._block_crc), dict(self.truncated), dict(self.nonfinite), dict(self.overflow),
+            {k: len(v) for k, v in self._pending_text.items()}, {k: len(v) for k, v in self._pending_acts.items()},
+        )
+
+    def _undo(self, point: tuple) -> None:
+        crc, trunc, nonfinite, overflow, n_text, n_acts = point
+        self._block_crc, self.truncated, self.nonfinite, self.overflow = crc, trunc, nonfinite, overflow
+        for k, n in n_text.items():
+            del self._pending_text[k][n:]
+        for k, n in n_acts.items():
+            del self._pending_acts[k][n:]
+
+    def _disk_full(self, e: OSError, doing: str, then: str) -> DiskFullError:
+        where = f": {e.filename}" if e.filename else ""
+        err = DiskFullError(f"out of disk space while {doing} ({os.strerror(e.errno)}{where}); {then}")
+        err.errno = e.errno
+        return err
+
     # ---- commit -------------------------------------------------------------------
     def commit(self) -> None:
         """Make every appended example durable and visible to finalize (one block)."""
@@ -511,6 +570,20 @@ class ShardWriter:
         self._commit(complete=False)
 
     def _commit(self, complete: bool) -> None:
+        try:
+            self._commit_block(complete)
+        except OSError as e:
+            if e.errno not in _DISK_FULL_ERRNOS:
+                raise
+            lost = self.n_written - self.n_committed
+            self._close_files()  # the in-memory state is past the last commit: only a resume continues
+            raise self._disk_full(
+                e, f"committing shard {self.shard} of {self.root}",
+                f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
+                f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
+            ) from e
+
+    def _commit_block(self, complete: bool) -> None:
         cfg = self.cfg
         n0 = self.n_committed
         n1 = self._flush_zarr(complete) if self.engine == "zarr" else self.n_written
@@ -536,6 +609,13 @@ class ShardWriter:
                 "crc32c": dict(self._block_crc),
                 "nbytes": (n1 - n0) * cfg.example_bytes(),
             }
+            k = (n1 - n0) * cfg.n_layers
+            el_esl = np.stack([np.array(self._el_crc[s.name][:k], "<u4").reshape(n1 - n0, cfg.n_layers) for s in cfg.segments], axis=1)
+            for s in cfg.segments:
+                del self._el_crc[s.name][:k]
+            if self._el_crc_file:
+                with open(self.dir / EL_CRC_FILE, "ab") as f:
+                    f.write(el_esl.tobytes())
             with open(self.dir / spec.BLOCKS_FILE, "ab") as f:
                 f.write((json.dumps(block) + "\n").encode())
             self.n_blocks += 1
@@ -707,7 +787,7 @@ def _read_commit(shard_path: Path) -> dict[str, Any]:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CorruptStoreError(f"{shard_path} has no {spec.COMMIT_FILE}: it is not a writer shard (or was never initialised)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CorruptStoreError(f"{path} is not valid JSON ({e})") from None
     missing = [k for k in spec.COMMIT_FIELDS if k not in rec] if isinstance(rec, dict) else list(spec.COMMIT_FIELDS)
     if missing:
@@ -717,7 +797,26 @@ def _read_commit(shard_path: Path) -> dict[str, Any]:
     n = rec["n_committed"]
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise CorruptStoreError(f"{path}: n_committed must be a non-negative int, got {n!r}")
+    _check_commit_types(rec, path)
     return rec
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_commit_types(rec: dict[str, Any], path: Path) -> None:
+    """Every field a reader or resume uses has the documented type (untrusted JSON)."""
+    if not isinstance(rec["complete"], bool):
+        raise CorruptStoreError(f"{path}: complete must be true or false, got {rec['complete']!r}")
+    if not _is_count(rec["n_blocks"]) or rec["n_blocks"] > rec["n_committed"]:
+        raise CorruptStoreError(f"{path}: n_blocks must be an int in 0..n_committed ({rec['n_committed']}), got {rec['n_blocks']!r}")
+    for k in ("text_bytes", "truncated", "nonfinite", "overflow"):
+        v = rec[k]
+        if not isinstance(v, dict) or not all(isinstance(s, str) and _is_count(c) for s, c in v.items()):
+            raise CorruptStoreError(f"{path}: {k} must map names to non-negative ints, got {v!r}")
+    if rec["stats_file"] is not None and not isinstance(rec["stats_file"], str):
+        raise CorruptStoreError(f"{path}: stats_file must be a path string or null, got {rec['stats_file']!r}")
 
 
 def _drop_chunks_from(array_dir: Path, n: int, cfg: StoreConfig) -> None:
