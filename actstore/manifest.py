@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from typing import Any
 from actstore import __version__, spec
 from actstore.chunkio import crc32c
 from actstore.config import StoreConfig, check_format_header
-from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
+from actstore.errors import CorruptStoreError, DiskFullError, NotFinalizedError, StoreNotFoundError
 from actstore.fsutil import atomic_write_bytes, atomic_write_json, safe_child
 from actstore.stats import RunningStats
 
@@ -169,7 +170,7 @@ def finalize(path: str | os.PathLike, *, allow_partial: bool = False) -> Manifes
         # readers still holding the previous manifest; `actstore verify` lists them).
         data = stats.to_bytes()
         stats_name = spec.STATS_FILE.replace(".npz", f"-{crc32c(data):08x}.npz")
-        atomic_write_bytes(root / stats_name, data)
+        _publish(atomic_write_bytes, root / stats_name, data, root)
     n_total = start
     doc = {
         "format": spec.FORMAT_NAME,
@@ -187,8 +188,23 @@ def finalize(path: str | os.PathLike, *, allow_partial: bool = False) -> Manifes
         "overflow": overflow,
         "stats": stats_name,
     }
-    atomic_write_json(root / spec.MANIFEST_FILE, doc)
+    _publish(atomic_write_json, root / spec.MANIFEST_FILE, doc, root)
     return parse_manifest(doc, root)
+
+
+def _publish(write, path: Path, data: Any, root: Path) -> None:
+    """An atomic write of finalize; a full disk leaves the previous manifest and says so."""
+    try:
+        write(path, data)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise
+        err = DiskFullError(
+            f"out of disk space while finalizing {root} ({os.strerror(e.errno)}); the previous manifest is unchanged. "
+            f"Free space, then rerun `actstore finalize {root}`"
+        )
+        err.errno = e.errno
+        raise err from e
 
 
 def load_manifest(root: str | os.PathLike) -> Manifest:

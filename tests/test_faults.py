@@ -310,3 +310,25 @@ def test_dataloader_readers_never_see_a_shard_before_finalize(base, tmp_path):
     assert len(ActStore(root)) == N0  # written and closed, but not finalized: still invisible
     finalize(root)
     F.check_store_values(root, {0: N0, 1: n1})
+
+
+def test_full_disk_during_finalize_keeps_the_previous_manifest(base_plus, tmp_path, monkeypatch):
+    import actstore.manifest as manifest_mod
+
+    root = F.copy_store(base_plus, tmp_path / "s")
+    before = (root / "manifest.json").read_bytes()
+
+    def full(path, data, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manifest_mod, "atomic_write_json", full)
+    with pytest.raises(DiskFullError) as ei:
+        finalize(root)
+    assert str(ei.value) == (
+        f"out of disk space while finalizing {root} (No space left on device); the previous manifest is unchanged. "
+        f"Free space, then rerun `actstore finalize {root}`"
+    )
+    assert (root / "manifest.json").read_bytes() == before and len(ActStore(root)) == N0
+    monkeypatch.undo()
+    finalize(root)
+    F.check_store_values(root, {0: N0, 1: N1})
