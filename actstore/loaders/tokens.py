@@ -389,7 +389,7 @@ class _Pipeline:
                 return
             w, buf = item
             perm = self.plan.window_permutation(w)
-            win = _as_torch(buf[: w.n_tokens], ts.store.dtype)
+            win = buf[: w.n_tokens]
             keys = index = None
             if (ts._norm is not None and len(ts._norm[0]) > 1) or ts.return_index:
                 index = _window_index(ts.units, w)
@@ -406,16 +406,16 @@ class _Pipeline:
             if self.stop.is_set():
                 return
 
-    def _batch(self, win: torch.Tensor, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
+    def _batch(self, win: np.ndarray, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
         ts = self.ts
-        idx = torch.from_numpy(rows)
         out = self.ring.take((len(rows), ts.d_model))
-        if out.dtype == win.dtype:
-            torch.index_select(win, 0, idx, out=out)  # copy: the batch's rows out of the window
-        else:
-            g = self.gather[: len(rows)]
-            torch.index_select(win, 0, idx, out=g)  # copy: the batch's rows out of the window
-            out.copy_(g)  # copy: dtype conversion
+        same = out.dtype == self.gather.dtype
+        dst = _numpy_view(out) if same else _numpy_view(self.gather)[: len(rows)]
+        # copy: the batch's rows out of the window. numpy's take runs on one core without
+        # the GIL (torch's index_select would spin up its OpenMP pool); rows are in range.
+        np.take(win, rows, axis=0, out=dst, mode="clip")
+        if not same:
+            out.copy_(self.gather[: len(rows)])  # copy: dtype conversion
         if ts._norm is not None:
             shift, scale = (torch.from_numpy(t) for t in ts._norm)
             if keys is None:
@@ -426,9 +426,11 @@ class _Pipeline:
         return out
 
 
-def _as_torch(arr: np.ndarray, stored: str) -> torch.Tensor:
-    t = torch.from_numpy(arr)
-    return t.view(torch.bfloat16) if stored == "bfloat16" else t
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """The numpy array sharing `t`'s memory (bfloat16 as its uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def _window_index(units: TokenUnits, w: WindowSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
