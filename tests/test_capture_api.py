@@ -190,3 +190,41 @@ def test_fp16_overflow_is_refused_then_clipped_and_counted(tmp_path):
     st = store.stats()
     assert st.overflow[st.keys.index("layer0/tokens")] == n_over == store.manifest.overflow["tokens"]
     assert np.abs(store[0, 0].astype(np.float32)).max() == 65504.0
+
+
+def _family(name: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)), "ids"
+    if name == "bert":
+        return tf.BertModel(tf.BertConfig(vocab_size=64, **small)), "ids"
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=64, num_key_value_heads=2, **small)), "ids"
+    if name == "gemma":
+        return tf.GemmaForCausalLM(tf.GemmaConfig(vocab_size=64, num_key_value_heads=2, head_dim=8, **small)), "ids"
+    if name == "vit":
+        return tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=16, **small)), "px"
+    if name == "clip_vision":
+        return tf.CLIPVisionModel(tf.CLIPVisionConfig(image_size=32, patch_size=16, **small)), "px"
+    if name == "siglip_vision":
+        return tf.SiglipVisionModel(tf.SiglipVisionConfig(image_size=32, patch_size=16, **small)), "px"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert", "qwen2", "gemma", "vit", "clip_vision", "siglip_vision"])
+def test_block_outputs_of_other_families_equal_hidden_states(tmp_path, family):
+    model, kind = _family(family)
+    model.eval()
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(1, 64, (2, 6), generator=g) if kind == "ids" else torch.randn(2, 3, 32, 32, generator=g)
+    actstore.record(model, [x], tmp_path / "s", layers=[0, 1], dtype="float32")
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    with torch.inference_mode():
+        hs = model(x, output_hidden_states=True).hidden_states
+    for j in range(2):
+        for layer in (0, 1):
+            np.testing.assert_array_equal(store[j, layer], hs[layer + 1][j].numpy())

@@ -272,3 +272,20 @@ def test_max_examples_and_json_records(tmp_path, llama_dir):
     store = actstore.ActStore(tmp_path / "s")
     assert list(store.field("sample_key")) == ["doc0", "doc1", "doc2"]
     assert json.loads((tmp_path / "s" / "manifest.json").read_text())["n_examples"] == 3
+
+
+def test_workers_report_a_shared_error_once_and_leave_nothing(tmp_path, dino_dir, images):
+    out = tmp_path / "s"
+    res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0,9", "--workers", "2", "--quiet", ok=False)
+    assert res.exit_code == 1
+    assert res.output.strip() == (
+        "actstore: error: writers 0, 1: layer 9 does not exist: Dinov2Model has 3 blocks at encoder.layer, so layers 0..2 exist"
+    )
+    assert not out.exists()
+
+
+def test_chat_template_needs_prompts(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:2])
+    res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--chat-template", "--quiet", ok=False)
+    assert res.exit_code == 1 and "--chat-template wraps prompts" in res.output
+    assert not (tmp_path / "s").exists()

@@ -9,6 +9,7 @@ whatever the number of writers.
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -188,6 +189,8 @@ def _check_modality(lm: LoadedModel, source: Source) -> None:
 
 def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     kind = source.kind
+    if o.chat_template and kind != "pair":
+        raise CaptureError("--chat-template wraps prompts: use it with prompt/response data or --generate N")
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
     plan = TextPlan(kind=kind, p_max=o.p_max or DEFAULT_P_MAX, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
@@ -261,30 +264,28 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
     threads = o.threads or max(1, (os.cpu_count() or 1) // o.workers)
     wo = replace(o, threads=threads, progress=False)
     procs = [ctx.Process(target=_worker_main, args=(wo, r, q), name=f"actstore-writer-{r}") for r in range(o.workers)]
-    for p in procs:
-        p.start()
     todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
     done_n = sum(committed(o.store, r)[0] for r in range(o.workers)) if o.resume else 0
+    for p in procs:
+        p.start()
     bar = Progress(total=max(todo - done_n, 0), desc=f"{o.workers} writers", disable=not o.progress)
     results: dict[int, RecordResult] = {}
-    errors: list[str] = []
+    errors: dict[int, str] = {}
     try:
         while len(results) + len(errors) < o.workers:
             try:
                 msg = q.get(timeout=1.0)
-            except Exception:  # noqa: BLE001 - queue.Empty: check the processes are alive
-                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead and q.empty():
-                    errors += [f"writer {p.name} died (exit code {p.exitcode})" for p in dead if p.name not in {e.split(':')[0] for e in errors}]
-                    break
+            except queue.Empty:
+                for r, p in enumerate(procs):  # a writer killed from outside sends nothing
+                    if not p.is_alive() and r not in results and r not in errors and q.empty():
+                        errors[r] = f"died without a word (exit code {p.exitcode}); rerun with --resume"
                 continue
-            kind = msg[0]
-            if kind == "progress":
+            if msg[0] == "progress":
                 bar.update(*msg[1:])
-            elif kind == "done":
+            elif msg[0] == "done":
                 results[msg[1]] = msg[2]
             else:
-                errors.append(f"writer {msg[1]}: {msg[2]}")
+                errors[msg[1]] = msg[2]
     finally:
         bar.close()
         for p in procs:
@@ -293,7 +294,10 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
                 p.terminate()
                 p.join()
     if errors:
-        raise CaptureError("; ".join(errors))
+        by_msg: dict[str, list[int]] = {}
+        for r, m in sorted(errors.items()):
+            by_msg.setdefault(m, []).append(r)
+        raise CaptureError("; ".join(f"writer{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items()))
     return [results[r] for r in range(o.workers)]
 
 
