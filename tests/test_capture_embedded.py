@@ -102,3 +102,21 @@ def test_embedded_minilm_over_pydoc_topics(tmp_path):
         for layer in (1, 5):
             _close(store[i, layer], hs[layer + 1][0].numpy())
         assert store.field("tokens_token_labels")[i, 0] == 1  # [CLS]
+
+
+def test_capture_example_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "examples/capture_record.py", str(tmp_path / "ex")], cwd=root,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    tok = load_model("embedded:minilm-l6").tokenizer
+    texts = ["The cat sat on the mat.", "Activations are stored as float16.", "Paris is the capital of France."]
+    for ex, t in enumerate(texts):
+        n = len(tok(t)["input_ids"])
+        assert f"example {ex}: {n} tokens, layer 5 -> ({n}, 384) float16" in r.stdout
+    store = actstore.ActStore(tmp_path / "ex")
+    assert int(store.segment("tokens").lengths().sum()) == sum(len(tok(t)["input_ids"]) for t in texts)
