@@ -97,7 +97,7 @@ def test_sigkill_during_write(base, tmp_path, capsys):
         outcomes["reruns completed"] += 1
         shutil.rmtree(root)
     _say(capsys, f"write: {TRIALS} SIGKILL trials (work {duration:.3f}s): {dict(outcomes)}; committed prefixes seen {sorted(set(prefixes))}")
-    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 2
+    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 4
 
 
 def test_sigkill_during_finalize(base, base_plus, tmp_path, capsys):
@@ -122,7 +122,7 @@ def test_sigkill_during_finalize(base, base_plus, tmp_path, capsys):
         outcomes["reruns completed"] += 1
         shutil.rmtree(root)
     _say(capsys, f"finalize: {TRIALS} SIGKILL trials (work {duration:.3f}s): {dict(outcomes)}")
-    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 2
+    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 4
 
 
 def test_sigkill_during_export_saev(base_plus, tmp_path, capsys):
@@ -152,7 +152,7 @@ def test_sigkill_during_export_saev(base_plus, tmp_path, capsys):
         outcomes["reruns completed"] += 1
         shutil.rmtree(dump, ignore_errors=True)
     _say(capsys, f"export-saev: {TRIALS} SIGKILL trials (work {duration:.3f}s): {dict(outcomes)}")
-    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 2
+    assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 4
 
 
 @pytest.mark.parametrize("limit, doing, then", [
