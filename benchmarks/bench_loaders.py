@@ -14,8 +14,9 @@ file with the same bytes in (N, L, T, D) order, and its saev export (float32 sha
    exported shards (reimplemented below: I/O threads in a manager process copy runs of
    examples, token by token, out of memory-mapped float32 shards into a shared reservoir;
    the consumer draws each batch token by token under the reservoir's lock).
-3. The shuffle knob: for several buffer sizes, window memory, tokens/s and how many
-   distinct examples a batch mixes (inverse Simpson index; a perfect shuffle is given).
+3. The shuffle knob: for several buffer sizes, with and without runs, window memory,
+   tokens/s cold and warm, and how many distinct examples a batch mixes (inverse Simpson
+   index; the same for a perfect shuffle is given).
 
 Run: .venv/bin/python benchmarks/bench_loaders.py [--examples 2000] [--dir DIR]
 """
@@ -130,11 +131,12 @@ def bench_pairs(store, raw_path, root, n, n_layers, tokens, d_model, b, k, threa
         x = ds[i]
         t["pairs_warm"].append(time.perf_counter() - t0)
         del x
+    del raw  # pages mapped into this process cannot be dropped from the page cache
     for i in idx:  # cold: every file dropped from the page cache before each batch
         paths = chunk_paths(store, i.examples, i.layers)
         # A fresh memmap each time: pages mapped into this process cannot be dropped.
         fresh = lambda: np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, n_layers, tokens, d_model))  # noqa: E731
-        for name, fn in (("pread_cold", lambda: pread_batch(pool, paths, out, threads)), ("pairs_cold", lambda: ds[i]),
+        for name, fn in (("pread_cold", lambda: pread_batch(pool, paths, out[: len(i.examples)], threads)), ("pairs_cold", lambda: ds[i]),
                          ("memmap_cold", lambda: fresh()[i.examples[:, None], i.layers])):
             drop_all(root / "store", raw_path)
             t0 = time.perf_counter()
@@ -356,28 +358,33 @@ def inverse_simpson(ids: np.ndarray) -> float:
     return float(1.0 / (p * p).sum())
 
 
-def bench_knob(store, layer, batch_size, sizes_mb, threads, probe_batches) -> list[dict]:
+def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, probe_batches) -> list[dict]:
+    """For each buffer size, with runs (default) and without (run_bytes=0): window memory,
+    tokens/s cold and warm, and the examples a batch mixes (inverse Simpson index)."""
     rows = []
-    n_tok = len(store) * store.config.segments[0].t_max
+    t_max = store.config.segments[0].t_max
     rng = np.random.default_rng(0)
-    ideal = statistics.mean(inverse_simpson(rng.choice(n_tok, batch_size, replace=False) // store.config.segments[0].t_max)
-                            for _ in range(20))
+    ideal = statistics.mean(inverse_simpson(rng.choice(len(store) * t_max, batch_size, replace=False) // t_max) for _ in range(20))
     for mb in sizes_mb:
-        ts = TokenStream(store, layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads)
-        epoch_rate(ts)  # first epoch: allocates its buffers
-        rate = epoch_rate(ts)
-        probe = TokenStream(store, layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads, return_index=True)
-        mix = []
-        for i, b in enumerate(probe):
-            mix.append(inverse_simpson(b["example"].numpy()))
-            if i + 1 == probe_batches:
-                break
-        win_tokens = ts.window_batches * batch_size
-        rows.append({
-            "buffer_mb": mb, "window_tokens": win_tokens, "examples_per_window": win_tokens / store.config.segments[0].t_max,
-            "window_memory_mb": round((ts.prefetch + 2) * win_tokens * store.d_model * 2 / 2**20, 1),
-            "tokens_per_s": rate, "examples_mixed_per_batch": statistics.mean(mix), "perfect_shuffle": ideal,
-        })
+        for run_bytes in (None, 0):
+            kw = dict(layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads, run_bytes=run_bytes)
+            ts = TokenStream(store, **kw)
+            epoch_rate(ts)  # first epoch: allocates its buffers
+            drop_all(store_dir)
+            cold = epoch_rate(ts)
+            warm_rate = epoch_rate(ts)
+            mix = []
+            for i, b in enumerate(TokenStream(store, return_index=True, **kw)):
+                mix.append(inverse_simpson(b["example"].numpy()))
+                if i + 1 == probe_batches:
+                    break
+            win_tokens = ts.window_batches * batch_size
+            rows.append({
+                "buffer_mb": mb, "run_units": ts.run, "window_tokens": win_tokens, "examples_per_window": win_tokens / t_max,
+                "window_memory_mb": round((ts.prefetch + 2) * win_tokens * store.d_model * 2 / 2**20, 1),
+                "tokens_per_s_cold": cold, "tokens_per_s_warm": warm_rate,
+                "examples_mixed_per_batch": statistics.mean(mix), "perfect_shuffle": ideal,
+            })
     return rows
 
 
@@ -447,11 +454,13 @@ def main() -> None:
               f"({sv['stream_vs_saev']['warm']:.0f}x)", flush=True)
 
         sizes = [float(x) for x in a.knob_mb.split(",")]
-        res["knob"] = knob = bench_knob(store, layer, a.token_batch, sizes, a.threads, 20)
+        res["knob"] = knob = bench_knob(store, root / "store", layer, a.token_batch, sizes, a.threads, 20)
         for r in knob:
-            print(f"buffer {r['buffer_mb']:g} MiB: window {r['window_tokens']} tokens ({r['examples_per_window']:.0f} examples), "
-                  f"memory {r['window_memory_mb']} MiB, {r['tokens_per_s'] / 1e6:.2f}M tok/s, examples mixed per batch "
-                  f"{r['examples_mixed_per_batch']:.0f} (perfect shuffle {r['perfect_shuffle']:.0f})", flush=True)
+            print(f"buffer {r['buffer_mb']:g} MiB, runs of {r['run_units']} units: window {r['window_tokens']} tokens "
+                  f"({r['examples_per_window']:.0f} examples), memory {r['window_memory_mb']} MiB, "
+                  f"{r['tokens_per_s_cold'] / 1e6:.2f}M tok/s cold, {r['tokens_per_s_warm'] / 1e6:.2f}M warm, "
+                  f"examples mixed per batch {r['examples_mixed_per_batch']:.0f} (perfect shuffle {r['perfect_shuffle']:.0f})",
+                  flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"results: {save('loaders', res)}")
