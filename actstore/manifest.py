@@ -169,7 +169,7 @@ def finalize(path: str | os.PathLike, *, allow_partial: bool = False) -> Manifes
         # leaves the old manifest with its own statistics (older files are kept for
         # readers still holding the previous manifest; `actstore verify` lists them).
         data = stats.to_bytes()
-        stats_name = spec.STATS_FILE.replace(".npz", f"-{crc32c(data):08x}.npz")
+        stats_name = spec.STATS_FILE.format(crc32c(data))
         _publish(atomic_write_bytes, root / stats_name, data, root)
     n_total = start
     doc = {

@@ -22,6 +22,7 @@ META_DIR = "meta"
 TEXT_DIR = "text"
 COMMIT_FILE = "meta/commit.json"
 BLOCKS_FILE = "meta/blocks.jsonl"
+EL_CRC_FILE = "meta/example_layer_crc32c.u32"
 STATS_FILE_FORMAT = "meta/stats-{:012d}.npz"
 
 # Array names inside `arrays/`, per segment.
@@ -103,5 +104,5 @@ MANIFEST_FIELDS = (
     "overflow",
     "stats",
 )
-STATS_FILE = "stats.npz"
+STATS_FILE = "stats-{:08x}.npz"
 MANIFEST_SHARD_FIELDS = ("shard", "name", "start", "n_examples", "complete", "n_blocks", "crc32c", "nbytes")

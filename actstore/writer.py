@@ -43,7 +43,7 @@ from actstore import zarrio
 # Per (example, segment, layer) crc32c of the chunk bytes (token-chunk order, padding
 # included), little-endian uint32, appended at each commit; lets `actstore verify --deep`
 # name the damaged (example, layer). Shards without it are checked per block.
-EL_CRC_FILE = "meta/example_layer_crc32c.u32"
+EL_CRC_FILE = spec.EL_CRC_FILE
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
@@ -367,53 +367,58 @@ class ShardWriter:
         lengths_d = _per_segment(lengths, seg_names, "lengths")
         src_d = _per_segment(source_lengths, seg_names, "source_lengths")
         labels_d = _per_segment(token_labels, seg_names, "token_labels")
-        prepared: dict[str, np.ndarray] = {}
-        lens_out: dict[str, np.ndarray] = {}
-        b = None
-        for seg in cfg.segments:
-            x, src = to_numpy(segment_acts[seg.name], f"activations of segment {seg.name!r}")
-            if x.ndim != 4:
-                raise AppendError(f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}")
-            if b is None:
-                b = x.shape[0]
-            elif x.shape[0] != b:
-                raise AppendError(f"segment {seg.name!r} has {x.shape[0]} examples but another segment has {b}")
-            if x.shape[1] != cfg.n_layers:
-                raise AppendError(f"segment {seg.name!r}: batch has {x.shape[1]} layers, the store records {cfg.n_layers} (layers {list(cfg.layers)})")
-            if x.shape[3] != cfg.d_model:
-                raise AppendError(f"segment {seg.name!r}: batch has d_model {x.shape[3]}, the store has d_model {cfg.d_model}")
-            t = x.shape[2]
-            if seg.fixed and t != seg.t_max:
-                raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
-            if t > seg.t_max:
-                raise AppendError(f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)")
-            lens = self._lengths(seg, lengths_d.get(seg.name), b, t)
-            try:
-                stored, nonfinite, over = convert(x, src, cfg.dtype)
-            except TypeError as e:
-                raise AppendError(f"segment {seg.name!r}: {e}") from None
-            if nonfinite and self.on_nonfinite == "raise":
-                raise NonFiniteError(f"segment {seg.name!r}: the batch holds {nonfinite} NaN or infinite values; nothing of this batch was written (pass on_nonfinite='count' to store and count them)")
-            if over:
-                if self.on_overflow == "raise":
-                    raise Float16OverflowError(
-                        f"segment {seg.name!r}: {over} finite {src} values lie beyond the range of {cfg.dtype} "
-                        f"(|x| > {65504 if cfg.dtype == 'float16' else 'float32 max'}) and would be stored as inf; "
-                        "nothing of this batch was written. Store with dtype='float32' or 'bfloat16', or pass "
-                        "on_overflow='clip' to saturate them (counted in the store's metadata)"
-                    )
-                stored, _, _ = convert(clip_to(x, src, cfg.dtype), "float32" if src == "bfloat16" else src, cfg.dtype)
-            prepared[seg.name] = _pad_tokens(stored, seg.n_chunks * seg.t_chunk)
-            lens_out[seg.name] = lens
-            self.nonfinite[seg.name] += nonfinite
-            self.overflow[seg.name] += over
-            if seg.name in src_d:
-                s = np.asarray(src_d[seg.name]).reshape(-1)
-                if s.shape != (b,):
-                    raise AppendError(f"source_lengths for {seg.name!r} must have shape ({b},), got {s.shape}")
-                self.truncated[seg.name] += int(np.count_nonzero(s > seg.t_max))
-        assert b is not None
-        per_sample = self._prepare_per_sample(b, lens_out, labels_d, sample_keys, fields, texts)
+        # Counters change while segments are validated: a refused batch restores them.
+        try:
+            prepared: dict[str, np.ndarray] = {}
+            lens_out: dict[str, np.ndarray] = {}
+            b = None
+            for seg in cfg.segments:
+                x, src = to_numpy(segment_acts[seg.name], f"activations of segment {seg.name!r}")
+                if x.ndim != 4:
+                    raise AppendError(f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}")
+                if b is None:
+                    b = x.shape[0]
+                elif x.shape[0] != b:
+                    raise AppendError(f"segment {seg.name!r} has {x.shape[0]} examples but another segment has {b}")
+                if x.shape[1] != cfg.n_layers:
+                    raise AppendError(f"segment {seg.name!r}: batch has {x.shape[1]} layers, the store records {cfg.n_layers} (layers {list(cfg.layers)})")
+                if x.shape[3] != cfg.d_model:
+                    raise AppendError(f"segment {seg.name!r}: batch has d_model {x.shape[3]}, the store has d_model {cfg.d_model}")
+                t = x.shape[2]
+                if seg.fixed and t != seg.t_max:
+                    raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
+                if t > seg.t_max:
+                    raise AppendError(f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)")
+                lens = self._lengths(seg, lengths_d.get(seg.name), b, t)
+                try:
+                    stored, nonfinite, over = convert(x, src, cfg.dtype)
+                except TypeError as e:
+                    raise AppendError(f"segment {seg.name!r}: {e}") from None
+                if nonfinite and self.on_nonfinite == "raise":
+                    raise NonFiniteError(f"segment {seg.name!r}: the batch holds {nonfinite} NaN or infinite values; nothing of this batch was written (pass on_nonfinite='count' to store and count them)")
+                if over:
+                    if self.on_overflow == "raise":
+                        raise Float16OverflowError(
+                            f"segment {seg.name!r}: {over} finite {src} values lie beyond the range of {cfg.dtype} "
+                            f"(|x| > {65504 if cfg.dtype == 'float16' else 'float32 max'}) and would be stored as inf; "
+                            "nothing of this batch was written. Store with dtype='float32' or 'bfloat16', or pass "
+                            "on_overflow='clip' to saturate them (counted in the store's metadata)"
+                        )
+                    stored, _, _ = convert(clip_to(x, src, cfg.dtype), "float32" if src == "bfloat16" else src, cfg.dtype)
+                prepared[seg.name] = _pad_tokens(stored, seg.n_chunks * seg.t_chunk)
+                lens_out[seg.name] = lens
+                self.nonfinite[seg.name] += nonfinite
+                self.overflow[seg.name] += over
+                if seg.name in src_d:
+                    s = np.asarray(src_d[seg.name]).reshape(-1)
+                    if s.shape != (b,):
+                        raise AppendError(f"source_lengths for {seg.name!r} must have shape ({b},), got {s.shape}")
+                    self.truncated[seg.name] += int(np.count_nonzero(s > seg.t_max))
+            assert b is not None
+            per_sample = self._prepare_per_sample(b, lens_out, labels_d, sample_keys, fields, texts)
+        except AppendError:
+            self._undo(undo)
+            raise
         # Everything is validated: from here on the batch is written.
         n0 = self.n_written
         try:

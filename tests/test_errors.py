@@ -196,3 +196,15 @@ def test_torch_inputs_bit_exact(store_path):
             assert np.array_equal(a[ex, layer], x16[ex, k].numpy())
             got = torch.from_numpy(b[ex, layer]).to(torch.bfloat16)  # exact: float32 widening of bf16
             assert torch.equal(got.view(torch.int16), xbf[ex, k].contiguous().view(torch.int16))
+
+
+def test_refused_batch_leaves_counters_untouched(store_path):
+    with ShardWriter(store_path, shard=0, layers=[0], d_model=4, segments={"prompt": 5, "response": 3}, on_overflow="clip") as w:
+        p = np.ones((2, 1, 5, 4), np.float32)
+        p[0, 0, 0, 0] = 1e6  # clipped overflow in the first segment, counted...
+        bad_r = np.ones((2, 1, 3, 5), np.float32)  # ...then the second segment is refused
+        with pytest.raises(AppendError, match="batch has d_model 5"):
+            w.append(prompt=p, response=bad_r, source_lengths={"prompt": [9, 9]})
+        assert w.overflow == {"prompt": 0, "response": 0} and w.truncated == {"prompt": 0, "response": 0}
+        w.append(prompt=p, response=np.ones((2, 1, 3, 4), np.float32), source_lengths={"prompt": [9, 1]})
+        assert w.overflow == {"prompt": 1, "response": 0} and w.truncated == {"prompt": 1, "response": 0}
