@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -34,14 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
 CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
 from actstore.saev import export_saev
 store, dump, budget, workers, fsync = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+r0 = resource.getrusage(resource.RUSAGE_SELF)
 t = time.perf_counter()
 res = export_saev(store, dump, patches_per_shard=budget, workers=workers, fsync=fsync, progress=sys.stderr.isatty())
 dt = time.perf_counter() - t
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({"seconds": dt, "bytes": res.nbytes, "n_shards": res.n_shards, "peak_rss": hwm, "path": str(res.path)}))
+print(json.dumps({"seconds": dt, "cpu": cpu, "bytes": res.nbytes, "n_shards": res.n_shards, "peak_rss": hwm, "path": str(res.path)}))
 """
 
 
@@ -67,9 +71,11 @@ def build_store(path: Path, gb: float, tokens: int, d_model: int, layers: int) -
     return n
 
 
-def plain_write(path: Path, nbytes: int, *, fsync: bool = True) -> float:
+def plain_write(path: Path, nbytes: int, *, fsync: bool = True) -> tuple[float, float]:
+    """(seconds, CPU seconds) to write `nbytes` to a new file sequentially (and fsync it)."""
     buf = memoryview(np.ones(16 * 2**20 // 4, dtype=np.float32)).cast("B")
     os.sync()  # start from a clean page cache state: earlier runs' dirty pages written
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     left = nbytes
@@ -79,8 +85,9 @@ def plain_write(path: Path, nbytes: int, *, fsync: bool = True) -> float:
         os.fsync(fd)
     os.close(fd)
     dt = time.perf_counter() - t
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     path.unlink()
-    return dt
+    return dt, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
 
 
 def export_once(store: Path, dump: Path, budget: int, workers: int, *, fsync: bool = True) -> dict:
@@ -109,11 +116,15 @@ def main() -> None:
         store = work / "store"
         n = build_store(store, args.gb, args.tokens, args.d_model, args.layers)
         nbytes = n * args.layers * args.tokens * args.d_model * 4
-        plain, cached, exports, exports_nf = [], [], [], []
+        plain, cached, exports, exports_nf, plain_cpu = [], [], [], [], []
         for _ in range(args.repeat):
-            plain.append(nbytes / plain_write(work / "plain.bin", nbytes))
+            dt, cpu = plain_write(work / "plain.bin", nbytes)
+            plain.append(nbytes / dt)
+            plain_cpu.append(cpu)
             exports.append(export_once(store, work / "dump", args.budget, args.workers))
-            cached.append(nbytes / plain_write(work / "plain.bin", nbytes, fsync=False))
+            dt, cpu = plain_write(work / "plain.bin", nbytes, fsync=False)
+            cached.append(nbytes / dt)
+            plain_cpu.append(cpu)
             exports_nf.append(export_once(store, work / "dump", args.budget, args.workers, fsync=False))
         exp_rates = [e["bytes"] / e["seconds"] for e in exports]
         nf_rates = [e["bytes"] / e["seconds"] for e in exports_nf]
@@ -125,7 +136,10 @@ def main() -> None:
             "plain_write_gbps": [round(r / 1e9, 3) for r in plain], "export_gbps": [round(r / 1e9, 3) for r in exp_rates],
             "plain_write_no_fsync_gbps": [round(r / 1e9, 3) for r in cached],
             "export_no_fsync_gbps": [round(r / 1e9, 3) for r in nf_rates],
-            "ratio": round(ratio, 3), "ratio_no_fsync": round(statistics.median(nf_rates) / statistics.median(cached), 3), "peak_rss_mib": round(peak / 2**20, 1), "workers": args.workers,
+            "ratio": round(ratio, 3), "ratio_no_fsync": round(statistics.median(nf_rates) / statistics.median(cached), 3),
+            "plain_cpu_s_per_gb": round(statistics.median(plain_cpu) / (nbytes / 1e9), 3),
+            "export_cpu_s_per_gb": round(statistics.median(e["cpu"] for e in exports + exports_nf) / (nbytes / 1e9), 3),
+            "load_average": os.getloadavg()[0], "peak_rss_mib": round(peak / 2**20, 1), "workers": args.workers,
         }
         print("| measure | value |\n|---|---|")
         print(f"| store (float16) | {result['store_gb']} GB, {n} examples x {args.layers} layers x {args.tokens} tokens x {args.d_model} |")
@@ -136,7 +150,9 @@ def main() -> None:
         print(f"| plain sequential write, no fsync | {', '.join(f'{r:.3f}' for r in result['plain_write_no_fsync_gbps'])} GB/s |")
         print(f"| export_saev --no-fsync | {', '.join(f'{r:.3f}' for r in result['export_no_fsync_gbps'])} GB/s |")
         print(f"| export / plain write, both without fsync (medians) | {result['ratio_no_fsync']:.2f}x |")
+        print(f"| CPU seconds per GB written: plain write / export (medians) | {result['plain_cpu_s_per_gb']} / {result['export_cpu_s_per_gb']} |")
         print(f"| export peak RSS | {result['peak_rss_mib']} MiB |")
+        print(f"| load average at the end | {result['load_average']:.1f} |")
         print(json.dumps(result))
         print(f"wrote {save('export', result)}")
     finally:
