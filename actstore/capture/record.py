@@ -196,6 +196,7 @@ class _Job:
     tokens: int = 0
     nbytes: int = 0
     _since_commit: int = 0
+    _buf: np.ndarray | None = None
 
     def open_writer(self, outs: dict[int, Any]) -> None:
         first = outs[self.hooks[0].layer]
@@ -244,7 +245,7 @@ class _Job:
         cfg = w.cfg
         seg_x: dict[str, np.ndarray] = {}
         if self.segments is None:
-            seg_x[cfg.segments[0].name] = np.stack(arrs, axis=1)  # (B, L, T, D): the one copy
+            seg_x[cfg.segments[0].name] = self._stack(arrs)
             n_tok = b * arrs[0].shape[1]
             before = dict(w.overflow)
             w.append(seg_x[cfg.segments[0].name], **kw)
@@ -276,6 +277,18 @@ class _Job:
             self._since_commit = 0
         if self.progress is not None:
             self.progress(b, n_tok, nbytes)
+
+    def _stack(self, arrs: list[np.ndarray]) -> np.ndarray:
+        """(B, L, T, D) from L arrays (B, T, D): the one copy, into a buffer kept between
+        batches when the writer writes chunk files at once (no fresh pages each batch)."""
+        shape = (arrs[0].shape[0], len(arrs), *arrs[0].shape[1:])
+        dt = np.result_type(*arrs)
+        buf = self._buf
+        if buf is None or buf.shape != shape or buf.dtype != dt:
+            buf = np.empty(shape, dt)
+            if self.writer.engine == "direct":  # the zarr engine keeps appended arrays until commit
+                self._buf = buf
+        return np.stack(arrs, axis=1, out=buf)
 
     def _count_overflow(self, seg_x: dict[str, np.ndarray]) -> None:
         """Per-layer counts of values clipped to the stored dtype's range (rare path)."""
