@@ -14,6 +14,9 @@ import numpy as np
 import torch
 
 
+TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 

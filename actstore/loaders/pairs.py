@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from actstore.loaders.buffers import BufferRing
+from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
 from actstore.loaders.source import TokenMask, pick_layers, pick_segments, reader, resolve_mask, segment_lengths, stored_numpy_dtype
-from actstore.loaders.tokens import _TORCH_DTYPES, dist_rank_world
+from actstore.loaders.tokens import dist_rank_world
 
 
 class PairIndex(NamedTuple):
@@ -154,7 +154,7 @@ class PairDataset(Dataset):
         self.segments = pick_segments(store, segments)
         self.d_model = int(store.d_model)
         self.np_dtype = stored_numpy_dtype(store)
-        self.torch_dtype = _TORCH_DTYPES[store.dtype]
+        self.torch_dtype = TORCH_DTYPES[store.dtype]
         self.offsets = np.cumsum([0] + [s.t_max for s in self.segments])
         self.t_total = int(self.offsets[-1])
         self.lengths = np.stack([segment_lengths(store, s) for s in self.segments], axis=1)

@@ -95,11 +95,7 @@ class EpochPlan:
         self.order = active
         self.ends = np.cumsum(counts[active], dtype=np.int64)
         self.n_tokens = int(self.ends[-1]) if len(self.ends) else 0
-        nb = self.n_tokens // batch_size if drop_last else -(-self.n_tokens // batch_size)
-        if drop_last:
-            nb -= nb % world_size
-        self.n_global_batches = nb
-        b0, b1 = rank * nb // world_size, (rank + 1) * nb // world_size
+        b0, b1 = rank_batches(self.n_tokens, batch_size, rank, world_size, drop_last)
         self.n_batches = b1 - b0
         self.token_start = b0 * batch_size
         self.token_stop = min(b1 * batch_size, self.n_tokens)
@@ -142,6 +138,15 @@ class EpochPlan:
         if not self.shuffle:
             return np.arange(window.n_tokens, dtype=np.int64)
         return np.random.default_rng([self.seed, self.epoch, _WINDOW_KEY, window.start]).permutation(window.n_tokens)
+
+
+def rank_batches(n_tokens: int, batch_size: int, rank: int, world_size: int, drop_last: bool) -> tuple[int, int]:
+    """The global batches [b0, b1) of one rank: contiguous shares differing by at most one
+    (drop_last: the last partial batch dropped and the count trimmed to equal shares)."""
+    nb = n_tokens // batch_size if drop_last else -(-n_tokens // batch_size)
+    if drop_last:
+        nb -= nb % world_size
+    return rank * nb // world_size, (rank + 1) * nb // world_size
 
 
 def consumed_per_worker(worker_batches: np.ndarray, consumed: int) -> tuple[np.ndarray, int]:

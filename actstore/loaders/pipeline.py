@@ -1,0 +1,244 @@
+"""TokenPipeline: one consumer's background reading and batch assembly for TokenStream.
+
+A reader thread fills window buffers through a thread pool (whole-chunk reads, which
+release the GIL) while an assembler thread gathers batches from the previous window into
+a ring of reused buffers and queues them, so the training loop finds a batch waiting.
+Buffers are handed back to the stream at the end and reused by the next epoch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
+from actstore.loaders.plan import EpochPlan, WindowSlice
+from actstore.loaders.source import TokenUnits, reader
+
+if TYPE_CHECKING:
+    from actstore.loaders.tokens import TokenStream
+
+_STOP = object()
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs smaller element-wise ops inline
+
+
+class TokenPipeline:
+    """One consumer's reader and assembler threads, with bounded queues between them."""
+
+    def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
+        self.ts, self.plan = ts, plan
+        spare, ts._spare = ts._spare, {}
+        # Batches go into a ring of reused buffers: the queue holds 2, the loop one or two.
+        self.ring = spare.get("ring") or BufferRing(6, ts.dtype, pin=ts.pin_memory and not in_worker, shared=in_worker)
+        self.gather = spare.get("gather")
+        if self.gather is None:
+            self.gather = torch.empty((ts.batch_size, ts.d_model), dtype=TORCH_DTYPES[ts.store.dtype])
+        self.read = reader(ts.store)
+        n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
+        self.free: queue.Queue = queue.Queue()
+        cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
+        windows_spare = [b for b in spare.get("windows", []) if b.shape == (cap, ts.d_model)]
+        self.buffers = [windows_spare.pop() if windows_spare else np.empty((cap, ts.d_model), ts.stored_dtype)
+                        for _ in range(min(n_buf, max(len(windows), 1)))]
+        for b in self.buffers:
+            self.free.put(b)
+        self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
+        self.out: queue.Queue = queue.Queue(maxsize=2)
+        self.stop = threading.Event()
+        self.local = threading.local()
+        # Skip whole windows already consumed; `first` batches of the next are skipped too.
+        todo = list(windows)
+        while todo and skip >= plan.window_n_batches(todo[0]):
+            skip -= plan.window_n_batches(todo.pop(0))
+        self.windows, self.first_skip = todo, skip
+        self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
+        self.threads = [
+            threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
+            threading.Thread(target=self._guard, args=(self._assemble, self.out), daemon=True, name="actstore-batches"),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            item = self._get(self.out)
+            if item is _STOP:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if not any(t.is_alive() for t in self.threads):
+            self.ts._spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather}
+
+    # ---- threads ------------------------------------------------------------------
+    def _get(self, q: queue.Queue) -> Any:
+        while True:
+            try:
+                return q.get(timeout=0.1)
+            except queue.Empty:
+                if self.stop.is_set():
+                    return _STOP
+
+    def _put(self, q: queue.Queue, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _guard(self, target: Any, q: queue.Queue) -> None:
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(q, e)
+        else:
+            self._put(q, _STOP)
+
+    def _read_windows(self) -> None:
+        for j in self.windows:
+            buf = self._get(self.free)
+            if buf is _STOP:
+                return
+            w = self.plan.window(j)
+            self._fill(w, buf)
+            if not self._put(self.full, (w, buf)):
+                return
+
+    def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
+        """Read every unit of window w into buf[dest:dest+n] through the thread pool, in
+        store order (closer to sequential on disk; the window is permuted in memory anyway)."""
+        order = np.argsort(w.units, kind="stable")
+        n = len(order)
+        step = max(1, -(-n // (self.ts.threads * 4)))
+        futures = [self.pool.submit(self._read_units, w, buf, order[i : i + step]) for i in range(0, n, step)]
+        for f in futures:
+            f.result()
+
+    def _read_units(self, w: WindowSlice, buf: np.ndarray, which: np.ndarray) -> None:
+        units = self.ts.units
+        ex, li, si = units.decode(w.units[which])
+        for k, i in enumerate(which.tolist()):
+            e, s = int(ex[k]), int(si[k])
+            seg = units.segments[s]
+            lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
+            rows = units.kept_rows(e, s)
+            if rows is None and lo == 0 and hi == seg.t_pad:
+                # The unit fills t_pad rows of the window exactly: read straight into it.
+                self.read(e, units.layers[int(li[k])], seg.name, buf[dest : dest + seg.t_pad])
+                continue
+            scratch = self._scratch(seg.t_pad)
+            self.read(e, units.layers[int(li[k])], seg.name, scratch)
+            # One copy: the kept rows of this unit into the window.
+            buf[dest : dest + hi - lo] = scratch[lo:hi] if rows is None else scratch[rows[lo:hi]]
+
+    def _scratch(self, t_pad: int) -> np.ndarray:
+        s = getattr(self.local, "buf", None)
+        if s is None or s.shape[0] < t_pad:
+            s = np.empty((t_pad, self.ts.d_model), self.ts.stored_dtype)
+            self.local.buf = s
+        return s[:t_pad]
+
+    def _assemble(self) -> None:
+        ts = self.ts
+        first = self.first_skip
+        while True:
+            item = self._get(self.full)
+            if item is _STOP or isinstance(item, BaseException):
+                if isinstance(item, BaseException):
+                    raise item
+                return
+            w, buf = item
+            perm = self.plan.window_permutation(w)
+            win = buf[: w.n_tokens]
+            keys = index = None
+            if (ts._norm is not None and len(ts._norm[0]) > 1) or ts.return_index:
+                index = _window_index(ts.units, w)
+                keys = index[1] * ts.units.n_segments + index[2]
+            for b in range(first, w.n_batches):
+                rows = perm[b * ts.batch_size : (b + 1) * ts.batch_size]
+                batch = self._batch(win, rows, keys)
+                if ts.return_index:
+                    batch = _index_dict(batch, ts.units, index, rows)
+                if not self._put(self.out, batch):
+                    return
+            first = 0
+            self.free.put(buf)
+            if self.stop.is_set():
+                return
+
+    def _batch(self, win: np.ndarray, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
+        ts = self.ts
+        out = self.ring.take((len(rows), ts.d_model))
+        same = out.dtype == self.gather.dtype
+        dst = _numpy_view(out) if same else _numpy_view(self.gather)[: len(rows)]
+        # copy: the batch's rows out of the window. numpy's take runs on one core without
+        # the GIL (torch's index_select would spin up its OpenMP pool); rows are in range.
+        np.take(win, rows, axis=0, out=dst, mode="clip")
+        if same and ts._norm is None:
+            return out
+        shift, scale = (torch.from_numpy(t) for t in ts._norm) if ts._norm is not None else (None, None)
+        k_rows = torch.from_numpy(keys[rows]) if keys is not None and shift is not None else None
+        # Row blocks under torch's parallel grain: each op runs on this thread, inline.
+        # (Whole-batch ops would wake torch's OpenMP pool, whose spinning threads cost
+        # several times the work itself, on the cores the reader and the trainer use.)
+        step = max(1, _GRAIN // ts.d_model)
+        src = self.gather[: len(rows)]
+        for i in range(0, len(rows), step):
+            o = out[i : i + step]
+            if not same:
+                o.copy_(src[i : i + step])  # copy: dtype conversion
+            if shift is not None:
+                if k_rows is None:
+                    o.sub_(shift[0]).mul_(scale[0])
+                else:
+                    k = k_rows[i : i + step]
+                    o.sub_(shift[k]).mul_(scale[k])
+        return out
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """The numpy array sharing `t`'s memory (bfloat16 as its uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _window_index(units: TokenUnits, w: WindowSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(example, layer position, segment position, token row) of every row of window w."""
+    n = (w.hi - w.lo).astype(np.int64)
+    ex, li, si = units.decode(w.units)
+    rep = lambda a: np.repeat(a, n)  # noqa: E731
+    offs = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    tok = rep(w.lo.astype(np.int64)) + offs
+    for i in range(len(w.units)):
+        rows = units.kept_rows(int(ex[i]), int(si[i]))
+        if rows is not None:
+            d = int(w.dest[i])
+            tok[d : d + n[i]] = rows[w.lo[i] : w.hi[i]]
+    return rep(ex), rep(li), rep(si), tok
+
+
+def _index_dict(acts: torch.Tensor, units: TokenUnits, index: tuple, rows: np.ndarray) -> dict[str, torch.Tensor]:
+    ex, li, si, tok = (a[rows] for a in index)
+    layers = np.asarray(units.layers, dtype=np.int64)
+    return {
+        "acts": acts,
+        "example": torch.from_numpy(ex),
+        "layer": torch.from_numpy(layers[li]),
+        "segment": torch.from_numpy(si),
+        "token": torch.from_numpy(tok),
+    }
