@@ -195,6 +195,7 @@ def test_info_shows_statistics(tmp_path, dino_dir, images):
         ("empty_folder", r"actstore: error: --data .*: no images \(.jpg.*\) in this folder; nothing to capture"),
         ("empty_jsonl", r"actstore: error: --data .*empty.jsonl holds no examples; nothing to capture"),
         ("bad_image", r"actstore: error: cannot read image .*broken.png: .*; remove or replace the file"),
+        ("truncated_image", r"actstore: error: cannot read image .*img00.png: .*truncated.*; remove or replace the file"),
         ("modality", r"actstore: error: model .* takes image input but --data .* holds text examples"),
         ("bad_json", r"actstore: error: .*bad.jsonl:2: not valid JSON"),
     ],
@@ -216,6 +217,11 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, dino_dir, images, ca
         data = tmp_path / "imgs"
         shutil.copytree(images, data)
         (data / "broken.png").write_bytes(b"\x89PNG not really an image")
+    elif case == "truncated_image":  # the header reads, the pixels do not
+        data = tmp_path / "imgs"
+        shutil.copytree(images, data)
+        raw = (data / "img00.png").read_bytes()
+        (data / "img00.png").write_bytes(raw[: len(raw) // 2])
     elif case == "modality":
         data = write_jsonl(tmp_path / "t.jsonl", ["some text"])
     elif case == "bad_json":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +71,15 @@ def load_model(name: str, *, device: str = "cpu", torch_dtype: str = "float32", 
     key = (name, device, torch_dtype)
     if cache and key in _LOADED:
         return _LOADED[key]
-    lm = _load(name, device, torch_dtype)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' per-weight loading bars: noise beside ours
+    try:
+        lm = _load(name, device, torch_dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if cache:
         _LOADED[key] = lm
     return lm
@@ -110,8 +120,9 @@ def _load_embedded(which: str) -> LoadedModel:
         folder = embedded.smollm2_folder()
         for mod, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
             embedded._need(mod, pip, "embedded:smollm2-135m")
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
+        with _quiet_gguf():
+            tok = AutoTokenizer.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
         return LoadedModel(
             model=model, forward=model, modality="text", model_id="embedded:smollm2-135m (SmolLM2-135M-Instruct Q4_1)",
             tokenizer=tok, is_decoder=True, max_tokens=getattr(model.config, "max_position_embeddings", None),
@@ -127,6 +138,24 @@ def _load_embedded(which: str) -> LoadedModel:
             tokenizer=tok, max_tokens=model.config.max_position_embeddings,
         )
     raise ModelLoadError(f"no embedded model {which!r}; there are {[EMBEDDED_PREFIX + m for m in embedded.EMBEDDED_MODELS]}")
+
+
+@contextmanager
+def _quiet_gguf() -> Iterator[None]:
+    """Silence transformers' plain tqdm over GGUF tensors (not covered by its progress-bar switch)."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    orig = getattr(gguf_utils, "tqdm", None)
+    if orig is not None:
+        gguf_utils.tqdm = lambda it, *a, **k: it
+    try:
+        yield
+    finally:
+        if orig is not None:
+            gguf_utils.tqdm = orig
 
 
 def _load_hf(name: str) -> LoadedModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -150,6 +151,8 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
     source = source or load_source(o.data).limit(o.max_examples)
     start, stop = split(len(source), world, rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
+    if o.progress and progress is None:
+        print(f"loading {o.model} ...", file=sys.stderr, flush=True)
     lm = load_model(o.model, device=o.device, torch_dtype=o.model_dtype)
     _check_modality(lm, source)
     if lm.modality == "text" and o.generate and source.kind == "text":
@@ -266,6 +269,8 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
     procs = [ctx.Process(target=_worker_main, args=(wo, r, q), name=f"actstore-writer-{r}") for r in range(o.workers)]
     todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
     done_n = sum(committed(o.store, r)[0] for r in range(o.workers)) if o.resume else 0
+    if o.progress:
+        print(f"starting {o.workers} writer processes (each loads {o.model}) ...", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
     bar = Progress(total=max(todo - done_n, 0), desc=f"{o.workers} writers", disable=not o.progress)
