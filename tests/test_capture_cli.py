@@ -295,3 +295,16 @@ def test_chat_template_needs_prompts(tmp_path, llama_dir):
     res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--chat-template", "--quiet", ok=False)
     assert res.exit_code == 1 and "--chat-template wraps prompts" in res.output
     assert not (tmp_path / "s").exists()
+
+
+def test_docs_name_every_write_option():
+    from pathlib import Path
+
+    from actstore.cli.capture import show_cmd, write_cmd
+
+    root = Path(__file__).resolve().parents[1]
+    docs = (root / "docs" / "cli.md").read_text() + (root / "docs" / "capture.md").read_text()
+    opts = [o for cmd in (write_cmd, show_cmd) for p in cmd.params for o in p.opts if o.startswith("--")]
+    assert len(opts) > 25
+    missing = [o for o in opts if o not in docs]
+    assert missing == [], f"options of actstore write/show not documented: {missing}"
