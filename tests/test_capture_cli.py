@@ -308,3 +308,13 @@ def test_docs_name_every_write_option():
     assert len(opts) > 25
     missing = [o for o in opts if o not in docs]
     assert missing == [], f"options of actstore write/show not documented: {missing}"
+
+
+def test_writing_over_an_existing_store_needs_resume(tmp_path, dino_dir, images):
+    out = tmp_path / "s"
+    cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet")
+    before = actstore.ActStore(out)[2, 0].copy()
+    res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False)
+    assert res.exit_code == 1
+    assert res.output.strip() == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
+    np.testing.assert_array_equal(actstore.ActStore(out)[2, 0], before)

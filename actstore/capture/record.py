@@ -162,7 +162,10 @@ def record(
         if drain is not None:
             drain.abort()
         if job.writer is not None:
-            job.writer.__exit__(CaptureError, None, None)  # commit what was written; the shard stays open
+            try:
+                job.writer.__exit__(CaptureError, None, None)  # commit what was written; the shard stays open
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
         raise
     return RecordResult(
         shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,

@@ -25,6 +25,7 @@ from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
 from actstore.capture.record import RecordResult, committed, record
+from actstore.writer import shard_dir
 
 DEFAULT_P_MAX = 256
 DEFAULT_R_MAX = 64
@@ -111,6 +112,15 @@ def write(o: WriteOptions) -> dict[str, Any]:
     if world > len(source):
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
     root = Path(o.store)
+    ranks = range(o.workers) if o.workers > 1 else [o.rank]
+    if not o.resume:
+        for r in ranks:
+            if shard_dir(root, r).exists():
+                n_done, complete = committed(root, r)
+                raise CaptureError(
+                    f"{root} already holds shard {r} ({n_done} examples committed{', complete' if complete else ''}); "
+                    "pass --resume to continue the run, or write to a new path"
+                )
     created = not root.exists()
     t0 = time.perf_counter()
     try:
