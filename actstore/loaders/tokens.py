@@ -24,7 +24,6 @@ from actstore.loaders.source import TokenMask, TokenUnits, pick_layers, pick_seg
 STATE_FORMAT = "actstore.TokenStream"
 STATE_VERSION = 1
 DEFAULT_BUFFER_BYTES = 256 * 2**20
-DEFAULT_RUN_BYTES = 4 * 2**20
 # State fields that must match for a saved position to mean the same batches.
 _PLAN_FIELDS = ("n_tokens", "batch_size", "window_batches", "run", "world_size", "rank", "shuffle", "drop_last")
 
@@ -63,10 +62,10 @@ class TokenStream(IterableDataset):
         buffer_bytes: size of one shuffle window: tokens are mixed freely within a window
             of buffer_bytes / (D * itemsize) tokens, which spans that many tokens' worth of
             randomly chosen units. Memory is about (prefetch + 2) windows per consumer.
-        run_bytes: units are shuffled in runs of consecutive units (store order, which
-            is disk order) of about this many bytes, so that cold reads cover longer
-            stretches of the disk; 0 shuffles every unit on its own. Default: 4 MiB, but
-            runs of at most 1/256 of the units (small stores are shuffled unit by unit).
+        run_bytes: shuffle units in runs of consecutive units (store order, which is
+            disk order) of about this many bytes, so that cold reads cover longer
+            stretches of the disk where seeks cost (spinning disks, some network file
+            systems); 0 (default) shuffles every unit on its own.
         drop_last: drop the last partial batch and give every rank the same number of batches.
         rank, world_size: this process's share; default from torch.distributed when initialised.
         token_mask: which tokens inside each length to keep (see actstore.loaders.source).
@@ -91,7 +90,7 @@ class TokenStream(IterableDataset):
         seed: int = 0,
         shuffle: bool = True,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        run_bytes: int | None = None,
+        run_bytes: int = 0,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -106,7 +105,7 @@ class TokenStream(IterableDataset):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive int. Got {v!r}.")
-        if run_bytes is not None and (isinstance(run_bytes, bool) or not isinstance(run_bytes, (int, np.integer)) or run_bytes < 0):
+        if isinstance(run_bytes, bool) or not isinstance(run_bytes, (int, np.integer)) or run_bytes < 0:
             raise ValueError(f"run_bytes must be an int >= 0. Got {run_bytes!r}.")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
@@ -137,11 +136,7 @@ class TokenStream(IterableDataset):
         self.window_batches = max(1, int(buffer_bytes) // (row_bytes * self.batch_size))
         self.buffer_bytes = int(buffer_bytes)
         unit_bytes = row_bytes * sum(seg.t_pad for seg in self.segments) / len(self.segments)
-        if run_bytes is None:
-            run = min(DEFAULT_RUN_BYTES // unit_bytes, len(self.units.counts) // 256)
-        else:
-            run = run_bytes // unit_bytes
-        self.run = max(1, int(run))
+        self.run = max(1, int(run_bytes // unit_bytes))
         self.n_tokens = int(self.units.counts.sum(dtype=np.int64))
         self._epoch = 0
         self._batches_done = 0
