@@ -108,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="embedded:dinov2-s14")
     ap.add_argument("--data", default="embedded:images")
-    ap.add_argument("--examples", type=int, default=48)
+    ap.add_argument("--examples", type=int, default=96)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--layers", default="0-11")
     ap.add_argument("--p-max", type=int, default=128, help="token budget for text models")

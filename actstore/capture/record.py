@@ -145,9 +145,8 @@ def record(
                 batch = _as_batch(raw, lm.forward)
                 outs, event = cap.run({**batch.inputs, **extra}, batch.args)
                 t_fwd += time.perf_counter() - t1
-                if drain is None:
-                    job.open_writer(outs)
-                    drain = _Drain(job.write, queue_size)
+                if drain is None:  # the writer thread creates the shard while the next batch runs
+                    drain = _Drain(job.write, queue_size, start=lambda o=outs: job.open_writer(o))
                 drain.put((outs, event, batch))
         if drain is None:
             n0, complete = committed(store, shard)
@@ -307,11 +306,12 @@ class _Job:
 class _Drain:
     """A bounded queue drained by one background thread running `work`."""
 
-    def __init__(self, work: Callable[[Any], None], maxsize: int):
+    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None):
         if maxsize < 1:
             raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
         self._q: queue.Queue[Any] = queue.Queue(maxsize)
         self._work = work
+        self._start = start
         self.error: BaseException | None = None
         self.wait_seconds = 0.0
         self.busy_seconds = 0.0
@@ -319,6 +319,13 @@ class _Drain:
         self._thread.start()
 
     def _loop(self) -> None:
+        if self._start is not None:
+            t = time.perf_counter()
+            try:
+                self._start()
+            except BaseException as e:  # noqa: BLE001 - handed to the forward thread
+                self.error = e
+            self.busy_seconds += time.perf_counter() - t
         while True:
             item = self._q.get()
             if item is None:
