@@ -24,6 +24,10 @@ def check_batch(store, ds, batch):
         assert batch["lengths"][i].tolist() == [lens[s.name] for s in ds.segments]
         for j in range(k):
             layer = int(batch["layers"][i, j])
+            if [sg.name for sg in ds.segments] == list(store.segments):
+                # The real tokens of every segment, one after another, are ActStore[ex, layer].
+                real = [acts[i, j, int(ds.offsets[s]) : int(ds.offsets[s]) + lens[sg.name]] for s, sg in enumerate(ds.segments)]
+                np.testing.assert_array_equal(torch.cat(real).float().numpy(), np.asarray(store[ex, layer], dtype=np.float32))
             for s, seg in enumerate(ds.segments):
                 o = int(ds.offsets[s])
                 got = acts[i, j, o : o + seg.t_max].float().numpy()
