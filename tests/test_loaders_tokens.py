@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore import ActStore, ShardWriter
-from actstore.torch import TokenLoader, TokenStream
+from actstore.torch import PairBatchSampler, TokenStream
 
 
 def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True):
@@ -264,3 +264,17 @@ def test_bad_arguments_have_clear_errors(tmp_path):
     ts.load_state_dict(state)
     with pytest.raises(ValueError, match=r"saved position was taken with num_workers=2; resume with the same number of workers \(got 0\)"):
         ts.loader(num_workers=0)
+
+
+def test_rank_and_world_size_default_from_torch_distributed(tmp_path, monkeypatch):
+    store = vit_store(tmp_path / "s")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 3)
+    ts = TokenStream(store, batch_size=4, return_index=True)
+    assert (ts.rank, ts.world_size) == (1, 3)
+    mine = rows_of(list(ts))
+    others = [rows_of(list(TokenStream(store, batch_size=4, rank=r, world_size=3, return_index=True))) for r in (0, 2)]
+    assert sorted(mine + others[0] + others[1]) == sorted(expected_rows(store)) and len(mine) == 4 * len(ts)
+    smp = PairBatchSampler(10, layers=[0, 1], batch_size=2)
+    assert (smp.rank, smp.world_size) == (1, 3)
