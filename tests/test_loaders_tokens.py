@@ -278,3 +278,15 @@ def test_rank_and_world_size_default_from_torch_distributed(tmp_path, monkeypatc
     assert sorted(mine + others[0] + others[1]) == sorted(expected_rows(store)) and len(mine) == 4 * len(ts)
     smp = PairBatchSampler(10, layers=[0, 1], batch_size=2)
     assert (smp.rank, smp.world_size) == (1, 3)
+
+
+def test_a_damaged_chunk_raises_in_the_training_loop(tmp_path):
+    store = vit_store(tmp_path / "s")
+    chunk = store._shard(0).layouts["tokens"].chunk_path(7, 1, 0)
+    with open(chunk, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(actstore.CorruptChunkError, match=r"has 100 bytes, expected 60: the file is damaged"):
+        for _ in TokenStream(store, batch_size=4, buffer_bytes=4 * 12 * 3):
+            pass
+    with pytest.raises(actstore.CorruptChunkError, match=r"has 100 bytes, expected 60"):
+        list(TokenStream(store, batch_size=4).loader(num_workers=2, multiprocessing_context="fork"))
