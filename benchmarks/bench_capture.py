@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `actstore write` sets it (see docs/capture.md)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
@@ -151,6 +152,7 @@ def main() -> None:
         "batch_size": args.batch_size,
         "layers": layers,
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "forward_seconds": fwd,
         "capture_seconds": cap,
         "forward_median_s": f_med,
@@ -175,7 +177,8 @@ def main() -> None:
     }
     path = save("capture", result)
     print(
-        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, {torch.get_num_threads()} torch threads\n"
+        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, {torch.get_num_threads()} torch threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n"
         f"  forward alone      {f_med:7.2f} s  (median of {[round(x, 2) for x in fwd]})\n"
         f"  forward + capture  {c_med:7.2f} s  (median of {[round(x, 2) for x in cap]})\n"
         f"  ratio (medians) {c_med / f_med:.3f}, (best runs) {min(cap) / min(fwd):.3f}, CPU time {result['cpu_ratio_capture_over_forward']:.3f}\n"

@@ -319,6 +319,7 @@ class _Drain:
         self._thread.start()
 
     def _loop(self) -> None:
+        _lower_priority()
         if self._start is not None:
             t = time.perf_counter()
             try:
@@ -367,6 +368,22 @@ class _Drain:
             pass
         self._q.put(None)
         self._thread.join()
+
+
+WRITER_NICE = int(os.environ.get("ACTSTORE_WRITER_NICE", "10"))
+
+
+def _lower_priority() -> None:
+    """Lower the writer thread's priority (Linux: per thread) so that it yields the cores to
+    the model's threads and runs in their gaps; the bounded queue keeps it from falling
+    behind (when it is full, the model waits and the writer gets the cores)."""
+    if WRITER_NICE <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except OSError:
+        pass  # not permitted here: run at the normal priority
 
 
 def _numpy(t: Any) -> np.ndarray:

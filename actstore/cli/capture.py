@@ -62,6 +62,12 @@ def write_cmd(store: str, **kw) -> None:
 
         actstore write out/vit.store --model embedded:dinov2-s14 --data embedded:images --layers 6,11
     """
+    import os
+
+    # torch's OpenMP threads otherwise spin at every barrier while the writer thread works,
+    # burning the cores the model needs (measured: 11 % more CPU on 2 cores). Takes effect
+    # only if torch is not imported yet; an OMP_WAIT_POLICY already set is kept.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from actstore.capture.run import WriteOptions, write
 
     opts = WriteOptions(
