@@ -161,7 +161,7 @@ class ChunkLayout:
             self._index_cache.popitem(last=False)
         return index
 
-    # ---- writing (unsharded only) --------------------------------------------------
+    # ---- writing ------------------------------------------------------------------
     def write_example(self, ex: int, acts_ltd: np.ndarray, crc: int) -> int:
         """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
 
@@ -181,6 +181,31 @@ class ChunkLayout:
                 crc = crc32c(chunk, crc)
                 k += 1
         return crc
+
+    def write_shards(self, first_ex: int, acts_eltd: np.ndarray) -> None:
+        """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
+
+        `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
+        last holds S examples. Inner chunks are laid out in C order of the shard's chunk
+        grid, followed by the index and its crc32c (index_location "end").
+        """
+        S = self.shard_examples
+        assert S is not None and first_ex % S == 0 and self.zarr_format == 3
+        n = acts_eltd.shape[0]
+        per_ex = self.n_layers * self.n_tchunks
+        nb = self.chunk_nbytes
+        for start in range(0, n, S):
+            part = np.ascontiguousarray(acts_eltd[start : start + S])
+            k = part.shape[0] * per_ex
+            index = np.full((S * per_ex, 2), _EMPTY, dtype="<u8")
+            index[:k, 0] = np.arange(k, dtype=np.uint64) * np.uint64(nb)
+            index[:k, 1] = nb
+            raw = index.tobytes()
+            if self.index_crc:
+                raw += crc32c(raw).to_bytes(4, "little")
+            path = self.shard_path(first_ex + start)
+            self._ensure_parent(path)
+            write_file(path, memoryview(part.reshape(-1).view(np.uint8)), memoryview(raw))
 
     def delete_example(self, ex: int) -> None:
         """Remove the chunk files of one example (used to drop an uncommitted block)."""
@@ -229,14 +254,14 @@ def read_chunk_file(path: str, dest: memoryview) -> bool:
     return True
 
 
-def write_file(path: str, data: memoryview) -> None:
-    """Write `data` as the whole content of `path` (created or truncated)."""
+def write_file(path: str, *parts: memoryview) -> None:
+    """Write `parts`, one after the other, as the whole content of `path` (created or truncated)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
     try:
-        view = data
-        while view.nbytes:
-            n = os.write(fd, view)
-            view = view[n:]
+        for view in parts:
+            while view.nbytes:
+                n = os.write(fd, view)
+                view = view[n:]
     finally:
         os.close(fd)
 

@@ -164,10 +164,13 @@ class ShardWriter:
         claim_store(self.root, cfg)
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
         self._created = _now()
-        direct_ok = compressor is None and cfg.shard_examples is None
+        direct_ok = compressor is None
         if engine == "direct" and not direct_ok:
-            raise ValueError("engine='direct' writes raw chunk files: it needs no compressor and no Zarr sharding")
+            raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
         self.engine = "direct" if (engine == "auto" and direct_ok) or engine == "direct" else "zarr"
+        # Batches are buffered until a commit when zarr-python writes them, and with Zarr
+        # sharding (whole shard files are written once); else chunk files go out at append.
+        self._buffered = self.engine == "zarr" or cfg.shard_examples is not None
         self.compressor = compressor
         self.commit_bytes = int(commit_bytes)
         self.on_nonfinite = on_nonfinite
@@ -424,7 +427,7 @@ class ShardWriter:
         try:
             for seg in cfg.segments:
                 arr = prepared[seg.name]
-                if self.engine == "direct":
+                if not self._buffered:
                     lay = self._layouts[seg.name]
                     crc = self._block_crc[seg.name]
                     for i in range(b):
@@ -591,7 +594,7 @@ class ShardWriter:
     def _commit_block(self, complete: bool) -> None:
         cfg = self.cfg
         n0 = self.n_committed
-        n1 = self._flush_zarr(complete) if self.engine == "zarr" else self.n_written
+        n1 = self._flush_buffered(complete) if self._buffered else self.n_written
         if n1 == n0 and not complete:
             return
         if n1 > n0:
@@ -648,8 +651,8 @@ class ShardWriter:
             self._pending[name] = [vals[n:]]
         return vals[:n]
 
-    def _flush_zarr(self, complete: bool) -> int:
-        """Write buffered batches through zarr-python (compressed or sharded stores).
+    def _flush_buffered(self, complete: bool) -> int:
+        """Write buffered batches: whole Zarr shard files directly, or through zarr-python.
 
         With Zarr sharding only whole shard files are written (the rest stays buffered)
         unless the shard is being completed, so a committed shard file is never rewritten.
@@ -669,7 +672,10 @@ class ShardWriter:
             arr = self._acts[seg.name]
             arr.resize((n0 + n_take, *arr.shape[1:]))
             if n_take:
-                arr[n0 : n0 + n_take] = chunk[:, :, : seg.t_max]
+                if self.engine == "direct":
+                    self._layouts[seg.name].write_shards(n0, chunk)
+                else:
+                    arr[n0 : n0 + n_take] = chunk[:, :, : seg.t_max]
                 self._block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
             self._pending_acts[seg.name] = [allb[n_take:]] if held else []
         return n0 + n_take

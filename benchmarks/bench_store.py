@@ -30,26 +30,37 @@ import actstore  # noqa: E402
 from actstore.fsutil import syncfs  # noqa: E402
 
 
-def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int) -> dict:
-    nbytes = sum(b.nbytes for b in batches) * repeats
-    raw = root / "raw.bin"
+LAYOUTS = {"v2": {}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}}
+
+
+def raw_write(path: Path, batches: list[np.ndarray], repeats: int) -> float:
     t0 = time.perf_counter()
-    with open(raw, "wb", buffering=0) as f:
+    with open(path, "wb", buffering=0) as f:
         for _ in range(repeats):
             for b in batches:
                 f.write(memoryview(b).cast("B"))
         os.fsync(f.fileno())
-    t_raw = time.perf_counter() - t0
-    store = root / "store"
+    return time.perf_counter() - t0
+
+
+def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int, layout: str) -> dict:
+    """Durable writes: actstore (+ syncfs) against a raw write (+ fsync) of the same bytes,
+    the raw write timed right before and right after, the ratio taken against their mean."""
+    nbytes = sum(b.nbytes for b in batches) * repeats
+    raw = root / "raw.bin"
+    t_raw_before = raw_write(raw, batches, repeats)
+    store = root / f"store-{layout}"
     t0 = time.perf_counter()
-    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens) as w:
+    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens, **LAYOUTS[layout]) as w:
         for _ in range(repeats):
             for b in batches:
                 w.append(b)
     syncfs(store)
     t_store = time.perf_counter() - t0
     actstore.finalize(store)
+    t_raw = (t_raw_before + raw_write(raw, batches, repeats)) / 2
     return {
+        "layout": layout,
         "bytes": nbytes,
         "raw_seconds": t_raw,
         "actstore_seconds": t_store,
@@ -59,10 +70,10 @@ def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: in
     }
 
 
-def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int) -> dict:
-    store = actstore.ActStore(root / "store")
+def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layout: str) -> dict:
+    store = actstore.ActStore(root / f"store-{layout}")
     raw = np.memmap(root / "raw.bin", dtype=np.float16, mode="r", shape=(n, n_layers, store.config.segments[0].t_max, store.d_model))
-    z = zarr.open_array(str(root / "store/shards/shard-00000.zarr/arrays/tokens_activations"), mode="r")
+    z = zarr.open_array(str(root / f"store-{layout}/shards/shard-00000.zarr/arrays/tokens_activations"), mode="r")
     rng = np.random.default_rng(seed)
     pairs = list(zip(rng.integers(0, n, queries).tolist(), rng.integers(0, n_layers, queries).tolist()))
     # Equal bytes: the raw file was written from the same batches in the same order.
@@ -103,6 +114,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=5000)
     ap.add_argument("--dir", default=None, help="where to put the temporary store (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["v2", "v3-sharded"])
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     pool = 8  # distinct batches, cycled: generating random numbers is not what we measure
@@ -110,20 +122,22 @@ def main() -> None:
     repeats = max(1, a.examples // (a.batch * pool))
     n = repeats * pool * a.batch
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-"))
+    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "layouts": {}}
+    print(f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} "
+          f"(fp16, {n * a.layers * a.tokens * a.d_model * 2 / 1e9:.2f} GB)")
     try:
-        w = bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats)
-        r = bench_read(root, n, a.layers, a.queries, a.seed)
+        for layout in a.layout:
+            w = bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout)
+            r = bench_read(root, n, a.layers, a.queries, a.seed, layout)
+            shutil.rmtree(root / f"store-{layout}")
+            result["layouts"][layout] = {"write": w, "read": r}
+            print(f"[{layout}] durable write: raw {w['raw_MBps']:.0f} MB/s, actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
+            print(f"[{layout}] warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
+                  f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
+                  f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "write": w, "read": r}
-    path = save("store", result)
-    gb = w["bytes"] / 1e9
-    print(f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} (fp16, {gb:.2f} GB)")
-    print(f"write: raw {w['raw_MBps']:.0f} MB/s, actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
-    print(f"warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
-          f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
-          f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)")
-    print(f"results: {path}")
+    print(f"results: {save('store', result)}")
 
 
 if __name__ == "__main__":
