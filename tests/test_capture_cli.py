@@ -318,3 +318,18 @@ def test_writing_over_an_existing_store_needs_resume(tmp_path, dino_dir, images)
     assert res.exit_code == 1
     assert res.output.strip() == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
     np.testing.assert_array_equal(actstore.ActStore(out)[2, 0], before)
+
+
+def test_captured_vit_store_exports_to_saev_without_extra_options(tmp_path, dino_dir, images):
+    """Capture records what saev export needs (cls_token, family, dataset)."""
+    out = tmp_path / "s"
+    cli("write", out, "--model", dino_dir, "--data", images, "--layers", "1,2", "--quiet")
+    attrs = actstore.ActStore(out).config.attrs
+    assert attrs["cls_token"] is True and attrs["family"] == "dinov2" and attrs["dataset"] == str(images.resolve())
+    res = cli("export-saev", out, tmp_path / "dump", "--quiet")
+    saev_dir = res.output.strip().splitlines()[-1]
+    meta = json.loads((tmp_path / "dump" / saev_dir.rsplit("/", 1)[-1] / "metadata.json").read_text())
+    assert meta["cls_token"] is True and meta["family"] == "dinov2" and meta["dataset"] == str(images.resolve())
+    store, exported = actstore.ActStore(out), actstore.ActStore(saev_dir)
+    assert exported.layers == (1, 2) and len(exported) == len(store) == 6
+    np.testing.assert_array_equal(exported[5, 2], store[5, 2].astype(np.float32))

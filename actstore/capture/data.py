@@ -28,7 +28,7 @@ class Source:
 
     Attributes:
         kind: "image", "text" or "pair".
-        name: the --data value, recorded in the store's attrs.
+        name: the --data value, recorded in the store's attrs["source"].
         n: number of records.
         get: record i (a dict; see the module docstring).
     """

@@ -33,6 +33,11 @@ DEFAULT_QUEUE = 4
 _NEVER = 2**62  # the writer never commits on its own: record() commits after stats are whole
 
 
+
+# HF model_type -> the saev family name of the vision transformer.
+_SAEV_FAMILIES = {"dinov2": "dinov2", "dinov3_vit": "dinov3", "clip": "clip", "clip_vision_model": "clip",
+                  "siglip": "siglip", "siglip_vision_model": "siglip"}
+
 @dataclass(frozen=True)
 class RecordResult:
     """What one record() call did.
@@ -215,6 +220,13 @@ class _Job:
                 "size": im.size, "patch_size": im.patch_size, "grid": [grid, grid], "prefix_tokens": t - grid * grid,
                 "mean": list(im.mean), "std": list(im.std), "preprocess": "shorter side resized to size (bicubic), centre crop",
             }
+            # What saev export needs (docs/export.md): token 0 is CLS when it is the only
+            # prefix token (registers would make it ambiguous: left to --cls), and the family.
+            if t - grid * grid in (0, 1):
+                attrs.setdefault("cls_token", t - grid * grid == 1)
+            family = _SAEV_FAMILIES.get(getattr(getattr(self.lm.model, "config", None), "model_type", None))
+            if family is not None:
+                attrs.setdefault("family", family)
         seg_kw = {"segments": self.segments} if self.segments else {"tokens": t}
         self.writer = ShardWriter(
             self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,

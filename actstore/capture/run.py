@@ -175,7 +175,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
         batches = image_batches(source, first, stop, lm.image, o.batch_size, lm.device)
     else:
         batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
-    attrs = {"data": source.name, "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
+    attrs = {"source": source.name, "dataset": os.path.abspath(o.data) if os.path.exists(o.data) else source.name, "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
                                                 "chat_template": o.chat_template, "generate": o.generate, "world_size": world}}
     bar = progress
     own_bar = None
