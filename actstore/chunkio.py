@@ -254,14 +254,35 @@ def read_chunk_file(path: str, dest: memoryview) -> bool:
     return True
 
 
+def _load_sync_file_range():
+    """libc's sync_file_range (Linux only), or None."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_sync_file_range = _load_sync_file_range() if os.environ.get("ACTSTORE_EAGER_WRITEBACK", "1") != "0" else None
+
+
 def write_file(path: str, *parts: memoryview) -> None:
-    """Write `parts`, one after the other, as the whole content of `path` (created or truncated)."""
+    """Write `parts`, one after the other, as the whole content of `path` (created or truncated).
+
+    On Linux the file's writeback is started at once (sync_file_range WRITE, which does not
+    wait): the disk then works while the writer computes, instead of idling until a flush.
+    """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
     try:
         for view in parts:
             while view.nbytes:
                 n = os.write(fd, view)
                 view = view[n:]
+        if _sync_file_range is not None:
+            _sync_file_range(fd, 0, 0, 2)  # SYNC_FILE_RANGE_WRITE
     finally:
         os.close(fd)
 

@@ -114,6 +114,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=5000)
     ap.add_argument("--dir", default=None, help="where to put the temporary store (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write-repeats", type=int, default=5, help="write runs per layout (median ratio reported)")
     ap.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["v2", "v3-sharded"])
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
@@ -127,11 +128,20 @@ def main() -> None:
           f"(fp16, {n * a.layers * a.tokens * a.d_model * 2 / 1e9:.2f} GB)")
     try:
         for layout in a.layout:
-            w = bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout)
+            runs = []
+            for i in range(a.write_repeats):
+                if i:
+                    shutil.rmtree(root / f"store-{layout}")
+                runs.append(bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout))
+            # The disk's speed drifts between runs: the ratio of each adjacent (raw, actstore)
+            # pair shares the drift; the headline is the median pair.
+            w = sorted(runs, key=lambda x: x["ratio_vs_raw"])[len(runs) // 2]
+            w["ratios_all_runs"] = [round(x["ratio_vs_raw"], 3) for x in runs]
             r = bench_read(root, n, a.layers, a.queries, a.seed, layout)
             shutil.rmtree(root / f"store-{layout}")
             result["layouts"][layout] = {"write": w, "read": r}
-            print(f"[{layout}] durable write: raw {w['raw_MBps']:.0f} MB/s, actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
+            print(f"[{layout}] durable write (median of {len(runs)} runs {w['ratios_all_runs']}): raw {w['raw_MBps']:.0f} MB/s, "
+                  f"actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
             print(f"[{layout}] warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
                   f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
                   f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)")
