@@ -34,6 +34,8 @@ LAYOUTS = {"v2": {}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}}
 
 
 def raw_write(path: Path, batches: list[np.ndarray], repeats: int) -> float:
+    path.unlink(missing_ok=True)  # freeing the old file's blocks is not part of the write
+    syncfs(path.parent)
     t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         for _ in range(repeats):
@@ -50,6 +52,7 @@ def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: in
     raw = root / "raw.bin"
     t_raw_before = raw_write(raw, batches, repeats)
     store = root / f"store-{layout}"
+    syncfs(root)
     t0 = time.perf_counter()
     with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens, **LAYOUTS[layout]) as w:
         for _ in range(repeats):
@@ -131,7 +134,11 @@ def main() -> None:
             runs = []
             for i in range(a.write_repeats):
                 if i:
+                    # Deleting the last run's thousands of files is filesystem work of its
+                    # own: let it finish (syncfs, pause) so it is not timed in this run.
                     shutil.rmtree(root / f"store-{layout}")
+                    syncfs(root)
+                    time.sleep(2)
                 runs.append(bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout))
             # The disk's speed drifts between runs: the ratio of each adjacent (raw, actstore)
             # pair shares the drift; the headline is the median pair.
