@@ -80,7 +80,7 @@ def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
         src = "float32"
     if dst == "bfloat16":
         f = np.asarray(x, dtype=np.float32) if src != "float64" else x
-        nonfinite = int(np.count_nonzero(~np.isfinite(f))) if not np.isfinite(f.max(initial=0) - f.min(initial=0)) else 0
+        nonfinite = _count_nonfinite(f)
         if src == "float64":
             over = int(np.count_nonzero(np.isfinite(f) & (np.abs(f) > np.finfo(np.float32).max)))
             f = f.astype(np.float32)

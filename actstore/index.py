@@ -66,7 +66,3 @@ def layer_position(layers: Sequence[int], layer: int) -> int:
             "(layer numbers are the model's block indices)"
         ) from None
 
-
-def token_chunks(t_max: int, t_chunk: int) -> int:
-    """Number of chunks along the token axis."""
-    return -(-t_max // t_chunk)

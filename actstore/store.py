@@ -189,7 +189,6 @@ class ActStore:
         self.index = ExampleIndex([s.n_examples for s in self.manifest.shards])
         self._shards: dict[int, _ShardReader] = {}
         self._segs = {s.name: s for s in self.config.segments}
-        self._buffers: dict[str, np.ndarray] = {}
         if self._verify:
             from actstore.verify import verify_store
 
