@@ -10,6 +10,7 @@ writes exactly those bytes, so zarr-python and actstore read each other's output
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -186,8 +187,11 @@ class ChunkLayout:
         """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
 
         `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
-        last holds S examples. Inner chunks are laid out in C order of the shard's chunk
-        grid, followed by the index and its crc32c (index_location "end").
+        last holds S examples, the last may hold fewer (its other index entries are
+        empty) and is replaced whole once it fills. Inner chunks are laid out in C order
+        of the shard's chunk grid, followed by the index and its crc32c (index_location
+        "end"). Each file is written beside its name and renamed into place, so a shard
+        file is always a whole one: the old version or the new.
         """
         S = self.shard_examples
         assert S is not None and first_ex % S == 0 and self.zarr_format == 3
@@ -205,7 +209,16 @@ class ChunkLayout:
                 raw += crc32c(raw).to_bytes(4, "little")
             path = self.shard_path(first_ex + start)
             self._ensure_parent(path)
-            write_file(path, memoryview(part.reshape(-1).view(np.uint8)), memoryview(raw))
+            tmp = path.rsplit("/", 1)
+            tmp = f"{tmp[0]}/.{tmp[1]}.tmp-{os.getpid()}"
+            try:
+                write_file(tmp, memoryview(part.reshape(-1).view(np.uint8)), memoryview(raw))
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            self._index_cache.pop(path, None)
 
     def delete_example(self, ex: int) -> None:
         """Remove the chunk files of one example (used to drop an uncommitted block)."""

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from actstore import __version__, spec
+from actstore.bgwrite import BackgroundShardFiles
 from actstore.chunkio import ChunkLayout, crc32c, layout_from_metadata, load_array_meta
 from actstore.config import StoreConfig, check_format_header, make_config
 from actstore.dtypes import clip_to, convert, to_numpy
@@ -168,8 +169,9 @@ class ShardWriter:
         if engine == "direct" and not direct_ok:
             raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
         self.engine = "direct" if (engine == "auto" and direct_ok) or engine == "direct" else "zarr"
-        # Batches are buffered until a commit when zarr-python writes them, and with Zarr
-        # sharding (whole shard files are written once); else chunk files go out at append.
+        # Batches are buffered until a commit when zarr-python writes them; with Zarr
+        # sharding they are staged per shard file (written by a background thread); else
+        # chunk files go out at append.
         self._buffered = self.engine == "zarr" or cfg.shard_examples is not None
         self.compressor = compressor
         self.commit_bytes = int(commit_bytes)
@@ -311,6 +313,21 @@ class ShardWriter:
                 assert lay is not None
                 self._layouts[s.name] = lay
         self._text_files = {n: open(self.dir / spec.TEXT_DIR / f"{n}.jsonl", "ab") for n in self.cfg.texts}
+        # Direct writes of Zarr shard files: a background thread writes each full shard
+        # file while batches go on into the next staging buffer.
+        self._bg: BackgroundShardFiles | None = None
+        if self.engine == "direct" and self.cfg.shard_examples is not None:
+            shapes = {s.name: (self.cfg.n_layers, s.n_chunks * s.t_chunk, self.cfg.d_model) for s in self.cfg.segments}
+            self._bg = BackgroundShardFiles(self._layouts, shapes, np.dtype(self.cfg.zarr_dtype))
+            self._stage = self._bg.take_buffer()
+            S = self.cfg.shard_examples
+            self._stage_first = self.n_written // S * S
+            self._stage_n = self._stage_crc_from = self.n_written - self._stage_first
+            if self._stage_n:  # resumed after a commit that wrote a partial shard: reload it
+                for s in self.cfg.segments:
+                    for i in range(self._stage_n):
+                        for lp in range(self.cfg.n_layers):
+                            self._layouts[s.name].read_into(self._stage_first + i, lp, self._stage[s.name][i, lp])
 
     def _per_sample_names(self) -> list[str]:
         names = [zarrio.len_name(s.name) for s in self.cfg.segments]
@@ -373,6 +390,7 @@ class ShardWriter:
         # Counters change while segments are validated: a refused batch restores them.
         try:
             prepared: dict[str, np.ndarray] = {}
+            aliased: dict[str, bool] = {}
             lens_out: dict[str, np.ndarray] = {}
             b = None
             for seg in cfg.segments:
@@ -409,6 +427,8 @@ class ShardWriter:
                         )
                     stored, _, _ = convert(clip_to(x, src, cfg.dtype), "float32" if src == "bfloat16" else src, cfg.dtype)
                 prepared[seg.name] = _pad_tokens(stored, seg.n_chunks * seg.t_chunk)
+                # Buffered batches outlive append: never keep a view of the caller's memory.
+                aliased[seg.name] = np.may_share_memory(prepared[seg.name], x)
                 lens_out[seg.name] = lens
                 self.nonfinite[seg.name] += nonfinite
                 self.overflow[seg.name] += over
@@ -424,8 +444,11 @@ class ShardWriter:
             raise
         # Everything is validated: from here on the batch is written.
         n0 = self.n_written
+        if self._bg is not None:
+            self._check_background()
+            self._stage_batch(prepared, b)
         try:
-            for seg in cfg.segments:
+            for seg in cfg.segments if self._bg is None else ():
                 arr = prepared[seg.name]
                 if not self._buffered:
                     lay = self._layouts[seg.name]
@@ -434,7 +457,7 @@ class ShardWriter:
                         crc = lay.write_example(n0 + i, arr[i], crc)
                     self._block_crc[seg.name] = crc
                 else:
-                    self._pending_acts[seg.name].append(arr)
+                    self._pending_acts[seg.name].append(arr.copy() if aliased[seg.name] else arr)
         except OSError as e:
             self._undo(undo)
             if e.errno in _DISK_FULL_ERRNOS:
@@ -446,7 +469,8 @@ class ShardWriter:
             raise
         for seg in cfg.segments:
             arr = prepared[seg.name]
-            self._el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(b) for lp in range(cfg.n_layers))
+            if self._bg is None:  # else the background thread computes them
+                self._el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(b) for lp in range(cfg.n_layers))
             if self.stats is not None and batch_stats is None:
                 self._update_stats(seg, arr, lens_out[seg.name])
         if batch_stats is not None and self.stats is not None:
@@ -455,9 +479,49 @@ class ShardWriter:
             self._pending.setdefault(name, []).append(values)
         self.n_written = n0 + b
         self._block_bytes += sum(a.nbytes for a in prepared.values())
-        if self._block_bytes >= self.commit_bytes:
+        if self._block_bytes >= self.commit_bytes and (
+            # With Zarr sharding, prefer a commit where a shard file just filled: a commit
+            # elsewhere writes the partial shard file, rewritten once it fills.
+            self._bg is None or self._stage_n == 0 or self._block_bytes >= 2 * self.commit_bytes
+        ):
             self.commit()
         return range(n0, n0 + b)
+
+    def _stage_batch(self, prepared: dict[str, np.ndarray], b: int) -> None:
+        """Copy a batch into the staging buffer; hand each full buffer to the background thread."""
+        S = self.cfg.shard_examples
+        i = 0
+        while i < b:
+            k = min(b - i, S - self._stage_n)
+            for name, arr in prepared.items():
+                self._stage[name][self._stage_n : self._stage_n + k] = arr[i : i + k]
+            self._stage_n += k
+            i += k
+            if self._stage_n == S:
+                self._submit_stage()
+
+    def _submit_stage(self) -> None:
+        assert self._bg is not None
+        self._bg.submit(self._stage, self._stage_first, self._stage_n, self._stage_crc_from)
+        self._stage_first += self._stage_n
+        self._stage_n = self._stage_crc_from = 0
+        self._stage = self._bg.take_buffer()
+
+    def _check_background(self, drain: bool = False) -> None:
+        """Raise a failed background shard-file write as the writer's error; it closes the writer."""
+        assert self._bg is not None
+        try:
+            self._bg.drain() if drain else self._bg.check()
+        except OSError as e:
+            lost = self.n_written - self.n_committed
+            self._close_files()
+            if e.errno in _DISK_FULL_ERRNOS:
+                raise self._disk_full(
+                    e, f"writing shard files of shard {self.shard} of {self.root}",
+                    f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
+                    f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
+                ) from e
+            raise
 
     def _lengths(self, seg: Any, given: Any, b: int, t: int) -> np.ndarray:
         if given is None:
@@ -580,6 +644,8 @@ class ShardWriter:
     def _commit(self, complete: bool) -> None:
         try:
             self._commit_block(complete)
+        except DiskFullError:
+            raise  # a failed background write, already explained
         except OSError as e:
             if e.errno not in _DISK_FULL_ERRNOS:
                 raise
@@ -652,33 +718,37 @@ class ShardWriter:
         return vals[:n]
 
     def _flush_buffered(self, complete: bool) -> int:
-        """Write buffered batches: whole Zarr shard files directly, or through zarr-python.
+        """Write every appended example: shard files directly, or batches through zarr-python.
 
-        With Zarr sharding only whole shard files are written (the rest stays buffered)
-        unless the shard is being completed, so a committed shard file is never rewritten.
-        Returns the new committed example count.
+        Returns the new committed example count (every appended example).
         """
         n0 = self.n_committed
+        if self._bg is not None:
+            # A commit covers every appended example: a partly filled shard is written as
+            # a whole shard file now and replaced whole once it fills.
+            if self._stage_n > self._stage_crc_from:
+                self._bg.submit(self._stage, self._stage_first, self._stage_n, self._stage_crc_from, release=False)
+                self._stage_crc_from = self._stage_n
+            self._check_background(drain=True)
+            n1 = self._stage_first + self._stage_n
+            for seg in self.cfg.segments:
+                self._el_crc[seg.name].extend(self._bg.el_crc[seg.name])
+                self._bg.el_crc[seg.name].clear()
+                self._block_crc[seg.name] = self._bg.block_crc[seg.name]
+                self._bg.block_crc[seg.name] = 0
+            return n1
         n_buf = self.n_written - n0
         if not n_buf:
             return n0
-        S = self.cfg.shard_examples
-        n_take = n_buf if (complete or S is None) else (n_buf // S) * S
-        held = self.n_written - n0 - n_take
         for seg in self.cfg.segments:
             parts = self._pending_acts[seg.name]
-            allb = np.concatenate(parts) if len(parts) > 1 else parts[0]
-            chunk = allb[:n_take]
+            chunk = np.concatenate(parts) if len(parts) > 1 else parts[0]
             arr = self._acts[seg.name]
-            arr.resize((n0 + n_take, *arr.shape[1:]))
-            if n_take:
-                if self.engine == "direct":
-                    self._layouts[seg.name].write_shards(n0, chunk)
-                else:
-                    arr[n0 : n0 + n_take] = chunk[:, :, : seg.t_max]
-                self._block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
-            self._pending_acts[seg.name] = [allb[n_take:]] if held else []
-        return n0 + n_take
+            arr.resize((n0 + n_buf, *arr.shape[1:]))
+            arr[n0 : n0 + n_buf] = chunk[:, :, : seg.t_max]
+            self._block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
+            self._pending_acts[seg.name] = []
+        return n0 + n_buf
 
     def _shard_attrs(self, n: int | None = None) -> dict[str, Any]:
         cfg = self.cfg
@@ -742,6 +812,8 @@ class ShardWriter:
     def _close_files(self) -> None:
         for f in self._text_files.values():
             f.close()
+        if self._bg is not None:
+            self._bg.stop()
         self._closed = True
 
     def _check_open(self) -> None:
@@ -843,7 +915,8 @@ def _drop_chunks_from(array_dir: Path, n: int, cfg: StoreConfig) -> None:
     if not cdir.exists():
         return
     S = cfg.shard_examples or 1
-    first_bad = n // S if cfg.shard_examples else n
+    # A partly filled shard file at n // S holds committed examples: it stays (whole).
+    first_bad = -(-n // S) if cfg.shard_examples else n
     with os.scandir(cdir) as it:
         for e in it:
             if e.name.isdigit() and int(e.name) >= first_bad:
