@@ -1,9 +1,9 @@
 """Whole Zarr shard files written on a background thread while the writer goes on appending.
 
 With Zarr sharding a writer gathers S examples into a staging buffer, then writes them as
-one shard file. Here the full buffer goes to a thread that writes the file (and computes
-its crc32c values) while the appending thread fills the next buffer: converting and
-screening the next batch overlaps the disk. Buffers are reused (at most `n_buffers` per
+one shard file. Here the full buffer goes to a thread that writes the file while the
+appending thread fills (and checksums) the next buffer: converting, screening and
+checksumming the next batches overlaps the disk. Buffers are reused (at most `n_buffers` per
 segment exist), so memory stays bounded and a slow disk makes `take_buffer` wait.
 
 A write error is kept and raised by the next `check`/`drain` on the appending thread; the
@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from actstore.chunkio import ChunkLayout, crc32c
+from actstore.chunkio import ChunkLayout
 
 
 class BackgroundShardFiles:
@@ -42,9 +42,6 @@ class BackgroundShardFiles:
         self._free: queue.Queue = queue.Queue()
         self._todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        # Filled by the thread, read and reset by the appending thread after drain().
-        self.block_crc = dict.fromkeys(layouts, 0)
-        self.el_crc: dict[str, list[int]] = {s: [] for s in layouts}
         self._thread = threading.Thread(target=self._run, name="actstore-shard-files", daemon=True)
         self._thread.start()
 
@@ -59,14 +56,13 @@ class BackgroundShardFiles:
             return {s: np.empty((self.S, *shape), self.dtype) for s, shape in self.shapes.items()}
         return self._free.get()
 
-    def submit(self, buf: dict[str, np.ndarray], first_ex: int, n: int, crc_from: int = 0, release: bool = True) -> None:
+    def submit(self, buf: dict[str, np.ndarray], first_ex: int, n: int, release: bool = True) -> None:
         """Write examples first_ex..first_ex+n-1 (the first n rows of `buf`) as one shard file.
 
-        Checksums are computed for rows crc_from..n-1 (earlier rows were committed with a
-        partial version of this shard file). With release=False the buffer stays with
-        the caller, who goes on filling rows n.. (a partial shard written at a commit).
+        With release=False the buffer stays with the caller, who goes on filling rows n..
+        (a partial shard written at a commit, replaced whole once the shard fills).
         """
-        self._todo.put((buf, first_ex, n, crc_from, release))
+        self._todo.put((buf, first_ex, n, release))
 
     def check(self) -> None:
         """Raise the error of a failed background write, if any."""
@@ -89,10 +85,10 @@ class BackgroundShardFiles:
             try:
                 if item is None:
                     return
-                buf, first, n, crc_from, release = item
+                buf, first, n, release = item
                 if self.error is None:
                     try:
-                        self._write(buf, first, n, crc_from)
+                        self._write(buf, first, n)
                     except BaseException as e:  # noqa: BLE001 - handed to the appending thread
                         self.error = e
                 if release:
@@ -100,17 +96,6 @@ class BackgroundShardFiles:
             finally:
                 self._todo.task_done()
 
-    def _write(self, buf: dict[str, np.ndarray], first: int, n: int, crc_from: int) -> None:
+    def _write(self, buf: dict[str, np.ndarray], first: int, n: int) -> None:
         for seg, lay in self.layouts.items():
-            part = buf[seg][:n]
-            lay.write_shards(first, part)
-            # Per (example, layer) crc32c and the block's chained crc32c, in example order;
-            # crc32c releases the GIL on buffers this large.
-            el = self.el_crc[seg]
-            crc = self.block_crc[seg]
-            for i in range(crc_from, n):
-                for lp in range(part.shape[1]):
-                    row = part[i, lp]
-                    el.append(crc32c(row))
-                    crc = crc32c(row, crc)
-            self.block_crc[seg] = crc
+            lay.write_shards(first, buf[seg][:n])

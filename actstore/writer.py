@@ -322,7 +322,7 @@ class ShardWriter:
             self._stage = self._bg.take_buffer()
             S = self.cfg.shard_examples
             self._stage_first = self.n_written // S * S
-            self._stage_n = self._stage_crc_from = self.n_written - self._stage_first
+            self._stage_n = self._stage_written = self.n_written - self._stage_first
             if self._stage_n:  # resumed after a commit that wrote a partial shard: reload it
                 for s in self.cfg.segments:
                     for i in range(self._stage_n):
@@ -469,7 +469,7 @@ class ShardWriter:
             raise
         for seg in cfg.segments:
             arr = prepared[seg.name]
-            if self._bg is None:  # else the background thread computes them
+            if self._bg is None:  # else staging computed them
                 self._el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(b) for lp in range(cfg.n_layers))
             if self.stats is not None and batch_stats is None:
                 self._update_stats(seg, arr, lens_out[seg.name])
@@ -494,7 +494,16 @@ class ShardWriter:
         while i < b:
             k = min(b - i, S - self._stage_n)
             for name, arr in prepared.items():
-                self._stage[name][self._stage_n : self._stage_n + k] = arr[i : i + k]
+                part = self._stage[name][self._stage_n : self._stage_n + k]
+                part[...] = arr[i : i + k]
+                # Checksums here, on rows just copied (in cache), while the background
+                # thread writes: per (example, layer), and the block's chained crc32c.
+                el, crc = self._el_crc[name], self._block_crc[name]
+                for row in part:
+                    for lrow in row:
+                        el.append(crc32c(lrow))
+                        crc = crc32c(lrow, crc)
+                self._block_crc[name] = crc
             self._stage_n += k
             i += k
             if self._stage_n == S:
@@ -502,9 +511,9 @@ class ShardWriter:
 
     def _submit_stage(self) -> None:
         assert self._bg is not None
-        self._bg.submit(self._stage, self._stage_first, self._stage_n, self._stage_crc_from)
+        self._bg.submit(self._stage, self._stage_first, self._stage_n)
         self._stage_first += self._stage_n
-        self._stage_n = self._stage_crc_from = 0
+        self._stage_n = self._stage_written = 0
         self._stage = self._bg.take_buffer()
 
     def _check_background(self, drain: bool = False) -> None:
@@ -726,17 +735,11 @@ class ShardWriter:
         if self._bg is not None:
             # A commit covers every appended example: a partly filled shard is written as
             # a whole shard file now and replaced whole once it fills.
-            if self._stage_n > self._stage_crc_from:
-                self._bg.submit(self._stage, self._stage_first, self._stage_n, self._stage_crc_from, release=False)
-                self._stage_crc_from = self._stage_n
+            if self._stage_n > self._stage_written:
+                self._bg.submit(self._stage, self._stage_first, self._stage_n, release=False)
+                self._stage_written = self._stage_n
             self._check_background(drain=True)
-            n1 = self._stage_first + self._stage_n
-            for seg in self.cfg.segments:
-                self._el_crc[seg.name].extend(self._bg.el_crc[seg.name])
-                self._bg.el_crc[seg.name].clear()
-                self._block_crc[seg.name] = self._bg.block_crc[seg.name]
-                self._bg.block_crc[seg.name] = 0
-            return n1
+            return self._stage_first + self._stage_n
         n_buf = self.n_written - n0
         if not n_buf:
             return n0
