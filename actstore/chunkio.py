@@ -106,6 +106,50 @@ class ChunkLayout:
             else:
                 self._read_sharded(ex, layer_pos, tc, dest)
 
+    def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
+        """read_into when every byte is already in the page cache, without waiting for the
+        disk (preadv2 RWF_NOWAIT); False (out partly written or not) when some byte is not,
+        or where the system cannot tell: then read_into. Loaders copy cached chunks on
+        one thread and hand only the others to their I/O threads."""
+        global _nowait_ok
+        if not _nowait_ok:
+            return False
+        mv = memoryview(out.reshape(-1).view(np.uint8))
+        nb = self.chunk_nbytes
+        for tc in range(self.n_tchunks):
+            dest = mv[tc * nb : (tc + 1) * nb]
+            if self.shard_examples is None:
+                path, offset = self.chunk_path(ex, layer_pos, tc), 0
+            else:
+                path = self.shard_path(ex)
+                index = self._index_cache.get(path)
+                if index is None:
+                    return False  # the first read of a shard file loads (and checks) its index
+                offset, nbytes = index[ex % self.shard_examples, layer_pos, tc]
+                if (offset == _EMPTY and nbytes == _EMPTY) or int(nbytes) != nb:
+                    return False  # a missing or damaged chunk: read_into says which
+                offset = int(offset)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW)
+            except OSError:
+                return False  # missing, a link, ...: read_into handles and explains it
+            try:
+                if self.shard_examples is None and os.fstat(fd).st_size != nb:
+                    return False
+                n = os.preadv(fd, [dest], offset, _RWF_NOWAIT)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    _nowait_ok = False  # this kernel or file system cannot tell: never again
+                    return False
+                raise
+            finally:
+                os.close(fd)
+            if n != nb:
+                return False  # partly cached (or cut short): read_into reads it whole
+        return True
+
     def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
         path = self.shard_path(ex)
         index = self._shard_index(path)
@@ -234,6 +278,10 @@ class ChunkLayout:
         if parent not in self._made_dirs:
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
+
+
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+_nowait_ok = bool(_RWF_NOWAIT) and hasattr(os, "preadv") and os.environ.get("ACTSTORE_READ_NOWAIT", "1") != "0"
 
 
 def read_chunk_file(path: str, dest: memoryview) -> bool:

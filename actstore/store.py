@@ -274,6 +274,16 @@ class ActStore:
         sh.read_padded(seg, local, lp, out)
         return int(sh.lengths(seg)[local])
 
+    def read_cached(self, ex: int, layer: int, segment: str, out: np.ndarray) -> bool:
+        """read_into, but only if every byte is in the page cache (it never waits for the
+        disk); returns False otherwise (then call read_into). For loaders: cached reads are
+        memory copies, best done on one thread, and only the others need I/O threads."""
+        seg = self.config.segment(segment)
+        pos, local = self.index.locate(ex)
+        lp = layer_position(self.config.layers, layer)
+        lay = self._shard(pos).layouts[seg.name]
+        return lay is not None and lay.read_cached(local, lp, out)
+
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         pos, local = self.index.locate(ex)
         lp = layer_position(self.config.layers, layer)

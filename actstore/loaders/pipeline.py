@@ -40,6 +40,7 @@ class TokenPipeline:
         if self.gather is None:
             self.gather = torch.empty((ts.batch_size, ts.d_model), dtype=TORCH_DTYPES[ts.store.dtype])
         self.read = reader(ts.store)
+        self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
         n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
         self.free: queue.Queue = queue.Queue()
         cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
@@ -119,31 +120,49 @@ class TokenPipeline:
                 return
 
     def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
-        """Read every unit of window w into buf[dest:dest+n] through the thread pool, in
-        store order (closer to sequential on disk; the window is permuted in memory anyway)."""
+        """Read every unit of window w into buf[dest:dest+n], in store order (closer to
+        sequential on disk; the window is permuted in memory anyway). Units already in
+        the page cache are copied here, on this one thread: they are memory copies, and
+        more threads copying on a few cores only crowd out batch assembly and the training
+        loop. The others go to the I/O thread pool, many at a time, as they are found."""
         order = np.argsort(w.units, kind="stable")
         n = len(order)
         step = max(1, -(-n // (self.ts.threads * 4)))
-        futures = [self.pool.submit(self._read_units, w, buf, order[i : i + step]) for i in range(0, n, step)]
+        futures, pending = [], []
+        ex, li, si = self.ts.units.decode(w.units[order])
+        for k, i in enumerate(order.tolist()):
+            if self.cached is None or not self._read_unit(w, buf, i, int(ex[k]), int(li[k]), int(si[k]), self.cached):
+                pending.append(i)
+                if len(pending) == step:
+                    futures.append(self.pool.submit(self._read_units, w, buf, np.asarray(pending)))
+                    pending = []
+        if pending:
+            futures.append(self.pool.submit(self._read_units, w, buf, np.asarray(pending)))
         for f in futures:
             f.result()
 
     def _read_units(self, w: WindowSlice, buf: np.ndarray, which: np.ndarray) -> None:
-        units = self.ts.units
-        ex, li, si = units.decode(w.units[which])
+        ex, li, si = self.ts.units.decode(w.units[which])
         for k, i in enumerate(which.tolist()):
-            e, s = int(ex[k]), int(si[k])
-            seg = units.segments[s]
-            lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
-            rows = units.kept_rows(e, s)
-            if rows is None and lo == 0 and hi == seg.t_pad:
-                # The unit fills t_pad rows of the window exactly: read straight into it.
-                self.read(e, units.layers[int(li[k])], seg.name, buf[dest : dest + seg.t_pad])
-                continue
-            scratch = self._scratch(seg.t_pad)
-            self.read(e, units.layers[int(li[k])], seg.name, scratch)
-            # One copy: the kept rows of this unit into the window.
-            buf[dest : dest + hi - lo] = scratch[lo:hi] if rows is None else scratch[rows[lo:hi]]
+            self._read_unit(w, buf, i, int(ex[k]), int(li[k]), int(si[k]), self.read)
+
+    def _read_unit(self, w: WindowSlice, buf: np.ndarray, i: int, e: int, li: int, s: int, read: Any) -> bool:
+        """Unit i of window w into its rows of buf with `read` (a read_into, or read_cached,
+        which may decline: then False and nothing is taken)."""
+        units = self.ts.units
+        seg = units.segments[s]
+        lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
+        rows = units.kept_rows(e, s)
+        layer = units.layers[li]
+        if rows is None and lo == 0 and hi == seg.t_pad:
+            # The unit fills t_pad rows of the window exactly: read straight into it.
+            return read(e, layer, seg.name, buf[dest : dest + seg.t_pad]) is not False
+        scratch = self._scratch(seg.t_pad)
+        if read(e, layer, seg.name, scratch) is False:
+            return False
+        # One copy: the kept rows of this unit into the window.
+        buf[dest : dest + hi - lo] = scratch[lo:hi] if rows is None else scratch[rows[lo:hi]]
+        return True
 
     def _scratch(self, t_pad: int) -> np.ndarray:
         s = getattr(self.local, "buf", None)
