@@ -290,3 +290,36 @@ def test_a_damaged_chunk_raises_in_the_training_loop(tmp_path):
             pass
     with pytest.raises(actstore.CorruptChunkError, match=r"has 100 bytes, expected 60"):
         list(TokenStream(store, batch_size=4).loader(num_workers=2, multiprocessing_context="fork"))
+
+
+def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_path, monkeypatch):
+    store = vit_store(tmp_path / "s", n=40, t=5, d=6)
+    kw = dict(batch_size=8, buffer_bytes=8 * 6 * 2 * 4, seed=3)  # windows of 4 batches
+
+    def fresh(epoch):
+        ts = TokenStream(store, **kw)
+        ts.set_epoch(epoch)
+        return [b.clone() for b in ts]
+
+    want = {e: fresh(e) for e in (1, 5, 6)}
+    ts = TokenStream(store, **kw)
+    assert [b.clone() for b in ts] and ts.epoch == 1
+    assert ts._spare["ahead"][1].start == 0 and ts._spare["ahead"][0][2] == 1  # epoch 1, window 0
+    calls = []
+    real = type(store).read_cached
+    monkeypatch.setattr(type(store), "read_cached", lambda self, *a: calls.append(a[:2]) or real(self, *a))
+    got = [b.clone() for b in ts]  # epoch 1: its first window is already in memory
+    assert len(got) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got, want[1]))
+    p1, p2 = ts.plan(1), ts.plan(2)
+    assert len(calls) == sum(len(p1.window(j).units) for j in range(1, p1.n_windows)) + len(p2.window(0).units)
+    ts.set_epoch(5)  # the window read ahead (epoch 2) is not epoch 5's
+    got = [b.clone() for b in ts]
+    assert all(torch.equal(a, b) for a, b in zip(got, want[5])) and len(got) == len(want[5])
+    it = iter(ts)  # epoch 6 was read ahead; stop after 3 batches and resume elsewhere
+    first3 = [next(it).clone() for _ in range(3)]
+    state = ts.state_dict()
+    del it
+    resumed = TokenStream(store, **kw)
+    resumed.load_state_dict(state)
+    rest = [b.clone() for b in resumed]
+    assert all(torch.equal(a, b) for a, b in zip(first3 + rest, want[6])) and len(first3 + rest) == len(want[6])

@@ -44,20 +44,29 @@ class TokenPipeline:
         n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
         self.free: queue.Queue = queue.Queue()
         cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
-        windows_spare = [b for b in spare.get("windows", []) if b.shape == (cap, ts.d_model)]
-        self.buffers = [windows_spare.pop() if windows_spare else np.empty((cap, ts.d_model), ts.stored_dtype)
-                        for _ in range(min(n_buf, max(len(windows), 1)))]
-        for b in self.buffers:
-            self.free.put(b)
-        self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
-        self.out: queue.Queue = queue.Queue(maxsize=2)
-        self.stop = threading.Event()
-        self.local = threading.local()
         # Skip whole windows already consumed; `first` batches of the next are skipped too.
         todo = list(windows)
         while todo and skip >= plan.window_n_batches(todo[0]):
             skip -= plan.window_n_batches(todo.pop(0))
         self.windows, self.first_skip = todo, skip
+        # The last epoch's reader may have read this epoch's first window already.
+        ahead = spare.get("ahead")
+        self.in_main = not in_worker
+        use_ahead = ahead is not None and self.in_main and ahead[0] == _plan_key(ts, plan) and todo[:1] == [0] and skip == 0
+        windows_spare = [b for b in spare.get("windows", []) if b.shape == (cap, ts.d_model) and not (use_ahead and b is ahead[2])]
+        self.buffers = [windows_spare.pop() if windows_spare else np.empty((cap, ts.d_model), ts.stored_dtype)
+                        for _ in range(min(n_buf, max(len(windows), 1)) - (1 if use_ahead else 0))]
+        for b in self.buffers:
+            self.free.put(b)
+        self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
+        if use_ahead:
+            self.buffers.append(ahead[2])
+            self.full.put((ahead[1], ahead[2]))
+            self.windows = todo[1:]
+        self.ahead: tuple | None = None
+        self.out: queue.Queue = queue.Queue(maxsize=2)
+        self.stop = threading.Event()
+        self.local = threading.local()
         self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
         self.threads = [
             threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
@@ -81,7 +90,7 @@ class TokenPipeline:
             t.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
         if not any(t.is_alive() for t in self.threads):
-            self.ts._spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather}
+            self.ts._spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather, "ahead": self.ahead}
 
     # ---- threads ------------------------------------------------------------------
     def _get(self, q: queue.Queue) -> Any:
@@ -103,21 +112,35 @@ class TokenPipeline:
 
     def _guard(self, target: Any, q: queue.Queue) -> None:
         try:
-            target()
+            signalled = target()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
             self._put(q, e)
         else:
-            self._put(q, _STOP)
+            if not signalled:
+                self._put(q, _STOP)
 
-    def _read_windows(self) -> None:
+    def _read_windows(self) -> bool:
         for j in self.windows:
             buf = self._get(self.free)
             if buf is _STOP:
-                return
+                return False
             w = self.plan.window(j)
             self._fill(w, buf)
             if not self._put(self.full, (w, buf)):
-                return
+                return False
+        if not self.in_main:
+            return False
+        # This epoch is read: tell the assembler, then read the next epoch's first window
+        # while the last batches are served, so the next epoch starts without waiting.
+        self._put(self.full, _STOP)
+        nxt = self.ts.plan(self.plan.epoch + 1)
+        if nxt.n_windows and not self.stop.is_set():
+            buf = self._get(self.free)
+            if buf is not _STOP:
+                w = nxt.window(0)
+                self._fill(w, buf)
+                self.ahead = (_plan_key(self.ts, nxt), w, buf)
+        return True
 
     def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
         """Read every unit of window w into buf[dest:dest+n], in store order (closer to
@@ -227,6 +250,13 @@ class TokenPipeline:
                     k = k_rows[i : i + step]
                     o.sub_(shift[k]).mul_(scale[k])
         return out
+
+
+def _plan_key(ts: TokenStream, plan: EpochPlan) -> tuple:
+    """What fixes an epoch's windows: a window read ahead serves only the same plan."""
+    return (ts.store.path if hasattr(ts.store, "path") else id(ts.store), ts.seed, plan.epoch, ts.rank, ts.world_size,
+            ts.batch_size, ts.window_batches, ts.shuffle, ts.drop_last, ts.run, ts.n_tokens, ts.layers,
+            tuple(s.name for s in ts.segments))
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
