@@ -227,7 +227,7 @@ def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, thread
                     for ts, _ in streams.values():
                         # A stream reads its next epoch's first window at the end of an
                         # epoch (into its own buffer): cold means none of it is in memory.
-                        ts._spare.pop("ahead", None)
+                        ts.discard_read_ahead()
                 if name == "seq":
                     runs[name].append(n_tokens / sequential_read(raw))
                 else:
@@ -375,7 +375,7 @@ def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, pro
             ts = TokenStream(store, **kw)
             epoch_rate(ts)  # first epoch: allocates its buffers
             drop_all(store_dir)
-            ts._spare.pop("ahead", None)  # cold: not even the next epoch's first window in memory
+            ts.discard_read_ahead()  # cold: not even the next epoch's first window in memory
             cold = epoch_rate(ts)
             warm_rate = epoch_rate(ts)
             mix = []
@@ -449,7 +449,7 @@ def main() -> None:
         for c in ("cold", "warm"):
             if c == "cold":
                 drop_all(root / "store")
-                ts._spare.pop("ahead", None)
+                ts.discard_read_ahead()
             one[c] = epoch_rate(ts)
         sv["stream_one_layer_float32"] = one
         sv["stream_vs_saev"] = {c: one[c] / sv["tokens_per_s"] for c in one}

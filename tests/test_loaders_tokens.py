@@ -304,15 +304,22 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     want = {e: fresh(e) for e in (1, 5, 6)}
     ts = TokenStream(store, **kw)
     assert [b.clone() for b in ts] and ts.epoch == 1
-    assert ts._spare["ahead"][1].start == 0 and ts._spare["ahead"][0][2] == 1  # epoch 1, window 0
+    pending = ts._spare["pending"]  # the reader of epoch 0 finishes its read-ahead in the background
+    assert pending.finish()["ahead"][1].start == 0 and ts._spare["ahead"][0][2] == 1  # epoch 1, window 0
     calls = []
     real = type(store).read_cached
     monkeypatch.setattr(type(store), "read_cached", lambda self, *a: calls.append(a[:2]) or real(self, *a))
     got = [b.clone() for b in ts]  # epoch 1: its first window is already in memory
     assert len(got) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got, want[1]))
+    ts._spare["pending"].finish()  # epoch 2's first window, read in the background
     p1, p2 = ts.plan(1), ts.plan(2)
     assert len(calls) == sum(len(p1.window(j).units) for j in range(1, p1.n_windows)) + len(p2.window(0).units)
     ts.set_epoch(5)  # the window read ahead (epoch 2) is not epoch 5's
+    ts.discard_read_ahead()
+    assert "ahead" not in ts._spare and ts._spare["windows"]  # forgotten, its buffers kept
+    ts.set_epoch(2)
+    assert all(torch.equal(a, b) for a, b in zip(ts, fresh(2)))  # read again, not from memory
+    ts.set_epoch(5)
     got = [b.clone() for b in ts]
     assert all(torch.equal(a, b) for a, b in zip(got, want[5])) and len(got) == len(want[5])
     it = iter(ts)  # epoch 6 was read ahead; stop after 3 batches and resume elsewhere

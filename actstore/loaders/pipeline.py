@@ -34,6 +34,8 @@ class TokenPipeline:
     def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
         self.ts, self.plan = ts, plan
         spare, ts._spare = ts._spare, {}
+        if "pending" in spare:  # the last epoch's reader, reading this epoch's first window
+            spare = spare["pending"].finish()
         # Batches go into a ring of reused buffers: the queue holds 2, the loop one or two.
         self.ring = spare.get("ring") or BufferRing(6, ts.dtype, pin=ts.pin_memory and not in_worker, shared=in_worker)
         self.gather = spare.get("gather")
@@ -64,6 +66,8 @@ class TokenPipeline:
             self.full.put((ahead[1], ahead[2]))
             self.windows = todo[1:]
         self.ahead: tuple | None = None
+        self.epoch_read = False  # the reader has read every window of this epoch
+        self.served = False  # the loop has taken every batch of this epoch
         self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stop = threading.Event()
         self.local = threading.local()
@@ -79,18 +83,35 @@ class TokenPipeline:
         while True:
             item = self._get(self.out)
             if item is _STOP:
+                self.served = not self.stop.is_set()  # every batch of the epoch went out
                 return
             if isinstance(item, BaseException):
                 raise item
             yield item
 
     def close(self) -> None:
+        if self.served and self.epoch_read and not self.stop.is_set():
+            # The whole epoch was served: the reader may still be reading the next epoch's
+            # first window. Let it finish in the background; the next pipeline of this
+            # stream waits for it (finish) and takes its buffers.
+            self.threads[1].join(timeout=30)
+            if not self.threads[1].is_alive():
+                self.ts._spare = {"pending": self}
+                return
         self.stop.set()
+        self.finish()
+
+    def finish(self) -> dict:
+        """Wait for the threads and hand the buffers back to the stream (and return them)."""
         for t in self.threads:
             t.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        spare = {}
         if not any(t.is_alive() for t in self.threads):
-            self.ts._spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather, "ahead": self.ahead}
+            spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather, "ahead": self.ahead}
+        if self.ts._spare.get("pending") is self:
+            self.ts._spare = spare
+        return spare
 
     # ---- threads ------------------------------------------------------------------
     def _get(self, q: queue.Queue) -> Any:
@@ -132,6 +153,7 @@ class TokenPipeline:
             return False
         # This epoch is read: tell the assembler, then read the next epoch's first window
         # while the last batches are served, so the next epoch starts without waiting.
+        self.epoch_read = True  # before the assembler can end the epoch: close() reads it
         self._put(self.full, _STOP)
         nxt = self.ts.plan(self.plan.epoch + 1)
         if nxt.n_windows and not self.stop.is_set():

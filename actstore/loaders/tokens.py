@@ -198,6 +198,15 @@ class TokenStream(IterableDataset):
         self._epoch, self._batches_done = int(state["epoch"]), int(state["batches_done"])
         self._num_workers = int(state["num_workers"])
 
+    def discard_read_ahead(self) -> None:
+        """Forget the next epoch's first window, read ahead at the end of the last epoch
+        (to measure a cold epoch, say); its buffer is kept for reuse."""
+        spare = self._spare
+        if "pending" in spare:
+            spare = spare["pending"].finish()
+        spare.pop("ahead", None)
+        self._spare = spare
+
     def _end_epoch(self) -> None:
         self._epoch += 1
         self._batches_done = 0
