@@ -103,7 +103,9 @@ class ShardWriter:
         dtype: "float16" (default), "bfloat16" or "float32".
         t_chunk: token chunk length (int, or {segment: int}); default keeps chunks <= 4 MiB.
         zarr_format: 2 (default) or 3.
-        shard_examples: with zarr_format=3, examples per Zarr shard file (sharding codec).
+        shard_examples: with zarr_format=3, examples per Zarr shard file (sharding codec);
+            batches are staged per shard file (up to 3 buffers of one shard file each,
+            per segment) and a background thread writes each full one.
         fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
         texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
         token_labels: store a uint8 label per token (saev labels.bin).
