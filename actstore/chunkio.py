@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import CorruptChunkError, UnsafePathError
+from actstore.fsutil import tmp_name
 
 try:
     from crc32c import crc32c as _crc32c
@@ -253,8 +254,7 @@ class ChunkLayout:
                 raw += crc32c(raw).to_bytes(4, "little")
             path = self.shard_path(first_ex + start)
             self._ensure_parent(path)
-            tmp = path.rsplit("/", 1)
-            tmp = f"{tmp[0]}/.{tmp[1]}.tmp-{os.getpid()}"
+            tmp = str(tmp_name(Path(path)))
             try:
                 write_file(tmp, memoryview(part.reshape(-1).view(np.uint8)), memoryview(raw))
                 os.replace(tmp, path)

@@ -14,14 +14,15 @@ from actstore.errors import UnsafePathError
 _libc = None
 
 
-def _tmp_name(path: Path) -> Path:
+def tmp_name(path: Path) -> Path:
+    """A hidden temporary name beside `path` (`.name.tmp-<pid>-<random>`; resume removes leftovers)."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
     """Write `data` to a temporary file beside `path`, then rename it over `path`."""
     path = Path(path)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -48,7 +49,7 @@ def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
     the same file cannot both succeed and nobody ever sees a half-written file.
     """
     path = Path(path)
-    tmp = _tmp_name(path)
+    tmp = tmp_name(path)
     tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
     try:
         os.link(tmp, path)

@@ -268,9 +268,7 @@ class ActStore:
         """Read segment `segment` of (ex, layer) padded to T_max into `out` (stored dtype,
         shape (>= n_chunks*t_chunk, D)); returns the example's length. For loaders."""
         seg = self.config.segment(segment)
-        pos, local = self.index.locate(ex)
-        lp = layer_position(self.config.layers, layer)
-        sh = self._shard(pos)
+        sh, local, lp = self._where(ex, layer)
         sh.read_padded(seg, local, lp, out)
         return int(sh.lengths(seg)[local])
 
@@ -279,15 +277,12 @@ class ActStore:
         disk); returns False otherwise (then call read_into). For loaders: cached reads are
         memory copies, best done on one thread, and only the others need I/O threads."""
         seg = self.config.segment(segment)
-        pos, local = self.index.locate(ex)
-        lp = layer_position(self.config.layers, layer)
-        lay = self._shard(pos).layouts[seg.name]
+        sh, local, lp = self._where(ex, layer)
+        lay = sh.layouts[seg.name]
         return lay is not None and lay.read_cached(local, lp, out)
 
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
-        pos, local = self.index.locate(ex)
-        lp = layer_position(self.config.layers, layer)
-        sh = self._shard(pos)
+        sh, local, lp = self._where(ex, layer)
         n_pad = seg.n_chunks * seg.t_chunk
         buf = np.empty((n_pad, self.config.d_model), dtype=spec.ACT_DTYPES[self.config.dtype])
         sh.read_padded(seg, local, lp, buf)
@@ -373,6 +368,12 @@ class ActStore:
     def _global_per_sample(self, name: str) -> np.ndarray:
         parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
         return np.concatenate(parts) if parts else np.zeros(0)
+
+    def _where(self, ex: int, layer: int) -> tuple[_ShardReader, int, int]:
+        """(shard reader, local example, layer position) of (ex, layer); clear errors for either."""
+        pos, local = self.index.locate(ex)
+        lp = layer_position(self.config.layers, layer)
+        return self._shard(pos), local, lp
 
     def _shard(self, pos: int) -> _ShardReader:
         sh = self._shards.get(pos)

@@ -341,9 +341,7 @@ class ShardWriter:
 
     def _resize_all(self, n: int) -> None:
         for name in self._per_sample_names() + [zarrio.acts_name(s.name) for s in self.cfg.segments]:
-            arr = self._group[name]
-            if arr.shape[0] != n:
-                arr.resize((n, *arr.shape[1:]))
+            _set_rows(self._group[name], n)
 
     # ---- append -------------------------------------------------------------------
     def append(
@@ -446,29 +444,15 @@ class ShardWriter:
             raise
         # Everything is validated: from here on the batch is written.
         n0 = self.n_written
-        if self._bg is not None:
+        if self._bg is not None:  # staged (and checksummed) for the background shard-file writer
             self._check_background()
             self._stage_batch(prepared, b)
-        try:
-            for seg in cfg.segments if self._bg is None else ():
+        elif self._buffered:  # kept until the commit, through zarr-python
+            for seg in cfg.segments:
                 arr = prepared[seg.name]
-                if not self._buffered:
-                    lay = self._layouts[seg.name]
-                    crc = self._block_crc[seg.name]
-                    for i in range(b):
-                        crc = lay.write_example(n0 + i, arr[i], crc)
-                    self._block_crc[seg.name] = crc
-                else:
-                    self._pending_acts[seg.name].append(arr.copy() if aliased[seg.name] else arr)
-        except OSError as e:
-            self._undo(undo)
-            if e.errno in _DISK_FULL_ERRNOS:
-                raise self._disk_full(
-                    e, f"writing chunk files of shard {self.shard} of {self.root}",
-                    f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
-                    f"Free space, then append again, or reopen with ShardWriter(..., shard={self.shard}, resume=True)",
-                ) from e
-            raise
+                self._pending_acts[seg.name].append(arr.copy() if aliased[seg.name] else arr)
+        else:
+            self._write_chunks(prepared, b, n0, undo)
         for seg in cfg.segments:
             arr = prepared[seg.name]
             if self._bg is None:  # else staging computed them
@@ -488,6 +472,24 @@ class ShardWriter:
         ):
             self.commit()
         return range(n0, n0 + b)
+
+    def _write_chunks(self, prepared: dict[str, np.ndarray], b: int, n0: int, undo: tuple) -> None:
+        """Write the batch's chunk files now (unsharded direct layout)."""
+        try:
+            for seg in self.cfg.segments:
+                arr, lay, crc = prepared[seg.name], self._layouts[seg.name], self._block_crc[seg.name]
+                for i in range(b):
+                    crc = lay.write_example(n0 + i, arr[i], crc)
+                self._block_crc[seg.name] = crc
+        except OSError as e:
+            self._undo(undo)
+            if e.errno in _DISK_FULL_ERRNOS:
+                raise self._disk_full(
+                    e, f"writing chunk files of shard {self.shard} of {self.root}",
+                    f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
+                    f"Free space, then append again, or reopen with ShardWriter(..., shard={self.shard}, resume=True)",
+                ) from e
+            raise
 
     def _stage_batch(self, prepared: dict[str, np.ndarray], b: int) -> None:
         """Copy a batch into the staging buffer; hand each full buffer to the background thread."""
@@ -524,15 +526,8 @@ class ShardWriter:
         try:
             self._bg.drain() if drain else self._bg.check()
         except OSError as e:
-            lost = self.n_written - self.n_committed
-            self._close_files()
-            if e.errno in _DISK_FULL_ERRNOS:
-                raise self._disk_full(
-                    e, f"writing shard files of shard {self.shard} of {self.root}",
-                    f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
-                    f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
-                ) from e
-            raise
+            self._close_files()  # a shard file is missing past the last commit: only a resume continues
+            self._fail_since_commit(e, f"writing shard files of shard {self.shard} of {self.root}")
 
     def _lengths(self, seg: Any, given: Any, b: int, t: int) -> np.ndarray:
         if given is None:
@@ -658,15 +653,20 @@ class ShardWriter:
         except DiskFullError:
             raise  # a failed background write, already explained
         except OSError as e:
-            if e.errno not in _DISK_FULL_ERRNOS:
-                raise
-            lost = self.n_written - self.n_committed
-            self._close_files()  # the in-memory state is past the last commit: only a resume continues
-            raise self._disk_full(
-                e, f"committing shard {self.shard} of {self.root}",
-                f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
-                f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
-            ) from e
+            self._fail_since_commit(e, f"committing shard {self.shard} of {self.root}")
+
+    def _fail_since_commit(self, e: OSError, doing: str) -> None:
+        """Raise `e`; when the disk is full, close the writer (its in-memory state is past
+        the last commit: only a resume continues) and say so."""
+        if e.errno not in _DISK_FULL_ERRNOS:
+            raise e
+        lost = self.n_written - self.n_committed
+        self._close_files()
+        raise self._disk_full(
+            e, doing,
+            f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
+            f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
+        ) from e
 
     def _commit_block(self, complete: bool) -> None:
         cfg = self.cfg
@@ -678,10 +678,10 @@ class ShardWriter:
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
                 arr = self._group[name]
-                arr.resize((n1, *arr.shape[1:]))
+                _set_rows(arr, n1)
                 arr[n0:n1] = vals
             for seg in cfg.segments:
-                self._acts[seg.name].resize((n1, *self._acts[seg.name].shape[1:]))
+                _set_rows(self._acts[seg.name], n1)
             for name, f in self._text_files.items():
                 lines = self._pending_text[name]
                 f.write(b"".join(lines[: n1 - n0]))
@@ -749,7 +749,7 @@ class ShardWriter:
             parts = self._pending_acts[seg.name]
             chunk = np.concatenate(parts) if len(parts) > 1 else parts[0]
             arr = self._acts[seg.name]
-            arr.resize((n0 + n_buf, *arr.shape[1:]))
+            _set_rows(arr, n0 + n_buf)
             arr[n0 : n0 + n_buf] = chunk[:, :, : seg.t_max]
             self._block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
             self._pending_acts[seg.name] = []
@@ -857,6 +857,12 @@ def _per_segment(value: Any, names: list[str], what: str) -> dict[str, Any]:
     if len(names) != 1:
         raise AppendError(f"this store has segments {names}: pass {what} as a dict {{segment: values}}")
     return {names[0]: value}
+
+
+def _set_rows(arr: Any, n: int) -> None:
+    """Resize a zarr array's first axis to n (a metadata write: only when it changes)."""
+    if arr.shape[0] != n:
+        arr.resize((n, *arr.shape[1:]))
 
 
 def _pad_tokens(x: np.ndarray, t_pad: int) -> np.ndarray:

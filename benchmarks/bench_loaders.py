@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import drop_cache, save  # noqa: E402
+from common import add_store_shape_args, drop_cache, save  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.torch import PairDataset, TokenStream  # noqa: E402
@@ -395,10 +395,7 @@ def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, pro
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--examples", type=int, default=2000)
-    ap.add_argument("--tokens", type=int, default=257)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=2)
+    add_store_shape_args(ap)
     ap.add_argument("--pair-batch", type=int, default=256)
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--token-batch", type=int, default=4096)

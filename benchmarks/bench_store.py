@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import percentile_us, save  # noqa: E402
+from common import add_store_shape_args, percentile_us, save  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.fsutil import syncfs  # noqa: E402
@@ -149,10 +149,7 @@ def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layou
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--examples", type=int, default=2000)
-    ap.add_argument("--tokens", type=int, default=257)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=2)
+    add_store_shape_args(ap)
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--queries", type=int, default=5000)
     ap.add_argument("--dir", default=None, help="where to put the temporary store (default: a temp dir)")

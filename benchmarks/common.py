@@ -21,6 +21,14 @@ def drop_cache(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
+def add_store_shape_args(ap, examples: int = 2000) -> None:
+    """The synthetic ViT-like store's shape (shared by the store and loader benchmarks)."""
+    ap.add_argument("--examples", type=int, default=examples)
+    ap.add_argument("--tokens", type=int, default=257)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=2)
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 

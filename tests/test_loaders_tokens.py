@@ -305,7 +305,7 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     ts = TokenStream(store, **kw)
     assert [b.clone() for b in ts] and ts.epoch == 1
     pending = ts._spare["pending"]  # the reader of epoch 0 finishes its read-ahead in the background
-    assert pending.finish()["ahead"][1].start == 0 and ts._spare["ahead"][0][2] == 1  # epoch 1, window 0
+    assert pending.finish()["ahead"][1].start == 0 and ts._spare["ahead"][0] == (3, 1)  # seed 3, epoch 1, window 0
     calls = []
     real = type(store).read_cached
     monkeypatch.setattr(type(store), "read_cached", lambda self, *a: calls.append(a[:2]) or real(self, *a))

@@ -5,6 +5,7 @@ that reuse the caller's buffer (every buffered path copies what it keeps)."""
 from __future__ import annotations
 
 import errno
+import json
 
 import numpy as np
 import numcodecs
@@ -109,8 +110,6 @@ def test_automatic_commits_prefer_a_filled_shard(tmp_path):
     with writer(root, commit_bytes=6 * ex_bytes) as w:
         append(w, [(10 + i, 4) for i in range(8)])  # 32 examples; a shard fills every 2 batches
         blocks = (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()
-    import json
-
     stops = [json.loads(b)["stop"] for b in blocks]
     assert stops[:-1] and all(s % 8 == 0 for s in stops)  # every automatic commit at a shard boundary
     finalize(root)
