@@ -173,6 +173,7 @@ def main() -> None:
         "queue_wait_seconds": [r.wait_seconds for r in results],
         "writer_busy_seconds": [r.writer_seconds for r in results],
         "writer_busy_ms_per_batch": statistics.median(r.writer_seconds for r in results) / n_batches * 1e3,
+        "writer_cpu_ms_per_batch": statistics.median(r.writer_cpu_seconds for r in results) / n_batches * 1e3,
         "forward_ms_per_batch": f_med / n_batches * 1e3,
         "early_stop_layers": half,
         "early_stop_seconds": early,
@@ -187,7 +188,7 @@ def main() -> None:
         f"  ratio: median of adjacent pairs {result['ratio_median_of_pairs']:.3f}, of medians {c_med / f_med:.3f}, "
         f"of best runs {min(cap) / min(fwd):.3f}; CPU time {result['cpu_ratio_capture_over_forward']:.3f}\n"
         f"  queue wait         {max(result['queue_wait_seconds']):.3f} s at most; writer busy "
-        f"{result['writer_busy_ms_per_batch']:.0f} ms per batch vs forward {result['forward_ms_per_batch']:.0f} ms per batch\n"
+        f"{result['writer_busy_ms_per_batch']:.0f} ms per batch ({result['writer_cpu_ms_per_batch']:.0f} ms of CPU) vs forward {result['forward_ms_per_batch']:.0f} ms per batch\n"
         f"  bytes {nbytes / 1e6:.1f} MB: needed {result['write_rate_needed_MBps']:.1f} MB/s, raw disk write {result['raw_sequential_write_MBps']:.0f} MB/s\n"
         f"  early stop (layers {half[0]}-{half[-1]}): ratio {result['early_stop_ratio_over_forward']:.3f}\n"
         f"  -> {path}"

@@ -52,6 +52,8 @@ class RecordResult:
         forward_seconds: time spent in forward passes (and input preparation).
         wait_seconds: time the forward loop waited for the writer (queue full).
         writer_seconds: time the writer thread spent converting, writing and committing.
+        writer_cpu_seconds: CPU time of that work (what it takes from the model's cores;
+            the rest of writer_seconds is waiting on the disk).
     """
 
     shard: int
@@ -63,6 +65,7 @@ class RecordResult:
     forward_seconds: float
     wait_seconds: float
     writer_seconds: float = 0.0
+    writer_cpu_seconds: float = 0.0
 
 
 def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
@@ -174,7 +177,7 @@ def record(
     return RecordResult(
         shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,
         seconds=time.perf_counter() - t0, forward_seconds=t_fwd, wait_seconds=drain.wait_seconds,
-        writer_seconds=drain.busy_seconds,
+        writer_seconds=drain.busy_seconds, writer_cpu_seconds=drain.cpu_seconds,
     )
 
 
@@ -327,10 +330,18 @@ class _Drain:
         self.error: BaseException | None = None
         self.wait_seconds = 0.0
         self.busy_seconds = 0.0
+        self.cpu_seconds = 0.0  # the writer thread's own CPU time
         self._thread = threading.Thread(target=self._loop, name="actstore-writer", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._run()
+        finally:
+            self.cpu_seconds = time.thread_time() - c0
+
+    def _run(self) -> None:
         _lower_priority()
         if self._start is not None:
             t = time.perf_counter()
