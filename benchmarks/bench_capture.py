@@ -16,7 +16,7 @@ raw sequential write (+ fsync) of the same number of bytes for the disk's capaci
 Also reported: early stop (recording only the first half of the blocks).
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--model M] [--data D] [--examples N]
-     [--batch-size B] [--layers 0-11] [--repeats R] [--dir DIR]
+     [--batch-size B] [--layers 0-11] [--repeats R] [--dir DIR] [--zarr-format 3 --shard-examples S]
 """
 
 from __future__ import annotations
@@ -81,10 +81,13 @@ def forward_alone(lm, batches) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+LAYOUT: dict = {}
+
+
 def capture(lm, batches, layers, root: Path, segments) -> tuple[float, float, object]:
     store = root / f"s-{time.monotonic_ns()}"
     c0, t0 = cpu_seconds(), time.perf_counter()
-    res = record(lm, batches, store, layers=layers, segments=segments, stats=True)
+    res = record(lm, batches, store, layers=layers, segments=segments, stats=True, **LAYOUT)
     dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
     shutil.rmtree(store)
     return dt, dc, res
@@ -117,10 +120,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dir", default=None, help="where to put the temporary stores (default: a temp dir)")
+    ap.add_argument("--zarr-format", type=int, default=2, help="the stores' Zarr format (as actstore write --zarr-format)")
+    ap.add_argument("--shard-examples", type=int, default=None, help="with --zarr-format 3: examples per Zarr shard file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = parse_layers(args.layers)
+    LAYOUT.update(zarr_format=args.zarr_format, shard_examples=args.shard_examples)
     lm, batches, n = prepare(args)
     segments = None
     if lm.modality == "text":
@@ -152,6 +158,7 @@ def main() -> None:
         "examples": n,
         "batch_size": args.batch_size,
         "layers": layers,
+        "layout": dict(LAYOUT),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "forward_seconds": fwd,
@@ -181,7 +188,7 @@ def main() -> None:
     }
     path = save("capture", result)
     print(
-        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, {torch.get_num_threads()} torch threads, "
+        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, layout {LAYOUT}, {torch.get_num_threads()} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n"
         f"  forward alone      {f_med:7.2f} s  (median of {[round(x, 2) for x in fwd]})\n"
         f"  forward + capture  {c_med:7.2f} s  (median of {[round(x, 2) for x in cap]})\n"

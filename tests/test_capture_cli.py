@@ -333,3 +333,48 @@ def test_captured_vit_store_exports_to_saev_without_extra_options(tmp_path, dino
     store, exported = actstore.ActStore(out), actstore.ActStore(saev_dir)
     assert exported.layers == (1, 2) and len(exported) == len(store) == 6
     np.testing.assert_array_equal(exported[5, 2], store[5, 2].astype(np.float32))
+
+
+def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_dir):
+    import zarr
+
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 2)
+    common = ["--model", llama_dir, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
+    sharded = ["--zarr-format", "3", "--shard-examples", "3"]
+    cli("write", tmp_path / "v2", *common)
+    cli("write", tmp_path / "v3", *common, *sharded, "--workers", "2")
+    one, other = actstore.ActStore(tmp_path / "v2"), actstore.ActStore(tmp_path / "v3")
+    assert other.config.zarr_format == 3 and other.config.shard_examples == 3 and one.config.zarr_format == 2
+    assert len(other) == len(one) == 10 and list(other.field("sample_key")) == list(one.field("sample_key"))
+    for i in range(len(one)):
+        for layer in (0, 2):
+            np.testing.assert_array_equal(other[i, layer], one[i, layer])
+    # Each writer's 5 examples lie in 2 shard files (3 + 2 examples), which zarr-python reads.
+    arr_dir = tmp_path / "v3" / "shards" / "shard-00001.zarr" / "arrays" / "prompt_activations"
+    assert sorted(p.name for p in (arr_dir / "c").iterdir()) == ["0", "1"]
+    z = zarr.open_array(str(arr_dir), mode="r")
+    assert z.shape[0] == 5 and z.shards == (3, *z.shape[1:])
+    np.testing.assert_array_equal(z[4, 1, : other.lengths(9)["prompt"]], other.segment("prompt")[9, 2])
+    assert cli("verify", tmp_path / "v3", "--deep").exit_code == 0
+    assert "wrote 0 examples" in cli("write", tmp_path / "v3", *common, *sharded, "--workers", "2", "--resume").output
+    # Another writer of the same store must use its layout: the default one is refused.
+    cli("write", tmp_path / "r", *common, *sharded, "--rank", "1", "--world-size", "2")
+    res = cli("write", tmp_path / "r", *common, "--rank", "0", "--world-size", "2", ok=False)
+    assert res.exit_code == 1 and "already holds a different actstore store" in res.output and "zarr_format" in res.output
+    cli("write", tmp_path / "r", *common, *sharded, "--rank", "0", "--world-size", "2")
+    cli("finalize", tmp_path / "r")
+    ranks = actstore.ActStore(tmp_path / "r")
+    assert len(ranks) == 10
+    for i in range(len(one)):
+        np.testing.assert_array_equal(ranks[i, 2], one[i, 2])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shard-examples", "4"], "--shard-examples (Zarr sharding) needs --zarr-format 3"),
+    (["--zarr-format", "3", "--shard-examples", "0"], "--shard-examples must be a positive int. Got 0."),
+])
+def test_bad_layout_options_are_refused_before_anything_is_written(tmp_path, dino_dir, images, args, message):
+    out = tmp_path / "s"
+    res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", *args, ok=False)
+    assert res.exit_code == 1 and res.output.strip() == f"actstore: error: {message}"
+    assert not out.exists()

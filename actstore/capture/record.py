@@ -100,6 +100,8 @@ def record(
     queue_size: int = DEFAULT_QUEUE,
     stop_early: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+    zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
+    shard_examples: int | None = None,
 ) -> RecordResult:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -125,6 +127,9 @@ def record(
         queue_size: batches the writer thread may lag behind the forward pass.
         stop_early: stop the forward pass after the last hooked module.
         progress: called with (examples, tokens, bytes) after each batch is written.
+        zarr_format, shard_examples: the store's layout, as in ShardWriter: Zarr format 2
+            (one file per chunk, the default) or 3; with 3, `shard_examples` examples per
+            Zarr shard file (for stores of millions of chunks: far fewer files).
 
     Returns:
         A RecordResult. The shard is closed (complete) when every batch was written.
@@ -137,6 +142,7 @@ def record(
         store=Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
+        zarr_format=zarr_format, shard_examples=shard_examples,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
@@ -200,6 +206,8 @@ class _Job:
     on_overflow: str
     commit_bytes: int
     progress: Callable[[int, int, int], None] | None
+    zarr_format: int = spec.DEFAULT_ZARR_FORMAT
+    shard_examples: int | None = None
     writer: ShardWriter | None = None
     n_before: int = 0
     n_written: int = 0
@@ -235,6 +243,7 @@ class _Job:
             self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,
             texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
             commit_bytes=_NEVER, on_overflow=self.on_overflow, stats=self.stats,
+            zarr_format=self.zarr_format, shard_examples=self.shard_examples,
         )
         self.n_before = self.writer.n_committed
 
@@ -246,7 +255,7 @@ class _Job:
         seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
         return dict(
             layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels,
-            model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format,
+            model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format, shard_examples=cfg.shard_examples,
         )
 
     def write(self, item: tuple[dict[int, Any], Any, CaptureBatch]) -> None:

@@ -62,6 +62,8 @@ class WriteOptions:
     stats: bool = True
     progress: bool = True
     threads: int | None = None
+    zarr_format: int = spec.DEFAULT_ZARR_FORMAT
+    shard_examples: int | None = None
 
 
 def split(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -97,6 +99,13 @@ def check_options(o: WriteOptions) -> None:
         raise CaptureError("--r-quantile needs responses in the data; with --generate N the response budget is N (or --r-max)")
     if o.commit_mb <= 0:
         raise CaptureError(f"--commit-mb must be positive. Got {o.commit_mb}.")
+    if o.zarr_format not in spec.ZARR_FORMATS:
+        raise CaptureError(f"--zarr-format must be one of {list(spec.ZARR_FORMATS)}. Got {o.zarr_format}.")
+    if o.shard_examples is not None:
+        if o.shard_examples < 1:
+            raise CaptureError(f"--shard-examples must be a positive int. Got {o.shard_examples}.")
+        if o.zarr_format != 3:
+            raise CaptureError("--shard-examples (Zarr sharding) needs --zarr-format 3")
 
 
 def write(o: WriteOptions) -> dict[str, Any]:
@@ -187,7 +196,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             segments=plan.segments if plan else None, token_labels=bool(plan and o.special == "mask"),
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
-            progress=bar.update if bar is not None else None,
+            progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
         )
     finally:
         if own_bar is not None:

@@ -52,6 +52,8 @@ def _layers(value: str) -> tuple[int | str, ...]:
 @click.option("--on-overflow", type=click.Choice(["raise", "clip"]), default="raise", show_default=True, help="Values beyond the stored dtype's range: stop with an error, or clip and count them.")
 @click.option("--queue-size", type=int, default=4, show_default=True, help="Batches the writer thread may lag behind the model.")
 @click.option("--no-stats", is_flag=True, help="Do not keep running statistics.")
+@click.option("--zarr-format", type=click.Choice(["2", "3"]), default=str(spec.DEFAULT_ZARR_FORMAT), show_default=True, help="Zarr format of the store's arrays (2: one file per chunk).")
+@click.option("--shard-examples", type=int, default=None, help="With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples; for stores of millions of chunks).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def write_cmd(store: str, **kw) -> None:
     """Capture a model's activations over a dataset into STORE.
@@ -77,7 +79,7 @@ def write_cmd(store: str, **kw) -> None:
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
         rank=kw["rank"], world_size=kw["world_size"], resume=kw["resume"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
-        progress=not kw["quiet"],
+        progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
     )
     s = write(opts)
     rate = s["written"] / s["capture_seconds"] if s["capture_seconds"] else 0.0
