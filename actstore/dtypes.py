@@ -127,13 +127,14 @@ def f32_to_f16(x: np.ndarray) -> np.ndarray:
     element here); torch uses the CPU's vector conversion (F16C: about 0.45 ns). Both
     round the same way, bit for bit (tests/test_dtypes.py checks every float16 and the
     rounding edges between them). Blocks stay under torch's parallel grain, so the cast
-    runs on this thread only. Without torch, or for non-contiguous input: numpy.
+    runs on this thread only. Without torch, or for non-contiguous or read-only input: numpy.
     """
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a declared dependency
         torch = None
-    if torch is None or not x.flags.c_contiguous or x.dtype != np.float32:
+    if torch is None or not x.flags.c_contiguous or not x.flags.writeable or x.dtype != np.float32:
+        # (torch.from_numpy warns on a read-only array, a np.memmap opened "r" say)
         with np.errstate(over="ignore", invalid="ignore"):
             return np.ascontiguousarray(x, dtype=np.float16)
     out = np.empty(x.shape, np.float16)
@@ -151,7 +152,7 @@ def f16_to_f64(x: np.ndarray) -> np.ndarray:
         import torch
     except ImportError:  # pragma: no cover
         torch = None
-    if torch is None or not x.flags.c_contiguous or x.dtype != np.float16:
+    if torch is None or not x.flags.c_contiguous or not x.flags.writeable or x.dtype != np.float16:
         return np.array(x, dtype=np.float64)
     mid = np.empty(x.shape, np.float32)
     src, dst = torch.from_numpy(x.reshape(-1)), torch.from_numpy(mid.reshape(-1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from hypothesis import given
@@ -58,8 +60,11 @@ def _float16_edges() -> np.ndarray:
 def test_fast_float32_to_float16_cast_equals_numpy_bit_for_bit():
     x = _float16_edges()
     assert x.size > 4 * 32768  # several of the blocks the cast runs in
-    for arr in (x, x[::-1][: x.size // 7 * 7].reshape(-1, 7)[:, :5].copy(), x.reshape(1, -1)[:, ::3]):  # contiguous, 2-D, strided
-        with np.errstate(over="ignore", invalid="ignore"):
+    ro = x.copy()
+    ro.flags.writeable = False  # read-only (a np.memmap opened "r"): the numpy path, no torch warning
+    for arr in (x, x[::-1][: x.size // 7 * 7].reshape(-1, 7)[:, :5].copy(), x.reshape(1, -1)[:, ::3], ro):  # contiguous, 2-D, strided
+        with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch.from_numpy would warn on the read-only one
             got, want = f32_to_f16(arr), arr.astype(np.float16)
         assert got.shape == arr.shape and got.flags.c_contiguous
         nan = np.isnan(want)
@@ -71,6 +76,11 @@ def test_fast_float16_to_float64_is_exact_for_every_pattern():
     f16 = ALL16.view(np.float16).reshape(256, 256)
     got, want = f16_to_f64(f16), f16.astype(np.float64)
     assert got.shape == (256, 256) and got.dtype == np.float64
+    ro = f16.copy()
+    ro.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert np.array_equal(f16_to_f64(ro), got, equal_nan=True)
     nan = np.isnan(want)
     assert nan.sum() == 2 * 1023 and np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got.view(np.uint64)[~nan], want.view(np.uint64)[~nan])
