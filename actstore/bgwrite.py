@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from actstore.chunkio import ChunkLayout
+from actstore.chunkio import ChunkLayout, Writeback
 
 
 class BackgroundShardFiles:
@@ -42,6 +42,9 @@ class BackgroundShardFiles:
         self._free: queue.Queue = queue.Queue()
         self._todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        # Starting each file's writeback is kernel work of its own: a second thread does
+        # it while this one copies the next file into the page cache.
+        self._writeback = Writeback()
         self._thread = threading.Thread(target=self._run, name="actstore-shard-files", daemon=True)
         self._thread.start()
 
@@ -78,6 +81,7 @@ class BackgroundShardFiles:
         if self._thread.is_alive():
             self._todo.put(None)
             self._thread.join()
+        self._writeback.close()
 
     def _run(self) -> None:
         while True:
@@ -98,4 +102,4 @@ class BackgroundShardFiles:
 
     def _write(self, buf: dict[str, np.ndarray], first: int, n: int) -> None:
         for seg, lay in self.layouts.items():
-            lay.write_shards(first, buf[seg][:n])
+            lay.write_shards(first, buf[seg][:n], writeback=self._writeback)

@@ -125,7 +125,7 @@ def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path,
     w.commit()
     real = chunkio.write_file
 
-    def full(path, *parts):
+    def full(path, *parts, writeback=None):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
     monkeypatch.setattr(chunkio, "write_file", full)
@@ -168,3 +168,31 @@ def test_buffered_writes_copy_a_reused_caller_buffer(tmp_path, kw):
     for ex in range(len(want)):
         for lp, layer in enumerate([1, 2]):
             np.testing.assert_array_equal(st[ex, layer], want[ex, lp])
+
+
+def test_writeback_thread_starts_each_file_and_closes_its_descriptor(tmp_path, monkeypatch):
+    import os
+
+    from actstore import chunkio
+
+    started = []
+    real = chunkio._sync_file_range
+    if real is None:  # a system without sync_file_range: write_file then never hands files over
+        pytest.fail("this Linux test machine should have sync_file_range")
+    import threading
+
+    def spy(fd, off, n, flags):
+        started.append((os.fstat(fd).st_ino, threading.current_thread().name))
+        return real(fd, off, n, flags)
+
+    monkeypatch.setattr(chunkio, "_sync_file_range", spy)
+    before = len(os.listdir("/proc/self/fd"))
+    wb = chunkio.Writeback(depth=2)
+    payloads = {tmp_path / f"f{i}": os.urandom(1000 + i) for i in range(20)}
+    for path, data in payloads.items():
+        chunkio.write_file(str(path), memoryview(data), memoryview(b"tail"), writeback=wb)
+    wb.close()
+    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor handed over was closed
+    assert sorted(i for i, _ in started) == sorted(p.stat().st_ino for p in payloads)  # each file's writeback started
+    assert {name for _, name in started} == {"actstore-writeback"}  # on the writeback thread
+    assert all(p.read_bytes() == data + b"tail" for p, data in payloads.items())
