@@ -383,8 +383,7 @@ class Writeback:
             if fd is None:
                 return
             try:
-                if _sync_file_range is not None:
-                    _sync_file_range(fd, 0, 0, 2)
+                _sync_file_range(fd, 0, 0, 2)  # write_file submits only where it exists
             finally:
                 os.close(fd)
 

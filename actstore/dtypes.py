@@ -115,50 +115,49 @@ def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
 
 
 # torch runs element-wise work under this many elements inline, on the calling thread
-# (at::internal::GRAIN_SIZE); bigger calls wake its OpenMP pool, which on a capture would
-# compete with the model's own threads for the cores.
-_TORCH_GRAIN = 32768
+# (at::internal::GRAIN_SIZE); bigger calls wake its OpenMP pool, which competes with the
+# model's (or the training loop's) own threads for the cores.
+TORCH_GRAIN = 32768
+
+
+def _torch_cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """`x` cast to `dtype` by torch's vectorised conversion (F16C for float16), in blocks
+    under torch's parallel grain, so on this thread only. None where torch cannot take `x`
+    as it is: not C-contiguous, or read-only (torch.from_numpy warns on a np.memmap opened
+    "r", say); the caller then casts with numpy."""
+    if not x.flags.c_contiguous or not x.flags.writeable:
+        return None
+    import torch
+
+    out = np.empty(x.shape, dtype)
+    src, dst = torch.from_numpy(x.reshape(-1)), torch.from_numpy(out.reshape(-1))
+    for i in range(0, src.numel(), TORCH_GRAIN):
+        dst[i : i + TORCH_GRAIN].copy_(src[i : i + TORCH_GRAIN])
+    return out
 
 
 def f32_to_f16(x: np.ndarray) -> np.ndarray:
     """float32 -> float16 (C-contiguous copy), rounded to nearest even like numpy's cast.
 
     numpy casts float32 to float16 one element at a time in software (about 3.5 ns per
-    element here); torch uses the CPU's vector conversion (F16C: about 0.45 ns). Both
-    round the same way, bit for bit (tests/test_dtypes.py checks every float16 and the
-    rounding edges between them). Blocks stay under torch's parallel grain, so the cast
-    runs on this thread only. Without torch, or for non-contiguous or read-only input: numpy.
+    element here); torch uses the CPU's vector conversion (about 0.45 ns). Both round the
+    same way, bit for bit (tests/test_dtypes.py checks every float16 and the rounding
+    edges between them).
     """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a declared dependency
-        torch = None
-    if torch is None or not x.flags.c_contiguous or not x.flags.writeable or x.dtype != np.float32:
-        # (torch.from_numpy warns on a read-only array, a np.memmap opened "r" say)
+    out = _torch_cast(x, np.dtype(np.float16)) if x.dtype == np.float32 else None
+    if out is None:
         with np.errstate(over="ignore", invalid="ignore"):
-            return np.ascontiguousarray(x, dtype=np.float16)
-    out = np.empty(x.shape, np.float16)
-    src, dst = torch.from_numpy(x.reshape(-1)), torch.from_numpy(out.reshape(-1))
-    for i in range(0, src.numel(), _TORCH_GRAIN):
-        dst[i : i + _TORCH_GRAIN].copy_(src[i : i + _TORCH_GRAIN])
+            out = np.ascontiguousarray(x, dtype=np.float16)
     return out
 
 
-def f16_to_f64(x: np.ndarray) -> np.ndarray:
-    """float16 -> float64, exact: through float32 with torch's vector conversion (exact:
-    every float16 is a float32), then numpy's float32 -> float64 (vectorised). About half
-    the time of numpy's direct float16 -> float64 cast."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        torch = None
-    if torch is None or not x.flags.c_contiguous or not x.flags.writeable or x.dtype != np.float16:
-        return np.array(x, dtype=np.float64)
-    mid = np.empty(x.shape, np.float32)
-    src, dst = torch.from_numpy(x.reshape(-1)), torch.from_numpy(mid.reshape(-1))
-    for i in range(0, src.numel(), _TORCH_GRAIN):
-        dst[i : i + _TORCH_GRAIN].copy_(src[i : i + _TORCH_GRAIN])
-    return mid.astype(np.float64)
+def to_f64(x: np.ndarray) -> np.ndarray:
+    """A float64 copy of `x`. float16 goes through float32 with torch's vector conversion
+    (exact: every float16 is a float32), then numpy's float32 -> float64: about half the
+    time of numpy's direct float16 -> float64 cast."""
+    x = np.asarray(x)
+    mid = _torch_cast(x, np.dtype(np.float32)) if x.dtype == np.float16 else None
+    return np.array(x, dtype=np.float64) if mid is None else mid.astype(np.float64)
 
 
 def _count_nonfinite(x: np.ndarray) -> int:

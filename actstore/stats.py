@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from actstore.dtypes import f16_to_f64
+from actstore.dtypes import to_f64
 from actstore.fsutil import atomic_write_bytes
 
 _FIELDS = ("count", "mean", "m2", "norm_sum", "min", "max", "nonfinite", "overflow")
@@ -44,10 +44,7 @@ class RunningStats:
     def update(self, key: str, vectors_nd: np.ndarray) -> None:
         """Add a batch of vectors (n, d_model) of any float dtype under `key`."""
         k = self._pos[key]
-        # A private float64 copy (turned into deviations in place); float16, the usual
-        # stored dtype, through the faster exact conversion.
-        v = np.asarray(vectors_nd)
-        x = f16_to_f64(np.ascontiguousarray(v)) if v.dtype == np.float16 else np.array(v, dtype=np.float64)
+        x = to_f64(vectors_nd)  # a private copy: turned into deviations in place
         if x.shape[0] == 0:
             return
         sq = np.einsum("nd,nd->n", x, x)  # squared L2 norms; not finite where a row is not

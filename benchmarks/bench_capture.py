@@ -81,13 +81,10 @@ def forward_alone(lm, batches) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
-LAYOUT: dict = {}
-
-
-def capture(lm, batches, layers, root: Path, segments) -> tuple[float, float, object]:
+def capture(lm, batches, layers, root: Path, segments, layout: dict) -> tuple[float, float, object]:
     store = root / f"s-{time.monotonic_ns()}"
     c0, t0 = cpu_seconds(), time.perf_counter()
-    res = record(lm, batches, store, layers=layers, segments=segments, stats=True, **LAYOUT)
+    res = record(lm, batches, store, layers=layers, segments=segments, stats=True, **layout)
     dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
     shutil.rmtree(store)
     return dt, dc, res
@@ -126,7 +123,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = parse_layers(args.layers)
-    LAYOUT.update(zarr_format=args.zarr_format, shard_examples=args.shard_examples)
+    layout = {"zarr_format": args.zarr_format, "shard_examples": args.shard_examples}
     lm, batches, n = prepare(args)
     segments = None
     if lm.modality == "text":
@@ -139,12 +136,12 @@ def main() -> None:
             dt, dc = forward_alone(lm, batches)
             fwd.append(dt)
             fwd_cpu.append(dc)
-            dt, dc, res = capture(lm, batches, layers, root, segments)
+            dt, dc, res = capture(lm, batches, layers, root, segments, layout)
             cap.append(dt)
             cap_cpu.append(dc)
             results.append(res)
         half = layers[: max(1, len(layers) // 2)]
-        early = [capture(lm, batches, half, root, segments)[0] for _ in range(args.repeats)]
+        early = [capture(lm, batches, half, root, segments, layout)[0] for _ in range(args.repeats)]
         nbytes = results[0].nbytes
         t_raw = raw_write(root, nbytes)
     finally:
@@ -158,7 +155,7 @@ def main() -> None:
         "examples": n,
         "batch_size": args.batch_size,
         "layers": layers,
-        "layout": dict(LAYOUT),
+        "layout": layout,
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "forward_seconds": fwd,
@@ -188,7 +185,7 @@ def main() -> None:
     }
     path = save("capture", result)
     print(
-        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, layout {LAYOUT}, {torch.get_num_threads()} torch threads, "
+        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, layout {layout}, {torch.get_num_threads()} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n"
         f"  forward alone      {f_med:7.2f} s  (median of {[round(x, 2) for x in fwd]})\n"
         f"  forward + capture  {c_med:7.2f} s  (median of {[round(x, 2) for x in cap]})\n"

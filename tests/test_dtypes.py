@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from actstore.dtypes import bf16_bits_to_f32, convert, count_nonfinite_16, f16_to_f64, f32_to_bf16_bits, f32_to_f16
+from actstore.dtypes import bf16_bits_to_f32, convert, count_nonfinite_16, f32_to_bf16_bits, f32_to_f16, to_f64
 
 ALL16 = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
 
@@ -74,13 +74,15 @@ def test_fast_float32_to_float16_cast_equals_numpy_bit_for_bit():
 
 def test_fast_float16_to_float64_is_exact_for_every_pattern():
     f16 = ALL16.view(np.float16).reshape(256, 256)
-    got, want = f16_to_f64(f16), f16.astype(np.float64)
+    got, want = to_f64(f16), f16.astype(np.float64)
     assert got.shape == (256, 256) and got.dtype == np.float64
     ro = f16.copy()
     ro.flags.writeable = False
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert np.array_equal(f16_to_f64(ro), got, equal_nan=True)
+        assert np.array_equal(to_f64(ro), got, equal_nan=True)
+    f32 = f16.astype(np.float32)[:, ::2]  # other dtypes and layouts: numpy's cast
+    assert np.array_equal(to_f64(f32), f32.astype(np.float64), equal_nan=True)
     nan = np.isnan(want)
     assert nan.sum() == 2 * 1023 and np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got.view(np.uint64)[~nan], want.view(np.uint64)[~nan])

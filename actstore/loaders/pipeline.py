@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from actstore.dtypes import TORCH_GRAIN
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
 from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits, reader
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from actstore.loaders.tokens import TokenStream
 
 _STOP = object()
-_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs smaller element-wise ops inline
 
 
 class TokenPipeline:
@@ -259,7 +259,7 @@ class TokenPipeline:
         # Row blocks under torch's parallel grain: each op runs on this thread, inline.
         # (Whole-batch ops would wake torch's OpenMP pool, whose spinning threads cost
         # several times the work itself, on the cores the reader and the trainer use.)
-        step = max(1, _GRAIN // ts.d_model)
+        step = max(1, TORCH_GRAIN // ts.d_model)
         src = self.gather[: len(rows)]
         for i in range(0, len(rows), step):
             o = out[i : i + step]
