@@ -1,6 +1,6 @@
 """actstore: an activation store for interpretability research (Zarr, fp16, fast random access)."""
 
-__version__ = "0.1.0"
+from actstore._version import __version__  # noqa: E402
 
 from actstore.errors import *  # noqa: E402,F401,F403
 from actstore.manifest import finalize  # noqa: E402
@@ -8,5 +8,8 @@ from actstore.store import ActStore  # noqa: E402
 from actstore.writer import ShardWriter  # noqa: E402
 from actstore.capture.record import record  # noqa: E402  (imports torch only when called)
 from actstore.saev import export_saev, import_saev, verify_saev  # noqa: E402
+# actstore.open: an actstore store or a saev directory. Left out of __all__ so that
+# `from actstore import *` does not shadow the builtin open.
+from actstore.opener import open  # noqa: E402,A004
 
 __all__ = ["ActStore", "ShardWriter", "export_saev", "finalize", "import_saev", "record", "verify_saev", "__version__"]

@@ -477,3 +477,7 @@ def load_array_meta(array_dir: str | os.PathLike) -> dict[str, Any]:
         if f.exists():
             return json.loads(f.read_text(encoding="utf-8"))
     raise FileNotFoundError(f"{p} holds no Zarr array metadata (.zarray or zarr.json)")
+
+
+# ---- transitional: the new storage-based chunk I/O (actstore/chunkio_new content) ---------
+from actstore._chunkio_new import ChunkIO  # noqa: E402,F401

@@ -12,7 +12,6 @@ import numpy as np
 from actstore.spec import FLOAT16_MAX
 
 
-
 def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:
     """A numpy view/copy of `x` and its source dtype name ('bfloat16' for torch bf16 bits)."""
     if hasattr(x, "detach") and hasattr(x, "dtype") and type(x).__module__.startswith("torch"):
@@ -28,7 +27,7 @@ def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:
         return x, x.dtype.name
     try:
         arr = np.asarray(x)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(x).__name__}") from e
     return arr, arr.dtype.name
 
@@ -119,16 +118,42 @@ def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
 # model's (or the training loop's) own threads for the cores.
 TORCH_GRAIN = 32768
 
+_UNSET: Any = object()
+_torch_module: Any = _UNSET
+
+
+def _torch() -> Any:
+    """torch, imported on first use, or None where it is not installed: torch is optional
+    (`pip install 'actstore[torch]'`) and every cast here has a numpy path, bit for bit equal."""
+    global _torch_module
+    if _torch_module is _UNSET:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        _torch_module = torch
+    return _torch_module
+
+
+def require_torch(what: str, extra: str = "torch") -> Any:
+    """torch, or a ModuleNotFoundError that says how to install it: `what` (the loaders,
+    capture) needs torch, which the core (writer, reader, exports) does not."""
+    torch = _torch()
+    if torch is None:
+        raise ModuleNotFoundError(f"{what} needs torch, which is not installed: pip install 'actstore[{extra}]'", name="torch")
+    return torch
+
 
 def _torch_cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
     """`x` cast to `dtype` by torch's vectorised conversion (F16C for float16), in blocks
-    under torch's parallel grain, so on this thread only. None where torch cannot take `x`
-    as it is: not C-contiguous, or read-only (torch.from_numpy warns on a np.memmap opened
-    "r", say); the caller then casts with numpy."""
+    under torch's parallel grain, so on this thread only. None where torch is not installed
+    or cannot take `x` as it is: not C-contiguous, or read-only (torch.from_numpy warns on a
+    np.memmap opened "r", say); the caller then casts with numpy."""
     if not x.flags.c_contiguous or not x.flags.writeable:
         return None
-    import torch
-
+    torch = _torch()
+    if torch is None:
+        return None
     out = np.empty(x.shape, dtype)
     src, dst = torch.from_numpy(x.reshape(-1)), torch.from_numpy(out.reshape(-1))
     for i in range(0, src.numel(), TORCH_GRAIN):
@@ -142,22 +167,31 @@ def f32_to_f16(x: np.ndarray) -> np.ndarray:
     numpy casts float32 to float16 one element at a time in software (about 3.5 ns per
     element here); torch uses the CPU's vector conversion (about 0.45 ns). Both round the
     same way, bit for bit (tests/test_dtypes.py checks every float16 and the rounding
-    edges between them).
+    edges between them); without torch, numpy's cast.
     """
     out = _torch_cast(x, np.dtype(np.float16)) if x.dtype == np.float32 else None
-    if out is None:
-        with np.errstate(over="ignore", invalid="ignore"):
-            out = np.ascontiguousarray(x, dtype=np.float16)
-    return out
+    return _numpy_f16(x) if out is None else out
+
+
+def _numpy_f16(x: np.ndarray) -> np.ndarray:
+    """f32_to_f16's numpy path (no torch, or an array torch cannot take)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.ascontiguousarray(x, dtype=np.float16)
 
 
 def to_f64(x: np.ndarray) -> np.ndarray:
     """A float64 copy of `x`. float16 goes through float32 with torch's vector conversion
     (exact: every float16 is a float32), then numpy's float32 -> float64: about half the
-    time of numpy's direct float16 -> float64 cast."""
+    time of numpy's direct float16 -> float64 cast (its path without torch)."""
     x = np.asarray(x)
     mid = _torch_cast(x, np.dtype(np.float32)) if x.dtype == np.float16 else None
-    return np.array(x, dtype=np.float64) if mid is None else mid.astype(np.float64)
+    return _numpy_f64(x) if mid is None else mid.astype(np.float64)
+
+
+def _numpy_f64(x: np.ndarray) -> np.ndarray:
+    """to_f64's numpy path (no torch, or an array torch cannot take)."""
+    with np.errstate(invalid="ignore"):  # a signalling NaN pattern raises the flag as it is quieted
+        return np.array(x, dtype=np.float64)
 
 
 def _count_nonfinite(x: np.ndarray) -> int:

@@ -3,22 +3,9 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from actstore.store import ActStore
-
-
-def disk_bytes(path: str | os.PathLike) -> int:
-    """Bytes allocated on disk under `path` (sparse files count what they use)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def store_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -26,12 +13,12 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
     store = ActStore(path)
     cfg = store.config
     n = len(store)
-    on_disk = disk_bytes(path)
+    on_disk = store.storage.stored_bytes()
     tokens = {s.name: int(store.segment(s.name).lengths().sum()) for s in cfg.segments} if n else {s.name: 0 for s in cfg.segments}
     n_tokens = sum(tokens.values())
     stats = store.stats()
     return {
-        "path": str(Path(path)),
+        "path": store.storage.url,
         "n_examples": n,
         "layers": list(cfg.layers),
         "d_model": cfg.d_model,

@@ -34,6 +34,21 @@ RESERVED_SUFFIXES = (ACTS_SUFFIX, LEN_SUFFIX, TOKEN_LABELS_SUFFIX)
 
 # Axis names of an activation array, in order.
 AXES = ("example", "layer", "token", "d_model")
+# Dimension names of a shard's arrays (format 3 `dimension_names`, format 2 the
+# `_ARRAY_DIMENSIONS` attribute), so that xarray opens a shard: activations are
+# (EXAMPLE_DIM, LAYER_DIM, token_dim(segment), D_MODEL_DIM); per-sample arrays (EXAMPLE_DIM,);
+# token labels (EXAMPLE_DIM, token_dim(segment)); format 3's sample_key rows
+# (EXAMPLE_DIM, SAMPLE_KEY_BYTE_DIM).
+EXAMPLE_DIM, LAYER_DIM, TOKEN_DIM, D_MODEL_DIM = AXES
+SAMPLE_KEY_BYTE_DIM = "sample_key_byte"
+
+
+def token_dim(segment: str) -> str:
+    """The token dimension name of `segment`: TOKEN_DIM for DEFAULT_SEGMENT, else `<segment>_token`.
+
+    Segments differ in length, so each needs its own dimension name in one Zarr group.
+    """
+    return TOKEN_DIM if segment == DEFAULT_SEGMENT else f"{segment}_{TOKEN_DIM}"
 
 # Activation dtypes: the name users pass -> the Zarr dtype on disk.
 # bfloat16 has no numpy/Zarr v2 dtype: its 16 bits are stored as little-endian uint16

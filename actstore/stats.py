@@ -11,6 +11,8 @@ to float64 rounding.
 
 from __future__ import annotations
 
+from typing import Any
+
 import io
 import os
 from collections.abc import Sequence
@@ -118,7 +120,12 @@ class RunningStats:
         atomic_write_bytes(path, self.to_bytes())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> RunningStats:
+    def from_bytes(cls, data: bytes) -> RunningStats:
+        return cls.load(io.BytesIO(data))
+
+    @classmethod
+    def load(cls, path: Any) -> RunningStats:
+        """Read a statistics .npz (a path or a binary file object)."""
         with np.load(path, allow_pickle=False) as z:
             keys = [str(k) for k in z["keys"]]
             st = cls(keys, int(z["mean"].shape[1]))
@@ -134,3 +141,15 @@ class RunningStats:
 
 def stats_key(layer: int, segment: str) -> str:
     return f"layer{layer}/{segment}"
+
+
+def read_stats(storage, key: str, *, then: str) -> RunningStats:
+    """A statistics file read through a Storage; a damaged one is a CorruptStoreError."""
+    import zipfile
+
+    from actstore.errors import CorruptStoreError
+
+    try:
+        return RunningStats.from_bytes(storage.get(key))
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
+        raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({e!r}); {then}") from None

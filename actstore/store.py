@@ -6,7 +6,6 @@ directly (actstore.chunkio); compressed arrays go through zarr-python.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,122 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
-from actstore.chunkio import ChunkLayout, layout_from_metadata, load_array_meta
-from actstore.config import SegmentSpec, StoreConfig
+from actstore import catalog, spec
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import CorruptStoreError, StoreNotFoundError
-from actstore.fsutil import safe_child
+from actstore.errors import StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
-from actstore.manifest import Manifest, ShardEntry, load_manifest
-
-
-class _ShardReader:
-    """Lazily opened handles of one writer shard: chunk layouts, lengths, zarr fallback."""
-
-    def __init__(self, root: Path, entry: ShardEntry, cfg: StoreConfig):
-        self.dir = safe_child(root, f"{spec.SHARDS_DIR}/{entry.name}")
-        self.entry = entry
-        self.cfg = cfg
-        if not self.dir.is_dir():
-            raise StoreNotFoundError(
-                f"shard {entry.name} listed in the manifest of {root} is missing (holds examples "
-                f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {_present_shards(root)}"
-            )
-        self.layouts: dict[str, ChunkLayout | None] = {}
-        self._zarr: dict[str, Any] = {}
-        self._lengths: dict[str, np.ndarray] = {}
-        self._per_sample: dict[str, np.ndarray] = {}
-        self._rows_checked = False
-        from actstore.writer import _read_commit
-
-        committed = _read_commit(self.dir)["n_committed"]  # counts are checked before anything is allocated
-        if committed < entry.n_examples:
-            raise CorruptStoreError(
-                f"shard {self.dir} has committed {committed} examples but the manifest says {entry.n_examples}; "
-                "the manifest does not belong to these shards (run `actstore verify`)"
-            )
-        try:
-            self._meta = _consolidated(self.dir)
-        except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
-            raise CorruptStoreError(f"shard {self.dir} has damaged consolidated metadata ({e!r})") from None
-        for seg in cfg.segments:
-            rel = f"{spec.ARRAYS_GROUP}/{seg.name}{spec.ACTS_SUFFIX}"
-            meta = self._meta.get(rel) if self._meta else None
-            if meta is None:
-                try:
-                    meta = load_array_meta(self.dir / rel)
-                except FileNotFoundError:
-                    raise CorruptStoreError(f"shard {self.dir} has no array {rel}") from None
-                except ValueError as e:
-                    raise CorruptStoreError(f"array metadata of {self.dir / rel} is damaged ({e})") from None
-            shape = meta.get("shape") if isinstance(meta, dict) else None
-            if not isinstance(shape, list) or len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
-                raise CorruptStoreError(
-                    f"array {self.dir / rel} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})"
-                )
-            if not isinstance(shape[0], int) or shape[0] < entry.n_examples:
-                raise CorruptStoreError(
-                    f"array {self.dir / rel} holds {shape[0]} examples; the manifest says {entry.n_examples}"
-                )
-            try:
-                lay = layout_from_metadata(self.dir / rel, meta, cfg.n_layers, cfg.d_model)
-            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
-                raise CorruptStoreError(f"array metadata of {self.dir / rel} is damaged ({e!r})") from None
-            if lay is not None and (lay.t_chunk != seg.t_chunk or lay.dtype != np.dtype(cfg.zarr_dtype)):
-                raise CorruptStoreError(
-                    f"array {self.dir / rel} has chunks of {lay.t_chunk} tokens of {lay.dtype}; the store config says "
-                    f"{seg.t_chunk} tokens of {cfg.zarr_dtype}"
-                )
-            self.layouts[seg.name] = lay
-
-    def per_sample(self, name: str) -> np.ndarray:
-        arr = self._per_sample.get(name)
-        if arr is None:
-            import zarr
-
-            try:
-                z = zarr.open_array(str(safe_child(self.dir, f"{spec.ARRAYS_GROUP}/{name}")), mode="r")
-            except (ValueError, TypeError, KeyError, OSError) as e:
-                raise CorruptStoreError(f"array {self.dir / spec.ARRAYS_GROUP / name} cannot be opened ({e!r})") from None
-            n = self.entry.n_examples
-            if z.shape[0] < n:
-                raise CorruptStoreError(f"array {self.dir / spec.ARRAYS_GROUP / name} holds {z.shape[0]} values; the manifest says {n}")
-            if not self._rows_checked:
-                rows = rows_on_disk(self.dir)
-                if rows < n:
-                    raise CorruptStoreError(
-                        f"shard {self.dir}: its {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples but the "
-                        f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
-                    )
-                self._rows_checked = True
-            arr = np.asarray(z[:n])  # n is now bounded by files on disk
-            self._per_sample[name] = arr
-        return arr
-
-    def lengths(self, seg: SegmentSpec) -> np.ndarray:
-        arr = self._lengths.get(seg.name)
-        if arr is None:
-            arr = self.per_sample(seg.name + spec.LEN_SUFFIX)
-            if arr.size and (arr.min() < 0 or arr.max() > seg.t_max):
-                raise CorruptStoreError(f"shard {self.dir}: lengths of segment {seg.name!r} lie outside 0..{seg.t_max}")
-            self._lengths[seg.name] = arr
-        return arr
-
-    def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
-        """Fill `out` (n_chunks * t_chunk, D) in the stored dtype with every token chunk."""
-        lay = self.layouts[seg.name]
-        if lay is not None:
-            lay.read_into(local, lp, out)
-            return
-        z = self._zarr.get(seg.name)
-        if z is None:
-            import zarr
-
-            z = zarr.open_array(str(self.dir / spec.ARRAYS_GROUP / f"{seg.name}{spec.ACTS_SUFFIX}"), mode="r")
-            self._zarr[seg.name] = z
-        out[: seg.t_max] = z[local, lp]
-        out[seg.t_max :] = 0
+from actstore.layout.config import SegmentSpec, StoreConfig
+from actstore.layout.records import Manifest
+from actstore.read.select import is_pair, select
+from actstore.read.shard import ShardReader
+from actstore.storage import open_storage
 
 
 class SegmentView:
@@ -141,7 +33,9 @@ class SegmentView:
         self.name = seg.name
         self.t_max = seg.t_max
 
-    def __getitem__(self, key: tuple[int, int]) -> np.ndarray:
+    def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
+        if not is_pair(key):  # slices and lists: actstore.read.select, this segment only
+            return select(self._store, key, segments=(self.spec,))
         ex, layer = _split_key(key)
         return self._store._read_segment(self.spec, ex, layer, pad=False)
 
@@ -162,44 +56,46 @@ class ActStore:
     Safe to use from many processes, and picklable (workers reopen it lazily).
 
     Args:
-        path: the store root (holding manifest.json).
+        path: the store root (holding manifest.json): a local folder, or a URL
+            (`s3://bucket/prefix`, `gs://...`, `az://...`, `file://...`).
+        verify: None, "fast" or "deep": verify the store before use (raises
+            VerificationError holding the report).
     """
-
-    def __new__(cls, path: str | os.PathLike | None = None, *args: Any, **kwargs: Any):
-        # A saev 2.0/2.1 shard directory opens as a SaevStore (same reading API, np.memmap).
-        if cls is ActStore and path is not None:
-            from actstore.saev.reader import SaevStore, is_saev_dir
-
-            if is_saev_dir(path):
-                return SaevStore(path)
-        return super().__new__(cls)
 
     def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
         if verify not in (None, False, "fast", "deep"):
             raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
-        self.path = Path(path)
+        self._location = os.fspath(path) if not isinstance(path, str) else path
         self._verify = verify
         self._open()
 
     def _open(self) -> None:
-        if not self.path.exists():
-            raise StoreNotFoundError(f"no store at {self.path}")
-        self.manifest: Manifest = load_manifest(self.path)
+        self.storage = open_storage(self._location)
+        local = self.storage.local_root
+        # The store's location: a Path for a local folder, the URL string otherwise.
+        self.path: Path | str = local if local is not None else self.storage.url
+        if local is not None:
+            _refuse_saev_dir(local)
+            if not local.exists():
+                raise StoreNotFoundError(f"no store at {local}")
+        self.manifest: Manifest = catalog.read_manifest(self.storage)
+        for entry in self.manifest.shards:  # a shard folder that leaves the store is refused up front
+            catalog.shard_storage(self.storage, entry.name)
         self.config: StoreConfig = self.manifest.config
         self.index = ExampleIndex([s.n_examples for s in self.manifest.shards])
-        self._shards: dict[int, _ShardReader] = {}
+        self._shards: dict[int, ShardReader] = {}
         self._segs = {s.name: s for s in self.config.segments}
         if self._verify:
             from actstore.verify import verify_store
 
-            verify_store(self.path, deep=self._verify == "deep", raise_on_error=True)
+            verify_store(self._location, deep=self._verify == "deep", raise_on_error=True)
 
-    # ---- pickling: only the path travels -------------------------------------------
+    # ---- pickling: only the location travels ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": str(self.path), "verify": None}
+        return {"path": self._location, "verify": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path = Path(state["path"])
+        self._location = state["path"]
         self._verify = state["verify"]
         self._open()
 
@@ -250,7 +146,11 @@ class ActStore:
         return SegmentView(self, self.config.segment(name))
 
     # ---- reads ---------------------------------------------------------------------
-    def __getitem__(self, key: tuple[int, int]) -> np.ndarray:
+    def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
+        """`store[ex, layer]` -> (T_i, D); slices and lists of examples and layers
+        (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes."""
+        if not is_pair(key):
+            return select(self, key)
         ex, layer = _split_key(key)
         segs = self.config.segments
         if len(segs) == 1:
@@ -278,8 +178,7 @@ class ActStore:
         memory copies, best done on one thread, and only the others need I/O threads."""
         seg = self.config.segment(segment)
         sh, local, lp = self._where(ex, layer)
-        lay = sh.layouts[seg.name]
-        return lay is not None and lay.read_cached(local, lp, out)
+        return sh.read_cached(seg, local, lp, out)
 
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)
@@ -304,7 +203,7 @@ class ActStore:
         for name in self.config.fields:
             out[name] = sh.per_sample(name)[local].item()
         for name in self.config.texts:
-            out[name] = _jsonl_line(safe_child(sh.dir, f"{spec.TEXT_DIR}/{name}.jsonl"), local, name)
+            out[name] = sh.text(name, local)
         return out
 
     def field(self, name: str) -> np.ndarray:
@@ -324,61 +223,50 @@ class ActStore:
         """Every value of text field `name`, in global example order."""
         if name not in self.config.texts:
             raise KeyError(f"no text field {name!r}; this store has {list(self.config.texts)}")
-        for pos, entry in enumerate(self.manifest.shards):
-            path = safe_child(self._shard(pos).dir, f"{spec.TEXT_DIR}/{name}.jsonl")
-            with open(path, "rb") as f:
-                for i, line in enumerate(f):
-                    if i >= entry.n_examples:
-                        break
-                    yield _text_value(line, path, i, name)
+        for pos in range(len(self.manifest.shards)):
+            yield from self._shard(pos).texts(name)
 
-    def to_xarray(self, ex: int, segment: str | None = None):
-        """Example `ex` as an xarray.DataArray (layer, token, d_model), every stored layer.
+    def to_xarray(self, ex: int | None = None, segment: str | None = None, *, chunks: Any = None):
+        """The whole store as a lazy xarray.Dataset; nothing is read until it is indexed.
 
-        Coordinates: `layer` holds the model layer numbers, `token` the positions 0..T_i-1
-        (and a `segment` coordinate naming each token's segment). One read per layer.
+        Variable `activations` (example, layer, token, d_model), coordinates `layer` (model
+        layer numbers) and `layer_name`, per-example lengths, sample keys and fields; see
+        actstore.read.xarray. `chunks`: dask chunks (needs dask).
+
+        With `ex`: example `ex` alone, in memory, as a DataArray (layer, token, d_model)
+        with padding removed and a `segment` coordinate per token (`segment`: that one only).
         """
-        import xarray as xr
+        from actstore.read.xarray import example_dataarray, to_dataset
 
-        names = [segment] if segment is not None else list(self._segs)
-        views = [self.segment(n) for n in names]
-        data = np.stack([np.concatenate([v[ex, layer] for v in views], axis=0) for layer in self.layers])
-        seg_of_token = np.concatenate([np.full(self.lengths(ex)[n], n, dtype=object) for n in names])
-        return xr.DataArray(
-            data,
-            dims=("layer", "token", "d_model"),
-            coords={"layer": list(self.layers), "token": np.arange(data.shape[1]), "segment": ("token", seg_of_token)},
-            attrs={"example": ex, "model_id": self.config.model_id or "", "dtype": self.dtype},
-        )
+        if ex is None:
+            if segment is not None:
+                raise TypeError("segment= goes with an example (to_xarray(ex, segment)); the whole-store Dataset "
+                                "holds every segment: select one with ds.where(ds.segment == name, drop=True)")
+            return to_dataset(self, chunks=chunks)
+        return example_dataarray(self, ex, segment)
 
     def stats(self):
         """Running statistics merged over all shards (RunningStats), or None if not kept."""
         if self.manifest.stats is None:
             return None
-        import zipfile
+        from actstore.stats import read_stats
 
-        from actstore.stats import RunningStats
-
-        path = safe_child(self.path, self.manifest.stats)
-        try:
-            return RunningStats.load(path)
-        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
-            raise CorruptStoreError(f"statistics file {path} is unreadable ({e!r}); rerun `actstore finalize` to rewrite it") from None
+        return read_stats(self.storage, self.manifest.stats, then="rerun `actstore finalize` to rewrite it")
 
     def _global_per_sample(self, name: str) -> np.ndarray:
         parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
         return np.concatenate(parts) if parts else np.zeros(0)
 
-    def _where(self, ex: int, layer: int) -> tuple[_ShardReader, int, int]:
+    def _where(self, ex: int, layer: int) -> tuple[ShardReader, int, int]:
         """(shard reader, local example, layer position) of (ex, layer); clear errors for either."""
         pos, local = self.index.locate(ex)
         lp = layer_position(self.config.layers, layer)
         return self._shard(pos), local, lp
 
-    def _shard(self, pos: int) -> _ShardReader:
+    def _shard(self, pos: int) -> ShardReader:
         sh = self._shards.get(pos)
         if sh is None:
-            sh = _ShardReader(self.path, self.manifest.shards[pos], self.config)
+            sh = ShardReader(self.storage, self.manifest.shards[pos], self.config)
             self._shards[pos] = sh
         return sh
 
@@ -392,59 +280,27 @@ def _split_key(key: Any) -> tuple[int, int]:
     return int(ex), layer
 
 
-def rows_on_disk(shard_dir: Path) -> int:
-    """An upper bound on a shard's examples from the files its sample_key array holds.
+def _refuse_saev_dir(path: Path) -> None:
+    """ActStore reads actstore stores only; a saev directory is pointed to actstore.open."""
+    if os.path.lexists(path / spec.MANIFEST_FILE):
+        return
+    from actstore.saev import protocol as saev_protocol  # constants only; lazy: its package imports this module
 
-    Checked before per-sample arrays are read, so that metadata claiming more examples than
-    were ever written cannot make a reader allocate for them. (zarr omits only chunks of all
-    zero bytes; the writer's default keys are never empty, and a whole chunk of empty
-    user-given keys is refused here.)
-    """
-    adir = shard_dir / spec.ARRAYS_GROUP / spec.SAMPLE_KEY
-    try:
-        meta = load_array_meta(adir)
-        chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
-        rows = int(chunks[0])
-        cdir = adir / "c" if meta.get("zarr_format") == 3 else adir
-        heads = [e.name.split(".")[0] for e in os.scandir(cdir)] if cdir.is_dir() else []
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise CorruptStoreError(f"array {adir} has damaged metadata ({e!r})") from None
-    top = max((int(h) for h in heads if h.isdigit()), default=-1)
-    return (top + 1) * rows
+    if (path / saev_protocol.METADATA_FILE).is_file() and (path / saev_protocol.SHARDS_FILE).is_file():
+        raise StoreNotFoundError(
+            f"{path} is a saev shard directory, not an actstore store; open it with actstore.open({str(path)!r}), "
+            "which returns a SaevStore with the same reading API"
+        )
 
 
-def _consolidated(shard_dir: Path) -> dict[str, Any] | None:
-    """Array metadata keyed by path from consolidated metadata, when the shard has it."""
-    p = shard_dir / ".zmetadata"
-    if p.exists():
-        meta = json.loads(p.read_text())["metadata"]
-        return {k[: -len("/.zarray")]: v for k, v in meta.items() if k.endswith("/.zarray")}
-    p = shard_dir / "zarr.json"
-    if p.exists():
-        root = json.loads(p.read_text())
-        cm = (root.get("consolidated_metadata") or {}).get("metadata")
-        if cm:
-            return {k: v for k, v in cm.items() if v.get("node_type") == "array"}
-    return None
+# Transitional, for the old verify.py until its port lands (then removed).
+def rows_on_disk(shard_dir):  # noqa: D103
+    from actstore.storage import LocalStorage
+
+    return catalog.rows_on_disk(LocalStorage(shard_dir))
 
 
-def _present_shards(root: Path) -> list[str]:
-    d = root / spec.SHARDS_DIR
-    return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
+def _consolidated(shard_dir):  # noqa: D103
+    from actstore.storage import LocalStorage
 
-
-def _jsonl_line(path: Path, i: int, name: str) -> Any:
-    with open(path, "rb") as f:
-        for k, line in enumerate(f):
-            if k == i:
-                return _text_value(line, path, i, name)
-    raise CorruptStoreError(f"{path} has fewer than {i + 1} lines")
-
-
-def _text_value(line: bytes, path: Path, i: int, name: str) -> Any:
-    """The value of text `name` on line i of its .jsonl file, refusing damaged lines."""
-    try:
-        rec = json.loads(line)
-        return rec[name]
-    except (ValueError, KeyError, TypeError) as e:
-        raise CorruptStoreError(f"{path}: line {i + 1} is damaged ({e!r}); run `actstore verify --deep`") from None
+    return catalog.consolidated_arrays(LocalStorage(shard_dir))

@@ -36,7 +36,7 @@ import numpy as np
 
 from actstore import spec
 from actstore.chunkio import ChunkLayout, crc32c, layout_from_metadata, load_array_meta
-from actstore.config import SegmentSpec, StoreConfig
+from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.errors import (
     ActstoreError,
     CorruptChunkError,

@@ -25,7 +25,7 @@ import numpy as np
 from actstore import __version__, spec
 from actstore.bgwrite import BackgroundShardFiles
 from actstore.chunkio import ChunkLayout, crc32c, layout_from_metadata, load_array_meta
-from actstore.config import StoreConfig, check_format_header, make_config
+from actstore.layout.config import StoreConfig, check_format_header, make_config
 from actstore.dtypes import clip_to, convert, to_numpy
 from actstore.errors import (
     AppendError,

@@ -13,7 +13,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from actstore import spec
-from actstore.config import StoreConfig
+from actstore.layout.config import StoreConfig
 from actstore.fsutil import atomic_write_bytes
 
 
@@ -72,36 +72,49 @@ def create_shard_arrays(group: zarr.Group, cfg: StoreConfig, compressor: Any = N
         kw: dict[str, Any] = dict(common, **comp)
         if cfg.shard_examples is not None:
             kw["shards"] = (cfg.shard_examples, L, t_pad, D)
-        arr = group.create_array(
+        attrs = {"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name}
+        group.create_array(
             acts_name(seg.name),
             shape=(0, L, seg.t_max, D),
             chunks=(1, 1, seg.t_chunk, D),
             dtype=cfg.zarr_dtype,
-            dimension_names=spec.AXES if v3 else None,
+            **_dims(v3, (spec.EXAMPLE_DIM, spec.LAYER_DIM, spec.token_dim(seg.name), spec.D_MODEL_DIM), attrs),
             **kw,
         )
-        arr.attrs.update(
-            {"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name,
-             "_ARRAY_DIMENSIONS": list(spec.AXES)}
-        )
-        per_sample(group, len_name(seg.name), "<i4", ())
+        per_sample(group, len_name(seg.name), "<i4", (), dims=(spec.EXAMPLE_DIM,))
         if cfg.token_labels:
-            per_sample(group, labels_name(seg.name), "|u1", (seg.t_max,))
+            per_sample(group, labels_name(seg.name), "|u1", (seg.t_max,), dims=(spec.EXAMPLE_DIM, spec.token_dim(seg.name)))
     if v3:
-        per_sample(group, field_name(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,))
+        per_sample(group, field_name(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,),
+                   dims=(spec.EXAMPLE_DIM, spec.SAMPLE_KEY_BYTE_DIM))
     else:
-        per_sample(group, field_name(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", ())
+        per_sample(group, field_name(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", (), dims=(spec.EXAMPLE_DIM,))
     for name, dt in cfg.fields.items():
-        per_sample(group, field_name(name), dt, ())
+        per_sample(group, field_name(name), dt, (), dims=(spec.EXAMPLE_DIM,))
 
 
-def per_sample(group: zarr.Group, name: str, dtype: str, tail: tuple[int, ...]) -> zarr.Array:
+def _dims(v3: bool, dims: tuple[str, ...] | None, attrs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """create_array keywords for `attrs` and dimension names the way xarray reads them:
+    `dimension_names` in format 3, the `_ARRAY_DIMENSIONS` attribute in format 2."""
+    attrs = dict(attrs or {})
+    if dims is not None and not v3:
+        attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    out: dict[str, Any] = {"attributes": attrs} if attrs else {}
+    if dims is not None and v3:
+        out["dimension_names"] = dims
+    return out
+
+
+def per_sample(
+    group: zarr.Group, name: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...] | None = None
+) -> zarr.Array:
     rows = max(1, min(spec.PER_SAMPLE_CHUNK, (4 * 2**20) // max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)))
     fill = b"" if np.dtype(dtype).kind == "S" else 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return group.create_array(
-            name, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, compressors=None, fill_value=fill
+            name, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, compressors=None, fill_value=fill,
+            **_dims(group.metadata.zarr_format == 3, dims),
         )
 
 

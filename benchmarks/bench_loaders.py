@@ -87,7 +87,7 @@ def chunk_paths(store: actstore.ActStore, exs: np.ndarray, lays: np.ndarray) -> 
     out = []
     for ex, row in zip(exs.tolist(), lays.tolist()):
         pos, local = store.index.locate(ex)
-        lay = store._shard(pos).layouts["tokens"]
+        lay = store._shard(pos).io["tokens"]
         out.extend(lay.chunk_path(local, store.layers.index(layer), 0) for layer in row)
     return out
 
@@ -328,7 +328,7 @@ def _saev_manager(shards_dir, shard_shape, counts, layer_i, reservoir, n_threads
 
 
 def bench_saev_design(saev_dir: Path, layer_i: int, batch_size: int, buffer_batches: int, n_threads: int, batches: int) -> dict:
-    store = actstore.ActStore(saev_dir)
+    store = actstore.open(saev_dir)
     g = store.geometry
     counts = [int(c) for c in g.shard_counts()]
     chunk = min(1024, math.ceil(batch_size * buffer_batches / n_threads))

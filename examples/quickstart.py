@@ -39,3 +39,9 @@ print(store)
 print("store[5, 6]:", x.shape, x.dtype, "lengths", store.lengths(5))
 print("sample 5:", store.sample(5))
 print("response only:", store.segment("response")[5, 6].shape)
+
+# Many examples and layers at once, and the whole store as a lazy xarray Dataset.
+many = store[0:4, [6, 11]]  # padded segments: a list of 4 arrays (2 layers, T_i, D)
+print("store[0:4, [6, 11]]:", [a.shape for a in many])
+ds = store.to_xarray()  # nothing is read until indexed
+print("to_xarray:", dict(ds.sizes), "example 5, layer 6:", ds.activations.isel(example=5).sel(layer=6).values.shape)

@@ -25,3 +25,24 @@ def rng() -> np.random.Generator:
 @pytest.fixture
 def store_path(tmp_path):
     return tmp_path / "store"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port), its environment set; stopped at the end."""
+    import s3server
+
+    with s3server.moto_server() as endpoint:
+        old = s3server.apply_env(s3server.s3_env(endpoint))
+        try:
+            yield endpoint
+        finally:
+            s3server.restore_env(old)
+
+
+@pytest.fixture
+def s3_url(s3_endpoint):
+    """A fresh bucket on the test S3 server: `s3://<bucket>/store`."""
+    import s3server
+
+    return f"s3://{s3server.create_bucket(s3_endpoint)}/store"

@@ -228,3 +228,25 @@ def test_block_outputs_of_other_families_equal_hidden_states(tmp_path, family):
     for j in range(2):
         for layer in (0, 1):
             np.testing.assert_array_equal(store[j, layer], hs[layer + 1][j].numpy())
+
+
+def test_writer_thread_runs_at_writer_nice_and_bad_values_are_refused(tmp_path):
+    import os
+    import re
+    import threading
+
+    model, _ = tiny_llama(layers=2)
+    ids = torch.randint(4, 100, (2, 5), generator=torch.Generator().manual_seed(3))
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # per thread (Linux); a new thread starts at it
+    seen: dict[int, int] = {}
+
+    def on_writer_thread(nice):  # progress runs on the writer thread, after each batch
+        return lambda *_: seen.setdefault(nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    for nice in (0, 4, 10):
+        actstore.record(model, [ids], tmp_path / f"s{nice}", layers=[0], writer_nice=nice, progress=on_writer_thread(nice))
+    assert seen == {n: min(19, base + n) for n in (0, 4, 10)}
+    for bad in (-1, 20, 2.5, True):
+        with pytest.raises(ValueError, match=re.escape(f"writer_nice must be an int in 0..19. Got {bad!r}.")):
+            actstore.record(model, [ids], tmp_path / "bad", layers=[0], writer_nice=bad)
+    assert not (tmp_path / "bad").exists()

@@ -330,7 +330,7 @@ def test_captured_vit_store_exports_to_saev_without_extra_options(tmp_path, dino
     saev_dir = res.output.strip().splitlines()[-1]
     meta = json.loads((tmp_path / "dump" / saev_dir.rsplit("/", 1)[-1] / "metadata.json").read_text())
     assert meta["cls_token"] is True and meta["family"] == "dinov2" and meta["dataset"] == str(images.resolve())
-    store, exported = actstore.ActStore(out), actstore.ActStore(saev_dir)
+    store, exported = actstore.ActStore(out), actstore.open(saev_dir)
     assert exported.layers == (1, 2) and len(exported) == len(store) == 6
     np.testing.assert_array_equal(exported[5, 2], store[5, 2].astype(np.float32))
 
@@ -378,3 +378,22 @@ def test_bad_layout_options_are_refused_before_anything_is_written(tmp_path, din
     res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", *args, ok=False)
     assert res.exit_code == 1 and res.output.strip() == f"actstore: error: {message}"
     assert not out.exists()
+
+
+def test_writer_nice_option_reaches_the_capture_and_is_range_checked(tmp_path, monkeypatch):
+    import actstore.capture.run as run_mod
+    from actstore.capture import CaptureError
+
+    got = []
+
+    def fake_write(o):
+        got.append(o)
+        raise CaptureError("stopped before capture")
+
+    monkeypatch.setattr(run_mod, "write", fake_write)
+    args = ("write", tmp_path / "s", "--model", "m", "--data", "d", "--layers", "0")
+    assert cli(*args, ok=False).output.strip() == "actstore: error: stopped before capture"
+    cli(*args, "--writer-nice", "3", ok=False)
+    assert [o.writer_nice for o in got] == [10, 3]
+    res = cli(*args, "--writer-nice", "20", ok=False)
+    assert res.exit_code == 2 and "--writer-nice" in res.output and len(got) == 2

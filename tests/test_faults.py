@@ -313,15 +313,18 @@ def test_dataloader_readers_never_see_a_shard_before_finalize(base, tmp_path):
 
 
 def test_full_disk_during_finalize_keeps_the_previous_manifest(base_plus, tmp_path, monkeypatch):
-    import actstore.manifest as manifest_mod
+    from actstore.storage import LocalStorage
 
     root = F.copy_store(base_plus, tmp_path / "s")
     before = (root / "manifest.json").read_bytes()
+    real_put = LocalStorage.put
 
-    def full(path, data, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(self, key, *parts, **kw):
+        if key == "manifest.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_put(self, key, *parts, **kw)
 
-    monkeypatch.setattr(manifest_mod, "atomic_write_json", full)
+    monkeypatch.setattr(LocalStorage, "put", full)
     with pytest.raises(DiskFullError) as ei:
         finalize(root)
     assert str(ei.value) == (

@@ -22,9 +22,11 @@ from hypothesis import strategies as st
 from actstore import spec
 from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError, LegacyFormatError
 from actstore.legacy import parse_metadata, restricted_loads
-from actstore.manifest import finalize, load_manifest, parse_manifest, read_blocks
+from actstore.catalog import read_blocks, read_commit, read_identity
+from actstore.layout.records import parse_manifest
+from actstore.manifest import finalize, load_manifest
+from actstore.storage import LocalStorage
 from actstore.verify import verify_store
-from actstore.writer import _read_commit, read_identity
 
 import faultlib as F
 
@@ -91,7 +93,7 @@ def test_fuzz_parse_manifest(store, data):
     doc = json.loads((store / spec.MANIFEST_FILE).read_text())
     mutated = _mutate(doc, data)
     try:
-        m = parse_manifest(mutated, store)
+        m = parse_manifest(json.dumps(mutated).encode(), str(store / spec.MANIFEST_FILE))
     except STORE_ERRORS:
         return
     assert m.n_examples == sum(s.n_examples for s in m.shards) <= 2**48  # what parsed is consistent
@@ -107,7 +109,7 @@ def test_fuzz_manifest_and_identity_bytes(tmp_path, raw):
     with pytest.raises(STORE_ERRORS):
         load_manifest(root)
     with pytest.raises(STORE_ERRORS):
-        read_identity(root)
+        read_identity(LocalStorage(root))
 
 
 @SETTINGS
@@ -119,14 +121,14 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
     ident = _mutate(json.loads((store / spec.IDENTITY_FILE).read_text()), data)
     (root / spec.IDENTITY_FILE).write_text(json.dumps(ident))
     try:
-        read_identity(root)
+        read_identity(LocalStorage(root))
     except STORE_ERRORS:
         pass
     commit = _mutate(json.loads((sdir / spec.COMMIT_FILE).read_text()), data)
     (root / spec.COMMIT_FILE).write_text(json.dumps(commit))
     try:
-        rec = _read_commit(root)
-        assert isinstance(rec["n_committed"], int) and isinstance(rec["complete"], bool)
+        rec = read_commit(LocalStorage(root))
+        assert isinstance(rec.n_committed, int) and isinstance(rec.complete, bool)
     except STORE_ERRORS:
         pass
     lines = [json.loads(x) for x in (sdir / spec.BLOCKS_FILE).read_text().splitlines()]
@@ -134,8 +136,8 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
     text = "\n".join(json.dumps(b) for b in blocks) + "\n" if isinstance(blocks, list) else json.dumps(blocks)
     (root / spec.BLOCKS_FILE).write_text(text)
     try:
-        got = read_blocks(root, data.draw(st.integers(0, 4)))
-        assert all(b["start"] < b["stop"] for b in got)
+        got = read_blocks(LocalStorage(root), data.draw(st.integers(0, 4)))
+        assert all(b.start < b.stop for b in got)
     except STORE_ERRORS:
         pass
 

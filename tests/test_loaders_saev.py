@@ -1,4 +1,4 @@
-"""The loaders over a saev directory opened as ActStore(saev_dir): same invariants, values
+"""The loaders over a saev directory opened with actstore.open(saev_dir): same invariants, values
 equal to the exported float32 vectors."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _saev_dir(tmp_path, n=11, t=5, d=6):
     actstore.finalize(tmp_path / "store")
     res = export_saev(tmp_path / "store", tmp_path / "dump", protocol="2.0", patches_per_shard=4 * t * 2,
                       family="dinov2", ckpt="facebook/dinov2-small", dataset="/d", fsync=False, progress=False)
-    return ActStore(tmp_path / "store"), ActStore(res.path)
+    return ActStore(tmp_path / "store"), actstore.open(res.path)
 
 
 def test_token_stream_over_saev_dir(tmp_path):

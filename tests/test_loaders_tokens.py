@@ -282,7 +282,7 @@ def test_rank_and_world_size_default_from_torch_distributed(tmp_path, monkeypatc
 
 def test_a_damaged_chunk_raises_in_the_training_loop(tmp_path):
     store = vit_store(tmp_path / "s")
-    chunk = store._shard(0).layouts["tokens"].chunk_path(7, 1, 0)
+    chunk = store._shard(0).io["tokens"].chunk_path(7, 1, 0)
     with open(chunk, "r+b") as f:
         f.truncate(100)
     with pytest.raises(actstore.CorruptChunkError, match=r"has 100 bytes, expected 60: the file is damaged"):

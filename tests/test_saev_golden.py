@@ -58,10 +58,34 @@ def test_export_matches_golden_files(tmp_path, protocol):
     # The committed golden directory itself verifies, and reads back through ActStore.
     golden_dir = GOLDEN / LOCATIONS[protocol] / res.hash
     assert verify_saev(golden_dir, values=True).problems == []
-    back = actstore.ActStore(golden_dir)
+    back = actstore.open(golden_dir)
     for ex in range(5):
         for layer in (1, 4):
             np.testing.assert_array_equal(back[ex, layer], store[ex, layer].astype(np.float32))
+
+
+@pytest.mark.parametrize("protocol", ["2.0", "2.1"])
+def test_golden_reads_exactly_through_saev_reader(tmp_path, protocol):
+    """The committed directories read exactly, independently of today's exporter."""
+    from actstore.saev import SaevStore
+
+    store = golden_store(tmp_path / "store")
+    (golden_dir,) = [p for p in (GOLDEN / LOCATIONS[protocol]).iterdir() if p.is_dir()]
+    back = actstore.open(golden_dir)
+    assert isinstance(back, SaevStore) and back.protocol == protocol
+    assert (len(back), back.layers, back.d_model, back.dtype) == (5, (1, 4), 4, "float32")
+    assert back.meta["model_id"] == "facebook/dinov2-small" and back.meta["cls_token"] is True
+    for ex in range(5):
+        for layer in (1, 4):
+            got = back[ex, layer]
+            assert got.dtype == np.float32 and got.shape == (3, 4)
+            np.testing.assert_array_equal(got, store[ex, layer].astype(np.float32))
+            np.testing.assert_array_equal(back.segment("tokens")[ex, layer], got)
+    # labels.bin holds the content tokens' labels; the CLS token (token 0) reads as label 0.
+    want = store.field("tokens_token_labels").copy()
+    want[:, 0] = 0
+    np.testing.assert_array_equal(back.field("tokens_token_labels"), want)
+    np.testing.assert_array_equal(back.field("tokens_len"), np.full(5, 3))
 
 
 def _regenerate() -> None:

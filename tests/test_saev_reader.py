@@ -1,4 +1,4 @@
-"""ActStore(saev_dir) (SaevStore), import-saev, link-run and the saev CLI commands."""
+"""actstore.open(saev_dir) (SaevStore), import-saev, link-run and the saev CLI commands."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def exported(tmp_path_factory):
 
 def test_actstore_opens_a_saev_directory_with_the_same_api(exported):
     store, res = exported
-    s = actstore.ActStore(res.path)
+    s = actstore.open(res.path)
     assert isinstance(s, SaevStore)
     assert (len(s), s.layers, s.d_model, s.dtype, s.segments, s.protocol) == (13, (2, 5), 8, "float32", ("tokens",), "2.1")
     for ex in range(13):
@@ -54,7 +54,7 @@ def test_actstore_opens_a_saev_directory_with_the_same_api(exported):
 
 def test_saev_reader_errors(exported, tmp_path):
     _, res = exported
-    s = actstore.ActStore(res.path)
+    s = actstore.open(res.path)
     with pytest.raises(ExampleIndexError, match=r"example 13 is out of range: this store holds 13 examples"):
         s[13, 2]
     with pytest.raises(LayerNotFoundError, match=r"layer 3 is not stored; this store holds layers \[2, 5\]"):
@@ -68,11 +68,11 @@ def test_saev_reader_errors(exported, tmp_path):
     os.chmod(d / "acts000002.bin", 0o644)
     os.truncate(d / "acts000002.bin", 10)
     with pytest.raises(SaevFormatError, match=r"acts000002.bin has 10 bytes, expected 960 \(full-size shard\); run `actstore verify-saev"):
-        actstore.ActStore(d)
+        actstore.open(d)
     os.chmod(d / "metadata.json", 0o644)
     (d / "metadata.json").write_text(json.dumps({"protocol": "1.1"}))
     with pytest.raises(SaevFormatError, match=r"is not a valid saev shard directory: metadata.json: protocol must be one of \['2.0', '2.1'\]. Got '1.1'."):
-        actstore.ActStore(d)
+        actstore.open(d)
 
 
 @pytest.mark.parametrize("protocol", ["2.0", "2.1"])

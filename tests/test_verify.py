@@ -252,7 +252,7 @@ def test_symlinked_chunk_is_refused(store, tmp_path):
     with pytest.raises(UnsafePathError) as ei:
         ActStore(store)[1, 2]
     assert str(ei.value) == (
-        f"chunk file {target} is a symbolic link; actstore never writes links, so the store was altered: "
+        f"{target} is a symbolic link; actstore never writes links inside a store, so the store was altered: "
         "refusing to follow it (run `actstore verify`)"
     )
 

@@ -93,7 +93,7 @@ def test_actstore_reads_what_zarr_python_wrote(tmp_path, rng, fmt, sharded):
     path, fresh = _zarr_written_store(tmp_path, rng, fmt, sharded)
     store = ActStore(path)
     sh = store._shard(0)
-    assert sh.layouts["tokens"] is not None  # the direct path, not the zarr fallback
+    assert sh.io["tokens"] is not None  # the direct path, not the zarr fallback
     if not sharded:
         key = "2.1.0.0" if fmt == 2 else "c/2/1/0/0"
         assert not (path / "shards/shard-00000.zarr/arrays/tokens_activations" / key).exists()
@@ -111,7 +111,7 @@ def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
     meta = json.loads((path / "shards/shard-00000.zarr/arrays/tokens_activations/zarr.json").read_text())
     assert [c["name"] for c in meta["codecs"]] == ["bytes", "zstd"]
     store = ActStore(path)
-    assert store._shard(0).layouts["tokens"] is None
+    assert store._shard(0).io["tokens"] is None
     for ex in range(5):
         np.testing.assert_array_equal(store[ex, 7], data[ex, 1])
 
@@ -143,7 +143,7 @@ def test_a_read_touches_only_the_asked_chunks(tmp_path, rng, kw):
     data = _write(path, rng, **kw)
     adir = path / "shards/shard-00000.zarr/arrays/tokens_activations"
     store = ActStore(path)
-    lay = store._shard(0).layouts["tokens"]
+    lay = store._shard(0).io["tokens"]
     keep = {lay.chunk_path(4, 1, tc) for tc in range(lay.n_tchunks)}
     damaged = 0
     for f in adir.rglob("*"):

@@ -12,6 +12,7 @@ from typing import Any
 
 from actstore.capture import embedded
 from actstore.capture.errors import ModelLoadError
+from actstore.dtypes import require_torch
 
 EMBEDDED_PREFIX = "embedded:"
 _VISION_TYPES = ("vit", "dinov2", "dinov2_with_registers", "clip_vision_model", "siglip_vision_model", "deit", "beit", "dinov3_vit")
@@ -71,6 +72,7 @@ def load_model(name: str, *, device: str = "cpu", torch_dtype: str = "float32", 
     key = (name, device, torch_dtype)
     if cache and key in _LOADED:
         return _LOADED[key]
+    require_torch("loading a model (actstore.capture)", "capture")
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

@@ -30,6 +30,7 @@ from actstore.stats import stats_key
 from actstore.writer import ShardWriter, shard_dir
 
 DEFAULT_QUEUE = 4
+DEFAULT_WRITER_NICE = 10  # the writer thread's priority drop (Linux nice, per thread)
 _NEVER = 2**62  # the writer never commits on its own: record() commits after stats are whole
 
 
@@ -102,6 +103,7 @@ def record(
     progress: Callable[[int, int, int], None] | None = None,
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
     shard_examples: int | None = None,
+    writer_nice: int = DEFAULT_WRITER_NICE,
 ) -> RecordResult:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -130,10 +132,15 @@ def record(
         zarr_format, shard_examples: the store's layout, as in ShardWriter: Zarr format 2
             (one file per chunk, the default) or 3; with 3, `shard_examples` examples per
             Zarr shard file (for stores of millions of chunks: far fewer files).
+        writer_nice: lower the writer thread's priority by this much (0..19; Linux nice,
+            per thread) so that it yields the cores to the model and runs in its gaps;
+            0 keeps the normal priority. Not permitted or not supported: ignored.
 
     Returns:
         A RecordResult. The shard is closed (complete) when every batch was written.
     """
+    if isinstance(writer_nice, bool) or not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
+        raise ValueError(f"writer_nice must be an int in 0..19. Got {writer_nice!r}.")
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
     hooks = resolve_hooks(lm.forward, layers)  # unknown layers fail before anything is written
     device = _device_of(lm.forward)
@@ -160,7 +167,7 @@ def record(
                 outs, event = cap.run({**batch.inputs, **extra}, batch.args)
                 t_fwd += time.perf_counter() - t1
                 if drain is None:  # the writer thread creates the shard while the next batch runs
-                    drain = _Drain(job.write, queue_size, start=lambda o=outs: job.open_writer(o))
+                    drain = _Drain(job.write, queue_size, start=lambda o=outs: job.open_writer(o), nice=writer_nice)
                 drain.put((outs, event, batch))
         if drain is None:
             n0, complete = committed(store, shard)
@@ -330,12 +337,13 @@ class _Job:
 class _Drain:
     """A bounded queue drained by one background thread running `work`."""
 
-    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None):
+    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0):
         if maxsize < 1:
             raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
         self._q: queue.Queue[Any] = queue.Queue(maxsize)
         self._work = work
         self._start = start
+        self._nice = nice
         self.error: BaseException | None = None
         self.wait_seconds = 0.0
         self.busy_seconds = 0.0
@@ -351,7 +359,7 @@ class _Drain:
             self.cpu_seconds = time.thread_time() - c0
 
     def _run(self) -> None:
-        _lower_priority()
+        _lower_priority(self._nice)
         if self._start is not None:
             t = time.perf_counter()
             try:
@@ -402,18 +410,15 @@ class _Drain:
         self._thread.join()
 
 
-WRITER_NICE = int(os.environ.get("ACTSTORE_WRITER_NICE", "10"))
-
-
-def _lower_priority() -> None:
-    """Lower the writer thread's priority (Linux: per thread) so that it yields the cores to
-    the model's threads and runs in their gaps; the bounded queue keeps it from falling
-    behind (when it is full, the model waits and the writer gets the cores)."""
-    if WRITER_NICE <= 0 or not hasattr(os, "setpriority"):
+def _lower_priority(nice: int) -> None:
+    """Lower the calling (writer) thread's priority by `nice` (Linux: per thread) so that it
+    yields the cores to the model's threads and runs in their gaps; the bounded queue keeps
+    it from falling behind (when it is full, the model waits and the writer gets the cores)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
     except OSError:
         pass  # not permitted here: run at the normal priority
 

@@ -24,7 +24,8 @@ from actstore.capture.data import Source, load_source
 from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
-from actstore.capture.record import RecordResult, committed, record
+from actstore.capture.record import DEFAULT_WRITER_NICE, RecordResult, committed, record
+from actstore.dtypes import require_torch
 from actstore.writer import shard_dir
 
 DEFAULT_P_MAX = 256
@@ -64,6 +65,7 @@ class WriteOptions:
     threads: int | None = None
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
     shard_examples: int | None = None
+    writer_nice: int = DEFAULT_WRITER_NICE
 
 
 def split(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -99,6 +101,8 @@ def check_options(o: WriteOptions) -> None:
         raise CaptureError("--r-quantile needs responses in the data; with --generate N the response budget is N (or --r-max)")
     if o.commit_mb <= 0:
         raise CaptureError(f"--commit-mb must be positive. Got {o.commit_mb}.")
+    if not 0 <= o.writer_nice <= 19:
+        raise CaptureError(f"--writer-nice must be an int in 0..19. Got {o.writer_nice}.")
     if o.zarr_format not in spec.ZARR_FORMATS:
         raise CaptureError(f"--zarr-format must be one of {list(spec.ZARR_FORMATS)}. Got {o.zarr_format}.")
     if o.shard_examples is not None:
@@ -115,6 +119,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
     --rank r --world-size w this process writes shard r only (finalize once every rank
     is done); otherwise one writer writes shard 0 and the store is finalized.
     """
+    require_torch("actstore write (actstore.capture.write)", "capture")
     check_options(o)
     source = load_source(o.data).limit(o.max_examples)  # empty data fails before anything is written
     world = o.workers if o.workers > 1 else o.world_size
@@ -197,6 +202,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
             progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
+            writer_nice=o.writer_nice,
         )
     finally:
         if own_bar is not None:

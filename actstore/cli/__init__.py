@@ -11,10 +11,10 @@ import sys
 
 import click
 
-from actstore import __version__
+from actstore._version import __version__
 from actstore.errors import ActstoreError
 
-COMMAND_MODULES = ("core", "capture", "saev", "integrity", "loaders", "bench")
+COMMAND_MODULES = ("core", "capture", "saev", "integrity", "loaders", "bench", "remote")
 
 
 class _Group(click.Group):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
 import click
 
 from actstore import spec
+from actstore.capture.record import DEFAULT_WRITER_NICE
 
 
 def register(main: click.Group) -> None:
@@ -24,6 +28,16 @@ def _layers(value: str) -> tuple[int | str, ...]:
         else:
             out.append(x)
     return tuple(out)
+
+
+def _require(command: str, modules: tuple[str, ...]) -> None:
+    """Exit 1 with the install command when a package capture needs is missing (the core
+    install, `pip install actstore`, has no torch)."""
+    missing = [{"PIL": "pillow"}.get(m, m) for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        click.echo(f"actstore: error: `actstore {command}` needs {' and '.join(missing)}, not installed here: "
+                   "pip install 'actstore[capture]'", err=True)
+        sys.exit(1)
 
 
 @click.command("write")
@@ -52,6 +66,7 @@ def _layers(value: str) -> tuple[int | str, ...]:
 @click.option("--on-overflow", type=click.Choice(["raise", "clip"]), default="raise", show_default=True, help="Values beyond the stored dtype's range: stop with an error, or clip and count them.")
 @click.option("--queue-size", type=int, default=4, show_default=True, help="Batches the writer thread may lag behind the model.")
 @click.option("--no-stats", is_flag=True, help="Do not keep running statistics.")
+@click.option("--writer-nice", type=click.IntRange(0, 19), default=DEFAULT_WRITER_NICE, show_default=True, help="Lower the writer thread's priority by N (Linux nice, per thread) so that it runs in the model's gaps; 0: normal priority.")
 @click.option("--zarr-format", type=click.Choice(["2", "3"]), default=str(spec.DEFAULT_ZARR_FORMAT), show_default=True, help="Zarr format of the store's arrays (2: one file per chunk).")
 @click.option("--shard-examples", type=int, default=None, help="With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples; for stores of millions of chunks).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -66,6 +81,7 @@ def write_cmd(store: str, **kw) -> None:
     """
     import os
 
+    _require("write", ("torch", "transformers"))
     # torch's OpenMP threads otherwise spin at every barrier while the writer thread works,
     # burning the cores the model needs (measured: 11 % more CPU on 2 cores). Takes effect
     # only if torch is not imported yet; an OMP_WAIT_POLICY already set is kept.
@@ -80,6 +96,7 @@ def write_cmd(store: str, **kw) -> None:
         rank=kw["rank"], world_size=kw["world_size"], resume=kw["resume"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
+        writer_nice=kw["writer_nice"],
     )
     s = write(opts)
     rate = s["written"] / s["capture_seconds"] if s["capture_seconds"] else 0.0
@@ -102,6 +119,7 @@ def show_cmd(store: str, ex: int, layer: int, out: str | None) -> None:
     For stores written from a vision transformer; the image is re-read from the
     reference the store keeps (a file path, an embedded image or a datasets row).
     """
+    _require("show", ("torch", "PIL"))
     from actstore.capture.show import render
 
     path = render(store, ex, layer, out)

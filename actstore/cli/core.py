@@ -6,6 +6,8 @@ import json
 
 import click
 
+from actstore.cli.params import STORE
+
 from actstore.info import store_info, format_info
 from actstore.manifest import finalize
 
@@ -16,7 +18,7 @@ def register(main: click.Group) -> None:
 
 
 @click.command("finalize")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--allow-partial", is_flag=True, help="Also publish the committed prefix of shards whose writer never closed.")
 def finalize_cmd(store: str, allow_partial: bool) -> None:
     """Merge the committed writer shards of STORE into its manifest.json.
@@ -29,7 +31,7 @@ def finalize_cmd(store: str, allow_partial: bool) -> None:
 
 
 @click.command("info")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def info_cmd(store: str, as_json: bool) -> None:
     """Describe STORE: examples, layers, segments, shapes, dtype, sizes, truncation, shards."""

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from actstore.cli.params import STORE
+
 from actstore import spec
 
 
@@ -25,7 +27,7 @@ def _bar(total: int | None, unit: str, quiet: bool, desc: str):
 
 
 @click.command("verify")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")
@@ -84,7 +86,7 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
 
 
 @click.command("export-pkl")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--examples-per-shard", type=int, default=100, show_default=True, help="Records per shard file.")
 @click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from actstore.cli.params import STORE
+
 from actstore.saev import protocol as P
 
 
@@ -31,7 +33,7 @@ def _names(value: str | None) -> list[str] | None:
 
 
 @click.command("export-saev")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.argument("dump_to", required=False, type=click.Path(file_okay=False))
 @click.option("--protocol", type=click.Choice(P.PROTOCOLS), default=P.DEFAULT_PROTOCOL, show_default=True,
               help="2.0: the seed protocol exactly. 2.1: what saev's current loaders read.")

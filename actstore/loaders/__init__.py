@@ -4,6 +4,10 @@
 - TokenStream (+ TokenLoader): shuffled, resumable (batch_size, D) token vectors.
 """
 
+from actstore.dtypes import require_torch
+
+require_torch("actstore.loaders (the training loaders behind actstore.torch)")  # a clear error, not "No module named 'torch'"
+
 from actstore.loaders.pairs import PairBatchSampler, PairDataset, PairIndex
 from actstore.loaders.tokenloader import TokenLoader
 from actstore.loaders.tokens import TokenStream

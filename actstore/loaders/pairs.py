@@ -120,7 +120,7 @@ class PairDataset(Dataset):
     never overwritten; one you drop costs no new allocation).
 
     Args:
-        store: an ActStore (or an ActStore over a saev directory).
+        store: an ActStore, or a SaevStore from actstore.open(saev_dir).
         layers: model layer numbers to sample from (default all).
         segments: segment names to read (default all).
         threads: reader threads per process.

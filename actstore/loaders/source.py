@@ -1,5 +1,5 @@
 """What the loaders need from a store, through ActStore's public API only, so that they
-work on any object with that API (an actstore store, a saev directory opened by ActStore):
+work on any object with that API (an actstore store, a saev directory from actstore.open):
 `len`, `layers`, `d_model`, `dtype`, `config.segments`, `segment(name).lengths()`,
 `read_into(ex, layer, segment, out)` and `stats()`.
 

@@ -53,7 +53,7 @@ class TokenStream(IterableDataset):
     `stream.loader(num_workers=...)`: it counts the batches the loop consumed.
 
     Args:
-        store: an ActStore (or an ActStore over a saev directory).
+        store: an ActStore, or a SaevStore from actstore.open(saev_dir).
         batch_size: token vectors per batch (the last batch of an epoch may be smaller).
         layers: model layer numbers to stream (default all); rows of all of them are mixed.
         segments: segment names to stream (default all).

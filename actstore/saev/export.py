@@ -96,9 +96,12 @@ def export_saev(
             leave a published directory with missing data (off only for scratch use).
         progress: show a progress bar.
     """
+    from actstore.saev.reader import is_saev_dir
     from actstore.store import ActStore
 
     if not hasattr(store, "read_into"):
+        if is_saev_dir(store):
+            raise SaevOptionError(f"{store} is not an actstore store (a saev directory cannot be exported again)")
         store = ActStore(store)
     if not hasattr(store, "manifest"):
         raise SaevOptionError(f"{store.path} is not an actstore store (a saev directory cannot be exported again)")

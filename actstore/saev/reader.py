@@ -1,6 +1,6 @@
 """SaevStore: a saev 2.0 / 2.1 shard directory read through np.memmap with ActStore's API.
 
-`ActStore(path)` returns one when `path` holds metadata.json and shards.json and no
+`actstore.open(path)` returns one when `path` holds metadata.json and shards.json and no
 manifest.json. The directory is one fixed segment "tokens" of T = content tokens (+1 for
 CLS at token 0) float32 vectors per (example, layer).
 """
@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from actstore import spec
-from actstore.config import StoreConfig, make_config
+from actstore.layout.config import StoreConfig, make_config
 from actstore.index import ExampleIndex, layer_position
+from actstore.read.select import is_pair, select
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevFormatError
 from actstore.saev.schema import check_metadata, check_shards_json, read_json
@@ -157,8 +158,16 @@ class SaevStore:
     def stats(self) -> None:
         return None
 
+    def to_xarray(self, *, chunks: Any = None):
+        """The directory as a lazy xarray.Dataset, as ActStore.to_xarray() (no sample keys or fields)."""
+        from actstore.read.xarray import to_dataset
+
+        return to_dataset(self, chunks=chunks)
+
     # ---- reads ---------------------------------------------------------------------
-    def __getitem__(self, key: tuple[int, int]) -> np.ndarray:
+    def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
+        if not is_pair(key):  # slices and lists of examples and layers, as ActStore
+            return select(self, key)
         if not isinstance(key, tuple) or len(key) != 2:
             raise TypeError(f"index the store as store[example, layer] with two ints, got {key!r}")
         ex, layer = key

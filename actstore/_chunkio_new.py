@@ -1,0 +1,180 @@
+"""Raw chunk I/O of one activation array through a Storage, byte-compatible with zarr.
+
+`ChunkIO` reads and writes the chunk bytes that actstore.layout.chunks describes: whole
+chunk files (unsharded) or whole Zarr shard files (data, index, crc32c of the index).
+zarr-python and actstore read each other's output (tests/test_zarr_compat.py).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from actstore.errors import CorruptChunkError
+from actstore.layout.checksum import crc32c
+from actstore.layout.chunks import EMPTY, ChunkGeometry
+from actstore.storage import Storage, Writeback
+
+
+
+INDEX_CACHE = 64  # shard-file indexes kept per array (16 bytes per inner chunk each)
+
+
+class ChunkIO:
+    """Reads and writes the raw chunks of one array of one writer shard.
+
+    Args:
+        storage: the writer shard's storage (keys relative to the shard).
+        geometry: the array's chunk geometry.
+    """
+
+    def __init__(self, storage: Storage, geometry: ChunkGeometry):
+        self.storage = storage
+        self.geo = geometry
+        self._index_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def __getstate__(self) -> dict:
+        return {"storage": self.storage, "geo": self.geo, "_index_cache": OrderedDict()}
+
+    def where(self, key: str) -> str:
+        return self.storage.where(key)
+
+    def chunk_path(self, ex: int, layer_pos: int, tc: int) -> str:
+        """Full path (or URL) of an unsharded chunk, for messages and tests."""
+        return self.where(self.geo.chunk_key(ex, layer_pos, tc))
+
+    @property
+    def n_tchunks(self) -> int:
+        return self.geo.n_tchunks
+
+    # ---- reading ------------------------------------------------------------------
+    def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> None:
+        """Fill `out` (n_tchunks * t_chunk, d_model) with every token chunk of (ex, layer)."""
+        g = self.geo
+        mv = memoryview(out.reshape(-1).view(np.uint8))
+        nb = g.chunk_nbytes
+        for tc in range(g.n_tchunks):
+            dest = mv[tc * nb : (tc + 1) * nb]
+            if g.shard_examples is None:
+                self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)
+            else:
+                self._read_sharded(ex, layer_pos, tc, dest)
+
+    def _read_chunk(self, key: str, dest: memoryview) -> None:
+        """One whole chunk object; a missing one is the fill value; another size is damage."""
+        size = self.storage.read_object_into(key, dest)
+        if size is None:
+            dest[:] = b"\0" * len(dest)
+        elif size != len(dest):
+            raise CorruptChunkError(
+                f"chunk file {self.where(key)} has {size} bytes, expected {len(dest)}: "
+                "the file is damaged (truncated or overwritten); run `actstore verify --deep`"
+            )
+
+    def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
+        """read_into when every byte is at hand without waiting (page cache); False (out
+        partly written or not) otherwise: then read_into. Loaders copy cached chunks on
+        one thread and hand only the others to their I/O threads."""
+        g = self.geo
+        mv = memoryview(out.reshape(-1).view(np.uint8))
+        nb = g.chunk_nbytes
+        for tc in range(g.n_tchunks):
+            dest = mv[tc * nb : (tc + 1) * nb]
+            if g.shard_examples is None:
+                key, offset = g.chunk_key(ex, layer_pos, tc), 0
+            else:
+                key = g.shard_key(ex)
+                index = self._index_cache.get(key)
+                if index is None:
+                    return False  # the first read of a shard file loads (and checks) its index
+                offset, nbytes = index[ex % g.shard_examples, layer_pos, tc]
+                if (offset == EMPTY and nbytes == EMPTY) or int(nbytes) != nb:
+                    return False  # a missing or damaged chunk: read_into says which
+                offset = int(offset)
+            if not self.storage.read_cached(key, dest, offset):
+                return False
+        return True
+
+    def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
+        key = self.geo.shard_key(ex)
+        index = self.shard_index(key)
+        if index is None:
+            dest[:] = b"\0" * len(dest)
+            return
+        offset, nbytes = index[ex % self.geo.shard_examples, layer_pos, tc]
+        if offset == EMPTY and nbytes == EMPTY:
+            dest[:] = b"\0" * len(dest)
+            return
+        if int(nbytes) != len(dest):
+            raise CorruptChunkError(
+                f"shard file {self.where(key)} holds a {int(nbytes)}-byte chunk for example {ex}, layer position "
+                f"{layer_pos}, token chunk {tc}; an uncompressed chunk has {len(dest)} bytes"
+            )
+        if self.storage.read_into(key, dest, int(offset)) != len(dest):
+            raise CorruptChunkError(f"shard file {self.where(key)} is truncated: chunk at byte {int(offset)} is cut short")
+
+    def shard_index(self, key: str) -> np.ndarray | None:
+        """The (checked) index of a shard file, or None when the file does not exist."""
+        index = self._index_cache.get(key)
+        if index is not None:
+            self._index_cache.move_to_end(key)
+            return index
+        size = self.storage.size(key)
+        if size is None:
+            if self.storage.kind(key) is not None:
+                self.storage.get(key)  # raises, naming what stands there instead of a file
+            return None
+        n = self.geo.index_nbytes
+        if size < n:
+            raise CorruptChunkError(f"shard file {self.where(key)} has {size} bytes, less than its {n}-byte index")
+        raw = self.storage.get_range(key, size - n, n)
+        index = self.geo.decode_index(raw, size - n, self.where(key))
+        self._index_cache[key] = index
+        if len(self._index_cache) > INDEX_CACHE:
+            self._index_cache.popitem(last=False)
+        return index
+
+    # ---- writing ------------------------------------------------------------------
+    def write_example(self, ex: int, acts_ltd: np.ndarray, crc: int) -> int:
+        """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
+
+        Chunk files are written in place (not atomically): nobody reads them before the
+        commit that names their example. Returns the crc32c of the written chunk bytes
+        chained onto `crc`.
+        """
+        g = self.geo
+        assert g.shard_examples is None
+        mv = memoryview(acts_ltd.reshape(-1).view(np.uint8))
+        nb = g.chunk_nbytes
+        k = 0
+        for lp in range(g.n_layers):
+            for tc in range(g.n_tchunks):
+                chunk = mv[k * nb : (k + 1) * nb]
+                self.storage.put(g.chunk_key(ex, lp, tc), chunk, atomic=False)
+                crc = crc32c(chunk, crc)
+                k += 1
+        return crc
+
+    def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None) -> None:
+        """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
+
+        `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
+        last holds S examples, the last may hold fewer (its other index entries are
+        empty) and is replaced whole once it fills. Each file is put atomically, so a
+        shard file is always a whole one: the old version or the new.
+        """
+        g = self.geo
+        S = g.shard_examples
+        assert S is not None and first_ex % S == 0 and g.zarr_format == 3
+        for start in range(0, acts_eltd.shape[0], S):
+            part = np.ascontiguousarray(acts_eltd[start : start + S])
+            key = g.shard_key(first_ex + start)
+            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]), writeback=writeback)
+            self._index_cache.pop(key, None)
+
+    def delete_example(self, ex: int) -> None:
+        """Remove the chunk files of one example (used to drop an uncommitted block)."""
+        for lp in range(self.geo.n_layers):
+            for tc in range(self.geo.n_tchunks):
+                self.storage.delete(self.geo.chunk_key(ex, lp, tc))

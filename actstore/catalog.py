@@ -1,0 +1,118 @@
+"""The store's records read through its Storage: identity, manifest, commits, blocks.
+
+The one place that turns a store's keys into typed records (actstore.layout.records) and
+a missing or damaged record into the project's error. Writers, readers and verification
+all read records here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from actstore import spec
+from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
+from actstore.layout import jsonio, keys, records
+from actstore.layout.config import StoreConfig
+from actstore.storage import KeyNotFound, Storage
+
+
+def read_identity(storage: Storage) -> StoreConfig:
+    """The configuration in the store's identity file (actstore.json)."""
+    try:
+        data = storage.get(keys.IDENTITY)
+    except KeyNotFound:
+        raise StoreNotFoundError(f"{storage.url} is not an actstore store (no {keys.IDENTITY})") from None
+    return records.parse_identity(data, storage.where(keys.IDENTITY))
+
+
+def has_identity(storage: Storage) -> bool:
+    return storage.exists(keys.IDENTITY)
+
+
+def read_manifest(storage: Storage) -> records.Manifest:
+    """The validated manifest of a finalized store."""
+    try:
+        data = storage.get(keys.MANIFEST)
+    except KeyNotFound:
+        if storage.exists(keys.IDENTITY) or storage.list_dir(keys.SHARDS):
+            raise NotFinalizedError(
+                f"{storage.url} has writer shards but was never finalized (no {keys.MANIFEST}); "
+                f"run `actstore finalize {storage.url}` once every writer has closed"
+            ) from None
+        raise StoreNotFoundError(f"{storage.url} is not an actstore store (no {keys.MANIFEST})") from None
+    return records.parse_manifest(data, storage.where(keys.MANIFEST), storage.url)
+
+
+def shard_numbers(storage: Storage) -> list[int]:
+    """Shard numbers present under shards/, ascending (temporary names left out)."""
+    nums = (keys.parse_shard_name(n) for n in storage.list_dir(keys.SHARDS))
+    return sorted(n for n in nums if n is not None)
+
+
+def shard_storage(storage: Storage, shard: int | str) -> Storage:
+    """The Storage of one writer shard (keys relative to the shard's folder)."""
+    return storage.child(keys.shard_prefix(shard))
+
+
+def read_commit(shard: Storage) -> records.Commit:
+    """A writer shard's commit record (meta/commit.json)."""
+    try:
+        data = shard.get(keys.COMMIT)
+    except KeyNotFound:
+        raise CorruptStoreError(
+            f"{shard.url} has no {keys.COMMIT}: it is not a writer shard (or was never initialised)"
+        ) from None
+    return records.parse_commit(data, shard.where(keys.COMMIT))
+
+
+def read_blocks(shard: Storage, n_blocks: int) -> list[records.Block]:
+    """The first `n_blocks` block records of a shard (later lines are uncommitted)."""
+    try:
+        data = shard.get(keys.BLOCKS)
+    except KeyNotFound:
+        if n_blocks == 0:
+            return []
+        raise CorruptStoreError(f"{shard.url} has no {keys.BLOCKS} but its commit record says {n_blocks} blocks") from None
+    return records.parse_blocks(data, n_blocks, shard.where(keys.BLOCKS))
+
+
+def rows_on_disk(shard: Storage) -> int:
+    """An upper bound on a shard's examples from the chunk files its sample_key array holds.
+
+    Checked before per-sample arrays are read, so that metadata claiming more examples than
+    were ever written cannot make a reader allocate for them. (zarr omits only chunks of all
+    zero bytes; the writer's default keys are never empty, and a whole chunk of empty
+    user-given keys is refused here.)
+    """
+    rel = keys.field_array(spec.SAMPLE_KEY)
+    try:
+        meta = _array_meta(shard, rel)
+        chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
+        rows = int(chunks[0])
+        heads = [n.split(".")[0] for n in shard.list_dir(rel + "/c" if meta.get("zarr_format") == 3 else rel)]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, CorruptStoreError) as e:
+        raise CorruptStoreError(f"array {shard.where(rel)} has damaged metadata ({e!r})") from None
+    top = max((int(h) for h in heads if h.isdigit()), default=-1)
+    return (top + 1) * rows
+
+
+def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
+    """Array metadata keyed by path from a shard's consolidated metadata, when it has it."""
+    if shard.exists(keys.ZMETADATA):
+        doc = jsonio.loads(shard.get(keys.ZMETADATA), shard.where(keys.ZMETADATA), what="consolidated metadata")
+        return {k[: -len("/" + keys.ZARRAY)]: v for k, v in doc["metadata"].items() if k.endswith("/" + keys.ZARRAY)}
+    try:
+        root = jsonio.loads(shard.get(keys.ZARR_JSON), shard.where(keys.ZARR_JSON), what="group metadata")
+    except KeyNotFound:
+        return None
+    cm = (root.get("consolidated_metadata") or {}).get("metadata")
+    return {k: v for k, v in cm.items() if v.get("node_type") == "array"} if cm else None
+
+
+def _array_meta(shard: Storage, rel: str) -> dict[str, Any]:
+    """The Zarr metadata document of array `rel` (format 2 or 3)."""
+    for name in (keys.ZARRAY, keys.ZARR_JSON):
+        key = f"{rel}/{name}"
+        if shard.exists(key):
+            return jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
+    raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")

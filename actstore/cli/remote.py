@@ -1,0 +1,55 @@
+"""`actstore cp`: copy a store between a local folder and object storage (docs/remote.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def register(main: click.Group) -> None:
+    main.add_command(cp_cmd)
+
+
+@click.command("cp")
+@click.argument("src", metavar="SRC")
+@click.argument("dst", metavar="DST")
+@click.option("--no-verify", is_flag=True,
+              help="Read nothing back: skip comparing every copied object with the source and the final verify --deep.")
+@click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Objects copied at once (threads); memory holds at most this many objects.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the summary line.")
+def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_json: bool) -> None:
+    """Copy the finalized store SRC to DST: local folders, file://, s3://, gs:// or az:// URLs.
+
+    \b
+      actstore cp out/vit.store s3://bucket/acts/vit.store
+      actstore cp s3://bucket/acts/vit.store /scratch/vit.store
+
+    DST is never a readable partial store: the data goes first and manifest.json last.
+    Every copied object is read back and compared by crc32c (a local DST is then checked
+    with `actstore verify --deep`). An interrupted copy resumes when rerun: what DST
+    already holds is not copied again. A DST holding a different store is refused.
+    Credentials and endpoints come from the usual environment (AWS_*, GOOGLE_*, AZURE_*).
+    """
+    from tqdm import tqdm
+
+    from actstore.copy import copy_store
+
+    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="cp", file=sys.stderr, leave=False,
+              disable=quiet or not sys.stderr.isatty()) as bar:
+
+        def progress(n: int, total: int) -> None:
+            if bar.total != total:
+                bar.total = total
+                bar.refresh()
+            bar.update(n)
+
+        # errors (CopyError for I/O, StoreMismatchError, ...) are actstore's: one line, exit 1
+        result = copy_store(src, dst, progress=progress, verify=not no_verify, workers=workers)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=1))
+    else:
+        click.echo(result.summary())

@@ -1,0 +1,100 @@
+"""Names of every object in a store, as storage keys ('/'-separated, relative to the root).
+
+The only place that spells a file or array name of the format (docs/format.md, sections
+1 and 3); everything else asks this module.
+"""
+
+from __future__ import annotations
+
+import re
+
+from actstore import spec
+
+SHARD_NAME_RE = re.compile(r"^shard-(\d{5})\.zarr$")
+
+IDENTITY = spec.IDENTITY_FILE
+MANIFEST = spec.MANIFEST_FILE
+SHARDS = spec.SHARDS_DIR
+
+
+def shard_name(shard: int) -> str:
+    """`shard-NNNNN.zarr` of shard number `shard`."""
+    return spec.SHARD_NAME_FORMAT.format(shard)
+
+
+def parse_shard_name(name: str) -> int | None:
+    """The shard number of a shard folder name, or None when `name` is not one."""
+    m = SHARD_NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def shard_prefix(shard: int | str) -> str:
+    """Key prefix of a writer shard (by number or by folder name)."""
+    return f"{spec.SHARDS_DIR}/{shard_name(shard) if isinstance(shard, int) else shard}"
+
+
+def is_temporary(name: str) -> bool:
+    """Names beginning with '.' are temporary files of unfinished atomic writes (and other
+    private files), except zarr's own metadata names (.zarray, .zattrs, .zgroup, .zmetadata)."""
+    return name.startswith(".") and name not in ZARR_NAMES
+
+
+def store_stats_file(crc: int) -> str:
+    """The merged statistics file of a finalized store, named by the crc32c of its bytes."""
+    return spec.STATS_FILE.format(crc)
+
+
+# ---- zarr's own metadata files -------------------------------------------------------
+ZARRAY = ".zarray"  # format 2 array metadata
+ZATTRS = ".zattrs"  # format 2 attributes
+ZGROUP = ".zgroup"
+ZMETADATA = ".zmetadata"  # format 2 consolidated metadata
+ZARR_JSON = "zarr.json"  # format 3 array or group metadata (consolidated inside for groups)
+ZARR_NAMES = (ZARRAY, ZATTRS, ZGROUP, ZMETADATA, ZARR_JSON)
+
+
+# ---- inside one writer shard (keys relative to the shard's prefix) -----------------
+COMMIT = spec.COMMIT_FILE
+BLOCKS = spec.BLOCKS_FILE
+EL_CRC = spec.EL_CRC_FILE
+META_DIR = spec.META_DIR
+TEXT_DIR = spec.TEXT_DIR
+ARRAYS = spec.ARRAYS_GROUP
+
+
+def shard_stats_file(n_committed: int) -> str:
+    """The statistics file a shard's commit of `n_committed` examples writes."""
+    return spec.STATS_FILE_FORMAT.format(n_committed)
+
+
+def text_file(name: str) -> str:
+    return f"{spec.TEXT_DIR}/{name}.jsonl"
+
+
+def acts_array(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.ACTS_SUFFIX}"
+
+
+def len_array(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.LEN_SUFFIX}"
+
+
+def labels_array(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.TOKEN_LABELS_SUFFIX}"
+
+
+def field_array(name: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{name}"
+
+
+def len_field(segment: str) -> str:
+    """The per-sample field name of a segment's lengths (`<segment>_len`)."""
+    return segment + spec.LEN_SUFFIX
+
+
+def labels_field(segment: str) -> str:
+    return segment + spec.TOKEN_LABELS_SUFFIX
+
+
+def join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p)

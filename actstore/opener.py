@@ -1,0 +1,55 @@
+"""`actstore.open`: one entry point for both kinds of stores a reader may be pointed at.
+
+An actstore store (manifest.json) opens as an ActStore; a saev 2.0/2.1 shard directory
+(metadata.json and shards.json, no manifest.json) as a SaevStore over np.memmap. Both
+have the same reading API (`len`, `layers`, `store[ex, layer]`, `read_into`, ...).
+This module sits above actstore.store and actstore.saev: neither imports it at load time.
+"""
+
+from __future__ import annotations
+
+import os
+
+from actstore.errors import VerificationError
+from actstore.saev.reader import SaevStore, is_saev_dir
+from actstore.store import ActStore
+
+VERIFY_MODES = (None, "fast", "deep")
+
+
+def open(path: str | os.PathLike, *, verify: str | None = None) -> ActStore | SaevStore:
+    """Open the store at `path` for reading, whichever kind it is.
+
+    Args:
+        path: an actstore store root, or a saev shard directory (`<HASH>`).
+        verify: None (the default: only what opening checks), "fast" (every file present at
+            its size; for saev every rule of `actstore verify-saev`) or "deep" (also every
+            byte: chunk crc32c values for an actstore store, every activation finite for a
+            saev directory). Damage raises VerificationError holding the report.
+
+    Returns:
+        An ActStore, or a SaevStore for a saev directory.
+    """
+    if verify is False:
+        verify = None
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {list(VERIFY_MODES)}. Got {verify!r}.")
+    if is_saev_dir(path):
+        if verify is not None:
+            _verify_saev(path, deep=verify == "deep")
+        return SaevStore(path)
+    return ActStore(path, verify=verify)
+
+
+def _verify_saev(path: str | os.PathLike, *, deep: bool) -> None:
+    """verify_saev, raised as VerificationError like ActStore's verify= (saev's own only reports)."""
+    from actstore.saev.verify import verify_saev
+
+    report = verify_saev(path, values=deep)
+    if not report.ok:
+        n = len(report.problems)
+        raise VerificationError(
+            f"{path} failed verification ({'deep' if deep else 'fast'}): {n} problem{'s' if n != 1 else ''}, the first: "
+            f"{report.problems[0]}. Run `actstore verify-saev {path}{' --values' if deep else ''}` for the full list",
+            report,
+        )

@@ -1,0 +1,182 @@
+"""ShardReader: lazily opened handles of one published writer shard, through its Storage.
+
+Checks counts against the commit record and the array metadata before anything is
+allocated, reads raw chunks through ChunkIO where the metadata allows it and through
+zarr-python otherwise, and keeps per-sample arrays and text offsets once read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actstore import catalog, spec
+from actstore.chunkio import ChunkIO
+from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.layout import jsonio, keys
+from actstore.layout.chunks import ChunkGeometry, array_meta_key, geometry_from_metadata
+from actstore.layout.config import SegmentSpec, StoreConfig
+from actstore.layout.records import ShardEntry
+from actstore.storage import KeyNotFound, Storage
+
+
+class ShardReader:
+    """One writer shard listed in the manifest.
+
+    Args:
+        storage: the store's Storage.
+        entry: the shard's manifest entry.
+        cfg: the store configuration.
+    """
+
+    def __init__(self, storage: Storage, entry: ShardEntry, cfg: StoreConfig):
+        self.storage = catalog.shard_storage(storage, entry.name)
+        self.where = self.storage.url
+        self.entry = entry
+        self.cfg = cfg
+        if not self.storage.exists(keys.COMMIT) and self.storage.kind(keys.COMMIT) is None and not self.storage.list_dir():
+            raise StoreNotFoundError(
+                f"shard {entry.name} listed in the manifest of {storage.url} is missing (holds examples "
+                f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {[keys.shard_name(n) for n in catalog.shard_numbers(storage)]}"
+            )
+        committed = catalog.read_commit(self.storage).n_committed  # counts are checked before anything is allocated
+        if committed < entry.n_examples:
+            raise CorruptStoreError(
+                f"shard {self.where} has committed {committed} examples but the manifest says {entry.n_examples}; "
+                "the manifest does not belong to these shards (run `actstore verify`)"
+            )
+        self.io: dict[str, ChunkIO | None] = {}
+        self._zarr: dict[str, Any] = {}
+        self._lengths: dict[str, np.ndarray] = {}
+        self._per_sample: dict[str, np.ndarray] = {}
+        self._text_offsets: dict[str, np.ndarray] = {}
+        self._rows_checked = False
+        try:
+            consolidated = catalog.consolidated_arrays(self.storage)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
+            raise CorruptStoreError(f"shard {self.where} has damaged consolidated metadata ({e!r})") from None
+        for seg in cfg.segments:
+            self.io[seg.name] = self._open_acts(seg, consolidated)
+
+    @property
+    def geometries(self) -> dict[str, ChunkGeometry | None]:
+        return {name: (io.geo if io is not None else None) for name, io in self.io.items()}
+
+    def _open_acts(self, seg: SegmentSpec, consolidated: dict[str, Any] | None) -> ChunkIO | None:
+        cfg = self.cfg
+        rel = keys.acts_array(seg.name)
+        where = self.storage.where(rel)
+        meta = consolidated.get(rel) if consolidated else None
+        if meta is None:
+            try:
+                meta = jsonio.parse(self.storage.get(array_meta_key(rel, cfg.zarr_format)))
+            except KeyNotFound:
+                raise CorruptStoreError(f"shard {self.where} has no array {rel}") from None
+            except ValueError as e:
+                raise CorruptStoreError(f"array metadata of {where} is damaged ({e})") from None
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if not isinstance(shape, list) or len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
+            raise CorruptStoreError(f"array {where} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})")
+        if not isinstance(shape[0], int) or shape[0] < self.entry.n_examples:
+            raise CorruptStoreError(f"array {where} holds {shape[0]} examples; the manifest says {self.entry.n_examples}")
+        try:
+            geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise CorruptStoreError(f"array metadata of {where} is damaged ({e!r})") from None
+        if geo is None:
+            return None
+        if geo.t_chunk != seg.t_chunk or geo.dtype != np.dtype(cfg.zarr_dtype):
+            raise CorruptStoreError(
+                f"array {where} has chunks of {geo.t_chunk} tokens of {geo.dtype}; the store config says "
+                f"{seg.t_chunk} tokens of {cfg.zarr_dtype}"
+            )
+        return ChunkIO(self.storage, geo)
+
+    def _open_zarr(self, rel: str) -> Any:
+        import zarr
+
+        try:
+            return zarr.open_array(store=self.storage.zarr_store(rel, read_only=True), mode="r")
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            raise CorruptStoreError(f"array {self.storage.where(rel)} cannot be opened ({e!r})") from None
+
+    def per_sample(self, name: str) -> np.ndarray:
+        """A per-sample array (field, `sample_key`, `<segment>_len`, token labels), n rows."""
+        arr = self._per_sample.get(name)
+        if arr is None:
+            rel = keys.field_array(name)
+            z = self._open_zarr(rel)
+            n = self.entry.n_examples
+            if z.shape[0] < n:
+                raise CorruptStoreError(f"array {self.storage.where(rel)} holds {z.shape[0]} values; the manifest says {n}")
+            if not self._rows_checked:
+                rows = catalog.rows_on_disk(self.storage)
+                if rows < n:
+                    raise CorruptStoreError(
+                        f"shard {self.where}: its {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples but the "
+                        f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
+                    )
+                self._rows_checked = True
+            arr = np.asarray(z[:n])  # n is now bounded by files on disk
+            self._per_sample[name] = arr
+        return arr
+
+    def lengths(self, seg: SegmentSpec) -> np.ndarray:
+        arr = self._lengths.get(seg.name)
+        if arr is None:
+            arr = self.per_sample(keys.len_field(seg.name))
+            if arr.size and (arr.min() < 0 or arr.max() > seg.t_max):
+                raise CorruptStoreError(f"shard {self.where}: lengths of segment {seg.name!r} lie outside 0..{seg.t_max}")
+            self._lengths[seg.name] = arr
+        return arr
+
+    def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
+        """Fill `out` (n_chunks * t_chunk, D) in the stored dtype with every token chunk."""
+        io = self.io[seg.name]
+        if io is not None:
+            io.read_into(local, lp, out)
+            return
+        z = self._zarr.get(seg.name)
+        if z is None:
+            z = self._zarr[seg.name] = self._open_zarr(keys.acts_array(seg.name))
+        out[: seg.t_max] = z[local, lp]
+        out[seg.t_max :] = 0
+
+    def read_cached(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
+        io = self.io[seg.name]
+        return io is not None and io.read_cached(local, lp, out)
+
+    # ---- texts ----------------------------------------------------------------------
+    def text(self, name: str, local: int) -> Any:
+        """The value of text field `name` of local example `local`."""
+        data, offsets = self._text(name)
+        return text_value(data[offsets[local] : offsets[local + 1]], self.storage.where(keys.text_file(name)), local, name)
+
+    def texts(self, name: str):
+        data, offsets = self._text(name)
+        where = self.storage.where(keys.text_file(name))
+        for i in range(self.entry.n_examples):
+            yield text_value(data[offsets[i] : offsets[i + 1]], where, i, name)
+
+    def _text(self, name: str) -> tuple[bytes, np.ndarray]:
+        """The committed lines of a text file and their offsets (n + 1), read once."""
+        cached = self._text_offsets.get(name)
+        key = keys.text_file(name)
+        if cached is None:
+            data = self.storage.get(key)
+            ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 0x0A)[: self.entry.n_examples] + 1
+            if len(ends) < self.entry.n_examples:
+                raise CorruptStoreError(f"{self.storage.where(key)} has fewer than {self.entry.n_examples} lines")
+            offsets = np.concatenate([[0], ends])
+            cached = self._text_offsets[name] = (data, offsets)
+        return cached
+
+
+def text_value(line: bytes, where: str, i: int, name: str) -> Any:
+    """The value of text `name` on line i of its .jsonl file, refusing damaged lines."""
+    try:
+        rec = jsonio.loads(line, where, what="text line")
+        return rec[name]
+    except (CorruptStoreError, KeyError, TypeError) as e:
+        raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e!r}); run `actstore verify --deep`") from None

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The core's tests on the core install (`pip install actstore`: no torch, no transformers),
+# beside the main suite's full dev install: writer, reader, finalize, verify, statistics,
+# exports and the CLI must work without torch. The list is every test file whose tests do
+# not need torch (a test of the main suite checks that none is forgotten). Left out: files
+# that import torch at the top (loaders, capture, ...), test_capture_resume.py (records a
+# torch model), test_capture_support.py (helpers, no tests), and test_copy.py /
+# test_storage.py, whose S3 cases need moto's server (the main suite has it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=python3.11
+if ! command -v "$PY" >/dev/null; then
+  echo "scripts/test_notorch.sh: no python3.11 on PATH" >&2
+  exit 1
+fi
+stamp=.venv-notorch/.actstore-setup
+want=$(cat pyproject.toml scripts/test_notorch.sh | sha256sum | cut -c1-16)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  [ -x .venv-notorch/bin/python ] || "$PY" -m venv .venv-notorch
+  .venv-notorch/bin/python -m pip --disable-pip-version-check -q install -e . pytest hypothesis \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  echo "$want" > "$stamp"
+fi
+if .venv-notorch/bin/python -c "import torch" 2>/dev/null; then
+  echo "scripts/test_notorch.sh: torch is installed in .venv-notorch; remove the folder and rerun" >&2
+  exit 1
+fi
+# Deselected: the two tests of these files that use torch (a DataLoader; torch's half cast).
+ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
+  tests/test_notorch.py tests/test_dtypes.py tests/test_architecture.py tests/test_cli_core.py tests/test_examples.py \
+  tests/test_faults.py tests/test_format_doc.py tests/test_fuzz.py tests/test_index.py tests/test_legacy.py \
+  tests/test_open.py tests/test_processes.py tests/test_roundtrip.py tests/test_saev_common.py tests/test_saev_export.py \
+  tests/test_saev_golden.py tests/test_saev_kill.py tests/test_saev_reader.py tests/test_saev_verify.py \
+  tests/test_select.py tests/test_sharded_writes.py tests/test_store_golden.py tests/test_verify.py \
+  tests/test_verify_hostile.py tests/test_xarray.py tests/test_zarr_compat.py \
+  --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
+  --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes

@@ -1,0 +1,107 @@
+"""An HTTP proxy on 127.0.0.1 that makes an S3 server unreliable, for tests.
+
+Each request is, at random (seeded): answered 503 SlowDown without reaching the server,
+dropped before it reaches the server (the connection closes with no answer), forwarded
+and its answer dropped (the server acted, the client never hears), or forwarded whole.
+A client that retries as the S3 protocol expects still gets exact results.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+
+
+class FaultProxy:
+    """Forward to `upstream` (http://127.0.0.1:PORT) with faults; use as a context manager.
+
+    Args:
+        upstream: the real server's URL.
+        fail: probability of a 503 answer.
+        drop_request: probability of closing the connection before forwarding.
+        drop_response: probability of forwarding, then closing without the answer.
+        seed: the random generator's seed.
+    """
+
+    def __init__(self, upstream: str, *, fail: float = 0.05, drop_request: float = 0.03,
+                 drop_response: float = 0.02, seed: int = 0):
+        u = urlsplit(upstream)
+        self.host, self.port = u.hostname, u.port
+        self.p = (fail, drop_request, drop_response)
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.counts = {"forwarded": 0, "failed": 0, "dropped_request": 0, "dropped_response": 0}
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                fate = proxy._fate()
+                if fate == "failed":
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self.end_headers()
+                    self.wfile.write(SLOW_DOWN)
+                    return
+                if fate == "dropped_request":
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "proxy-connection")}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                conn.close()
+                if fate == "dropped_response":
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, name="fault-proxy", daemon=True)
+
+    def _fate(self) -> str:
+        with self.lock:
+            r = self.rng.random()
+            fail, dreq, dresp = self.p
+            fate = ("failed" if r < fail else "dropped_request" if r < fail + dreq
+                    else "dropped_response" if r < fail + dreq + dresp else "forwarded")
+            self.counts[fate] += 1
+            return fate
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)

@@ -1,0 +1,141 @@
+"""The Storage contract, run on every implementation: a local folder and S3 (moto)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from actstore.errors import CorruptStoreError, UnsafePathError
+from actstore.storage import KeyNotFound, LocalStorage, ObjectStorage, open_storage
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return open_storage(tmp_path / "store")
+    return open_storage(request.getfixturevalue("s3_url"))
+
+
+def test_open_storage_kinds(tmp_path):
+    assert isinstance(open_storage(tmp_path), LocalStorage)
+    assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)
+    assert open_storage(f"file://{tmp_path}").local_root == tmp_path
+    assert isinstance(open_storage("s3://bucket/prefix"), ObjectStorage)
+    with pytest.raises(ValueError, match=r"ftp://h/x: unknown URL scheme 'ftp'"):
+        open_storage("ftp://h/x")
+
+
+def test_put_get_and_ranges(storage):
+    storage.put("a/b/c.bin", b"hello ", memoryview(b"world"))
+    assert storage.get("a/b/c.bin") == b"hello world"
+    assert storage.size("a/b/c.bin") == 11 and storage.exists("a/b/c.bin")
+    assert storage.get_range("a/b/c.bin", 6, 5) == b"world"
+    assert storage.get_range("a/b/c.bin", 9, 10) == b"ld"  # short at the end
+    buf = bytearray(4)
+    assert storage.read_into("a/b/c.bin", memoryview(buf), 2) == 4 and bytes(buf) == b"llo "
+    big = bytearray(20)
+    assert storage.read_object_into("a/b/c.bin", memoryview(big)) == 11 and bytes(big[:11]) == b"hello world"
+    small = bytearray(3)
+    assert storage.read_object_into("a/b/c.bin", memoryview(small)) == 11  # the size tells a wrong-sized object
+    assert storage.read_object_into("nothing", memoryview(small)) is None
+    with pytest.raises(ValueError, match="11 bytes, more than the 4 allowed"):
+        storage.get("a/b/c.bin", max_bytes=4)
+
+
+def test_missing_keys(storage):
+    with pytest.raises(KeyNotFound) as ei:
+        storage.get("no/such")
+    assert isinstance(ei.value, FileNotFoundError) and "no/such does not exist" in str(ei.value)
+    assert storage.size("no/such") is None and storage.kind("no/such") is None
+    storage.delete("no/such")  # not an error
+
+
+def test_put_if_absent_has_one_winner(storage):
+    wins = []
+    barrier = threading.Barrier(8)
+
+    def claim(i: int) -> None:
+        barrier.wait()
+        if storage.put_if_absent("claim.json", f"writer {i}".encode()):
+            wins.append(i)
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    assert storage.get("claim.json") == f"writer {wins[0]}".encode()
+
+
+def test_append_truncate_delete_and_listing(storage):
+    assert storage.append("meta/log", b"abc") == 3
+    assert storage.append("meta/log", b"de") == 5
+    storage.truncate("meta/log", 4)
+    assert storage.get("meta/log") == b"abcd"
+    storage.put("x/1", b"1")
+    storage.put("x/y/2", b"22")
+    assert sorted((e.key, e.size) for e in storage.list()) == [("meta/log", 4), ("x/1", 1), ("x/y/2", 2)]
+    assert sorted(e.key for e in storage.list("x")) == ["x/1", "x/y/2"]
+    assert storage.list_dir() == ["meta", "x"] and storage.list_dir("x") == ["1", "y"]
+    assert storage.stored_bytes("x") >= 3
+    child = storage.child("x")
+    assert child.get("y/2") == b"22" and child.where("y/2").endswith("x/y/2")
+    storage.delete_prefix("x")
+    assert [e.key for e in storage.list()] == ["meta/log"]
+    storage.sync()
+
+
+def test_zarr_through_the_storage(storage):
+    import numpy as np
+    import zarr
+
+    arr = zarr.create_array(store=storage.zarr_store("arr", read_only=False), shape=(4, 3), chunks=(2, 3), dtype="<f2",
+                            compressors=None, zarr_format=3)
+    arr[:] = np.arange(12, dtype="<f2").reshape(4, 3)
+    back = zarr.open_array(store=storage.zarr_store("arr", read_only=True), mode="r")
+    assert (back[:] == np.arange(12, dtype="<f2").reshape(4, 3)).all()
+    assert storage.exists("arr/zarr.json") and storage.exists("arr/c/1/0")
+
+
+def test_local_refuses_links_fifos_and_folders(tmp_path):
+    import os
+
+    s = open_storage(tmp_path / "s")
+    s.put("real", b"x")
+    os.symlink(tmp_path / "s" / "real", tmp_path / "s" / "link")
+    os.mkfifo(tmp_path / "s" / "fifo")
+    (tmp_path / "s" / "dir").mkdir()
+    with pytest.raises(UnsafePathError, match="link is a symbolic link; actstore never writes links inside a store"):
+        s.get("link")
+    with pytest.raises(CorruptStoreError, match=r"fifo is not a regular file \(a FIFO, socket or device\)"):
+        s.get("fifo")  # never blocks
+    with pytest.raises(CorruptStoreError, match="dir is a folder where the store has a file"):
+        s.get("dir")
+    assert {e.key: e.kind for e in s.list()} == {"real": "file", "link": "link", "fifo": "other", "dir": "dir"}
+    with pytest.raises(UnsafePathError, match="points outside the store"):
+        s.get("../etc/passwd")
+
+
+def test_background_puts_finish_at_the_barrier(storage):
+    for i in range(40):
+        storage.put(f"chunks/{i}", memoryview(bytes([i]) * 1000), atomic=False)
+    storage.barrier()
+    assert all(storage.get(f"chunks/{i}") == bytes([i]) * 1000 for i in range(40))
+    stats = storage.upload_stats()
+    assert stats["queued_bytes"] == 0
+
+
+def test_check_access_names_the_cause(s3_endpoint, tmp_path, monkeypatch):
+    from actstore.errors import StorageAccessError
+
+    open_storage(tmp_path / "new" / "store").check_access(write=True)  # creatable: fine
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(StorageAccessError, match="it is a file, not a folder"):
+        open_storage(tmp_path / "file").check_access(write=True)
+    with pytest.raises(StorageAccessError, match=r"cannot list s3://no-such-bucket/x: the bucket 'no-such-bucket' does not exist"):
+        open_storage("s3://no-such-bucket/x").check_access(write=True)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(StorageAccessError, match=r"the endpoint http://127.0.0.1:9 cannot be reached"):
+        open_storage("s3://some-bucket/x").check_access(write=False)
