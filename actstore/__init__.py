@@ -4,8 +4,8 @@ from actstore._version import __version__  # noqa: E402
 
 from actstore.errors import *  # noqa: E402,F401,F403
 from actstore.manifest import finalize  # noqa: E402
-from actstore.store import ActStore  # noqa: E402
-from actstore.writer import ShardWriter  # noqa: E402
+from actstore.read.store import ActStore  # noqa: E402
+from actstore.write import ShardWriter  # noqa: E402
 from actstore.capture.record import record  # noqa: E402  (imports torch only when called)
 from actstore.saev import export_saev, import_saev, verify_saev  # noqa: E402
 # actstore.open: an actstore store or a saev directory. Left out of __all__ so that

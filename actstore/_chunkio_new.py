@@ -178,3 +178,20 @@ class ChunkIO:
         for lp in range(self.geo.n_layers):
             for tc in range(self.geo.n_tchunks):
                 self.storage.delete(self.geo.chunk_key(ex, lp, tc))
+
+
+def drop_chunks(storage: Storage, array: str, first: int) -> None:
+    """Delete the chunk (or Zarr shard) objects of `array` whose first grid coordinate is
+    >= `first`, whatever the array's codecs: the uncommitted tail of a crashed writer."""
+    from actstore.catalog import array_meta
+    from actstore.layout.chunks import key_scheme
+
+    fmt, sep = key_scheme(array_meta(storage, array))
+    head = "c" + sep if fmt == 3 else ""
+    for e in list(storage.list(array)):
+        rel = e.key[len(array) + 1 :]
+        if not rel.startswith(head):
+            continue
+        first_part = rel[len(head) :].split(sep, 1)[0]
+        if first_part.isdigit() and int(first_part) >= first:
+            storage.delete(e.key)

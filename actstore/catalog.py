@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
 from actstore.layout import jsonio, keys, records
 from actstore.layout.config import StoreConfig
@@ -65,6 +65,20 @@ def read_commit(shard: Storage) -> records.Commit:
     return records.parse_commit(data, shard.where(keys.COMMIT))
 
 
+def committed(storage: Storage, shard: int) -> tuple[int, bool]:
+    """(examples committed, complete) of a writer shard; (0, False) when it does not exist."""
+    sh = shard_storage(storage, shard)
+    if sh.kind(keys.COMMIT) is None:
+        return 0, False
+    rec = read_commit(sh)
+    return rec.n_committed, rec.complete
+
+
+def shard_exists(storage: Storage, shard: int) -> bool:
+    """Whether a writer shard of this number has been started (anything under its folder)."""
+    return bool(storage.list_dir(keys.shard_prefix(shard)))
+
+
 def read_blocks(shard: Storage, n_blocks: int) -> list[records.Block]:
     """The first `n_blocks` block records of a shard (later lines are uncommitted)."""
     try:
@@ -86,7 +100,7 @@ def rows_on_disk(shard: Storage) -> int:
     """
     rel = keys.field_array(spec.SAMPLE_KEY)
     try:
-        meta = _array_meta(shard, rel)
+        meta = array_meta(shard, rel)
         chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
         rows = int(chunks[0])
         heads = [n.split(".")[0] for n in shard.list_dir(rel + "/c" if meta.get("zarr_format") == 3 else rel)]
@@ -109,7 +123,7 @@ def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
     return {k: v for k, v in cm.items() if v.get("node_type") == "array"} if cm else None
 
 
-def _array_meta(shard: Storage, rel: str) -> dict[str, Any]:
+def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
     """The Zarr metadata document of array `rel` (format 2 or 3)."""
     for name in (keys.ZARRAY, keys.ZARR_JSON):
         key = f"{rel}/{name}"

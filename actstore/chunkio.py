@@ -480,4 +480,4 @@ def load_array_meta(array_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 # ---- transitional: the new storage-based chunk I/O (actstore/chunkio_new content) ---------
-from actstore._chunkio_new import ChunkIO  # noqa: E402,F401
+from actstore._chunkio_new import ChunkIO, drop_chunks  # noqa: E402,F401

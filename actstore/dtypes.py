@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.spec import FLOAT16_MAX
+from actstore.layout.spec import FLOAT16_MAX
 
 
 def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:

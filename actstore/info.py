@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from actstore.store import ActStore
+from actstore.read.store import ActStore
 
 
 def store_info(path: str | os.PathLike) -> dict[str, Any]:

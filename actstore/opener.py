@@ -12,7 +12,7 @@ import os
 
 from actstore.errors import VerificationError
 from actstore.saev.reader import SaevStore, is_saev_dir
-from actstore.store import ActStore
+from actstore.read.store import ActStore
 
 VERIFY_MODES = (None, "fast", "deep")
 

@@ -15,7 +15,7 @@ from typing import Any
 import xarray as xr
 from xarray.backends import BackendEntrypoint
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.opener import open as open_store
 from actstore.read.xarray import to_dataset
 from actstore.saev.reader import is_saev_dir

@@ -12,7 +12,7 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.layout.config import StoreConfig
 from actstore.fsutil import atomic_write_bytes
 

@@ -180,19 +180,20 @@ def test_full_disk_during_write_is_clear_and_resumable(tmp_path, limit, doing, t
 
 
 def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
-    import actstore.chunkio as chunkio
+    from actstore.storage import LocalStorage
 
-    real, calls = chunkio.write_file, []
+    real, calls = LocalStorage.put, []
 
-    def full_on_call_60(path, data):
+    def full_on_call_60(self, key, *parts, atomic=True, **kw):
         # 8 chunk files per example (prompt 2 layers x 3, response 2 x 1), 4 per batch: call 60
         # is in the second batch's response segment, after its prompt chunks were written
-        calls.append(path)
-        if len(calls) == 60:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, data)
+        if not atomic:  # chunk files are written in place; records and metadata atomically
+            calls.append(key)
+            if len(calls) == 60:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, key, *parts, atomic=atomic, **kw)
 
-    monkeypatch.setattr(chunkio, "write_file", full_on_call_60)
+    monkeypatch.setattr(LocalStorage, "put", full_on_call_60)
     root = tmp_path / "s"
     w = F.writer(root, 0)
     F.append_range(w, 0, 0, 4)
@@ -204,7 +205,7 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
         "ShardWriter(..., shard=0, resume=True)"
     )
     assert isinstance(ei.value, OSError) and ei.value.errno == errno.ENOSPC and w.n_written == 4
-    monkeypatch.setattr(chunkio, "write_file", real)  # space freed: the same batch goes in again
+    monkeypatch.setattr(LocalStorage, "put", real)  # space freed: the same batch goes in again
     F.append_range(w, 0, 4, 12)
     w.close()
     finalize(root)
@@ -219,16 +220,19 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
 
 
 def test_enospc_at_commit_closes_the_writer_and_resume_continues(tmp_path, monkeypatch):
-    import actstore.zarrio as zarrio
+    from actstore.storage import LocalStorage
 
     root = tmp_path / "s"
     w = F.writer(root, 0)
     F.append_range(w, 0, 0, 4)
+    real = LocalStorage.put
 
-    def full(path, data, **kw):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full(self, key, *parts, atomic=True, **kw):
+        if atomic:  # the commit's writes (per-sample arrays, records); chunk files go in place
+            raise OSError(errno.ENOSPC, "No space left on device", self.path(key))
+        real(self, key, *parts, atomic=atomic, **kw)
 
-    monkeypatch.setattr(zarrio, "atomic_write_bytes", full)
+    monkeypatch.setattr(LocalStorage, "put", full)
     with pytest.raises(DiskFullError) as ei:
         F.append_range(w, 0, 4, 8)
     assert str(ei.value).startswith(f"out of disk space while committing shard 0 of {root} (No space left on device: {root}/")

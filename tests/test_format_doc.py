@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 import actstore
-from actstore import ShardWriter, spec
+from actstore import ShardWriter
+from actstore.layout import spec
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError, LegacyFormatError
 from actstore.legacy import parse_metadata, restricted_loads
 from actstore.catalog import read_blocks, read_commit, read_identity

@@ -117,18 +117,18 @@ def test_automatic_commits_prefer_a_filled_shard(tmp_path):
 
 
 def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path, monkeypatch):
-    import actstore.chunkio as chunkio
+    from actstore.storage import LocalStorage
 
     root = tmp_path / "s"
     w = writer(root, commit_bytes=2**40)
     append(w, PLAN[:3])  # 10 examples
     w.commit()
-    real = chunkio.write_file
+    real = LocalStorage._write_file
 
-    def full(path, *parts, writeback=None):
+    def full(self, path, parts, durable, writeback):
         raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    monkeypatch.setattr(chunkio, "write_file", full)
+    monkeypatch.setattr(LocalStorage, "_write_file", full)
     with pytest.raises(DiskFullError) as ei:
         append(w, PLAN[3:4])  # 9 examples fill shard 1: its background write fails
         w.commit()
@@ -140,7 +140,7 @@ def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path,
     assert ei.value.errno == errno.ENOSPC
     with pytest.raises(ValueError, match="is closed"):
         append(w, PLAN[5:])
-    monkeypatch.setattr(chunkio, "write_file", real)
+    monkeypatch.setattr(LocalStorage, "_write_file", real)
     with writer(root, resume=True, commit_bytes=2**40) as w:
         assert w.n_committed == 10
         append(w, PLAN[3:])

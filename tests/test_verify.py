@@ -12,12 +12,13 @@ import pytest
 from click.testing import CliRunner
 
 import actstore
-from actstore import ActStore, spec
+from actstore import ActStore
+from actstore.layout import spec
 from actstore.chunkio import crc32c
 from actstore.cli import main
 from actstore.errors import CorruptChunkError, StoreNotFoundError, UnsafePathError, VerificationError
 from actstore.verify import ERROR, WARNING, verify_store
-from actstore.writer import EL_CRC_FILE
+from actstore.layout.spec import EL_CRC_FILE
 
 import faultlib as F
 

@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 import actstore
-from actstore import ActStore, spec
+from actstore import ActStore
+from actstore.layout import spec
 from actstore.cli import main
 from actstore.errors import CorruptStoreError, FormatVersionError, UnsafePathError
 from actstore.layout.records import MAX_EXAMPLES

@@ -12,7 +12,8 @@ import pytest
 import xarray as xr
 
 import actstore
-from actstore import ActStore, ShardWriter, spec
+from actstore import ActStore, ShardWriter
+from actstore.layout import spec
 from actstore.zarrio import decode_keys
 from tests.helpers import random_acts
 

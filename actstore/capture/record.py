@@ -8,7 +8,6 @@ pinned host memory with non_blocking=True as soon as it is produced.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -20,14 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.capture.errors import CaptureError, EmptyDatasetError
 from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
 from actstore.capture.models import LoadedModel, wrap_module
 from actstore.capture.prepare import TOKEN_LABEL_MEANING, CaptureBatch
-from actstore.errors import CorruptStoreError
 from actstore.stats import stats_key
-from actstore.writer import ShardWriter, shard_dir
+from actstore import catalog
+from actstore.storage import open_storage
+from actstore.write import ShardWriter
 
 DEFAULT_QUEUE = 4
 DEFAULT_WRITER_NICE = 10  # the writer thread's priority drop (Linux nice, per thread)
@@ -71,14 +71,7 @@ class RecordResult:
 
 def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
     """(examples committed, shard complete) of a writer shard; (0, False) if it does not exist."""
-    path = shard_dir(store, shard) / spec.COMMIT_FILE
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return 0, False
-    except json.JSONDecodeError as e:
-        raise CorruptStoreError(f"{path} is not valid JSON ({e})") from None
-    return int(rec["n_committed"]), bool(rec["complete"])
+    return catalog.committed(open_storage(store), shard)
 
 
 def record(
@@ -256,9 +249,7 @@ class _Job:
 
     def writer_kwargs_from_store(self) -> dict[str, Any]:
         """ShardWriter arguments equal to the store's identity (to reopen a shard to close it)."""
-        from actstore.writer import read_identity
-
-        cfg = read_identity(self.store)
+        cfg = catalog.read_identity(open_storage(self.store))
         seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
         return dict(
             layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels,

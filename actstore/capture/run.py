@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.capture.data import Source, load_source
 from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
 from actstore.capture.record import DEFAULT_WRITER_NICE, RecordResult, committed, record
 from actstore.dtypes import require_torch
-from actstore.writer import shard_dir
+from actstore import catalog
+from actstore.storage import open_storage
 
 DEFAULT_P_MAX = 256
 DEFAULT_R_MAX = 64
@@ -125,17 +124,18 @@ def write(o: WriteOptions) -> dict[str, Any]:
     world = o.workers if o.workers > 1 else o.world_size
     if world > len(source):
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
-    root = Path(o.store)
+    storage = open_storage(o.store)
+    root = storage.url
     ranks = range(o.workers) if o.workers > 1 else [o.rank]
     if not o.resume:
         for r in ranks:
-            if shard_dir(root, r).exists():
+            if catalog.shard_exists(storage, r):
                 n_done, complete = committed(root, r)
                 raise CaptureError(
                     f"{root} already holds shard {r} ({n_done} examples committed{', complete' if complete else ''}); "
                     "pass --resume to continue the run, or write to a new path"
                 )
-    created = not root.exists()
+    created = not storage.list_dir()
     t0 = time.perf_counter()
     try:
         if o.workers > 1:
@@ -144,7 +144,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
             results = [run_shard(o, o.rank, o.world_size, source=source)]
     except BaseException:
         if created and o.world_size == 1:
-            _remove_if_nothing_committed(root, world)
+            _remove_if_nothing_committed(storage, world)
         raise
     summary = {
         "store": str(root),
@@ -251,13 +251,13 @@ def _as_prompts(source: Source) -> Source:
     return Source(kind="pair", name=source.name, n=source.n, get=as_pair)
 
 
-def _remove_if_nothing_committed(root: Path, world: int) -> None:
+def _remove_if_nothing_committed(storage, world: int) -> None:
     """After a failed fresh run: delete the store it created if no writer committed anything."""
-    if not root.exists():
+    if not storage.list_dir():
         return
-    if any(committed(root, r)[0] for r in range(world)):
+    if any(catalog.committed(storage, r)[0] for r in range(world)):
         return
-    shutil.rmtree(root, ignore_errors=True)
+    storage.delete_prefix("")
 
 
 # ---- progress ---------------------------------------------------------------------

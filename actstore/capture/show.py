@@ -52,7 +52,7 @@ def render(path: str | os.PathLike, ex: int, layer: int, out: str | os.PathLike 
 
     from actstore.capture.data import load_image
     from actstore.capture.prepare import crop_pixels
-    from actstore.store import ActStore
+    from actstore.read.store import ActStore
 
     store = ActStore(path)
     grid, prefix_norms, im = patch_norms(store, ex, layer)

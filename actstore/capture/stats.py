@@ -31,7 +31,7 @@ def normalization(store: object, layer: int, segment: str | None = None) -> Norm
 
     Example: `(x - n.mean) / n.std`, or `x * sqrt(d_model) / n.mean_norm` (saev's scaling).
     """
-    from actstore.store import ActStore
+    from actstore.read.store import ActStore
 
     st_obj = store if isinstance(store, ActStore) else ActStore(os.fspath(store))  # type: ignore[arg-type]
     stats = st_obj.stats()

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.capture.record import DEFAULT_WRITER_NICE
 
 

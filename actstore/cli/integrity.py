@@ -9,7 +9,7 @@ import click
 
 from actstore.cli.params import STORE
 
-from actstore import spec
+from actstore.layout import spec
 
 
 def register(main: click.Group) -> None:

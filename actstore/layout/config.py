@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.errors import CorruptStoreError, FormatVersionError, StoreMismatchError
 
 

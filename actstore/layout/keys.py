@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from actstore import spec
+from actstore.layout import spec
 
 SHARD_NAME_RE = re.compile(r"^shard-(\d{5})\.zarr$")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.errors import CorruptStoreError, UnsafePathError
 from actstore.layout import jsonio, keys
 from actstore.layout.config import StoreConfig, check_format_header
@@ -102,6 +102,8 @@ def parse_commit(data: bytes, where: str) -> Commit:
         if not isinstance(v, dict) or not all(isinstance(s, str) and is_count(c) for s, c in v.items()):
             raise CorruptStoreError(f"{where}: {k} must map names to non-negative ints, got {v!r}")
     sf = rec["stats_file"]
+    if isinstance(sf, str) and (sf.startswith("/") or ".." in sf.split("/")):
+        raise UnsafePathError(f"path {sf!r} in the store's metadata points outside the shard ({where}); refusing to follow it")
     if sf is not None and (not isinstance(sf, str) or not sf.startswith(spec.META_DIR + "/") or ".." in sf):
         raise CorruptStoreError(f"{where}: stats_file must be a file under {spec.META_DIR}/ or null, got {sf!r}")
     if not isinstance(rec["updated"], str):

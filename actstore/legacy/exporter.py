@@ -64,7 +64,7 @@ def export_pkl(
         overwrite: replace a complete earlier export (a directory holding metadata.json).
         progress: called with the number of examples written after each shard.
     """
-    from actstore.store import ActStore
+    from actstore.read.store import ActStore
 
     if isinstance(examples_per_shard, bool) or not isinstance(examples_per_shard, int) or examples_per_shard <= 0:
         raise ValueError(f"examples_per_shard must be a positive int. Got {examples_per_shard!r}.")

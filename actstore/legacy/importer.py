@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
-from actstore.errors import LegacyFormatError, StoreMismatchError, UnsafePathError
+from actstore.layout import spec
+from actstore.errors import CorruptStoreError, LegacyFormatError, StoreMismatchError, UnsafePathError
 from actstore.fsutil import safe_child
 from actstore.legacy.metadata import METADATA_FILE, LegacyMetadata, LegacyShardInfo, parse_metadata
 from actstore.legacy.safe_pickle import load_shard_bytes
@@ -258,19 +258,26 @@ def _store_attrs(md: LegacyMetadata, md_sha: str) -> dict[str, Any]:
 
 def _existing_shard(root: Path, i: int, info: LegacyShardInfo, md_sha: str) -> str:
     """'new', 'partial' (a killed import: rewritten) or 'done' (imported from this source)."""
-    from actstore.writer import _read_commit, shard_dir
+    from actstore import catalog
+    from actstore.layout import records
+    from actstore.storage import KeyNotFound, open_storage
 
-    sdir = shard_dir(root, i)
-    if not sdir.exists():
+    storage = open_storage(root)
+    if not catalog.shard_exists(storage, i):
         return "new"
-    rec = _read_commit(sdir)
-    attrs = json.loads((sdir / ".zattrs").read_text()) if (sdir / ".zattrs").exists() else {}
-    src_sha = attrs.get("actstore", {}).get("config", {}).get("attrs", {}).get("legacy_pkl", {}).get("metadata_sha256")
+    sh = catalog.shard_storage(storage, i)
+    rec = catalog.read_commit(sh)
+    key = records.group_attrs_key(2)
+    try:
+        cfg = records.shard_attrs_config(sh.get(key), 2, sh.where(key))
+        src_sha = (cfg.attrs.get("legacy_pkl") or {}).get("metadata_sha256")
+    except (KeyNotFound, CorruptStoreError, AttributeError):
+        src_sha = None
     if src_sha != md_sha:
         raise StoreMismatchError(
             f"{root} already holds shard {i}, not imported from this metadata.json; import into a new store path"
         )
-    if rec["complete"] and rec["n_committed"] == info.num_samples:
+    if rec.complete and rec.n_committed == info.num_samples:
         return "done"
     return "partial"
 
@@ -279,15 +286,18 @@ def _imported_ids(root: Path, i: int, n: int) -> list[int]:
     """sample_idx values of a shard imported by an earlier run (for the uniqueness check)."""
     import zarr
 
-    from actstore.writer import shard_dir
+    from actstore import catalog
+    from actstore.layout import keys
+    from actstore.storage import open_storage
 
-    arr = zarr.open_array(str(shard_dir(root, i) / spec.ARRAYS_GROUP / "sample_idx"), mode="r")
+    sh = catalog.shard_storage(open_storage(root), i)
+    arr = zarr.open_array(store=sh.zarr_store(keys.field_array("sample_idx"), read_only=True), mode="r")
     return [int(x) for x in arr[:n]]
 
 
 def _write_shard(root: Path, i: int, examples: list[tuple], md: LegacyMetadata, md_sha: str, d_model: int,
                  t_max: int, dtype: str, *, overwrite: bool) -> None:
-    from actstore.writer import ShardWriter
+    from actstore.write import ShardWriter
 
     with ShardWriter(
         root, shard=i, layers=list(md.layers), d_model=d_model, segments={SEGMENT: t_max}, dtype=dtype,

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.errors import ActstoreError, LayerNotFoundError, SegmentNotFoundError
 
 class TokenMaskError(ActstoreError, KeyError):

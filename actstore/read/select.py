@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import ExampleIndexError
 from actstore.index import layer_position

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore import catalog, spec
+from actstore import catalog
+from actstore.layout import spec
 from actstore.chunkio import ChunkIO
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.layout import jsonio, keys

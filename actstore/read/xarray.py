@@ -31,7 +31,7 @@ import xarray as xr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.read.select import read_padded, select
 
 ACTIVATIONS = "activations"

@@ -97,7 +97,7 @@ def export_saev(
         progress: show a progress bar.
     """
     from actstore.saev.reader import is_saev_dir
-    from actstore.store import ActStore
+    from actstore.read.store import ActStore
 
     if not hasattr(store, "read_into"):
         if is_saev_dir(store):

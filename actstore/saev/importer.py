@@ -10,7 +10,7 @@ import numpy as np
 
 from actstore.manifest import finalize
 from actstore.saev.reader import SaevStore
-from actstore.writer import ShardWriter
+from actstore.write import ShardWriter
 
 DEFAULT_BATCH_BYTES = 64 * 2**20
 
@@ -44,7 +44,7 @@ def import_saev(
     """
     from tqdm import tqdm
 
-    from actstore.store import ActStore
+    from actstore.read.store import ActStore
 
     src = SaevStore(saev_dir)
     g = src.geometry

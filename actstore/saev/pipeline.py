@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.saev import protocol as P
 from actstore.saev.plan import ExportPlan
 
@@ -116,7 +116,7 @@ class ShardPipeline:
         """This thread's own ActStore (its caches are not shared) and scratch buffers."""
         loc = self._local
         if not hasattr(loc, "store"):
-            from actstore.store import ActStore
+            from actstore.read.store import ActStore
 
             loc.store = ActStore(self.store_path)
             loc.scratch = {

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import spec
+from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
 from actstore.index import ExampleIndex, layer_position
 from actstore.read.select import is_pair, select

@@ -1,0 +1,307 @@
+"""ActStore: random access to (example, layer) activations over a finalized manifest.
+
+The reader does not import torch. On local uncompressed shards it reads chunk files
+directly (actstore.chunkio); compressed arrays go through zarr-python.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore import catalog
+from actstore.layout import spec
+from actstore.dtypes import bf16_bits_to_f32
+from actstore.errors import StoreNotFoundError
+from actstore.index import ExampleIndex, layer_position
+from actstore.layout.config import SegmentSpec, StoreConfig
+from actstore.layout.records import Manifest
+from actstore.read.select import is_pair, select
+from actstore.read.shard import ShardReader
+from actstore.storage import open_storage
+
+
+class SegmentView:
+    """`store.segment(name)[ex, layer]` -> (length, D) of one segment."""
+
+    def __init__(self, store: ActStore, seg: SegmentSpec):
+        self._store = store
+        self.spec = seg
+        self.name = seg.name
+        self.t_max = seg.t_max
+
+    def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
+        if not is_pair(key):  # slices and lists: actstore.read.select, this segment only
+            return select(self._store, key, segments=(self.spec,))
+        ex, layer = _split_key(key)
+        return self._store._read_segment(self.spec, ex, layer, pad=False)
+
+    def padded(self, ex: int, layer: int) -> np.ndarray:
+        """(T_max, D) with the zero padding, as stored."""
+        return self._store._read_segment(self.spec, ex, layer, pad=True)
+
+    def lengths(self) -> np.ndarray:
+        """Lengths of this segment for every example, in global order."""
+        return self._store._global_per_sample(self.name + spec.LEN_SUFFIX)
+
+
+class ActStore:
+    """A finalized actstore store, read-only.
+
+    `store[ex, layer]` returns the (T_i, D) activations of example `ex` at model layer
+    number `layer`, exactly as logged (prompt[:p] then response[:r] for several segments).
+    Safe to use from many processes, and picklable (workers reopen it lazily).
+
+    Args:
+        path: the store root (holding manifest.json): a local folder, or a URL
+            (`s3://bucket/prefix`, `gs://...`, `az://...`, `file://...`).
+        verify: None, "fast" or "deep": verify the store before use (raises
+            VerificationError holding the report).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
+        if verify not in (None, False, "fast", "deep"):
+            raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
+        self._location = os.fspath(path) if not isinstance(path, str) else path
+        self._verify = verify
+        self._open()
+
+    def _open(self) -> None:
+        self.storage = open_storage(self._location)
+        local = self.storage.local_root
+        # The store's location: a Path for a local folder, the URL string otherwise.
+        self.path: Path | str = local if local is not None else self.storage.url
+        if local is not None:
+            _refuse_saev_dir(local)
+            if not local.exists():
+                raise StoreNotFoundError(f"no store at {local}")
+        self.manifest: Manifest = catalog.read_manifest(self.storage)
+        for entry in self.manifest.shards:  # a shard folder that leaves the store is refused up front
+            catalog.shard_storage(self.storage, entry.name)
+        self.config: StoreConfig = self.manifest.config
+        self.index = ExampleIndex([s.n_examples for s in self.manifest.shards])
+        self._shards: dict[int, ShardReader] = {}
+        self._segs = {s.name: s for s in self.config.segments}
+        if self._verify:
+            from actstore.verify import verify_store
+
+            verify_store(self._location, deep=self._verify == "deep", raise_on_error=True)
+
+    # ---- pickling: only the location travels ---------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self._location, "verify": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._location = state["path"]
+        self._verify = state["verify"]
+        self._open()
+
+    # ---- description ---------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.n_examples
+
+    def __repr__(self) -> str:
+        segs = ", ".join(f"{s.name}={s.t_max}" for s in self.config.segments)
+        return f"ActStore({str(self.path)!r}, n={len(self)}, layers={list(self.layers)}, d_model={self.d_model}, {segs}, {self.dtype})"
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.config.layers
+
+    @property
+    def d_model(self) -> int:
+        return self.config.d_model
+
+    @property
+    def dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        return tuple(self._segs)
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """Global metadata: model id, layers, d_model, dtype, segments, attrs, truncation."""
+        cfg = self.config
+        return {
+            "model_id": cfg.model_id,
+            "layers": list(cfg.layers),
+            "d_model": cfg.d_model,
+            "dtype": cfg.dtype,
+            "segments": {s.name: {"t_max": s.t_max, "t_chunk": s.t_chunk, "fixed": s.fixed} for s in cfg.segments},
+            "n_examples": len(self),
+            "truncation": self.manifest.truncation,
+            "nonfinite": self.manifest.nonfinite,
+            "overflow": self.manifest.overflow,
+            "created": self.manifest.created,
+            "actstore_version": self.manifest.actstore_version,
+            **dict(cfg.attrs),
+        }
+
+    def segment(self, name: str) -> SegmentView:
+        return SegmentView(self, self.config.segment(name))
+
+    # ---- reads ---------------------------------------------------------------------
+    def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
+        """`store[ex, layer]` -> (T_i, D); slices and lists of examples and layers
+        (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes."""
+        if not is_pair(key):
+            return select(self, key)
+        ex, layer = _split_key(key)
+        segs = self.config.segments
+        if len(segs) == 1:
+            return self._read_segment(segs[0], ex, layer, pad=False)
+        parts = [self._read_segment(s, ex, layer, pad=False) for s in segs]
+        return np.concatenate(parts, axis=0)  # one copy to join the segments
+
+    def lengths(self, ex: int) -> dict[str, int]:
+        """True (capped) token counts of example `ex`, per segment."""
+        pos, local = self.index.locate(ex)
+        sh = self._shard(pos)
+        return {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
+
+    def read_into(self, ex: int, layer: int, segment: str, out: np.ndarray) -> int:
+        """Read segment `segment` of (ex, layer) padded to T_max into `out` (stored dtype,
+        shape (>= n_chunks*t_chunk, D)); returns the example's length. For loaders."""
+        seg = self.config.segment(segment)
+        sh, local, lp = self._where(ex, layer)
+        sh.read_padded(seg, local, lp, out)
+        return int(sh.lengths(seg)[local])
+
+    def read_cached(self, ex: int, layer: int, segment: str, out: np.ndarray) -> bool:
+        """read_into, but only if every byte is in the page cache (it never waits for the
+        disk); returns False otherwise (then call read_into). For loaders: cached reads are
+        memory copies, best done on one thread, and only the others need I/O threads."""
+        seg = self.config.segment(segment)
+        sh, local, lp = self._where(ex, layer)
+        return sh.read_cached(seg, local, lp, out)
+
+    def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
+        sh, local, lp = self._where(ex, layer)
+        n_pad = seg.n_chunks * seg.t_chunk
+        buf = np.empty((n_pad, self.config.d_model), dtype=spec.ACT_DTYPES[self.config.dtype])
+        sh.read_padded(seg, local, lp, buf)
+        n = seg.t_max if pad else int(sh.lengths(seg)[local])
+        out = buf[:n]
+        if self.config.dtype == "bfloat16":
+            return bf16_bits_to_f32(out)
+        return out
+
+    def sample(self, ex: int) -> dict[str, Any]:
+        """Per-sample metadata of example `ex`: sample_key, lengths, fields and texts."""
+        from actstore.zarrio import decode_keys
+
+        pos, local = self.index.locate(ex)
+        sh = self._shard(pos)
+        out: dict[str, Any] = {"example": ex if ex >= 0 else ex + len(self)}
+        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1])[0]
+        out["lengths"] = {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
+        for name in self.config.fields:
+            out[name] = sh.per_sample(name)[local].item()
+        for name in self.config.texts:
+            out[name] = sh.text(name, local)
+        return out
+
+    def field(self, name: str) -> np.ndarray:
+        """A per-sample field (or `sample_key`, or `<segment>_len`) over all examples."""
+        if name == spec.SAMPLE_KEY:
+            from actstore.zarrio import decode_keys
+
+            return np.array([k for pos in range(len(self.manifest.shards)) for k in decode_keys(self._shard(pos).per_sample(name))])
+        allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
+        if self.config.token_labels:
+            allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
+        if name not in allowed:
+            raise KeyError(f"no per-sample field {name!r}; this store has {[spec.SAMPLE_KEY, *allowed]}")
+        return self._global_per_sample(name)
+
+    def texts(self, name: str) -> Iterator[Any]:
+        """Every value of text field `name`, in global example order."""
+        if name not in self.config.texts:
+            raise KeyError(f"no text field {name!r}; this store has {list(self.config.texts)}")
+        for pos in range(len(self.manifest.shards)):
+            yield from self._shard(pos).texts(name)
+
+    def to_xarray(self, ex: int | None = None, segment: str | None = None, *, chunks: Any = None):
+        """The whole store as a lazy xarray.Dataset; nothing is read until it is indexed.
+
+        Variable `activations` (example, layer, token, d_model), coordinates `layer` (model
+        layer numbers) and `layer_name`, per-example lengths, sample keys and fields; see
+        actstore.read.xarray. `chunks`: dask chunks (needs dask).
+
+        With `ex`: example `ex` alone, in memory, as a DataArray (layer, token, d_model)
+        with padding removed and a `segment` coordinate per token (`segment`: that one only).
+        """
+        from actstore.read.xarray import example_dataarray, to_dataset
+
+        if ex is None:
+            if segment is not None:
+                raise TypeError("segment= goes with an example (to_xarray(ex, segment)); the whole-store Dataset "
+                                "holds every segment: select one with ds.where(ds.segment == name, drop=True)")
+            return to_dataset(self, chunks=chunks)
+        return example_dataarray(self, ex, segment)
+
+    def stats(self):
+        """Running statistics merged over all shards (RunningStats), or None if not kept."""
+        if self.manifest.stats is None:
+            return None
+        from actstore.stats import read_stats
+
+        return read_stats(self.storage, self.manifest.stats, then="rerun `actstore finalize` to rewrite it")
+
+    def _global_per_sample(self, name: str) -> np.ndarray:
+        parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+    def _where(self, ex: int, layer: int) -> tuple[ShardReader, int, int]:
+        """(shard reader, local example, layer position) of (ex, layer); clear errors for either."""
+        pos, local = self.index.locate(ex)
+        lp = layer_position(self.config.layers, layer)
+        return self._shard(pos), local, lp
+
+    def _shard(self, pos: int) -> ShardReader:
+        sh = self._shards.get(pos)
+        if sh is None:
+            sh = ShardReader(self.storage, self.manifest.shards[pos], self.config)
+            self._shards[pos] = sh
+        return sh
+
+
+def _split_key(key: Any) -> tuple[int, int]:
+    if not isinstance(key, tuple) or len(key) != 2:
+        raise TypeError(f"index the store as store[example, layer] with two ints, got {key!r}")
+    ex, layer = key
+    if not isinstance(ex, (int, np.integer)) or isinstance(ex, bool):
+        raise TypeError(f"example index must be an int, got {ex!r}")
+    return int(ex), layer
+
+
+def _refuse_saev_dir(path: Path) -> None:
+    """ActStore reads actstore stores only; a saev directory is pointed to actstore.open."""
+    if os.path.lexists(path / spec.MANIFEST_FILE):
+        return
+    from actstore.saev import protocol as saev_protocol  # constants only; lazy: its package imports this module
+
+    if (path / saev_protocol.METADATA_FILE).is_file() and (path / saev_protocol.SHARDS_FILE).is_file():
+        raise StoreNotFoundError(
+            f"{path} is a saev shard directory, not an actstore store; open it with actstore.open({str(path)!r}), "
+            "which returns a SaevStore with the same reading API"
+        )
+
+
+# Transitional, for the old verify.py until its port lands (then removed).
+def rows_on_disk(shard_dir):  # noqa: D103
+    from actstore.storage import LocalStorage
+
+    return catalog.rows_on_disk(LocalStorage(shard_dir))
+
+
+def _consolidated(shard_dir):  # noqa: D103
+    from actstore.storage import LocalStorage
+
+    return catalog.consolidated_arrays(LocalStorage(shard_dir))

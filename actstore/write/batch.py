@@ -1,0 +1,222 @@
+"""What `ShardWriter.append` accepts: a batch's arguments checked and converted.
+
+Pure functions of the store configuration and the batch; nothing here writes. A batch
+that does not fit raises AppendError (or one of its subclasses) before anything of it is
+kept, with a message that names the argument and what it should be.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actstore import zarrio
+from actstore.dtypes import clip_to, convert, to_numpy
+from actstore.errors import AppendError, Float16OverflowError, NonFiniteError
+from actstore.layout import keys, spec
+from actstore.layout.config import SegmentSpec, StoreConfig
+
+
+@dataclass
+class Batch:
+    """One checked batch: activations padded to whole chunks, per-sample rows, text lines."""
+
+    b: int
+    acts: dict[str, np.ndarray]  # segment -> (b, L, n_chunks * t_chunk, D), the stored dtype
+    aliased: dict[str, bool]  # segment -> acts[segment] is a view of the caller's memory
+    lengths: dict[str, np.ndarray]  # segment -> (b,) int32
+    per_sample: dict[str, np.ndarray] = field(default_factory=dict)  # array key -> (b, ...) rows
+    text_lines: dict[str, list[bytes]] = field(default_factory=dict)
+    nonfinite: dict[str, int] = field(default_factory=dict)
+    overflow: dict[str, int] = field(default_factory=dict)
+    truncated: dict[str, int] = field(default_factory=dict)
+
+
+def per_segment(value: Any, names: list[str], what: str) -> dict[str, Any]:
+    """A per-segment argument as {segment: value} (a bare value for a one-segment store)."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise AppendError(f"{what} names segments {unknown} that the store does not have ({names})")
+        return dict(value)
+    if len(names) != 1:
+        raise AppendError(f"this store has segments {names}: pass {what} as a dict {{segment: values}}")
+    return {names[0]: value}
+
+
+def pad_tokens(x: np.ndarray, t_pad: int) -> np.ndarray:
+    """Zero-pad axis 2 to `t_pad` (a copy only when padding is needed)."""
+    t = x.shape[2]
+    if t == t_pad:
+        return np.ascontiguousarray(x)
+    out = np.zeros((x.shape[0], x.shape[1], t_pad, *x.shape[3:]), dtype=x.dtype)
+    out[:, :, :t] = x
+    return out
+
+
+def prepare(
+    cfg: StoreConfig,
+    segment_acts: dict[str, Any],
+    *,
+    lengths: Any,
+    source_lengths: Any,
+    token_labels: Any,
+    sample_keys: Sequence[str] | None,
+    fields: Mapping[str, Any] | None,
+    texts: Mapping[str, Sequence[Any]] | None,
+    first_index: int,
+    shard: int,
+    on_nonfinite: str,
+    on_overflow: str,
+) -> Batch:
+    """Check and convert every argument of one `append`; `first_index` is the batch's
+    first local example index (for default sample keys and text lines)."""
+    seg_names = [s.name for s in cfg.segments]
+    unknown = sorted(set(segment_acts) - set(seg_names))
+    missing = [s for s in seg_names if s not in segment_acts]
+    if unknown or missing:
+        raise AppendError(f"append needs activations for segments {seg_names}; got {sorted(segment_acts)}")
+    lengths_d = per_segment(lengths, seg_names, "lengths")
+    src_d = per_segment(source_lengths, seg_names, "source_lengths")
+    labels_d = per_segment(token_labels, seg_names, "token_labels")
+    batch: Batch | None = None
+    for seg in cfg.segments:
+        x, src = to_numpy(segment_acts[seg.name], f"activations of segment {seg.name!r}")
+        b = _check_shape(cfg, seg, x, None if batch is None else batch.b)
+        if batch is None:
+            batch = Batch(b=b, acts={}, aliased={}, lengths={})
+        t = x.shape[2]
+        lens = _lengths(seg, lengths_d.get(seg.name), b, t)
+        stored, nonfinite, over = _convert(cfg, seg, x, src, on_nonfinite, on_overflow)
+        batch.acts[seg.name] = pad_tokens(stored, seg.n_chunks * seg.t_chunk)
+        # Buffered batches outlive append: never keep a view of the caller's memory.
+        batch.aliased[seg.name] = np.may_share_memory(batch.acts[seg.name], x)
+        batch.lengths[seg.name] = lens
+        batch.nonfinite[seg.name] = nonfinite
+        batch.overflow[seg.name] = over
+        batch.truncated[seg.name] = 0
+        if seg.name in src_d:
+            s = np.asarray(src_d[seg.name]).reshape(-1)
+            if s.shape != (b,):
+                raise AppendError(f"source_lengths for {seg.name!r} must have shape ({b},), got {s.shape}")
+            batch.truncated[seg.name] = int(np.count_nonzero(s > seg.t_max))
+    assert batch is not None
+    _per_sample(cfg, batch, labels_d, sample_keys, fields, texts, first_index, shard)
+    return batch
+
+
+def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, b: int | None) -> int:
+    if x.ndim != 4:
+        raise AppendError(f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}")
+    if b is not None and x.shape[0] != b:
+        raise AppendError(f"segment {seg.name!r} has {x.shape[0]} examples but another segment has {b}")
+    if x.shape[1] != cfg.n_layers:
+        raise AppendError(f"segment {seg.name!r}: batch has {x.shape[1]} layers, the store records {cfg.n_layers} (layers {list(cfg.layers)})")
+    if x.shape[3] != cfg.d_model:
+        raise AppendError(f"segment {seg.name!r}: batch has d_model {x.shape[3]}, the store has d_model {cfg.d_model}")
+    t = x.shape[2]
+    if seg.fixed and t != seg.t_max:
+        raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
+    if t > seg.t_max:
+        raise AppendError(f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)")
+    return x.shape[0]
+
+
+def _convert(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, src: str, on_nonfinite: str, on_overflow: str) -> tuple[np.ndarray, int, int]:
+    """The batch in the stored dtype, with its non-finite and overflow counts (refused or clipped)."""
+    try:
+        stored, nonfinite, over = convert(x, src, cfg.dtype)
+    except TypeError as e:
+        raise AppendError(f"segment {seg.name!r}: {e}") from None
+    if nonfinite and on_nonfinite == "raise":
+        raise NonFiniteError(f"segment {seg.name!r}: the batch holds {nonfinite} NaN or infinite values; nothing of this batch was written (pass on_nonfinite='count' to store and count them)")
+    if over:
+        if on_overflow == "raise":
+            raise Float16OverflowError(
+                f"segment {seg.name!r}: {over} finite {src} values lie beyond the range of {cfg.dtype} "
+                f"(|x| > {65504 if cfg.dtype == 'float16' else 'float32 max'}) and would be stored as inf; "
+                "nothing of this batch was written. Store with dtype='float32' or 'bfloat16', or pass "
+                "on_overflow='clip' to saturate them (counted in the store's metadata)"
+            )
+        stored, _, _ = convert(clip_to(x, src, cfg.dtype), "float32" if src == "bfloat16" else src, cfg.dtype)
+    return stored, nonfinite, over
+
+
+def _lengths(seg: SegmentSpec, given: Any, b: int, t: int) -> np.ndarray:
+    if given is None:
+        return np.full(b, t, np.int32)
+    if seg.fixed:
+        raise AppendError(f"segment {seg.name!r} has a fixed length ({seg.t_max} tokens); do not pass lengths for it")
+    lens, _ = to_numpy(given, "lengths")
+    lens = np.asarray(lens).reshape(-1)
+    if lens.shape != (b,) or lens.dtype.kind not in "iu":
+        raise AppendError(f"lengths of segment {seg.name!r} must be {b} ints, got {lens.dtype} of shape {lens.shape}")
+    if (lens < 0).any() or (lens > t).any():
+        bad = int(lens[(lens < 0) | (lens > t)][0])
+        raise AppendError(
+            f"segment {seg.name!r}: length {bad} is beyond the batch's {t} tokens (T_max {seg.t_max}); "
+            "lengths must be the true token counts capped to T_max"
+        )
+    return lens.astype(np.int32)
+
+
+def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_index: int, shard: int) -> None:
+    """Lengths, token labels, sample keys, fields and text lines of the batch."""
+    b, out = batch.b, batch.per_sample
+    for seg in cfg.segments:
+        out[keys.len_array(seg.name)] = batch.lengths[seg.name]
+        if cfg.token_labels:
+            lab = labels_d.get(seg.name)
+            if lab is None:
+                raise AppendError(f"this store records token_labels: pass token_labels for segment {seg.name!r} ((b, {seg.t_max}) uint8)")
+            lab, _ = to_numpy(lab, "token_labels")
+            lab = np.asarray(lab)
+            if lab.ndim != 2 or lab.shape[0] != b or lab.shape[1] > seg.t_max:
+                raise AppendError(f"token_labels of segment {seg.name!r} must have shape ({b}, <= {seg.t_max}), got {lab.shape}")
+            if lab.size and (lab.min() < 0 or lab.max() > 255):
+                raise AppendError(f"token_labels of segment {seg.name!r} must be in 0..255 (uint8)")
+            out[keys.labels_array(seg.name)] = pad_tokens(lab.astype(np.uint8)[:, None, :, None], seg.t_max)[:, 0, :, 0]
+        elif labels_d:
+            raise AppendError("this store was created without token_labels=True; token labels cannot be stored")
+    if sample_keys is None:
+        names = [f"{shard}-{first_index + i}" for i in range(b)]
+    else:
+        names = [str(k) for k in sample_keys]
+        if len(names) != b:
+            raise AppendError(f"got {len(names)} sample_keys for a batch of {b}")
+    try:
+        out[keys.field_array(spec.SAMPLE_KEY)] = zarrio.encode_keys(names, cfg.zarr_format)
+    except ValueError as e:
+        raise AppendError(str(e)) from None
+    fields = dict(fields or {})
+    if set(fields) != set(cfg.fields):
+        raise AppendError(f"this store declares fields {sorted(cfg.fields)}; the batch gives {sorted(fields)}")
+    for name, dt in cfg.fields.items():
+        v, _ = to_numpy(fields[name], f"field {name}")
+        v = np.asarray(v).reshape(-1)
+        if v.shape != (b,):
+            raise AppendError(f"field {name!r} must have {b} values, got shape {v.shape}")
+        try:
+            out[keys.field_array(name)] = v.astype(dt, casting="same_kind")
+        except TypeError:
+            raise AppendError(f"field {name!r} holds {v.dtype} values that do not fit its dtype {np.dtype(dt)}") from None
+    texts = dict(texts or {})
+    if set(texts) != set(cfg.texts):
+        raise AppendError(f"this store declares texts {list(cfg.texts)}; the batch gives {sorted(texts)}")
+    for name in cfg.texts:
+        vals = list(texts[name])
+        if len(vals) != b:
+            raise AppendError(f"text {name!r} has {len(vals)} values for a batch of {b}")
+        try:
+            batch.text_lines[name] = [
+                (json.dumps({"i": first_index + i, "sample_key": names[i], name: v}, ensure_ascii=False) + "\n").encode("utf-8")
+                for i, v in enumerate(vals)
+            ]
+        except (TypeError, ValueError) as e:
+            raise AppendError(f"text {name!r} holds a value that is not JSON-serialisable: {e}") from None

@@ -1,0 +1,143 @@
+"""How a writer shard's activations reach storage: one small interface, one class a layout.
+
+The commit protocol (actstore.write.protocol) drives a layout without knowing which it is:
+
+- `append(batch, n0)` writes or stages the batch's activation rows for local examples
+  n0.. and keeps their checksums (per (example, layer), and the block's chained crc32c);
+  a failure leaves the layout's checksum state as it was before the call;
+- `flush(complete)` makes every appended example written and returns their count;
+- `take_checksums(n)` hands the protocol the checksums of the next n committed examples;
+- `first_stale(cfg, n)` (a class method) says from which first chunk-grid coordinate a
+  resumed shard's objects are uncommitted, to be dropped before the layout opens;
+- `close()` stops background work.
+
+Layouts: `ChunkFiles` (a raw chunk object per (example, layer, token chunk), format 2 or
+3), `ShardFiles` (format 3 Zarr shard files written whole by a background thread,
+actstore.write.shardfiles) and `ZarrArrays` (through zarr-python, e.g. compressed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actstore.chunkio import ChunkIO, crc32c
+from actstore.layout.config import StoreConfig
+from actstore.write.batch import Batch
+
+
+class Layout:
+    """Base: the checksum bookkeeping every layout shares."""
+
+    buffered = False  # whether appended rows wait in memory until a flush
+
+    def __init__(self, cfg: StoreConfig):
+        self.cfg = cfg
+        names = [s.name for s in cfg.segments]
+        self.block_crc = dict.fromkeys(names, 0)
+        self.el_crc: dict[str, list[int]] = {n: [] for n in names}
+
+    def append(self, batch: Batch, n0: int) -> None:
+        raise NotImplementedError
+
+    def flush(self, complete: bool) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def first_stale(cls, cfg: StoreConfig, n: int) -> int:
+        """The first chunk-grid index (along examples) holding no committed example, when
+        n examples are committed: later objects are a crashed writer's tail."""
+        return n
+
+
+    def close(self) -> None:
+        pass
+
+    def take_checksums(self, n: int) -> tuple[dict[str, int], np.ndarray]:
+        """(block crc32c per segment, (n, segments, layers) per-row crc32c) of the next n
+        examples; the block's chained crc starts again from zero."""
+        k = n * self.cfg.n_layers
+        el_esl = np.stack(
+            [np.array(self.el_crc[s.name][:k], "<u4").reshape(n, self.cfg.n_layers) for s in self.cfg.segments], axis=1
+        )
+        for s in self.cfg.segments:
+            del self.el_crc[s.name][:k]
+        block = dict(self.block_crc)
+        self.block_crc = dict.fromkeys(self.block_crc, 0)
+        return block, el_esl
+
+    def _row_checksums(self, batch: Batch) -> None:
+        for seg in self.cfg.segments:
+            arr = batch.acts[seg.name]
+            self.el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(batch.b) for lp in range(self.cfg.n_layers))
+
+    def _undo_point(self) -> tuple[dict[str, int], dict[str, int]]:
+        return dict(self.block_crc), {k: len(v) for k, v in self.el_crc.items()}
+
+    def _undo(self, point: tuple[dict[str, int], dict[str, int]]) -> None:
+        self.block_crc = dict(point[0])
+        for k, n in point[1].items():
+            del self.el_crc[k][n:]
+
+
+class ChunkFiles(Layout):
+    """One raw chunk object per (example, layer, token chunk), written at append."""
+
+    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int):
+        super().__init__(cfg)
+        self.io = io
+        self.n_written = n_written
+
+    def append(self, batch: Batch, n0: int) -> None:
+        point = self._undo_point()
+        try:
+            for seg in self.cfg.segments:
+                arr, io, crc = batch.acts[seg.name], self.io[seg.name], self.block_crc[seg.name]
+                for i in range(batch.b):
+                    crc = io.write_example(n0 + i, arr[i], crc)
+                self.block_crc[seg.name] = crc
+            self._row_checksums(batch)
+        except BaseException:
+            self._undo(point)
+            raise
+        self.n_written = n0 + batch.b
+
+    def flush(self, complete: bool) -> int:
+        return self.n_written
+
+
+
+class ZarrArrays(Layout):
+    """Through zarr-python (any codec): batches wait in memory until the commit writes them."""
+
+    buffered = True
+
+    def __init__(self, cfg: StoreConfig, arrays: dict[str, Any], n_written: int):
+        super().__init__(cfg)
+        self.arrays = arrays
+        self.n_flushed = self.n_written = n_written
+        self.pending: dict[str, list[np.ndarray]] = {s.name: [] for s in cfg.segments}
+
+    def append(self, batch: Batch, n0: int) -> None:
+        for seg in self.cfg.segments:
+            arr = batch.acts[seg.name]
+            self.pending[seg.name].append(arr.copy() if batch.aliased[seg.name] else arr)
+        self._row_checksums(batch)
+        self.n_written = n0 + batch.b
+
+    def flush(self, complete: bool) -> int:
+        n0, n = self.n_flushed, self.n_written - self.n_flushed
+        if not n:
+            return n0
+        for seg in self.cfg.segments:
+            parts = self.pending[seg.name]
+            chunk = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            arr = self.arrays[seg.name]
+            if arr.shape[0] != n0 + n:
+                arr.resize((n0 + n, *arr.shape[1:]))
+            arr[n0 : n0 + n] = chunk[:, :, : seg.t_max]
+            self.block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
+            self.pending[seg.name] = []
+        self.n_flushed = n0 + n
+        return self.n_flushed

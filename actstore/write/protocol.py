@@ -1,0 +1,560 @@
+"""ShardWriter: batches from a user's inference loop -> one writer shard of a store.
+
+The commit protocol (docs/format.md, "Commits"); the layout that writes activation bytes
+(chunk files, Zarr shard files, zarr-python) is chosen once and driven through
+actstore.write.layouts. Every commit: the layout flushes, per-sample arrays and texts of
+the block are written, the block record and per-row checksums are appended, background
+puts are awaited, and the commit record is replaced atomically: the single commit point.
+Anything past its `n_committed` is invisible and rolled back by a resumed writer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from actstore import catalog, zarrio
+from actstore._version import __version__
+from actstore.chunkio import ChunkIO, drop_chunks
+from actstore.errors import CorruptStoreError, DiskFullError, ShardCompleteError, ShardExistsError
+from actstore.layout import jsonio, keys, records, spec
+from actstore.layout.chunks import array_meta_key, geometry_from_metadata
+from actstore.layout.config import make_config
+from actstore.stats import RunningStats, read_stats, stats_key
+from actstore.storage import open_storage
+from actstore.write import batch as batches
+from actstore.write.identity import claim_store
+from actstore.write.layouts import ChunkFiles, Layout, ZarrArrays
+from actstore.write.shardfiles import ShardFiles
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class ShardWriter:
+    """Writes one shard of an actstore store from a user's inference loop.
+
+    Several processes may write different shards of one store at once, without locks.
+    Use as a context manager; leaving the block normally closes (completes) the shard,
+    leaving it with an exception commits what was appended so a resumed writer continues.
+
+    Args:
+        path: the store's root: a folder (created if needed) or an object-store URL.
+        shard: this writer's shard number (0..99999), unique per writer.
+        layers: the model layer numbers recorded, in the order of the batch's L axis.
+        d_model: activation width D.
+        tokens: T for a store with one fixed-length segment (ViT: patches + CLS).
+        segments: {name: T_max} for zero-padded variable-length segments, e.g.
+            {"prompt": 256, "response": 64}; lengths are passed with each batch.
+        dtype: "float16" (default), "bfloat16" or "float32".
+        t_chunk: token chunk length (int, or {segment: int}); default keeps chunks <= 4 MiB.
+        zarr_format: 2 (default) or 3.
+        shard_examples: with zarr_format=3, examples per Zarr shard file (sharding codec);
+            batches are staged per shard file (up to 3 buffers of one shard file each,
+            per segment) and a background thread writes each full one.
+        fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
+        texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
+        token_labels: store a uint8 label per token (saev labels.bin).
+        model_id, attrs: global metadata (free-form attrs, JSON-serialisable).
+        resume: continue an existing shard after its last committed example.
+        overwrite: delete an existing shard of this number first.
+        commit_bytes: commit a block after this many activation bytes.
+        on_nonfinite: "count" (store and count NaN/inf) or "raise".
+        on_overflow: "raise" (default) or "clip" finite values beyond the stored dtype's range.
+        compressor: a zarr compressor (e.g. zarr.codecs.ZstdCodec()); disables the raw fast path.
+        engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
+        stats: keep running statistics per (layer, segment) of the stored vectors.
+        fsync: flush the storage (syncfs) before each commit, for power-loss durability.
+    """
+
+    def __init__(
+        self,
+        path: Any,
+        *,
+        shard: int = 0,
+        layers: Sequence[int],
+        d_model: int,
+        tokens: int | None = None,
+        segments: Mapping[str, int] | None = None,
+        dtype: Any = spec.DEFAULT_DTYPE,
+        t_chunk: int | Mapping[str, int] | None = None,
+        zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
+        shard_examples: int | None = None,
+        fields: Mapping[str, Any] | None = None,
+        texts: Sequence[str] = (),
+        token_labels: bool = False,
+        model_id: str | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
+        commit_bytes: int = spec.DEFAULT_COMMIT_BYTES,
+        on_nonfinite: str = "count",
+        on_overflow: str = "raise",
+        compressor: Any = None,
+        engine: str = "auto",
+        stats: bool = False,
+        fsync: bool = False,
+    ):
+        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard <= spec.MAX_SHARD:
+            raise ValueError(f"shard must be an int in 0..{spec.MAX_SHARD}. Got {shard!r}.")
+        if on_nonfinite not in ("count", "raise"):
+            raise ValueError(f"on_nonfinite must be one of ['count', 'raise']. Got {on_nonfinite!r}.")
+        if on_overflow not in ("raise", "clip"):
+            raise ValueError(f"on_overflow must be one of ['raise', 'clip']. Got {on_overflow!r}.")
+        if engine not in ("auto", "direct", "zarr"):
+            raise ValueError(f"engine must be one of ['auto', 'direct', 'zarr']. Got {engine!r}.")
+        cfg = make_config(
+            layers=layers, d_model=d_model, dtype=dtype, tokens=tokens, segments=segments, t_chunk=t_chunk,
+            zarr_format=zarr_format, shard_examples=shard_examples, fields=fields, texts=texts,
+            token_labels=token_labels, model_id=model_id, attrs=attrs,
+        )
+        if engine == "direct" and compressor is not None:
+            raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
+        self.storage = open_storage(path)
+        self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
+        self.shard = shard
+        claim_store(self.storage, cfg)
+        self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
+        self._created = records.now()
+        self.engine = "direct" if compressor is None and engine in ("auto", "direct") else "zarr"
+        self.compressor = compressor
+        self.commit_bytes = int(commit_bytes)
+        self.on_nonfinite = on_nonfinite
+        self.on_overflow = on_overflow
+        self.fsync = fsync
+        self.sh = catalog.shard_storage(self.storage, shard)
+        self._closed = False
+        names = [s.name for s in cfg.segments]
+        self.n_committed = self.n_written = self.n_blocks = 0
+        self.truncated, self.nonfinite, self.overflow = (dict.fromkeys(names, 0) for _ in range(3))
+        self.text_bytes = dict.fromkeys(cfg.texts, 0)
+        self._pending: dict[str, list[np.ndarray]] = {}
+        self._pending_text: dict[str, list[bytes]] = {n: [] for n in cfg.texts}
+        self._el_crc_file = True  # False for a resumed shard written without the crc file
+        self._block_bytes = 0
+        self._stats_file: str | None = None
+        self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if stats else None
+        if catalog.shard_exists(self.storage, shard):
+            if overwrite:
+                self._refuse_if_published("overwrite")
+                self.sh.delete_prefix("")
+                self._create()
+            elif resume:
+                self._recover()
+            else:
+                try:
+                    n: Any = catalog.read_commit(self.sh).n_committed
+                except CorruptStoreError:
+                    n = "?"
+                raise ShardExistsError(
+                    f"shard {shard} of {self.root} already exists ({n} committed examples); "
+                    "pass resume=True to continue it or overwrite=True to replace it"
+                )
+        else:
+            self._create()
+        self._open_layout()
+
+    # ---- setup --------------------------------------------------------------------
+    @property
+    def dir(self) -> Any:
+        """The shard's folder (a path on a local disk, else its URL)."""
+        return self.sh.local_root if self.sh.local_root is not None else self.sh.url
+
+    def _layout_class(self) -> type[Layout]:
+        if self.engine == "zarr":
+            return ZarrArrays
+        return ShardFiles if self.cfg.shard_examples is not None else ChunkFiles
+
+    def _refuse_if_published(self, what: str) -> None:
+        try:
+            m = records.parse_manifest(self.storage.get(keys.MANIFEST), self.storage.where(keys.MANIFEST))
+        except (FileNotFoundError, CorruptStoreError, ValueError):
+            return  # no manifest, or a damaged one: it protects nothing
+        if keys.shard_name(self.shard) in [s.name for s in m.shards]:
+            raise ShardExistsError(
+                f"cannot {what} shard {self.shard}: it is part of the finalized manifest of {self.root}; "
+                f"readers depend on it. Write a new shard number instead."
+            )
+
+    def _create(self) -> None:
+        """Claim the shard (a create-only put of its commit record), then create its arrays."""
+        if not self.sh.put_if_absent(keys.COMMIT, records.dump_commit(self._commit_record(False))):
+            raise ShardExistsError(
+                f"shard {self.shard} of {self.root} was created by another writer at the same time; "
+                "give each writer its own shard number"
+            )
+        self._create_arrays()
+
+    def _create_arrays(self) -> None:
+        import zarr
+
+        group = zarr.open_group(store=self.sh.zarr_store("", read_only=False), mode="a", zarr_format=self.cfg.zarr_format)
+        zarrio.create_shard_arrays(group, self.cfg, self.compressor)
+        group.attrs.update(self._shard_attrs())
+        for name in self.cfg.texts:
+            self.sh.put(keys.text_file(name), b"")
+        self.sh.put(keys.BLOCKS, b"")
+        self.sh.put(keys.EL_CRC, b"")
+
+    def _arrays_complete(self) -> bool:
+        names = [keys.acts_array(s.name) for s in self.cfg.segments] + self._per_sample_names()
+        return all(self.sh.exists(array_meta_key(a, self.cfg.zarr_format)) for a in names) and self.sh.exists(keys.BLOCKS)
+
+    def _recover(self) -> None:
+        rec = catalog.read_commit(self.sh)
+        if rec.complete:
+            raise ShardCompleteError(
+                f"shard {self.shard} of {self.root} is complete with {rec.n_committed} examples; "
+                "nothing to resume (use overwrite=True to rewrite it, or another shard number)"
+            )
+        if rec.n_committed == 0 and not self._arrays_complete():
+            # Claimed, then killed before its arrays were all created: create them again.
+            for e in list(self.sh.list()):
+                if e.key != keys.COMMIT and e.kind in ("file", "link"):
+                    self.sh.delete(e.key)
+            self._create_arrays()
+            self._drop_temporary()
+            return
+        group_key = records.group_attrs_key(self.cfg.zarr_format)
+        old = records.shard_attrs_config(self.sh.get(group_key), self.cfg.zarr_format, self.sh.where(group_key))
+        old.check_same_store(self.cfg, f"shard {self.shard} of {self.root}")
+        n = rec.n_committed
+        self.n_committed = self.n_written = n
+        self.n_blocks = rec.n_blocks
+        for k in ("truncated", "nonfinite", "overflow"):
+            getattr(self, k).update(getattr(rec, k))
+        first = self._layout_class().first_stale(self.cfg, n)
+        for seg in self.cfg.segments:
+            drop_chunks(self.sh, keys.acts_array(seg.name), first)
+        self._group = self._open_group()
+        self._resize_all(n)
+        self._truncate_records(rec)
+        if self.stats is not None:
+            if rec.stats_file:
+                self.stats.merge(read_stats(self.sh, rec.stats_file, then="resume with stats=False, or overwrite the shard"))
+                self._stats_file = rec.stats_file
+            elif n:
+                import warnings
+
+                warnings.warn(f"shard {self.shard}: resumed with stats=True but the committed part kept no statistics", stacklevel=3)
+        self._drop_temporary()
+
+    def _truncate_records(self, rec: records.Commit) -> None:
+        """Texts, block records and per-row checksums cut back to the commit record's sizes."""
+        for name, size in rec.text_bytes.items():
+            if name not in self.cfg.texts:  # the name becomes a key: only declared texts
+                raise CorruptStoreError(f"{self.sh.where(keys.COMMIT)} names text {name!r}; the store declares texts {list(self.cfg.texts)}")
+            self.sh.truncate(keys.text_file(name), size)
+            self.text_bytes[name] = size
+        data = self.sh.get(keys.BLOCKS)
+        pos = records.committed_length(data, self.n_blocks, self.sh.where(keys.BLOCKS))
+        if pos != len(data):
+            self.sh.truncate(keys.BLOCKS, pos)
+        el_size = records.el_crc_nbytes(self.n_committed, self.cfg)
+        have = self.sh.size(keys.EL_CRC)
+        if have is not None and have >= el_size:
+            if have != el_size:
+                self.sh.truncate(keys.EL_CRC, el_size)
+        else:  # written by an older writer (or damaged): verify falls back to block checksums
+            self.sh.delete(keys.EL_CRC)
+            self._el_crc_file = False
+
+    def _drop_temporary(self) -> None:
+        for e in list(self.sh.list()):
+            if ".tmp-" in e.key.rsplit("/", 1)[-1] and keys.is_temporary(e.key.rsplit("/", 1)[-1]):
+                self.sh.delete(e.key)
+
+    def _open_group(self) -> Any:
+        import zarr
+
+        return zarr.open_group(store=self.sh.zarr_store("", read_only=False), mode="r+")
+
+    def _open_layout(self) -> None:
+        if not hasattr(self, "_group"):
+            self._group = self._open_group()
+        cfg = self.cfg
+        cls = self._layout_class()
+        if cls is ZarrArrays:
+            self._layout: Layout = ZarrArrays(cfg, {s.name: self._group[keys.acts_array(s.name)] for s in cfg.segments}, self.n_written)
+            return
+        io = {}
+        for s in cfg.segments:
+            rel = keys.acts_array(s.name)
+            meta = jsonio.loads(self.sh.get(array_meta_key(rel, cfg.zarr_format)), self.sh.where(rel), what="array metadata")
+            geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
+            assert geo is not None
+            io[s.name] = ChunkIO(self.sh, geo)
+        if cls is ShardFiles:
+            self._layout = ShardFiles(cfg, io, self.n_written, self.sh.writeback())
+        else:
+            self._layout = ChunkFiles(cfg, io, self.n_written)
+
+    def _per_sample_names(self) -> list[str]:
+        names = [keys.len_array(s.name) for s in self.cfg.segments]
+        if self.cfg.token_labels:
+            names += [keys.labels_array(s.name) for s in self.cfg.segments]
+        names.append(keys.field_array(spec.SAMPLE_KEY))
+        names += [keys.field_array(f) for f in self.cfg.fields]
+        return names
+
+    def _resize_all(self, n: int) -> None:
+        for name in self._per_sample_names() + [keys.acts_array(s.name) for s in self.cfg.segments]:
+            _set_rows(self._group[name], n)
+
+    # ---- append -------------------------------------------------------------------
+    def append(
+        self,
+        acts: Any = None,
+        *,
+        lengths: Any = None,
+        source_lengths: Any = None,
+        sample_keys: Sequence[str] | None = None,
+        fields: Mapping[str, Any] | None = None,
+        texts: Mapping[str, Sequence[Any]] | None = None,
+        token_labels: Any = None,
+        batch_stats: RunningStats | None = None,
+        **segment_acts: Any,
+    ) -> range:
+        """Append a batch of examples; returns their local indices in this shard.
+
+        Args:
+            acts: (b, L, T, D) activations for a one-segment store (numpy or torch,
+                float16/bfloat16/float32/float64). For several segments pass them by name
+                instead: append(prompt=..., response=..., lengths={...}).
+            lengths: true token counts (b,) per segment (a dict for several segments),
+                each <= T_max; omitted means the batch's T. Fixed segments take none.
+            source_lengths: uncapped lengths, used only to count truncated examples.
+            sample_keys: b strings of at most 64 UTF-8 bytes identifying the examples.
+            fields: {field: (b,) values} for the fields declared at construction.
+            texts: {text name: b JSON-serialisable values}.
+            token_labels: (b, T_max) uint8 per segment (a dict for several segments).
+            batch_stats: statistics already computed for this batch (merged as is).
+        """
+        from actstore.errors import AppendError
+
+        self._check_open()
+        cfg = self.cfg
+        seg_names = [s.name for s in cfg.segments]
+        if acts is not None:
+            if len(seg_names) != 1:
+                raise AppendError(f"this store has segments {seg_names}: pass each by name, e.g. append(prompt=..., response=...)")
+            segment_acts = {seg_names[0]: acts, **segment_acts}
+        batch = batches.prepare(
+            cfg, segment_acts, lengths=lengths, source_lengths=source_lengths, token_labels=token_labels,
+            sample_keys=sample_keys, fields=fields, texts=texts, first_index=self.n_written, shard=self.shard,
+            on_nonfinite=self.on_nonfinite, on_overflow=self.on_overflow,
+        )
+        # Everything is validated: from here on the batch is written.
+        n0, b = self.n_written, batch.b
+        if isinstance(self._layout, ShardFiles):
+            self._check_background()
+        try:
+            self._layout.append(batch, n0)
+        except OSError as e:
+            if e.errno in _DISK_FULL_ERRNOS:
+                raise self._disk_full(
+                    e, f"writing chunk files of shard {self.shard} of {self.root}",
+                    f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
+                    f"Free space, then append again, or reopen with ShardWriter(..., shard={self.shard}, resume=True)",
+                ) from e
+            raise
+        for seg in cfg.segments:
+            self.nonfinite[seg.name] += batch.nonfinite[seg.name]
+            self.overflow[seg.name] += batch.overflow[seg.name]
+            self.truncated[seg.name] += batch.truncated[seg.name]
+            if self.stats is not None and batch_stats is None:
+                self._update_stats(seg, batch.acts[seg.name], batch.lengths[seg.name])
+        if batch_stats is not None and self.stats is not None:
+            self.stats.merge(batch_stats)
+        for name, values in batch.per_sample.items():
+            self._pending.setdefault(name, []).append(values)
+        for name, lines in batch.text_lines.items():
+            self._pending_text[name].extend(lines)
+        self.n_written = n0 + b
+        self._block_bytes += sum(a.nbytes for a in batch.acts.values())
+        if self._block_bytes >= self.commit_bytes and (
+            # With Zarr sharding, prefer a commit where a shard file just filled: a commit
+            # elsewhere writes the partial shard file, rewritten once it fills.
+            not isinstance(self._layout, ShardFiles) or self._layout.at_boundary or self._block_bytes >= 2 * self.commit_bytes
+        ):
+            self.commit()
+        return range(n0, n0 + b)
+
+    def _update_stats(self, seg: Any, arr: np.ndarray, lens: np.ndarray) -> None:
+        x = arr[:, :, : seg.t_max]
+        if self.cfg.dtype == "bfloat16":
+            from actstore.dtypes import bf16_bits_to_f32
+
+            x = bf16_bits_to_f32(x)
+        for lp, layer in enumerate(self.cfg.layers):
+            xl = x[:, lp]
+            if (lens == seg.t_max).all():
+                v = xl.reshape(-1, self.cfg.d_model)
+            else:
+                mask = np.arange(seg.t_max)[None, :] < lens[:, None]
+                v = xl[mask]
+            self.stats.update(stats_key(layer, seg.name), v)
+
+    def _check_background(self) -> None:
+        """Raise a failed background shard-file write as the writer's error; it closes the writer."""
+        try:
+            self._layout.check()
+        except OSError as e:
+            self._close_files()  # a shard file is missing past the last commit: only a resume continues
+            self._fail_since_commit(e, f"writing shard files of shard {self.shard} of {self.root}")
+
+    def _disk_full(self, e: OSError, doing: str, then: str) -> DiskFullError:
+        where = f": {e.filename}" if e.filename else ""
+        err = DiskFullError(f"out of disk space while {doing} ({os.strerror(e.errno)}{where}); {then}")
+        err.errno = e.errno
+        return err
+
+    # ---- commit -------------------------------------------------------------------
+    def commit(self) -> None:
+        """Make every appended example durable and visible to finalize (one block)."""
+        self._check_open()
+        self._commit(complete=False)
+
+    def _commit(self, complete: bool) -> None:
+        try:
+            self._commit_block(complete)
+        except DiskFullError:
+            raise  # a failed background write, already explained
+        except OSError as e:
+            self._fail_since_commit(e, f"committing shard {self.shard} of {self.root}")
+
+    def _fail_since_commit(self, e: OSError, doing: str) -> None:
+        """Raise `e`; when the disk is full, close the writer (its in-memory state is past
+        the last commit: only a resume continues) and say so."""
+        if e.errno not in _DISK_FULL_ERRNOS:
+            raise e
+        lost = self.n_written - self.n_committed
+        self._close_files()
+        raise self._disk_full(
+            e, doing,
+            f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
+            f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
+        ) from e
+
+    def _commit_block(self, complete: bool) -> None:
+        cfg, sh = self.cfg, self.sh
+        n0 = self.n_committed
+        if isinstance(self._layout, ShardFiles):
+            try:
+                n1 = self._layout.flush(complete)
+            except OSError as e:
+                self._close_files()
+                self._fail_since_commit(e, f"writing shard files of shard {self.shard} of {self.root}")
+        else:
+            n1 = self._layout.flush(complete)
+        if n1 == n0 and not complete:
+            return
+        if n1 > n0:
+            for name in self._per_sample_names():
+                vals = self._take_pending(name, n1 - n0)
+                arr = self._group[name]
+                _set_rows(arr, n1)
+                arr[n0:n1] = vals
+            for seg in cfg.segments:
+                _set_rows(self._group[keys.acts_array(seg.name)], n1)
+            for name, lines in self._pending_text.items():
+                self.text_bytes[name] = sh.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
+                del lines[: n1 - n0]
+            block_crc, el_esl = self._layout.take_checksums(n1 - n0)
+            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes())
+            if self._el_crc_file:
+                sh.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
+            sh.append(keys.BLOCKS, records.dump_block(block))
+            self.n_blocks += 1
+        old_stats = self._stats_file
+        if self.stats is not None:
+            self._stats_file = keys.shard_stats_file(n1)
+            sh.put(self._stats_file, self.stats.to_bytes())
+        if complete:
+            self._group.attrs.update(self._shard_attrs(n1))
+            _write_consolidated(sh)
+        if self.fsync:
+            sh.sync()
+        sh.barrier()  # every background put of this block is in
+        sh.put(keys.COMMIT, records.dump_commit(self._commit_record(complete, n1)), durable=self.fsync)
+        if old_stats and old_stats != self._stats_file:
+            sh.delete(old_stats)
+        self.n_committed = n1
+        self._block_bytes = 0
+
+    def _take_pending(self, name: str, n: int) -> np.ndarray:
+        parts = self._pending.pop(name, [])
+        vals = np.concatenate(parts) if parts else None
+        assert vals is not None and len(vals) >= n
+        if len(vals) > n:
+            self._pending[name] = [vals[n:]]
+        return vals[:n]
+
+    def _shard_attrs(self, n: int | None = None) -> dict[str, Any]:
+        return records.shard_attrs(
+            self.cfg, shard=self.shard, n=self.n_committed if n is None else n, truncated=self.truncated,
+            created=self._created, version=__version__,
+        )
+
+    def _commit_record(self, complete: bool, n: int | None = None) -> records.Commit:
+        return records.Commit(
+            shard=self.shard, n_committed=self.n_committed if n is None else n, complete=complete,
+            n_blocks=self.n_blocks, text_bytes=dict(self.text_bytes), truncated=dict(self.truncated),
+            nonfinite=dict(self.nonfinite), overflow=dict(self.overflow), stats_file=self._stats_file,
+            updated=records.now(),
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Commit the rest and mark the shard complete (finalize merges complete shards)."""
+        if self._closed:
+            return
+        try:
+            self._commit(complete=True)
+        finally:
+            self._close_files()
+
+    def _close_files(self) -> None:
+        if hasattr(self, "_layout"):
+            self._layout.close()
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"shard writer {self.shard} of {self.root} is closed")
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            if not self._closed:
+                self._commit(complete=False)
+        finally:
+            self._close_files()
+
+    def __len__(self) -> int:
+        return self.n_written
+
+
+def _set_rows(arr: Any, n: int) -> None:
+    """Resize a zarr array's first axis to n (a metadata write: only when it changes)."""
+    if arr.shape[0] != n:
+        arr.resize((n, *arr.shape[1:]))
+
+
+def _write_consolidated(shard: Any) -> None:
+    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3)."""
+    import warnings
+
+    import zarr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(shard.zarr_store("", read_only=False))
