@@ -10,6 +10,6 @@ from actstore.capture.record import record  # noqa: E402  (imports torch only wh
 from actstore.saev import export_saev, import_saev, verify_saev  # noqa: E402
 # actstore.open: an actstore store or a saev directory. Left out of __all__ so that
 # `from actstore import *` does not shadow the builtin open.
-from actstore.opener import open  # noqa: E402,A004
+from actstore.opener import open as open  # noqa: E402,A004  (a re-export)
 
 __all__ = ["ActStore", "ShardWriter", "export_saev", "finalize", "import_saev", "record", "verify_saev", "__version__"]

@@ -1,22 +1,20 @@
-"""Atomic file publication and path safety: data first, then a rename."""
+"""Files outside a store (exports, legacy directories): atomic publication and path safety.
+
+A store's own files go through actstore.storage; exporters that write plain folders use
+these helpers, built on the same primitives (temporary name, rename, directory fsync).
+"""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import UnsafePathError
+from actstore.storage.local import fsync_dir, syncfs, tmp_name
 
-_libc = None
-
-
-def tmp_name(path: Path) -> Path:
-    """A hidden temporary name beside `path` (`.name.tmp-<pid>-<random>`; resume removes leftovers)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+__all__ = ["atomic_write_bytes", "atomic_write_json", "fsync_dir", "safe_child", "syncfs", "tmp_name"]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
@@ -38,54 +36,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsy
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False) -> None:
-    """Serialise `obj` as indented JSON and publish it atomically."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"), fsync=fsync)
-
-
-def create_exclusive_json(path: str | os.PathLike, obj: Any) -> bool:
-    """Publish `obj` at `path` only if nothing is there yet; return False if something was.
-
-    Uses link(2), which fails when the target exists, so two processes racing to create
-    the same file cannot both succeed and nobody ever sees a half-written file.
-    """
-    path = Path(path)
-    tmp = tmp_name(path)
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that a rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def syncfs(path: str | os.PathLike) -> None:
-    """Flush every dirty page of the filesystem holding `path` (Linux syncfs, else sync)."""
-    global _libc
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc is None:
-            try:
-                _libc = ctypes.CDLL(None, use_errno=True)
-                _libc.syncfs  # noqa: B018  (raises AttributeError where missing)
-            except (OSError, AttributeError):
-                _libc = False
-        if _libc:
-            _libc.syncfs(fd)
-        else:
-            os.sync()
-    finally:
-        os.close(fd)
+    """Serialise `obj` as indented standard JSON and publish it atomically."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, allow_nan=False) + "\n").encode("utf-8"), fsync=fsync)
 
 
 def safe_child(root: str | os.PathLike, relative: str) -> Path:

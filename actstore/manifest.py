@@ -38,7 +38,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     if not numbers:
         raise CorruptStoreError(f"{storage.url} has no writer shards in {keys.SHARDS}/; write some before finalizing")
     entries, incomplete = [], []
-    totals = {k: dict.fromkeys((s.name for s in cfg.segments), 0) for k in ("truncated", "nonfinite", "overflow")}
+    truncated, nonfinite, overflow = (dict.fromkeys((s.name for s in cfg.segments), 0) for _ in range(3))
     stats: RunningStats | None = None
     stats_ok = True
     start = 0
@@ -59,8 +59,8 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
             )
         )
         start += rec.n_committed
-        for k, total in totals.items():
-            for seg, v in getattr(rec, k).items():
+        for total, counts in ((truncated, rec.truncated), (nonfinite, rec.nonfinite), (overflow, rec.overflow)):
+            for seg, v in counts.items():
                 total[seg] = total.get(seg, 0) + v
         if rec.stats_file and rec.n_committed:
             st = read_stats(shard, rec.stats_file, then="the shard's statistics are damaged")
@@ -86,8 +86,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         _publish(storage, stats_name, data)
     manifest = Manifest(
         config=cfg, n_examples=start, shards=tuple(entries),
-        truncation={s: {"count": c, "fraction": (c / start) if start else 0.0} for s, c in totals["truncated"].items()},
-        nonfinite=totals["nonfinite"], overflow=totals["overflow"], stats=stats_name,
+        truncation=records.truncation(truncated, start), nonfinite=nonfinite, overflow=overflow, stats=stats_name,
         created=records.now(), actstore_version=__version__,
     )
     _publish(storage, keys.MANIFEST, records.dump_manifest(manifest))
@@ -113,15 +112,3 @@ def _publish(storage: Storage, key: str, data: Any) -> None:
         err.errno = e.errno
         raise err from e
 
-
-# Transitional, for the old verify.py until its port lands (then removed).
-def read_blocks(shard_path, n_blocks):  # noqa: D103
-    from dataclasses import asdict
-
-    from actstore.storage import LocalStorage
-
-    return [asdict(b) for b in catalog.read_blocks(LocalStorage(shard_path), n_blocks)]
-
-
-def blocks_checksum(blocks):  # noqa: D103
-    return records.blocks_checksum([records.Block(**b) if isinstance(b, dict) else b for b in blocks])

@@ -14,13 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import io
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from actstore.dtypes import to_f64
-from actstore.fsutil import atomic_write_bytes
 
 _FIELDS = ("count", "mean", "m2", "norm_sum", "min", "max", "nonfinite", "overflow")
 _OPTIONAL_FIELDS = ("overflow",)  # absent from files written before it existed: zeros
@@ -115,9 +113,6 @@ class RunningStats:
         buf = io.BytesIO()
         np.savez(buf, keys=np.array(self.keys), **{f: getattr(self, f) for f in _FIELDS})
         return buf.getvalue()
-
-    def save(self, path: str | os.PathLike) -> None:
-        atomic_write_bytes(path, self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunningStats:

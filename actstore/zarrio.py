@@ -1,65 +1,18 @@
-"""zarr-python plumbing: atomic metadata writes and creation of a shard's arrays."""
+"""zarr-python plumbing: the arrays of a new writer shard (names, shapes, chunks, codecs,
+dimension names), created through any zarr store; sample keys to and from their bytes."""
 
 from __future__ import annotations
 
-import asyncio
-import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import zarr
-from zarr.storage import LocalStore
 
-from actstore.layout import spec
+from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
-from actstore.fsutil import atomic_write_bytes
 
 
-class AtomicLocalStore(LocalStore):
-    """A LocalStore whose every write goes to a temporary file renamed into place.
-
-    zarr-python 3.1's LocalStore writes in place: a crash mid-write would leave a
-    half-written `.zarray` or per-sample chunk. Here no reader ever sees one.
-    """
-
-    async def set(self, key: str, value: Any) -> None:  # noqa: D102
-        if not self._is_open:
-            await self._open()
-        self._check_writable()
-        path = Path(self.root) / key
-        data = value.to_bytes()
-
-        def put() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-
-        await asyncio.to_thread(put)
-
-
-def open_group(path: str | os.PathLike, mode: str = "r", zarr_format: int | None = None) -> zarr.Group:
-    store = AtomicLocalStore(str(path), read_only=(mode == "r"))
-    return zarr.open_group(store=store, mode=mode, zarr_format=zarr_format)
-
-
-def acts_name(segment: str) -> str:
-    return f"{spec.ARRAYS_GROUP}/{segment}{spec.ACTS_SUFFIX}"
-
-
-def len_name(segment: str) -> str:
-    return f"{spec.ARRAYS_GROUP}/{segment}{spec.LEN_SUFFIX}"
-
-
-def labels_name(segment: str) -> str:
-    return f"{spec.ARRAYS_GROUP}/{segment}{spec.TOKEN_LABELS_SUFFIX}"
-
-
-def field_name(name: str) -> str:
-    return f"{spec.ARRAYS_GROUP}/{name}"
-
-
-def create_shard_arrays(group: zarr.Group, cfg: StoreConfig, compressor: Any = None) -> None:
+def create_shard_arrays(group: Any, cfg: StoreConfig, compressor: Any = None) -> None:
     """Create every array of an empty shard (shape 0 along examples)."""
     L, D = cfg.n_layers, cfg.d_model
     v3 = cfg.zarr_format == 3
@@ -74,23 +27,23 @@ def create_shard_arrays(group: zarr.Group, cfg: StoreConfig, compressor: Any = N
             kw["shards"] = (cfg.shard_examples, L, t_pad, D)
         attrs = {"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name}
         group.create_array(
-            acts_name(seg.name),
+            keys.acts_array(seg.name),
             shape=(0, L, seg.t_max, D),
             chunks=(1, 1, seg.t_chunk, D),
             dtype=cfg.zarr_dtype,
             **_dims(v3, (spec.EXAMPLE_DIM, spec.LAYER_DIM, spec.token_dim(seg.name), spec.D_MODEL_DIM), attrs),
             **kw,
         )
-        per_sample(group, len_name(seg.name), "<i4", (), dims=(spec.EXAMPLE_DIM,))
+        per_sample(group, keys.len_array(seg.name), "<i4", (), dims=(spec.EXAMPLE_DIM,))
         if cfg.token_labels:
-            per_sample(group, labels_name(seg.name), "|u1", (seg.t_max,), dims=(spec.EXAMPLE_DIM, spec.token_dim(seg.name)))
+            per_sample(group, keys.labels_array(seg.name), "|u1", (seg.t_max,), dims=(spec.EXAMPLE_DIM, spec.token_dim(seg.name)))
     if v3:
-        per_sample(group, field_name(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,),
+        per_sample(group, keys.field_array(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,),
                    dims=(spec.EXAMPLE_DIM, spec.SAMPLE_KEY_BYTE_DIM))
     else:
-        per_sample(group, field_name(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", (), dims=(spec.EXAMPLE_DIM,))
+        per_sample(group, keys.field_array(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", (), dims=(spec.EXAMPLE_DIM,))
     for name, dt in cfg.fields.items():
-        per_sample(group, field_name(name), dt, (), dims=(spec.EXAMPLE_DIM,))
+        per_sample(group, keys.field_array(name), dt, (), dims=(spec.EXAMPLE_DIM,))
 
 
 def _dims(v3: bool, dims: tuple[str, ...] | None, attrs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -106,8 +59,8 @@ def _dims(v3: bool, dims: tuple[str, ...] | None, attrs: dict[str, Any] | None =
 
 
 def per_sample(
-    group: zarr.Group, name: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...] | None = None
-) -> zarr.Array:
+    group: Any, name: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...] | None = None
+) -> Any:
     rows = max(1, min(spec.PER_SAMPLE_CHUNK, (4 * 2**20) // max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)))
     fill = b"" if np.dtype(dtype).kind == "S" else 0
     with warnings.catch_warnings():
@@ -118,8 +71,8 @@ def per_sample(
         )
 
 
-def encode_keys(keys: list[str], zarr_format: int) -> np.ndarray:
-    raw = [k.encode("utf-8") for k in keys]
+def encode_keys(names: list[str], zarr_format: int) -> np.ndarray:
+    raw = [k.encode("utf-8") for k in names]
     long = [k for k in raw if len(k) > spec.SAMPLE_KEY_BYTES]
     if long:
         raise ValueError(

@@ -17,7 +17,7 @@ stamp=.venv-notorch/.actstore-setup
 want=$(cat pyproject.toml scripts/test_notorch.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv-notorch/bin/python ] || "$PY" -m venv .venv-notorch
-  .venv-notorch/bin/python -m pip --disable-pip-version-check -q install -e . pytest hypothesis \
+  .venv-notorch/bin/python -m pip --disable-pip-version-check -q install -e . pytest hypothesis ruff \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import actstore
 from actstore import ActStore, finalize
 from actstore.errors import DiskFullError
 from actstore.manifest import load_manifest

@@ -186,7 +186,6 @@ def test_restricted_unpickler_admits_numpy_of_every_protocol():
         np.testing.assert_array_equal(got["a"], obj["a"])
         assert (got["i"], got["f"], got["t"], got["b"]) == (3, 1.5, (1, "x"), b"\x00\xff")
     with pytest.raises(UnsafePickleError, match="encoding 'rot13'; only 'latin1'"):
-        import _codecs
 
         restricted_loads(pickle.dumps(_Evil2(), protocol=2))
 

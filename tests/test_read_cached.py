@@ -42,7 +42,9 @@ def chunk_files(root: Path) -> list[Path]:
 
 
 def test_the_nowait_path_is_live_here():
-    assert chunkio._nowait_ok  # Linux with RWF_NOWAIT: no silent fallback on this machine
+    from actstore.storage import LocalStorage
+
+    assert LocalStorage(".").read_nowait  # Linux with RWF_NOWAIT: no silent fallback on this machine
 
 
 @pytest.mark.parametrize("kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"])

@@ -173,11 +173,11 @@ def test_buffered_writes_copy_a_reused_caller_buffer(tmp_path, kw):
 def test_writeback_thread_starts_each_file_and_closes_its_descriptor(tmp_path, monkeypatch):
     import os
 
-    from actstore import chunkio
+    from actstore.storage import local
 
     started = []
-    real = chunkio._sync_file_range
-    if real is None:  # a system without sync_file_range: write_file then never hands files over
+    real = local._sync_file_range
+    if real is None:  # a system without sync_file_range: puts then never hand files over
         pytest.fail("this Linux test machine should have sync_file_range")
     import threading
 
@@ -185,12 +185,13 @@ def test_writeback_thread_starts_each_file_and_closes_its_descriptor(tmp_path, m
         started.append((os.fstat(fd).st_ino, threading.current_thread().name))
         return real(fd, off, n, flags)
 
-    monkeypatch.setattr(chunkio, "_sync_file_range", spy)
+    monkeypatch.setattr(local, "_sync_file_range", spy)
+    storage = local.LocalStorage(tmp_path)
     before = len(os.listdir("/proc/self/fd"))
-    wb = chunkio.Writeback(depth=2)
+    wb = local.FileWriteback(depth=2)
     payloads = {tmp_path / f"f{i}": os.urandom(1000 + i) for i in range(20)}
     for path, data in payloads.items():
-        chunkio.write_file(str(path), memoryview(data), memoryview(b"tail"), writeback=wb)
+        storage.put(path.name, memoryview(data), memoryview(b"tail"), writeback=wb)
     wb.close()
     assert len(os.listdir("/proc/self/fd")) == before  # every descriptor handed over was closed
     assert sorted(i for i, _ in started) == sorted(p.stat().st_ino for p in payloads)  # each file's writeback started

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import actstore
 from actstore import ActStore
 from actstore.layout import spec
 from actstore.cli import main

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from zarr.codecs import ZstdCodec
 
 import actstore
 from actstore import ActStore, ShardWriter
-from actstore.chunkio import layout_from_metadata, load_array_meta
+from actstore.layout.chunks import geometry_from_metadata
 from tests.helpers import random_acts
 
 LAYERS = [3, 7]
@@ -119,10 +118,10 @@ def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
 def test_layout_detection_refuses_non_raw_metadata(tmp_path):
     base = {"zarr_format": 2, "shape": [4, 2, 10, 12], "chunks": [1, 1, 10, 12], "dtype": "<f2",
             "compressor": None, "filters": None, "order": "C", "dimension_separator": "."}
-    assert layout_from_metadata(tmp_path, base, 2, 12) is not None
+    assert geometry_from_metadata("a", base, 2, 12) is not None
     for change in ({"compressor": {"id": "zstd"}}, {"filters": [{"id": "delta"}]}, {"order": "F"},
                    {"dtype": ">f2"}, {"chunks": [2, 1, 10, 12]}, {"chunks": [1, 2, 10, 12]}):
-        assert layout_from_metadata(tmp_path, {**base, **change}, 2, 12) is None, change
+        assert geometry_from_metadata("a", {**base, **change}, 2, 12) is None, change
 
 
 def test_missing_chunk_reads_as_fill_value(tmp_path, rng):

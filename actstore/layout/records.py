@@ -277,6 +277,11 @@ class Manifest:
     actstore_version: str
 
 
+def truncation(counts: dict[str, int], n_examples: int) -> dict[str, dict[str, float]]:
+    """The manifest's per-segment truncation entry from truncated-example counts."""
+    return {s: {"count": c, "fraction": (c / n_examples) if n_examples else 0.0} for s, c in counts.items()}
+
+
 def dump_manifest(m: Manifest) -> bytes:
     return jsonio.dumps(
         {

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 
-from actstore.loaders.tokens import TokenStream
+if TYPE_CHECKING:
+    from actstore.loaders.tokens import TokenStream
 
 
 class TokenLoader:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
 from actstore.loaders.source import TokenMask, TokenUnits, pick_layers, pick_segments, stats_tables, stored_numpy_dtype
+
+if TYPE_CHECKING:
+    from actstore.loaders.tokenloader import TokenLoader
 
 STATE_FORMAT = "actstore.TokenStream"
 STATE_VERSION = 1

@@ -293,15 +293,3 @@ def _refuse_saev_dir(path: Path) -> None:
             "which returns a SaevStore with the same reading API"
         )
 
-
-# Transitional, for the old verify.py until its port lands (then removed).
-def rows_on_disk(shard_dir):  # noqa: D103
-    from actstore.storage import LocalStorage
-
-    return catalog.rows_on_disk(LocalStorage(shard_dir))
-
-
-def _consolidated(shard_dir):  # noqa: D103
-    from actstore.storage import LocalStorage
-
-    return catalog.consolidated_arrays(LocalStorage(shard_dir))

@@ -13,6 +13,8 @@ import socket
 import uuid
 from pathlib import Path
 
+from actstore.storage.local import fsync_dir
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _libc = None
@@ -64,14 +66,6 @@ def publish(tmp: Path, target: Path, *, replace: bool) -> bool:
         shutil.rmtree(old)
     fsync_dir(target.parent)
     return True
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:

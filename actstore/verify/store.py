@@ -1,0 +1,148 @@
+"""Store-level checks: identity against manifest, root entries, shards present and listed."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from actstore import catalog
+from actstore.errors import ActstoreError, FormatVersionError, StoreNotFoundError, VerificationError
+from actstore.layout import keys
+from actstore.layout.records import Manifest
+from actstore.storage import open_storage
+from actstore.verify.check import Checker
+from actstore.verify.report import ERROR, WARNING, VerifyReport, plural
+from actstore.verify.shard import check_shard
+
+_STATS_RE = re.compile(r"^stats(-[0-9a-f]{8})?\.npz$")
+
+
+def verify_store(
+    path: Any,
+    deep: bool = False,
+    raise_on_error: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check a store's integrity (docs/reliability.md says what each mode checks).
+
+    Args:
+        path: the store root: a folder, an object-store URL, or a Storage.
+        deep: also read every published chunk and compare its crc32c with the record.
+        raise_on_error: raise VerificationError (holding the report) if an error was found.
+        progress: called with the number of bytes read after each example (deep mode).
+
+    Returns:
+        The report. A store written by a newer actstore raises FormatVersionError; a path
+        that holds no store raises StoreNotFoundError.
+    """
+    storage = open_storage(path)
+    root = storage.url
+    names = storage.list_dir()
+    local = storage.local_root
+    if (local is not None and not local.is_dir()) or not (keys.IDENTITY in names or keys.MANIFEST in names):
+        raise StoreNotFoundError(f"{root} is not an actstore store (no {keys.IDENTITY} or {keys.MANIFEST})")
+    report = _run(Checker(storage, deep, progress))
+    if raise_on_error and not report.ok:
+        first = report.errors[0]
+        raise VerificationError(
+            f"{root} failed verification ({'deep' if deep else 'fast'}): {plural(len(report.errors), 'error')}, the first: "
+            f"{first.message}. Run `actstore verify {root}{' --deep' if deep else ''}` for the full table",
+            report,
+        )
+    return report
+
+
+def _record(v: Checker, key: str, kind: str, read: Callable[[Any], Any]) -> Any:
+    """A root record read through `read`, or None with its damage reported (a newer format raises)."""
+    try:
+        return read(v.storage)
+    except FormatVersionError:
+        raise
+    except (ActstoreError, OSError) as e:
+        v.add(ERROR, kind, str(e), key)
+        return None
+
+
+def _run(v: Checker) -> VerifyReport:
+    ident = manifest = None
+    if v.listing.kind(keys.IDENTITY) is not None:
+        ident = _record(v, keys.IDENTITY, "identity", catalog.read_identity)
+    else:
+        v.add(ERROR, "identity", f"{keys.IDENTITY} is missing (every store has one, written by its first writer)")
+    if v.listing.kind(keys.MANIFEST) is not None:
+        manifest = _record(v, keys.MANIFEST, "manifest", catalog.read_manifest)
+    else:
+        v.report.finalized = False
+        v.add(
+            WARNING, "not-finalized",
+            f"no {keys.MANIFEST}: the store was never finalized and readers cannot open it; "
+            f"run `actstore finalize {v.storage.url}` once every writer has closed",
+        )
+    if manifest is not None and ident is not None and ident.differences(manifest.config):
+        v.add(ERROR, "identity", f"{keys.IDENTITY} and {keys.MANIFEST} describe different stores: "
+              f"{'; '.join(ident.differences(manifest.config))}", keys.MANIFEST)
+    v.cfg = manifest.config if manifest is not None else ident
+    if v.cfg is None:
+        return v.report
+    _check_root(v, manifest)
+    _check_shards(v, manifest)
+    return v.report
+
+
+def _check_root(v: Checker, manifest: Manifest | None) -> None:
+    expected = {keys.IDENTITY, keys.MANIFEST, keys.SHARDS}
+    if manifest is not None and manifest.stats:
+        expected.add(manifest.stats)
+        if v.listing.kind(manifest.stats) != "file":
+            v.add(ERROR, "stats", f"statistics file {manifest.stats} named by the manifest is missing", manifest.stats)
+        elif v.deep:
+            v.load_stats(manifest.stats, None)
+    for name, kind in sorted(v.listing.children("").items()):
+        if kind == "link":
+            v.symlink(name, None)
+        if name in expected:
+            continue
+        if keys.is_temporary(name):
+            if ".tmp-" in name:
+                v.add(WARNING, "temp-file", f"{name} is the temporary file of an interrupted write (finalize killed?); safe to delete", name)
+        elif _STATS_RE.match(name):
+            v.add(WARNING, "stale-stats", f"{name} holds statistics of an earlier finalize (kept for readers of the previous manifest); safe to delete", name)
+        else:
+            v.add(WARNING, "stray-file", f"{name} is not part of an actstore store", name)
+
+
+def _check_shards(v: Checker, manifest: Manifest | None) -> None:
+    present: list[str] = []
+    for name, kind in sorted(v.listing.children(keys.SHARDS).items()):
+        key = f"{keys.SHARDS}/{name}"
+        if keys.parse_shard_name(name) is not None:
+            present.append(name)
+        elif keys.is_temporary(name) and ".tmp-" in name:
+            v.add(WARNING, "temp-file", f"{name} is the folder of a writer killed while creating its shard; safe to delete when no writer runs", key)
+        elif not keys.is_temporary(name):
+            v.add(WARNING, "stray-file", f"{name} in {keys.SHARDS}/ is not a writer shard (names are shard-NNNNN.zarr)", key)
+    if manifest is None:
+        for name in present:
+            check_shard(v, name, None)
+        return
+    listed = {s.name for s in manifest.shards}
+    for entry in manifest.shards:
+        if entry.name not in present:
+            v.add(
+                ERROR, "missing-shard",
+                f"shard {entry.name} listed in the manifest (examples {entry.start}..{entry.start + entry.n_examples - 1}) is missing; "
+                f"shards present: {present}",
+                keys.shard_prefix(entry.name), shard=entry.shard,
+            )
+        else:
+            check_shard(v, entry.name, entry)
+    for name in present:
+        if name not in listed:
+            v.add(
+                WARNING, "unpublished-shard",
+                f"shard {name} is not in the manifest (written after the last finalize, or by a writer still running); "
+                "readers do not see it until `actstore finalize` publishes it",
+                keys.shard_prefix(name), shard=keys.parse_shard_name(name),
+            )
+

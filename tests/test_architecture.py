@@ -1,0 +1,170 @@
+"""The architecture, enforced: imports point down the layers, no circles, small modules,
+and the format's record keys spelled only in actstore/layout/ (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "actstore"
+
+# The layer order, written once: a module may import modules of its own layer's
+# lower entries and of lower layers only. Within a layer, earlier entries sit below
+# later ones (an entry may import the entries before it, never those after).
+LAYERS: list[list[str]] = [
+    ["actstore.errors", "actstore._version"],
+    ["actstore.layout", "actstore.saev.protocol"],
+    ["actstore.storage", "actstore.fsutil"],
+    ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.zarrio", "actstore.catalog", "actstore.chunkio"],
+    ["actstore.verify", "actstore.write", "actstore.manifest"],
+    ["actstore.read"],
+    ["actstore.saev", "actstore.legacy", "actstore.copyio", "actstore.copy", "actstore.loaders", "actstore.capture",
+     "actstore.info", "actstore.torch"],
+    ["actstore.opener", "actstore.xarray_backend", "actstore"],
+    ["actstore.cli"],
+]
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _rank(module: str) -> tuple[int, int]:
+    """(layer, position in the layer) of the longest matching entry."""
+    best = None
+    for li, layer in enumerate(LAYERS):
+        for ei, entry in enumerate(layer):
+            if module == entry or module.startswith(entry + "."):
+                if best is None or len(entry) > len(best[2]):
+                    best = (li, ei, entry)
+    assert best is not None, f"module {module} is in no layer of tests/test_architecture.py: place it"
+    return best[0], best[1]
+
+
+def _entry(module: str) -> str:
+    li, ei = _rank(module)
+    return LAYERS[li][ei]
+
+
+def _imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """Every actstore module `module` imports (also inside functions), with line numbers."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    typing_only = {  # imports under `if TYPE_CHECKING:` never run
+        id(n) for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
+        for stmt in node.body for n in ast.walk(stmt)
+    }
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "actstore"]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.split(".")[0] != "actstore":
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append((sub if sub in MODULES else base, node.lineno))
+    return out
+
+
+def test_every_module_has_a_layer():
+    for m in MODULES:
+        _rank(m)
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for m, path in MODULES.items():
+        mine = _rank(m)
+        for target, line in _imports(m, path):
+            if target not in MODULES:
+                target = target.rpartition(".")[0] if target.rpartition(".")[0] in MODULES else target
+            theirs = _rank(target)
+            if _entry(target) == _entry(m):
+                continue  # inside one package: checked for circles below
+            if theirs > mine:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {m} imports {target}, which sits above it")
+    assert not bad, "imports that run back up the layers:\n" + "\n".join(bad)
+
+
+def test_no_import_circles():
+    graph = {m: {t for t, _ in _imports(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
+    # A package's __init__ re-exporting its modules is not a circle through them.
+    for m in graph:
+        graph[m] = {t for t in graph[m] if not (m.startswith(t + ".") and MODULES[t].name == "__init__.py")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycle = stack[stack.index(t):] + [t]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_modules_stay_small():
+    big = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines: {big}"
+
+
+# Keys that name fields of the commit record, block records and the manifest only: spelled as
+# strings only in actstore/layout/. (Generic words such as "n_examples" or "shards" also
+# name fields of the project's APIs -- `store.meta`, `actstore info --json` -- and of saev's
+# own documents, so they cannot be told apart by a grep; those records are parsed only by
+# actstore/layout/records.py all the same.)
+RECORD_KEYS = ("n_committed", "n_blocks", "text_bytes", "stats_file", "format_version", "shard-major")
+
+
+def test_record_keys_are_spelled_only_in_the_layout_package():
+    pattern = re.compile(r"""["'](%s)["']""" % "|".join(RECORD_KEYS))
+    bad = []
+    for m, path in MODULES.items():
+        if m.startswith("actstore.layout"):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not bad, "record keys spelled outside actstore/layout/:\n" + "\n".join(bad)
+
+
+def test_ruff_finds_nothing():
+    """ruff (configured in pyproject.toml) over the package, tests, benchmarks and examples."""
+    import subprocess
+    import sys
+
+    ruff = Path(sys.executable).with_name("ruff")
+    assert ruff.exists(), f"ruff is a dev dependency: install it in {Path(sys.executable).parent.parent}"
+    res = subprocess.run([str(ruff), "check", "actstore", "tests", "benchmarks", "examples"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
