@@ -70,3 +70,26 @@ def test_written_documents_have_exactly_the_documented_fields(store_path):
     assert list(manifest["shards"][0]) == _table_fields("Each entry of `shards`")
     documented_block = re.search(r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\"\}`", DOC)
     assert documented_block and list(block) == ["start", "stop", "crc32c", "nbytes"]
+
+
+def test_the_layout_package_matches_the_document():
+    """The records' fields and the names in actstore/layout are the document's."""
+    import dataclasses
+
+    from actstore.layout import keys, records
+
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    assert sorted(names(records.Commit)) == sorted(_table_fields("commit.json:"))
+    assert names(records.ShardEntry) == _table_fields("Each entry of `shards`")
+    assert names(records.Block) == ["start", "stop", "crc32c", "nbytes"]
+    manifest_doc = set(_table_fields("## 6. The manifest"))
+    assert set(names(records.Manifest)) <= manifest_doc  # format/order/config fields are implied
+    for n in ("IDENTITY", "MANIFEST", "SHARDS", "COMMIT", "BLOCKS", "EL_CRC", "META_DIR", "TEXT_DIR", "ARRAYS"):
+        assert getattr(keys, n) in DOC, n
+    assert keys.shard_name(7) == "shard-00007.zarr" and keys.parse_shard_name("shard-00007.zarr") == 7
+    assert keys.text_file("prompt") == "text/prompt.jsonl" and "text/<name>.jsonl" in DOC
+    for seg in ("prompt", "tokens"):
+        assert keys.acts_array(seg) == f"arrays/{seg}_activations"
+        assert keys.len_array(seg) == f"arrays/{seg}_len"
+    assert keys.shard_stats_file(12) == "meta/stats-000000000012.npz"
+    assert "stats-<n>.npz" in DOC and "stats-{:012d}.npz" in DOC

@@ -22,7 +22,7 @@ from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.select import is_pair, select
 from actstore.read.shard import ShardReader
-from actstore.storage import open_storage
+from actstore.storage import Storage, open_storage
 
 
 class SegmentView:
@@ -57,8 +57,9 @@ class ActStore:
     Safe to use from many processes, and picklable (workers reopen it lazily).
 
     Args:
-        path: the store root (holding manifest.json): a local folder, or a URL
-            (`s3://bucket/prefix`, `gs://...`, `az://...`, `file://...`).
+        path: the store root (holding manifest.json): a local folder, a URL
+            (`s3://bucket/prefix`, `gs://...`, `az://...`, `file://...`), or a Storage
+            (e.g. `LocalStorage(path, read_nowait=False)`).
         verify: None, "fast" or "deep": verify the store before use (raises
             VerificationError holding the report).
     """
@@ -66,7 +67,7 @@ class ActStore:
     def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
         if verify not in (None, False, "fast", "deep"):
             raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
-        self._location = os.fspath(path) if not isinstance(path, str) else path
+        self._location = path if isinstance(path, (str, Storage)) else os.fspath(path)
         self._verify = verify
         self._open()
 
