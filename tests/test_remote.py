@@ -1,0 +1,102 @@
+"""Stores in object storage (moto's S3 server on 127.0.0.1): the same code, a URL for a path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import actstore
+from actstore.layout import keys
+from actstore.storage import open_storage
+from actstore.verify import verify_store
+
+LAYERS = [1, 3]
+
+
+def _write(path, x, **kw):
+    n = x.shape[0]
+    with actstore.ShardWriter(path, layers=LAYERS, d_model=x.shape[3], tokens=x.shape[2], texts=["t"], stats=True,
+                              commit_bytes=x[:3].nbytes, **kw) as w:
+        for i in range(0, n, 4):
+            w.append(x[i : i + 4], texts={"t": [f"s{j}" for j in range(i, min(i + 4, n))]})
+    return actstore.finalize(path)
+
+
+@pytest.mark.parametrize("kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"])
+def test_a_store_on_s3_equals_the_same_store_on_disk(s3_url, tmp_path, kw):
+    x = (np.arange(11 * 2 * 5 * 8, dtype=np.float32).reshape(11, 2, 5, 8) % 97 - 48) / 4
+    _write(tmp_path / "local", x, **kw)
+    _write(s3_url, x, **kw)
+    local, remote = open_storage(tmp_path / "local"), open_storage(s3_url)
+    # Byte for byte, every object (timestamps aside: they differ between two runs anyway).
+    want = {e.key: local.get(e.key) for e in local.list() if e.kind == "file"}
+    got = {e.key: remote.get(e.key) for e in remote.list()}
+    assert sorted(got) == sorted(want)
+    volatile = {keys.IDENTITY, keys.MANIFEST, ".zattrs", "zarr.json", ".zmetadata", keys.COMMIT}
+    for k in want:
+        if k.rsplit("/", 1)[-1] not in {v.rsplit("/", 1)[-1] for v in volatile}:
+            assert got[k] == want[k], k
+    st = actstore.ActStore(s3_url)
+    assert st.path == s3_url and len(st) == 11
+    for ex in range(11):
+        for lp, layer in enumerate(LAYERS):
+            np.testing.assert_array_equal(st[ex, layer], x[ex, lp].astype(np.float16))
+    np.testing.assert_array_equal(st[2:7, 3], x[2:7, 1].astype(np.float16))
+    assert list(st.texts("t")) == [f"s{j}" for j in range(11)]
+    assert st.stats().count.tolist() == actstore.ActStore(tmp_path / "local").stats().count.tolist()
+    rep = verify_store(s3_url, deep=True)
+    assert rep.ok and rep.problems == [] and rep.n_bytes_read == 11 * 2 * 5 * 8 * 2
+
+
+def test_resume_on_s3_continues_exactly(s3_url):
+    x = np.random.default_rng(0).standard_normal((9, 2, 5, 8)).astype(np.float16)
+    w = actstore.ShardWriter(s3_url, layers=LAYERS, d_model=8, tokens=5, commit_bytes=2**40)
+    w.append(x[:4])
+    w.commit()
+    w.append(x[4:6])  # appended, never committed: a crash here loses them
+    w._close_files()
+    with actstore.ShardWriter(s3_url, layers=LAYERS, d_model=8, tokens=5, resume=True) as w2:
+        assert w2.n_committed == 4
+        w2.append(x[4:])
+    actstore.finalize(s3_url)
+    st = actstore.ActStore(s3_url)
+    assert len(st) == 9 and all((st[i, 3] == x[i, 1]).all() for i in range(9))
+    assert verify_store(s3_url, deep=True).problems == []
+
+
+def test_two_writers_racing_for_one_shard_on_s3(s3_url):
+    import threading
+
+    results: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def claim() -> None:
+        barrier.wait()
+        try:
+            actstore.ShardWriter(s3_url, shard=0, layers=LAYERS, d_model=8, tokens=5)._close_files()
+            results.append("won")
+        except actstore.ShardExistsError as e:
+            results.append(str(e))
+
+    threads = [threading.Thread(target=claim) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results.count("won") == 1
+    assert all("already exists" in r or "created by another writer at the same time" in r for r in results if r != "won")
+
+
+def test_cli_on_a_url(s3_url):
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    x = np.ones((3, 2, 5, 8), np.float16)
+    _write(s3_url, x)
+    r = CliRunner().invoke(main, ["info", s3_url])
+    assert r.exit_code == 0 and "3" in r.output, r.output
+    r = CliRunner().invoke(main, ["verify", "--deep", "--quiet", s3_url])
+    assert r.exit_code == 0 and r.output.startswith(f"verify (deep) {s3_url}: 3 examples in 1 shards") and ": OK" in r.output, r.output
+    r = CliRunner().invoke(main, ["finalize", s3_url])
+    assert r.exit_code == 0 and f"finalized {s3_url}: 3 examples in 1 shards" in r.output
