@@ -73,10 +73,12 @@ class FaultProxy:
                     self.connection.close()
                     return
                 self.send_response(resp.status)
+                head = self.command == "HEAD"  # its Content-Length is the object's, with no body
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    if k.lower() not in ("transfer-encoding", "connection") and (head or k.lower() != "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
