@@ -397,3 +397,26 @@ def test_writer_nice_option_reaches_the_capture_and_is_range_checked(tmp_path, m
     assert [o.writer_nice for o in got] == [10, 3]
     res = cli(*args, "--writer-nice", "20", ok=False)
     assert res.exit_code == 2 and "--writer-nice" in res.output and len(got) == 2
+
+
+def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images):
+    cli("write", tmp_path / "local", "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--quiet")
+    cli("write", s3_url, "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--workers", "2", "--quiet")
+    local, remote = actstore.ActStore(tmp_path / "local"), actstore.ActStore(s3_url)
+    assert len(local) == len(remote) == 6
+    for ex in range(6):
+        for layer in (0, 2):
+            np.testing.assert_array_equal(remote[ex, layer], local[ex, layer])
+    assert cli("verify", "--deep", "--quiet", s3_url).output.startswith(f"verify (deep) {s3_url}: 6 examples in 2 shards")
+
+
+def test_capture_to_a_missing_bucket_fails_before_the_model_loads(s3_endpoint, dino_dir, images, monkeypatch):
+    import actstore.capture.run as run_mod
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(run_mod, "load_model", no_model)
+    res = cli("write", "s3://no-such-bucket/acts", "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False)
+    assert res.exit_code == 1
+    assert res.output.startswith("actstore: error: cannot list s3://no-such-bucket/acts: the bucket 'no-such-bucket' does not exist")

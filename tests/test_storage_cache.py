@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from actstore.storage import KeyNotFound, ObjectStorage, Storage, open_storage
-from actstore.storage.cache import HEADER, LOW_WATER, CachedStorage, ReadOnlyCacheError
+from actstore.storage.cache import HEADER, LOW_WATER, RESCAN_FRACTION, CachedStorage, ReadOnlyCacheError
 
 MiB = 2**20
 
@@ -364,5 +364,6 @@ def test_processes_sharing_a_cache_dir_read_exact_bytes(inner, tmp_path):
     assert sum(s["hits"] for _, _, s in results) > 0 and sum(s["evicted"] for _, _, s in results) > 0
     assert sum(s["errors"] + s["damaged"] for _, _, s in results) == 0
     assert not [p for p in (tmp_path / "cache").glob("*/*/.*")]  # no temporary file left
-    # Each process rescans after writing 1/8 of the limit: a bound on the overshoot.
-    assert dir_bytes(tmp_path / "cache") <= max_bytes * (1 + 3 / 8)
+    # Each process rescans after writing RESCAN_FRACTION of the limit: the bound on the overshoot.
+    largest = HEADER.size + 2000 + n_keys
+    assert dir_bytes(tmp_path / "cache") <= max_bytes * LOW_WATER + 3 * (max_bytes * RESCAN_FRACTION + largest)

@@ -139,7 +139,7 @@ def record(
     device = _device_of(lm.forward)
     extra = {"use_cache": False} if _accepts(lm.forward, "use_cache") else {}
     job = _Job(
-        store=Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
+        store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
         zarr_format=zarr_format, shard_examples=shard_examples,
@@ -191,7 +191,7 @@ def record(
 class _Job:
     """The writer side of a record() run: turns captured tensors into ShardWriter appends."""
 
-    store: Path
+    store: Path | str  # a folder, or an object-store URL
     shard: int
     hooks: list[HookPoint]
     lm: LoadedModel

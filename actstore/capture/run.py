@@ -120,11 +120,12 @@ def write(o: WriteOptions) -> dict[str, Any]:
     """
     require_torch("actstore write (actstore.capture.write)", "capture")
     check_options(o)
+    storage = open_storage(o.store)
+    storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
     source = load_source(o.data).limit(o.max_examples)  # empty data fails before anything is written
     world = o.workers if o.workers > 1 else o.world_size
     if world > len(source):
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
-    storage = open_storage(o.store)
     root = storage.url
     ranks = range(o.workers) if o.workers > 1 else [o.rank]
     if not o.resume:

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from actstore.cli.params import NEW_STORE, STORE
+
 from actstore.layout import spec
 from actstore.capture.record import DEFAULT_WRITER_NICE
 
@@ -41,7 +43,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 
 
 @click.command("write")
-@click.argument("store", type=click.Path(file_okay=False))
+@click.argument("store", type=NEW_STORE)
 @click.option("--model", required=True, help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.")
 @click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
 @click.option("--layers", required=True, help="Blocks to record, e.g. 6,11 or 0-11 (layer N = output of block N = hidden_states[N+1]), or module paths such as model.layers.6.mlp.")
@@ -109,7 +111,7 @@ def write_cmd(store: str, **kw) -> None:
 
 
 @click.command("show")
-@click.argument("store", type=click.Path(exists=True, file_okay=False))
+@click.argument("store", type=STORE)
 @click.option("--ex", type=int, required=True, help="Example index.")
 @click.option("--layer", type=int, required=True, help="Stored layer number.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="PNG to write (default exN-layerL.png).")

@@ -22,9 +22,11 @@ Eviction: an entry's mtime is its last use (set at write and on every hit). When
 process's count of the directory's bytes (its last scan plus what it wrote since) passes
 `max_bytes`, or it has written RESCAN_FRACTION of `max_bytes` since its last scan (other
 processes write too), it scans the directory and deletes least recently used entries
-until LOW_WATER of `max_bytes` remain. Deleting an entry never breaks a reader (an open
-file survives its unlink; a missing one is a miss) nor a writer (temporary files are
-left alone unless older than STALE_TMP_S: a crashed writer's).
+until LOW_WATER of `max_bytes` remain. One process alone never exceeds `max_bytes`
+after a call returns; P processes sharing the directory can exceed it by at most about
+P * (RESCAN_FRACTION * max_bytes + their largest entry). Deleting an entry never breaks a
+reader (an open file survives its unlink; a missing one is a miss) nor a writer
+(temporary files are left alone unless older than STALE_TMP_S: a crashed writer's).
 """
 
 from __future__ import annotations
@@ -229,18 +231,15 @@ class _Cache:
     # ---- eviction -----------------------------------------------------------------
     def evict(self) -> None:
         """Scan the directory; when it holds more than max_bytes, delete least recently
-        used entries (every namespace) down to LOW_WATER of it. One thread of one process
-        evicts at a time; the others go on (their next write checks again)."""
+        used entries (every namespace) down to LOW_WATER of it. One process at a time (a
+        flock); within a process one thread, the others go on (their next write checks)."""
         if not self.evicting.acquire(blocking=False):
             return
         try:
             os.makedirs(self.root, exist_ok=True)
             lock_fd = os.open(f"{self.root}/{LOCK_NAME}", os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                try:
-                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return  # another process is evicting
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one process scans at a time, each a fresh view
                 entries = list(self._scan())
                 total = sum(size for _, size, _ in entries)
                 if total > self.max_bytes:
