@@ -182,3 +182,26 @@ def test_token_stream_and_export_over_a_url_equal_their_local_results(s3_url, tm
     for rel in fa:
         if rel.suffix == ".bin":
             assert (ra.path / rel).read_bytes() == (rb.path / rel).read_bytes(), rel
+
+
+def test_a_local_cache_serves_the_second_epoch(s3_url, tmp_path, monkeypatch):
+    """ActStore(url, cache_dir=...): the second pass reads no chunk bytes from S3."""
+    from actstore.storage import ObjectStorage
+
+    x = np.random.default_rng(4).standard_normal((10, 2, 5, 8)).astype(np.float16)
+    _write(s3_url, x, zarr_format=3, shard_examples=4)
+    st = actstore.ActStore(s3_url, cache_dir=tmp_path / "cache", cache_bytes=2**20)
+    first = [st[i, layer].copy() for i in range(10) for layer in LAYERS]
+    calls = []
+    real = ObjectStorage.get_range
+
+    def counting(self, key, start, length):
+        calls.append(key)
+        return real(self, key, start, length)
+
+    monkeypatch.setattr(ObjectStorage, "get_range", counting)
+    again = actstore.ActStore(s3_url, cache_dir=tmp_path / "cache", cache_bytes=2**20)  # e.g. a DataLoader worker
+    second = [again[i, layer] for i in range(10) for layer in LAYERS]
+    assert all((a == b).all() for a, b in zip(first, second))
+    assert [k for k in calls if "/c/" in k] == []  # every chunk came from the cache
+    np.testing.assert_array_equal(np.stack(second[::2]), x[:, 0])

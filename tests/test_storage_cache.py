@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import numpy as np
 import pytest
 
 from actstore.storage import KeyNotFound, ObjectStorage, Storage, open_storage
-from actstore.storage.cache import HEADER, LOW_WATER, RESCAN_FRACTION, CachedStorage, ReadOnlyCacheError
+from actstore.storage.cache import CachedStorage, ReadOnlyCacheError
+from actstore.storage.cachedir import HEADER, LOW_WATER, RESCAN_FRACTION
 
 MiB = 2**20
 
@@ -180,6 +182,7 @@ def test_the_predicate_sees_keys_from_the_store_root(tmp_path):
     assert cache.child("shards/").child("s0").get("c/0") == b"abc"
     assert seen == ["shards/s0/c/0"]
     assert cache.get("shards/s0/c/0") == b"abc" and cache.stats()["hits"] == 1  # one entry for both
+    assert cache.child("shards").child("").get("s0/c/0") == b"abc" and cache.stats()["hits"] == 2
 
 
 def test_namespaces_never_serve_each_others_bytes(inner, tmp_path):
@@ -232,6 +235,42 @@ def test_an_object_larger_than_the_cache_is_read_not_cached(tmp_path):
     cache = CachedStorage(inner, tmp_path / "cache", max_bytes=4096, namespace="n", cacheable=data_only)
     assert cache.get("big") == cache.get("big") == payload(0, 5000)
     assert cache.stats()["skipped"] == 2 and entries(tmp_path / "cache") == []
+
+
+def test_a_scan_removes_only_stale_temporary_files(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cache = CachedStorage(open_storage(tmp_path / "store"), cache_dir, max_bytes=MiB, namespace="n",
+                          cacheable=data_only)
+    sub = cache_dir / ("ab" * 8) / "cd"
+    sub.mkdir(parents=True)
+    stale, fresh, foreign = sub / f".{'e' * 40}.tmp-1-0123abcd", sub / f".{'f' * 40}.tmp-2-0123abcd", sub / "notes.txt"
+    for p in (stale, fresh, foreign):
+        p.write_bytes(b"x")
+    os.utime(stale, (1, 1))  # a writer that crashed long ago
+    open_storage(tmp_path / "store").put("c/0", b"abc")
+    cache.get("c/0")  # the first write of a process scans the directory
+    assert not stale.exists() and fresh.exists() and foreign.exists()
+    assert cache.stats()["evicted"] == 0
+
+
+def test_threads_share_a_small_cache(tmp_path):
+    inner = open_storage(tmp_path / "store")
+    for i in range(30):
+        inner.put(f"c/{i}", payload(i))
+    cache = CachedStorage(inner, tmp_path / "cache", max_bytes=8000, namespace="n", cacheable=data_only)
+
+    def reader(seed: int) -> int:
+        rng, wrong = random.Random(seed), 0
+        for _ in range(200):
+            i = rng.randrange(30)
+            buf = bytearray(1000)
+            n = cache.read_into(f"c/{i}", memoryview(buf), 0)
+            wrong += n != 1000 or bytes(buf) != payload(i)
+        return wrong
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(reader, range(4))) == [0] * 4
+    assert dir_bytes(tmp_path / "cache") <= 8000 and cache.stats()["errors"] == cache.stats()["damaged"] == 0
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip-byte", "bad-magic", "grow", "empty", "folder"])
@@ -367,3 +406,30 @@ def test_processes_sharing_a_cache_dir_read_exact_bytes(inner, tmp_path):
     # Each process rescans after writing RESCAN_FRACTION of the limit: the bound on the overshoot.
     largest = HEADER.size + 2000 + n_keys
     assert dir_bytes(tmp_path / "cache") <= max_bytes * LOW_WATER + 3 * (max_bytes * RESCAN_FRACTION + largest)
+
+
+def data_and_no_dotfiles(key: str) -> bool:
+    name = key.rsplit("/", 1)[-1]
+    return not (name.endswith(".json") or name.startswith("."))
+
+
+@pytest.mark.parametrize("layout", [{}, {"zarr_format": 3, "shard_examples": 4}], ids=["chunk-files", "zarr-shards"])
+def test_a_store_read_twice_reads_its_chunks_from_the_cache(tmp_path, layout):
+    import actstore
+
+    acts = np.random.default_rng(0).standard_normal((10, 2, 9, 16)).astype(np.float16)
+    path = tmp_path / "acts.store"
+    with actstore.ShardWriter(path, shard=0, layers=[1, 3], d_model=16, tokens=9, **layout) as w:
+        w.append(acts, sample_keys=[f"k{i}" for i in range(10)])
+    actstore.finalize(path)
+    counting = Counting(open_storage(path))
+    cache = CachedStorage(counting, tmp_path / "cache", max_bytes=MiB, namespace=str(path),
+                          cacheable=data_and_no_dotfiles)
+    data_reads = ("get_range", "read_into", "read_object_into")
+    for epoch in range(2):
+        before = sum(counting.calls[k] for k in data_reads)
+        store = actstore.ActStore(cache)
+        for ex in range(10):
+            assert np.array_equal(store[ex, 1], acts[ex, 0]) and np.array_equal(store[ex, 3], acts[ex, 1])
+        fetched = sum(counting.calls[k] for k in data_reads) - before
+        assert (fetched > 0) if epoch == 0 else (fetched == 0)  # the second epoch: chunks from the cache

@@ -98,3 +98,14 @@ def labels_field(segment: str) -> str:
 
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
+
+
+def is_published_data(key: str) -> bool:
+    """Whether `key` (from the store root) is data that a finalized store never rewrites
+    while its manifest stands: activation chunks and Zarr shard files, per-sample chunks,
+    texts. Records (commit, blocks, checksums, manifest) and Zarr metadata are not: a
+    resumed shard rewrites them. A read cache keeps only these keys."""
+    parts = key.split("/")
+    if len(parts) < 3 or parts[0] != SHARDS or parts[2] == META_DIR:
+        return False
+    return parts[-1] not in ZARR_NAMES and not is_temporary(parts[-1])

@@ -24,6 +24,8 @@ from actstore.read.select import is_pair, select
 from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
 
+DEFAULT_CACHE_BYTES = 10 * 2**30  # the local read cache's default size limit
+
 
 class SegmentView:
     """`store.segment(name)[ex, layer]` -> (length, D) of one segment."""
@@ -62,13 +64,20 @@ class ActStore:
             (e.g. `LocalStorage(path, read_nowait=False)`).
         verify: None, "fast" or "deep": verify the store before use (raises
             VerificationError holding the report).
+        cache_dir: a local folder keeping the chunk bytes read (e.g. of a store in object
+            storage), so that later reads (the next epoch, other DataLoader workers) come
+            from local disk; least recently used entries go first beyond `cache_bytes`.
+            Entries belong to this store's manifest: a new finalize starts afresh.
+        cache_bytes: the cache folder's size limit (default 10 GiB).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: str | None = None):
+    def __init__(self, path: str | os.PathLike, *, verify: str | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         if verify not in (None, False, "fast", "deep"):
             raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
         self._location = path if isinstance(path, (str, Storage)) else os.fspath(path)
         self._verify = verify
+        self._cache = (os.fspath(cache_dir), int(cache_bytes)) if cache_dir is not None else None
         self._open()
 
     def _open(self) -> None:
@@ -81,6 +90,8 @@ class ActStore:
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
         self.manifest: Manifest = catalog.read_manifest(self.storage)
+        if self._cache is not None:
+            self.storage = _cached(self.storage, *self._cache)
         for entry in self.manifest.shards:  # a shard folder that leaves the store is refused up front
             catalog.shard_storage(self.storage, entry.name)
         self.config: StoreConfig = self.manifest.config
@@ -94,11 +105,12 @@ class ActStore:
 
     # ---- pickling: only the location travels ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self._location, "verify": None}
+        return {"path": self._location, "verify": None, "cache": self._cache}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._location = state["path"]
         self._verify = state["verify"]
+        self._cache = state.get("cache")
         self._open()
 
     # ---- description ---------------------------------------------------------------
@@ -280,6 +292,18 @@ def _split_key(key: Any) -> tuple[int, int]:
     if not isinstance(ex, (int, np.integer)) or isinstance(ex, bool):
         raise TypeError(f"example index must be an int, got {ex!r}")
     return int(ex), layer
+
+
+def _cached(storage: Storage, cache_dir: str, cache_bytes: int) -> Storage:
+    """The store's storage behind a local read cache, namespaced by its URL and manifest."""
+    import hashlib
+
+    from actstore.layout import keys
+    from actstore.storage.cache import CachedStorage
+
+    manifest = storage.get(keys.MANIFEST)  # read again: the namespace is its exact bytes
+    namespace = hashlib.sha256(storage.url.encode() + b"\0" + manifest).hexdigest()
+    return CachedStorage(storage, cache_dir, max_bytes=cache_bytes, namespace=namespace, cacheable=keys.is_published_data)
 
 
 def _refuse_saev_dir(path: Path) -> None:

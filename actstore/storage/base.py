@@ -117,7 +117,7 @@ class Storage(abc.ABC):
     # ---- writes ---------------------------------------------------------------------
     @abc.abstractmethod
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
+            writeback: Writeback | None = None, background: bool = False) -> None:
         """Write the concatenation of `parts` (bytes-like) as the whole object `key`.
 
         atomic: readers see the old object or the new one, never a part (local: a
@@ -125,6 +125,9 @@ class Storage(abc.ABC):
             place, for objects nobody reads until a later commit names them.
         durable: the object (and its name) survive a power loss when put returns.
         writeback: an implementation-specific helper that finishes the write elsewhere.
+        background: the put may finish after the call returns (an object store uploads on
+            its own threads; the caller's buffers are copied first); `barrier` waits for
+            every such put. A local disk writes at once.
         """
 
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:

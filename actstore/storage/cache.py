@@ -2,294 +2,31 @@
 second epoch over a store in object storage reads from local disk.
 
 Only keys the caller's `cacheable` predicate admits are cached (data objects: chunk files,
-Zarr shard files, per-sample chunks, texts; never mutable records); everything else passes
-to the inner Storage. Granularity: whole objects (`get`, `read_object_into`), byte ranges
-(`get_range`, `read_into`: one entry per (key, offset, length)) and object sizes (`size`).
-
-On disk, under `cache_dir` (shared by any number of processes and namespaces):
-
-    <ns>/<xx>/<digest>                         one entry: a 32-byte header, then the bytes
-    <ns>/<xx>/.<digest>.tmp-<pid>-<random>     an entry being written (renamed into place)
-    .evict.lock                                flock'd by the one process evicting
-
-`ns` is a 64-bit blake2b of the namespace (the reader passes a hash of the store URL and
-its manifest, so one store generation never sees another's bytes); `digest` is a 160-bit
-blake2b of (kind, key from the store root, offset, length); `xx` its first two digits.
-Header: magic b"ACTCACHE", version u32, crc32c u32 of the bytes, byte count u64, 8 zero
-bytes. An entry whose header, length or crc does not add up is deleted and refetched.
-
-Eviction: an entry's mtime is its last use (set at write and on every hit). When this
-process's count of the directory's bytes (its last scan plus what it wrote since) passes
-`max_bytes`, or it has written RESCAN_FRACTION of `max_bytes` since its last scan (other
-processes write too), it scans the directory and deletes least recently used entries
-until LOW_WATER of `max_bytes` remain. One process alone never exceeds `max_bytes`
-after a call returns; P processes sharing the directory can exceed it by at most about
-P * (RESCAN_FRACTION * max_bytes + their largest entry). Deleting an entry never breaks a
-reader (an open file survives its unlink; a missing one is a miss) nor a writer
-(temporary files are left alone unless older than STALE_TMP_S: a crashed writer's).
+Zarr shard files, per-sample chunks, texts; never mutable records such as the commit
+record or the manifest); everything else passes to the inner Storage. Granularity: whole
+objects (`get`, `read_object_into`), byte ranges (`get_range`, `read_into`: one entry per
+(key, offset, length); a format-3 Zarr shard file is read one chunk range at a time) and
+object sizes (`size`). The namespace (the reader passes a hash of the store URL and its
+manifest) keeps one store generation from ever seeing another's bytes. The directory
+layout, integrity checks and eviction are in actstore/storage/cachedir.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import os
-import re
-import stat
-import struct
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import ActstoreError
-from actstore.layout.checksum import crc32c
 from actstore.storage.base import Entry, Storage, Writeback
+from actstore.storage.cachedir import CacheDir
 
 __all__ = ["CachedStorage", "ReadOnlyCacheError"]
-
-HEADER = struct.Struct("<8sIIQ8x")  # magic, version, crc32c, byte count, reserved
-MAGIC = b"ACTCACHE"
-VERSION = 1
-LOW_WATER = 0.875  # an eviction leaves at most this fraction of max_bytes
-RESCAN_FRACTION = 0.125  # rescan after writing this fraction of max_bytes (others write too)
-STALE_TMP_S = 3600  # a temporary file this old belongs to a crashed writer
-LOCK_NAME = ".evict.lock"
-STAT_NAMES = ("hits", "misses", "hit_bytes", "miss_bytes", "written", "written_bytes", "skipped",
-              "evicted", "evicted_bytes", "damaged", "errors")
-
-_NS_RE = re.compile(r"[0-9a-f]{16}")
-_SUB_RE = re.compile(r"[0-9a-f]{2}")
-_ENTRY_RE = re.compile(r"[0-9a-f]{40}")
-_TMP_RE = re.compile(r"\.[0-9a-f]{40}\.tmp-\d+-[0-9a-f]{8}")
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_BINARY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 class ReadOnlyCacheError(ActstoreError, PermissionError):
     """A write through a CachedStorage (a cache reads a finalized store, never writes it)."""
-
-
-class _Cache:
-    """The cache directory of one namespace, shared by a CachedStorage and its children:
-    entry files, this process's count of the directory's bytes, and the statistics."""
-
-    def __init__(self, root: Path, max_bytes: int, namespace: str):
-        self.root = root
-        self.max_bytes = max_bytes
-        self.ns_dir = f"{root}/{hashlib.blake2b(namespace.encode('utf-8', 'surrogatepass'), digest_size=8).hexdigest()}"
-        self._init_process_state()
-
-    def _init_process_state(self) -> None:
-        self.lock = threading.Lock()
-        self.evicting = threading.Lock()
-        self.counts = dict.fromkeys(STAT_NAMES, 0)
-        self.known_bytes: int | None = None  # bytes in the directory: last scan + own writes since
-        self.since_scan = 0
-        self.made_dirs: set[str] = set()
-
-    def __getstate__(self) -> dict:
-        return {"root": self.root, "max_bytes": self.max_bytes, "ns_dir": self.ns_dir}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._init_process_state()  # a new process counts its own use and scans afresh
-
-    def count(self, **inc: int) -> None:
-        with self.lock:
-            for name, n in inc.items():
-                self.counts[name] += n
-
-    def path(self, kind: str, key: str, offset: int = 0, length: int = 0) -> str:
-        """The entry file of (kind, key from the store root, offset, length)."""
-        ident = f"{kind}\0{key}\0{offset}\0{length}".encode("utf-8", "surrogatepass")
-        digest = hashlib.blake2b(ident, digest_size=20).hexdigest()
-        return f"{self.ns_dir}/{digest[:2]}/{digest}"
-
-    # ---- lookups ------------------------------------------------------------------
-    def _open(self, path: str) -> tuple[int, int, int] | None:
-        """(fd, byte count, crc) of an entry whose header and length add up; None when
-        there is none (a damaged one is dropped)."""
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            head = os.pread(fd, HEADER.size, 0) if stat.S_ISREG(st.st_mode) else b""
-            if len(head) == HEADER.size:
-                magic, version, crc, n = HEADER.unpack(head)
-                if magic == MAGIC and version == VERSION and st.st_size == HEADER.size + n:
-                    return fd, n, crc
-        except OSError:
-            pass
-        self._drop(path, fd)
-        os.close(fd)
-        return None
-
-    def _drop(self, path: str, fd: int) -> None:
-        """Delete the damaged entry open at `fd`, unless another process has just renamed
-        a fresh one into its place."""
-        self.count(damaged=1)
-        with contextlib.suppress(OSError):
-            a, b = os.fstat(fd), os.lstat(path)
-            if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
-                os.unlink(path)
-
-    def _hit(self, fd: int, n: int) -> None:
-        now = time.time_ns()
-        with contextlib.suppress(OSError):  # the last use, for eviction
-            os.utime(fd, ns=(now, now))
-        self.count(hits=1, hit_bytes=n)
-
-    def load(self, path: str) -> bytes | None:
-        """An entry's bytes, or None (missing or damaged)."""
-        found = self._open(path)
-        if found is None:
-            return None
-        fd, n, crc = found
-        try:
-            data = os.pread(fd, n, HEADER.size)
-            if len(data) == n and crc32c(data) == crc:
-                self._hit(fd, n)
-                return data
-            self._drop(path, fd)
-            return None
-        finally:
-            os.close(fd)
-
-    def load_into(self, path: str, dest: memoryview, *, exact: bool = False) -> int | None:
-        """Copy an entry's bytes into `dest` (its start when the entry is longer); return
-        the entry's byte count, or None (missing, damaged, or with `exact` not len(dest))."""
-        found = self._open(path)
-        if found is None:
-            return None
-        fd, n, crc = found
-        try:
-            if exact and n != len(dest):
-                return None  # not damage: the caller's read path explains a wrong size
-            if n <= len(dest):
-                got = os.preadv(fd, [dest[:n]], HEADER.size)  # the one copy: page cache -> dest
-                ok = got == n and crc32c(dest[:n]) == crc
-            else:
-                data = os.pread(fd, n, HEADER.size)
-                ok = len(data) == n and crc32c(data) == crc
-                if ok:
-                    dest[:] = memoryview(data)[: len(dest)]
-            if ok:
-                self._hit(fd, n)
-                return n
-            self._drop(path, fd)
-            return None
-        finally:
-            os.close(fd)
-
-    # ---- stores -------------------------------------------------------------------
-    def store(self, path: str, data: Any) -> None:
-        """Write an entry atomically (temporary file, rename). A failure (disk full, no
-        permission) is counted, never raised: the caller already has its bytes."""
-        view = memoryview(data).cast("B")
-        size = HEADER.size + view.nbytes
-        if size > self.max_bytes:
-            self.count(skipped=1)
-            return
-        folder, name = path.rsplit("/", 1)
-        tmp = f"{folder}/.{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            if folder not in self.made_dirs:
-                os.makedirs(folder, exist_ok=True)
-                self.made_dirs.add(folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-            try:
-                for part in (HEADER.pack(MAGIC, VERSION, crc32c(view), view.nbytes), view):
-                    part = memoryview(part)
-                    while part.nbytes:
-                        part = part[os.write(fd, part):]
-                now = time.time_ns()
-                os.utime(fd, ns=(now, now))
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError:
-            self.count(errors=1)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            return
-        with self.lock:
-            self.counts["written"] += 1
-            self.counts["written_bytes"] += size
-            self.since_scan += size
-            if self.known_bytes is not None:
-                self.known_bytes += size
-            due = (self.known_bytes is None or self.known_bytes > self.max_bytes
-                   or self.since_scan > self.max_bytes * RESCAN_FRACTION)
-        if due:
-            self.evict()
-
-    # ---- eviction -----------------------------------------------------------------
-    def evict(self) -> None:
-        """Scan the directory; when it holds more than max_bytes, delete least recently
-        used entries (every namespace) down to LOW_WATER of it. One process at a time (a
-        flock); within a process one thread, the others go on (their next write checks)."""
-        if not self.evicting.acquire(blocking=False):
-            return
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            lock_fd = os.open(f"{self.root}/{LOCK_NAME}", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one process scans at a time, each a fresh view
-                entries = list(self._scan())
-                total = sum(size for _, size, _ in entries)
-                if total > self.max_bytes:
-                    total = self._delete_oldest(entries, total, int(self.max_bytes * LOW_WATER))
-                with self.lock:
-                    self.known_bytes, self.since_scan = total, 0
-            finally:
-                os.close(lock_fd)  # releases the flock
-        except OSError:
-            self.count(errors=1)
-        finally:
-            self.evicting.release()
-
-    def _delete_oldest(self, entries: list[tuple[int, int, str]], total: int, target: int) -> int:
-        entries.sort()  # oldest use first
-        for _, size, path in entries:
-            if total <= target:
-                break
-            with contextlib.suppress(FileNotFoundError):  # gone already: another evictor
-                os.unlink(path)
-                self.count(evicted=1, evicted_bytes=size)
-            total -= size
-        return total
-
-    def _scan(self) -> Iterator[tuple[int, int, str]]:
-        """(mtime_ns, size, path) of every entry of every namespace; removes temporary
-        files of crashed writers. Files of other names are never touched."""
-        stale = time.time_ns() - STALE_TMP_S * 10**9
-        for ns in _dirs(str(self.root), _NS_RE):
-            for sub in _dirs(ns, _SUB_RE):
-                with contextlib.suppress(FileNotFoundError, NotADirectoryError), os.scandir(sub) as it:
-                    for f in it:
-                        try:
-                            st = f.stat(follow_symlinks=False)
-                        except FileNotFoundError:
-                            continue
-                        if _ENTRY_RE.fullmatch(f.name) and stat.S_ISREG(st.st_mode):
-                            yield st.st_mtime_ns, st.st_size, f.path
-                        elif _TMP_RE.fullmatch(f.name) and st.st_mtime_ns < stale:
-                            with contextlib.suppress(OSError):
-                                os.unlink(f.path)
-
-
-def _dirs(folder: str, pattern: re.Pattern) -> list[str]:
-    """The sub-folders of `folder` whose names match `pattern` (links are not followed)."""
-    try:
-        with os.scandir(folder) as it:
-            return [e.path for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 class CachedStorage(Storage):
@@ -321,9 +58,9 @@ class CachedStorage(Storage):
             raise ValueError(f"namespace must be a non-empty string. Got {namespace!r}.")
         if not callable(cacheable):
             raise TypeError(f"cacheable must be a callable taking a key. Got {cacheable!r}.")
-        self._setup(inner, _Cache(Path(cache_dir), max_bytes, namespace), "", cacheable)
+        self._setup(inner, CacheDir(Path(cache_dir), max_bytes, namespace), "", cacheable)
 
-    def _setup(self, inner: Storage, cache: _Cache, prefix: str, cacheable: Callable[[str], bool]) -> None:
+    def _setup(self, inner: Storage, cache: CacheDir, prefix: str, cacheable: Callable[[str], bool]) -> None:
         self.inner = inner
         self.url = inner.url
         self.local_root = None  # every byte goes through this object, so the cache sees it
@@ -343,8 +80,7 @@ class CachedStorage(Storage):
         hits, misses, hit_bytes, miss_bytes (fetched from inner), written, written_bytes,
         skipped (too large to cache), evicted, evicted_bytes, damaged (entries dropped),
         errors (cache writes or scans that failed; the reads still succeeded)."""
-        with self._cache.lock:
-            return dict(self._cache.counts)
+        return self._cache.stats()
 
     def where(self, key: str) -> str:
         return self.inner.where(key)
@@ -352,8 +88,10 @@ class CachedStorage(Storage):
     def child(self, prefix: str) -> CachedStorage:
         """A CachedStorage over `inner.child(prefix)` sharing this one's cache (directory,
         namespace, budget, statistics); its keys are cached under `prefix/key`."""
+        folder = prefix.strip("/")
         sub = object.__new__(CachedStorage)
-        sub._setup(self.inner.child(prefix), self._cache, f"{self._prefix}{prefix.strip('/')}/", self.cacheable)
+        sub._setup(self.inner.child(prefix), self._cache, f"{self._prefix}{folder}/" if folder else self._prefix,
+                   self.cacheable)
         return sub
 
     def _entry(self, kind: str, key: str, offset: int = 0, length: int = 0) -> str | None:
@@ -393,7 +131,7 @@ class CachedStorage(Storage):
         if path is None:
             return self.inner.read_into(key, dest, offset)
         n = self._cache.load_into(path, dest)
-        if n is None:
+        if n is None or n > len(dest):  # (an entry never holds more than its range)
             n = self.inner.read_into(key, dest, offset)
             self._missed(path, dest[:n], n)
         return n

@@ -92,13 +92,17 @@ class ObjectStorage(Storage):
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        size = self.size(key)
-        if size is None:
-            raise KeyNotFound(f"{self.where(key)} does not exist")
-        end = min(start + length, size)
-        if end <= start:
-            return b""
-        return bytes(_obstore().get_range(self.store, key, start=start, end=end))
+        obs = _obstore()
+        try:
+            return bytes(obs.get_range(self.store, key, start=start, length=length))
+        except FileNotFoundError:
+            raise KeyNotFound(f"{self.where(key)} does not exist") from None
+        except Exception:  # a range past the end of the object: answer with what there is
+            size = self.size(key)
+            if size is None:
+                raise KeyNotFound(f"{self.where(key)} does not exist") from None
+            end = min(start + length, size)
+            return bytes(obs.get_range(self.store, key, start=start, end=end)) if end > start else b""
 
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         data = self.get_range(key, offset, len(dest))
@@ -140,12 +144,13 @@ class ObjectStorage(Storage):
 
     # ---- writes ---------------------------------------------------------------------
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
-        """A whole-object put. With atomic=False (objects nobody reads before a later
-        commit names them) the put goes to background threads and returns at once;
-        `barrier` waits for them. Memory of queued puts is bounded (UPLOAD_BUFFER_BYTES)."""
+            writeback: Writeback | None = None, background: bool = False) -> None:
+        """A whole-object put (always atomic in an object store). With background=True or
+        atomic=False (objects nobody reads before a later commit names them) the put goes
+        to background threads and returns at once (its bytes copied); `barrier` waits for
+        them. Memory of queued puts is bounded (UPLOAD_BUFFER_BYTES)."""
         data = b"".join(memoryview(p).cast("B") for p in parts) if len(parts) != 1 or not isinstance(parts[0], bytes) else parts[0]
-        if atomic:
+        if atomic and not background:
             _obstore().put(self.store, key, data)
             return
         if self._uploads is None:

@@ -1,0 +1,152 @@
+"""Object-storage benchmark (issue 13): a store on S3 against plain obstore on the same bytes.
+
+moto's S3 server runs in this process on 127.0.0.1; every client runs in a child process
+(moto holds the GIL of the process it runs in). Figures, each a ratio within one run:
+- upload: ShardWriter to s3:// (Zarr shard files uploaded whole, in the background) vs
+  plain `obstore.put` of the same bytes as objects of the same sizes (8 in flight);
+- random (example, layer) reads, p50: ActStore over the URL vs a plain range GET of the
+  same bytes;
+- TokenStream over the URL (float16, one epoch) vs a plain sequential GET of the store's
+  activation objects.
+
+Run: .venv/bin/python benchmarks/bench_remote.py [--examples N] [--shard-examples S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from common import add_store_shape_args, save  # noqa: E402
+
+import s3server  # noqa: E402  (tests/s3server.py: moto's server on 127.0.0.1)
+
+
+def _write_store(url: str, a: argparse.Namespace) -> float:
+    import actstore
+
+    rng = np.random.default_rng(0)
+    batch = rng.standard_normal((a.batch, a.layers, a.tokens, a.d_model)).astype(np.float16)
+    t0 = time.perf_counter()
+    with actstore.ShardWriter(url, layers=list(range(a.layers)), d_model=a.d_model, tokens=a.tokens, zarr_format=3,
+                              shard_examples=a.shard_examples) as w:
+        for _ in range(a.examples // a.batch):
+            w.append(batch)
+    actstore.finalize(url)
+    return time.perf_counter() - t0
+
+
+def _plain_puts(url: str, sizes: list[int]) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+    from obstore.store import from_url
+
+    store = from_url(url)
+    blob = np.random.default_rng(1).bytes(max(sizes))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: obstore.put(store, f"plain/{i}", blob[: sizes[i]]), range(len(sizes))))
+    return time.perf_counter() - t0
+
+
+def _random_reads(url: str, a: argparse.Namespace) -> dict:
+    import obstore
+
+    import actstore
+    from actstore.storage import open_storage
+
+    st = actstore.ActStore(url)
+    rng = np.random.default_rng(2)
+    n = len(st)
+    qs = [(int(rng.integers(n)), int(rng.integers(a.layers))) for _ in range(a.queries)]
+    for ex, layer in qs[:20]:  # warm the shard-file indexes, as a long-running reader has them
+        st[ex, layer]
+    t_store = []
+    for ex, layer in qs:
+        t0 = time.perf_counter()
+        st[ex, layer]
+        t_store.append(time.perf_counter() - t0)
+    # The same bytes by plain range GETs: the offset of (ex, layer) inside its shard file.
+    storage = open_storage(url)
+    shard = storage.child("shards/shard-00000.zarr")
+    S, nb = a.shard_examples, a.tokens * a.d_model * 2
+    t_plain = []
+    for ex, layer in qs:
+        key = f"arrays/tokens_activations/c/{ex // S}/0/0/0"
+        off = ((ex % S) * a.layers + layer) * nb
+        t0 = time.perf_counter()
+        obstore.get_range(shard.store, key, start=off, length=nb)
+        t_plain.append(time.perf_counter() - t0)
+    return {"store_p50_ms": 1e3 * float(np.median(t_store)), "plain_p50_ms": 1e3 * float(np.median(t_plain))}
+
+
+def _stream(url: str, a: argparse.Namespace) -> dict:
+    import obstore
+
+    import actstore
+    from actstore.storage import open_storage
+    from actstore.torch import TokenStream
+
+    st = actstore.ActStore(url)
+    ts = TokenStream(st, batch_size=4096, seed=0)
+    t0 = time.perf_counter()
+    n_tokens = sum(len(b) for b in ts)
+    t_stream = time.perf_counter() - t0
+    shard = open_storage(url).child("shards/shard-00000.zarr")
+    keys = [e.key for e in shard.list("arrays/tokens_activations/c")]
+    t0 = time.perf_counter()
+    nbytes = sum(len(obstore.get(shard.store, k).bytes()) for k in keys)
+    t_plain = time.perf_counter() - t0
+    return {"tokens": n_tokens, "stream_s": t_stream, "plain_get_s": t_plain, "bytes": nbytes}
+
+
+def _child(fn, *args):
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_store_shape_args(ap, examples=512)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--shard-examples", type=int, default=64)
+    ap.add_argument("--queries", type=int, default=300)
+    a = ap.parse_args()
+    with s3server.moto_server() as endpoint:
+        s3server.apply_env(s3server.s3_env(endpoint))
+        url = f"s3://{s3server.create_bucket(endpoint)}/bench.store"
+        t_write = _child(_write_store, url, a)
+        from actstore.storage import open_storage
+
+        storage = open_storage(url)
+        sizes = [e.size for e in storage.list() if "/tokens_activations/c/" in e.key]
+        t_put = _child(_plain_puts, url, sizes)
+        reads = _child(_random_reads, url, a)
+        stream = _child(_stream, url, a)
+    total = sum(sizes)
+    res = {
+        "store_bytes": total,
+        "upload": {"actstore_s": t_write, "plain_put_s": t_put, "ratio": t_put / t_write},
+        "random_read": {**reads, "ratio": reads["store_p50_ms"] / reads["plain_p50_ms"]},
+        "token_stream": {**stream, "ratio": stream["plain_get_s"] / stream["stream_s"]},
+    }
+    print(f"store on moto S3: {a.examples} examples x {a.layers} layers x {a.tokens} x {a.d_model} fp16 ({total / 1e6:.0f} MB), "
+          f"Zarr shard files of {a.shard_examples} examples")
+    print(f"upload: actstore {total / t_write / 1e6:.0f} MB/s, plain obstore put {total / t_put / 1e6:.0f} MB/s -> {res['upload']['ratio']:.2f}x (target >= 0.8x)")
+    print(f"random (ex, layer) read p50: actstore {reads['store_p50_ms']:.2f} ms, plain range GET {reads['plain_p50_ms']:.2f} ms "
+          f"-> {res['random_read']['ratio']:.2f}x (target <= 1.5x)")
+    print(f"TokenStream over the URL: {stream['tokens'] / stream['stream_s'] / 1e6:.2f}M tokens/s; plain sequential GET "
+          f"{stream['bytes'] / stream['plain_get_s'] / 1e6:.0f} MB/s -> {res['token_stream']['ratio']:.2f}x (target >= 0.7x)")
+    print("results:", save("remote", res))
+
+
+if __name__ == "__main__":
+    main()
