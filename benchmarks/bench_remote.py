@@ -96,7 +96,7 @@ def _stream(url: str, a: argparse.Namespace) -> dict:
     from actstore.torch import TokenStream
 
     st = actstore.ActStore(url)
-    ts = TokenStream(st, batch_size=4096, seed=0)
+    ts = TokenStream(st, batch_size=4096, seed=0, threads=a.threads)
     t0 = time.perf_counter()
     n_tokens = sum(len(b) for b in ts)
     t_stream = time.perf_counter() - t0
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--shard-examples", type=int, default=64)
     ap.add_argument("--queries", type=int, default=300)
+    ap.add_argument("--threads", type=int, default=32, help="TokenStream reader threads (object stores want many requests in flight)")
     a = ap.parse_args()
     with s3server.moto_server() as endpoint:
         s3server.apply_env(s3server.s3_env(endpoint))

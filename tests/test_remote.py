@@ -87,13 +87,16 @@ def test_two_writers_racing_for_one_shard_on_s3(s3_url):
     assert all("already exists" in r or "created by another writer at the same time" in r for r in results if r != "won")
 
 
-def test_cli_on_a_url(s3_url):
+def test_cli_on_a_url(s3_url, tmp_path):
     from click.testing import CliRunner
 
     from actstore.cli import main
 
     x = np.ones((3, 2, 5, 8), np.float16)
-    _write(s3_url, x)
+    _write(s3_url, x, model_id="facebook/dinov2-small", attrs={"cls_token": True, "dataset": "/data/imgs"})
+    r = CliRunner().invoke(main, ["export-saev", s3_url, str(tmp_path / "saev" / "shards")])
+    assert r.exit_code == 0, r.output
+    assert len(list((tmp_path / "saev" / "shards").glob("*/acts*.bin"))) >= 1
     r = CliRunner().invoke(main, ["info", s3_url])
     assert r.exit_code == 0 and "3" in r.output, r.output
     r = CliRunner().invoke(main, ["verify", "--deep", "--quiet", s3_url])
