@@ -14,7 +14,7 @@ import xarray as xr
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout import spec
-from actstore.zarrio import decode_keys
+from actstore.layout.arrays import decode_keys
 from tests.helpers import random_acts
 
 LAYERS = [2, 5, 9]

@@ -207,7 +207,7 @@ class ActStore:
 
     def sample(self, ex: int) -> dict[str, Any]:
         """Per-sample metadata of example `ex`: sample_key, lengths, fields and texts."""
-        from actstore.zarrio import decode_keys
+        from actstore.layout.arrays import decode_keys
 
         pos, local = self.index.locate(ex)
         sh = self._shard(pos)
@@ -223,7 +223,7 @@ class ActStore:
     def field(self, name: str) -> np.ndarray:
         """A per-sample field (or `sample_key`, or `<segment>_len`) over all examples."""
         if name == spec.SAMPLE_KEY:
-            from actstore.zarrio import decode_keys
+            from actstore.layout.arrays import decode_keys
 
             return np.array([k for pos in range(len(self.manifest.shards)) for k in decode_keys(self._shard(pos).per_sample(name))])
         allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]

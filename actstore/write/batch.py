@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import zarrio
+from actstore.layout.arrays import encode_keys
 from actstore.dtypes import clip_to, convert, to_numpy
 from actstore.errors import AppendError, Float16OverflowError, NonFiniteError
 from actstore.layout import keys, spec
@@ -191,7 +191,7 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
         if len(names) != b:
             raise AppendError(f"got {len(names)} sample_keys for a batch of {b}")
     try:
-        out[keys.field_array(spec.SAMPLE_KEY)] = zarrio.encode_keys(names, cfg.zarr_format)
+        out[keys.field_array(spec.SAMPLE_KEY)] = encode_keys(names, cfg.zarr_format)
     except ValueError as e:
         raise AppendError(str(e)) from None
     fields = dict(fields or {})
