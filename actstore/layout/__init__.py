@@ -5,6 +5,7 @@
 - `records`: the JSON records (identity, commit, blocks, manifest, shard attributes);
 - `config`: the store configuration (its identity);
 - `chunks`: chunk geometry (which key holds which bytes) for raw-chunk I/O;
+- `texts`: the lines of a shard's text files;
 - `jsonio`: bounded JSON parsing, standard JSON writing.
 
 Nothing here does I/O: it turns bytes into typed records and back.

@@ -11,7 +11,7 @@ that bypass zarr-python use exactly these bytes, so both read each other's outpu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -95,16 +95,59 @@ class ChunkGeometry:
 
     def parse_key(self, rel: str) -> tuple[int, ...] | None:
         """Chunk grid coordinates of a key relative to the array folder, or None."""
-        if self.zarr_format == 3:
-            if not rel.startswith("c" + self.separator):
-                return None
-            rel = rel[2:]
-        if self.separator == "." and "/" in rel:
+        return parse_chunk_key(rel, self.zarr_format, self.separator)
+
+
+def parse_chunk_key(rel: str, zarr_format: int, separator: str, ndim: int = 4) -> tuple[int, ...] | None:
+    """Chunk grid coordinates of a key relative to an `ndim`-d array's folder (for an
+    activation array (example, layer, token chunk, d_model chunk): `3.0.1.0`, `c/3/0/1/0`),
+    or None when it names no chunk. For a Zarr-sharded array: the shard file's."""
+    if zarr_format == 3:
+        if not rel.startswith("c" + separator):
             return None
-        parts = rel.split(self.separator)
-        if len(parts) != 4 or not all(p.isdigit() for p in parts):
-            return None
-        return tuple(int(p) for p in parts)
+        rel = rel[2:]
+    if separator == "." and "/" in rel:
+        return None
+    parts = rel.split(separator)
+    if len(parts) != ndim or not all(p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def array_shape(meta: Any) -> list[int]:
+    """The shape an array's metadata declares (format 2 or 3); ValueError when it is not a
+    list of non-negative ints."""
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"shape must be a list of non-negative ints. Got {shape!r}.")
+    return shape
+
+
+class Declared(NamedTuple):
+    """What an array's metadata declares about reading its values, whatever its codecs."""
+
+    zarr_format: int
+    dtype: np.dtype | None  # None: a data type actstore never writes
+    chunks: list[int]  # the (inner) chunk shape
+    shards: list[int] | None  # the Zarr shard shape (sharding_indexed), or None
+    fill_value: Any  # what a missing chunk reads as
+
+
+def declared(meta: dict[str, Any]) -> Declared:
+    """What an array's Zarr metadata (format 2 or 3, compressed too) declares. Damaged
+    metadata raises ValueError, TypeError, KeyError, AttributeError or IndexError."""
+    fmt = meta.get("zarr_format")
+    if fmt == 2:
+        return Declared(2, np.dtype(meta["dtype"]), list(meta["chunks"]), None, meta.get("fill_value"))
+    if fmt == 3:
+        v3 = _v3_dtype(meta.get("data_type"))
+        dtype = np.dtype(v3) if v3 is not None else None
+        grid = list(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        codecs = meta.get("codecs") or []
+        if len(codecs) == 1 and codecs[0].get("name") == "sharding_indexed":
+            return Declared(3, dtype, list(codecs[0]["configuration"]["chunk_shape"]), grid, meta.get("fill_value"))
+        return Declared(3, dtype, grid, None, meta.get("fill_value"))
+    raise ValueError(f"zarr_format must be one of [2, 3]. Got {fmt!r}.")
 
 
 def geometry_from_metadata(array: str, meta: dict[str, Any], n_layers: int, d_model: int) -> ChunkGeometry | None:

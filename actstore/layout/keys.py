@@ -39,9 +39,36 @@ def is_temporary(name: str) -> bool:
     return name.startswith(".") and name not in ZARR_NAMES
 
 
+def is_interrupted_write(name: str) -> bool:
+    """Whether `name` is the temporary name (`.<name>.tmp-<...>`) of a file or shard folder
+    whose atomic write was interrupted: left behind only by a killed process."""
+    return is_temporary(name) and ".tmp-" in name
+
+
+def basename(key: str) -> str:
+    """The last part of a key (`meta/commit.json` -> `commit.json`)."""
+    return key.rsplit("/", 1)[-1]
+
+
 def store_stats_file(crc: int) -> str:
     """The merged statistics file of a finalized store, named by the crc32c of its bytes."""
     return spec.STATS_FILE.format(crc)
+
+
+# Statistics files by name: a store's (`stats-<crc32c hex>.npz`, or `stats.npz` of early
+# stores) at its root, a shard's (`stats-<n_committed, 12 digits>.npz`) in its meta folder.
+_STORE_STATS_RE = re.compile(r"^stats(-[0-9a-f]{8})?\.npz$")
+_SHARD_STATS_RE = re.compile(r"^stats-\d{12}\.npz$")
+
+
+def is_store_stats_file(name: str) -> bool:
+    """Whether a name at the store's root is a statistics file of some finalize."""
+    return _STORE_STATS_RE.match(name) is not None
+
+
+def is_shard_stats_file(name: str) -> bool:
+    """Whether a name in a shard's meta folder is a statistics file of some commit."""
+    return _SHARD_STATS_RE.match(name) is not None
 
 
 # ---- zarr's own metadata files -------------------------------------------------------

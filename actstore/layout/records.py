@@ -162,15 +162,30 @@ def committed_length(data: bytes, n_blocks: int, where: str) -> int:
     return pos
 
 
-def check_blocks_tile(blocks: list[Block], n: int, where: str) -> None:
-    """Blocks must cover examples 0..n-1 contiguously."""
+def block_problems(blocks: list[Block], n: int, cfg: StoreConfig | None = None) -> list[tuple[str, bool]]:
+    """What is wrong with a shard's block records, as (message, fatal) pairs: they must tile
+    examples 0..n-1 (fatal); with the store config, each must hold one crc32c per segment
+    (fatal) and the bytes of its examples. After a fatal problem the records are unusable."""
+    out: list[tuple[str, bool]] = []
+    segments = sorted(s.name for s in cfg.segments) if cfg is not None else None
     covered = 0
-    for b in blocks:
+    for i, b in enumerate(blocks):
         if b.start != covered:
-            raise CorruptStoreError(f"{where}: block records are not contiguous at example {covered}")
+            return out + [(f"block record {i} starts at example {b.start}, expected {covered}", True)]
+        if segments is not None and sorted(b.crc32c) != segments:
+            return out + [(f"block record {i} has checksums for segments {sorted(b.crc32c)}, expected {segments}", True)]
+        if cfg is not None and b.nbytes != (b.stop - b.start) * cfg.example_bytes():
+            out.append((f"block record {i} claims {b.nbytes} bytes for {b.stop - b.start} examples", False))
         covered = b.stop
     if covered != n:
-        raise CorruptStoreError(f"{where}: block records cover {covered} examples, the commit record says {n}")
+        out.append((f"the block records cover {covered} examples, not {n}", True))
+    return out
+
+
+def check_blocks_tile(blocks: list[Block], n: int, where: str) -> None:
+    """Blocks must cover examples 0..n-1 contiguously."""
+    for message, _ in block_problems(blocks, n):
+        raise CorruptStoreError(f"{where}: {message}")
 
 
 def blocks_checksum(blocks: list[Block]) -> int:

@@ -100,6 +100,11 @@ class Storage(abc.ABC):
         None when nothing does."""
         return "file" if self.size(key) is not None else None
 
+    def link_target(self, key: str) -> tuple[str, bool] | None:
+        """Where the symbolic link at `key` finally leads (a full path) and whether that lies
+        inside the store; None when no link stands there (object stores hold none)."""
+        return None
+
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[Entry]:
         """Every key under `prefix` (a folder: "" for the whole store), recursively, in

@@ -263,6 +263,13 @@ class LocalStorage(Storage):
             return None
         return _kind(st.st_mode)
 
+    def link_target(self, key: str) -> tuple[str, bool] | None:
+        path = self.path(_checked(key))
+        if not os.path.islink(path):
+            return None
+        target, root = os.path.realpath(path), os.path.realpath(self._root)
+        return target, target == root or target.startswith(root.rstrip(os.sep) + os.sep)
+
     def list(self, prefix: str = "") -> Iterator[Entry]:
         top = self.path(_checked(prefix)) if prefix else self._root.rstrip("/")
         base = len(self._root)

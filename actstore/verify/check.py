@@ -1,12 +1,15 @@
-"""The verifier's state: the store's storage, one listing of it, the report being built."""
+"""The verifier's state: the store's storage, one listing of it, the report being built, and
+the shard being checked."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from actstore.layout import keys
 from actstore.layout.config import StoreConfig
+from actstore.layout.records import Commit
 from actstore.storage import Entry, Storage
 from actstore.verify.report import ERROR, WARNING, Problem, VerifyReport
 
@@ -18,7 +21,6 @@ class Listing:
 
     def __init__(self, storage: Storage):
         self.entries: dict[str, Entry] = {e.key: e for e in storage.list()}
-        self._children: dict[str, list[Entry]] | None = None
 
     def kind(self, key: str) -> str | None:
         e = self.entries.get(key)
@@ -47,6 +49,30 @@ class Listing:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardCtx:
+    """The writer shard being checked and the counts its checks go by."""
+
+    name: str
+    prefix: str  # the shard's key prefix in the store
+    storage: Storage  # keys relative to the shard
+    shard: int
+    start: int | None  # its first global example; None before finalize
+    n: int  # examples published (or committed, before finalize)
+    rec: Commit | None
+
+    def key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}" if rel else self.prefix
+
+    def global_index(self, local: int) -> int | None:
+        return None if self.start is None else self.start + local
+
+    def example_name(self, local: int) -> str:
+        """How a problem names an example: its global index, or its local index before finalize."""
+        g = self.global_index(local)
+        return str(g) if g is not None else f"local {local} of shard {self.shard}"
+
+
 class Checker:
     """One verification run over one store; problems are added as they are found."""
 
@@ -73,21 +99,32 @@ class Checker:
                     Problem(severity=sev, kind=kind, shard=shard, message=f"... and {n - MAX_LISTED} more {kind} problems in this shard")
                 )
 
-    def symlink(self, key: str, shard: int | None) -> None:
+    def odd_entry(self, key: str, kind: str | None, shard: int | None, **where: Any) -> bool:
+        """Report a link, FIFO, socket or device at `key` (a store holds only regular files
+        and folders); True when there was one. `where` names the example, layer, segment."""
+        if kind == "link":
+            self.symlink(key, shard, **where)
+            return True
+        if kind == "other":
+            self.add(ERROR, "not-a-file", f"{key} is a FIFO, socket or device; a store holds only regular files and folders "
+                     "(readers refuse it)", key, shard=shard, **where)
+            return True
+        return False
+
+    def not_a_file(self, key: str, kind: str | None, shard: int | None) -> bool:
+        """Report whatever stands at `key` where the format has a regular file (a folder, a
+        link, ...); True when something other than a file is there."""
+        if kind in (None, "file") or self.odd_entry(key, kind, shard):
+            return kind not in (None, "file")
+        self.add(ERROR, "not-a-file", f"{key} is a folder where the store has the file {keys.basename(key)} (readers refuse it)",
+                 key, shard=shard)
+        return True
+
+    def symlink(self, key: str, shard: int | None, **where: Any) -> None:
         """Any link is reported: an error if it leaves the store, else a warning."""
-        root = self.storage.local_root
-        target = os.path.realpath(os.path.join(root, key)) if root is not None else key
-        real_root = os.path.realpath(root) if root is not None else ""
-        if target != real_root and not target.startswith(real_root + os.sep):
-            self.add(ERROR, "symlink", f"{key} is a symbolic link to {target}, outside the store; readers refuse it", key, shard=shard)
+        target, inside = self.storage.link_target(key) or (key, False)
+        if not inside:
+            self.add(ERROR, "symlink", f"{key} is a symbolic link to {target}, outside the store; readers refuse it", key, shard=shard, **where)
         else:
-            self.add(WARNING, "symlink", f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)", key, shard=shard)
-
-    def load_stats(self, key: str, shard: int | None) -> None:
-        """Report a statistics file that does not load."""
-        from actstore.stats import RunningStats
-
-        try:
-            RunningStats.from_bytes(self.storage.get(key))
-        except Exception as e:  # noqa: BLE001 - np.load of a damaged file raises many types
-            self.add(ERROR, "stats", f"statistics file {key.rsplit('/', 1)[-1]} cannot be read ({e!r})", key, shard=shard)
+            self.add(WARNING, "symlink", f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)", key,
+                     shard=shard, **where)

@@ -1,41 +1,24 @@
-"""Checks of one writer shard: commit and block records, checksums file, folders, per-sample
-arrays, texts, statistics; the activation arrays are checked by actstore.verify.acts."""
+"""Checks of one writer shard: commit and block records against the manifest, the checksums
+file, its folders' entries, per-sample arrays, texts, statistics. Activation arrays are
+checked by actstore.verify.acts (fast) and actstore.verify.deep (checksums)."""
 
 from __future__ import annotations
-
-import re
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from actstore import catalog
 from actstore.errors import ActstoreError, FormatVersionError, UnsafePathError
-from actstore.layout import jsonio, keys, records, spec
-from actstore.layout.records import Block, Commit, ShardEntry
-from actstore.storage import KeyNotFound, Storage
-from actstore.verify.acts import check_acts
-from actstore.verify.check import Checker
+from actstore.layout import keys, records, spec
+from actstore.layout.chunks import array_shape, key_scheme, parse_chunk_key
+from actstore.layout.config import StoreConfig
+from actstore.layout.records import Block, ShardEntry
+from actstore.storage import KeyNotFound
+from actstore.verify import deep as deep_checks
+from actstore.verify.acts import ActsCheck
+from actstore.verify.check import Checker, ShardCtx
 from actstore.verify.report import ERROR, WARNING
 
 _ZARR_META = set(keys.ZARR_NAMES)
-
-
-@dataclass(frozen=True, kw_only=True)
-class ShardCtx:
-    name: str
-    prefix: str  # the shard's key prefix in the store
-    storage: Storage  # keys relative to the shard
-    shard: int
-    start: int | None
-    n: int
-    rec: Commit | None
-
-    def key(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if rel else self.prefix
-
-    def global_index(self, local: int) -> int | None:
-        return None if self.start is None else self.start + local
 
 
 def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
@@ -46,7 +29,7 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
     except UnsafePathError as e:
         v.add(ERROR, "symlink", str(e), prefix, shard=shard)
         return
-    if v.listing.entries.get(prefix) is not None and v.listing.entries[prefix].kind == "link":
+    if v.listing.kind(prefix) == "link":
         v.symlink(prefix, shard)
     try:
         rec = catalog.read_commit(sh)
@@ -71,15 +54,20 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
     # and files on disk: damaged metadata must not make verify read (or allocate) forever.
     deep = v.deep and blocks is not None and (rec is None or rec.n_committed >= n) and _rows_ok(v, ctx)
     for si, seg in enumerate(v.cfg.segments):
-        check_acts(v, ctx, seg, si, blocks, el, deep)
+        acts = ActsCheck(v, ctx, seg, si)
+        if acts.fast():
+            if deep and acts.deep_ok:
+                deep_checks.checksums(acts, blocks, el)
+            acts.report_missing()
     _check_per_sample(v, ctx, deep)
     _check_texts(v, ctx, deep)
     if rec is not None and rec.stats_file and n:
         key = ctx.key(rec.stats_file)
-        if v.listing.kind(key) != "file":
+        kind = v.listing.kind(key)
+        if kind is None:
             v.add(ERROR, "stats", f"statistics file {rec.stats_file} named by the commit record is missing", key, shard=shard)
-        elif v.deep:
-            v.load_stats(key, shard)
+        elif not v.not_a_file(key, kind, shard) and v.deep:
+            deep_checks.load_stats(v, key, shard)
     v.flush_counts(shard)
 
 
@@ -122,20 +110,10 @@ def _blocks(v: Checker, ctx: ShardCtx, n_blocks: int, entry: ShardEntry | None) 
     except (ActstoreError, OSError) as e:
         v.add(ERROR, "blocks", str(e), key, **where)
         return None
-    covered = 0
-    seg_names = sorted(s.name for s in v.cfg.segments)
-    for i, b in enumerate(blocks):
-        if b.start != covered:
-            v.add(ERROR, "blocks", f"block record {i} starts at example {b.start}, expected {covered}", key, **where)
-            return None
-        if sorted(b.crc32c) != seg_names:
-            v.add(ERROR, "blocks", f"block record {i} has checksums for segments {sorted(b.crc32c)}, expected {seg_names}", key, **where)
-            return None
-        if b.nbytes != (b.stop - b.start) * v.cfg.example_bytes():
-            v.add(ERROR, "blocks", f"block record {i} claims {b.nbytes} bytes for {b.stop - b.start} examples", key, **where)
-        covered = b.stop
-    if covered != ctx.n:
-        v.add(ERROR, "blocks", f"the block records cover {covered} examples; {ctx.n} are published", key, **where)
+    problems = records.block_problems(blocks, ctx.n, v.cfg)
+    for message, _ in problems:
+        v.add(ERROR, "blocks", message, key, **where)
+    if any(fatal for _, fatal in problems):
         return None
     if entry is not None:
         total = records.blocks_checksum(blocks)
@@ -143,7 +121,7 @@ def _blocks(v: Checker, ctx: ShardCtx, n_blocks: int, entry: ShardEntry | None) 
             v.add(
                 ERROR, "checksum-manifest",
                 f"the block records' checksums add up to crc32c {total:#010x}, the manifest says {entry.crc32c:#010x}: "
-                "blocks.jsonl or the manifest was altered",
+                f"{keys.basename(keys.BLOCKS)} or the manifest was altered",
                 key, **where,
             )
         nbytes = sum(b.nbytes for b in blocks)
@@ -167,40 +145,41 @@ def _el_crcs(v: Checker, ctx: ShardCtx) -> np.ndarray | None:
 
 
 def _check_dir_entries(v: Checker, ctx: ShardCtx) -> None:
-    """Links and stray files in the shard's own folders (arrays are walked per array)."""
+    """Links, odd and stray entries in the shard's own folders (arrays are walked per array)."""
     cfg = v.cfg
-    expected = {
-        "": _ZARR_META | {keys.ARRAYS, keys.META_DIR, keys.TEXT_DIR},
-        keys.META_DIR: {keys.COMMIT.rsplit("/", 1)[-1], keys.BLOCKS.rsplit("/", 1)[-1], keys.EL_CRC.rsplit("/", 1)[-1]},
-        keys.TEXT_DIR: {keys.text_file(t).rsplit("/", 1)[-1] for t in cfg.texts},
-        keys.ARRAYS: _ZARR_META | {a.rsplit("/", 1)[-1] for a in _array_keys(cfg)},
+    files = {  # the regular files each folder holds (beside the folders listed in `dirs`)
+        "": _ZARR_META,
+        keys.META_DIR: {keys.basename(k) for k in (keys.COMMIT, keys.BLOCKS, keys.EL_CRC)},
+        keys.TEXT_DIR: {keys.basename(keys.text_file(t)) for t in cfg.texts},
+        keys.ARRAYS: _ZARR_META,
     }
-    current_stats = ctx.rec.stats_file.rsplit("/", 1)[-1] if ctx.rec and ctx.rec.stats_file else None
-    for sub, names in expected.items():
+    dirs = {"": {keys.ARRAYS, keys.META_DIR, keys.TEXT_DIR}, keys.ARRAYS: {keys.basename(a) for a in _array_keys(cfg)}}
+    current_stats = keys.basename(ctx.rec.stats_file) if ctx.rec and ctx.rec.stats_file else None
+    for sub, names in files.items():
         folder = ctx.key(sub)
         kind = v.listing.kind(folder)
         if kind != "dir":
-            if kind == "link":
+            if kind == "link" and sub:  # the shard's own folder was reported by check_shard
                 v.symlink(folder, ctx.shard)
-            elif sub and names:  # a folder with nothing to hold may be absent (object stores have no folders)
+            elif sub and (names or sub in dirs):  # a folder with nothing to hold may be absent (object stores have no folders)
                 v.add(ERROR, "missing-file", f"folder {sub}/ of the shard is missing", folder, shard=ctx.shard)
             continue
         for name, kind in sorted(v.listing.children(folder).items()):
             key = f"{folder}/{name}"
-            if kind == "link":
-                v.symlink(key, ctx.shard)
-            elif name in names:
+            if name in names:
+                v.not_a_file(key, kind, ctx.shard)
+            elif v.odd_entry(key, kind, ctx.shard) or name in dirs.get(sub, ()):
                 continue
-            elif keys.is_temporary(name) and ".tmp-" in name:
+            elif keys.is_interrupted_write(name):
                 v.add(WARNING, "temp-file", f"{name} is the temporary file of an interrupted write; safe to delete", key, shard=ctx.shard)
-            elif sub == keys.META_DIR and re.match(r"^stats-\d{12}\.npz$", name):
+            elif sub == keys.META_DIR and keys.is_shard_stats_file(name):
                 if name != current_stats:
                     v.add(WARNING, "stale-stats", f"{name} is the statistics file of an earlier commit (the writer was killed before deleting it); safe to delete", key, shard=ctx.shard)
             elif not keys.is_temporary(name):
                 v.add(WARNING, "stray-file", f"{name} is not part of a writer shard", key, shard=ctx.shard)
 
 
-def _array_keys(cfg) -> list[str]:
+def _array_keys(cfg: StoreConfig) -> list[str]:
     names = [keys.acts_array(s.name) for s in cfg.segments] + [keys.len_array(s.name) for s in cfg.segments]
     if cfg.token_labels:
         names += [keys.labels_array(s.name) for s in cfg.segments]
@@ -212,42 +191,42 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
     for array in _array_keys(v.cfg):
         if array in acts:
             continue
-        name = array.rsplit("/", 1)[-1]
+        name = keys.basename(array)
         key = ctx.key(array)
         where = dict(shard=ctx.shard)
         try:
             meta = catalog.array_meta(ctx.storage, array)
-            shape = meta["shape"]
-            ok = isinstance(shape, list) and shape and isinstance(shape[0], int)
+            shape = array_shape(meta)
         except KeyNotFound:
             v.add(ERROR, "array-meta", f"per-sample array {name} is missing", key, **where)
             continue
         except (ActstoreError, ValueError, KeyError, TypeError) as e:
             v.add(ERROR, "array-meta", f"metadata of per-sample array {name} is damaged ({e!r})", key, **where)
             continue
-        if not ok or shape[0] < ctx.n:
-            v.add(ERROR, "array-meta", f"per-sample array {name} holds {shape if not ok else shape[0]} values; {ctx.n} examples are published", key, **where)
+        if not shape or shape[0] < ctx.n:
+            v.add(ERROR, "array-meta", f"per-sample array {name} holds {shape[0] if shape else shape} values; {ctx.n} examples are published",
+                  key, **where)
             continue
+        _walk_per_sample(v, ctx, array, meta, len(shape))
         if deep:
-            _deep_per_sample(v, ctx, array)
+            deep_checks.per_sample_values(v, ctx, array)
 
 
-def _deep_per_sample(v: Checker, ctx: ShardCtx, array: str) -> None:
-    import zarr
-
-    name, key = array.rsplit("/", 1)[-1], ctx.key(array)
+def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, ndim: int) -> None:
+    """Links, odd entries and stray files among a per-sample array's chunk files."""
     try:
-        values = np.asarray(zarr.open_array(store=ctx.storage.zarr_store(array, read_only=True), mode="r")[: ctx.n])
-    except Exception as e:  # noqa: BLE001 - any decoding failure of untrusted bytes is damage
-        v.add(ERROR, "per-sample", f"per-sample array {name} cannot be read ({e!r})", key, shard=ctx.shard)
+        fmt, sep = key_scheme(meta)
+    except (AttributeError, TypeError) as e:
+        v.add(ERROR, "array-meta", f"metadata of per-sample array {keys.basename(array)} is damaged ({e!r})", ctx.key(array), shard=ctx.shard)
         return
-    for seg in v.cfg.segments:
-        if array == keys.len_array(seg.name) and values.size and (values.min() < 0 or values.max() > seg.t_max):
-            bad = int(np.flatnonzero((values < 0) | (values > seg.t_max))[0])
-            v.add(
-                ERROR, "per-sample", f"length {int(values[bad])} of segment {seg.name!r} lies outside 0..{seg.t_max}",
-                key, shard=ctx.shard, local=bad, example=ctx.global_index(bad), segment=seg.name,
-            )
+    head = ctx.key(array) + "/"
+    for entry in v.listing.under(ctx.key(array)):
+        rel = entry.key[len(head):]
+        if v.odd_entry(entry.key, entry.kind, ctx.shard) or rel in keys.ZARR_NAMES or entry.kind == "dir":
+            continue
+        key = parse_chunk_key(rel, fmt, sep, ndim)
+        if (key is None or any(key[1:])) and not keys.is_temporary(keys.basename(rel)):
+            v.add(WARNING, "stray-file", f"{rel} in array {keys.basename(array)} is not a chunk of this array", entry.key, shard=ctx.shard)
 
 
 def _check_texts(v: Checker, ctx: ShardCtx, deep: bool) -> None:
@@ -257,35 +236,13 @@ def _check_texts(v: Checker, ctx: ShardCtx, deep: bool) -> None:
         where = dict(shard=ctx.shard)
         kind = v.listing.kind(key)
         if kind != "file":
-            if kind != "link":
+            if kind is None:
                 v.add(ERROR, "text", f"text file {name}.jsonl is missing", key, **where)
-            continue
+            continue  # anything else there was reported with the folder's entries
         want = ctx.rec.text_bytes.get(name) if ctx.rec else None
         size = v.listing.size(key)
         if want is not None and size < want:
             v.add(ERROR, "text", f"text file {name}.jsonl has {size} bytes; the commit record says {want}", key, **where)
             continue
         if deep:
-            _deep_text(v, ctx, name, rel)
-
-
-def _deep_text(v: Checker, ctx: ShardCtx, name: str, rel: str) -> None:
-    key = ctx.key(rel)
-    n_lines = 0
-    for line in ctx.storage.get(rel).splitlines(keepends=True):
-        if n_lines >= ctx.n:
-            break
-        i = n_lines
-        n_lines += 1
-        try:
-            rec: Any = jsonio.parse(line)
-            ok = isinstance(rec, dict) and rec.get("i") == i and name in rec
-        except ValueError:
-            ok = False
-        if not ok:
-            v.add(
-                ERROR, "text", f"line {i + 1} of {name}.jsonl is damaged (expected {{\"i\": {i}, ..., \"{name}\": ...}})",
-                key, shard=ctx.shard, local=i, example=ctx.global_index(i),
-            )
-    if n_lines < ctx.n:
-        v.add(ERROR, "text", f"{name}.jsonl has {n_lines} lines; {ctx.n} examples are published", key, shard=ctx.shard)
+            deep_checks.text_lines(v, ctx, name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -13,13 +12,13 @@ from actstore.layout.records import Manifest
 from actstore.storage import open_storage
 from actstore.verify.check import Checker
 from actstore.verify.report import ERROR, WARNING, VerifyReport, plural
+from actstore.verify.deep import load_stats
 from actstore.verify.shard import check_shard
-
-_STATS_RE = re.compile(r"^stats(-[0-9a-f]{8})?\.npz$")
 
 
 def verify_store(
     path: Any,
+    *,
     deep: bool = False,
     raise_on_error: bool = False,
     progress: Callable[[int], None] | None = None,
@@ -38,9 +37,8 @@ def verify_store(
     """
     storage = open_storage(path)
     root = storage.url
-    names = storage.list_dir()
-    local = storage.local_root
-    if (local is not None and not local.is_dir()) or not (keys.IDENTITY in names or keys.MANIFEST in names):
+    names = storage.list_dir()  # empty for a missing folder or a file
+    if not (keys.IDENTITY in names or keys.MANIFEST in names):
         raise StoreNotFoundError(f"{root} is not an actstore store (no {keys.IDENTITY} or {keys.MANIFEST})")
     report = _run(Checker(storage, deep, progress))
     if raise_on_error and not report.ok:
@@ -94,19 +92,18 @@ def _check_root(v: Checker, manifest: Manifest | None) -> None:
     expected = {keys.IDENTITY, keys.MANIFEST, keys.SHARDS}
     if manifest is not None and manifest.stats:
         expected.add(manifest.stats)
-        if v.listing.kind(manifest.stats) != "file":
+        kind = v.listing.kind(manifest.stats)
+        if kind is None:
             v.add(ERROR, "stats", f"statistics file {manifest.stats} named by the manifest is missing", manifest.stats)
-        elif v.deep:
-            v.load_stats(manifest.stats, None)
+        elif not v.not_a_file(manifest.stats, kind, None) and v.deep:
+            load_stats(v, manifest.stats, None)
     for name, kind in sorted(v.listing.children("").items()):
-        if kind == "link":
-            v.symlink(name, None)
-        if name in expected:
+        if v.odd_entry(name, kind, None) or name in expected:
             continue
         if keys.is_temporary(name):
-            if ".tmp-" in name:
+            if keys.is_interrupted_write(name):
                 v.add(WARNING, "temp-file", f"{name} is the temporary file of an interrupted write (finalize killed?); safe to delete", name)
-        elif _STATS_RE.match(name):
+        elif keys.is_store_stats_file(name):
             v.add(WARNING, "stale-stats", f"{name} holds statistics of an earlier finalize (kept for readers of the previous manifest); safe to delete", name)
         else:
             v.add(WARNING, "stray-file", f"{name} is not part of an actstore store", name)
@@ -118,7 +115,9 @@ def _check_shards(v: Checker, manifest: Manifest | None) -> None:
         key = f"{keys.SHARDS}/{name}"
         if keys.parse_shard_name(name) is not None:
             present.append(name)
-        elif keys.is_temporary(name) and ".tmp-" in name:
+        elif v.odd_entry(key, kind, None):
+            continue
+        elif keys.is_interrupted_write(name):
             v.add(WARNING, "temp-file", f"{name} is the folder of a writer killed while creating its shard; safe to delete when no writer runs", key)
         elif not keys.is_temporary(name):
             v.add(WARNING, "stray-file", f"{name} in {keys.SHARDS}/ is not a writer shard (names are shard-NNNNN.zarr)", key)
