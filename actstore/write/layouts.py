@@ -6,6 +6,10 @@ The commit protocol (actstore.write.protocol) drives a layout without knowing wh
   n0.. and keeps their checksums (per (example, layer), and the block's chained crc32c);
   a failure leaves the layout's checksum state as it was before the call;
 - `flush(complete)` makes every appended example written and returns their count;
+- `check()` raises the error of failed background work; with `background` True such an
+  error (from `check` or `flush`) leaves the layout unusable: the writer closes;
+- `at_boundary` says whether a commit now writes nothing twice (automatic commits wait
+  for it, up to twice the commit size);
 - `take_checksums(n)` hands the protocol the checksums of the next n committed examples;
 - `first_stale(cfg, n)` (a class method) says from which first chunk-grid coordinate a
   resumed shard's objects are uncommitted, to be dropped before the layout opens;
@@ -30,7 +34,8 @@ from actstore.write.batch import Batch
 class Layout:
     """Base: the checksum bookkeeping every layout shares."""
 
-    buffered = False  # whether appended rows wait in memory until a flush
+    background = False  # whether rows are written by a thread whose errors end the writer
+    files = "chunk files"  # what it writes, for error messages
 
     def __init__(self, cfg: StoreConfig):
         self.cfg = cfg
@@ -50,6 +55,12 @@ class Layout:
         n examples are committed: later objects are a crashed writer's tail."""
         return n
 
+    @property
+    def at_boundary(self) -> bool:
+        return True
+
+    def check(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -107,11 +118,8 @@ class ChunkFiles(Layout):
         return self.n_written
 
 
-
 class ZarrArrays(Layout):
     """Through zarr-python (any codec): batches wait in memory until the commit writes them."""
-
-    buffered = True
 
     def __init__(self, cfg: StoreConfig, arrays: dict[str, Any], n_written: int):
         super().__init__(cfg)

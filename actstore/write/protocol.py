@@ -19,7 +19,7 @@ import numpy as np
 
 from actstore import catalog
 from actstore._version import __version__
-from actstore.errors import CorruptStoreError, DiskFullError, ShardExistsError
+from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError
 from actstore.layout import keys, records, spec
 from actstore.layout.config import make_config
 from actstore.stats import RunningStats, stats_key
@@ -27,7 +27,6 @@ from actstore.storage import open_storage
 from actstore.write import batch as batches
 from actstore.write.identity import claim_store
 from actstore.write.setup import ShardSetup, _set_rows
-from actstore.write.shardfiles import ShardFiles
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -135,7 +134,7 @@ class ShardWriter(ShardSetup):
         self._block_bytes = 0
         self._stats_file: str | None = None
         self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if stats else None
-        if catalog.shard_exists(self.storage, shard):
+        if catalog.shard_exists(self.storage, shard) and self._claimed():
             if overwrite:
                 self._refuse_if_published("overwrite")
                 self.sh.delete_prefix("")
@@ -190,8 +189,6 @@ class ShardWriter(ShardSetup):
             token_labels: (b, T_max) uint8 per segment (a dict for several segments).
             batch_stats: statistics already computed for this batch (merged as is).
         """
-        from actstore.errors import AppendError
-
         self._check_open()
         cfg = self.cfg
         seg_names = [s.name for s in cfg.segments]
@@ -206,8 +203,7 @@ class ShardWriter(ShardSetup):
         )
         # Everything is validated: from here on the batch is written.
         n0, b = self.n_written, batch.b
-        if isinstance(self._layout, ShardFiles):
-            self._check_background()
+        self._check_background()
         try:
             self._layout.append(batch, n0)
         except OSError as e:
@@ -235,7 +231,7 @@ class ShardWriter(ShardSetup):
         if self._block_bytes >= self.commit_bytes and (
             # With Zarr sharding, prefer a commit where a shard file just filled: a commit
             # elsewhere writes the partial shard file, rewritten once it fills.
-            not isinstance(self._layout, ShardFiles) or self._layout.at_boundary or self._block_bytes >= 2 * self.commit_bytes
+            self._layout.at_boundary or self._block_bytes >= 2 * self.commit_bytes
         ):
             self.commit()
         return range(n0, n0 + b)
@@ -256,12 +252,12 @@ class ShardWriter(ShardSetup):
             self.stats.update(stats_key(layer, seg.name), v)
 
     def _check_background(self) -> None:
-        """Raise a failed background shard-file write as the writer's error; it closes the writer."""
+        """Raise a failed background write as the writer's error; it closes the writer."""
         try:
             self._layout.check()
         except OSError as e:
-            self._close_files()  # a shard file is missing past the last commit: only a resume continues
-            self._fail_since_commit(e, f"writing shard files of shard {self.shard} of {self.root}")
+            self._close_files()  # a file is missing past the last commit: only a resume continues
+            self._fail_since_commit(e, f"writing {self._layout.files} of shard {self.shard} of {self.root}")
 
     def _disk_full(self, e: OSError, doing: str, then: str) -> DiskFullError:
         where = f": {e.filename}" if e.filename else ""
@@ -299,14 +295,13 @@ class ShardWriter(ShardSetup):
     def _commit_block(self, complete: bool) -> None:
         cfg, sh = self.cfg, self.sh
         n0 = self.n_committed
-        if isinstance(self._layout, ShardFiles):
-            try:
-                n1 = self._layout.flush(complete)
-            except OSError as e:
-                self._close_files()
-                self._fail_since_commit(e, f"writing shard files of shard {self.shard} of {self.root}")
-        else:
+        try:
             n1 = self._layout.flush(complete)
+        except OSError as e:
+            if not self._layout.background:
+                raise  # to _commit, as any failure before the commit point
+            self._close_files()  # the background writer stopped: only a resume continues
+            self._fail_since_commit(e, f"writing {self._layout.files} of shard {self.shard} of {self.root}")
         if n1 == n0 and not complete:
             return
         if n1 > n0:

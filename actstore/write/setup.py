@@ -40,6 +40,16 @@ class ShardSetup:
                 f"readers depend on it. Write a new shard number instead."
             )
 
+    def _claimed(self) -> bool:
+        """Whether the shard is taken: its commit record, or (a damaged shard) anything but
+        the temporary file of a claim under way, which the claim itself decides. (Names
+        only: a racing claimant deletes its temporary file at any time.)"""
+        if self.sh.exists(keys.COMMIT):
+            return True
+        if self.sh.list_dir("") not in ([], [keys.META_DIR]):
+            return True
+        return any(not keys.is_temporary(n) for n in self.sh.list_dir(keys.META_DIR))
+
     def _create(self) -> None:
         """Claim the shard (a create-only put of its commit record), then create its arrays."""
         if not self.sh.put_if_absent(keys.COMMIT, records.dump_commit(self._commit_record(False))):

@@ -112,6 +112,9 @@ class BackgroundShardFiles:
 class ShardFiles(Layout):
     """Format 3 Zarr shard files of S examples, staged here and written in the background."""
 
+    background = True
+    files = "shard files"
+
     def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, writeback: Writeback | None):
         super().__init__(cfg)
         self.io = io
