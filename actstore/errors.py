@@ -30,6 +30,14 @@ class ShardCompleteError(ActstoreError, RuntimeError):
     """A writer asked to resume a shard that was already closed."""
 
 
+class ShardBusyError(ActstoreError, RuntimeError):
+    """Another live writer holds the shard's lease; the message names it (host, pid, start)."""
+
+
+class LeaseLostError(ActstoreError, RuntimeError):
+    """A writer's lease on its shard was taken over (it was not renewed in time); it commits nothing more."""
+
+
 class AppendError(ActstoreError, ValueError):
     """A batch passed to ShardWriter.append does not fit the store."""
 

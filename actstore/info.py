@@ -46,6 +46,11 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "attrs": dict(cfg.attrs),
         "created": store.manifest.created,
         "actstore_version": store.manifest.actstore_version,
+        "world_size": store.manifest.world_size,
+        "partial": (
+            {"missing_ranks": list(store.manifest.partial.missing_ranks), "incomplete_shards": list(store.manifest.partial.incomplete_shards)}
+            if store.manifest.partial else None
+        ),
     }
 
 
@@ -82,6 +87,14 @@ def format_info(info: dict[str, Any]) -> str:
     if bad or over:
         lines.append(f"non-finite   {bad}   clipped overflow {over}")
     lines.append(f"shards       {len(info['shards'])}: " + ", ".join(f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]) + (" ..." if len(info["shards"]) > 20 else ""))
+    if info.get("world_size"):
+        lines.append(f"ranks        {info['world_size']} (world size of the run)")
+    if info.get("partial"):
+        p = info["partial"]
+        lines.append(
+            f"PARTIAL      finalized with --allow-partial: missing ranks {p['missing_ranks'] or 'none'}, "
+            f"unclosed shards {p['incomplete_shards'] or 'none'} (resume them and finalize again)"
+        )
     if info["statistics"]:
         lines.append("statistics (per layer/segment):")
         lines.append(f"  {'key':<22}{'count':>12}{'mean |x|':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}")

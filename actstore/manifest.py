@@ -23,8 +23,11 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
 
     Args:
         path: the store root.
-        allow_partial: include the committed prefix of shards whose writer never closed
-            (crashed and not to be resumed); by default such a shard is an error.
+        allow_partial: publish what is committed even though shards are unfinished: the
+            committed prefix of shards whose writer never closed, and no shard at all for
+            ranks of the recorded world size that never wrote one. The manifest records
+            what is missing (`partial`); `info` shows it and `verify --strict` refuses it.
+            By default either is an error that names the shards and ranks.
 
     Returns:
         The manifest written. Examples are ordered shard-major: ascending shard number,
@@ -37,7 +40,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     numbers = catalog.shard_numbers(storage)
     if not numbers:
         raise CorruptStoreError(f"{storage.url} has no writer shards in {keys.SHARDS}/; write some before finalizing")
-    entries, incomplete = [], []
+    entries, incomplete, incomplete_numbers, worlds = [], [], [], {}
     truncated, nonfinite, overflow = (dict.fromkeys((s.name for s in cfg.segments), 0) for _ in range(3))
     stats: RunningStats | None = None
     stats_ok = True
@@ -45,8 +48,11 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     for number in numbers:
         shard = catalog.shard_storage(storage, number)
         rec = catalog.read_commit(shard)
+        if rec.world_size is not None:
+            worlds.setdefault(rec.world_size, []).append(number)
         if not rec.complete:
             incomplete.append(f"shard {number} ({rec.n_committed} examples committed)")
+            incomplete_numbers.append(number)
             if not allow_partial:
                 continue
         blocks = catalog.read_blocks(shard, rec.n_blocks)
@@ -70,12 +76,18 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
                 stats.merge(st)
         elif rec.n_committed:
             stats_ok = False
-    if incomplete and not allow_partial:
+    world, missing = _world(storage.url, worlds, numbers)
+    if (incomplete or missing) and not allow_partial:
+        lacks = [f"{', '.join(incomplete)} not closed (a writer still running, or killed)"] if incomplete else []
+        if missing:
+            lacks.append(f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} of the {world} recorded with its shards wrote no shard")
         raise NotFinalizedError(
-            f"cannot finalize {storage.url}: {', '.join(incomplete)} not closed (a writer still running, or killed). "
-            "Resume and close it (ShardWriter(..., resume=True) or `actstore write --resume`), "
-            "or pass allow_partial=True (`actstore finalize --allow-partial`) to publish only what was committed."
+            f"cannot finalize {storage.url}: {'; '.join(lacks)}. "
+            "Run or resume those writers to the end (`actstore write --resume` with the same --rank/--world-size, "
+            "or ShardWriter(..., resume=True) and close it), "
+            "or pass allow_partial=True (`actstore finalize --allow-partial`) to publish only what was committed, recorded as partial."
         )
+    partial = records.Partial(missing_ranks=tuple(missing), incomplete_shards=tuple(incomplete_numbers)) if missing or incomplete else None
     stats_name = None
     if stats is not None and stats_ok:
         # Named by content, so that a finalize killed before it replaces manifest.json
@@ -87,10 +99,38 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     manifest = Manifest(
         config=cfg, n_examples=start, shards=tuple(entries),
         truncation=records.truncation(truncated, start), nonfinite=nonfinite, overflow=overflow, stats=stats_name,
-        created=records.now(), actstore_version=__version__,
+        created=records.now(), actstore_version=__version__, world_size=world, partial=partial,
     )
     _publish(storage, keys.MANIFEST, records.dump_manifest(manifest))
     return records.parse_manifest(records.dump_manifest(manifest), storage.where(keys.MANIFEST), storage.url)
+
+
+def _world(url: str, worlds: dict[int, list[int]], numbers: list[int]) -> tuple[int | None, list[int]]:
+    """The world size the shards record (one for all) and its ranks without a shard."""
+    if not worlds:
+        return None, []
+    if len(worlds) > 1:
+        raise CorruptStoreError(
+            f"cannot finalize {url}: its shards were written by runs of different world sizes "
+            f"({'; '.join(f'{w} ranks: shards {_ranges(ns)}' for w, ns in sorted(worlds.items()))}); "
+            "a store holds one run: rewrite the odd shards with the same --world-size, or write them to another store"
+        )
+    (world,) = worlds
+    beyond = [n for n in numbers if n >= world]
+    if beyond:
+        raise CorruptStoreError(f"cannot finalize {url}: shards {_ranges(beyond)} lie beyond the {world} ranks its shards record")
+    return world, sorted(set(range(world)) - set(numbers))
+
+
+def _ranges(ns: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8' (rank lists of a thousand-GPU job stay short)."""
+    out: list[list[int]] = []
+    for n in sorted(ns):
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
 
 
 def load_manifest(path: str | os.PathLike | Storage) -> Manifest:

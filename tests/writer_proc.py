@@ -1,6 +1,6 @@
 """A writer process for multi-process tests: deterministic data per global example id.
 
-python -m tests.writer_proc STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S]
+python -m tests.writer_proc STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W]
 writes examples FIRST..FIRST+COUNT-1 as shard SHARD; example id k holds example_data(k).
 With --resume it continues after the shard's last committed example.
 """
@@ -8,6 +8,7 @@ With --resume it continues after the shard's last committed example.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -34,9 +35,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--commit-bytes", type=int, default=4000)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--start-after", default=None, help="wait until this file exists (a start line for racers)")
     a = ap.parse_args()
+    if a.start_after:
+        while not os.path.exists(a.start_after):
+            time.sleep(0.002)
     with ShardWriter(a.store, shard=a.shard, layers=LAYERS, d_model=D, tokens=T, resume=a.resume,
-                     commit_bytes=a.commit_bytes, texts=["id"]) as w:
+                     commit_bytes=a.commit_bytes, texts=["id"], world_size=a.world_size) as w:
         done = w.n_committed
         print(f"start {done}", flush=True)
         k = done

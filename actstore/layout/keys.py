@@ -15,6 +15,8 @@ SHARD_NAME_RE = re.compile(r"^shard-(\d{5})\.zarr$")
 IDENTITY = spec.IDENTITY_FILE
 MANIFEST = spec.MANIFEST_FILE
 SHARDS = spec.SHARDS_DIR
+LEASES = spec.LEASES_DIR
+_LEASE_NAME_RE = re.compile(r"^shard-(\d{5})\.(\d{1,9})\.json$")
 
 
 def shard_name(shard: int) -> str:
@@ -31,6 +33,17 @@ def parse_shard_name(name: str) -> int | None:
 def shard_prefix(shard: int | str) -> str:
     """Key prefix of a writer shard (by number or by folder name)."""
     return f"{spec.SHARDS_DIR}/{shard_name(shard) if isinstance(shard, int) else shard}"
+
+
+def lease_key(shard: int, generation: int) -> str:
+    """The lease file of generation `generation` on shard `shard` (from the store root)."""
+    return spec.LEASE_FILE_FORMAT.format(shard, generation)
+
+
+def parse_lease_name(name: str) -> tuple[int, int] | None:
+    """(shard, generation) of a file name in leases/, or None when `name` is not a lease."""
+    m = _LEASE_NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def is_temporary(name: str) -> bool:

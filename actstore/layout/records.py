@@ -74,11 +74,14 @@ class Commit:
     stats_file: str | None = None
     updated: str = ""
     format_version: int = spec.FORMAT_VERSION
+    world_size: int | None = None  # the number of ranks of the run (shard = rank); None: unranked
 
 
 def dump_commit(c: Commit) -> bytes:
     d = asdict(c)
-    return jsonio.dumps({k: d[k] for k in spec.COMMIT_FIELDS})
+    out = {k: d[k] for k in spec.COMMIT_FIELDS}
+    out.update({k: d[k] for k in spec.COMMIT_OPTIONAL_FIELDS if d[k] is not None})
+    return jsonio.dumps(out)
 
 
 def parse_commit(data: bytes, where: str) -> Commit:
@@ -108,7 +111,10 @@ def parse_commit(data: bytes, where: str) -> Commit:
         raise CorruptStoreError(f"{where}: stats_file must be a file under {spec.META_DIR}/ or null, got {sf!r}")
     if not isinstance(rec["updated"], str):
         raise CorruptStoreError(f"{where}: updated must be a string, got {rec['updated']!r}")
-    return Commit(**{k: rec[k] for k in spec.COMMIT_FIELDS})
+    world = rec.get("world_size")
+    if world is not None and not (is_count(world) and rec["shard"] < world <= spec.MAX_WORLD_SIZE):
+        raise CorruptStoreError(f"{where}: world_size must be an int in {rec['shard'] + 1}..{spec.MAX_WORLD_SIZE} (above the shard number), got {world!r}")
+    return Commit(**{k: rec[k] for k in spec.COMMIT_FIELDS}, world_size=world)
 
 
 # ---- block records ---------------------------------------------------------------
@@ -290,6 +296,16 @@ class Manifest:
     stats: str | None
     created: str
     actstore_version: str
+    world_size: int | None = None  # the ranks of the run, when its writers were ranked
+    partial: Partial | None = None  # set when finalize published with ranks or shards unfinished
+
+
+@dataclass(frozen=True, kw_only=True)
+class Partial:
+    """What a store finalized with `allow_partial` lacks."""
+
+    missing_ranks: tuple[int, ...]  # ranks of the world with no shard at all
+    incomplete_shards: tuple[int, ...]  # shards whose writer never closed (their committed prefix is published)
 
 
 def truncation(counts: dict[str, int], n_examples: int) -> dict[str, dict[str, float]]:
@@ -312,6 +328,8 @@ def dump_manifest(m: Manifest) -> bytes:
             "nonfinite": m.nonfinite,
             "overflow": m.overflow,
             "stats": m.stats,
+            **({"world_size": m.world_size} if m.world_size is not None else {}),
+            **({"partial": {k: list(getattr(m.partial, k)) for k in spec.PARTIAL_FIELDS}} if m.partial else {}),
         }
     )
 
@@ -360,11 +378,24 @@ def parse_manifest(data: bytes, where: str, root: str | None = None) -> Manifest
         raise CorruptStoreError(f"{where}: truncation must map segments to {{count, fraction}}, got {doc['truncation']!r}")
     if not isinstance(doc["created"], str) or not isinstance(doc["actstore_version"], str):
         raise CorruptStoreError(f"{where}: created and actstore_version must be strings")
+    world = doc.get("world_size")
+    if world is not None and not (is_count(world) and 0 < world <= spec.MAX_WORLD_SIZE):
+        raise CorruptStoreError(f"{where}: world_size must be an int in 1..{spec.MAX_WORLD_SIZE}, got {world!r}")
     return Manifest(
         config=cfg, n_examples=n_total, shards=tuple(entries), truncation=doc["truncation"],
         nonfinite=doc["nonfinite"], overflow=doc["overflow"], stats=stats, created=doc["created"],
-        actstore_version=doc["actstore_version"],
+        actstore_version=doc["actstore_version"], world_size=world, partial=_partial(doc.get("partial"), where),
     )
+
+
+def _partial(p: Any, where: str) -> Partial | None:
+    if p is None:
+        return None
+    if not isinstance(p, dict) or set(p) != set(spec.PARTIAL_FIELDS) or not all(
+        isinstance(v, list) and len(v) <= spec.MAX_WORLD_SIZE and all(is_count(r) and r <= spec.MAX_SHARD for r in v) for v in p.values()
+    ):
+        raise CorruptStoreError(f"{where}: partial must be {{{', '.join(spec.PARTIAL_FIELDS)}}} with lists of shard numbers, got {p!r}")
+    return Partial(**{k: tuple(p[k]) for k in spec.PARTIAL_FIELDS})
 
 
 def _shard_entry(s: Any, cfg: StoreConfig, where: str, start: int, seen: set[str]) -> ShardEntry:

@@ -15,6 +15,10 @@ MANIFEST_FILE = "manifest.json"
 SHARDS_DIR = "shards"
 SHARD_NAME_FORMAT = "shard-{:05d}.zarr"
 MAX_SHARD = 99_999
+LEASES_DIR = "leases"  # a writer's exclusive lease on a shard: leases/shard-NNNNN.<generation>.json
+LEASE_FILE_FORMAT = "leases/shard-{:05d}.{}.json"
+DEFAULT_LEASE_TTL = 60.0  # seconds a lease on another host stays valid without renewal
+MAX_WORLD_SIZE = MAX_SHARD + 1
 
 # Inside one writer shard (a Zarr group).
 ARRAYS_GROUP = "arrays"
@@ -105,6 +109,7 @@ COMMIT_FIELDS = (
     "stats_file",
     "updated",
 )
+COMMIT_OPTIONAL_FIELDS = ("world_size",)  # written by ranked writers only
 MANIFEST_FIELDS = (
     "format",
     "format_version",
@@ -119,5 +124,8 @@ MANIFEST_FIELDS = (
     "overflow",
     "stats",
 )
+MANIFEST_OPTIONAL_FIELDS = ("world_size", "partial")
+PARTIAL_FIELDS = ("missing_ranks", "incomplete_shards")
+LEASE_FIELDS = ("shard", "generation", "token", "host", "pid", "pid_start", "started", "renewed", "ttl")
 STATS_FILE = "stats-{:08x}.npz"
 MANIFEST_SHARD_FIELDS = ("shard", "name", "start", "n_examples", "complete", "n_blocks", "crc32c", "nbytes")

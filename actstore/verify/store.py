@@ -80,6 +80,17 @@ def _run(v: Checker) -> VerifyReport:
     if manifest is not None and ident is not None and ident.differences(manifest.config):
         v.add(ERROR, "identity", f"{keys.IDENTITY} and {keys.MANIFEST} describe different stores: "
               f"{'; '.join(ident.differences(manifest.config))}", keys.MANIFEST)
+    if manifest is not None and manifest.partial is not None:
+        p = manifest.partial
+        v.add(
+            WARNING, "partial",
+            f"the store was finalized as partial (finalize --allow-partial): "
+            f"{f'ranks {list(p.missing_ranks)} of {manifest.world_size} wrote no shard' if p.missing_ranks else ''}"
+            f"{'; ' if p.missing_ranks and p.incomplete_shards else ''}"
+            f"{f'shards {list(p.incomplete_shards)} were never closed (only their committed prefix is published)' if p.incomplete_shards else ''}; "
+            "resume those writers and finalize again for the whole run",
+            keys.MANIFEST,
+        )
     v.cfg = manifest.config if manifest is not None else ident
     if v.cfg is None:
         return v.report
@@ -97,8 +108,9 @@ def _check_root(v: Checker, manifest: Manifest | None) -> None:
             v.add(ERROR, "stats", f"statistics file {manifest.stats} named by the manifest is missing", manifest.stats)
         elif not v.not_a_file(manifest.stats, kind, None) and v.deep:
             load_stats(v, manifest.stats, None)
+    _check_leases(v)
     for name, kind in sorted(v.listing.children("").items()):
-        if v.odd_entry(name, kind, None) or name in expected:
+        if v.odd_entry(name, kind, None) or name in expected or name == keys.LEASES:
             continue
         if keys.is_temporary(name):
             if keys.is_interrupted_write(name):
@@ -107,6 +119,24 @@ def _check_root(v: Checker, manifest: Manifest | None) -> None:
             v.add(WARNING, "stale-stats", f"{name} holds statistics of an earlier finalize (kept for readers of the previous manifest); safe to delete", name)
         else:
             v.add(WARNING, "stray-file", f"{name} is not part of an actstore store", name)
+
+
+def _check_leases(v: Checker) -> None:
+    """leases/ holds the lease of each shard a writer is writing now (or was, when killed)."""
+    for name, kind in sorted(v.listing.children(keys.LEASES).items()):
+        key = f"{keys.LEASES}/{name}"
+        parsed = keys.parse_lease_name(name)
+        if v.odd_entry(key, kind, None) or keys.is_temporary(name):
+            continue
+        if parsed is None:
+            v.add(WARNING, "stray-file", f"{key} is not a shard lease (names are shard-NNNNN.<generation>.json)", key)
+        else:
+            v.add(
+                WARNING, "lease",
+                f"shard {parsed[0]} is leased to a writer ({key}): one is writing it now, or was killed; "
+                "`actstore write --resume` (or ShardWriter(..., resume=True)) takes a dead writer's shard over",
+                key, shard=parsed[0],
+            )
 
 
 def _check_shards(v: Checker, manifest: Manifest | None) -> None:

@@ -11,6 +11,7 @@ Anything past its `n_committed` is invisible and rolled back by a resumed writer
 from __future__ import annotations
 
 import errno
+import weakref
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from actstore.stats import RunningStats, stats_key
 from actstore.storage import open_storage
 from actstore.write import batch as batches
 from actstore.write.identity import claim_store
+from actstore.write.lease import ShardLease
 from actstore.write.setup import ShardSetup, _set_rows
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -94,6 +96,7 @@ class ShardWriter(ShardSetup):
         engine: str = "auto",
         stats: bool = False,
         fsync: bool = False,
+        world_size: int | None = None,
     ):
         if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard <= spec.MAX_SHARD:
             raise ValueError(f"shard must be an int in 0..{spec.MAX_SHARD}. Got {shard!r}.")
@@ -108,6 +111,8 @@ class ShardWriter(ShardSetup):
             zarr_format=zarr_format, shard_examples=shard_examples, fields=fields, texts=texts,
             token_labels=token_labels, model_id=model_id, attrs=attrs,
         )
+        if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or not shard < world_size <= spec.MAX_WORLD_SIZE):
+            raise ValueError(f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {world_size!r}.")
         if engine == "direct" and compressor is not None:
             raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
         self.storage = open_storage(path)
@@ -123,6 +128,7 @@ class ShardWriter(ShardSetup):
         self.on_overflow = on_overflow
         self.fsync = fsync
         self.sh = catalog.shard_storage(self.storage, shard)
+        self.world_size = world_size
         self._closed = False
         names = [s.name for s in cfg.segments]
         self.n_committed = self.n_written = self.n_blocks = 0
@@ -134,6 +140,16 @@ class ShardWriter(ShardSetup):
         self._block_bytes = 0
         self._stats_file: str | None = None
         self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if stats else None
+        # One writer per shard: a second writer or resumer is refused while this one lives.
+        self._lease = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
+        weakref.finalize(self, self._lease.release)  # a writer dropped unclosed gives it back
+        try:
+            self._setup(shard, resume, overwrite)
+        except BaseException:
+            self._lease.release()
+            raise
+
+    def _setup(self, shard: int, resume: bool, overwrite: bool) -> None:
         if catalog.shard_exists(self.storage, shard) and self._claimed():
             if overwrite:
                 self._refuse_if_published("overwrite")
@@ -331,6 +347,7 @@ class ShardWriter(ShardSetup):
         if self.fsync:
             sh.sync()
         sh.barrier()  # every background put of this block is in
+        self._lease.check()  # a writer whose shard was taken over commits nothing more
         sh.put(keys.COMMIT, records.dump_commit(self._commit_record(complete, n1)), durable=self.fsync)
         if old_stats and old_stats != self._stats_file:
             sh.delete(old_stats)
@@ -356,7 +373,7 @@ class ShardWriter(ShardSetup):
             shard=self.shard, n_committed=self.n_committed if n is None else n, complete=complete,
             n_blocks=self.n_blocks, text_bytes=dict(self.text_bytes), truncated=dict(self.truncated),
             nonfinite=dict(self.nonfinite), overflow=dict(self.overflow), stats_file=self._stats_file,
-            updated=records.now(),
+            updated=records.now(), world_size=self.world_size,
         )
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -370,9 +387,12 @@ class ShardWriter(ShardSetup):
             self._close_files()
 
     def _close_files(self) -> None:
-        if hasattr(self, "_layout"):
-            self._layout.close()
-        self._closed = True
+        try:
+            if hasattr(self, "_layout"):
+                self._layout.close()
+        finally:
+            self._closed = True
+            self._lease.release()
 
     def _check_open(self) -> None:
         if self._closed:

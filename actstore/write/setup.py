@@ -13,7 +13,7 @@ from typing import Any
 
 from actstore import catalog, zarrio
 from actstore.chunkio import ChunkIO, drop_chunks
-from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsError
+from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsError, StoreMismatchError
 from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.chunks import array_meta_key, geometry_from_metadata
 from actstore.stats import read_stats
@@ -76,6 +76,13 @@ class ShardSetup:
 
     def _recover(self) -> None:
         rec = catalog.read_commit(self.sh)
+        if self.world_size is None:
+            self.world_size = rec.world_size  # a resume keeps the run's world
+        elif rec.world_size not in (None, self.world_size):
+            raise StoreMismatchError(
+                f"shard {self.shard} of {self.root} was written as rank {self.shard} of {rec.world_size} ranks; "
+                f"resume it with world size {rec.world_size}, not {self.world_size} (the split of the data depends on it)"
+            )
         if rec.complete:
             raise ShardCompleteError(
                 f"shard {self.shard} of {self.root} is complete with {rec.n_committed} examples; "
