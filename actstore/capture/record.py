@@ -97,6 +97,7 @@ def record(
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
     shard_examples: int | None = None,
     writer_nice: int = DEFAULT_WRITER_NICE,
+    world_size: int | None = None,
 ) -> RecordResult:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -128,6 +129,8 @@ def record(
         writer_nice: lower the writer thread's priority by this much (0..19; Linux nice,
             per thread) so that it yields the cores to the model and runs in its gaps;
             0 keeps the normal priority. Not permitted or not supported: ignored.
+        world_size: the number of ranks of a distributed run (this shard is rank `shard`);
+            recorded so that finalize refuses while a rank is missing.
 
     Returns:
         A RecordResult. The shard is closed (complete) when every batch was written.
@@ -142,7 +145,7 @@ def record(
         store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
-        zarr_format=zarr_format, shard_examples=shard_examples,
+        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
@@ -208,6 +211,7 @@ class _Job:
     progress: Callable[[int, int, int], None] | None
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
     shard_examples: int | None = None
+    world_size: int | None = None
     writer: ShardWriter | None = None
     n_before: int = 0
     n_written: int = 0
@@ -243,7 +247,7 @@ class _Job:
             self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,
             texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
             commit_bytes=_NEVER, on_overflow=self.on_overflow, stats=self.stats,
-            zarr_format=self.zarr_format, shard_examples=self.shard_examples,
+            zarr_format=self.zarr_format, shard_examples=self.shard_examples, world_size=self.world_size,
         )
         self.n_before = self.writer.n_committed
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from actstore.layout import spec
 from actstore.capture.data import Source, load_source
+from actstore.capture import ranks
 from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
@@ -27,6 +28,7 @@ from actstore.dtypes import require_torch
 from actstore import catalog
 from actstore.storage import open_storage
 
+ENGINES = ("local", "ray")
 DEFAULT_P_MAX = 256
 DEFAULT_R_MAX = 64
 
@@ -52,8 +54,12 @@ class WriteOptions:
     special: str = "mask"
     chat_template: bool = False
     workers: int = 1
-    rank: int = 0
-    world_size: int = 1
+    rank: int | None = None  # None (with world_size None): from Slurm/torchrun variables, else 0 of 1
+    world_size: int | None = None
+    engine: str = "local"  # "local": --workers processes on this machine; "ray": actors on a Ray cluster
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    ray_address: str | None = None
     resume: bool = False
     finalize: bool = True
     commit_mb: float = spec.DEFAULT_COMMIT_BYTES / 2**20
@@ -78,10 +84,16 @@ def check_options(o: WriteOptions) -> None:
         raise CaptureError(f"--batch-size must be a positive int. Got {o.batch_size}.")
     if o.workers < 1:
         raise CaptureError(f"--workers must be a positive int. Got {o.workers}.")
-    if o.world_size < 1 or not 0 <= o.rank < o.world_size:
-        raise CaptureError(f"--rank must be in 0..world_size-1 (world size {o.world_size}). Got {o.rank}.")
-    if o.workers > 1 and o.world_size > 1:
-        raise CaptureError("use either --workers N (processes on this machine) or --rank/--world-size (one writer per launch), not both")
+    if o.engine not in ENGINES:
+        raise CaptureError(f"--engine must be one of {list(ENGINES)}. Got {o.engine!r}.")
+    if (o.workers > 1 or o.engine == "ray") and (o.rank is not None or o.world_size is not None):
+        raise CaptureError("use either --workers N (writers started by actstore) or --rank/--world-size (one writer per launch), not both")
+    if o.rank is not None or o.world_size is not None:
+        ranks.resolve(o.rank, o.world_size, {})
+    if o.engine != "ray" and (o.gpus_per_worker or o.ray_address):
+        raise CaptureError("--gpus-per-worker and --ray-address go with --engine ray")
+    if o.cpus_per_worker <= 0 or o.gpus_per_worker < 0:
+        raise CaptureError(f"--cpus-per-worker must be positive and --gpus-per-worker non-negative. Got {o.cpus_per_worker}, {o.gpus_per_worker}.")
     if o.special not in SPECIAL_MODES:
         raise CaptureError(f"--special must be one of {list(SPECIAL_MODES)}. Got {o.special!r}.")
     if o.p_max is not None and o.p_quantile is not None:
@@ -120,16 +132,25 @@ def write(o: WriteOptions) -> dict[str, Any]:
     """
     require_torch("actstore write (actstore.capture.write)", "capture")
     check_options(o)
+    multi = o.workers > 1 or o.engine == "ray"  # actstore starts the writers: ranks 0..workers-1
+    if not multi:
+        r = ranks.resolve(o.rank, o.world_size, os.environ)
+        if r.source.startswith(("SLURM", "RANK")):  # printed even with --quiet: a job log should say it
+            print(f"rank {r.rank} of {r.world_size} (from {r.source})", file=sys.stderr, flush=True)
+        o = replace(o, rank=r.rank, world_size=r.world_size)
     storage = open_storage(o.store)
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
     source = load_source(o.data).limit(o.max_examples)  # empty data fails before anything is written
-    world = o.workers if o.workers > 1 else o.world_size
+    world = o.workers if multi else o.world_size
+    assert world is not None
     if world > len(source):
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
     root = storage.url
-    ranks = range(o.workers) if o.workers > 1 else [o.rank]
+    here = range(world) if multi else [o.rank]
+    for r in here:
+        check_lease(storage, r)  # another live writer of a shard: refused before any model loads
     if not o.resume:
-        for r in ranks:
+        for r in here:
             if catalog.shard_exists(storage, r):
                 n_done, complete = committed(root, r)
                 raise CaptureError(
@@ -137,14 +158,19 @@ def write(o: WriteOptions) -> dict[str, Any]:
                     "pass --resume to continue the run, or write to a new path"
                 )
     created = not storage.list_dir()
+    whole = multi or world == 1  # this call writes every rank: it may clean up and finalize
     t0 = time.perf_counter()
     try:
-        if o.workers > 1:
+        if o.engine == "ray":
+            from actstore.capture.engines import run_ray
+
+            results = run_ray(o, len(source))
+        elif o.workers > 1:
             results = _run_workers(o, len(source))
         else:
-            results = [run_shard(o, o.rank, o.world_size, source=source)]
+            results = [run_shard(o, o.rank or 0, world, source=source)]
     except BaseException:
-        if created and o.world_size == 1:
+        if created and whole:
             _remove_if_nothing_committed(storage, world)
         raise
     summary = {
@@ -159,7 +185,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
         "shards": [r.shard for r in results],
         "finalized": False,
     }
-    if o.finalize and o.world_size == 1:
+    if o.finalize and whole:
         from actstore.manifest import finalize
 
         finalize(root)
@@ -175,6 +201,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
         torch.set_num_threads(o.threads)
     source = source or load_source(o.data).limit(o.max_examples)
     start, stop = split(len(source), world, rank)
+    check_lease(open_storage(o.store), rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
     if o.progress and progress is None:
         print(f"loading {o.model} ...", file=sys.stderr, flush=True)
@@ -203,11 +230,25 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
             progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
-            writer_nice=o.writer_nice,
+            writer_nice=o.writer_nice, world_size=world,
         )
     finally:
         if own_bar is not None:
             own_bar.close()
+
+
+def check_lease(storage: Any, rank: int) -> None:
+    """Refuse a shard that a live writer holds, before the model loads (the writer takes
+    the lease itself when it opens the shard)."""
+    from actstore.errors import ShardBusyError
+    from actstore.write.lease import current, holder_alive
+
+    held = current(storage, rank)
+    if held is not None and holder_alive(held):
+        raise ShardBusyError(
+            f"shard {rank} of {storage.url} is being written by another writer: {held.holder()}. "
+            "Two writers of one shard would interleave their blocks; give this writer another rank, or wait for that one"
+        )
 
 
 def _check_modality(lm: LoadedModel, source: Source) -> None:

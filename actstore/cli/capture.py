@@ -59,9 +59,13 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
 @click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
 @click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
-@click.option("--workers", type=int, default=1, show_default=True, help="Writer processes on this machine (one shard each).")
-@click.option("--rank", type=int, default=0, show_default=True, help="This writer's rank (Slurm array / torchrun); writes shard RANK.")
-@click.option("--world-size", type=int, default=1, show_default=True, help="Number of ranks; run `actstore finalize STORE` once all are done.")
+@click.option("--workers", type=int, default=1, show_default=True, help="Writers actstore starts (one shard each): processes on this machine, or actors with --engine ray.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where --workers run: local processes, or actors on a Ray cluster (RAY_ADDRESS / --ray-address, else a local one; pip install 'actstore[ray]').")
+@click.option("--cpus-per-worker", type=float, default=1.0, show_default=True, help="With --engine ray: CPUs each writer actor reserves.")
+@click.option("--gpus-per-worker", type=float, default=0.0, show_default=True, help="With --engine ray: GPUs each writer actor reserves (use --device cuda).")
+@click.option("--ray-address", default=None, help="With --engine ray: the cluster to join (default RAY_ADDRESS, else a local cluster).")
+@click.option("--rank", type=int, default=None, help="This writer's rank; writes shard RANK. Default: from SLURM_ARRAY_TASK_ID, SLURM_PROCID or RANK (torchrun), else 0.")
+@click.option("--world-size", type=int, default=None, help="Number of ranks (default: from Slurm or torchrun, else 1); run `actstore finalize STORE` once all are done.")
 @click.option("--resume", is_flag=True, help="Continue every writer after its last committed example.")
 @click.option("--no-finalize", is_flag=True, help="Leave the store unfinalized (run `actstore finalize` later).")
 @click.option("--commit-mb", type=float, default=spec.DEFAULT_COMMIT_BYTES / 2**20, show_default=True, help="Commit (make durable) every this many MB of activations.")
@@ -95,7 +99,8 @@ def write_cmd(store: str, **kw) -> None:
         batch_size=kw["batch_size"], device=kw["device"], model_dtype=kw["model_dtype"], max_examples=kw["max_examples"],
         p_max=kw["p_max"], r_max=kw["r_max"], p_quantile=kw["p_quantile"], r_quantile=kw["r_quantile"],
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
-        rank=kw["rank"], world_size=kw["world_size"], resume=kw["resume"], finalize=not kw["no_finalize"],
+        rank=kw["rank"], world_size=kw["world_size"], engine=kw["engine"], cpus_per_worker=kw["cpus_per_worker"],
+        gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
         writer_nice=kw["writer_nice"],

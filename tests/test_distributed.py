@@ -1,0 +1,247 @@
+"""Distributed capture on existing engines (docs/distributed.md): ranks from Slurm and torchrun
+variables, torchrun itself, Ray actors (in-process and on a `ray start` cluster on 127.0.0.1),
+a killed actor, and `actstore write` refusing a shard another writer holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+from click.testing import CliRunner
+
+import actstore
+from actstore.capture import ranks
+from actstore.capture.errors import CaptureError
+from actstore.cli import main
+from actstore.layout import keys
+from actstore.verify import verify_store
+from test_capture_support import PAIRS, save_llama, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+# Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+
+def cli(*args, env=None, ok: bool = True):
+    res = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    if ok:
+        assert res.exit_code == 0, res.output + repr(res.exception)
+    return res
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """A tiny LLM, a data file, and the store one writer makes of them (the reference)."""
+    d = tmp_path_factory.mktemp("dist")
+    model = save_llama(d / "llama", layers=3)
+    data = write_jsonl(d / "p.jsonl", PAIRS * 4)  # 20 examples
+    common = ["--model", model, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
+    cli("write", d / "one.store", *common)
+    return {"dir": d, "common": common, "one": actstore.ActStore(d / "one.store")}
+
+
+def assert_same_store(path, one) -> None:
+    other = actstore.ActStore(path)
+    assert len(other) == len(one) == 20
+    assert list(other.field("sample_key")) == list(one.field("sample_key"))
+    assert list(other.texts("response")) == list(one.texts("response"))
+    for i in range(len(one)):
+        for layer in (0, 2):
+            np.testing.assert_array_equal(other[i, layer], one[i, layer])
+    assert verify_store(path, deep=True).problems == []
+
+
+# ---- ranks from the launcher's environment -------------------------------------------
+def test_rank_precedence_and_errors():
+    env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_STEP": "1",
+           "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    assert ranks.from_env(env) == ranks.Rank(3, 4, "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
+    del env["SLURM_ARRAY_TASK_ID"]
+    assert ranks.from_env(env) == ranks.Rank(0, 1, "SLURM_PROCID/SLURM_NTASKS")
+    del env["SLURM_PROCID"]
+    assert ranks.from_env(env) == ranks.Rank(1, 2, "RANK/WORLD_SIZE")
+    assert ranks.from_env({}) is None
+    assert ranks.resolve(None, None, {}) == ranks.Rank(0, 1, "default (one writer)")
+    assert ranks.resolve(2, 3, env) == ranks.Rank(2, 3, "--rank/--world-size")  # flags win over the environment
+    with pytest.raises(CaptureError, match=r"rank must be in 0\.\.1 for a world size of 2 \(from RANK/WORLD_SIZE\)\. Got 2"):
+        ranks.from_env({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(CaptureError, match=r"SLURM_ARRAY_TASK_ID=3 is not on the array's grid \(min 0, step 2\)"):
+        ranks.from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_STEP": "2"})
+    with pytest.raises(CaptureError, match=r"environment variable RANK='x' is not an integer"):
+        ranks.from_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(CaptureError, match="give --rank and --world-size together"):
+        ranks.resolve(1, None, {})
+
+
+def test_slurm_array_and_torchrun_variables_give_the_ranks(job):
+    path = job["dir"] / "env.store"
+    res = cli("write", path, *job["common"], env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"})
+    assert "rank 1 of 2 (from SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT)" in res.output
+    assert "run `actstore finalize" in res.output and not (path / "manifest.json").exists()
+    res = cli("finalize", path, ok=False)
+    assert res.exit_code != 0 and "rank 0 of the 2 recorded with its shards wrote no shard" in res.output
+    res = cli("write", path, *job["common"], env={"RANK": "0", "WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": None})
+    assert "rank 0 of 2 (from RANK/WORLD_SIZE)" in res.output
+    cli("finalize", path)
+    assert actstore.ActStore(path).manifest.world_size == 2
+    assert_same_store(path, job["one"])
+
+
+def test_torchrun_launches_two_ranks(job):
+    path = job["dir"] / "torchrun.store"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
+    port = _free_port()
+    res = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
+         str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"])],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "rank 0 of 2 (from RANK/WORLD_SIZE)" in res.stderr and "rank 1 of 2 (from RANK/WORLD_SIZE)" in res.stderr
+    cli("finalize", path)
+    assert_same_store(path, job["one"])
+
+
+def test_write_refuses_a_shard_another_writer_holds_before_the_model_loads(job, monkeypatch):
+    from actstore.capture import run as run_mod
+
+    path = job["dir"] / "held.store"
+    w = actstore.ShardWriter(path, shard=0, layers=[0, 2], d_model=16, tokens=4, world_size=2)
+
+    def no_model(*a, **kw):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(run_mod, "load_model", no_model)
+    res = cli("write", path, *job["common"], "--rank", "0", "--world-size", "2", "--resume", ok=False)
+    assert res.exit_code == 1
+    assert f"shard 0 of {path} is being written by another writer: pid {os.getpid()} on host {socket.gethostname()}" in res.output
+    w._close_files()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- Ray ---------------------------------------------------------------------------
+@pytest.fixture
+def ray_in_process(monkeypatch):
+    for k, v in RAY_ENV.items():
+        monkeypatch.setenv(k, v)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
+    path = job["dir"] / "ray.store"
+    cli("write", path, *job["common"], "--engine", "ray", "--workers", "2")
+    assert_same_store(path, job["one"])
+    assert actstore.ActStore(path).manifest.world_size == 2
+
+    # Kill writer 1's process as soon as it holds its shard; Ray restarts it and it resumes.
+    killed = tmp = job["dir"] / "ray-kill.store"
+    pids: list[int] = []
+
+    def killer() -> None:
+        lease = tmp / keys.lease_key(1, 0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not pids:
+            try:
+                pid = json.loads(lease.read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.01)
+                continue
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    res = cli("write", killed, *job["common"], "--engine", "ray", "--workers", "2", "--batch-size", "1", "--commit-mb", "0.001")
+    t.join()
+    assert pids, "writer 1 was never seen holding its shard"
+    assert "finalized" in res.output
+    assert_same_store(killed, job["one"])
+    assert not list((killed / keys.LEASES).iterdir())  # the restarted writer took the dead one's lease over and gave it back
+
+
+@pytest.fixture
+def ray_cluster(tmp_path_factory):
+    """`ray start --head` on 127.0.0.1 with a private temp dir; every process of it ended at teardown."""
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    port = _free_port()
+    env = {**os.environ, **RAY_ENV}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    # A session of its own: every process of the cluster (agents rename their command
+    # lines) carries the session id of `ray start`.
+    start = subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
+                              "--include-dashboard", "false", "--temp-dir", str(temp), "--disable-usage-stats"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = start.communicate(timeout=120)
+        assert start.returncode == 0, err[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        _end_processes_of(temp, start.pid)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _end_processes_of(temp: Path, session: int) -> None:
+    """SIGTERM, then SIGKILL, every process of the cluster's session or naming its temp dir
+    (`ray stop` would end other runs' clusters too)."""
+    def ours() -> list[int]:
+        found = []
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    sid = int((p / "stat").read_bytes().rsplit(b")", 1)[1].split()[3])
+                    if sid == session or str(temp).encode() in (p / "cmdline").read_bytes():
+                        found.append(int(p.name))
+                except (OSError, IndexError, ValueError):
+                    pass
+        return found
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert ours() == []
+
+
+def test_ray_cluster_from_ray_address(job, ray_cluster):
+    path = job["dir"] / "cluster.store"
+    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster}
+    res = subprocess.run([str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"]),
+                          "--engine", "ray", "--workers", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert_same_store(path, job["one"])
+
+
+def test_ray_address_that_does_not_answer_fails_fast(job):
+    start = time.monotonic()
+    res = cli("write", job["dir"] / "none.store", *job["common"], "--engine", "ray", "--workers", "2",
+              "--ray-address", f"127.0.0.1:{_free_port()}", ok=False)
+    assert res.exit_code == 1 and "no Ray cluster answers at 127.0.0.1:" in res.output
+    assert time.monotonic() - start < 30
+    assert not (job["dir"] / "none.store").exists()
