@@ -245,3 +245,18 @@ def test_ray_address_that_does_not_answer_fails_fast(job):
     assert res.exit_code == 1 and "no Ray cluster answers at 127.0.0.1:" in res.output
     assert time.monotonic() - start < 30
     assert not (job["dir"] / "none.store").exists()
+
+
+def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
+    """Each actor writes its own shard straight to the bucket (the actors reach moto through
+    the AWS_* environment they inherit); leases work through conditional puts there too."""
+    cli("write", s3_url, *job["common"], "--engine", "ray", "--workers", "2")
+    assert_same_store(s3_url, job["one"])
+    w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
+    with pytest.raises(actstore.errors.ShardBusyError, match=rf"shard 0 of {s3_url}2 is being written by another writer: pid {os.getpid()}"):
+        actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True)
+    w._close_files()
+    with actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True) as w2:
+        w2.append(np.ones((1, 1, 2, 4), np.float16))
+    actstore.finalize(s3_url + "2")
+    assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))

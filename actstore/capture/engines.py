@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from dataclasses import replace
+from collections.abc import Callable
 from typing import Any
 
 from actstore.capture.errors import CaptureError
@@ -59,8 +60,7 @@ class _Writer:
     """A Ray actor: writes one rank's shard (a retried call after a restart resumes it).
     Constructed without arguments: Ray restarts such an actor without the object store."""
 
-    def run(self, o: Any, rank: int, world: int, queue: Any) -> RecordResult:
-        from actstore.capture.run import run_shard
+    def run(self, run_shard: Callable[..., RecordResult], o: Any, rank: int, world: int, queue: Any) -> RecordResult:
         from actstore.errors import ShardBusyError
 
         self.queue = queue
@@ -81,14 +81,17 @@ class _Writer:
         self.queue.put_nowait(("progress", examples, tokens, nbytes))
 
 
-def run_ray(o: Any, n: int) -> list[RecordResult]:
-    """Write shards 0..o.workers-1 with Ray actors; returns their results in rank order."""
+def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[RecordResult]:
+    """Write shards 0..o.workers-1 with Ray actors, each calling `run_shard(o, rank, world,
+    progress=...)` (actstore.capture.run); returns their results in rank order."""
     try:
         import ray
         from ray.util.queue import Empty, Queue
     except ImportError:
         raise CaptureError("--engine ray needs Ray: pip install 'actstore[ray]'") from None
-    from actstore.capture.run import Progress, committed, split
+    from actstore.capture.progress import Progress
+    from actstore.capture.ranks import split
+    from actstore.capture.record import committed
 
     data = os.path.abspath(o.data) if os.path.exists(o.data) else o.data  # actors run elsewhere
     store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
@@ -100,7 +103,7 @@ def run_ray(o: Any, n: int) -> list[RecordResult]:
         actor = ray.remote(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=MAX_RESTARTS,
                            max_task_retries=MAX_RESTARTS)(_Writer)
         writers = [actor.options(name=f"actstore-writer-{r}-{os.getpid()}").remote() for r in range(o.workers)]
-        pending = {w.run.remote(wo, r, o.workers, queue): r for r, w in enumerate(writers)}
+        pending = {w.run.remote(run_shard, wo, r, o.workers, queue): r for r, w in enumerate(writers)}
         todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
         done = sum(committed(store, r)[0] for r in range(o.workers)) if o.resume else 0
         if o.progress:

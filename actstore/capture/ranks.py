@@ -22,6 +22,12 @@ class Rank:
     source: str  # where they came from, as printed at start
 
 
+def split(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The partition contract: the contiguous slice [start, stop) of n examples that writer
+    `rank` of `world` takes (into shard `rank`)."""
+    return n * rank // world, n * (rank + 1) // world
+
+
 def _int(env: Mapping[str, str], name: str) -> int:
     v = env[name]
     try:

@@ -20,6 +20,8 @@ import numpy as np
 from actstore.layout import spec
 from actstore.capture.data import Source, load_source
 from actstore.capture import ranks
+from actstore.capture.progress import Progress
+from actstore.capture.ranks import split
 from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
@@ -71,11 +73,6 @@ class WriteOptions:
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
     shard_examples: int | None = None
     writer_nice: int = DEFAULT_WRITER_NICE
-
-
-def split(n: int, world: int, rank: int) -> tuple[int, int]:
-    """The contiguous slice [start, stop) of n examples that writer `rank` of `world` takes."""
-    return n * rank // world, n * (rank + 1) // world
 
 
 def check_options(o: WriteOptions) -> None:
@@ -164,7 +161,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
         if o.engine == "ray":
             from actstore.capture.engines import run_ray
 
-            results = run_ray(o, len(source))
+            results = run_ray(o, len(source), run_shard)
         elif o.workers > 1:
             results = _run_workers(o, len(source))
         else:
@@ -300,29 +297,6 @@ def _remove_if_nothing_committed(storage, world: int) -> None:
     if any(catalog.committed(storage, r)[0] for r in range(world)):
         return
     storage.delete_prefix("")
-
-
-# ---- progress ---------------------------------------------------------------------
-class Progress:
-    """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm)."""
-
-    def __init__(self, total: int, desc: str = "capture", disable: bool = False):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self.nbytes = 0
-
-    def update(self, examples: int, tokens: int, nbytes: int) -> None:
-        self.tokens += tokens
-        self.nbytes += nbytes
-        dt = max(time.perf_counter() - self.t0, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens / dt:,.0f} tok/s, {self.nbytes / dt / 2**20:.1f} MB/s", refresh=False)
-        self.bar.update(examples)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 # ---- worker processes -------------------------------------------------------------
