@@ -56,6 +56,7 @@ def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, im
     res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--quiet")
     assert "wrote 6 examples" in res.output and "finalized" in res.output
     store = actstore.ActStore(out)
+    assert not store.config.token_ids and store.token_ids(0) is None  # images have no vocabulary
     model = tiny_dinov2(layers=3)  # the same seed: the same weights as the saved folder
     files = sorted(images.glob("*.png"))
     px = torch.from_numpy(np.stack([reference_pixels(f, 28) for f in files]))
@@ -88,6 +89,7 @@ def test_text_store_truncates_masks_and_equals_hidden_states(tmp_path, llama_dir
     for i, ids in enumerate(full):
         ids = ids[:7]
         assert store.lengths(i)["tokens"] == len(ids)
+        assert store.token_ids(i).tolist() == ids  # the vocabulary id of every stored token
         assert labels[i, 0] == 1 and (labels[i, 1 : len(ids)] == 0).all()  # <s> is special
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
@@ -108,6 +110,7 @@ def test_pairs_with_chat_template_label_template_tokens(tmp_path, llama_dir):
         p_ids = tok(rendered, add_special_tokens=False)["input_ids"]
         r_ids = tok(pair["response"], add_special_tokens=False)["input_ids"][:4]
         assert store.lengths(i) == {"prompt": len(p_ids), "response": len(r_ids)}
+        assert store.token_ids(i).tolist() == p_ids + r_ids
         words = [tok.convert_ids_to_tokens(t) for t in p_ids]
         want = [1 if w in ("<s>", "</s>") else (2 if w in ("user", "assistant", ":") else 0) for w in words]
         assert lab_p[i, : len(p_ids)].tolist() == want
@@ -134,6 +137,7 @@ def test_special_tokens_dropped_and_quantile_budget(tmp_path, llama_dir):
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
         assert_f16_close(store[i, 1], hs[1:])  # position 0 (<s>) is not stored
+        assert store.token_ids(i).tolist() == ids[1:]  # ids of the stored tokens only
 
 
 def test_generate_responses(tmp_path, llama_dir):

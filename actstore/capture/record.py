@@ -9,8 +9,6 @@ pinned host memory with non_blocking=True as soon as it is produced.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
+from actstore.capture.drain import Drain
 from actstore.capture.errors import CaptureError, EmptyDatasetError
 from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
 from actstore.capture.models import LoadedModel, wrap_module
@@ -98,6 +97,7 @@ def record(
     shard_examples: int | None = None,
     writer_nice: int = DEFAULT_WRITER_NICE,
     world_size: int | None = None,
+    token_ids: bool | None = None,
 ) -> RecordResult:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -131,6 +131,8 @@ def record(
             0 keeps the normal priority. Not permitted or not supported: ignored.
         world_size: the number of ranks of a distributed run (this shard is rank `shard`);
             recorded so that finalize refuses while a rank is missing.
+        token_ids: keep the vocabulary id of every stored token (int32). None: when the
+            batches carry `input_ids` (text models), unless resuming a store without them.
 
     Returns:
         A RecordResult. The shard is closed (complete) when every batch was written.
@@ -145,11 +147,11 @@ def record(
         store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
-        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size,
+        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
-    drain: _Drain | None = None
+    drain: Drain | None = None
     try:
         with Capture(lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda", half=dtype == "float16") as cap:
             it = iter(batches)
@@ -163,7 +165,9 @@ def record(
                 outs, event = cap.run({**batch.inputs, **extra}, batch.args)
                 t_fwd += time.perf_counter() - t1
                 if drain is None:  # the writer thread creates the shard while the next batch runs
-                    drain = _Drain(job.write, queue_size, start=lambda o=outs: job.open_writer(o), nice=writer_nice)
+                    if job.token_ids is None:
+                        job.token_ids = _auto_token_ids(store, batch)
+                    drain = Drain(job.write, queue_size, start=lambda o=outs: job.open_writer(o), nice=writer_nice)
                 drain.put((outs, event, batch))
         if drain is None:
             n0, complete = committed(store, shard)
@@ -212,6 +216,7 @@ class _Job:
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
     shard_examples: int | None = None
     world_size: int | None = None
+    token_ids: bool | None = None
     writer: ShardWriter | None = None
     n_before: int = 0
     n_written: int = 0
@@ -248,6 +253,7 @@ class _Job:
             texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
             commit_bytes=_NEVER, on_overflow=self.on_overflow, stats=self.stats,
             zarr_format=self.zarr_format, shard_examples=self.shard_examples, world_size=self.world_size,
+            token_ids=bool(self.token_ids),
         )
         self.n_before = self.writer.n_committed
 
@@ -256,7 +262,7 @@ class _Job:
         cfg = catalog.read_identity(open_storage(self.store))
         seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
         return dict(
-            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels,
+            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels, token_ids=cfg.token_ids,
             model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format, shard_examples=cfg.shard_examples,
         )
 
@@ -276,10 +282,13 @@ class _Job:
             seg_x[cfg.segments[0].name] = self._stack(arrs)
             n_tok = b * arrs[0].shape[1]
             before = dict(w.overflow)
+            if cfg.token_ids:
+                kw["token_ids"] = _input_ids(batch)
             w.append(seg_x[cfg.segments[0].name], **kw)
         else:
             select = batch.select or _select_from_mask(batch, cfg)
-            lengths, src, labels = {}, {}, {}
+            lengths, src, labels, ids = {}, {}, {}, {}
+            all_ids = _input_ids(batch) if cfg.token_ids else None
             for seg in cfg.segments:
                 sel = [s[: seg.t_max] for s in select[seg.name]]
                 seg_x[seg.name] = _gather(arrs, sel)
@@ -290,9 +299,14 @@ class _Job:
                     for j, l in enumerate(batch.labels[seg.name]):
                         lab[j, : lengths[seg.name][j]] = l[: seg.t_max]
                     labels[seg.name] = lab
+                if all_ids is not None:
+                    tid = np.zeros((b, seg_x[seg.name].shape[2]), np.int64)
+                    for j, s in enumerate(sel):
+                        tid[j, : len(s)] = all_ids[j, s]
+                    ids[seg.name] = tid
             n_tok = int(sum(v.sum() for v in lengths.values()))
             before = dict(w.overflow)
-            w.append(**seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, **kw)
+            w.append(**seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, token_ids=ids or None, **kw)
         if w.stats is not None and w.overflow != before:
             self._count_overflow(seg_x)
         nbytes = b * cfg.example_bytes()
@@ -329,93 +343,19 @@ class _Job:
                     self.writer.stats.add_overflow(stats_key(hp.layer, name), n)
 
 
-class _Drain:
-    """A bounded queue drained by one background thread running `work`."""
-
-    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0):
-        if maxsize < 1:
-            raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
-        self._q: queue.Queue[Any] = queue.Queue(maxsize)
-        self._work = work
-        self._start = start
-        self._nice = nice
-        self.error: BaseException | None = None
-        self.wait_seconds = 0.0
-        self.busy_seconds = 0.0
-        self.cpu_seconds = 0.0  # the writer thread's own CPU time
-        self._thread = threading.Thread(target=self._loop, name="actstore-writer", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        c0 = time.thread_time()
-        try:
-            self._run()
-        finally:
-            self.cpu_seconds = time.thread_time() - c0
-
-    def _run(self) -> None:
-        _lower_priority(self._nice)
-        if self._start is not None:
-            t = time.perf_counter()
-            try:
-                self._start()
-            except BaseException as e:  # noqa: BLE001 - handed to the forward thread
-                self.error = e
-            self.busy_seconds += time.perf_counter() - t
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            if self.error is None:
-                t = time.perf_counter()
-                try:
-                    self._work(item)
-                except BaseException as e:  # noqa: BLE001 - handed to the forward thread
-                    self.error = e
-                self.busy_seconds += time.perf_counter() - t
-
-    def put(self, item: Any) -> None:
-        if self.error is not None:
-            raise self.error
-        t = time.perf_counter()
-        while True:
-            try:
-                self._q.put(item, timeout=0.5)
-                break
-            except queue.Full:
-                if self.error is not None:
-                    raise self.error from None
-        self.wait_seconds += time.perf_counter() - t
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
-
-    def abort(self) -> None:
-        if self.error is None:
-            self.error = CaptureError("aborted")
-        try:
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
-        self._q.put(None)
-        self._thread.join()
+def _auto_token_ids(store: Any, batch: CaptureBatch) -> bool:
+    """Keep token ids when the batches carry input_ids, unless the store (resumed) has none."""
+    storage = open_storage(store)
+    if catalog.has_identity(storage):
+        return catalog.read_identity(storage).token_ids
+    return "input_ids" in batch.inputs
 
 
-def _lower_priority(nice: int) -> None:
-    """Lower the calling (writer) thread's priority by `nice` (Linux: per thread) so that it
-    yields the cores to the model's threads and runs in their gaps; the bounded queue keeps
-    it from falling behind (when it is full, the model waits and the writer gets the cores)."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass  # not permitted here: run at the normal priority
+def _input_ids(batch: CaptureBatch) -> np.ndarray:
+    ids = batch.inputs.get("input_ids")
+    if ids is None:
+        raise CaptureError("this store keeps token ids, but the batch has no input_ids: pass input_ids (or record(token_ids=False))")
+    return ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
 
 
 def _numpy(t: Any) -> np.ndarray:

@@ -43,6 +43,8 @@ def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
         out.append(per_sample(keys.len_array(seg.name), "<i4", (), (spec.EXAMPLE_DIM,)))
         if cfg.token_labels:
             out.append(per_sample(keys.labels_array(seg.name), "|u1", (seg.t_max,), (spec.EXAMPLE_DIM, spec.token_dim(seg.name))))
+        if cfg.token_ids:
+            out.append(per_sample(keys.token_ids_array(seg.name), spec.TOKEN_ID_DTYPE, (seg.t_max,), (spec.EXAMPLE_DIM, spec.token_dim(seg.name))))
     if cfg.zarr_format == 3:  # no stable fixed-length bytes type in Zarr v3: uint8 rows
         out.append(per_sample(keys.field_array(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,),
                               (spec.EXAMPLE_DIM, spec.SAMPLE_KEY_BYTE_DIM)))

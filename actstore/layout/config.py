@@ -42,6 +42,7 @@ class StoreConfig:
     token_labels: bool = False
     model_id: str | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    token_ids: bool = False  # a per-token int32 vocabulary id array per segment
 
     @property
     def n_layers(self) -> int:
@@ -80,6 +81,8 @@ class StoreConfig:
         d["fields"] = dict(self.fields)
         d["texts"] = list(self.texts)
         d["attrs"] = dict(self.attrs)
+        if not self.token_ids:
+            del d["token_ids"]  # optional: stores without token ids keep their bytes
         return d
 
     @classmethod
@@ -116,12 +119,14 @@ class StoreConfig:
             token_labels=d["token_labels"],
             model_id=d["model_id"],
             attrs=d["attrs"],
+            token_ids=_bool_field(d, "token_ids"),
         )
 
     def differences(self, other: StoreConfig) -> list[str]:
         """Fields (other than free-form attrs) in which two configs differ, described."""
         a, b = self.to_json(), other.to_json()
-        return [f"{k}: store has {a[k]!r}, asked for {b[k]!r}" for k in spec.CONFIG_FIELDS if k != "attrs" and a[k] != b[k]]
+        names = [*spec.CONFIG_FIELDS, *spec.CONFIG_OPTIONAL_FIELDS]
+        return [f"{k}: store has {a.get(k, False)!r}, asked for {b.get(k, False)!r}" for k in names if k != "attrs" and a.get(k, False) != b.get(k, False)]
 
     def check_same_store(self, other: StoreConfig, where: str) -> None:
         diffs = self.differences(other)
@@ -186,6 +191,7 @@ def make_config(
     token_labels: bool = False,
     model_id: str | None = None,
     attrs: Mapping[str, Any] | None = None,
+    token_ids: bool = False,
 ) -> StoreConfig:
     """Validate writer arguments and build a StoreConfig (see ShardWriter for the meaning)."""
     layers_t = parse_layers(layers)
@@ -238,7 +244,15 @@ def make_config(
         token_labels=bool(token_labels),
         model_id=model_id,
         attrs=dict(attrs or {}),
+        token_ids=bool(token_ids),
     )
+
+
+def _bool_field(d: dict, name: str) -> bool:
+    v = d.get(name, False)
+    if not isinstance(v, bool):
+        raise CorruptStoreError(f"store config field {name!r} must be true or false, got {v!r}")
+    return v
 
 
 def check_format_header(d: Any, where: str) -> None:

@@ -132,6 +132,14 @@ def len_field(segment: str) -> str:
     return segment + spec.LEN_SUFFIX
 
 
+def token_ids_array(segment: str) -> str:
+    return f"{spec.ARRAYS_GROUP}/{segment}{spec.TOKEN_IDS_SUFFIX}"
+
+
+def token_ids_field(segment: str) -> str:
+    return segment + spec.TOKEN_IDS_SUFFIX
+
+
 def labels_field(segment: str) -> str:
     return segment + spec.TOKEN_LABELS_SUFFIX
 

@@ -33,8 +33,10 @@ STATS_FILE_FORMAT = "meta/stats-{:012d}.npz"
 ACTS_SUFFIX = "_activations"
 LEN_SUFFIX = "_len"
 TOKEN_LABELS_SUFFIX = "_token_labels"
+TOKEN_IDS_SUFFIX = "_token_ids"  # per token: the model's vocabulary id (int32; padding 0)
+TOKEN_ID_DTYPE = "<i4"
 SAMPLE_KEY = "sample_key"
-RESERVED_SUFFIXES = (ACTS_SUFFIX, LEN_SUFFIX, TOKEN_LABELS_SUFFIX)
+RESERVED_SUFFIXES = (ACTS_SUFFIX, LEN_SUFFIX, TOKEN_LABELS_SUFFIX, TOKEN_IDS_SUFFIX)
 
 # Axis names of an activation array, in order.
 AXES = ("example", "layer", "token", "d_model")
@@ -95,6 +97,7 @@ CONFIG_FIELDS = (
     "model_id",
     "attrs",
 )
+CONFIG_OPTIONAL_FIELDS = ("token_ids",)  # written only when true: older stores read unchanged
 SEGMENT_FIELDS = ("t_max", "t_chunk", "fixed")
 COMMIT_FIELDS = (
     "format_version",

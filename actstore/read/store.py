@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from actstore import catalog
-from actstore.layout import spec
+from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
@@ -172,6 +172,16 @@ class ActStore:
         parts = [self._read_segment(s, ex, layer, pad=False) for s in segs]
         return np.concatenate(parts, axis=0)  # one copy to join the segments
 
+    def token_ids(self, ex: int) -> np.ndarray | None:
+        """The vocabulary ids (int32) of example `ex`'s stored tokens, in the order of
+        `store[ex, layer]` (every segment, padding removed); None when the store keeps none."""
+        if not self.config.token_ids:
+            return None
+        pos, local = self.index.locate(ex)
+        sh = self._shard(pos)
+        parts = [sh.per_sample(keys.token_ids_field(s.name))[local, : int(sh.lengths(s)[local])] for s in self.config.segments]
+        return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+
     def lengths(self, ex: int) -> dict[str, int]:
         """True (capped) token counts of example `ex`, per segment."""
         pos, local = self.index.locate(ex)
@@ -229,6 +239,8 @@ class ActStore:
         allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
         if self.config.token_labels:
             allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
+        if self.config.token_ids:
+            allowed += [s + spec.TOKEN_IDS_SUFFIX for s in self._segs]
         if name not in allowed:
             raise KeyError(f"no per-sample field {name!r}; this store has {[spec.SAMPLE_KEY, *allowed]}")
         return self._global_per_sample(name)

@@ -183,6 +183,8 @@ def _array_keys(cfg: StoreConfig) -> list[str]:
     names = [keys.acts_array(s.name) for s in cfg.segments] + [keys.len_array(s.name) for s in cfg.segments]
     if cfg.token_labels:
         names += [keys.labels_array(s.name) for s in cfg.segments]
+    if cfg.token_ids:
+        names += [keys.token_ids_array(s.name) for s in cfg.segments]
     return names + [keys.field_array(spec.SAMPLE_KEY)] + [keys.field_array(f) for f in cfg.fields]
 
 

@@ -68,6 +68,7 @@ def prepare(
     source_lengths: Any,
     token_labels: Any,
     sample_keys: Sequence[str] | None,
+    token_ids: Any = None,
     fields: Mapping[str, Any] | None,
     texts: Mapping[str, Sequence[Any]] | None,
     first_index: int,
@@ -85,6 +86,7 @@ def prepare(
     lengths_d = per_segment(lengths, seg_names, "lengths")
     src_d = per_segment(source_lengths, seg_names, "source_lengths")
     labels_d = per_segment(token_labels, seg_names, "token_labels")
+    ids_d = per_segment(token_ids, seg_names, "token_ids")
     batch: Batch | None = None
     for seg in cfg.segments:
         x, src = to_numpy(segment_acts[seg.name], f"activations of segment {seg.name!r}")
@@ -108,6 +110,7 @@ def prepare(
             batch.truncated[seg.name] = int(np.count_nonzero(s > seg.t_max))
     assert batch is not None
     _per_sample(cfg, batch, labels_d, sample_keys, fields, texts, first_index, shard)
+    _token_ids(cfg, batch, ids_d)
     return batch
 
 
@@ -164,6 +167,29 @@ def _lengths(seg: SegmentSpec, given: Any, b: int, t: int) -> np.ndarray:
             "lengths must be the true token counts capped to T_max"
         )
     return lens.astype(np.int32)
+
+
+def _token_ids(cfg, batch: Batch, ids_d: dict[str, Any]) -> None:
+    """The per-token vocabulary ids of each segment (int32; padding stored as 0)."""
+    if not cfg.token_ids:
+        if ids_d:
+            raise AppendError("this store was created without token_ids=True; token ids cannot be stored")
+        return
+    b = batch.b
+    for seg in cfg.segments:
+        ids = ids_d.get(seg.name)
+        if ids is None:
+            raise AppendError(f"this store records token_ids: pass token_ids for segment {seg.name!r} ((b, <= {seg.t_max}) ints)")
+        ids, _ = to_numpy(ids, "token_ids")
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[0] != b or ids.shape[1] > seg.t_max or ids.dtype.kind not in "iu":
+            raise AppendError(f"token_ids of segment {seg.name!r} must be integers of shape ({b}, <= {seg.t_max}), got {ids.dtype} {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
+            raise AppendError(f"token_ids of segment {seg.name!r} must be vocabulary ids in 0..2**31-1, got {int(ids.min())}..{int(ids.max())}")
+        out = np.zeros((b, seg.t_max), np.int32)
+        out[:, : ids.shape[1]] = ids
+        out[np.arange(seg.t_max)[None, :] >= batch.lengths[seg.name][:, None]] = 0  # padding holds 0
+        batch.per_sample[keys.token_ids_array(seg.name)] = out
 
 
 def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_index: int, shard: int) -> None:

@@ -57,6 +57,7 @@ class ShardWriter(ShardSetup):
         fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
         texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
         token_labels: store a uint8 label per token (saev labels.bin).
+        token_ids: store the vocabulary id of every token (int32; LLM stores).
         model_id, attrs: global metadata (free-form attrs, JSON-serialisable).
         resume: continue an existing shard after its last committed example.
         overwrite: delete an existing shard of this number first.
@@ -85,6 +86,7 @@ class ShardWriter(ShardSetup):
         fields: Mapping[str, Any] | None = None,
         texts: Sequence[str] = (),
         token_labels: bool = False,
+        token_ids: bool = False,
         model_id: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         resume: bool = False,
@@ -109,7 +111,7 @@ class ShardWriter(ShardSetup):
         cfg = make_config(
             layers=layers, d_model=d_model, dtype=dtype, tokens=tokens, segments=segments, t_chunk=t_chunk,
             zarr_format=zarr_format, shard_examples=shard_examples, fields=fields, texts=texts,
-            token_labels=token_labels, model_id=model_id, attrs=attrs,
+            token_labels=token_labels, model_id=model_id, attrs=attrs, token_ids=token_ids,
         )
         if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or not shard < world_size <= spec.MAX_WORLD_SIZE):
             raise ValueError(f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {world_size!r}.")
@@ -187,6 +189,7 @@ class ShardWriter(ShardSetup):
         fields: Mapping[str, Any] | None = None,
         texts: Mapping[str, Sequence[Any]] | None = None,
         token_labels: Any = None,
+        token_ids: Any = None,
         batch_stats: RunningStats | None = None,
         **segment_acts: Any,
     ) -> range:
@@ -203,6 +206,8 @@ class ShardWriter(ShardSetup):
             fields: {field: (b,) values} for the fields declared at construction.
             texts: {text name: b JSON-serialisable values}.
             token_labels: (b, T_max) uint8 per segment (a dict for several segments).
+            token_ids: (b, <= T_max) vocabulary ids per segment, for a store made with
+                token_ids=True (a dict for several segments).
             batch_stats: statistics already computed for this batch (merged as is).
         """
         self._check_open()
@@ -213,7 +218,7 @@ class ShardWriter(ShardSetup):
                 raise AppendError(f"this store has segments {seg_names}: pass each by name, e.g. append(prompt=..., response=...)")
             segment_acts = {seg_names[0]: acts, **segment_acts}
         batch = batches.prepare(
-            cfg, segment_acts, lengths=lengths, source_lengths=source_lengths, token_labels=token_labels,
+            cfg, segment_acts, lengths=lengths, source_lengths=source_lengths, token_labels=token_labels, token_ids=token_ids,
             sample_keys=sample_keys, fields=fields, texts=texts, first_index=self.n_written, shard=self.shard,
             on_nonfinite=self.on_nonfinite, on_overflow=self.on_overflow,
         )

@@ -172,6 +172,8 @@ class ShardSetup:
         names = [keys.len_array(s.name) for s in self.cfg.segments]
         if self.cfg.token_labels:
             names += [keys.labels_array(s.name) for s in self.cfg.segments]
+        if self.cfg.token_ids:
+            names += [keys.token_ids_array(s.name) for s in self.cfg.segments]
         names.append(keys.field_array(spec.SAMPLE_KEY))
         names += [keys.field_array(f) for f in self.cfg.fields]
         return names

@@ -1,0 +1,105 @@
+"""The writer thread of a capture: batches queue (bounded) while the forward pass runs on.
+
+`record()` (actstore.capture.record) hands each batch's outputs to a `Drain`, whose thread
+runs the writer (stack, gather, append, commit) with a lowered priority.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from actstore.capture.errors import CaptureError
+
+
+class Drain:
+    """A bounded queue drained by one background thread running `work`."""
+
+    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0):
+        if maxsize < 1:
+            raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
+        self._q: queue.Queue[Any] = queue.Queue(maxsize)
+        self._work = work
+        self._start = start
+        self._nice = nice
+        self.error: BaseException | None = None
+        self.wait_seconds = 0.0
+        self.busy_seconds = 0.0
+        self.cpu_seconds = 0.0  # the writer thread's own CPU time
+        self._thread = threading.Thread(target=self._loop, name="actstore-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self._run()
+        finally:
+            self.cpu_seconds = time.thread_time() - c0
+
+    def _run(self) -> None:
+        _lower_priority(self._nice)
+        if self._start is not None:
+            t = time.perf_counter()
+            try:
+                self._start()
+            except BaseException as e:  # noqa: BLE001 - handed to the forward thread
+                self.error = e
+            self.busy_seconds += time.perf_counter() - t
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self.error is None:
+                t = time.perf_counter()
+                try:
+                    self._work(item)
+                except BaseException as e:  # noqa: BLE001 - handed to the forward thread
+                    self.error = e
+                self.busy_seconds += time.perf_counter() - t
+
+    def put(self, item: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        t = time.perf_counter()
+        while True:
+            try:
+                self._q.put(item, timeout=0.5)
+                break
+            except queue.Full:
+                if self.error is not None:
+                    raise self.error from None
+        self.wait_seconds += time.perf_counter() - t
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        if self.error is None:
+            self.error = CaptureError("aborted")
+        try:
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+        self._q.put(None)
+        self._thread.join()
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling (writer) thread's priority by `nice` (Linux: per thread) so that it
+    yields the cores to the model's threads and runs in their gaps; the bounded queue keeps
+    it from falling behind (when it is full, the model waits and the writer gets the cores)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass  # not permitted here: run at the normal priority
