@@ -49,10 +49,13 @@ class Source:
         return Source(kind=self.kind, name=self.name, n=max_examples, get=self.get)
 
 
-def load_source(spec: str) -> Source:
-    """Open a data source; raises EmptyDatasetError when it holds nothing."""
+def load_source(spec: str, text_field: str | None = None) -> Source:
+    """Open a data source; raises EmptyDatasetError when it holds nothing. `text_field`
+    names the column or JSON key holding each document's text (default "text")."""
     if spec.startswith(EMBEDDED_PREFIX):
         src = _embedded(spec.removeprefix(EMBEDDED_PREFIX))
+    elif any(c in spec for c in "*?["):
+        src = _glob(spec, text_field)
     else:
         p = Path(spec).expanduser()
         if not p.exists():
@@ -62,10 +65,15 @@ def load_source(spec: str) -> Source:
         elif p.is_dir():
             src = _image_folder(p)
         elif p.suffix == ".jsonl":
-            src = _jsonl(p)
+            src = _jsonl(p, text_field)
+        elif p.suffix == ".txt":
+            src = _txt_lines(p)
+        elif p.suffix in (".parquet", ".arrow", ".feather"):
+            src = _columnar(p, text_field or "text")
         else:
             raise DataError(
                 f"--data {spec}: expected a folder of images, a .jsonl file of texts or prompt/response pairs, "
+                "a .txt file (one document per line), a .parquet or .arrow file, a glob of .txt files (one document per file), "
                 "a folder saved by datasets' save_to_disk, embedded:images or embedded:pydoc-topics"
             )
     if src.n == 0:
@@ -163,7 +171,77 @@ def _key(s: str) -> str:
 
 
 # ---- JSONL ------------------------------------------------------------------------
-def _jsonl(path: Path) -> Source:
+def _txt_lines(path: Path) -> Source:
+    """One document per non-empty line."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                docs.append((f"line-{lineno}", line.rstrip("\n")))
+    return Source(kind="text", name=str(path), n=len(docs), get=lambda i: {"key": docs[i][0], "text": docs[i][1]})
+
+
+def _glob(spec: str, text_field: str | None) -> Source:
+    """Files matching a glob, in sorted order: .txt files are one document each; other
+    files' sources (.jsonl, .parquet, ...) are concatenated (all of one kind)."""
+    import glob
+
+    files = sorted(glob.glob(spec, recursive=True))
+    if not files:
+        raise EmptyDatasetError(f"--data {spec}: no file matches this pattern")
+    if all(f.endswith(".txt") for f in files):
+        def get_file(i: int) -> dict[str, Any]:
+            try:
+                return {"key": _key(files[i]), "text": Path(files[i]).read_text(encoding="utf-8")}
+            except (OSError, UnicodeDecodeError) as e:
+                raise DataError(f"cannot read document {files[i]}: {e}") from None
+
+        return Source(kind="text", name=spec, n=len(files), get=get_file)
+    parts = [load_source(f, text_field) for f in files]
+    kinds = {p.kind for p in parts}
+    if len(kinds) > 1:
+        raise DataError(f"--data {spec} matches files of different kinds ({sorted(kinds)}); use one kind per run")
+    offsets = np.cumsum([0] + [p.n for p in parts])
+
+    def get(i: int) -> dict[str, Any]:
+        k = int(np.searchsorted(offsets, i, side="right")) - 1
+        rec = dict(parts[k].get(i - int(offsets[k])))
+        rec["key"] = _key(f"{k}:{rec['key']}")
+        return rec
+
+    return Source(kind=kinds.pop(), name=spec, n=int(offsets[-1]), get=get)
+
+
+def _columnar(path: Path, text_field: str) -> Source:
+    """A parquet or Arrow (IPC file or stream) table; only the text column is read."""
+    import pyarrow as pa
+
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(path)
+            if text_field not in schema.names:
+                raise DataError(f"{path} has no column {text_field!r} (columns: {schema.names[:20]}); pass --text-field NAME")
+            col = pq.read_table(path, columns=[text_field]).column(text_field)
+        else:
+            try:
+                reader = pa.ipc.open_file(path)
+                table = reader.read_all()
+            except pa.ArrowInvalid:
+                with pa.ipc.open_stream(path) as r:
+                    table = r.read_all()
+            if text_field not in table.column_names:
+                raise DataError(f"{path} has no column {text_field!r} (columns: {table.column_names[:20]}); pass --text-field NAME")
+            col = table.column(text_field)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot read {path}: {e}") from None
+    if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
+        raise DataError(f"{path}: column {text_field!r} holds {col.type}, not text; pass --text-field NAME")
+    return Source(kind="text", name=str(path), n=len(col), get=lambda i: {"key": f"row-{i}", "text": col[i].as_py() or ""})
+
+
+def _jsonl(path: Path, text_field: str | None = None) -> Source:
     records = []
     kinds = set()
     with open(path, encoding="utf-8") as f:
@@ -174,6 +252,10 @@ def _jsonl(path: Path) -> Source:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if text_field is not None:
+                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                    raise DataError(f"{path}:{lineno}: no string field {text_field!r} (--text-field); this line has {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}")
+                obj = {"id": obj.get("id", f"line-{len(records)}"), "text": obj[text_field]}
             rec, kind = _record(obj, f"{path}:{lineno}", len(records))
             kinds.add(kind)
             records.append(rec)

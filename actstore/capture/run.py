@@ -62,6 +62,10 @@ class WriteOptions:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     ray_address: str | None = None
+    pack: bool = False  # concatenate the documents into windows of exactly `context` tokens
+    chunk: bool = False  # cut each document into consecutive windows of at most `context` tokens
+    context: int | None = None
+    text_field: str | None = None  # the column / JSON key of each document's text
     resume: bool = False
     finalize: bool = True
     commit_mb: float = spec.DEFAULT_COMMIT_BYTES / 2**20
@@ -91,6 +95,15 @@ def check_options(o: WriteOptions) -> None:
         raise CaptureError("--gpus-per-worker and --ray-address go with --engine ray")
     if o.cpus_per_worker <= 0 or o.gpus_per_worker < 0:
         raise CaptureError(f"--cpus-per-worker must be positive and --gpus-per-worker non-negative. Got {o.cpus_per_worker}, {o.gpus_per_worker}.")
+    if o.pack and o.chunk:
+        raise CaptureError("give --pack (documents concatenated into windows) or --chunk (each document cut into windows), not both")
+    if (o.pack or o.chunk) != (o.context is not None):
+        raise CaptureError("--pack and --chunk need --context N (the window length in tokens), and --context needs one of them")
+    if o.context is not None and o.context < 1:
+        raise CaptureError(f"--context must be a positive int. Got {o.context}.")
+    if (o.pack or o.chunk) and (o.generate or o.chat_template or o.p_max or o.r_max or o.p_quantile or o.r_quantile):
+        raise CaptureError("--pack/--chunk store every token of the corpus in windows of --context tokens: "
+                           "--p-max, --r-max, quantiles, --generate and --chat-template do not apply")
     if o.special not in SPECIAL_MODES:
         raise CaptureError(f"--special must be one of {list(SPECIAL_MODES)}. Got {o.special!r}.")
     if o.p_max is not None and o.p_quantile is not None:
@@ -137,10 +150,10 @@ def write(o: WriteOptions) -> dict[str, Any]:
         o = replace(o, rank=r.rank, world_size=r.world_size)
     storage = open_storage(o.store)
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
-    source = load_source(o.data).limit(o.max_examples)  # empty data fails before anything is written
+    source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
     world = o.workers if multi else o.world_size
     assert world is not None
-    if world > len(source):
+    if world > len(source) and not (o.pack or o.chunk):  # (windows are counted by each writer)
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
     root = storage.url
     here = range(world) if multi else [o.rank]
@@ -196,9 +209,11 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    source = source or load_source(o.data).limit(o.max_examples)
-    start, stop = split(len(source), world, rank)
+    source = source or load_source(o.data, o.text_field).limit(o.max_examples)
     check_lease(open_storage(o.store), rank)
+    if o.pack or o.chunk:
+        return _run_windows(o, rank, world, source, progress)
+    start, stop = split(len(source), world, rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
     if o.progress and progress is None:
         print(f"loading {o.model} ...", file=sys.stderr, flush=True)
@@ -228,6 +243,45 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
             progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
             writer_nice=o.writer_nice, world_size=world,
+        )
+    finally:
+        if own_bar is not None:
+            own_bar.close()
+
+
+def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progress: Any) -> RecordResult:
+    """--pack / --chunk: this rank's slice of the corpus's windows (actstore.capture.packing)."""
+    from actstore.capture.packing import RUNS_TEXT, plan_windows, window_batches
+
+    if o.progress and progress is None:
+        print(f"loading {o.model} ...", file=sys.stderr, flush=True)
+    lm = load_model(o.model, device=o.device, torch_dtype=o.model_dtype)
+    if lm.modality != "text":
+        raise CaptureError(f"--pack and --chunk take a language model; {lm.model_id} takes {lm.modality} input")
+    if lm.max_tokens and o.context > lm.max_tokens:
+        raise CaptureError(f"--context {o.context} exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
+    windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk")
+    start, stop = split(len(windows), world, rank)
+    if start == stop:
+        raise CaptureError(f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers")
+    n_done, complete = committed(o.store, rank) if o.resume else (0, False)
+    first = stop if complete else min(start + n_done, stop)
+    attrs = {
+        "source": source.name, "dataset": os.path.abspath(o.data) if os.path.exists(o.data) else source.name,
+        "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "world_size": world},
+        "packing": {"mode": windows.mode, "context": o.context, "documents": len(source), "tokens": windows.n_tokens,
+                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
+    }
+    bar = progress
+    own_bar = Progress(total=stop - first, desc=f"shard {rank}") if bar is None and o.progress else None
+    bar = bar or own_bar
+    try:
+        return record(
+            lm, window_batches(source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device), o.store,
+            layers=o.layers, shard=rank, dtype=o.dtype, segments={"tokens": o.context}, token_labels=True,
+            texts=(RUNS_TEXT,), resume=o.resume, attrs=attrs, stats=o.stats, on_overflow=o.on_overflow,
+            commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size, progress=bar.update if bar is not None else None,
+            zarr_format=o.zarr_format, shard_examples=o.shard_examples, writer_nice=o.writer_nice, world_size=world,
         )
     finally:
         if own_bar is not None:

@@ -59,6 +59,10 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
 @click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
 @click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
+@click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
+@click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")
+@click.option("--context", type=int, default=None, help="Window length in tokens for --pack / --chunk.")
+@click.option("--text-field", default=None, help="The JSON key or column holding each document's text (.jsonl, .parquet, .arrow; default text).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Writers actstore starts (one shard each): processes on this machine, or actors with --engine ray.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where --workers run: local processes, or actors on a Ray cluster (RAY_ADDRESS / --ray-address, else a local one; pip install 'actstore[ray]').")
 @click.option("--cpus-per-worker", type=float, default=1.0, show_default=True, help="With --engine ray: CPUs each writer actor reserves.")
@@ -100,7 +104,8 @@ def write_cmd(store: str, **kw) -> None:
         p_max=kw["p_max"], r_max=kw["r_max"], p_quantile=kw["p_quantile"], r_quantile=kw["r_quantile"],
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
         rank=kw["rank"], world_size=kw["world_size"], engine=kw["engine"], cpus_per_worker=kw["cpus_per_worker"],
-        gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"], finalize=not kw["no_finalize"],
+        gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"],
+        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], text_field=kw["text_field"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
         writer_nice=kw["writer_nice"],

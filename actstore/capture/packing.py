@@ -1,0 +1,149 @@
+"""Corpus capture: documents tokenized into context windows of exactly N tokens.
+
+- `--pack --context N`: every document's tokens (the tokenizer's own special tokens, then
+  its EOS when it has one and the document does not end with it) are concatenated in data
+  order and cut into windows of N tokens; only the last window may be shorter. Every token
+  of the corpus is stored exactly once, and a window may span documents (as SAELens and
+  dictionary_learning train).
+- `--chunk --context N`: each document is cut into consecutive windows of at most N
+  tokens; no window spans two documents and nothing is truncated.
+
+Each window records its runs `[document index, document key, offset, length]` (the text
+field `runs`), so any stored token maps back to its document and position. Counting the
+windows tokenizes the corpus once (only the lengths are kept); the windows of a writer's
+slice tokenize their documents again (a small cache keeps the documents they share).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actstore.capture.data import Source
+from actstore.capture.errors import CaptureError
+from actstore.capture.prepare import CaptureBatch
+
+MODES = ("pack", "chunk")
+RUNS_TEXT = "runs"  # the text field holding each window's (document, offset) runs
+SPECIAL, CONTENT = 1, 0  # token labels: the tokenizer's special tokens, everything else
+
+
+def doc_tokens(tok: Any, text: str) -> list[int]:
+    """A document's tokens: the tokenizer's own special tokens (BOS for most LLMs), then its
+    EOS as the separator when it defines one and the document does not already end with it."""
+    ids = list(tok(text, add_special_tokens=True)["input_ids"])
+    eos = tok.eos_token_id
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    return ids
+
+
+@dataclass(frozen=True)
+class Windows:
+    """The windows of a corpus: window w is the runs `runs(w)`."""
+
+    mode: str
+    context: int
+    doc_lengths: np.ndarray  # tokens per document
+    doc_start: np.ndarray  # global token offset of each document (pack), cumulative
+    win_doc: np.ndarray  # chunk mode: the document of each window
+    win_offset: np.ndarray  # chunk mode: the offset of each window in its document
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.doc_lengths.sum())
+
+    def __len__(self) -> int:
+        if self.mode == "pack":
+            return -(-self.n_tokens // self.context)
+        return len(self.win_doc)
+
+    def runs(self, w: int) -> list[tuple[int, int, int]]:
+        """(document, offset, length) runs of window w, in order."""
+        c = self.context
+        if self.mode == "chunk":
+            d, off = int(self.win_doc[w]), int(self.win_offset[w])
+            return [(d, off, min(c, int(self.doc_lengths[d]) - off))]
+        lo, hi = w * c, min((w + 1) * c, self.n_tokens)
+        d = int(np.searchsorted(self.doc_start, lo, side="right")) - 1
+        out = []
+        while lo < hi:
+            while self.doc_lengths[d] == 0:
+                d += 1
+            off = lo - int(self.doc_start[d])
+            n = min(hi - lo, int(self.doc_lengths[d]) - off)
+            out.append((d, off, n))
+            lo += n
+            d += 1
+        return out
+
+
+def plan_windows(source: Source, tok: Any, context: int, mode: str, batch: int = 256) -> Windows:
+    """Tokenize the corpus once (lengths only) and lay out its windows."""
+    if mode not in MODES:
+        raise CaptureError(f"packing mode must be one of {list(MODES)}. Got {mode!r}.")
+    if source.kind != "text":
+        raise CaptureError(f"--pack and --chunk take documents (texts); --data {source.name} holds {source.kind} examples")
+    lengths = np.zeros(len(source), np.int64)
+    for b0 in range(0, len(source), batch):
+        texts = [source.get(i)["text"] for i in range(b0, min(b0 + batch, len(source)))]
+        enc = tok(texts, add_special_tokens=True)["input_ids"]
+        eos = tok.eos_token_id
+        lengths[b0 : b0 + len(texts)] = [len(ids) + (eos is not None and (not ids or ids[-1] != eos)) for ids in enc]
+    start = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else np.zeros(0, np.int64)
+    if mode == "chunk":
+        per_doc = -(-lengths // context)
+        win_doc = np.repeat(np.arange(len(lengths)), per_doc)
+        first = np.concatenate([[0], np.cumsum(per_doc)[:-1]]) if len(per_doc) else np.zeros(0, np.int64)
+        win_offset = (np.arange(len(win_doc)) - np.repeat(first, per_doc)) * context
+    else:
+        win_doc = win_offset = np.zeros(0, np.int64)
+    return Windows(mode=mode, context=context, doc_lengths=lengths, doc_start=start, win_doc=win_doc, win_offset=win_offset)
+
+
+def window_batches(
+    source: Source, windows: Windows, start: int, stop: int, tok: Any, batch_size: int, device: Any
+) -> Iterator[CaptureBatch]:
+    """CaptureBatches of windows [start, stop): input_ids padded on the right (only the last
+    window of the corpus, or of a document in chunk mode, is shorter), token labels marking
+    the tokenizer's special tokens, and each window's runs."""
+    import torch
+
+    special = set(tok.all_special_ids)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    cache: OrderedDict[int, list[int]] = OrderedDict()
+
+    def tokens(d: int) -> list[int]:
+        if d not in cache:
+            cache[d] = doc_tokens(tok, source.get(d)["text"])
+            if len(cache[d]) != windows.doc_lengths[d]:
+                raise CaptureError(f"document {d} tokenized to {len(cache[d])} tokens, then {windows.doc_lengths[d]}: the tokenizer is not deterministic")
+            if len(cache) > 64:
+                cache.popitem(last=False)
+        return cache[d]
+
+    for b0 in range(start, stop, batch_size):
+        seqs, runs = [], []
+        for w in range(b0, min(b0 + batch_size, stop)):
+            rs = windows.runs(w)
+            seqs.append([t for d, off, n in rs for t in tokens(d)[off : off + n]])
+            runs.append([[d, source.get(d)["key"], off, n] for d, off, n in rs])
+        t = max(len(s) for s in seqs)
+        ids = np.full((len(seqs), t), pad_id, np.int64)
+        mask = np.zeros((len(seqs), t), np.int64)
+        for j, s in enumerate(seqs):
+            ids[j, : len(s)] = s
+            mask[j, : len(s)] = 1
+        lens = np.asarray([len(s) for s in seqs], np.int64)
+        yield CaptureBatch(
+            inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
+            keys=[f"window-{w}" for w in range(b0, b0 + len(seqs))],
+            select={"tokens": [np.arange(n) for n in lens]},
+            labels={"tokens": [np.asarray([SPECIAL if x in special else CONTENT for x in s], np.uint8) for s in seqs]},
+            source_lengths={"tokens": lens},
+            texts={RUNS_TEXT: runs},
+        )
