@@ -47,6 +47,8 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "created": store.manifest.created,
         "actstore_version": store.manifest.actstore_version,
         "world_size": store.manifest.world_size,
+        "layer_names": store.layer_names(),
+        "token_ids": cfg.token_ids,
         "partial": (
             {"missing_ranks": list(store.manifest.partial.missing_ranks), "incomplete_shards": list(store.manifest.partial.incomplete_shards)}
             if store.manifest.partial else None
@@ -87,6 +89,13 @@ def format_info(info: dict[str, Any]) -> str:
     if bad or over:
         lines.append(f"non-finite   {bad}   clipped overflow {over}")
     lines.append(f"shards       {len(info['shards'])}: " + ", ".join(f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]) + (" ..." if len(info["shards"]) > 20 else ""))
+    by_layer: dict[int, list[str]] = {}
+    for name, n in info.get("layer_names", {}).items():
+        by_layer.setdefault(n, []).append(name)
+    for n, names in sorted(by_layer.items()):
+        lines.append(f"layer {n:<6} = {', '.join(names)}")
+    if info.get("token_ids"):
+        lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
         lines.append(f"ranks        {info['world_size']} (world size of the run)")
     if info.get("partial"):

@@ -146,7 +146,7 @@ def test_bfloat16_and_float32_stores(tmp_path):
 
 def test_unknown_layer_names_the_layers_that_exist(tmp_path):
     model, _ = tiny_llama(layers=4)
-    with pytest.raises(UnknownLayerError, match=r"layer 7 does not exist: LlamaForCausalLM has 4 blocks at model.layers, so layers 0..3 exist"):
+    with pytest.raises(UnknownLayerError, match=r"layer 7 does not exist: LlamaForCausalLM has 4 blocks at model.layers, so layers 0..3 \(or -4..-1\) exist; names: blocks.N.hook_resid_pre"):
         actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=[1, 7])
     with pytest.raises(UnknownLayerError, match=r"no module 'model.layers.1.mlpx'.*children \['gate_proj', 'up_proj', 'down_proj', 'act_fn'\]|children .*mlp"):
         actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=["model.layers.1.mlpx"])

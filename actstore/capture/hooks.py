@@ -48,6 +48,19 @@ class HookPoint:
     path: str
     module: Any
     block: bool  # a whole transformer block (its output is never modified in place)
+    pre: bool = False  # record the module's input (hook_resid_pre), not its output
+    name: str = ""  # the name the store keeps for it (TransformerLens-style or the module path)
+
+
+# TransformerLens hook names: blocks.N.hook_resid_pre / hook_resid_post / hook_mlp_out / hook_attn_out.
+TL_NAME = re.compile(r"^blocks\.(-?\d+)\.hook_(resid_pre|resid_post|mlp_out|attn_out)$")
+TL_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_mlp_out", "hook_attn_out")
+_MLP_CHILDREN = ("mlp", "feed_forward", "ffn", "mlp_block")
+_ATTN_CHILDREN = ("self_attn", "attn", "attention", "self_attention")
+
+
+def resid_post_name(n: int) -> str:
+    return f"blocks.{n}.hook_resid_post"
 
 
 def find_blocks(module: Any) -> tuple[str, Any]:
@@ -87,36 +100,70 @@ def find_blocks(module: Any) -> tuple[str, Any]:
 
 
 def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
-    """Turn layer numbers (block outputs) or module paths into hook points.
+    """Turn layers into hook points. A layer is a block number (its output; negative counts
+    from the end: -1 is the last block), a TransformerLens name (`blocks.8.hook_resid_post`,
+    `hook_resid_pre`, `hook_mlp_out`, `hook_attn_out`) or a module path (`model.layers.6.mlp`).
 
-    A module path is stored under the first integer component of its path (the block
-    index for `model.layers.6.mlp`); when some path has none or two share one, the paths
-    are numbered 0..k-1 in the order given.
+    Each is stored under its block number (the first integer of a module path); when some
+    has none or two share one, they are numbered 0..k-1 in the order given. The store keeps
+    every name (attrs `hook_names` and `hooks`), and readers accept the names.
     """
-    items = [int(x) if isinstance(x, (int, np.integer)) else x for x in layers]  # str: always a module path
+    items = [int(x) if isinstance(x, (int, np.integer)) else str(x).strip() for x in layers]  # a str is a name or path
     if not items:
         raise UnknownLayerError("no layers to record; pass layer numbers such as --layers 6,11")
-    ints = [x for x in items if isinstance(x, int)]
-    paths = [x.strip() for x in items if isinstance(x, str)]
-    if ints and paths:
-        raise UnknownLayerError(f"give either layer numbers or module paths, not both: {list(layers)}")
-    if len(set(map(str, items))) != len(items):
-        raise UnknownLayerError(f"layers must be distinct, got {list(layers)}")
-    if ints:
-        bpath, blocks = find_blocks(module)
-        n = len(blocks)
-        bad = [x for x in ints if not 0 <= x < n]
-        if bad:
+    blocks: list[Any] = []
+
+    def block(n: int, what: str) -> tuple[str, Any, int]:
+        if not blocks:
+            blocks.extend(find_blocks(module))
+        bpath, mods = blocks
+        k = n + len(mods) if n < 0 else n
+        if not 0 <= k < len(mods):
             raise UnknownLayerError(
-                f"layer {bad[0]} does not exist: {type(module).__name__} has {n} blocks at {bpath}, "
-                f"so layers 0..{n - 1} exist"
+                f"{what} does not exist: {type(module).__name__} has {len(mods)} blocks at {bpath}, so layers 0..{len(mods) - 1} "
+                f"(or -{len(mods)}..-1) exist; names: blocks.N.{'|'.join(TL_HOOKS)}, or module paths"
             )
-        return [HookPoint(layer=x, path=f"{bpath}.{x}", module=blocks[x], block=True) for x in ints]
-    mods = [_get_module(module, p) for p in paths]
-    nums = [_first_int(p) for p in paths]
+        return bpath, mods[k], k
+
+    points = []
+    for x in items:
+        if isinstance(x, int):
+            bpath, mod, k = block(x, f"layer {x}")
+            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=True, name=resid_post_name(k))))
+            continue
+        m = TL_NAME.match(x)
+        if m is None:
+            if x.startswith("blocks.") or x.startswith("hook_"):
+                raise UnknownLayerError(f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path")
+            points.append((_first_int(x), HookPoint(layer=-1, path=x, module=_get_module(module, x), block=False, name=x)))
+            continue
+        bpath, mod, k = block(int(m.group(1)), x)
+        hook = m.group(2)
+        name = f"blocks.{k}.hook_{hook}"
+        if hook == "resid_post":
+            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=True, name=name)))
+        elif hook == "resid_pre":
+            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=False, pre=True, name=name)))
+        else:
+            child = _child(mod, _MLP_CHILDREN if hook == "mlp_out" else _ATTN_CHILDREN, f"{bpath}.{k}", x)
+            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}.{child}", module=mod.get_submodule(child), block=False, name=name)))
+    names = [hp.name for _, hp in points]
+    if len(set(names)) != len(names):
+        raise UnknownLayerError(f"layers must be distinct, got {list(layers)}")
+    nums = [n for n, _ in points]
     if None in nums or len(set(nums)) != len(nums):
-        nums = list(range(len(paths)))
-    return [HookPoint(layer=k, path=p, module=m, block=False) for k, p, m in zip(nums, paths, mods)]
+        nums = list(range(len(points)))
+    return [HookPoint(layer=n, path=hp.path, module=hp.module, block=hp.block, pre=hp.pre, name=hp.name) for n, (_, hp) in zip(nums, points)]
+
+
+def _child(block_mod: Any, names: tuple[str, ...], path: str, what: str) -> str:
+    children = [n for n, _ in block_mod.named_children()]
+    for n in names:
+        if n in children:
+            return n
+    raise UnknownLayerError(
+        f"{what}: block {path} has no {' / '.join(names)} module (children: {children}); record a module path instead"
+    )
 
 
 def _get_module(module: Any, path: str) -> Any:
@@ -182,7 +229,12 @@ class Capture:
 
     def __enter__(self) -> Capture:
         for hp in self.hooks:
-            self._handles.append(hp.module.register_forward_hook(self._make_hook(hp)))
+            hook = self._make_hook(hp)
+            if hp.pre:  # the block's input: hidden_states, positional or keyword
+                self._handles.append(hp.module.register_forward_pre_hook(
+                    lambda mod, args, kwargs, h=hook: h(mod, args, args[0] if args else kwargs.get("hidden_states")), with_kwargs=True))
+            else:
+                self._handles.append(hp.module.register_forward_hook(hook))
         return self
 
     def __exit__(self, *exc: Any) -> None:

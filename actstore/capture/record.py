@@ -230,7 +230,8 @@ class _Job:
         b, t, d = first.shape
         attrs = dict(self.attrs)
         attrs["hooks"] = {str(hp.layer): hp.path for hp in self.hooks}
-        attrs["hook_kind"] = "block output (residual stream)" if self.hooks[0].block else "module output"
+        attrs["hook_names"] = {str(hp.layer): hp.name for hp in self.hooks}  # readers take these names as layers
+        attrs["hook_kind"] = "block output (residual stream)" if all(hp.block for hp in self.hooks) else "named hooks (hook_names)"
         if self.token_labels:
             attrs["token_labels"] = TOKEN_LABEL_MEANING
         if self.lm.image is not None:

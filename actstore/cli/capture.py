@@ -22,7 +22,7 @@ def _layers(value: str) -> tuple[int | str, ...]:
     items = tuple(x.strip() for x in value.split(",") if x.strip())
     out: list[int | str] = []
     for x in items:
-        if x.isdigit():
+        if x.lstrip("-").isdigit():  # a block number; negative counts from the end (-1: the last block)
             out.append(int(x))
         elif "-" in x and all(p.isdigit() for p in x.split("-", 1)):
             a, b = (int(p) for p in x.split("-", 1))
@@ -46,7 +46,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.argument("store", type=NEW_STORE)
 @click.option("--model", required=True, help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.")
 @click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
-@click.option("--layers", required=True, help="Blocks to record, e.g. 6,11 or 0-11 (layer N = output of block N = hidden_states[N+1]), or module paths such as model.layers.6.mlp.")
+@click.option("--layers", required=True, help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp.")
 @click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True, help="Stored dtype.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")

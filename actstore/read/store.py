@@ -16,7 +16,7 @@ import numpy as np
 from actstore import catalog
 from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import StoreNotFoundError
+from actstore.errors import LayerNotFoundError, StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
@@ -162,7 +162,9 @@ class ActStore:
     # ---- reads ---------------------------------------------------------------------
     def __getitem__(self, key: tuple[Any, Any]) -> np.ndarray | list[np.ndarray]:
         """`store[ex, layer]` -> (T_i, D); slices and lists of examples and layers
-        (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes."""
+        (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes. A layer
+        is a stored layer number or one of its names (`layer_names()`)."""
+        key = self._numbered(key)
         if not is_pair(key):
             return select(self, key)
         ex, layer = _split_key(key)
@@ -283,8 +285,44 @@ class ActStore:
         parts = [self._shard(pos).per_sample(name) for pos in range(len(self.manifest.shards))]
         return np.concatenate(parts) if parts else np.zeros(0)
 
-    def _where(self, ex: int, layer: int) -> tuple[ShardReader, int, int]:
+    def layer_names(self) -> dict[str, int]:
+        """Every name a stored layer answers to -> its layer number: the capture's hook names
+        (TransformerLens-style, `blocks.8.hook_resid_post`) and module paths (`model.layers.8`)."""
+        attrs = self.config.attrs
+        names: dict[str, int] = {}
+        for k in ("hooks", "hook_names"):
+            table = attrs.get(k)
+            if isinstance(table, dict):
+                for n, name in table.items():
+                    if isinstance(name, str) and str(n).lstrip("-").isdigit() and int(n) in self.config.layers:
+                        names[name] = int(n)
+        return names
+
+    def layer_number(self, layer: Any) -> int:
+        """The stored layer number of `layer` (a number, or a name from layer_names())."""
+        if not isinstance(layer, str):
+            return layer
+        names = self.layer_names()
+        if layer not in names:
+            raise LayerNotFoundError(
+                f"no stored layer is named {layer!r}; this store holds layers {list(self.config.layers)}"
+                + (f", named {names}" if names else " (it keeps no layer names: index by number)")
+            )
+        return names[layer]
+
+    def _numbered(self, key: Any) -> Any:
+        """A key with layer names replaced by layer numbers."""
+        if isinstance(key, tuple) and len(key) == 2:
+            layer = key[1]
+            if isinstance(layer, str):
+                return key[0], self.layer_number(layer)
+            if isinstance(layer, list) and any(isinstance(x, str) for x in layer):
+                return key[0], [self.layer_number(x) for x in layer]
+        return key
+
+    def _where(self, ex: int, layer: Any) -> tuple[ShardReader, int, int]:
         """(shard reader, local example, layer position) of (ex, layer); clear errors for either."""
+        layer = self.layer_number(layer)
         pos, local = self.index.locate(ex)
         lp = layer_position(self.config.layers, layer)
         return self._shard(pos), local, lp
