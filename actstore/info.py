@@ -32,6 +32,7 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
                 "fixed": s.fixed,
                 "tokens": tokens[s.name],
                 "mean_length": tokens[s.name] / n if n else 0.0,
+                "padding": 1 - tokens[s.name] / (n * s.t_max) if n else 0.0,  # share of stored slots that are padding
                 "truncated": store.manifest.truncation.get(s.name, {}),
             }
             for s in cfg.segments
@@ -81,7 +82,7 @@ def format_info(info: dict[str, Any]) -> str:
         tr = s["truncated"]
         lines.append(
             f"  {name:<10} shape {tuple(s['shape'])} chunks {tuple(s['chunks'])} "
-            f"{'fixed' if s['fixed'] else 'padded'}, mean length {s['mean_length']:.1f}, "
+            f"{'fixed' if s['fixed'] else 'padded'}, mean length {s['mean_length']:.1f} ({100 * s['padding']:.1f}% padding), "
             f"truncated {tr.get('count', 0)} ({100 * tr.get('fraction', 0.0):.2f}%)"
         )
     bad = {k: v for k, v in info["nonfinite"].items() if v}

@@ -14,6 +14,7 @@ from PIL import Image
 
 import actstore
 from actstore.cli import main
+from actstore.info import store_info
 from test_capture_support import (
     PAIRS, SENTENCES, all_vectors, make_images, reference_pixels, save_dinov2, save_llama, tiny_dinov2, tiny_llama, write_jsonl,
 )
@@ -425,3 +426,22 @@ def test_capture_to_a_missing_bucket_fails_before_the_model_loads(s3_endpoint, d
     res = cli("write", "s3://no-such-bucket/acts", "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False)
     assert res.exit_code == 1
     assert res.output.startswith("actstore: error: cannot list s3://no-such-bucket/acts: the bucket 'no-such-bucket' does not exist")
+
+
+def test_default_budgets_come_from_the_measured_lengths(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 3)
+    out = tmp_path / "s"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--quiet")
+    store = actstore.ActStore(out)
+    _, tok = tiny_llama(layers=3)
+    from actstore.capture.prepare import TextPlan, prompt_tokens, response_tokens
+
+    plan = TextPlan(kind="pair", p_max=1, r_max=0, special="mask", chat_template=False, generate=0)
+    p_lens = [len(prompt_tokens(tok, plan, p["prompt"])[0]) for p in PAIRS * 3]
+    r_lens = [len(response_tokens(tok, p["response"])[0]) for p in PAIRS * 3]
+    want = {"prompt": int(np.quantile(p_lens, 0.99, method="higher")), "response": int(np.quantile(r_lens, 0.99, method="higher"))}
+    assert {s.name: s.t_max for s in store.config.segments} == want and want["prompt"] < 64
+    info = store_info(out)
+    stored = sum(store.lengths(i)["prompt"] for i in range(len(store)))
+    assert info["segments"]["prompt"]["padding"] == pytest.approx(1 - stored / (len(store) * want["prompt"]))
+    assert f"({100 * (1 - stored / (len(store) * want['prompt'])):.1f}% padding)" in cli("info", out).output

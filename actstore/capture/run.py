@@ -31,8 +31,7 @@ from actstore import catalog
 from actstore.storage import open_storage
 
 ENGINES = ("local", "ray")
-DEFAULT_P_MAX = 256
-DEFAULT_R_MAX = 64
+DEFAULT_QUANTILE = 0.99  # default token budgets: this quantile of the measured lengths
 
 
 @dataclass(frozen=True)
@@ -314,17 +313,19 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
         raise CaptureError("--chat-template wraps prompts: use it with prompt/response data or --generate N")
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
-    plan = TextPlan(kind=kind, p_max=o.p_max or DEFAULT_P_MAX, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
-    if o.p_quantile is not None:
+    plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
+    if o.p_max is None:  # measured: a high quantile of the lengths, not a fixed budget mostly padding
         lengths = prompt_lengths(lm.tokenizer, plan, source)
-        plan = replace(plan, p_max=max(1, int(np.quantile(lengths, o.p_quantile, method="higher"))))
+        q = DEFAULT_QUANTILE if o.p_quantile is None else o.p_quantile
+        plan = replace(plan, p_max=max(1, int(np.quantile(lengths, q, method="higher"))))
     if kind == "pair":
-        r_max = o.r_max or (o.generate if o.generate else DEFAULT_R_MAX)
-        if o.r_quantile is not None:
+        r_max = o.r_max or o.generate
+        if not r_max:
             from actstore.capture.prepare import response_tokens
 
+            q = DEFAULT_QUANTILE if o.r_quantile is None else o.r_quantile
             lens = [len(response_tokens(lm.tokenizer, source.get(i)["response"] or "")[0]) for i in range(len(source))]
-            r_max = max(1, int(np.quantile(lens, o.r_quantile, method="higher")))
+            r_max = max(1, int(np.quantile(lens, q, method="higher")))
         plan = replace(plan, r_max=r_max)
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
