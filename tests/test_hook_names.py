@@ -87,7 +87,7 @@ def test_block_numbers_negative_and_their_names(tmp_path, setup):
 def test_unknown_names_say_what_is_valid(tmp_path, setup):
     model_dir, data = setup
     for layers, message in (
-        ("blocks.3.hook_resid_post", "blocks.3.hook_resid_post does not exist: LlamaForCausalLM has 3 blocks at model.layers, so layers 0..2 (or -3..-1) exist"),
+        ("blocks.3.hook_resid_post", f"blocks.3.hook_resid_post does not exist: {model_dir} has 3 blocks, so layers 0..2 (or -3..-1) exist"),
         ("-4", "layer -4 does not exist"),
         ("blocks.0.hook_z", "'blocks.0.hook_z' is not a hook name this capture knows; use blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out"),
         ("model.layers.0.nope", "no module 'model.layers.0.nope'"),

@@ -150,6 +150,9 @@ def write(o: WriteOptions) -> dict[str, Any]:
     storage = open_storage(o.store)
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
     source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
+    from actstore.capture import preflight
+
+    preflight.check(o, source, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
     world = o.workers if multi else o.world_size
     assert world is not None
     if world > len(source) and not (o.pack or o.chunk):  # (windows are counted by each writer)
