@@ -317,6 +317,9 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
     plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
+    stored = _stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
+    if stored is not None:  # a resume keeps the store's budgets (measured on the first run)
+        return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0)
     if o.p_max is None:  # measured: a high quantile of the lengths, not a fixed budget mostly padding
         lengths = prompt_lengths(lm.tokenizer, plan, source)
         q = DEFAULT_QUANTILE if o.p_quantile is None else o.p_quantile
@@ -336,6 +339,15 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
             raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
         plan = replace(plan, p_max=max(1, lm.max_tokens - plan.r_max))  # a default or quantile budget: fit the context
     return plan
+
+
+def _stored_budgets(o: WriteOptions) -> tuple[int, int] | None:
+    """(p_max, r_max) of the store being resumed, or None (no store yet)."""
+    storage = open_storage(o.store)
+    if not catalog.has_identity(storage):
+        return None
+    segs = catalog.read_identity(storage).segments
+    return segs[0].t_max, (segs[1].t_max if len(segs) > 1 else 0)
 
 
 def _as_prompts(source: Source) -> Source:
