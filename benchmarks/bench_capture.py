@@ -16,7 +16,7 @@ raw sequential write (+ fsync) of the same number of bytes for the disk's capaci
 Also reported: early stop (recording only the first half of the blocks).
 
 Run: .venv/bin/python benchmarks/bench_capture.py [--model M] [--data D] [--examples N]
-     [--batch-size B] [--layers 0-11] [--repeats R] [--dir DIR] [--zarr-format 3 --shard-examples S]
+     [--batch-size B] [--layers 0-11] [--repeats R] [--dir DIR] [--zarr-format 3 --shard-examples S] [--pack N]
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ def prepare(args) -> tuple[object, list, int]:
     src = Source(kind=src.kind, name=src.name, n=len(idx), get=lambda i, g=src.get: g(idx[i]))
     if lm.modality == "image":
         batches = list(image_batches(src, 0, len(src), lm.image, args.batch_size, "cpu"))
+    elif args.pack:  # a packed corpus: windows of exactly --pack tokens (actstore write --pack --context N)
+        from actstore.capture.packing import plan_windows, window_batches
+
+        windows = plan_windows(src, lm.tokenizer, args.pack, "pack")
+        batches = list(window_batches(src, windows, 0, len(windows), lm.tokenizer, args.batch_size, "cpu"))
+        return lm, batches, len(windows)
     else:
         opts = WriteOptions(store="", model=args.model, data=args.data, layers=(0,), p_max=args.p_max)
         plan = _text_plan(opts, lm, src)
@@ -114,6 +120,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--layers", default="0-11")
     ap.add_argument("--p-max", type=int, default=128, help="token budget for text models")
+    ap.add_argument("--pack", type=int, default=None, metavar="N", help="text models: capture the data packed into windows of N tokens (as --pack --context N)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dir", default=None, help="where to put the temporary stores (default: a temp dir)")
@@ -127,7 +134,9 @@ def main() -> None:
     lm, batches, n = prepare(args)
     segments = None
     if lm.modality == "text":
-        segments = {"tokens": args.p_max}
+        segments = {"tokens": args.pack or args.p_max}
+        if args.pack:
+            layout.update(token_labels=True, texts=("runs",))  # what actstore write --pack stores
     root = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=args.dir))
     try:
         forward_alone(lm, batches[:1])  # warm up (allocator, kernels)

@@ -16,7 +16,7 @@ PKG = ROOT / "actstore"
 # lower entries and of lower layers only. Within a layer, earlier entries sit below
 # later ones (an entry may import the entries before it, never those after).
 LAYERS: list[list[str]] = [
-    ["actstore.errors", "actstore._version"],
+    ["actstore.errors", "actstore._version", "actstore.progress"],
     ["actstore.layout", "actstore.saev.protocol"],
     ["actstore.storage", "actstore.fsutil"],
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.zarrio", "actstore.catalog", "actstore.chunkio"],

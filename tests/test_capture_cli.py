@@ -445,3 +445,11 @@ def test_default_budgets_come_from_the_measured_lengths(tmp_path, llama_dir):
     stored = sum(store.lengths(i)["prompt"] for i in range(len(store)))
     assert info["segments"]["prompt"]["padding"] == pytest.approx(1 - stored / (len(store) * want["prompt"]))
     assert f"({100 * (1 - stored / (len(store) * want['prompt'])):.1f}% padding)" in cli("info", out).output
+
+
+def test_write_json_summary(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES[:3]])
+    res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", "--quiet", "--json")
+    s = json.loads(res.stdout)
+    assert (s["examples"], s["written"], s["shards"], s["finalized"]) == (3, 3, [0], True)
+    assert s["tokens"] == sum(actstore.ActStore(tmp_path / "s").lengths(i)["tokens"] for i in range(3))

@@ -9,9 +9,9 @@ class Progress:
     """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm)."""
 
     def __init__(self, total: int, desc: str = "capture", disable: bool = False):
-        from tqdm import tqdm
+        from actstore.progress import bar
 
-        self.bar = tqdm(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)
+        self.bar = bar(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.nbytes = 0

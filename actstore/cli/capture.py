@@ -80,6 +80,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--zarr-format", type=click.Choice(["2", "3"]), default=str(spec.DEFAULT_ZARR_FORMAT), show_default=True, help="Zarr format of the store's arrays (2: one file per chunk).")
 @click.option("--shard-examples", type=int, default=None, help="With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples; for stores of millions of chunks).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
 def write_cmd(store: str, **kw) -> None:
     """Capture a model's activations over a dataset into STORE.
 
@@ -111,6 +112,11 @@ def write_cmd(store: str, **kw) -> None:
         writer_nice=kw["writer_nice"],
     )
     s = write(opts)
+    if kw["as_json"]:
+        import json
+
+        click.echo(json.dumps(s))
+        return
     rate = s["written"] / s["capture_seconds"] if s["capture_seconds"] else 0.0
     click.echo(
         f"wrote {s['written']} examples ({s['tokens']:,} tokens per layer, {s['bytes'] / 2**20:.1f} MiB) to {store} "

@@ -19,15 +19,22 @@ def register(main: click.Group) -> None:
 
 @click.command("finalize")
 @click.argument("store", type=STORE)
-@click.option("--allow-partial", is_flag=True, help="Also publish the committed prefix of shards whose writer never closed.")
-def finalize_cmd(store: str, allow_partial: bool) -> None:
+@click.option("--allow-partial", is_flag=True, help="Publish what is committed though shards or ranks are unfinished (recorded as partial).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
+@click.option("--quiet", is_flag=True, help="Print nothing on success.")
+def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) -> None:
     """Merge the committed writer shards of STORE into its manifest.json.
 
     Run it once every writer has closed; it is safe to run again (the manifest is
     replaced atomically). Readers see only finalized shards.
     """
     m = finalize(store, allow_partial=allow_partial)
-    click.echo(f"finalized {store}: {m.n_examples} examples in {len(m.shards)} shards")
+    if as_json:
+        partial = {"missing_ranks": list(m.partial.missing_ranks), "incomplete_shards": list(m.partial.incomplete_shards)} if m.partial else None
+        click.echo(json.dumps({"store": str(store), "examples": m.n_examples, "shards": [s.shard for s in m.shards],
+                               "world_size": m.world_size, "partial": partial}))
+    elif not quiet:
+        click.echo(f"finalized {store}: {m.n_examples} examples in {len(m.shards)} shards" + (" (PARTIAL)" if m.partial else ""))
 
 
 @click.command("info")

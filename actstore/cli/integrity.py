@@ -19,11 +19,10 @@ def register(main: click.Group) -> None:
 
 
 def _bar(total: int | None, unit: str, quiet: bool, desc: str):
-    """A tqdm progress bar on stderr, or a stand-in when quiet (or stderr is not a terminal)."""
-    from tqdm import tqdm
+    """A progress bar on stderr (periodic lines when it is not a terminal), or a stand-in when quiet."""
+    from actstore.progress import bar
 
-    return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr,
-                disable=quiet or not sys.stderr.isatty(), leave=False)
+    return bar(total=total, unit=unit, unit_scale=True, desc=desc, disable=quiet, leave=False)
 
 
 @click.command("verify")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -34,12 +33,10 @@ def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_js
     already holds is not copied again. A DST holding a different store is refused.
     Credentials and endpoints come from the usual environment (AWS_*, GOOGLE_*, AZURE_*).
     """
-    from tqdm import tqdm
-
     from actstore.copy import copy_store
+    from actstore.progress import bar as progress_bar
 
-    with tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="cp", file=sys.stderr, leave=False,
-              disable=quiet or not sys.stderr.isatty()) as bar:
+    with progress_bar(unit="B", unit_scale=True, unit_divisor=1024, desc="cp", leave=False, disable=quiet) as bar:
 
         def progress(n: int, total: int) -> None:
             if bar.total != total:

@@ -54,8 +54,9 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
 @click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the directory.")
 def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckpt, dataset, data,
-               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet) -> None:
+               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet, as_json) -> None:
     """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
 
     Float32 shards in the store's example order; the directory is built beside its target
@@ -70,6 +71,12 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
         progress=not quiet,
     )
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"path": str(res.path), "hash": res.hash, "protocol": res.protocol, "examples": res.n_examples,
+                               "shards": res.n_shards, "reused": res.reused}))
+        return
     what = "exists, verified" if res.reused else "exported"
     click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
     click.echo(str(res.path))

@@ -64,7 +64,7 @@ class ShardPipeline:
         return out
 
     def run(self) -> None:
-        from tqdm import tqdm
+        from actstore.progress import bar as progress_bar
 
         g = self.plan.geometry
         units = self.units()
@@ -78,7 +78,7 @@ class ShardPipeline:
         closing = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
-                tqdm(total=g.n_examples * g.example_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                progress_bar(total=g.n_examples * g.example_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
                      desc=f"export saev {self.plan.hash[:8]}", disable=not self.progress) as bar:
             try:
                 def submit() -> None:

@@ -1,0 +1,41 @@
+"""Progress bars that suit where they go: a live tqdm bar on a terminal, plain periodic lines
+(one every PIPE_INTERVAL seconds, with rate and ETA, the first after PIPE_INTERVAL seconds)
+when stderr is a pipe or a log file, so a job log is not flooded with carriage-return updates."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+PIPE_INTERVAL = 10.0  # seconds between lines when stderr is not a terminal
+
+
+class _Lines:
+    """A stream for tqdm that turns its carriage-return redraws into whole lines."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+
+    def write(self, s: str) -> None:
+        s = s.replace("\r", "").strip("\n")
+        if s.strip():
+            self.stream.write(s + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def bar(**kw: Any) -> Any:
+    """A tqdm bar (same arguments) on stderr: live on a terminal, periodic lines otherwise."""
+    from tqdm import tqdm
+
+    stream = kw.pop("file", None) or sys.stderr
+    if not getattr(stream, "isatty", lambda: False)():
+        kw["mininterval"] = max(kw.get("mininterval", 0.1), PIPE_INTERVAL)
+        kw.setdefault("delay", PIPE_INTERVAL)  # work shorter than that prints nothing
+        kw["maxinterval"] = max(kw.get("maxinterval", 10.0), PIPE_INTERVAL)
+        kw.pop("dynamic_ncols", None)
+        kw.setdefault("ncols", 100)
+        kw["ascii"] = True
+        stream = _Lines(stream)
+    return tqdm(file=stream, **kw)

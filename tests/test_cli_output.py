@@ -1,0 +1,53 @@
+"""What commands print: one JSON summary with --json, and progress that does not flood a pipe
+(plain periodic lines instead of carriage-return redraws when stderr is not a terminal)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import numpy as np
+from click.testing import CliRunner
+
+import actstore
+from actstore import progress
+from actstore.cli import main
+
+
+def test_progress_on_a_pipe_is_periodic_whole_lines(monkeypatch):
+    monkeypatch.setattr(progress, "PIPE_INTERVAL", 0.05)
+    out = io.StringIO()  # not a terminal
+    with progress.bar(total=6, desc="work", unit="ex", file=out) as b:
+        for _ in range(6):
+            time.sleep(0.03)
+            b.update(1)
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert 2 <= len(lines) <= 6 and all(line.startswith("work:") for line in lines)
+    assert lines[-1].startswith("work: 100%") and "6/6" in lines[-1]
+
+    quick = io.StringIO()
+    monkeypatch.setattr(progress, "PIPE_INTERVAL", 30.0)
+    with progress.bar(total=3, desc="quick", file=quick) as b:
+        b.update(3)
+    assert quick.getvalue() == ""  # work shorter than the interval prints nothing
+
+
+def test_finalize_and_export_saev_print_one_json_summary(tmp_path):
+    path = tmp_path / "s"
+    with actstore.ShardWriter(path, shard=0, layers=[0], d_model=4, tokens=3, world_size=2) as w:
+        w.append(np.ones((5, 1, 3, 4), np.float16))
+    r = CliRunner()
+    res = r.invoke(main, ["finalize", str(path), "--allow-partial", "--json"])
+    assert res.exit_code == 0
+    assert json.loads(res.stdout) == {"store": str(path), "examples": 5, "shards": [0], "world_size": 2,
+                                      "partial": {"missing_ranks": [1], "incomplete_shards": []}}
+    assert r.invoke(main, ["finalize", str(path), "--allow-partial", "--quiet"]).output == ""
+    res = r.invoke(main, ["export-saev", str(path), str(tmp_path / "dump"), "--cls", "none", "--family", "clip",
+                          "--dataset", "/data", "--ckpt", "tiny", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["examples"] == 5 and summary["protocol"] == "2.0" and not summary["reused"]
+    assert summary["path"] == str(tmp_path / "dump" / summary["hash"])
