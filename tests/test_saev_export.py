@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import warnings
 
 import numpy as np
 import pytest
@@ -25,10 +26,43 @@ CASES = [
     ("vit", "float32", "2.0", {"patches_per_shard": 20, "cls": "drop"}, {"cls": True, "t_chunk": 2}),
     ("vit", "float32", "2.1", {"patches_per_shard": 40, "layers": [5, 2]}, {"cls": True, "n_shards": 3}),
     ("vit", "float16", "2.0", {"patches_per_shard": 50}, {"cls": True, "zarr_format": 3, "shard_examples": 4}),
-    ("llm", "float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text"}, {}),
-    ("llm", "float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"]}, {"t_chunk": 3}),
-    ("llm", "bfloat16", "2.0", {"patches_per_shard": 60, "family": "siglip", "dataset": "/d", "segments": ["response", "prompt"], "layers": [3]}, {}),
 ]
+# Stores with padded (text) segments: real tokens only, packed tokens_per_example (default 1) to an example.
+LLM_CASES = [
+    ("float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text"}, {}),
+    ("float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"], "tokens_per_example": 3}, {"t_chunk": 3}),
+    ("bfloat16", "2.0", {"patches_per_shard": 60, "family": "siglip", "dataset": "/d", "segments": ["response", "prompt"], "layers": [3],
+                         "tokens_per_example": 4}, {}),
+]
+
+
+@pytest.mark.parametrize("dtype,protocol,opts,sopts", LLM_CASES)
+def test_text_stores_export_real_tokens_only_packed(tmp_path, dtype, protocol, opts, sopts):
+    store = make_llm_store(tmp_path / "store", dtype=dtype, **sopts)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = export_saev(store, _dump(tmp_path, protocol), protocol=protocol, progress=False, **opts)
+    assert verify_saev(res.path, values=True).problems == []
+    md = json.loads((res.path / "metadata.json").read_text())
+    layers, segments = opts.get("layers", list(store.layers)), opts.get("segments", list(store.segments))
+    T = opts.get("tokens_per_example", 1)
+    assert md["cls_token"] is False and md["patches_per_ex" if protocol == "2.0" else "content_tokens_per_example"] == T
+    stream = {layer: np.concatenate([np.asarray(store.segment(s)[ex, layer], np.float32) for ex in range(len(store)) for s in segments])
+              for layer in layers}
+    n_tokens = len(stream[layers[0]])
+    n = n_tokens // T
+    assert md["n_ex" if protocol == "2.0" else "n_examples"] == n
+    assert (n_tokens % T != 0) == any("do not fill an exported example" in str(w.message) for w in caught)
+    for i in range(n):
+        for layer in layers:
+            got = np.stack([seed_read_vector(res.path, i, layer, t) for t in range(T)])
+            np.testing.assert_array_equal(got, stream[layer][i * T : (i + 1) * T])  # no padding, in store order
+    offsets = np.fromfile(res.path / "example_offsets.bin", dtype="<i8")
+    lengths = [sum(store.lengths(ex)[s] for s in segments) for ex in range(len(store))]
+    assert offsets.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    labels = np.fromfile(res.path / "labels.bin", dtype=np.uint8).reshape(n, T)
+    lab_stream = np.concatenate([store.field(f"{s}_token_labels")[ex, : store.lengths(ex)[s]] for ex in range(len(store)) for s in segments])
+    np.testing.assert_array_equal(labels.reshape(-1), lab_stream[: n * T])
 
 
 def _dump(tmp_path, protocol):

@@ -135,23 +135,25 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     path = res.stdout.strip().splitlines()[-1]
     md = json.loads(open(os.path.join(path, "metadata.json")).read())
-    assert (md["layers"], md["content_tokens_per_example"], md["family"]) == ([3], 10, "clip")
+    n = sum(store.lengths(ex)["response"] + store.lengths(ex)["prompt"] for ex in range(len(store)))  # real tokens only
+    assert (md["layers"], md["content_tokens_per_example"], md["family"], md["n_examples"]) == ([3], 1, "clip", n)
+    shards = -(-n // 40)
     again = r.invoke(main, args)
-    assert again.exit_code == 0 and "exists, verified: 7 examples in 2 shards (protocol 2.1)" in again.stderr
+    assert again.exit_code == 0 and f"exists, verified: {n} examples in {shards} shards (protocol 2.1)" in again.stderr
     ok = r.invoke(main, ["verify-saev", path, "--values"])
-    assert ok.exit_code == 0 and ok.stdout.strip() == "ok: protocol 2.1, 7 examples in 2 shards"
+    assert ok.exit_code == 0 and ok.stdout.strip() == f"ok: protocol 2.1, {n} examples in {shards} shards"
     os.chmod(os.path.join(path, "labels.bin"), 0o644)
     os.truncate(os.path.join(path, "labels.bin"), 3)
     bad = r.invoke(main, ["verify-saev", path])
     assert bad.exit_code == 1
-    assert bad.stdout.splitlines() == ["labels.bin: 3 bytes, expected 70 (n_examples 7 x 10 content tokens, uint8)"]
+    assert bad.stdout.splitlines() == [f"labels.bin: 3 bytes, expected {n} (n_examples {n} x 1 content tokens, uint8)"]
     err = r.invoke(main, ["export-saev", str(store.path), str(tmp_path / "x"), "--quiet"])
     assert err.exit_code == 1
     assert err.stderr == ("actstore: error: the store does not record its model family (attrs['family']) and its model_id "
                           "'HuggingFaceTB/SmolLM2-135M' names none; pass family (--family), one of ['clip', 'siglip', 'dinov2']\n")
-    os.truncate(os.path.join(path, "labels.bin"), 70)
+    os.truncate(os.path.join(path, "labels.bin"), n)
     imp = r.invoke(main, ["import-saev", path, str(tmp_path / "imported"), "--quiet"])
-    assert imp.exit_code == 0 and imp.stdout.strip() == f"imported 7 examples in {tmp_path / 'imported'}".replace(" in ", " into ")
+    assert imp.exit_code == 0 and imp.stdout.strip() == f"imported {n} examples in {tmp_path / 'imported'}".replace(" in ", " into ")
     monkeypatch.setenv("SAEV_NFS", str(tmp_path / "nfs"))
     lr = r.invoke(main, ["link-run", "--run", "r1", "--train-shards", path])
     assert lr.exit_code == 0 and lr.stdout.strip() == str(tmp_path / "nfs" / "saev" / "runs" / "r1")

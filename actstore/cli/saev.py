@@ -55,8 +55,10 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the directory.")
+@click.option("--tokens-per-example", type=int, default=None,
+              help="Stores with padded (text) segments: real tokens packed this many to an exported example (default 1).")
 def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckpt, dataset, data,
-               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet, as_json) -> None:
+               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet, as_json, tokens_per_example) -> None:
     """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
 
     Float32 shards in the store's example order; the directory is built beside its target
@@ -69,7 +71,7 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
         pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
-        progress=not quiet,
+        progress=not quiet, tokens_per_example=tokens_per_example,
     )
     if as_json:
         import json

@@ -66,6 +66,7 @@ def export_saev(
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     fsync: bool = True,
     progress: bool = True,
+    tokens_per_example: int | None = None,
 ) -> SaevExport:
     """Export a finalized store as a saev shard directory `<dump_to>/<HASH>`.
 
@@ -89,6 +90,10 @@ def export_saev(
         patches_per_shard: token budget per shard (2.1: max_tokens_per_shard).
         pixel_agg: "majority" (default) or "prefer-fg"; protocol 2.1 only.
         labels: write labels.bin from the store's per-token labels (default: when stored).
+        tokens_per_example: stores with padded (text) segments export their real tokens
+            only, packed this many to an exported example (default 1: every token exactly
+            once; a tail shorter than one example is left out, with a warning), with
+            example_offsets.bin mapping each back to (store example, position).
         overwrite: rebuild and replace an existing <HASH> directory.
         workers: reader/converter threads.
         batch_bytes: float32 bytes per work unit (memory is about (workers + 2) units).
@@ -108,7 +113,12 @@ def export_saev(
     plan = make_plan(
         store, protocol=protocol, layers=layers, segments=segments, cls=cls, family=family, ckpt=ckpt,
         dataset=dataset, data=data, patches_per_shard=patches_per_shard, pixel_agg=pixel_agg, labels=labels,
+        tokens_per_example=tokens_per_example,
     )
+    if plan.dropped_tokens:
+        warnings.warn(
+            f"the last {plan.dropped_tokens} real tokens of {store.path} do not fill an exported example of "
+            f"{plan.geometry.tokens_per_example} tokens and are left out (tokens_per_example=1 exports every token)", stacklevel=2)
     root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
     if protocol == "2.1" and root.parts[-2:] != P.SHARDS_ROOT_PARTS:
         raise SaevOptionError(
@@ -130,6 +140,8 @@ def export_saev(
         ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
         if plan.labels:
             write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
+        if plan.offsets is not None:
+            write_small(tmp / P.OFFSETS_FILE, plan.offsets.astype("<i8").tobytes(), fsync)
         counts = plan.geometry.shard_counts()
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)

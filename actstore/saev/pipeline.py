@@ -48,6 +48,8 @@ class ShardPipeline:
         self.row_shape = (g.tokens_per_example, g.d_model)
         row_bytes = g.tokens_per_example * g.d_model * P.ITEMSIZE
         self.rows_per_unit = max(1, int(batch_bytes) // row_bytes)
+        if plan.offsets is not None:  # packed: a unit is whole exported examples (every layer)
+            self.rows_per_unit = max(g.n_layers, self.rows_per_unit // g.n_layers * g.n_layers)
         self.store_path = store.path
         self._local = threading.local()
         self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
@@ -127,6 +129,8 @@ class ShardPipeline:
 
     def _fill(self, unit: tuple[int, int, int], buf: np.ndarray) -> None:
         """Fill buf[:rows] with float32 rows of one work unit (runs on a worker thread)."""
+        if self.plan.offsets is not None:
+            return self._fill_packed(unit, buf)
         store, scratch = self._reader()
         plan = self.plan
         g = plan.geometry
@@ -158,6 +162,40 @@ class ShardPipeline:
                 short = np.flatnonzero(lens < part.skip + part.count)
                 for j in short:  # tokens past a segment's length do not exist: zeros
                     dst[j, max(int(lens[j]) - part.skip, 0) :] = 0
+
+
+    def _fill_packed(self, unit: tuple[int, int, int], buf: np.ndarray) -> None:
+        """Fill buf with exported examples [a, b) of a packed export: the real tokens
+        [a*T, b*T) of the stream, read example by example (each segment once per layer)."""
+        store, scratch = self._reader()
+        plan, offsets = self.plan, self.plan.offsets
+        g = plan.geometry
+        L, T = g.n_layers, g.tokens_per_example
+        s, r0, r1 = unit
+        a = s * g.examples_per_shard + r0 // L
+        b = a + (r1 - r0) // L
+        lo, hi = a * T, b * T
+        out = buf[: r1 - r0]
+        ex = int(np.searchsorted(offsets, lo, side="right")) - 1
+        while ex < len(offsets) - 1 and offsets[ex] < hi:
+            first = int(offsets[ex])  # stream index of this example's first real token
+            for lp, layer in enumerate(plan.layers):
+                k = first
+                for part in plan.parts:
+                    sc = scratch[part.segment][0]
+                    n = store.read_into(ex, layer, part.segment, sc)
+                    n = part.count if part.fixed else min(max(n - part.skip, 0), part.count)
+                    t0, t1 = max(k, lo), min(k + n, hi)  # the part's tokens inside this unit
+                    if t1 > t0:
+                        src = sc[part.skip + t0 - k : part.skip + t1 - k]
+                        idx = np.arange(t0, t1) - lo
+                        rows, pos = (idx // T) * L + lp, idx % T
+                        if plan.stored_dtype == "bfloat16":
+                            out[rows, pos] = (src.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+                        else:
+                            out[rows, pos] = src
+                    k += n
+            ex += 1
 
 
 def _half_converter(nbytes: int):
@@ -209,7 +247,18 @@ def write_small(path: Path, data: bytes, fsync: bool) -> None:
 
 
 def write_labels(store: Any, plan: ExportPlan, path: Path, fsync: bool) -> None:
-    """labels.bin: uint8 (n_examples, content tokens), CLS excluded, zeros past a segment's length."""
+    """labels.bin: uint8 (n_examples, content tokens), CLS excluded, zeros past a segment's length
+    (a packed export: the labels of its real tokens, in the same stream order)."""
+    if plan.offsets is not None:
+        g = plan.geometry
+        per_part = []
+        for part in plan.parts:
+            lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))[:, part.skip : part.skip + part.count]
+            lens = np.full(len(lab), part.count) if part.fixed else np.clip(np.asarray(store.field(part.segment + spec.LEN_SUFFIX)) - part.skip, 0, part.count)
+            per_part.append((lab, lens))
+        stream = np.concatenate([lab[e, :n] for e in range(len(store)) for lab, lens in per_part for n in (int(lens[e]),)])
+        _write_labels(stream[: g.n_examples * g.tokens_per_example].astype(np.uint8), path, fsync)
+        return
     cols = []
     for part in plan.parts:
         lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))[:, part.skip : part.skip + part.count]
@@ -220,6 +269,10 @@ def write_labels(store: Any, plan: ExportPlan, path: Path, fsync: bool) -> None:
     labels = np.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
     if plan.cls == "keep":
         labels = labels[:, 1:]  # labels.bin covers content tokens only
+    _write_labels(labels, path, fsync)
+
+
+def _write_labels(labels: np.ndarray, path: Path, fsync: bool) -> None:
     fd = _create(path)
     try:
         _write_all(fd, np.ascontiguousarray(labels))

@@ -16,7 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from actstore.chunkio import crc32c
+from actstore.layout.spec import LEN_SUFFIX
 from actstore.index import layer_position
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevOptionError
@@ -47,6 +50,10 @@ class ExportPlan:
     cls: str
     labels: bool
     stored_dtype: str
+    # Padded (LLM) stores: real tokens only, packed `tokens_per_example` to an exported
+    # example; offsets[e] is store example e's first token in that stream (None: unpacked).
+    offsets: np.ndarray | None = None
+    dropped_tokens: int = 0  # the stream's tail shorter than one exported example
 
 
 def make_plan(
@@ -63,6 +70,7 @@ def make_plan(
     patches_per_shard: int = P.DEFAULT_BUDGET,
     pixel_agg: str | None = None,
     labels: bool | None = None,
+    tokens_per_example: int | None = None,
 ) -> ExportPlan:
     """Validate every export option against `store` (an ActStore); see export_saev."""
     if protocol not in P.PROTOCOLS:
@@ -78,6 +86,19 @@ def make_plan(
     parts, t_total = _parts(seg_names, cfg, cls_mode)
     cls_token = cls_mode == "keep"
     content = t_total - int(cls_token)
+    offsets, dropped = None, 0
+    if any(not p.fixed for p in parts):  # padding is never exported: pack the real tokens
+        if cls_token:
+            raise SaevOptionError("an export of padded (text) segments packs real tokens, with no per-example CLS token; pass cls='drop' or 'none'")
+        offsets = _token_offsets(store, parts)
+        content = 1 if tokens_per_example is None else int(tokens_per_example)
+        if content < 1:
+            raise SaevOptionError(f"tokens_per_example must be a positive int. Got {tokens_per_example!r}.")
+        n, dropped = divmod(int(offsets[-1]), content)
+        if n == 0:
+            raise SaevOptionError(f"the store holds {int(offsets[-1])} real tokens, fewer than one exported example of {content}")
+    elif tokens_per_example is not None:
+        raise SaevOptionError("tokens_per_example packs the real tokens of padded (text) segments; this store's segments are fixed-length")
     if content < 1:
         raise SaevOptionError(
             f"the exported examples would hold no content tokens (segments {seg_names}, cls {cls_mode!r}); "
@@ -105,7 +126,7 @@ def make_plan(
         "d_model": cfg.d_model,
         P.N_KEY[protocol]: n,
         P.BUDGET_KEY[protocol]: patches_per_shard,
-        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode)),
+        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode, packed=offsets is not None)),
         "dataset": _dataset(dataset, attrs),
         "pixel_agg": _pixel_agg(pixel_agg, attrs, protocol),
         "dtype": P.DTYPE,
@@ -119,7 +140,21 @@ def make_plan(
     return ExportPlan(
         protocol=protocol, metadata=metadata, hash=digest, geometry=geom,
         layers=layers_t, parts=parts, cls=cls_mode, labels=want_labels, stored_dtype=cfg.dtype,
+        offsets=offsets, dropped_tokens=dropped,
     )
+
+
+def _token_offsets(store: Any, parts: tuple[Part, ...]) -> np.ndarray:
+    """Each store example's first token in the stream of real tokens (parts in order, each
+    part's tokens past its skip and within its length), and the total at the end."""
+    counts = np.zeros(len(store), np.int64)
+    for p in parts:
+        if p.fixed:
+            counts += p.count
+        else:
+            lens = np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
+            counts += np.clip(lens - p.skip, 0, p.count)
+    return np.concatenate([[0], np.cumsum(counts)])
 
 
 def _layers(layers: Sequence[int] | None, stored: tuple[int, ...]) -> tuple[int, ...]:
@@ -240,7 +275,7 @@ def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> s
     return value
 
 
-def _default_data(store: Any, seg_names: list[str], cls_mode: str) -> dict[str, Any]:
+def _default_data(store: Any, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
     """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
     crc = 0
     for s in store.manifest.shards:
@@ -251,6 +286,7 @@ def _default_data(store: Any, seg_names: list[str], cls_mode: str) -> dict[str, 
         "segments": seg_names,
         "cls": cls_mode,
         "content_crc32c": f"{crc:08x}",
+        **({"tokens": f"real tokens only, packed; {P.OFFSETS_FILE} maps them to (store example, position)"} if packed else {}),
     }
 
 

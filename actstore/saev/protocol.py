@@ -20,6 +20,11 @@ DEFAULT_PROTOCOL = "2.0"
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
 LABELS_FILE = "labels.bin"
+# Exports of padded (LLM) stores hold real tokens only, packed: this file maps them back.
+# int64 little-endian, n_store_examples + 1 values: exported token k (in the stream of
+# exported examples x content tokens) is position k - offsets[e] of store example e, where
+# offsets[e] <= k < offsets[e + 1] (the example's tokens as store[e, layer] returns them).
+OFFSETS_FILE = "example_offsets.bin"
 SHARD_NAME_FORMAT = "acts{:06d}.bin"
 SHARD_NAME_RE = re.compile(r"^acts(\d{6})\.bin$")
 DTYPE = "float32"

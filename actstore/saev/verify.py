@@ -80,7 +80,7 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
 
 def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, layers: list, *, values: bool, progress: bool) -> list[str]:
     problems = []
-    allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, *names}
+    allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, P.OFFSETS_FILE, *names}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.name not in allowed:
             kind = "directory" if entry.is_dir(follow_symlinks=False) else "file"
