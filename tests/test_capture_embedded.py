@@ -3,6 +3,9 @@ DINOv2-S/14 over embedded images, SmolLM2-135M answering a question, MiniLM over
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import skimage.data
@@ -58,6 +61,10 @@ def test_embedded_vit_store_equals_hidden_states_and_show(tmp_path):
     _cli("show", out, "--ex", "0", "--layer", "11", "-o", png)
     with Image.open(png) as im:
         assert im.size == (2 * 2 * 224 + 24 + 70 + 30, 224 * 2 + 34 + 10)
+    # exported to saev with no options beyond the destination (family, CLS and dataset from the capture)
+    path = _cli("export-saev", out, tmp_path / "saev", "--quiet").strip().splitlines()[-1]
+    md = json.loads((Path(path) / "metadata.json").read_text())
+    assert (md["family"], md["dataset"], md["cls_token"], md["patches_per_ex"]) == ("dinov2", "embedded:images", True, 256)
 
 
 def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):

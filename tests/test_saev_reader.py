@@ -158,3 +158,25 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     lr = r.invoke(main, ["link-run", "--run", "r1", "--train-shards", path])
     assert lr.exit_code == 0 and lr.stdout.strip() == str(tmp_path / "nfs" / "saev" / "runs" / "r1")
     assert verify_saev(path).problems == []
+
+
+@pytest.mark.parametrize("size", ["full", "empty"])
+def test_a_trailing_empty_shard_as_saev_writes_it_opens_imports_and_verifies(tmp_path, size):
+    store = make_vit_store(tmp_path / "s", n=6)
+    res = export_saev(store, tmp_path / "d", patches_per_shard=3 * 2 * 5, progress=False)  # 3 examples per shard: 2 full shards
+    path = res.path
+    entries = json.loads((path / "shards.json").read_text())
+    key = "n_ex" if res.protocol == "2.0" else "n_examples"
+    assert [e[key] for e in entries] == [3, 3]
+    for f in (path, path / "shards.json"):
+        os.chmod(f, 0o755 if f == path else 0o644)
+    (path / "shards.json").write_text(json.dumps([*entries, {"name": "acts000002.bin", key: 0}]))
+    with open(path / "acts000002.bin", "wb") as f:  # saev's writer makes this extra file
+        f.truncate((path / "acts000000.bin").stat().st_size if size == "full" else 0)
+    assert verify_saev(path, values=True).problems == []
+    saev = SaevStore(path)
+    assert len(saev) == 6 and np.array_equal(saev[5, store.layers[0]], np.asarray(store[5, store.layers[0]], np.float32))
+    imported = import_saev(path, tmp_path / "imported", progress=False)
+    assert len(imported) == 6
+    (path / "shards.json").write_text(json.dumps([*entries, {"name": "acts000002.bin", key: 1}]))  # not empty: an error
+    assert any("lists 3 shards" in p for p in verify_saev(path).problems)

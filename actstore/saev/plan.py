@@ -259,6 +259,8 @@ def _dataset(dataset: str | os.PathLike | None, attrs: dict[str, Any]) -> str:
             "the store does not record its dataset root (attrs['dataset']); pass dataset (--dataset), the "
             "absolute path of the original data set (saev links it for visuals)"
         )
+    if isinstance(value, str) and value.startswith("embedded:"):
+        return value  # data shipped in packages (embedded:images): named, not a folder
     if not isinstance(value, str) or not os.path.isabs(value):
         raise SaevOptionError(f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)")
     return value

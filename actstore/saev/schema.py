@@ -24,6 +24,13 @@ def read_json(path: Path) -> tuple[Any, str | None]:
         return None, f"{path.name}: not valid UTF-8 JSON ({e})"
 
 
+def trailing_empty_shard(geom: P.ShardGeometry, counts: list[int], n_entries: int) -> bool:
+    """Whether shards.json ends in the empty shard saev's writer makes when n_examples is a
+    multiple of examples_per_shard (it opens, imports and verifies like the others)."""
+    s = geom.examples_per_shard
+    return bool(s) and geom.n_examples % s == 0 and n_entries == geom.n_shards + 1 and bool(counts) and counts[-1] == 0
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -125,6 +132,8 @@ def check_shards_json(entries: Any, geom: P.ShardGeometry | None, proto: str) ->
     if geom is None:
         return names, problems
     want_counts = geom.shard_counts()
+    if trailing_empty_shard(geom, [n for _, n in counts], len(entries)):
+        want_counts = [*want_counts, 0]  # saev's own writer adds one when n_examples fills every shard
     if len(entries) != len(want_counts):
         problems.append(
             f"{f}: lists {len(entries)} shards; {geom.n_examples} examples at "
