@@ -453,3 +453,16 @@ def test_write_json_summary(tmp_path, llama_dir):
     s = json.loads(res.stdout)
     assert (s["examples"], s["written"], s["shards"], s["finalized"]) == (3, 3, [0], True)
     assert s["tokens"] == sum(actstore.ActStore(tmp_path / "s").lengths(i)["tokens"] for i in range(3))
+
+
+def test_drop_cls_leaves_out_token_0_of_a_vit(tmp_path, dino_dir, images):
+    out = tmp_path / "s"
+    cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0,1", "--drop", "cls", "--quiet")
+    full = tmp_path / "full"
+    cli("write", full, "--model", dino_dir, "--data", images, "--layers", "0,1", "--quiet")
+    a, b = actstore.ActStore(out), actstore.ActStore(full)
+    assert a.config.segments[0].t_max == b.config.segments[0].t_max - 1
+    assert a.config.attrs["cls_token"] is False and a.config.attrs["image"]["prefix_tokens"] == 0
+    for i in range(len(a)):
+        np.testing.assert_array_equal(a[i, 1], b[i, 1][1:])
+    cli("show", out, "--ex", "0", "--layer", "1", "-o", tmp_path / "x.png")  # the picture needs no CLS

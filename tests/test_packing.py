@@ -157,3 +157,25 @@ def test_packing_options_are_checked_before_the_model_loads(tmp_path, llama_dir)
         res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", *args, "--quiet", ok=False)
         assert res.exit_code == 1 and message in res.output, (args, res.output)
         assert not (tmp_path / "s").exists()
+
+
+def test_drop_bos_stores_every_token_but_the_tokenizers_bos(tmp_path, llama_dir):
+    data = write_jsonl(tmp_path / "c.jsonl", [{"text": d} for d in DOCS[:4]])
+    _, tok = tiny_llama(layers=3)
+    model, _ = tiny_llama(layers=3)
+    out = tmp_path / "texts"
+    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "bos", "--quiet")
+    store = actstore.ActStore(out)
+    for i, d in enumerate(DOCS[:4]):
+        ids = tok(d)["input_ids"]
+        assert ids[0] == tok.bos_token_id and store.token_ids(i).tolist() == ids[1:]
+        with torch.inference_mode():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
+        np.testing.assert_allclose(store[i, 1].astype(np.float32), hs[1:], rtol=2e-3, atol=2e-3)  # the model saw the BOS
+    packed = tmp_path / "packed"
+    cli("write", packed, "--model", llama_dir, "--data", data, "--layers", "1", "--pack", "--context", "16", "--drop", "bos", "--quiet")
+    ps = actstore.ActStore(packed)
+    flat = [t for d in DOCS[:4] for t in doc_tokens(tok, d)]
+    assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [t for t in flat if t != tok.bos_token_id]
+    res = cli("write", tmp_path / "x", "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "cls", "--quiet", ok=False)
+    assert res.exit_code == 1 and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output

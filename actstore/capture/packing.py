@@ -106,7 +106,7 @@ def plan_windows(source: Source, tok: Any, context: int, mode: str, batch: int =
 
 
 def window_batches(
-    source: Source, windows: Windows, start: int, stop: int, tok: Any, batch_size: int, device: Any
+    source: Source, windows: Windows, start: int, stop: int, tok: Any, batch_size: int, device: Any, drop_bos: bool = False
 ) -> Iterator[CaptureBatch]:
     """CaptureBatches of windows [start, stop): input_ids padded on the right (only the last
     window of the corpus, or of a document in chunk mode, is shorter), token labels marking
@@ -138,12 +138,14 @@ def window_batches(
         for j, s in enumerate(seqs):
             ids[j, : len(s)] = s
             mask[j, : len(s)] = 1
-        lens = np.asarray([len(s) for s in seqs], np.int64)
+        bos = tok.bos_token_id if drop_bos else None  # --drop bos: the model sees them; the store does not
+        select = [np.asarray([k for k, x in enumerate(s) if x != bos], np.int64) for s in seqs]
+        lens = np.asarray([len(s) for s in select], np.int64)
         yield CaptureBatch(
             inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
             keys=[f"window-{w}" for w in range(b0, b0 + len(seqs))],
-            select={"tokens": [np.arange(n) for n in lens]},
-            labels={"tokens": [np.asarray([SPECIAL if x in special else CONTENT for x in s], np.uint8) for s in seqs]},
+            select={"tokens": select},
+            labels={"tokens": [np.asarray([SPECIAL if s[k] in special else CONTENT for k in sel], np.uint8) for s, sel in zip(seqs, select)]},
             source_lengths={"tokens": lens},
             texts={RUNS_TEXT: runs},
         )

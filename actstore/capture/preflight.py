@@ -49,6 +49,10 @@ def _blocks(cfg: dict[str, Any]) -> int | None:
 
 def check(o: Any, source: Any, store_cfg: Any | None) -> None:
     """Raise the error a run would meet later, from the options, the data and the store."""
+    if "bos" in o.drop and source.kind == "image":
+        raise CaptureError("--drop bos leaves out a tokenizer's BOS tokens; --data holds images (use --drop cls for a ViT's CLS token)")
+    if "cls" in o.drop and source.kind != "image":
+        raise CaptureError("--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)")
     if o.generate and source.kind == "image":
         raise CaptureError("--generate makes responses for prompts; --data holds images")
     modality, n_blocks = model_shape(o.model)

@@ -100,6 +100,7 @@ class TextPlan:
     special: str = "mask"
     chat_template: bool = False
     generate: int = 0
+    drop_bos: bool = False  # do not store the tokenizer's BOS tokens
 
     @property
     def segments(self) -> dict[str, int]:
@@ -182,6 +183,9 @@ def text_batches(
             spans = [(0, p[1])] if plan.kind == "text" else [(0, p[1]), (len(p[0]), r[1])]
             for name, (off, lab) in zip(names, spans):
                 keep = np.flatnonzero(lab == CONTENT) if plan.special == "drop" else np.arange(len(lab))
+                if plan.drop_bos and tok.bos_token_id is not None:
+                    seq = (p[0] if name != "response" else r[0])
+                    keep = keep[np.asarray([seq[k] != tok.bos_token_id for k in keep], bool)] if len(keep) else keep
                 select.setdefault(name, []).append(off + keep)
                 labels.setdefault(name, []).append(lab[keep])
         texts: dict[str, list[Any]] = {}

@@ -98,6 +98,7 @@ def record(
     writer_nice: int = DEFAULT_WRITER_NICE,
     world_size: int | None = None,
     token_ids: bool | None = None,
+    drop_cls: bool = False,
 ) -> RecordResult:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -133,6 +134,7 @@ def record(
             recorded so that finalize refuses while a rank is missing.
         token_ids: keep the vocabulary id of every stored token (int32). None: when the
             batches carry `input_ids` (text models), unless resuming a store without them.
+        drop_cls: do not store token 0 of a fixed-length (image) segment: a ViT's CLS token.
 
     Returns:
         A RecordResult. The shard is closed (complete) when every batch was written.
@@ -147,7 +149,7 @@ def record(
         store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
-        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids,
+        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids, drop_cls=drop_cls,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
@@ -217,6 +219,7 @@ class _Job:
     shard_examples: int | None = None
     world_size: int | None = None
     token_ids: bool | None = None
+    drop_cls: bool = False
     writer: ShardWriter | None = None
     n_before: int = 0
     n_written: int = 0
@@ -228,6 +231,7 @@ class _Job:
     def open_writer(self, outs: dict[int, Any]) -> None:
         first = outs[self.hooks[0].layer]
         b, t, d = first.shape
+        t -= int(self.drop_cls and self.segments is None)
         attrs = dict(self.attrs)
         attrs["hooks"] = {str(hp.layer): hp.path for hp in self.hooks}
         attrs["hook_names"] = {str(hp.layer): hp.name for hp in self.hooks}  # readers take these names as layers
@@ -239,6 +243,7 @@ class _Job:
             grid = im.size // im.patch_size
             attrs["image"] = {
                 "size": im.size, "patch_size": im.patch_size, "grid": [grid, grid], "prefix_tokens": t - grid * grid,
+                "dropped": ["cls"] if self.drop_cls else [],
                 "mean": list(im.mean), "std": list(im.std), "preprocess": "shorter side resized to size (bicubic), centre crop",
             }
             # What saev export needs (docs/export.md): token 0 is CLS when it is the only
@@ -280,6 +285,8 @@ class _Job:
         cfg = w.cfg
         seg_x: dict[str, np.ndarray] = {}
         if self.segments is None:
+            if self.drop_cls:
+                arrs = [a[:, 1:] for a in arrs]  # token 0 (CLS) is not stored
             seg_x[cfg.segments[0].name] = self._stack(arrs)
             n_tok = b * arrs[0].shape[1]
             before = dict(w.overflow)

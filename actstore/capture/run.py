@@ -31,6 +31,7 @@ from actstore import catalog
 from actstore.storage import open_storage
 
 ENGINES = ("local", "ray")
+DROPPABLE = ("bos", "cls")
 DEFAULT_QUANTILE = 0.99  # default token budgets: this quantile of the measured lengths
 
 
@@ -65,6 +66,7 @@ class WriteOptions:
     chunk: bool = False  # cut each document into consecutive windows of at most `context` tokens
     context: int | None = None
     text_field: str | None = None  # the column / JSON key of each document's text
+    drop: tuple[str, ...] = ()  # tokens the model sees but the store does not keep: "bos" (texts), "cls" (images)
     resume: bool = False
     finalize: bool = True
     commit_mb: float = spec.DEFAULT_COMMIT_BYTES / 2**20
@@ -103,6 +105,9 @@ def check_options(o: WriteOptions) -> None:
     if (o.pack or o.chunk) and (o.generate or o.chat_template or o.p_max or o.r_max or o.p_quantile or o.r_quantile):
         raise CaptureError("--pack/--chunk store every token of the corpus in windows of --context tokens: "
                            "--p-max, --r-max, quantiles, --generate and --chat-template do not apply")
+    unknown = [d for d in o.drop if d not in DROPPABLE]
+    if unknown:
+        raise CaptureError(f"--drop takes {list(DROPPABLE)}. Got {unknown}.")
     if o.special not in SPECIAL_MODES:
         raise CaptureError(f"--special must be one of {list(SPECIAL_MODES)}. Got {o.special!r}.")
     if o.p_max is not None and o.p_quantile is not None:
@@ -244,7 +249,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
             progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
-            writer_nice=o.writer_nice, world_size=world,
+            writer_nice=o.writer_nice, world_size=world, drop_cls="cls" in o.drop,
         )
     finally:
         if own_bar is not None:
@@ -279,7 +284,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
     bar = bar or own_bar
     try:
         return record(
-            lm, window_batches(source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device), o.store,
+            lm, window_batches(source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device, drop_bos="bos" in o.drop), o.store,
             layers=o.layers, shard=rank, dtype=o.dtype, segments={"tokens": o.context}, token_labels=True,
             texts=(RUNS_TEXT,), resume=o.resume, attrs=attrs, stats=o.stats, on_overflow=o.on_overflow,
             commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size, progress=bar.update if bar is not None else None,
@@ -316,7 +321,8 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
         raise CaptureError("--chat-template wraps prompts: use it with prompt/response data or --generate N")
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
-    plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate)
+    plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate,
+                    drop_bos="bos" in o.drop)
     stored = _stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
     if stored is not None:  # a resume keeps the store's budgets (measured on the first run)
         return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0)
