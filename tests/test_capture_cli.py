@@ -147,8 +147,12 @@ def test_generate_responses(tmp_path, llama_dir):
     cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--generate", "3", "--batch-size", "2", "--quiet")
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
+    from actstore.capture.prepare import separator_tokens
+
+    sep = separator_tokens(tok, "\n")
+    assert sep == [tok.eos_token_id]  # this tokenizer drops whitespace: the separator falls back to its EOS
     for i, pair in enumerate(PAIRS[:3]):
-        p_ids = tok(pair["prompt"])["input_ids"]
+        p_ids = tok(pair["prompt"])["input_ids"] + sep  # the explicit separator ends the prompt
         with torch.inference_mode():
             gen = model.generate(torch.tensor([p_ids]), max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p_ids) :].tolist()
         if tok.eos_token_id in gen:

@@ -101,6 +101,7 @@ class TextPlan:
     chat_template: bool = False
     generate: int = 0
     drop_bos: bool = False  # do not store the tokenizer's BOS tokens
+    separator: str = "\n"  # pairs without a chat template: between prompt and response (labelled template)
 
     @property
     def segments(self) -> dict[str, int]:
@@ -127,7 +128,22 @@ def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.nd
         ]
         return list(enc["input_ids"]), np.asarray(labels, np.uint8)
     ids = list(tok(text, add_special_tokens=True)["input_ids"])
-    return ids, np.asarray([SPECIAL if t in special else CONTENT for t in ids], np.uint8)
+    labels = [SPECIAL if t in special else CONTENT for t in ids]
+    if plan.kind == "pair" and plan.separator:
+        sep = separator_tokens(tok, plan.separator)
+        ids += sep
+        labels += [TEMPLATE] * len(sep)
+    return ids, np.asarray(labels, np.uint8)
+
+
+def separator_tokens(tok: Any, text: str) -> list[int]:
+    """The tokens between a prompt and its response without a chat template: `text`
+    tokenized, or the tokenizer's SEP/EOS token when the text tokenizes to nothing."""
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    if ids:
+        return ids
+    fallback = tok.sep_token_id if tok.sep_token_id is not None else tok.eos_token_id
+    return [fallback] if fallback is not None else []
 
 
 def response_tokens(tok: Any, text: str) -> tuple[list[int], np.ndarray]:

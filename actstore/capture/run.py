@@ -67,6 +67,7 @@ class WriteOptions:
     context: int | None = None
     text_field: str | None = None  # the column / JSON key of each document's text
     drop: tuple[str, ...] = ()  # tokens the model sees but the store does not keep: "bos" (texts), "cls" (images)
+    separator: str = "\n"  # pairs without a chat template: between prompt and response
     resume: bool = False
     finalize: bool = True
     commit_mb: float = spec.DEFAULT_COMMIT_BYTES / 2**20
@@ -322,7 +323,7 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
     plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate,
-                    drop_bos="bos" in o.drop)
+                    drop_bos="bos" in o.drop, separator=o.separator)
     stored = _stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
     if stored is not None:  # a resume keeps the store's budgets (measured on the first run)
         return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0)

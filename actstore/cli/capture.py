@@ -59,6 +59,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
 @click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
 @click.option("--drop", type=click.Choice(["bos", "cls"]), multiple=True, help="Tokens the model sees but the store leaves out: bos (the tokenizer's BOS tokens; texts) or cls (token 0 of a ViT). Repeatable.")
+@click.option("--separator", default="\n", show_default=repr("\n"), help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).")
 @click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
 @click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
 @click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")
@@ -107,7 +108,7 @@ def write_cmd(store: str, **kw) -> None:
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
         rank=kw["rank"], world_size=kw["world_size"], engine=kw["engine"], cpus_per_worker=kw["cpus_per_worker"],
         gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"],
-        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], text_field=kw["text_field"], drop=tuple(kw["drop"]), finalize=not kw["no_finalize"],
+        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
         writer_nice=kw["writer_nice"],
