@@ -143,6 +143,12 @@ def test_document_formats(tmp_path):
         load_source(str(tmp_path / "bad.jsonl"), "body")
     with pytest.raises(actstore.capture.EmptyDatasetError, match="no file matches"):
         load_source(str(tmp_path / "none*.txt"))
+    # .jsonl and .txt are streamed: only byte ranges are kept, each record is read when asked for
+    src = load_source(str(tmp_path / "a.jsonl"))
+    raw = (tmp_path / "a.jsonl").read_bytes()
+    (tmp_path / "a.jsonl").write_bytes(raw.replace(b'"text"', b'"TEXT"'))  # same ranges, other contents
+    with pytest.raises(actstore.capture.DataError, match=r"a\.jsonl record 1: the object has no \"text\" or \"prompt\" string"):
+        src.get(1)
 
 
 def test_packing_options_are_checked_before_the_model_loads(tmp_path, llama_dir):

@@ -172,13 +172,15 @@ def _key(s: str) -> str:
 
 # ---- JSONL ------------------------------------------------------------------------
 def _txt_lines(path: Path) -> Source:
-    """One document per non-empty line."""
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                docs.append((f"line-{lineno}", line.rstrip("\n")))
-    return Source(kind="text", name=str(path), n=len(docs), get=lambda i: {"key": docs[i][0], "text": docs[i][1]})
+    """One document a non-empty line, streamed (only each line's byte range is kept)."""
+    lines = _LineIndex(path)
+    for lineno, raw in lines.scan():
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
+    return Source(kind="text", name=str(path), n=len(lines),
+                  get=lambda i: {"key": f"line-{int(lines.linenos[i])}", "text": lines.read(i).decode("utf-8").rstrip("\r\n")})
 
 
 def _glob(spec: str, text_field: str | None) -> Source:
@@ -242,27 +244,72 @@ def _columnar(path: Path, text_field: str) -> Source:
 
 
 def _jsonl(path: Path, text_field: str | None = None) -> Source:
-    records = []
+    """One record a non-empty line. Streamed: a first pass checks every line (a bad one is
+    named) and keeps only each record's byte range; records are read back one by one."""
+    lines = _LineIndex(path)
     kinds = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if text_field is not None:
-                if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                    raise DataError(f"{path}:{lineno}: no string field {text_field!r} (--text-field); this line has {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}")
-                obj = {"id": obj.get("id", f"line-{len(records)}"), "text": obj[text_field]}
-            rec, kind = _record(obj, f"{path}:{lineno}", len(records))
-            kinds.add(kind)
-            records.append(rec)
+
+    def record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
+        if text_field is not None:
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                raise DataError(f"{where}: no string field {text_field!r} (--text-field); this line has {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}")
+            obj = {"id": obj.get("id", f"line-{i}"), "text": obj[text_field]}
+        return _record(obj, where, i)
+
+    for i, (lineno, raw) in enumerate(lines.scan()):
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        kinds.add(record(obj, f"{path}:{lineno}", i)[1])
     if len(kinds) > 1:
         raise DataError(f"{path} mixes plain texts and prompt/response pairs; use one kind per file")
-    kind = kinds.pop() if kinds else "text"
-    return Source(kind=kind, name=str(path), n=len(records), get=records.__getitem__)
+
+    def get(i: int) -> dict[str, Any]:
+        try:
+            return record(json.loads(lines.read(i)), f"{path} record {i}", i)[0]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{path} changed while being read (record {i}: {e}); rerun with --resume") from None
+
+    return Source(kind=kinds.pop() if kinds else "text", name=str(path), n=len(lines), get=get)
+
+
+class _LineIndex:
+    """The byte ranges of a text file's non-empty lines, read back with pread (thread-safe)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.starts = np.zeros(0, np.int64)
+        self.ends = np.zeros(0, np.int64)
+        self.linenos = np.zeros(0, np.int64)
+        self._fd: int | None = None
+
+    def scan(self) -> Any:
+        """Yield (line number, bytes) of every non-empty line, recording their ranges."""
+        starts, ends, linenos = [], [], []
+        pos = 0
+        with open(self.path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                end = pos + len(raw)
+                if raw.strip():
+                    starts.append(pos)
+                    ends.append(end)
+                    linenos.append(lineno)
+                    yield lineno, raw
+                pos = end
+        self.starts, self.ends, self.linenos = (np.asarray(v, np.int64) for v in (starts, ends, linenos))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def read(self, i: int) -> bytes:
+        import os
+        import weakref
+
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+            weakref.finalize(self, os.close, self._fd)
+        return os.pread(self._fd, int(self.ends[i] - self.starts[i]), int(self.starts[i]))
 
 
 def _record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
