@@ -265,3 +265,12 @@ def test_a_saev_directory_is_not_exported_again(tmp_path):
     res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     with pytest.raises(SaevOptionError, match=r"is not an actstore store \(a saev directory cannot be exported again\)"):
         export_saev(res.path, tmp_path / "e", progress=False)
+
+
+def test_the_default_protocol_is_what_saev_reads_where_it_can_read_it(tmp_path, monkeypatch):
+    store = make_vit_store(tmp_path / "s")
+    assert export_saev(store, tmp_path / "scratch" / "saev" / "shards", progress=False).protocol == "2.1"
+    assert export_saev(store, tmp_path / "elsewhere", progress=False).protocol == "2.0"  # saev's loaders need .../saev/shards
+    monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "env"))
+    res = export_saev(store, progress=False)  # the default place: $SAEV_SCRATCH/saev/shards
+    assert res.protocol == "2.1" and res.path.parent == tmp_path / "env" / "saev" / "shards"

@@ -35,8 +35,9 @@ def _names(value: str | None) -> list[str] | None:
 @click.command("export-saev")
 @click.argument("store", type=STORE)
 @click.argument("dump_to", required=False, type=click.Path(file_okay=False))
-@click.option("--protocol", type=click.Choice(P.PROTOCOLS), default=P.DEFAULT_PROTOCOL, show_default=True,
-              help="2.0: the seed protocol exactly. 2.1: what saev's current loaders read.")
+@click.option("--protocol", type=click.Choice(["auto", *P.PROTOCOLS]), default="auto", show_default=True,
+              help="2.1: what saev's current loaders read (needs DUMP_TO ending in saev/shards). 2.0: the seed protocol exactly. "
+                   "auto: 2.1 where saev can read it (DUMP_TO .../saev/shards, the default), else 2.0.")
 @click.option("--layers", help="Layer numbers to export, e.g. 6,11 (default: all stored).")
 @click.option("--segments", help="Segments making up the token axis, e.g. prompt,response (default: all).")
 @click.option("--cls", "cls_mode", type=click.Choice(["keep", "drop", "none"]),

@@ -50,7 +50,7 @@ def export_saev(
     store: Any,
     dump_to: str | os.PathLike | None = None,
     *,
-    protocol: str = P.DEFAULT_PROTOCOL,
+    protocol: str = "auto",
     layers: Any = None,
     segments: Any = None,
     cls: str | bool | None = None,
@@ -79,7 +79,10 @@ def export_saev(
         store: an ActStore or the path of one.
         dump_to: the shards root; default $SAEV_SCRATCH/saev/shards. Protocol 2.1 needs a
             path ending in saev/shards (saev's loaders check).
-        protocol: "2.0" (the seed, default) or "2.1" (what saev's loaders read).
+        protocol: "2.1" (what saev's current loaders read; the directory must sit at
+            .../saev/shards/<hash>), "2.0" (the seed exactly), or "auto" (default): 2.1 where
+            saev can read it (dump_to ending in saev/shards, as the default dump_to does),
+            else 2.0.
         layers: model layer numbers to export, in this order (default: all stored).
         segments: segments that make up the fixed token axis, concatenated zero-padded to
             their T_max (default: all, in store order).
@@ -110,6 +113,8 @@ def export_saev(
         store = ActStore(store)
     if not hasattr(store, "manifest"):
         raise SaevOptionError(f"{store.path} is not an actstore store (a saev directory cannot be exported again)")
+    root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
+    protocol = P.choose_protocol(protocol, root)
     plan = make_plan(
         store, protocol=protocol, layers=layers, segments=segments, cls=cls, family=family, ckpt=ckpt,
         dataset=dataset, data=data, patches_per_shard=patches_per_shard, pixel_agg=pixel_agg, labels=labels,
@@ -119,7 +124,6 @@ def export_saev(
         warnings.warn(
             f"the last {plan.dropped_tokens} real tokens of {store.path} do not fill an exported example of "
             f"{plan.geometry.tokens_per_example} tokens and are left out (tokens_per_example=1 exports every token)", stacklevel=2)
-    root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
     if protocol == "2.1" and root.parts[-2:] != P.SHARDS_ROOT_PARTS:
         raise SaevOptionError(
             f"protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); "

@@ -15,7 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 PROTOCOLS = ("2.0", "2.1")
-DEFAULT_PROTOCOL = "2.0"
+DEFAULT_PROTOCOL = "2.0"  # of make_plan; export_saev's default is "auto" (choose_protocol)
+
+
+def choose_protocol(protocol: str | None, root: Any) -> str:
+    """"auto" (or None): 2.1, what saev's current loaders read, where they can read it (a
+    directory under .../saev/shards, the layout they require); else the seed's 2.0."""
+    if protocol not in (None, "auto"):
+        return protocol
+    parts = tuple(str(root).rstrip("/").split("/")[-2:])
+    return "2.1" if parts == SHARDS_ROOT_PARTS else "2.0"
 
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
