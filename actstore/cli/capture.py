@@ -133,7 +133,8 @@ def write_cmd(store: str, **kw) -> None:
 @click.option("--ex", type=int, required=True, help="Example index.")
 @click.option("--layer", type=int, required=True, help="Stored layer number.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="PNG to write (default exN-layerL.png).")
-def show_cmd(store: str, ex: int, layer: int, out: str | None) -> None:
+@click.option("--quiet", is_flag=True, help="Do not print the PNG's path.")
+def show_cmd(store: str, ex: int, layer: int, out: str | None, quiet: bool) -> None:
     """Draw per-patch activation norms of example EX at LAYER over the image (a PNG).
 
     For stores written from a vision transformer; the image is re-read from the
@@ -143,4 +144,5 @@ def show_cmd(store: str, ex: int, layer: int, out: str | None) -> None:
     from actstore.capture.show import render
 
     path = render(store, ex, layer, out)
-    click.echo(f"wrote {path}")
+    if not quiet:
+        click.echo(f"wrote {path}")

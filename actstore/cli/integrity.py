@@ -91,7 +91,8 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
 @click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished export in OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
+def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT.
 
     For tools that still read that format. Activations are float32 [T_i, D] per (example,
@@ -102,4 +103,10 @@ def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: b
     with _bar(None, "ex", quiet, "export-pkl") as bar:
         report = export_pkl(store, out, examples_per_shard=examples_per_shard, compress=not no_compress,
                             overwrite=overwrite, progress=bar.update)
+    if as_json:
+        import dataclasses
+        import json
+
+        click.echo(json.dumps(dataclasses.asdict(report), default=str))
+        return
     click.echo(report.summary())

@@ -89,15 +89,18 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--values", is_flag=True, help="Also read every activation and check it is finite (reads everything).")
 @click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
-def verify_cmd(directory, values, as_json) -> None:
+@click.option("--quiet", is_flag=True, help="Print nothing: the exit code says whether the directory is sound.")
+def verify_cmd(directory, values, as_json, quiet) -> None:
     """Check a saev shard DIRECTORY against every rule of its protocol; list each violation.
 
     Exit status 0 when it verifies, 1 otherwise.
     """
     from actstore.saev import verify_saev
 
-    report = verify_saev(directory, values=values, progress=values)
-    if as_json:
+    report = verify_saev(directory, values=values, progress=values and not quiet)
+    if quiet:
+        pass
+    elif as_json:
         click.echo(json.dumps({"path": str(report.path), "protocol": report.protocol, "problems": report.problems}, indent=1))
     elif report.ok:
         g = report.geometry
@@ -131,9 +134,11 @@ def import_cmd(directory, store, dtype, overwrite, quiet) -> None:
 @click.option("--val-shards", help="The same for validation.")
 @click.option("--dataset", type=click.Path(exists=True, file_okay=False), help="Training data set root (default: from the shards' metadata).")
 @click.option("--val-dataset", type=click.Path(exists=True, file_okay=False), help="Validation data set root.")
-def link_run_cmd(run, train_shards, val_shards, dataset, val_dataset) -> None:
+@click.option("--quiet", is_flag=True, help="Do not print the run directory.")
+def link_run_cmd(run, train_shards, val_shards, dataset, val_dataset, quiet) -> None:
     """Create a run directory: checkpoint/, inference/ and links/ to the shards and data sets."""
     from actstore.saev import link_run
 
     run_dir = link_run(run, train_shards=train_shards, val_shards=val_shards, dataset=dataset, val_dataset=val_dataset)
-    click.echo(str(run_dir))
+    if not quiet:
+        click.echo(str(run_dir))
