@@ -136,12 +136,11 @@ class ChunkIO:
         return index
 
     # ---- writing ------------------------------------------------------------------
-    def write_example(self, ex: int, acts_ltd: np.ndarray, crc: int) -> int:
+    def write_example(self, ex: int, acts_ltd: np.ndarray) -> None:
         """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
 
         Chunk files are written in place (not atomically): nobody reads them before the
-        commit that names their example. Returns the crc32c of the written chunk bytes
-        chained onto `crc`.
+        commit that names their example. (The writer checksums the rows itself, once.)
         """
         g = self.geo
         assert g.shard_examples is None
@@ -150,11 +149,8 @@ class ChunkIO:
         k = 0
         for lp in range(g.n_layers):
             for tc in range(g.n_tchunks):
-                chunk = mv[k * nb : (k + 1) * nb]
-                self.storage.put(g.chunk_key(ex, lp, tc), chunk, atomic=False)
-                crc = crc32c(chunk, crc)
+                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False)
                 k += 1
-        return crc
 
     def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None) -> None:
         """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).

@@ -29,7 +29,7 @@ fi
 # Deselected: the two tests of these files that use torch (a DataLoader; torch's half cast).
 ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_notorch.py tests/test_dtypes.py tests/test_architecture.py tests/test_cli_core.py tests/test_examples.py \
-  tests/test_cli_output.py tests/test_faults.py tests/test_format_doc.py tests/test_fuzz.py tests/test_index.py tests/test_leases.py tests/test_legacy.py \
+  tests/test_checksum.py tests/test_cli_output.py tests/test_faults.py tests/test_format_doc.py tests/test_fuzz.py tests/test_index.py tests/test_leases.py tests/test_legacy.py \
   tests/test_open.py tests/test_processes.py tests/test_roundtrip.py tests/test_saev_common.py tests/test_saev_export.py \
   tests/test_saev_golden.py tests/test_saev_kill.py tests/test_saev_reader.py tests/test_saev_verify.py \
   tests/test_select.py tests/test_shard_claim.py tests/test_sharded_writes.py tests/test_store_golden.py tests/test_verify.py \

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from actstore.chunkio import ChunkIO, crc32c
+from actstore.layout.checksum import combine_all
 from actstore.layout.config import StoreConfig
 from actstore.write.batch import Batch
 
@@ -79,9 +80,17 @@ class Layout:
         return block, el_esl
 
     def _row_checksums(self, batch: Batch) -> None:
+        """One pass over the batch's bytes: a crc32c per (example, layer) row, and the block's
+        chained crc32c derived from them (checksum.combine_all), not read a second time."""
         for seg in self.cfg.segments:
-            arr = batch.acts[seg.name]
-            self.el_crc[seg.name].extend(crc32c(arr[i, lp]) for i in range(batch.b) for lp in range(self.cfg.n_layers))
+            self._add_rows(seg.name, batch.acts[seg.name])
+
+    def _add_rows(self, name: str, arr: np.ndarray) -> None:
+        """Checksum the (n, L, T_pad, D) rows of `arr` into the row list and the block crc."""
+        rows = [crc32c(arr[i, lp]) for i in range(arr.shape[0]) for lp in range(arr.shape[1])]
+        self.el_crc[name].extend(rows)
+        if rows:
+            self.block_crc[name] = combine_all(self.block_crc[name], rows, arr[0, 0].nbytes)
 
     def _undo_point(self) -> tuple[dict[str, int], dict[str, int]]:
         return dict(self.block_crc), {k: len(v) for k, v in self.el_crc.items()}
@@ -104,10 +113,9 @@ class ChunkFiles(Layout):
         point = self._undo_point()
         try:
             for seg in self.cfg.segments:
-                arr, io, crc = batch.acts[seg.name], self.io[seg.name], self.block_crc[seg.name]
+                arr, io = batch.acts[seg.name], self.io[seg.name]
                 for i in range(batch.b):
-                    crc = io.write_example(n0 + i, arr[i], crc)
-                self.block_crc[seg.name] = crc
+                    io.write_example(n0 + i, arr[i])
             self._row_checksums(batch)
         except BaseException:
             self._undo(point)
@@ -145,7 +153,6 @@ class ZarrArrays(Layout):
             if arr.shape[0] != n0 + n:
                 arr.resize((n0 + n, *arr.shape[1:]))
             arr[n0 : n0 + n] = chunk[:, :, : seg.t_max]
-            self.block_crc[seg.name] = crc32c(np.ascontiguousarray(chunk).view(np.uint8), 0)
             self.pending[seg.name] = []
         self.n_flushed = n0 + n
         return self.n_flushed

@@ -19,7 +19,7 @@ import threading
 
 import numpy as np
 
-from actstore.chunkio import ChunkIO, crc32c
+from actstore.chunkio import ChunkIO
 from actstore.layout.config import StoreConfig
 from actstore.storage import Writeback
 from actstore.write.batch import Batch
@@ -147,13 +147,8 @@ class ShardFiles(Layout):
                 part = self.stage[name][self.stage_n : self.stage_n + k]
                 part[...] = arr[i : i + k]
                 # Checksums here, on rows just copied (in cache), while the background
-                # thread writes: per (example, layer), and the block's chained crc32c.
-                el, crc = self.el_crc[name], self.block_crc[name]
-                for row in part:
-                    for lrow in row:
-                        el.append(crc32c(lrow))
-                        crc = crc32c(lrow, crc)
-                self.block_crc[name] = crc
+                # thread writes: per (example, layer), the block's derived from them.
+                self._add_rows(name, part)
             self.stage_n += k
             i += k
             if self.stage_n == self.S:
