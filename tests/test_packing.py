@@ -123,7 +123,7 @@ def test_chunked_documents_are_cut_not_truncated(tmp_path, llama_dir):
 
 def test_document_formats(tmp_path):
     rows = [f"document number {i}" for i in range(5)]
-    pq.write_table(pa.table({"content": rows, "n": list(range(5))}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"content": rows, "n": list(range(5))}), tmp_path / "c.parquet", row_group_size=2)  # read a group at a time
     with pa.ipc.new_file(tmp_path / "c.arrow", pa.schema([("text", pa.string())])) as w:
         w.write_table(pa.table({"text": rows}))
     for i, r in enumerate(rows):

@@ -215,32 +215,49 @@ def _glob(spec: str, text_field: str | None) -> Source:
 
 
 def _columnar(path: Path, text_field: str) -> Source:
-    """A parquet or Arrow (IPC file or stream) table; only the text column is read."""
+    """A parquet file (read a row group at a time) or an Arrow IPC file (memory-mapped, a
+    record batch at a time); only the text column is read. An Arrow stream, which cannot be
+    read out of order, is read whole."""
     import pyarrow as pa
 
     try:
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            schema = pq.read_schema(path)
-            if text_field not in schema.names:
-                raise DataError(f"{path} has no column {text_field!r} (columns: {schema.names[:20]}); pass --text-field NAME")
-            col = pq.read_table(path, columns=[text_field]).column(text_field)
+            pf = pq.ParquetFile(path)
+            schema = pf.schema_arrow
+            counts = [pf.metadata.row_group(k).num_rows for k in range(pf.metadata.num_row_groups)]
+            read_part = lambda k: pf.read_row_group(k, columns=[text_field]).column(0)  # noqa: E731
         else:
             try:
-                reader = pa.ipc.open_file(path)
-                table = reader.read_all()
+                reader = pa.ipc.open_file(pa.memory_map(str(path)))
+                schema = reader.schema
+                counts = [reader.get_batch(k).num_rows for k in range(reader.num_record_batches)]
+                read_part = lambda k: reader.get_batch(k).column(text_field)  # noqa: E731
             except pa.ArrowInvalid:
                 with pa.ipc.open_stream(path) as r:
                     table = r.read_all()
-            if text_field not in table.column_names:
-                raise DataError(f"{path} has no column {text_field!r} (columns: {table.column_names[:20]}); pass --text-field NAME")
-            col = table.column(text_field)
+                schema, counts = table.schema, [table.num_rows]
+                read_part = lambda k: table.column(text_field)  # noqa: E731
+        names = schema.names
+        kind = schema.field(text_field).type if text_field in names else None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"cannot read {path}: {e}") from None
-    if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-        raise DataError(f"{path}: column {text_field!r} holds {col.type}, not text; pass --text-field NAME")
-    return Source(kind="text", name=str(path), n=len(col), get=lambda i: {"key": f"row-{i}", "text": col[i].as_py() or ""})
+    if kind is None:
+        raise DataError(f"{path} has no column {text_field!r} (columns: {names[:20]}); pass --text-field NAME")
+    if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
+        raise DataError(f"{path}: column {text_field!r} holds {kind}, not text; pass --text-field NAME")
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    cache: dict[int, Any] = {}
+
+    def get(i: int) -> dict[str, Any]:
+        k = int(np.searchsorted(starts, i, side="right")) - 1
+        if k not in cache:
+            cache.clear()  # one row group (or record batch) in memory at a time
+            cache[k] = read_part(k)
+        return {"key": f"row-{i}", "text": cache[k][i - int(starts[k])].as_py() or ""}
+
+    return Source(kind="text", name=str(path), n=int(starts[-1]), get=get)
 
 
 def _jsonl(path: Path, text_field: str | None = None) -> Source:

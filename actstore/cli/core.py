@@ -40,7 +40,10 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
 @click.command("info")
 @click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def info_cmd(store: str, as_json: bool) -> None:
+@click.option("--quiet", is_flag=True, help="Print nothing: the exit code says whether the store opens.")
+def info_cmd(store: str, as_json: bool, quiet: bool) -> None:
     """Describe STORE: examples, layers, segments, shapes, dtype, sizes, truncation, shards."""
     info = store_info(store)
+    if quiet:
+        return
     click.echo(json.dumps(info, indent=1) if as_json else format_info(info))
