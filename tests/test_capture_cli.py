@@ -80,10 +80,12 @@ def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, im
 def test_text_store_truncates_masks_and_equals_hidden_states(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
     out = tmp_path / "s"
-    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "0,1", "--p-max", "7", "--batch-size", "4", "--quiet")
+    res = cli("write", out, "--model", llama_dir, "--data", data, "--layers", "0,1", "--p-max", "7", "--batch-size", "4", "--quiet")
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     full = [tok(s)["input_ids"] for s in SENTENCES]
+    cut, total = sum(max(len(f) - 7, 0) for f in full), sum(len(f) for f in full)
+    assert f"truncated: {cut:,} of the data's {total:,} tokens ({100 * cut / total:.1f}%) exceeded the token budgets" in res.output
     assert store.manifest.truncation["tokens"]["count"] == sum(len(f) > 7 for f in full) > 0
     assert list(store.texts("text")) == SENTENCES
     labels = store.field("tokens_token_labels")

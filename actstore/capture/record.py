@@ -54,6 +54,8 @@ class RecordResult:
         writer_seconds: time the writer thread spent converting, writing and committing.
         writer_cpu_seconds: CPU time of that work (what it takes from the model's cores;
             the rest of writer_seconds is waiting on the disk).
+        source_tokens: tokens the data held for what was stored (before truncation; text segments).
+        truncated_tokens: of those, the tokens cut by the segments' budgets.
     """
 
     shard: int
@@ -66,6 +68,8 @@ class RecordResult:
     wait_seconds: float
     writer_seconds: float = 0.0
     writer_cpu_seconds: float = 0.0
+    source_tokens: int = 0
+    truncated_tokens: int = 0
 
 
 def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
@@ -193,6 +197,7 @@ def record(
         shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,
         seconds=time.perf_counter() - t0, forward_seconds=t_fwd, wait_seconds=drain.wait_seconds,
         writer_seconds=drain.busy_seconds, writer_cpu_seconds=drain.cpu_seconds,
+        source_tokens=job.source_tokens, truncated_tokens=job.truncated_tokens,
     )
 
 
@@ -225,6 +230,8 @@ class _Job:
     n_written: int = 0
     tokens: int = 0
     nbytes: int = 0
+    source_tokens: int = 0
+    truncated_tokens: int = 0
     _since_commit: int = 0
     _buf: np.ndarray | None = None
 
@@ -313,6 +320,10 @@ class _Job:
                         tid[j, : len(s)] = all_ids[j, s]
                     ids[seg.name] = tid
             n_tok = int(sum(v.sum() for v in lengths.values()))
+            for seg in cfg.segments:  # tokens of the source against tokens kept by the budget
+                src_n = np.asarray(src[seg.name], np.int64)
+                self.source_tokens += int(src_n.sum())
+                self.truncated_tokens += int(np.clip(src_n - seg.t_max, 0, None).sum())
             before = dict(w.overflow)
             w.append(**seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, token_ids=ids or None, **kw)
         if w.stats is not None and w.overflow != before:

@@ -200,6 +200,8 @@ def write(o: WriteOptions) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "capture_seconds": max(r.seconds for r in results),
         "wait_seconds": sum(r.wait_seconds for r in results),
+        "source_tokens": sum(r.source_tokens for r in results),
+        "truncated_tokens": sum(r.truncated_tokens for r in results),
         "shards": [r.shard for r in results],
         "finalized": False,
     }

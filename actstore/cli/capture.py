@@ -126,6 +126,10 @@ def write_cmd(store: str, **kw) -> None:
         f"{s['examples']} examples in shard(s) {s['shards']}"
         + ("; finalized" if s["finalized"] else f"; run `actstore finalize {store}` once every writer is done")
     )
+    if s["truncated_tokens"]:
+        pct = 100 * s["truncated_tokens"] / s["source_tokens"]
+        click.echo(f"truncated: {s['truncated_tokens']:,} of the data's {s['source_tokens']:,} tokens ({pct:.1f}%) exceeded the "
+                   "token budgets (--p-max/--r-max) and were not stored; --pack or --chunk store every token")
 
 
 @click.command("show")
