@@ -111,6 +111,8 @@ def load_shard_bytes(data: bytes, *, compressed: bool, where: str, max_bytes: in
     except (pickle.UnpicklingError, EOFError, gzip.BadGzipFile, zlib.error, OSError, ValueError, TypeError, KeyError,
             IndexError, AttributeError, UnicodeDecodeError, RecursionError) as e:
         raise LegacyFormatError(f"{where} is not a readable legacy shard pickle ({type(e).__name__}: {e})") from None
+    except (SystemError, RuntimeError) as e:  # numpy refusing a forged dtype or array state from inside its C code
+        raise LegacyFormatError(f"{where} is not a readable legacy shard pickle (numpy rejected its contents: {e})") from None
 
 
 def restricted_loads(data: bytes, where: str = "<bytes>", max_bytes: int = 2**34) -> Any:
