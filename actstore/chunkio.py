@@ -166,8 +166,7 @@ class ChunkIO:
         for start in range(0, acts_eltd.shape[0], S):
             part = np.ascontiguousarray(acts_eltd[start : start + S])
             key = g.shard_key(first_ex + start)
-            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]),
-                             writeback=writeback, background=True)
+            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]), writeback=writeback)
             self._index_cache.pop(key, None)
 
     def delete_example(self, ex: int) -> None:

@@ -118,13 +118,21 @@ def test_local_refuses_links_fifos_and_folders(tmp_path):
         s.get("../etc/passwd")
 
 
-def test_background_puts_finish_at_the_barrier(storage):
-    for i in range(40):
-        storage.put(f"chunks/{i}", memoryview(bytes([i]) * 1000), atomic=False)
-    storage.barrier()
-    assert all(storage.get(f"chunks/{i}") == bytes([i]) * 1000 for i in range(40))
-    stats = storage.upload_stats()
-    assert stats["queued_bytes"] == 0
+def test_large_puts_of_several_parts_are_exact(storage):
+    """A put larger than MULTIPART_BYTES goes up in parts (read from the caller's buffers,
+    never joined); the object is the exact concatenation, and a smaller one too."""
+    import numpy as np
+
+    from actstore.storage.objectstore import MULTIPART_BYTES
+
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 256, 2 * MULTIPART_BYTES + 12345, dtype=np.uint8)
+    index = rng.integers(0, 256, 4100, dtype=np.uint8).tobytes()
+    storage.put("shards/c/0", memoryview(big), index)
+    assert storage.get("shards/c/0") == big.tobytes() + index
+    assert storage.get_range("shards/c/0", MULTIPART_BYTES - 3, 10) == big[MULTIPART_BYTES - 3 : MULTIPART_BYTES + 7].tobytes()
+    storage.put("small", memoryview(big[:1000]), b"tail")
+    assert storage.get("small") == big[:1000].tobytes() + b"tail"
 
 
 def test_check_access_names_the_cause(s3_endpoint, tmp_path, monkeypatch):

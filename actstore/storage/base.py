@@ -122,17 +122,16 @@ class Storage(abc.ABC):
     # ---- writes ---------------------------------------------------------------------
     @abc.abstractmethod
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None, background: bool = False) -> None:
-        """Write the concatenation of `parts` (bytes-like) as the whole object `key`.
+            writeback: Writeback | None = None) -> None:
+        """Write the concatenation of `parts` (bytes-like) as the whole object `key`; the
+        parts are read, never copied whole (an object store uploads a large object in
+        parts). Background writes are the writer's job (actstore.write.pipeline).
 
         atomic: readers see the old object or the new one, never a part (local: a
             temporary file renamed into place). With atomic=False a local disk writes in
             place, for objects nobody reads until a later commit names them.
         durable: the object (and its name) survive a power loss when put returns.
         writeback: an implementation-specific helper that finishes the write elsewhere.
-        background: the put may finish after the call returns (an object store uploads on
-            its own threads; the caller's buffers are copied first); `barrier` waits for
-            every such put. A local disk writes at once.
         """
 
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
@@ -166,14 +165,6 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove every object under the folder `prefix`."""
-
-    def barrier(self) -> None:
-        """Wait until every put issued so far is complete (a put with atomic=False may run
-        in the background); raises the first failure. Called before each commit point."""
-
-    def upload_stats(self) -> dict[str, int]:
-        """Bytes queued for background puts and put so far (all zero where puts are inline)."""
-        return {"queued_bytes": 0, "uploaded_bytes": 0, "uploaded": 0}
 
     @abc.abstractmethod
     def sync(self, prefix: str = "") -> None:

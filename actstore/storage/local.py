@@ -316,7 +316,7 @@ class LocalStorage(Storage):
             self._made_dirs.add(parent)
 
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None, background: bool = False) -> None:
+            writeback: Writeback | None = None) -> None:
         path = self.path(_checked(key))
         self._parent(path)
         if not atomic:

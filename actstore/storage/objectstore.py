@@ -12,16 +12,14 @@ records and checksums).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from actstore.errors import StorageAccessError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 
-UPLOAD_THREADS = 16  # concurrent background puts
-UPLOAD_BUFFER_BYTES = 256 * 2**20  # bytes of background puts in memory at once (put waits beyond)
+MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
+MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
 
 SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure://", "abfs://", "abfss://")
 
@@ -49,7 +47,6 @@ class ObjectStorage(Storage):
         self.local_root = None
         self._options = {k: v for k, v in {"client_options": client_options, "retry_config": retry_config}.items() if v}
         self._store = None
-        self._uploads: _Uploads | None = None
 
     @property
     def store(self) -> Any:
@@ -61,7 +58,6 @@ class ObjectStorage(Storage):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_store"] = None
-        state["_uploads"] = None
         return state
 
     def __repr__(self) -> str:
@@ -144,25 +140,17 @@ class ObjectStorage(Storage):
 
     # ---- writes ---------------------------------------------------------------------
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None, background: bool = False) -> None:
-        """A whole-object put (always atomic in an object store). With background=True or
-        atomic=False (objects nobody reads before a later commit names them) the put goes
-        to background threads and returns at once (its bytes copied); `barrier` waits for
-        them. Memory of queued puts is bounded (UPLOAD_BUFFER_BYTES)."""
-        data = b"".join(memoryview(p).cast("B") for p in parts) if len(parts) != 1 or not isinstance(parts[0], bytes) else parts[0]
-        if atomic and not background:
-            _obstore().put(self.store, key, data)
-            return
-        if self._uploads is None:
-            self._uploads = _Uploads(self)
-        self._uploads.submit(key, data)
-
-    def barrier(self) -> None:
-        if self._uploads is not None:
-            self._uploads.wait()
-
-    def upload_stats(self) -> dict[str, int]:
-        return self._uploads.stats() if self._uploads is not None else {"queued_bytes": 0, "uploaded_bytes": 0, "uploaded": 0}
+            writeback: Writeback | None = None) -> None:
+        """A whole-object put: always atomic and durable in an object store. An object of
+        more than MULTIPART_BYTES goes up in parts of that size, MULTIPART_CONCURRENCY at a
+        time, read straight from the caller's buffers (no copy of the whole); a smaller
+        one is one request."""
+        views = [memoryview(p).cast("B") for p in parts]
+        total = sum(v.nbytes for v in views)
+        if total > MULTIPART_BYTES:
+            _obstore().put(self.store, key, views, chunk_size=MULTIPART_BYTES, max_concurrency=MULTIPART_CONCURRENCY)
+        else:
+            _obstore().put(self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False)
 
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
         """A multipart upload: the object appears only when every part is in."""
@@ -242,50 +230,6 @@ class ObjectStorage(Storage):
 
         target = self.child(prefix) if prefix.strip("/") else self
         return ObjectStore(target.store, read_only=read_only)
-
-
-class _Uploads:
-    """Background puts of one ObjectStorage: a thread pool with bounded bytes in flight."""
-
-    def __init__(self, owner: ObjectStorage):
-        self.owner = owner
-        self.pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="actstore-upload")
-        self.cond = threading.Condition()
-        self.queued = 0
-        self.uploaded_bytes = 0
-        self.uploaded = 0
-        self.futures: list[Future] = []
-
-    def submit(self, key: str, data: bytes) -> None:
-        with self.cond:
-            while self.queued and self.queued + len(data) > UPLOAD_BUFFER_BYTES:
-                self.cond.wait()
-            self.queued += len(data)
-        self.futures.append(self.pool.submit(self._put, key, data))
-        if len(self.futures) > 4 * UPLOAD_THREADS:
-            self.futures = [f for f in self.futures if not f.done() or f.exception() is not None]
-
-    def _put(self, key: str, data: bytes) -> None:
-        try:
-            _obstore().put(self.owner.store, key, data)
-        finally:
-            with self.cond:
-                self.queued -= len(data)
-                self.uploaded_bytes += len(data)
-                self.uploaded += 1
-                self.cond.notify_all()
-
-    def wait(self) -> None:
-        """Wait for every put so far; the first failure is raised (after all finished)."""
-        futures, self.futures = self.futures, []
-        errors = [f.exception() for f in futures]
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise failed[0]
-
-    def stats(self) -> dict[str, int]:
-        with self.cond:
-            return {"queued_bytes": self.queued, "uploaded_bytes": self.uploaded_bytes, "uploaded": self.uploaded}
 
 
 def _first_line(e: Exception) -> str:

@@ -13,15 +13,19 @@ The commit protocol (actstore.write.protocol) drives a layout without knowing wh
 - `take_checksums(n)` hands the protocol the checksums of the next n committed examples;
 - `first_stale(cfg, n)` (a class method) says from which first chunk-grid coordinate a
   resumed shard's objects are uncommitted, to be dropped before the layout opens;
+- `io_stats()` says what its write pipeline holds and has written (progress output);
 - `close()` stops background work.
 
 Layouts: `ChunkFiles` (a raw chunk object per (example, layer, token chunk), format 2 or
-3), `ShardFiles` (format 3 Zarr shard files written whole by a background thread,
-actstore.write.shardfiles) and `ZarrArrays` (through zarr-python, e.g. compressed).
+3) and `ShardFiles` (format 3 Zarr shard files staged whole, actstore.write.shardfiles)
+hand whole objects to a `WritePipeline` (actstore.write.pipeline), whose threads write or
+upload them while the appending thread converts and checksums; `ZarrArrays` goes through
+zarr-python (e.g. compressed).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -30,6 +34,7 @@ from actstore.chunkio import ChunkIO, crc32c
 from actstore.layout.checksum import combine_all
 from actstore.layout.config import StoreConfig
 from actstore.write.batch import Batch
+from actstore.write.pipeline import IOStats, WritePipeline
 
 
 class Layout:
@@ -62,6 +67,9 @@ class Layout:
 
     def check(self) -> None:
         pass
+
+    def io_stats(self) -> IOStats | None:
+        return None
 
     def close(self) -> None:
         pass
@@ -102,28 +110,47 @@ class Layout:
 
 
 class ChunkFiles(Layout):
-    """One raw chunk object per (example, layer, token chunk), written at append."""
+    """One raw chunk object per (example, layer, token chunk).
 
-    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int):
+    An append hands each example's objects to the write pipeline's threads, checksums the
+    rows meanwhile, and returns once every object of the batch is written: an append that
+    fails (a full disk) adds nothing and leaves the writer usable, and the batch's arrays
+    (perhaps the caller's memory) are never kept, so never copied.
+    """
+
+    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, pipeline: WritePipeline):
         super().__init__(cfg)
         self.io = io
         self.n_written = n_written
+        self.pipeline = pipeline
 
     def append(self, batch: Batch, n0: int) -> None:
         point = self._undo_point()
+        futures = []
         try:
-            for seg in self.cfg.segments:
-                arr, io = batch.acts[seg.name], self.io[seg.name]
+            try:
                 for i in range(batch.b):
-                    io.write_example(n0 + i, arr[i])
-            self._row_checksums(batch)
+                    futures.append(self.pipeline.submit(partial(self._write_example, batch, i, n0 + i), self.cfg.example_bytes()))
+                self._row_checksums(batch)  # beside the writes
+            finally:
+                self.pipeline.wait(futures)  # the batch's memory is free again; raises an I/O error
         except BaseException:
             self._undo(point)
             raise
         self.n_written = n0 + batch.b
 
+    def _write_example(self, batch: Batch, i: int, ex: int) -> None:
+        for seg in self.cfg.segments:
+            self.io[seg.name].write_example(ex, batch.acts[seg.name][i])
+
     def flush(self, complete: bool) -> int:
         return self.n_written
+
+    def io_stats(self) -> IOStats:
+        return self.pipeline.stats()
+
+    def close(self) -> None:
+        self.pipeline.close()
 
 
 class ZarrArrays(Layout):

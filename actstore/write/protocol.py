@@ -2,9 +2,10 @@
 
 The commit protocol (docs/format.md, "Commits"); the layout that writes activation bytes
 (chunk files, Zarr shard files, zarr-python) is chosen once and driven through
-actstore.write.layouts. Every commit: the layout flushes, per-sample arrays and texts of
-the block are written, the block record and per-row checksums are appended, background
-puts are awaited, and the commit record is replaced atomically: the single commit point.
+actstore.write.layouts. Every commit: the layout flushes (its write pipeline drained:
+every object of the block is written or uploaded), per-sample arrays and texts of the
+block are written, the block record and per-row checksums are appended, and the commit
+record is replaced atomically: the single commit point.
 Anything past its `n_committed` is invisible and rolled back by a resumed writer.
 """
 
@@ -28,6 +29,7 @@ from actstore.storage import open_storage
 from actstore.write import batch as batches
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease
+from actstore.write.pipeline import IOStats
 from actstore.write.setup import ShardSetup, _set_rows
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -68,6 +70,11 @@ class ShardWriter(ShardSetup):
         engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
         stats: keep running statistics per (layer, segment) of the stored vectors.
         fsync: flush the storage (syncfs) before each commit, for power-loss durability.
+        io_threads: threads that write (or upload) chunk and shard files while the
+            appending thread converts and checksums; default 2-4 for a local disk, 8 for an
+            object store (actstore.write.pipeline).
+        io_bytes: bytes handed to those threads and not yet written before an append waits
+            (default 512 MiB; the staging buffers of a sharded layout count).
     """
 
     def __init__(
@@ -99,6 +106,8 @@ class ShardWriter(ShardSetup):
         stats: bool = False,
         fsync: bool = False,
         world_size: int | None = None,
+        io_threads: int | None = None,
+        io_bytes: int | None = None,
     ):
         if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard <= spec.MAX_SHARD:
             raise ValueError(f"shard must be an int in 0..{spec.MAX_SHARD}. Got {shard!r}.")
@@ -129,6 +138,10 @@ class ShardWriter(ShardSetup):
         self.on_nonfinite = on_nonfinite
         self.on_overflow = on_overflow
         self.fsync = fsync
+        for name, v in (("io_threads", io_threads), ("io_bytes", io_bytes)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive int or None. Got {v!r}.")
+        self.io_threads, self.io_bytes = io_threads, io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
         self.world_size = world_size
         self._closed = False
@@ -351,7 +364,6 @@ class ShardWriter(ShardSetup):
             _write_consolidated(sh)
         if self.fsync:
             sh.sync()
-        sh.barrier()  # every background put of this block is in
         self._lease.check()  # a writer whose shard was taken over commits nothing more
         sh.put(keys.COMMIT, records.dump_commit(self._commit_record(complete, n1)), durable=self.fsync)
         if old_stats and old_stats != self._stats_file:
@@ -415,6 +427,10 @@ class ShardWriter(ShardSetup):
                 self._commit(complete=False)
         finally:
             self._close_files()
+
+    def io_stats(self) -> IOStats | None:
+        """What the write pipeline holds and has written (None for the zarr engine)."""
+        return self._layout.io_stats() if hasattr(self, "_layout") else None
 
     def __len__(self) -> int:
         return self.n_written

@@ -18,6 +18,7 @@ from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.chunks import array_meta_key, geometry_from_metadata
 from actstore.stats import read_stats
 from actstore.write.layouts import ChunkFiles, Layout, ZarrArrays
+from actstore.write.pipeline import MAX_BYTES, WritePipeline
 from actstore.write.shardfiles import ShardFiles
 
 
@@ -163,10 +164,11 @@ class ShardSetup:
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
             assert geo is not None
             io[s.name] = ChunkIO(self.sh, geo)
+        pipeline = WritePipeline(self.sh, threads=self.io_threads, max_bytes=self.io_bytes or MAX_BYTES)
         if cls is ShardFiles:
-            self._layout = ShardFiles(cfg, io, self.n_written, self.sh.writeback())
+            self._layout = ShardFiles(cfg, io, self.n_written, pipeline, self.sh.writeback())
         else:
-            self._layout = ChunkFiles(cfg, io, self.n_written)
+            self._layout = ChunkFiles(cfg, io, self.n_written, pipeline)
 
     def _per_sample_names(self) -> list[str]:
         names = [keys.len_array(s.name) for s in self.cfg.segments]
