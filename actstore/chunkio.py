@@ -136,11 +136,13 @@ class ChunkIO:
         return index
 
     # ---- writing ------------------------------------------------------------------
-    def write_example(self, ex: int, acts_ltd: np.ndarray) -> None:
+    def write_example(self, ex: int, acts_ltd: np.ndarray, durable: bool = False) -> None:
         """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
 
         Chunk files are written in place (not atomically): nobody reads them before the
         commit that names their example. (The writer checksums the rows itself, once.)
+        durable: each file's data is on the disk when this returns (their names: once the
+        commit syncs).
         """
         g = self.geo
         assert g.shard_examples is None
@@ -149,10 +151,10 @@ class ChunkIO:
         k = 0
         for lp in range(g.n_layers):
             for tc in range(g.n_tchunks):
-                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False)
+                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False, durable=durable)
                 k += 1
 
-    def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None) -> None:
+    def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False) -> None:
         """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
 
         `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
@@ -166,7 +168,8 @@ class ChunkIO:
         for start in range(0, acts_eltd.shape[0], S):
             part = np.ascontiguousarray(acts_eltd[start : start + S])
             key = g.shard_key(first_ex + start)
-            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]), writeback=writeback)
+            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]),
+                             writeback=writeback, durable=durable)
             self._index_cache.pop(key, None)
 
     def delete_example(self, ex: int) -> None:

@@ -81,20 +81,25 @@ def files_write(d: Path, batches: list[np.ndarray], repeats: int, layout: str) -
     return t
 
 
-def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int, layout: str) -> dict:
-    """Durable writes: actstore (+ syncfs) against a raw write (+ fsync) of the same bytes,
-    the raw write timed right before and right after, the ratio taken against their mean."""
+def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int, layout: str,
+                durability: str = "writer", io_threads: int | None = None) -> dict:
+    """Durable writes: actstore against a raw write (+ fsync) of the same bytes, the raw
+    write timed right before and right after, the ratio taken against their mean.
+    durability "writer": ShardWriter(fsync=True) (each file synced on its I/O thread, the
+    storage before each commit); "syncfs": a plain writer, then one syncfs at the end."""
     nbytes = sum(b.nbytes for b in batches) * repeats
     raw = root / "raw.bin"
     t_raw_before = raw_write(raw, batches, repeats)
     store = root / f"store-{layout}"
     syncfs(root)
     t0 = time.perf_counter()
-    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens, **LAYOUTS[layout]) as w:
+    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens,
+                              fsync=durability == "writer", io_threads=io_threads, **LAYOUTS[layout]) as w:
         for _ in range(repeats):
             for b in batches:
                 w.append(b)
-    syncfs(store)
+    if durability == "syncfs":
+        syncfs(store)
     t_store = time.perf_counter() - t0
     actstore.finalize(store)
     t_raw = (t_raw_before + raw_write(raw, batches, repeats)) / 2
@@ -156,6 +161,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write-repeats", type=int, default=5, help="write runs per layout (median ratio reported)")
     ap.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["v2", "v3-sharded"])
+    ap.add_argument("--durability", choices=["writer", "syncfs"], default="writer",
+                    help="writer: ShardWriter(fsync=True); syncfs: a plain writer, then syncfs (sessions 2-5)")
+    ap.add_argument("--io-threads", type=int, default=None, help="the writer's I/O threads (default: its own)")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     pool = 8  # distinct batches, cycled: generating random numbers is not what we measure
@@ -163,7 +171,8 @@ def main() -> None:
     repeats = max(1, a.examples // (a.batch * pool))
     n = repeats * pool * a.batch
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-"))
-    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "layouts": {}}
+    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "durability": a.durability, "layouts": {},
+              "load_average": os.getloadavg()}
     print(f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} "
           f"(fp16, {n * a.layers * a.tokens * a.d_model * 2 / 1e9:.2f} GB)")
     try:
@@ -176,7 +185,7 @@ def main() -> None:
                     shutil.rmtree(root / f"store-{layout}")
                     syncfs(root)
                     time.sleep(2)
-                runs.append(bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout))
+                runs.append(bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout, a.durability, a.io_threads))
             # The disk's speed drifts between runs: the ratio of each adjacent (raw, actstore)
             # pair shares the drift; the headline is the median pair.
             w = sorted(runs, key=lambda x: x["ratio_vs_raw"])[len(runs) // 2]

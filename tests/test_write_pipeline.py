@@ -124,3 +124,29 @@ def test_progress_sees_the_pipeline(tmp_path):
         s = w.io_stats()
     assert s.pending_bytes == 0 and s.objects >= 3 and s.written_bytes >= 5 * 3 * 4 * 2
     assert s.describe().startswith("write ") and "queued" in s.describe()
+
+
+@pytest.mark.parametrize("layout, data_files", [({}, 7 * 2), ({"zarr_format": 3, "shard_examples": 4}, 2)])
+def test_fsync_syncs_every_data_file_on_the_io_threads(tmp_path, monkeypatch, layout, data_files):
+    """ShardWriter(fsync=True): each chunk or shard file is synced by the thread that wrote
+    it (beside the next writes), not left to the commit's syncfs."""
+    import os
+
+    from actstore.storage import local
+
+    synced: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(local.os, "fsync", spy)
+    x = np.arange(7 * 2 * 3 * 4, dtype=np.float16).reshape(7, 2, 3, 4)
+    with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, fsync=True, **layout) as w:
+        w.append(x)
+    data = [(t, p) for t, p in synced if "/tokens_activations/" in p and not os.path.isdir(p)]  # files, not their folders
+    assert len({p for _, p in data}) == data_files  # each once (a shard file under its temporary name)
+    assert all(t.startswith("actstore-io") for t, _ in data)
+    actstore.finalize(tmp_path / "s")
+    assert np.array_equal(actstore.ActStore(tmp_path / "s")[0:7, :], x)

@@ -166,9 +166,10 @@ class ShardSetup:
             io[s.name] = ChunkIO(self.sh, geo)
         pipeline = WritePipeline(self.sh, threads=self.io_threads, max_bytes=self.io_bytes or MAX_BYTES)
         if cls is ShardFiles:
-            self._layout = ShardFiles(cfg, io, self.n_written, pipeline, self.sh.writeback())
+            writeback = None if self.fsync else self.sh.writeback()  # a durable write syncs each file itself
+            self._layout = ShardFiles(cfg, io, self.n_written, pipeline, writeback, durable=self.fsync)
         else:
-            self._layout = ChunkFiles(cfg, io, self.n_written, pipeline)
+            self._layout = ChunkFiles(cfg, io, self.n_written, pipeline, durable=self.fsync)
 
     def _per_sample_names(self) -> list[str]:
         names = [keys.len_array(s.name) for s in self.cfg.segments]

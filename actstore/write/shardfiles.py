@@ -63,18 +63,21 @@ class ShardFiles(Layout):
         n_written: examples already committed (a resumed shard reloads a partial file).
         pipeline: the write pipeline its shard files go to.
         writeback: the storage's writeback helper (a local disk's), or None.
+        durable: each shard file synced (data and name) on its I/O thread, beside the next
+            writes (ShardWriter(fsync=True)).
     """
 
     background = True
     files = "shard files"
 
     def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, pipeline: WritePipeline,
-                 writeback: Writeback | None):
+                 writeback: Writeback | None, durable: bool = False):
         super().__init__(cfg)
         self.io = io
         self.S = cfg.shard_examples
         self.pipeline = pipeline
         self._writeback = writeback
+        self.durable = durable
         shapes = {s.name: (self.S, cfg.n_layers, s.n_chunks * s.t_chunk, cfg.d_model) for s in cfg.segments}
         file_bytes = self.S * cfg.example_bytes()
         # One buffer filling, one per pipeline thread writing, within the pipeline's bytes.
@@ -122,7 +125,7 @@ class ShardFiles(Layout):
         rows n.. once the pipeline is drained (a partial shard written at a commit)."""
         def write() -> None:
             for seg, io in self.io.items():
-                io.write_shards(first, buf[seg][:n], writeback=self._writeback)
+                io.write_shards(first, buf[seg][:n], writeback=self._writeback, durable=self.durable)
 
         done = (lambda: self.buffers.give_back(buf)) if release else None
         self.pipeline.submit(write, n * self.cfg.example_bytes(), done)
