@@ -64,6 +64,7 @@ class _Writer:
         from actstore.errors import ShardBusyError
 
         self.queue = queue
+        self.rank = rank
         deadline = None
         while True:
             try:
@@ -79,6 +80,9 @@ class _Writer:
 
     def update(self, examples: int, tokens: int, nbytes: int) -> None:
         self.queue.put_nowait(("progress", examples, tokens, nbytes))
+
+    def io(self, stats: Any) -> None:
+        self.queue.put_nowait(("io", self.rank, stats))
 
 
 def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[RecordResult]:
@@ -142,4 +146,7 @@ def _drain(queue: Any, bar: Any, empty: type[Exception]) -> None:
             msg = queue.get_nowait()
         except empty:
             return
-        bar.update(*msg[1:])
+        if msg[0] == "io":
+            bar.io(msg[2], who=msg[1])
+        else:
+            bar.update(*msg[1:])

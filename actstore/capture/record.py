@@ -27,6 +27,7 @@ from actstore.stats import stats_key
 from actstore import catalog
 from actstore.storage import open_storage
 from actstore.write import ShardWriter
+from actstore.write.pipeline import IOStats
 
 DEFAULT_QUEUE = 4
 DEFAULT_WRITER_NICE = 10  # the writer thread's priority drop (Linux nice, per thread)
@@ -97,6 +98,7 @@ def record(
     queue_size: int = DEFAULT_QUEUE,
     stop_early: bool = True,
     progress: Callable[[int, int, int], None] | None = None,
+    io_progress: Callable[[IOStats], None] | None = None,
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
     shard_examples: int | None = None,
     writer_nice: int = DEFAULT_WRITER_NICE,
@@ -128,6 +130,8 @@ def record(
         queue_size: batches the writer thread may lag behind the forward pass.
         stop_early: stop the forward pass after the last hooked module.
         progress: called with (examples, tokens, bytes) after each batch is written.
+        io_progress: called with the writer's IOStats (bytes queued for and written or
+            uploaded by its write pipeline) after each batch is written.
         zarr_format, shard_examples: the store's layout, as in ShardWriter: Zarr format 2
             (one file per chunk, the default) or 3; with 3, `shard_examples` examples per
             Zarr shard file (for stores of millions of chunks: far fewer files).
@@ -153,7 +157,7 @@ def record(
         store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
         token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
-        zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids, drop_cls=drop_cls,
+        io_progress=io_progress, zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids, drop_cls=drop_cls,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
@@ -220,6 +224,7 @@ class _Job:
     on_overflow: str
     commit_bytes: int
     progress: Callable[[int, int, int], None] | None
+    io_progress: Callable[[IOStats], None] | None = None
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
     shard_examples: int | None = None
     world_size: int | None = None
@@ -336,6 +341,10 @@ class _Job:
         if self._since_commit >= self.commit_bytes:
             w.commit()
             self._since_commit = 0
+        if self.io_progress is not None:
+            io = w.io_stats()
+            if io is not None:
+                self.io_progress(io)
         if self.progress is not None:
             self.progress(b, n_tok, nbytes)
 

@@ -251,7 +251,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             segments=plan.segments if plan else None, token_labels=bool(plan and o.special == "mask"),
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
-            progress=bar.update if bar is not None else None, zarr_format=o.zarr_format, shard_examples=o.shard_examples,
+            progress=bar.update if bar is not None else None, io_progress=getattr(bar, "io", None), zarr_format=o.zarr_format, shard_examples=o.shard_examples,
             writer_nice=o.writer_nice, world_size=world, drop_cls="cls" in o.drop,
         )
     finally:
@@ -290,7 +290,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
             lm, window_batches(source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device, drop_bos="bos" in o.drop), o.store,
             layers=o.layers, shard=rank, dtype=o.dtype, segments={"tokens": o.context}, token_labels=True,
             texts=(RUNS_TEXT,), resume=o.resume, attrs=attrs, stats=o.stats, on_overflow=o.on_overflow,
-            commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size, progress=bar.update if bar is not None else None,
+            commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size, progress=bar.update if bar is not None else None, io_progress=getattr(bar, "io", None),
             zarr_format=o.zarr_format, shard_examples=o.shard_examples, writer_nice=o.writer_nice, world_size=world,
         )
     finally:
@@ -407,6 +407,8 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
                 continue
             if msg[0] == "progress":
                 bar.update(*msg[1:])
+            elif msg[0] == "io":
+                bar.io(msg[2], who=msg[1])
             elif msg[0] == "done":
                 results[msg[1]] = msg[2]
             else:
@@ -429,16 +431,20 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
 def _worker_main(o: WriteOptions, rank: int, q: Any) -> None:
     """Entry point of a writer process: write one shard, report progress and the result."""
     try:
-        res = run_shard(o, rank, o.workers, progress=_QueueProgress(q))
+        res = run_shard(o, rank, o.workers, progress=_QueueProgress(q, rank))
         q.put(("done", rank, res))
     except BaseException as e:  # noqa: BLE001 - reported to the parent as one line
         q.put(("error", rank, str(e) or type(e).__name__))
 
 
 class _QueueProgress:
-    def __init__(self, q: Any):
+    def __init__(self, q: Any, rank: int):
         self.q = q
+        self.rank = rank
 
     def update(self, examples: int, tokens: int, nbytes: int) -> None:
         self.q.put(("progress", examples, tokens, nbytes))
+
+    def io(self, stats: Any) -> None:
+        self.q.put(("io", self.rank, stats))
 

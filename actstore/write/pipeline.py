@@ -43,11 +43,6 @@ class IOStats:
     waited_seconds: float  # the appending thread's wait for memory (the I/O did not keep up)
     remote: bool
 
-    def describe(self) -> str:
-        """A short progress note: 'upload 210 MB done, 96/512 MB queued'."""
-        verb = "upload" if self.remote else "write"
-        return (f"{verb} {self.written_bytes / 1e6:,.0f} MB done, "
-                f"{self.pending_bytes / 2**20:,.0f}/{self.max_bytes / 2**20:,.0f} MiB queued")
 
 
 class WritePipeline:
