@@ -17,6 +17,9 @@ from typing import Any
 
 from actstore.errors import StorageAccessError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
+from actstore.storage.objecterrors import cause as _cause
+from actstore.storage.objecterrors import first_line as _first_line
+from actstore.storage.objecterrors import translated, translating_object_store
 
 MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
 MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
@@ -70,9 +73,10 @@ class ObjectStorage(Storage):
         return ObjectStorage(f"{self.url}/{prefix.strip('/')}", **self._options)
 
     def _missing(self, e: Exception, key: str) -> bool:
-        return isinstance(e, FileNotFoundError)
+        return isinstance(e, FileNotFoundError) and "NoSuchBucket" not in str(e)
 
     # ---- reads ----------------------------------------------------------------------
+    @translated("read")
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         obs = _obstore()
         try:
@@ -85,6 +89,7 @@ class ObjectStorage(Storage):
             raise ValueError(f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} allowed for it")
         return bytes(res.bytes())
 
+    @translated("read")
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
@@ -100,11 +105,13 @@ class ObjectStorage(Storage):
             end = min(start + length, size)
             return bytes(obs.get_range(self.store, key, start=start, end=end)) if end > start else b""
 
+    @translated("read")
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         data = self.get_range(key, offset, len(dest))
         dest[: len(data)] = data
         return len(data)
 
+    @translated("read")
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
             res = _obstore().get(self.store, key)
@@ -117,6 +124,7 @@ class ObjectStorage(Storage):
         dest[:n] = memoryview(data)[:n]
         return len(data)
 
+    @translated("read")
     def size(self, key: str) -> int | None:
         try:
             return int(_obstore().head(self.store, key)["size"])
@@ -125,12 +133,14 @@ class ObjectStorage(Storage):
                 return None
             raise
 
+    @translated("list")
     def list(self, prefix: str = "") -> Iterator[Entry]:
         full = prefix.strip("/")
         for batch in _obstore().list(self.store, (full + "/") if full else None):
             for meta in batch:
                 yield Entry(meta["path"], int(meta["size"]), "file")
 
+    @translated("list")
     def list_dir(self, prefix: str = "") -> list[str]:
         full = prefix.strip("/")
         res = _obstore().list_with_delimiter(self.store, (full + "/") if full else None)
@@ -139,6 +149,7 @@ class ObjectStorage(Storage):
         return sorted(names)
 
     # ---- writes ---------------------------------------------------------------------
+    @translated("write")
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
             writeback: Writeback | None = None) -> None:
         """A whole-object put: always atomic and durable in an object store. An object of
@@ -152,10 +163,12 @@ class ObjectStorage(Storage):
         else:
             _obstore().put(self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False)
 
+    @translated("write")
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
         """A multipart upload: the object appears only when every part is in."""
         _obstore().put(self.store, key, parts, max_concurrency=2)
 
+    @translated("write")
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """A conditional put (If-None-Match: *). When a retried create finds the object,
         the first try may have succeeded with its answer lost: the object then holds
@@ -170,6 +183,7 @@ class ObjectStorage(Storage):
             except KeyNotFound:
                 return False
 
+    @translated("write")
     def append(self, key: str, data: bytes) -> int:
         try:
             old = self.get(key)
@@ -179,9 +193,11 @@ class ObjectStorage(Storage):
         self.put(key, new)
         return len(new)
 
+    @translated("write")
     def truncate(self, key: str, size: int) -> None:
         self.put(key, self.get_range(key, 0, size))
 
+    @translated("delete")
     def delete(self, key: str) -> None:
         try:
             _obstore().delete(self.store, key)
@@ -189,6 +205,7 @@ class ObjectStorage(Storage):
             if not self._missing(e, key):
                 raise
 
+    @translated("delete")
     def delete_prefix(self, prefix: str) -> None:
         keys = [e.key for e in self.list(prefix)]
         for i in range(0, len(keys), 1000):
@@ -226,31 +243,7 @@ class ObjectStorage(Storage):
 
     # ---- zarr -----------------------------------------------------------------------
     def zarr_store(self, prefix: str, *, read_only: bool) -> Any:
-        from zarr.storage import ObjectStore
-
         target = self.child(prefix) if prefix.strip("/") else self
-        return ObjectStore(target.store, read_only=read_only)
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-
-
-def _cause(e: Exception, url: str) -> str:
-    """What an obstore error means for the user, with the fix."""
-    import os
-
-    text = str(e)
-    bucket = url.split("://", 1)[1].split("/", 1)[0]
-    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-    if "NoSuchBucket" in text or ("404" in text and "list" in text.lower()):
-        return f"the bucket {bucket!r} does not exist (create it first, or check the URL)"
-    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "401" in text:
-        return ("the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the "
-                "provider's credential chain)")
-    if "AccessDenied" in text or "403" in text or isinstance(e, PermissionError):
-        return f"access denied: these credentials may not use {bucket!r} (check the bucket policy and IAM permissions)"
-    if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
-        where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
-        return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"
-    return _first_line(e)
+        zs = translating_object_store()(target.store, read_only=read_only)
+        zs.url = target.url
+        return zs

@@ -1,0 +1,137 @@
+"""What an object store's failure means for the user: obstore's errors as StorageAccessError.
+
+Every ObjectStorage operation goes through `translated`: refused credentials, denied
+permissions, a missing bucket, an unreachable endpoint or a request that failed after
+obstore's retries become one StorageAccessError that names the URL, the operation and
+the cause with its fix, instead of a Rust error dump. zarr-python's reads and writes of a
+store in object storage go through `TranslatingObjectStore` for the same reason. A
+missing key is not a failure: the operations answer it themselves (KeyNotFound, None).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+from actstore.errors import ActstoreError, StorageAccessError
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def cause(e: BaseException, url: str) -> str:
+    """What an obstore error means for the user, with the fix."""
+    text = str(e)
+    bucket = url.split("://", 1)[1].split("/", 1)[0] if "://" in url else url
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
+    if "NoSuchBucket" in text or ("404" in text and "list" in text.lower()):
+        return f"the bucket {bucket!r} does not exist (create it first, or check the URL)"
+    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "401" in text or type(e).__name__ == "UnauthenticatedError":
+        return ("the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the "
+                "provider's credential chain)")
+    if "AccessDenied" in text:
+        return f"access denied: these credentials may not do this in {bucket!r} (check the bucket policy and IAM permissions)"
+    if "403" in text or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
+        return (f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)")
+    if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
+        where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
+        return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"
+    return f"the request failed after retries: {first_line(e)}"
+
+
+def _is_store_error(e: BaseException) -> bool:
+    """An error of obstore (or of the network under it), not of the caller or of actstore."""
+    if isinstance(e, ActstoreError):
+        return False
+    if isinstance(e, FileNotFoundError):
+        return "NoSuchBucket" in str(e)
+    mod = type(e).__module__ or ""
+    return mod.startswith("obstore") or isinstance(e, (ConnectionError, TimeoutError, PermissionError))
+
+
+def access_error(e: BaseException, what: str, where: str, url: str) -> StorageAccessError | None:
+    """The StorageAccessError for an obstore failure of `what` on `where`, else None."""
+    if not _is_store_error(e):
+        return None
+    return StorageAccessError(f"cannot {what} {where}: {cause(e, url)}")
+
+
+def translated(what: str) -> Callable:
+    """Decorate an ObjectStorage method (first argument: a key): obstore failures become
+    StorageAccessError naming the object's URL (generators: while they are iterated)."""
+
+    def deco(fn: Callable) -> Callable:
+        def where(self: Any, args: tuple) -> str:
+            return self.where(args[0]) if args and isinstance(args[0], str) else self.url
+
+        if inspect.isgeneratorfunction(fn):
+            @functools.wraps(fn)
+            def gen(self: Any, *args: Any, **kw: Any) -> Any:
+                try:
+                    yield from fn(self, *args, **kw)
+                except Exception as e:
+                    err = access_error(e, what, where(self, args), self.url)
+                    if err is None:
+                        raise
+                    raise err from None
+            return gen
+
+        @functools.wraps(fn)
+        def call(self: Any, *args: Any, **kw: Any) -> Any:
+            try:
+                return fn(self, *args, **kw)
+            except Exception as e:
+                err = access_error(e, what, where(self, args), self.url)
+                if err is None:
+                    raise
+                raise err from None
+        return call
+
+    return deco
+
+
+_ZARR_STORE = None
+
+
+def translating_object_store() -> type:
+    """zarr's ObjectStore whose failures are StorageAccessError naming the URL (built on
+    first use: zarr imports slowly). Set `url` on the instance."""
+    global _ZARR_STORE
+    if _ZARR_STORE is not None:
+        return _ZARR_STORE
+    from zarr.storage import ObjectStore
+
+    class TranslatingObjectStore(ObjectStore):
+        url = "object store"
+
+        async def get(self, key, prototype, byte_range=None):  # noqa: D102
+            return await self._translate("read", key, super().get(key, prototype, byte_range))
+
+        async def get_partial_values(self, prototype, key_ranges):  # noqa: D102
+            return await self._translate("read", "", super().get_partial_values(prototype, key_ranges))
+
+        async def exists(self, key):  # noqa: D102
+            return await self._translate("read", key, super().exists(key))
+
+        async def set(self, key, value):  # noqa: D102
+            return await self._translate("write", key, super().set(key, value))
+
+        async def delete(self, key):  # noqa: D102
+            return await self._translate("delete", key, super().delete(key))
+
+        async def _translate(self, what: str, key: str, coro: Any) -> Any:
+            try:
+                return await coro
+            except Exception as e:
+                err = access_error(e, what, f"{self.url}/{key}" if key else self.url, self.url)
+                if err is None:
+                    raise
+                raise err from None
+
+    _ZARR_STORE = TranslatingObjectStore
+    return _ZARR_STORE
