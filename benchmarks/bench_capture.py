@@ -87,12 +87,18 @@ def forward_alone(lm, batches) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
-def capture(lm, batches, layers, root: Path, segments, layout: dict) -> tuple[float, float, object]:
-    store = root / f"s-{time.monotonic_ns()}"
+def capture(lm, batches, layers, root: Path | str, segments, layout: dict) -> tuple[float, float, object]:
+    """One capture into a fresh store under `root` (a folder, or an s3:// URL)."""
+    store = f"{root}/s-{time.monotonic_ns()}" if isinstance(root, str) else root / f"s-{time.monotonic_ns()}"
     c0, t0 = cpu_seconds(), time.perf_counter()
     res = record(lm, batches, store, layers=layers, segments=segments, stats=True, **layout)
     dt, dc = time.perf_counter() - t0, cpu_seconds() - c0
-    shutil.rmtree(store)
+    if isinstance(store, str):
+        from actstore.storage import open_storage
+
+        open_storage(store).delete_prefix("")
+    else:
+        shutil.rmtree(store)
     return dt, dc, res
 
 
@@ -126,7 +132,21 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to put the temporary stores (default: a temp dir)")
     ap.add_argument("--zarr-format", type=int, default=2, help="the stores' Zarr format (as actstore write --zarr-format)")
     ap.add_argument("--shard-examples", type=int, default=None, help="with --zarr-format 3: examples per Zarr shard file")
+    ap.add_argument("--s3", action="store_true", help="capture to s3:// on moto's S3 server (its own process, 127.0.0.1)")
     args = ap.parse_args()
+    if args.s3:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import s3server
+
+        with s3server.moto_process() as endpoint:
+            s3server.apply_env(s3server.s3_env(endpoint))
+            run(args, f"s3://{s3server.create_bucket(endpoint)}/bench")
+        return
+    run(args, None)
+
+
+def run(args, url: str | None) -> None:
+    """The benchmark, capturing into local folders or (url) stores under an s3:// URL."""
     if args.threads:
         torch.set_num_threads(args.threads)
     layers = parse_layers(args.layers)
@@ -138,6 +158,7 @@ def main() -> None:
         if args.pack:
             layout.update(token_labels=True, texts=("runs",))  # what actstore write --pack stores
     root = Path(tempfile.mkdtemp(prefix="bench-capture-", dir=args.dir))
+    target = url or root
     try:
         forward_alone(lm, batches[:1])  # warm up (allocator, kernels)
         fwd, cap, fwd_cpu, cap_cpu, results = [], [], [], [], []
@@ -145,12 +166,12 @@ def main() -> None:
             dt, dc = forward_alone(lm, batches)
             fwd.append(dt)
             fwd_cpu.append(dc)
-            dt, dc, res = capture(lm, batches, layers, root, segments, layout)
+            dt, dc, res = capture(lm, batches, layers, target, segments, layout)
             cap.append(dt)
             cap_cpu.append(dc)
             results.append(res)
         half = layers[: max(1, len(layers) // 2)]
-        early = [capture(lm, batches, half, root, segments, layout)[0] for _ in range(args.repeats)]
+        early = [capture(lm, batches, half, target, segments, layout)[0] for _ in range(args.repeats)]
         nbytes = results[0].nbytes
         t_raw = raw_write(root, nbytes)
     finally:
@@ -165,6 +186,8 @@ def main() -> None:
         "batch_size": args.batch_size,
         "layers": layers,
         "layout": layout,
+        "store": "s3 (moto, 127.0.0.1)" if url else "local folder",
+        "load_average": os.getloadavg(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "forward_seconds": fwd,
@@ -194,7 +217,7 @@ def main() -> None:
     }
     path = save("capture", result)
     print(
-        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, layout {layout}, {torch.get_num_threads()} torch threads, "
+        f"{lm.model_id}: {n} examples, batch {args.batch_size}, layers {args.layers}, layout {layout}, {result['store']}, {torch.get_num_threads()} torch threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}\n"
         f"  forward alone      {f_med:7.2f} s  (median of {[round(x, 2) for x in fwd]})\n"
         f"  forward + capture  {c_med:7.2f} s  (median of {[round(x, 2) for x in cap]})\n"

@@ -30,6 +30,42 @@ def moto_server() -> Iterator[str]:
                 sock.close()
 
 
+@contextlib.contextmanager
+def moto_process() -> Iterator[str]:
+    """moto's server in a process of its own on a free loopback port (for benchmarks: the
+    server then does not share the measured process's GIL); always stopped."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto_server did not start on {endpoint}") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def s3_env(endpoint: str) -> dict[str, str]:
     """The standard environment that points S3 clients (obstore, boto3) at `endpoint`."""
     return {
