@@ -5,8 +5,8 @@
 # not need torch (a test of the main suite checks that none is forgotten). Left out: files
 # that import torch at the top (loaders, capture, ...), test_capture_resume.py, test_distributed.py and test_preflight.py (use a
 # torch model), test_capture_support.py (helpers, no tests), and test_copy.py,
-# test_storage.py, test_storage_cache.py and test_remote.py, whose S3 cases need moto's
-# server (the main suite has it).
+# test_storage.py, test_storage_cache.py, test_remote.py and test_remote_access.py, whose S3
+# cases need moto's server (the main suite has it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=python3.11
