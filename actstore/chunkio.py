@@ -136,13 +136,11 @@ class ChunkIO:
         return index
 
     # ---- writing ------------------------------------------------------------------
-    def write_example(self, ex: int, acts_ltd: np.ndarray, durable: bool = False) -> None:
+    def write_example(self, ex: int, acts_ltd: np.ndarray) -> None:
         """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
 
         Chunk files are written in place (not atomically): nobody reads them before the
         commit that names their example. (The writer checksums the rows itself, once.)
-        durable: each file's data is on the disk when this returns (their names: once the
-        commit syncs).
         """
         g = self.geo
         assert g.shard_examples is None
@@ -151,7 +149,7 @@ class ChunkIO:
         k = 0
         for lp in range(g.n_layers):
             for tc in range(g.n_tchunks):
-                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False, durable=durable)
+                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False)
                 k += 1
 
     def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False) -> None:

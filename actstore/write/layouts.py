@@ -118,12 +118,11 @@ class ChunkFiles(Layout):
     (perhaps the caller's memory) are never kept, so never copied.
     """
 
-    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, pipeline: WritePipeline, durable: bool = False):
+    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, pipeline: WritePipeline):
         super().__init__(cfg)
         self.io = io
         self.n_written = n_written
         self.pipeline = pipeline
-        self.durable = durable  # each file synced on its I/O thread (ShardWriter(fsync=True))
 
     def append(self, batch: Batch, n0: int) -> None:
         point = self._undo_point()
@@ -142,7 +141,7 @@ class ChunkFiles(Layout):
 
     def _write_example(self, batch: Batch, i: int, ex: int) -> None:
         for seg in self.cfg.segments:
-            self.io[seg.name].write_example(ex, batch.acts[seg.name][i], durable=self.durable)
+            self.io[seg.name].write_example(ex, batch.acts[seg.name][i])
 
     def flush(self, complete: bool) -> int:
         return self.n_written

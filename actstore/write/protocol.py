@@ -69,9 +69,9 @@ class ShardWriter(ShardSetup):
         compressor: a zarr compressor (e.g. zarr.codecs.ZstdCodec()); disables the raw fast path.
         engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
         stats: keep running statistics per (layer, segment) of the stored vectors.
-        fsync: durable against power loss, not only crashes: each chunk or shard file is
+        fsync: durable against power loss, not only crashes: each Zarr shard file is
             synced on its I/O thread as it is written (beside the next writes), and the
-            storage (syncfs) before each commit record.
+            storage (syncfs) before each commit record (which covers small chunk files).
         io_threads: threads that write (or upload) chunk and shard files while the
             appending thread converts and checksums; default 2-4 for a local disk, 8 for an
             object store (actstore.write.pipeline).

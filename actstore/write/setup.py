@@ -169,7 +169,9 @@ class ShardSetup:
             writeback = None if self.fsync else self.sh.writeback()  # a durable write syncs each file itself
             self._layout = ShardFiles(cfg, io, self.n_written, pipeline, writeback, durable=self.fsync)
         else:
-            self._layout = ChunkFiles(cfg, io, self.n_written, pipeline, durable=self.fsync)
+            # Small chunk files: one syncfs at the commit is cheaper than an fsync each
+            # (measured: 0.25x against 0.4-0.6x of a raw write for 395 KB files).
+            self._layout = ChunkFiles(cfg, io, self.n_written, pipeline)
 
     def _per_sample_names(self) -> list[str]:
         names = [keys.len_array(s.name) for s in self.cfg.segments]
