@@ -89,11 +89,12 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[Reco
         from ray.util.queue import Empty, Queue
     except ImportError:
         raise CaptureError("--engine ray needs Ray: pip install 'actstore[ray]'") from None
+    from actstore.capture.data import absolute_data
     from actstore.capture.progress import Progress
     from actstore.capture.ranks import split
     from actstore.capture.record import committed
 
-    data = os.path.abspath(o.data) if os.path.exists(o.data) else o.data  # actors run elsewhere
+    data = absolute_data(o.data)  # actors run elsewhere (globs too)
     store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
     # The driver checked that a fresh run starts on no shard: a restarted actor resumes.
     wo = replace(o, data=data, store=store, resume=True, progress=False, threads=o.threads or max(1, int(o.cpus_per_worker)))
