@@ -143,6 +143,22 @@ def test_document_formats(tmp_path):
         load_source(str(tmp_path / "bad.jsonl"), "body")
     with pytest.raises(actstore.capture.EmptyDatasetError, match="no file matches"):
         load_source(str(tmp_path / "none*.txt"))
+    # datasets' save_to_disk folders (any text column with --text-field) and their own .arrow
+    # files (Arrow streams), memory-mapped: nothing is read into memory up front
+    import datasets
+
+    datasets.Dataset.from_dict({"body": rows, "n": list(range(5)), "id": [f"d{i}" for i in range(5)]}).save_to_disk(tmp_path / "ds")
+    src = load_source(str(tmp_path / "ds"), "body")
+    assert [src.get(i) for i in (0, 4)] == [{"key": "d0", "text": rows[0]}, {"key": "d4", "text": rows[4]}]
+    with pytest.raises(actstore.capture.DataError, match=r"ds: column 'n' holds Value\('int64'\), not text; pass --text-field NAME"):
+        load_source(str(tmp_path / "ds"), "n")
+    with pytest.raises(actstore.capture.DataError, match=r"has no column 'text' \(--text-field\); its columns: \['body', 'id', 'n'\]"):
+        load_source(str(tmp_path / "ds"), "text")
+    with pytest.raises(actstore.capture.DataError, match=r"needs an 'image', 'text' or 'prompt' column \(or --text-field NAME\)"):
+        load_source(str(tmp_path / "ds"))
+    allocated = pa.total_allocated_bytes()
+    src = load_source(str(tmp_path / "ds" / "data-00000-of-00001.arrow"), "body")
+    assert [src.get(i)["text"] for i in range(len(src))] == rows and pa.total_allocated_bytes() == allocated
     # .jsonl and .txt are streamed: only byte ranges are kept, each record is read when asked for
     src = load_source(str(tmp_path / "a.jsonl"))
     raw = (tmp_path / "a.jsonl").read_bytes()
@@ -185,3 +201,19 @@ def test_drop_bos_stores_every_token_but_the_tokenizers_bos(tmp_path, llama_dir)
     assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [t for t in flat if t != tok.bos_token_id]
     res = cli("write", tmp_path / "x", "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "cls", "--quiet", ok=False)
     assert res.exit_code == 1 and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output
+
+
+def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llama_dir, monkeypatch):
+    (tmp_path / "corpus").mkdir()
+    for i, d in enumerate(DOCS[:3]):
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(d, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    cli("write", "s", "--model", llama_dir, "--data", "corpus/*.txt", "--layers", "1", "--pack", "--context", "8", "--quiet")
+    store = actstore.ActStore(tmp_path / "s")
+    assert store.config.attrs["dataset"] == str(tmp_path / "corpus" / "*.txt")
+    assert [r[0][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]
+    res = cli("export-saev", "s", tmp_path / "saev" / "shards", ok=False)  # a text store names no saev family
+    assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (e.g. --family clip)" in res.output
+    out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()
+    md = json.loads((tmp_path / "saev" / "shards" / out.rsplit("/", 1)[-1] / "metadata.json").read_text())
+    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(len(store.token_ids(i)) for i in range(len(store)))
