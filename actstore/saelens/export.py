@@ -60,7 +60,8 @@ def export_saelens(
     Args:
         layer: a stored layer number or name (`blocks.8.hook_resid_post`, a module path).
         hook_name: the column name, which SAELens's `hook_name` must equal (default: the
-            layer's TransformerLens name the capture kept, else `blocks.{layer}.hook_resid_post`).
+            name the capture kept for the layer: its TransformerLens name, or its module path
+            for a module-path capture; else `blocks.{layer}.hook_resid_post`).
         context_size: tokens per row (SAELens's `context_size`).
         seed: the token-level shuffle's seed.
         dtype: "float32" (exact for every store dtype) or "float16" (exact for float16 stores).
@@ -138,8 +139,11 @@ def export_saelens(
 
 
 def _default_hook(store: Any, number: int) -> str:
-    names = [n for n, k in store.layer_names().items() if k == number and n.startswith("blocks.")]
-    return names[0] if names else f"blocks.{number}.hook_resid_post"
+    """The name the capture gave the layer (a TransformerLens name, or the module path of a
+    module-path capture: what SAELens's HF wrapper hooks), else the block output's name."""
+    names = store.config.attrs.get("hook_names")
+    name = names.get(str(number)) if isinstance(names, dict) else None
+    return name if isinstance(name, str) and name else f"blocks.{number}.hook_resid_post"
 
 
 class _TokenIds:
