@@ -419,7 +419,8 @@ def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images
     for ex in range(6):
         for layer in (0, 2):
             np.testing.assert_array_equal(remote[ex, layer], local[ex, layer])
-    assert cli("verify", "--deep", "--quiet", s3_url).output.startswith(f"verify (deep) {s3_url}: 6 examples in 2 shards")
+    assert cli("verify", "--deep", s3_url).output.startswith(f"verify (deep) {s3_url}: 6 examples in 2 shards")
+    assert cli("verify", "--deep", "--quiet", s3_url).output == ""  # sound: nothing to say
 
 
 def test_capture_to_a_missing_bucket_fails_before_the_model_loads(s3_endpoint, dino_dir, images, monkeypatch):
