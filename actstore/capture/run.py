@@ -340,11 +340,10 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     if kind == "pair":
         r_max = o.r_max or o.generate
         if not r_max:
-            from actstore.capture.prepare import response_tokens
+            from actstore.capture.prepare import response_lengths
 
             q = DEFAULT_QUANTILE if o.r_quantile is None else o.r_quantile
-            lens = [len(response_tokens(lm.tokenizer, source.get(i)["response"] or "")[0]) for i in range(len(source))]
-            r_max = max(1, int(np.quantile(lens, q, method="higher")))
+            r_max = max(1, int(np.quantile(response_lengths(lm.tokenizer, plan, source), q, method="higher")))
         plan = replace(plan, r_max=r_max)
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
