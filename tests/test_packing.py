@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.capture.data import load_source
+from actstore.capture import token_origins
 from actstore.capture.packing import doc_tokens, plan_windows
 from actstore.cli import main
 from actstore.verify import verify_store
@@ -199,6 +200,12 @@ def test_drop_bos_stores_every_token_but_the_tokenizers_bos(tmp_path, llama_dir)
     ps = actstore.ActStore(packed)
     flat = [t for d in DOCS[:4] for t in doc_tokens(tok, d)]
     assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [t for t in flat if t != tok.bos_token_id]
+    # the runs describe the stored tokens: each maps back to its document and position
+    per_doc = [doc_tokens(tok, d) for d in DOCS[:4]]
+    origins = [token_origins(ps, i) for i in range(len(ps))]
+    for i, o in enumerate(origins):
+        assert [per_doc[d][p] for d, p in o] == ps.token_ids(i).tolist()
+    assert sorted(map(tuple, np.concatenate(origins).tolist())) == [(d, p) for d in range(4) for p in range(1, len(per_doc[d]))]
     res = cli("write", tmp_path / "x", "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "cls", "--quiet", ok=False)
     assert res.exit_code == 1 and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output
 
