@@ -69,7 +69,7 @@ def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, 
     assert seen == corpus  # every token exactly once, in order
 
 
-def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir):
+def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir, monkeypatch):
     data = write_jsonl(tmp_path / "c.jsonl", [{"id": f"doc{i}", "body": d} for i, d in enumerate(DOCS)])
     out = tmp_path / "packed"
     cli("write", out, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
@@ -95,11 +95,21 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
             np.testing.assert_allclose(store[i, layer].astype(np.float32), hs[layer + 1][0].numpy(), rtol=2e-3, atol=2e-3)
     assert verify_store(out, deep=True).problems == []
 
+    from actstore.capture import run as run_mod
+
+    bars = []  # the job's one bar counts windows, whose number only the writers know: no total
+
+    class Bar(run_mod.Progress):
+        def __init__(self, total, **kw):
+            bars.append(total)
+            super().__init__(total, **kw)
+
+    monkeypatch.setattr(run_mod, "Progress", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli("write", two, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
         "--pack", "--context", "16", "--batch-size", "3", "--workers", "2", "--quiet")
     other = actstore.ActStore(two)
-    assert len(other) == len(store) and len(other.manifest.shards) == 2
+    assert len(other) == len(store) and len(other.manifest.shards) == 2 and bars == [None]
     for i in range(len(store)):
         np.testing.assert_array_equal(other[i, 1], store[i, 1])
         assert other.token_ids(i).tolist() == store.token_ids(i).tolist()

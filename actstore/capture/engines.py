@@ -165,7 +165,7 @@ def _drain(queue: Any, bar: Any, empty: type[Exception], callback: Callable[[int
 
 # ---- actstore write --engine ray ------------------------------------------------------
 def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
-    """Write shards 0..o.workers-1 of n examples with Ray actors, each calling
+    """Write shards 0..o.workers-1 of n examples (documents with --pack / --chunk) with Ray actors, each calling
     `run_shard(o, rank, world, progress=...)` (actstore.capture.run)."""
     from actstore.capture.data import absolute_data
     from actstore.capture.ranks import split
@@ -181,7 +181,8 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
     settings = RaySettings(workers=o.workers, address=o.ray_address, cpus_per_worker=o.cpus_per_worker,
                            gpus_per_worker=o.gpus_per_worker, progress=o.progress)
     jobs = [functools.partial(run_shard, wo, r, o.workers) for r in range(o.workers)]
-    return run_actors(jobs, settings, total=max(todo - done, 0), desc=f"{o.workers} ray writers")
+    total = None if o.pack or o.chunk else max(todo - done, 0)  # (windows are counted by the writers)
+    return run_actors(jobs, settings, total=total, desc=f"{o.workers} ray writers")
 
 
 def _committed(store: str, shard: int) -> tuple[int, bool]:

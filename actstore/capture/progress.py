@@ -8,7 +8,7 @@ import time
 class Progress:
     """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm)."""
 
-    def __init__(self, total: int, desc: str = "capture", disable: bool = False):
+    def __init__(self, total: int | None, desc: str = "capture", disable: bool = False):
         from actstore.progress import bar
 
         self.bar = bar(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)

@@ -396,7 +396,8 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
         print(f"starting {o.workers} writer processes (each loads {o.model}) ...", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
-    bar = Progress(total=max(todo - done_n, 0), desc=f"{o.workers} writers", disable=not o.progress)
+    total = None if o.pack or o.chunk else max(todo - done_n, 0)  # (windows are counted by the writers)
+    bar = Progress(total=total, desc=f"{o.workers} writers", disable=not o.progress)
     results: dict[int, RecordResult] = {}
     errors: dict[int, str] = {}
     try:
