@@ -230,7 +230,7 @@ def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llam
     assert store.config.attrs["dataset"] == str(tmp_path / "corpus" / "*.txt")
     assert [r[0][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]
     res = cli("export-saev", "s", tmp_path / "saev" / "shards", ok=False)  # a text store names no saev family
-    assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (e.g. --family clip)" in res.output
+    assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (--family, e.g. clip" in res.output
     out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()
     md = json.loads((tmp_path / "saev" / "shards" / out.rsplit("/", 1)[-1] / "metadata.json").read_text())
     assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(len(store.token_ids(i)) for i in range(len(store)))

@@ -231,7 +231,7 @@ def _family(family: str | None, attrs: dict[str, Any], model_id: str | None, pro
         if text:  # saev knows vision families only; its loaders read any listed one
             raise SaevOptionError(
                 f"a text store ({model_id!r}) has no saev family: saev's protocol {protocol} lists only the vision families "
-                f"{list(allowed)}, and its loaders read the shards whichever is named; pass one as a label (e.g. --family clip); "
+                f"{list(allowed)}; pass one as a label (--family, e.g. clip: the shards read the same whichever is named), "
                 "the model stays named in ckpt"
             )
         raise SaevOptionError(
