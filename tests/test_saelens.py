@@ -123,6 +123,8 @@ def test_cli_and_errors(store, tmp_path):
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
     assert s["tokens"] == len(_real(store, 3)[1]) and s["config"]["hook_name"] == "blocks.3.hook_resid_post"
+    quiet = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"])
+    assert (quiet.exit_code, quiet.output) == (0, "") and (tmp_path / "q" / "saelens_config.json").exists()
     again = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3"])
     assert again.exit_code == 1 and "exists and is not empty; export to a new folder" in again.output
     with pytest.raises(LayerNotFoundError, match=r"layer 5 is not stored; this store holds layers \[0, 3\]"):
