@@ -132,11 +132,12 @@ def test_special_tokens_dropped_and_quantile_budget(tmp_path, llama_dir):
     cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--special", "drop", "--p-quantile", "0.5", "--quiet")
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
-    lens = [len(tok(s)["input_ids"]) for s in SENTENCES]
+    lens = [len(tok(s)["input_ids"]) - 1 for s in SENTENCES]  # the budget counts stored tokens: not the dropped <s>
     p_max = int(np.quantile(lens, 0.5, method="higher"))
     assert store.config.segment("tokens").t_max == p_max and not store.config.token_labels
+    assert max(store.lengths(i)["tokens"] for i in range(len(store))) == p_max  # no slot kept for a token never stored
     for i, s in enumerate(SENTENCES):
-        ids = tok(s)["input_ids"][:p_max]
+        ids = tok(s)["input_ids"][: p_max + 1]  # <s> and p_max stored tokens
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
         assert_f16_close(store[i, 1], hs[1:])  # position 0 (<s>) is not stored
@@ -419,7 +420,8 @@ def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images
     for ex in range(6):
         for layer in (0, 2):
             np.testing.assert_array_equal(remote[ex, layer], local[ex, layer])
-    assert cli("verify", "--deep", "--quiet", s3_url).output.startswith(f"verify (deep) {s3_url}: 6 examples in 2 shards")
+    assert cli("verify", "--deep", s3_url).output.startswith(f"verify (deep) {s3_url}: 6 examples in 2 shards")
+    assert cli("verify", "--deep", "--quiet", s3_url).output == ""  # sound: nothing to say
 
 
 def test_capture_to_a_missing_bucket_fails_before_the_model_loads(s3_endpoint, dino_dir, images, monkeypatch):
@@ -472,3 +474,28 @@ def test_drop_cls_leaves_out_token_0_of_a_vit(tmp_path, dino_dir, images):
     for i in range(len(a)):
         np.testing.assert_array_equal(a[i, 1], b[i, 1][1:])
     cli("show", out, "--ex", "0", "--layer", "1", "-o", tmp_path / "x.png")  # the picture needs no CLS
+
+
+def test_budgets_and_truncation_count_stored_tokens_only(tmp_path, llama_dir):
+    """With --special drop the budgets are quantiles of the content tokens (template and special
+    tokens are not stored, so they take no budget) and truncation is counted in those tokens."""
+    data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
+    _, tok = tiny_llama(layers=3)
+    content = []
+    for pair in PAIRS:
+        rendered = tok.apply_chat_template([{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True)
+        enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        at = rendered.rfind(pair["prompt"])
+        content.append([t for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                        if a < at + len(pair["prompt"]) and b > at and t not in tok.all_special_ids])
+    r_ids = [[t for t in tok(p["response"], add_special_tokens=False)["input_ids"] if t not in tok.all_special_ids] for p in PAIRS]
+    common = ["--model", llama_dir, "--data", data, "--layers", "1", "--chat-template", "--special", "drop", "--quiet", "--json"]
+    s = json.loads(cli("write", tmp_path / "full", *common, "--p-quantile", "1", "--r-quantile", "1").stdout)
+    store = actstore.ActStore(tmp_path / "full")
+    assert {x.name: x.t_max for x in store.config.segments} == {"prompt": max(map(len, content)), "response": max(map(len, r_ids))}
+    assert [store.token_ids(i).tolist() for i in range(len(PAIRS))] == [c + r for c, r in zip(content, r_ids)]
+    assert s["truncated_tokens"] == 0 and s["source_tokens"] == sum(map(len, content)) + sum(map(len, r_ids))
+    s = json.loads(cli("write", tmp_path / "cut", *common, "--p-max", "2", "--r-max", "2").stdout)
+    cut = actstore.ActStore(tmp_path / "cut")
+    assert [cut.token_ids(i).tolist() for i in range(len(PAIRS))] == [c[-2:] + r[:2] for c, r in zip(content, r_ids)]
+    assert s["truncated_tokens"] == sum(max(len(c) - 2, 0) for c in content) + sum(max(len(r) - 2, 0) for r in r_ids) > 0

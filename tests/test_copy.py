@@ -242,8 +242,9 @@ def test_cli(src, tmp_path):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["n_copied"] == len(store_files(src)) and doc["verified"] and doc["deep_verified"] and doc["warnings"] == []
-    res = runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--quiet", "--no-verify"])
+    res = runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--no-verify"])
     assert res.exit_code == 0 and res.stdout.startswith(f"copied {src} to {tmp_path / 'a'}: 0 objects") and "not verified" in res.stdout
+    assert runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--quiet", "--no-verify"]).output == ""  # --quiet: nothing
     make_store(tmp_path / "raw", finalize=False)
     res = runner.invoke(main, ["cp", str(tmp_path / "raw"), str(tmp_path / "b")])
     assert res.exit_code == 1 and res.stderr.count("\n") == 1

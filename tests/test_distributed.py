@@ -138,15 +138,28 @@ def _free_port() -> int:
 
 
 # ---- Ray ---------------------------------------------------------------------------
-@pytest.fixture
-def ray_in_process(monkeypatch):
-    for k, v in RAY_ENV.items():
-        monkeypatch.setenv(k, v)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def test_ray_address_that_does_not_answer_fails_fast(job):
+    start = time.monotonic()
+    res = cli("write", job["dir"] / "none.store", *job["common"], "--engine", "ray", "--workers", "2",
+              "--ray-address", f"127.0.0.1:{_free_port()}", ok=False)
+    assert res.exit_code == 1 and "no Ray cluster answers at 127.0.0.1:" in res.output
+    assert time.monotonic() - start < 30
+    assert not (job["dir"] / "none.store").exists()
+
+
+# (The tests below share one in-process Ray, which must not be running for the one above.)
+@pytest.fixture(scope="module")
+def ray_in_process(s3_endpoint):
+    """One in-process Ray for the module's tests (starting one takes 5-10 s here), started
+    once the S3 test server's environment is set, which its workers inherit."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in RAY_ENV.items():
+            mp.setenv(k, v)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
@@ -238,15 +251,6 @@ def test_ray_cluster_from_ray_address(job, ray_cluster):
     assert_same_store(path, job["one"])
 
 
-def test_ray_address_that_does_not_answer_fails_fast(job):
-    start = time.monotonic()
-    res = cli("write", job["dir"] / "none.store", *job["common"], "--engine", "ray", "--workers", "2",
-              "--ray-address", f"127.0.0.1:{_free_port()}", ok=False)
-    assert res.exit_code == 1 and "no Ray cluster answers at 127.0.0.1:" in res.output
-    assert time.monotonic() - start < 30
-    assert not (job["dir"] / "none.store").exists()
-
-
 def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
     """Each actor writes its own shard straight to the bucket (the actors reach moto through
     the AWS_* environment they inherit); leases work through conditional puts there too."""
@@ -260,3 +264,95 @@ def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
         w2.append(np.ones((1, 1, 2, 4), np.float16))
     actstore.finalize(s3_url + "2")
     assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))
+
+
+def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_path):
+    """actstore.record(..., engine="ray"): the list of batches split among writer actors, each
+    loading the model from its folder; the store equals a single record() value for value."""
+    import torch
+
+    from actstore.capture import record
+    from test_capture_support import SENTENCES, tiny_llama
+
+    _, tok = tiny_llama(layers=3)
+    enc = [tok(SENTENCES[i % len(SENTENCES)] + " the end" * (i % 3)) for i in range(10)]
+    batches = []
+    for b in range(0, 10, 2):
+        ids = [e["input_ids"] for e in enc[b : b + 2]]
+        t = max(map(len, ids))
+        batches.append({"input_ids": torch.tensor([x + [0] * (t - len(x)) for x in ids]),
+                        "attention_mask": torch.tensor([[1] * len(x) + [0] * (t - len(x)) for x in ids])})
+    model_dir = job["dir"] / "llama"
+    common = {"layers": [0, 2], "segments": {"tokens": max(len(e["input_ids"]) for e in enc)}}
+    record(tiny_llama(layers=3)[0], batches, tmp_path / "one", **common)
+    seen = []
+    results = record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, progress=lambda *a: seen.append(a), **common)
+    assert [(r.shard, r.n_written) for r in results] == [(0, 4), (1, 6)] and sum(a[0] for a in seen) == 10
+    actstore.finalize(tmp_path / "ray")
+    actstore.finalize(tmp_path / "one")
+    one, two = actstore.ActStore(tmp_path / "one"), actstore.ActStore(tmp_path / "ray")
+    assert len(two) == len(one) == 10 and two.manifest.world_size == 2
+    for i in range(10):
+        assert two.token_ids(i).tolist() == enc[i]["input_ids"]
+        for layer in (0, 2):
+            np.testing.assert_array_equal(two[i, layer], one[i, layer])
+    again = record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, resume=True, **common)
+    assert [(r.n_before, r.n_written) for r in again] == [(4, 0), (6, 0)]  # finished shards: nothing loaded, nothing written
+    with pytest.raises(CaptureError, match="already holds shard 0; pass resume=True"):
+        record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, **common)
+    with pytest.raises(CaptureError, match="pass a list of batches, not a generator"):
+        record(str(model_dir), (b for b in batches), tmp_path / "x", engine="ray", workers=2, **common)
+
+
+def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
+    """What a Ray actor restarted mid-shard runs (engines._record_rank): the batches after the
+    shard's committed examples, so the store equals an uninterrupted one."""
+    import torch
+
+    from actstore.capture import record
+    from actstore.capture.engines import _record_rank
+    from test_capture_support import tiny_llama
+
+    model, _ = tiny_llama(layers=2)
+    torch.manual_seed(0)
+    batches = [torch.randint(4, 60, (2, 5)) for _ in range(4)]
+
+    _partial(tmp_path / "s", model, batches[:2])
+    assert actstore.capture.committed(tmp_path / "s", 0) == (4, False)
+
+    class Bar:
+        n = 0
+
+        def update(self, examples, tokens, nbytes):
+            Bar.n += examples
+
+    res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar())
+    assert (res.n_before, res.n_written, Bar.n) == (4, 4, 4)
+    assert _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar()) is None  # complete
+    record(model, batches, tmp_path / "one", layers=[1])
+    for p in ("s", "one"):
+        actstore.finalize(tmp_path / p)
+    a, b = actstore.ActStore(tmp_path / "s"), actstore.ActStore(tmp_path / "one")
+    assert len(a) == len(b) == 8
+    for i in range(8):
+        np.testing.assert_array_equal(a[i, 1], b[i, 1])
+    _partial(tmp_path / "t", model, [torch.randint(4, 60, (4, 5))])
+    with pytest.raises(CaptureError, match="holds 4 committed examples, which do not end on a batch of its slice"):
+        _record_rank(record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, {"layers": [1]}, Bar())
+
+
+def _partial(path, model, batches) -> None:
+    """A shard that committed `batches` and was then killed (open, not complete)."""
+    from actstore.capture import committed, record
+
+    n = sum(len(b) for b in batches)
+
+    def then_killed():
+        yield from batches
+        deadline = time.monotonic() + 60
+        while committed(path, 0)[0] < n and time.monotonic() < deadline:  # the writer thread commits each batch
+            time.sleep(0.01)
+        raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        record(model, then_killed(), path, layers=[1], world_size=1, commit_bytes=1)

@@ -298,11 +298,11 @@ def test_metadata_parser_messages(doc, message):
 
 def test_cli_import_and_export(legacy, tmp_path):
     src, _ = legacy
-    r = CliRunner().invoke(main, ["import-pkl", str(src), str(tmp_path / "s"), "--quiet"])
+    r = CliRunner().invoke(main, ["import-pkl", str(src), str(tmp_path / "s")])
     assert r.exit_code == 0, r.output
     assert r.output.splitlines()[0] == (
         f"imported {src} -> {tmp_path / 's'}: 8 examples from 2 legacy shards (2 written now, 0 already imported), "
         f"{sum((src / f).stat().st_size for f in ('shard_0001.pkl.gz', 'shard_0002.pkl.gz'))} bytes read"
     )
-    r = CliRunner().invoke(main, ["export-pkl", str(tmp_path / "s"), str(tmp_path / "o"), "--examples-per-shard", "4", "--quiet"])
+    r = CliRunner().invoke(main, ["export-pkl", str(tmp_path / "s"), str(tmp_path / "o"), "--examples-per-shard", "4"])
     assert r.exit_code == 0 and r.output.startswith(f"exported {tmp_path / 's'} -> {tmp_path / 'o'}: 8 examples in 2 pkl shards")

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import actstore
 from actstore.capture.data import load_source
+from actstore.capture import token_origins
 from actstore.capture.packing import doc_tokens, plan_windows
 from actstore.cli import main
 from actstore.verify import verify_store
@@ -68,7 +69,7 @@ def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, 
     assert seen == corpus  # every token exactly once, in order
 
 
-def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir):
+def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir, monkeypatch):
     data = write_jsonl(tmp_path / "c.jsonl", [{"id": f"doc{i}", "body": d} for i, d in enumerate(DOCS)])
     out = tmp_path / "packed"
     cli("write", out, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
@@ -94,11 +95,21 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
             np.testing.assert_allclose(store[i, layer].astype(np.float32), hs[layer + 1][0].numpy(), rtol=2e-3, atol=2e-3)
     assert verify_store(out, deep=True).problems == []
 
+    from actstore.capture import run as run_mod
+
+    bars = []  # the job's one bar counts windows, whose number only the writers know: no total
+
+    class Bar(run_mod.Progress):
+        def __init__(self, total, **kw):
+            bars.append(total)
+            super().__init__(total, **kw)
+
+    monkeypatch.setattr(run_mod, "Progress", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli("write", two, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
         "--pack", "--context", "16", "--batch-size", "3", "--workers", "2", "--quiet")
     other = actstore.ActStore(two)
-    assert len(other) == len(store) and len(other.manifest.shards) == 2
+    assert len(other) == len(store) and len(other.manifest.shards) == 2 and bars == [None]
     for i in range(len(store)):
         np.testing.assert_array_equal(other[i, 1], store[i, 1])
         assert other.token_ids(i).tolist() == store.token_ids(i).tolist()
@@ -143,6 +154,22 @@ def test_document_formats(tmp_path):
         load_source(str(tmp_path / "bad.jsonl"), "body")
     with pytest.raises(actstore.capture.EmptyDatasetError, match="no file matches"):
         load_source(str(tmp_path / "none*.txt"))
+    # datasets' save_to_disk folders (any text column with --text-field) and their own .arrow
+    # files (Arrow streams), memory-mapped: nothing is read into memory up front
+    import datasets
+
+    datasets.Dataset.from_dict({"body": rows, "n": list(range(5)), "id": [f"d{i}" for i in range(5)]}).save_to_disk(tmp_path / "ds")
+    src = load_source(str(tmp_path / "ds"), "body")
+    assert [src.get(i) for i in (0, 4)] == [{"key": "d0", "text": rows[0]}, {"key": "d4", "text": rows[4]}]
+    with pytest.raises(actstore.capture.DataError, match=r"ds: column 'n' holds Value\('int64'\), not text; pass --text-field NAME"):
+        load_source(str(tmp_path / "ds"), "n")
+    with pytest.raises(actstore.capture.DataError, match=r"has no column 'text' \(--text-field\); its columns: \['body', 'id', 'n'\]"):
+        load_source(str(tmp_path / "ds"), "text")
+    with pytest.raises(actstore.capture.DataError, match=r"needs an 'image', 'text' or 'prompt' column \(or --text-field NAME\)"):
+        load_source(str(tmp_path / "ds"))
+    allocated = pa.total_allocated_bytes()
+    src = load_source(str(tmp_path / "ds" / "data-00000-of-00001.arrow"), "body")
+    assert [src.get(i)["text"] for i in range(len(src))] == rows and pa.total_allocated_bytes() == allocated
     # .jsonl and .txt are streamed: only byte ranges are kept, each record is read when asked for
     src = load_source(str(tmp_path / "a.jsonl"))
     raw = (tmp_path / "a.jsonl").read_bytes()
@@ -183,5 +210,27 @@ def test_drop_bos_stores_every_token_but_the_tokenizers_bos(tmp_path, llama_dir)
     ps = actstore.ActStore(packed)
     flat = [t for d in DOCS[:4] for t in doc_tokens(tok, d)]
     assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [t for t in flat if t != tok.bos_token_id]
+    # the runs describe the stored tokens: each maps back to its document and position
+    per_doc = [doc_tokens(tok, d) for d in DOCS[:4]]
+    origins = [token_origins(ps, i) for i in range(len(ps))]
+    for i, o in enumerate(origins):
+        assert [per_doc[d][p] for d, p in o] == ps.token_ids(i).tolist()
+    assert sorted(map(tuple, np.concatenate(origins).tolist())) == [(d, p) for d in range(4) for p in range(1, len(per_doc[d]))]
     res = cli("write", tmp_path / "x", "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "cls", "--quiet", ok=False)
     assert res.exit_code == 1 and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output
+
+
+def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llama_dir, monkeypatch):
+    (tmp_path / "corpus").mkdir()
+    for i, d in enumerate(DOCS[:3]):
+        (tmp_path / "corpus" / f"d{i}.txt").write_text(d, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    cli("write", "s", "--model", llama_dir, "--data", "corpus/*.txt", "--layers", "1", "--pack", "--context", "8", "--quiet")
+    store = actstore.ActStore(tmp_path / "s")
+    assert store.config.attrs["dataset"] == str(tmp_path / "corpus" / "*.txt")
+    assert [r[0][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]
+    res = cli("export-saev", "s", tmp_path / "saev" / "shards", ok=False)  # a text store names no saev family
+    assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (--family, e.g. clip" in res.output
+    out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()
+    md = json.loads((tmp_path / "saev" / "shards" / out.rsplit("/", 1)[-1] / "metadata.json").read_text())
+    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(len(store.token_ids(i)) for i in range(len(store)))

@@ -99,7 +99,7 @@ def test_cli_on_a_url(s3_url, tmp_path):
     assert len(list((tmp_path / "saev" / "shards").glob("*/acts*.bin"))) >= 1
     r = CliRunner().invoke(main, ["info", s3_url])
     assert r.exit_code == 0 and "3" in r.output, r.output
-    r = CliRunner().invoke(main, ["verify", "--deep", "--quiet", s3_url])
+    r = CliRunner().invoke(main, ["verify", "--deep", s3_url])
     assert r.exit_code == 0 and r.output.startswith(f"verify (deep) {s3_url}: 3 examples in 1 shards") and ": OK" in r.output, r.output
     r = CliRunner().invoke(main, ["finalize", s3_url])
     assert r.exit_code == 0 and f"finalized {s3_url}: 3 examples in 1 shards" in r.output

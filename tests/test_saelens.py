@@ -123,6 +123,8 @@ def test_cli_and_errors(store, tmp_path):
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
     assert s["tokens"] == len(_real(store, 3)[1]) and s["config"]["hook_name"] == "blocks.3.hook_resid_post"
+    quiet = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"])
+    assert (quiet.exit_code, quiet.output) == (0, "") and (tmp_path / "q" / "saelens_config.json").exists()
     again = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3"])
     assert again.exit_code == 1 and "exists and is not empty; export to a new folder" in again.output
     with pytest.raises(LayerNotFoundError, match=r"layer 5 is not stored; this store holds layers \[0, 3\]"):
@@ -130,3 +132,16 @@ def test_cli_and_errors(store, tmp_path):
     with pytest.raises(SaelensExportError, match="context_size must be a positive int"):
         export_saelens(store, tmp_path / "x", layer=0, context_size=0, progress=False)
     assert not (tmp_path / "x").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".x.tmp")]
+
+
+def test_the_default_column_is_the_name_the_capture_kept(tmp_path):
+    """A module-path layer (model.layers.6.mlp, stored as layer 6) is not block 6's residual
+    stream: its column is named by the path (what SAELens's HF wrapper hooks), not blocks.6."""
+    path = tmp_path / "s.store"
+    with actstore.ShardWriter(path, layers=[6, 8], d_model=4, segments={"tokens": 3}, token_ids=True,
+                              attrs={"hook_names": {"6": "model.layers.6.mlp", "8": "blocks.8.hook_resid_post"}}) as w:
+        w.append(tokens=np.ones((2, 2, 3, 4), np.float16), lengths={"tokens": [3, 2]}, token_ids={"tokens": np.ones((2, 3), np.int64)})
+    actstore.finalize(path)
+    names = {layer: export_saelens(path, tmp_path / f"o{layer}", layer=layer, context_size=2, progress=False).hook_name for layer in (6, 8)}
+    assert names == {6: "model.layers.6.mlp", 8: "blocks.8.hook_resid_post"}
+    assert json.loads((tmp_path / "o6" / "dataset_info.json").read_text())["features"].keys() == {"model.layers.6.mlp", "token_ids"}

@@ -19,6 +19,7 @@ from actstore.capture.errors import (
 )
 from actstore.capture.hooks import Capture, find_blocks, resolve_hooks
 from actstore.capture.models import LoadedModel, load_model
+from actstore.capture.packing import token_origins
 from actstore.capture.prepare import CaptureBatch
 from actstore.capture.record import RecordResult, committed, record
 from actstore.capture.run import WriteOptions, write
@@ -27,5 +28,5 @@ from actstore.capture.stats import normalization
 __all__ = [
     "Capture", "CaptureBatch", "CaptureError", "DataError", "EmptyDatasetError", "LoadedModel", "ModelLoadError",
     "NoBlocksError", "RecordResult", "UnknownLayerError", "UnreadableImageError", "WriteOptions", "committed",
-    "find_blocks", "load_model", "normalization", "record", "resolve_hooks", "write",
+    "find_blocks", "load_model", "normalization", "record", "resolve_hooks", "token_origins", "write",
 ]

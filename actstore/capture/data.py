@@ -8,6 +8,7 @@ image records {"key", "image": reference}, text records {"key", "text"}, or pair
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +62,7 @@ def load_source(spec: str, text_field: str | None = None) -> Source:
         if not p.exists():
             raise DataError(f"--data {spec}: no such file or folder")
         if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
-            src = _hf_datasets(p)
+            src = _hf_datasets(p, text_field)
         elif p.is_dir():
             src = _image_folder(p)
         elif p.suffix == ".jsonl":
@@ -79,6 +80,14 @@ def load_source(spec: str, text_field: str | None = None) -> Source:
     if src.n == 0:
         raise EmptyDatasetError(f"--data {spec} holds no examples; nothing to capture")
     return src
+
+
+def absolute_data(spec: str) -> str:
+    """The --data value with a local path (or glob) made absolute, as the store records it and
+    as writers elsewhere (Ray actors) must see it; embedded data stays as named."""
+    if spec.startswith(EMBEDDED_PREFIX):
+        return spec
+    return os.path.abspath(os.path.expanduser(spec))
 
 
 # ---- embedded ---------------------------------------------------------------------
@@ -215,9 +224,9 @@ def _glob(spec: str, text_field: str | None) -> Source:
 
 
 def _columnar(path: Path, text_field: str) -> Source:
-    """A parquet file (read a row group at a time) or an Arrow IPC file (memory-mapped, a
-    record batch at a time); only the text column is read. An Arrow stream, which cannot be
-    read out of order, is read whole."""
+    """A parquet file (read a row group at a time) or an Arrow IPC file or stream (as
+    `datasets` writes them; memory-mapped, so pages are read as the records are used); only
+    the text column is read."""
     import pyarrow as pa
 
     try:
@@ -235,8 +244,8 @@ def _columnar(path: Path, text_field: str) -> Source:
                 counts = [reader.get_batch(k).num_rows for k in range(reader.num_record_batches)]
                 read_part = lambda k: reader.get_batch(k).column(text_field)  # noqa: E731
             except pa.ArrowInvalid:
-                with pa.ipc.open_stream(path) as r:
-                    table = r.read_all()
+                with pa.ipc.open_stream(pa.memory_map(str(path))) as r:
+                    table = r.read_all()  # zero-copy views of the mapped file: nothing is loaded
                 schema, counts = table.schema, [table.num_rows]
                 read_part = lambda k: table.column(text_field)  # noqa: E731
         names = schema.names
@@ -320,7 +329,6 @@ class _LineIndex:
         return len(self.starts)
 
     def read(self, i: int) -> bytes:
-        import os
         import weakref
 
         if self._fd is None:
@@ -346,9 +354,20 @@ def _record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
 
 
 # ---- HF datasets ------------------------------------------------------------------
-def _hf_datasets(path: Path) -> Source:
+def _hf_datasets(path: Path, text_field: str | None = None) -> Source:
+    """A `save_to_disk` folder (memory-mapped Arrow: rows are read one by one, only the
+    columns a record needs). Texts come from `text_field` (default `text`)."""
     ds = _open_dataset(str(path.resolve()))
     cols = set(ds.column_names)
+    keys = ["id"] if "id" in cols else []
+    if text_field is not None:
+        if text_field not in cols:
+            raise DataError(f"{path} has no column {text_field!r} (--text-field); its columns: {sorted(cols)[:20]}")
+        kind = getattr(ds.features[text_field], "dtype", None)
+        if kind not in ("string", "large_string"):
+            raise DataError(f"{path}: column {text_field!r} holds {ds.features[text_field]}, not text; pass --text-field NAME")
+        text = ds.select_columns([text_field, *keys])
+        return Source(kind="text", name=str(path), n=len(ds), get=lambda i: _text_row(text, i, text_field, path))
     if "image" in cols or "img" in cols:
         col = "image" if "image" in cols else "img"
 
@@ -357,14 +376,26 @@ def _hf_datasets(path: Path) -> Source:
 
         return Source(kind="image", name=str(path), n=len(ds), get=get_img)
     if "prompt" in cols:
+        pairs = ds.select_columns(["prompt", *(["response"] if "response" in cols else []), *keys])
         return Source(
             kind="pair", name=str(path), n=len(ds),
-            get=lambda i: {"key": _row_key(ds, i), "prompt": ds[i]["prompt"], "response": ds[i].get("response")},
+            get=lambda i: (lambda r: {"key": _row_key(pairs, i, r), "prompt": r["prompt"], "response": r.get("response")})(pairs[i]),
         )
     if "text" in cols:
-        return Source(kind="text", name=str(path), n=len(ds), get=lambda i: {"key": _row_key(ds, i), "text": ds[i]["text"]})
-    raise DataError(f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column; it has {sorted(cols)}")
+        text = ds.select_columns(["text", *keys])
+        return Source(kind="text", name=str(path), n=len(ds), get=lambda i: _text_row(text, i, "text", path))
+    raise DataError(f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column (or --text-field NAME); it has {sorted(cols)}")
 
 
-def _row_key(ds: Any, i: int) -> str:
-    return _key(str(ds[i]["id"])) if "id" in ds.column_names else f"row-{i}"
+def _text_row(ds: Any, i: int, field: str, path: Path) -> dict[str, Any]:
+    row = ds[i]
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(f"{path} row {i}: column {field!r} holds {type(value).__name__}, not text; pass --text-field NAME")
+    return {"key": _row_key(ds, i, row), "text": value}
+
+
+def _row_key(ds: Any, i: int, row: dict[str, Any] | None = None) -> str:
+    if "id" not in ds.column_names:
+        return f"row-{i}"
+    return _key(str((row if row is not None else ds[i])["id"]))

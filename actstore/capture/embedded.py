@@ -134,14 +134,16 @@ def minilm_folder() -> Path:
 
 # ---- data -------------------------------------------------------------------------
 def embedded_images() -> list[tuple[str, Callable[[], np.ndarray]]]:
-    """(name, loader) pairs: each loader returns an (H, W, 3) uint8 RGB array."""
-    data = _need("skimage.data", "scikit-image", "embedded:images")
+    """(name, loader) pairs: each loader returns an (H, W, 3) uint8 RGB array. The packages
+    are looked up here and imported by the first loader (importing them takes seconds)."""
+    for module, pip_name in (("skimage", "scikit-image"), ("sklearn", "scikit-learn")):
+        if importlib.util.find_spec(module) is None:
+            raise ModelLoadError(f"embedded:images needs {pip_name!r}; install it with `pip install {pip_name}`")
     items: list[tuple[str, Callable[[], np.ndarray]]] = []
     for name in SKIMAGE_IMAGES:
-        items.append((f"skimage:{name}", lambda n=name: _rgb(getattr(data, n)())))
-    datasets = _need("sklearn.datasets", "scikit-learn", "embedded:images")
+        items.append((f"skimage:{name}", lambda n=name: _rgb(getattr(_need("skimage.data", "scikit-image", "embedded:images"), n)())))
     for i, name in enumerate(SKLEARN_IMAGES):
-        items.append((f"sklearn:{name}", lambda i=i: _rgb(datasets.load_sample_images().images[i])))
+        items.append((f"sklearn:{name}", lambda i=i: _rgb(_need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i])))
     return items
 
 

@@ -1,36 +1,51 @@
-"""`actstore write --engine ray`: one writer actor per worker on a Ray cluster.
+"""Writers on a Ray cluster: `actstore write --engine ray` and `record(..., engine="ray")`.
 
-Writer r of w takes the same slice of the data as `--rank r --world-size w` and writes
-shard r. The cluster is the one at --ray-address or RAY_ADDRESS, else a local one started
-here (and stopped at the end). An actor that dies (killed, node lost) is restarted by Ray
-and resumes its shard after the last commit: its lease is taken over once its process is
-gone (same node) or its TTL ran out (another node). Progress of every actor feeds one bar
-in the driver; the driver finalizes once all are done.
+One writer actor per rank. Writer r of w takes the same slice as `--rank r --world-size w`
+(the data's examples for `actstore write`; the list of batches for `record`) and writes
+shard r. The cluster is the one at --ray-address or RAY_ADDRESS, else a private local one
+started here (and stopped at the end). An actor that dies (killed, node lost) is restarted
+by Ray and its call retried: it resumes its shard after the last commit, taking the dead
+writer's lease over once its process is gone (same node) or its TTL ran out (another node).
+Progress of every actor feeds one bar in the driver.
+
+This module does not import the writers: `actstore write` passes its run_shard and
+`record` passes itself (so that nothing here imports back up).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 import time
-from dataclasses import replace
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from actstore.capture.errors import CaptureError
-from actstore.capture.record import RecordResult
 
 MAX_RESTARTS = 3  # per actor: a writer killed more often than this fails the job
 
 
-def _connect(o: Any) -> bool:
+@dataclass(frozen=True)
+class RaySettings:
+    """Where and how the writer actors run."""
+
+    workers: int
+    address: str | None = None  # None: RAY_ADDRESS, else a private local cluster
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    progress: bool = True
+
+
+def _connect(s: RaySettings) -> bool:
     """Join the cluster (or start a local one); True when this call started Ray."""
     import ray
 
     if ray.is_initialized():
         return False
-    address = o.ray_address or os.environ.get("RAY_ADDRESS")
+    address = s.address or os.environ.get("RAY_ADDRESS")
     env = {"RAY_USAGE_STATS_ENABLED": "0"}
     if address and address != "local":
         _check_reachable(address)
@@ -40,7 +55,7 @@ def _connect(o: Any) -> bool:
         # host's routable address) and start no dashboard.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.update(env)
-        cpus = max(int(o.cpus_per_worker * o.workers + 0.999), os.cpu_count() or 1)
+        cpus = max(int(s.cpus_per_worker * s.workers + 0.999), os.cpu_count() or 1)
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     return True
 
@@ -57,10 +72,10 @@ def _check_reachable(address: str) -> None:
 
 
 class _Writer:
-    """A Ray actor: writes one rank's shard (a retried call after a restart resumes it).
+    """A Ray actor: runs one rank's job (a retried call after a restart resumes the shard).
     Constructed without arguments: Ray restarts such an actor without the object store."""
 
-    def run(self, run_shard: Callable[..., RecordResult], o: Any, rank: int, world: int, queue: Any) -> RecordResult:
+    def run(self, job: Callable[..., Any], queue: Any, rank: int = 0) -> Any:
         from actstore.errors import ShardBusyError
 
         self.queue = queue
@@ -68,7 +83,7 @@ class _Writer:
         deadline = None
         while True:
             try:
-                return run_shard(o, rank, world, progress=self)
+                return job(progress=self)
             except ShardBusyError:
                 # A restart on another node finds the dead actor's lease: it expires unless renewed.
                 from actstore.write.lease import lease_ttl
@@ -85,35 +100,27 @@ class _Writer:
         self.queue.put_nowait(("io", self.rank, stats))
 
 
-def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[RecordResult]:
-    """Write shards 0..o.workers-1 with Ray actors, each calling `run_shard(o, rank, world,
-    progress=...)` (actstore.capture.run); returns their results in rank order."""
+def run_actors(jobs: Sequence[Callable[..., Any]], s: RaySettings, *, total: int | None, desc: str,
+               callback: Callable[[int, int, int], None] | None = None) -> list[Any]:
+    """Run jobs[r] (called with `progress=` an object with `update(examples, tokens, bytes)`)
+    in writer actor r; returns their results in rank order, or raises naming each failed writer.
+    Progress goes to one bar in the driver (s.progress) and to `callback`."""
     try:
         import ray
         from ray.util.queue import Empty, Queue
     except ImportError:
-        raise CaptureError("--engine ray needs Ray: pip install 'actstore[ray]'") from None
+        raise CaptureError("the Ray engine needs Ray: pip install 'actstore[ray]'") from None
     from actstore.capture.progress import Progress
-    from actstore.capture.ranks import split
-    from actstore.capture.record import committed
 
-    data = os.path.abspath(o.data) if os.path.exists(o.data) else o.data  # actors run elsewhere
-    store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
-    # The driver checked that a fresh run starts on no shard: a restarted actor resumes.
-    wo = replace(o, data=data, store=store, resume=True, progress=False, threads=o.threads or max(1, int(o.cpus_per_worker)))
-    started = _connect(o)
+    started = _connect(s)
     try:
         queue = Queue(actor_options={"num_cpus": 0})
-        actor = ray.remote(num_cpus=o.cpus_per_worker, num_gpus=o.gpus_per_worker, max_restarts=MAX_RESTARTS,
+        actor = ray.remote(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=MAX_RESTARTS,
                            max_task_retries=MAX_RESTARTS)(_Writer)
-        writers = [actor.options(name=f"actstore-writer-{r}-{os.getpid()}").remote() for r in range(o.workers)]
-        pending = {w.run.remote(run_shard, wo, r, o.workers, queue): r for r, w in enumerate(writers)}
-        todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
-        done = sum(committed(store, r)[0] for r in range(o.workers)) if o.resume else 0
-        if o.progress:
-            print(f"{o.workers} Ray writer actors (each loads {o.model}) ...", file=sys.stderr, flush=True)
-        bar = Progress(total=max(todo - done, 0), desc=f"{o.workers} ray writers", disable=not o.progress)
-        results: dict[int, RecordResult] = {}
+        writers = [actor.options(name=f"actstore-writer-{r}-{os.getpid()}").remote() for r in range(len(jobs))]
+        pending = {w.run.remote(job, queue, r): r for r, (w, job) in enumerate(zip(writers, jobs))}
+        bar = Progress(total=total, desc=desc, disable=not s.progress)
+        results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         try:
             while pending:
@@ -123,10 +130,9 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[Reco
                     try:
                         results[r] = ray.get(ref)
                     except Exception as e:  # noqa: BLE001 - one line per failed writer
-                        cause = getattr(e, "cause", None) or e
-                        errors[r] = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
-                _drain(queue, bar, Empty)
-            _drain(queue, bar, Empty)
+                        errors[r] = _one_line(getattr(e, "cause", None) or e)
+                _drain(queue, bar, Empty, callback)
+            _drain(queue, bar, Empty, callback)
         finally:
             bar.close()
             for w in writers:
@@ -137,10 +143,20 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., RecordResult]) -> list[Reco
             ray.shutdown()
     if errors:
         raise CaptureError("; ".join(f"writer {r}: {m} (rerun with --resume)" for r, m in sorted(errors.items())))
-    return [results[r] for r in range(o.workers)]
+    return [results[r] for r in range(len(jobs))]
 
 
-def _drain(queue: Any, bar: Any, empty: type[Exception]) -> None:
+def _one_line(e: BaseException) -> str:
+    """A failed writer in one line: actstore's own message, else the exception's type and first line."""
+    from actstore.errors import ActstoreError
+
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    if isinstance(e, (ActstoreError, CaptureError)) and lines:
+        return lines[0]
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def _drain(queue: Any, bar: Any, empty: type[Exception], callback: Callable[[int, int, int], None] | None) -> None:
     while True:
         try:
             msg = queue.get_nowait()
@@ -148,5 +164,97 @@ def _drain(queue: Any, bar: Any, empty: type[Exception]) -> None:
             return
         if msg[0] == "io":
             bar.io(msg[2], who=msg[1])
-        else:
-            bar.update(*msg[1:])
+            continue
+        bar.update(*msg[1:])
+        if callback is not None:
+            callback(*msg[1:])
+
+
+# ---- actstore write --engine ray ------------------------------------------------------
+def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
+    """Write shards 0..o.workers-1 of n examples (documents with --pack / --chunk) with Ray actors, each calling
+    `run_shard(o, rank, world, progress=...)` (actstore.capture.run)."""
+    from actstore.capture.data import absolute_data
+    from actstore.capture.ranks import split
+
+    store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
+    # The driver checked that a fresh run starts on no shard: a restarted actor resumes.
+    wo = replace(o, data=absolute_data(o.data), store=store, resume=True, progress=False,  # actors run elsewhere
+                 threads=o.threads or max(1, int(o.cpus_per_worker)))
+    todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
+    done = sum(_committed(store, r)[0] for r in range(o.workers)) if o.resume else 0
+    if o.progress:
+        print(f"{o.workers} Ray writer actors (each loads {o.model}) ...", file=sys.stderr, flush=True)
+    settings = RaySettings(workers=o.workers, address=o.ray_address, cpus_per_worker=o.cpus_per_worker,
+                           gpus_per_worker=o.gpus_per_worker, progress=o.progress)
+    jobs = [functools.partial(run_shard, wo, r, o.workers) for r in range(o.workers)]
+    total = None if o.pack or o.chunk else max(todo - done, 0)  # (windows are counted by the writers)
+    return run_actors(jobs, settings, total=total, desc=f"{o.workers} ray writers")
+
+
+def _committed(store: str, shard: int) -> tuple[int, bool]:
+    from actstore import catalog
+    from actstore.storage import open_storage
+
+    return catalog.committed(open_storage(store), shard)
+
+
+# ---- record(..., engine="ray") --------------------------------------------------------
+def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: Any, s: RaySettings, *, resume: bool,
+               callback: Callable[[int, int, int], None] | None = None, **kwargs: Any) -> list[Any]:
+    """record() with `s.workers` writer actors: writer r records the contiguous slice r of
+    `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
+    hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
+    to every actor). Returns each writer's RecordResult in rank order (None for a shard that
+    was already complete); finalize afterwards."""
+    from actstore import catalog
+    from actstore.capture.ranks import split
+    from actstore.storage import open_storage
+
+    if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
+        raise CaptureError(f"record(engine='ray') splits `batches` across writers: pass a list of batches, not a {type(batches).__name__}")
+    if not 1 <= s.workers <= len(batches):
+        raise CaptureError(f"record(engine='ray') needs 1..{len(batches)} workers for {len(batches)} batches. Got {s.workers}.")
+    root = str(store) if "://" in str(store) else os.path.abspath(store)
+    storage = open_storage(root)
+    storage.check_access(write=True)
+    for r in range(s.workers):
+        if not resume and catalog.shard_exists(storage, r):
+            raise CaptureError(f"{root} already holds shard {r}; pass resume=True to continue the run, or write to a new path")
+    jobs = []
+    for r in range(s.workers):
+        a, b = split(len(batches), s.workers, r)
+        jobs.append(functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, kwargs))
+    return run_actors(jobs, s, total=None, desc=f"{s.workers} ray writers", callback=callback)
+
+
+def _record_rank(record: Callable[..., Any], model: Any, batches: list[Any], store: str, rank: int, world: int,
+                 kwargs: dict[str, Any], progress: Any) -> Any:
+    """One actor's record(): the batches after the shard's committed examples (commits fall
+    on batch boundaries); None, loading no model, when the shard is complete."""
+    n_done, complete = _committed(store, rank)
+    if complete:
+        return None
+    skip, seen = 0, 0
+    while seen < n_done and skip < len(batches):
+        seen += _batch_size(batches[skip])
+        skip += 1
+    if seen != n_done:
+        raise CaptureError(f"shard {rank} of {store} holds {n_done} committed examples, which do not end on a batch of its slice: "
+                           "resume it with the batches it was written from")
+    if isinstance(model, str) or (callable(model) and not hasattr(model, "forward")):
+        from actstore.capture.models import load_model
+
+        model = load_model(model) if isinstance(model, str) else model()
+    return record(model, batches[skip:], store, shard=rank, world_size=world, resume=True, progress=progress.update, **kwargs)
+
+
+def _batch_size(batch: Any) -> int:
+    """Examples in a batch as record() takes them: a CaptureBatch, a dict of tensors, a tensor."""
+    if isinstance(batch, dict):
+        return int(next(iter(batch.values())).shape[0])
+    if hasattr(batch, "inputs"):  # a CaptureBatch
+        if batch.keys:
+            return len(batch.keys)
+        return int((next(iter(batch.inputs.values())) if batch.inputs else batch.args[0]).shape[0])
+    return int(batch.shape[0])

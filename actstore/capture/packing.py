@@ -8,8 +8,9 @@
 - `--chunk --context N`: each document is cut into consecutive windows of at most N
   tokens; no window spans two documents and nothing is truncated.
 
-Each window records its runs `[document index, document key, offset, length]` (the text
-field `runs`), so any stored token maps back to its document and position. Counting the
+Each window records the runs `[document index, document key, offset, length]` of its
+stored tokens (the text field `runs`; `token_origins(store, ex)`), so any stored token maps
+back to its document and position. Counting the
 windows tokenizes the corpus once (only the lengths are kept); the windows of a writer's
 slice tokenize their documents again (a small cache keeps the documents they share).
 """
@@ -105,6 +106,34 @@ def plan_windows(source: Source, tok: Any, context: int, mode: str, batch: int =
     return Windows(mode=mode, context=context, doc_lengths=lengths, doc_start=start, win_doc=win_doc, win_offset=win_offset)
 
 
+def stored_runs(runs: list[tuple[int, int, int]], kept: np.ndarray) -> list[tuple[int, int, int]]:
+    """The (document, offset, length) runs of a window's stored tokens: its model-token runs
+    with the positions not stored (--drop bos) cut out, so stored token k of the window is
+    the k-th token the runs list."""
+    out: list[tuple[int, int, int]] = []
+    kept_set = set(kept.tolist())
+    pos = 0
+    for d, off, n in runs:
+        for k in range(n):
+            if pos + k in kept_set:
+                if out and out[-1][0] == d and out[-1][1] + out[-1][2] == off + k:
+                    out[-1] = (d, out[-1][1], out[-1][2] + 1)
+                else:
+                    out.append((d, off + k, 1))
+        pos += n
+    return out
+
+
+def token_origins(store: Any, ex: int) -> np.ndarray:
+    """(n, 2) int64 [document index, position in the document's tokens] of each stored token
+    of window `ex` of a --pack / --chunk store, in the order of `store[ex, layer]`."""
+    runs = store.sample(ex).get(RUNS_TEXT)
+    if runs is None:
+        raise CaptureError(f"{store.path} has no {RUNS_TEXT!r} text field: it was not captured with --pack or --chunk")
+    parts = [np.stack([np.full(n, d, np.int64), np.arange(off, off + n, dtype=np.int64)], axis=1) for d, _key, off, n in runs]
+    return np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
+
+
 def window_batches(
     source: Source, windows: Windows, start: int, stop: int, tok: Any, batch_size: int, device: Any, drop_bos: bool = False
 ) -> Iterator[CaptureBatch]:
@@ -127,11 +156,11 @@ def window_batches(
         return cache[d]
 
     for b0 in range(start, stop, batch_size):
-        seqs, runs = [], []
+        seqs, model_runs = [], []
         for w in range(b0, min(b0 + batch_size, stop)):
             rs = windows.runs(w)
             seqs.append([t for d, off, n in rs for t in tokens(d)[off : off + n]])
-            runs.append([[d, source.get(d)["key"], off, n] for d, off, n in rs])
+            model_runs.append(rs)
         t = max(len(s) for s in seqs)
         ids = np.full((len(seqs), t), pad_id, np.int64)
         mask = np.zeros((len(seqs), t), np.int64)
@@ -141,6 +170,7 @@ def window_batches(
         bos = tok.bos_token_id if drop_bos else None  # --drop bos: the model sees them; the store does not
         select = [np.asarray([k for k, x in enumerate(s) if x != bos], np.int64) for s in seqs]
         lens = np.asarray([len(s) for s in select], np.int64)
+        runs = [[[d, source.get(d)["key"], off, n] for d, off, n in stored_runs(rs, sel)] for rs, sel in zip(model_runs, select)]
         yield CaptureBatch(
             inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
             keys=[f"window-{w}" for w in range(b0, b0 + len(seqs))],

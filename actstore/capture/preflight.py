@@ -1,25 +1,29 @@
-"""What `actstore write` checks before any model loads (in about a second, not after minutes).
+"""What `actstore write` checks before any model loads (well under two seconds, not after minutes).
 
 The model's config (its config.json, or the embedded defaults' known shapes) gives its
-modality and number of blocks without loading weights, so these fail at once, named:
-a data kind the model cannot take, --generate on images, a block number or TransformerLens
-name beyond the model's blocks, and a --resume whose layers, dtype or model differ from
-the store's (a clear error, not a run that writes nothing). Module paths are checked when
-the model loads (they need its modules).
+modality and number of blocks without loading weights or importing torch, so these fail at
+once, named: --generate on an image model, a block number, TransformerLens name or block
+module path beyond the model's blocks, and a --resume whose layers, dtype, model or packing
+differ from the store's (a clear error, not a run that writes nothing). Once the data is
+open (it must parse), a data kind the model cannot take fails too. Module paths outside the
+block list are checked when the model loads (they need its modules).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from actstore.capture.errors import CaptureError, UnknownLayerError
-from actstore.capture.hooks import TL_HOOKS, TL_NAME
+from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_name
 
 # (modality, blocks) of the embedded defaults (actstore/capture/embedded.py).
 EMBEDDED_SHAPES = {"dinov2-s14": ("image", 12), "smollm2-135m": ("text", 30), "minilm-l6": ("text", 6)}
 _VISION_KEYS = ("image_size", "patch_size", "num_channels")
+# A module path inside block N of a known block list: model.layers.9.mlp -> block 9.
+_BLOCK_PATH = re.compile(r"^(?P<list>" + "|".join(re.escape(p) for p in sorted(BLOCK_PATHS, key=len, reverse=True)) + r")\.(?P<n>\d+)(\.|$)")
 
 
 def model_shape(model: str) -> tuple[str | None, int | None]:
@@ -47,41 +51,99 @@ def _blocks(cfg: dict[str, Any]) -> int | None:
     return None
 
 
-def check(o: Any, source: Any, store_cfg: Any | None) -> None:
-    """Raise the error a run would meet later, from the options, the data and the store."""
+def check_model(o: Any, store_cfg: Any | None) -> None:
+    """Checks from the options, the model's config and the store (before the data is read)."""
+    modality, n_blocks = model_shape(o.model)
+    if o.generate and modality == "image":
+        raise CaptureError(f"--generate makes responses for prompts; {o.model} is an image model")
+    if (o.pack or o.chunk) and modality == "image":
+        raise CaptureError(f"--pack and --chunk take a language model; {o.model} is an image model")
+    for x in o.layers:
+        n, what = _block_of(x, paths=modality == "text")  # (a two-tower model's paths may be in either tower)
+        if n is not None and n_blocks is not None and not -n_blocks <= n < n_blocks:
+            raise UnknownLayerError(
+                f"{what} does not exist: {o.model} has {n_blocks} blocks, so layers 0..{n_blocks - 1} "
+                f"(or -{n_blocks}..-1) exist; names: blocks.N.{'|'.join(TL_HOOKS)}, or module paths"
+            )
+    if store_cfg is not None and o.resume:
+        _check_resume(o, store_cfg, n_blocks)
+
+
+def check_data(o: Any, source: Any) -> None:
+    """Checks that need the data's kind (the data has parsed)."""
     if "bos" in o.drop and source.kind == "image":
         raise CaptureError("--drop bos leaves out a tokenizer's BOS tokens; --data holds images (use --drop cls for a ViT's CLS token)")
     if "cls" in o.drop and source.kind != "image":
         raise CaptureError("--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)")
     if o.generate and source.kind == "image":
         raise CaptureError("--generate makes responses for prompts; --data holds images")
-    modality, n_blocks = model_shape(o.model)
+    modality, _ = model_shape(o.model)
     if modality is not None:
         want = "image" if source.kind == "image" else "text"
         if modality != want:
             raise CaptureError(f"model {o.model} takes {modality} input but --data {source.name} holds {source.kind} examples")
-    numbers = []
-    for x in o.layers:
-        m = TL_NAME.match(x) if isinstance(x, str) else None
-        n = x if isinstance(x, int) else (int(m.group(1)) if m else None)
-        if n is None:
-            continue  # a module path: checked against the modules when the model loads
-        if n_blocks is not None and not -n_blocks <= n < n_blocks:
-            raise UnknownLayerError(
-                f"{x if m else f'layer {x}'} does not exist: {o.model} has {n_blocks} blocks, so layers 0..{n_blocks - 1} "
-                f"(or -{n_blocks}..-1) exist; names: blocks.N.{'|'.join(TL_HOOKS)}, or module paths"
-            )
-        numbers.append(n + n_blocks if n < 0 and n_blocks else n)
-    if store_cfg is not None and o.resume:
-        _check_resume(o, store_cfg, numbers if len(numbers) == len(o.layers) and all(isinstance(x, int) for x in o.layers) else None)
 
 
-def _check_resume(o: Any, cfg: Any, layers: list[int] | None) -> None:
+def check(o: Any, source: Any, store_cfg: Any | None) -> None:
+    """Every check above (for callers that have the data already)."""
+    check_model(o, store_cfg)
+    check_data(o, source)
+
+
+def _block_of(x: int | str, paths: bool) -> tuple[int | None, str]:
+    """The block number a layer names (None for a module path outside the block lists, or
+    any module path unless `paths`)."""
+    if isinstance(x, int):
+        return x, f"layer {x}"
+    m = TL_NAME.match(x)
+    if m:
+        return int(m.group(1)), x
+    m = _BLOCK_PATH.match(x) if paths else None
+    return (int(m.group("n")), x) if m else (None, x)
+
+
+def _check_resume(o: Any, cfg: Any, n_blocks: int | None) -> None:
     where = f"--resume of {o.store}"
-    if layers is not None and tuple(layers) != tuple(cfg.layers):
-        raise CaptureError(f"{where}: the store holds layers {list(cfg.layers)}, not {layers}; resume with --layers {','.join(map(str, cfg.layers))}")
     if o.dtype != cfg.dtype:
         raise CaptureError(f"{where}: the store holds {cfg.dtype}, not {o.dtype}; resume with --dtype {cfg.dtype}")
-    stored = cfg.model_id or ""
-    if stored and not (stored == o.model or stored.startswith(o.model + " ")):
-        raise CaptureError(f"{where}: the store was captured from {stored!r}, not {o.model!r}; resume with --model {stored.split(' (')[0]}")
+    model = cfg.model_id or ""
+    if model and not (model == o.model or model.startswith(o.model + " ")):
+        raise CaptureError(f"{where}: the store was captured from {model!r}, not {o.model!r}; resume with --model {model.split(' (')[0]}")
+    stored = _stored_names(cfg)
+    if len(o.layers) != len(cfg.layers) or not all(_same_layer(x, names, n_blocks) for x, names in zip(o.layers, stored)):
+        held = [n if names[0] == resid_post_name(n) else names[0] for n, names in zip(cfg.layers, stored)]
+        raise CaptureError(
+            f"{where}: the store holds layers {held}, not {list(o.layers)}; resume with --layers {','.join(map(str, held))}"
+        )
+    packing = cfg.attrs.get("packing") if isinstance(cfg.attrs.get("packing"), dict) else None
+    mode = "pack" if o.pack else "chunk" if o.chunk else None
+    if packing is not None and (packing.get("mode"), packing.get("context")) != (mode, o.context):
+        raise CaptureError(f"{where}: the store holds a corpus captured with --{packing.get('mode')} --context {packing.get('context')}; "
+                           "resume with the same options")
+    if packing is None and mode is not None:
+        raise CaptureError(f"{where}: the store was not captured with --pack or --chunk; resume without them")
+
+
+def _stored_names(cfg: Any) -> list[list[str]]:
+    """Per stored layer, the names the capture kept for it (hook name first, then module path)."""
+    out = []
+    for n in cfg.layers:
+        names = [t[str(n)] for t in (cfg.attrs.get("hook_names"), cfg.attrs.get("hooks")) if isinstance(t, dict) and isinstance(t.get(str(n)), str)]
+        out.append(names or [resid_post_name(n)])
+    return out
+
+
+def _same_layer(x: int | str, names: list[str], n_blocks: int | None) -> bool:
+    """Whether --layers item `x` asks for the stored layer known by `names`."""
+    if isinstance(x, int):
+        if x < 0:
+            if n_blocks is None:
+                return True  # cannot be known before the model loads; the writer compares the layers
+            x += n_blocks
+        return resid_post_name(x) in names
+    m = TL_NAME.match(x)
+    if m and int(m.group(1)) < 0:
+        if n_blocks is None:
+            return True
+        x = f"blocks.{int(m.group(1)) + n_blocks}.hook_{m.group(2)}"
+    return x in names

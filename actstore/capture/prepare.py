@@ -152,10 +152,42 @@ def response_tokens(tok: Any, text: str) -> tuple[list[int], np.ndarray]:
     return ids, np.asarray([SPECIAL if t in special else CONTENT for t in ids], np.uint8)
 
 
+def kept(ids: Sequence[int], labels: np.ndarray, plan: TextPlan, bos: int | None) -> np.ndarray:
+    """The positions of a token sequence that the store keeps: all, or only content tokens
+    (--special drop), less the tokenizer's BOS tokens (--drop bos)."""
+    keep = np.flatnonzero(labels == CONTENT) if plan.special == "drop" else np.arange(len(labels))
+    if plan.drop_bos and bos is not None and len(keep):
+        keep = keep[np.asarray(ids, np.int64)[keep] != bos]
+    return keep
+
+
+def head(seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+    """`seq` cut after its first n kept tokens (texts, responses: the start is kept)."""
+    if len(keep) <= n:
+        return seq
+    cut = int(keep[n])
+    return seq[0][:cut], seq[1][:cut]
+
+
+def tail(seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+    """`seq` from its n-th last kept token on (prompts: the end, next to the response)."""
+    if len(keep) <= n:
+        return seq
+    start = int(keep[len(keep) - n]) if n else len(seq[0])
+    return seq[0][start:], seq[1][start:]
+
+
 def prompt_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
-    """Token counts of every text or prompt (for --p-quantile)."""
+    """Stored (kept) token counts of every text or prompt, for the default budget and --p-quantile."""
     key = "text" if plan.kind == "text" else "prompt"
-    return np.asarray([len(prompt_tokens(tok, plan, source.get(i)[key])[0]) for i in range(len(source))], np.int64)
+    return np.asarray([len(kept(*prompt_tokens(tok, plan, source.get(i)[key]), plan, tok.bos_token_id)) for i in range(len(source))],
+                      np.int64)
+
+
+def response_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
+    """Stored (kept) token counts of every response in the data (for --r-quantile)."""
+    return np.asarray([len(kept(*response_tokens(tok, source.get(i)["response"] or ""), plan, tok.bos_token_id))
+                       for i in range(len(source))], np.int64)
 
 
 def text_batches(
@@ -164,15 +196,15 @@ def text_batches(
     import torch
 
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    bos = tok.bos_token_id
     for b0 in range(start, stop, batch_size):
         recs = [source.get(i) for i in range(b0, min(b0 + batch_size, stop))]
         key = "text" if plan.kind == "text" else "prompt"
         prompts = [prompt_tokens(tok, plan, r[key]) for r in recs]
-        src_p = np.asarray([len(ids) for ids, _ in prompts], np.int64)
-        if plan.kind == "text":
-            prompts = [(ids[: plan.p_max], lab[: plan.p_max]) for ids, lab in prompts]  # keep the start
-        else:
-            prompts = [(ids[-plan.p_max :], lab[-plan.p_max :]) for ids, lab in prompts]  # keep the end, next to the response
+        keeps = [kept(ids, lab, plan, bos) for ids, lab in prompts]
+        src_p = np.asarray([len(k) for k in keeps], np.int64)  # budgets count stored tokens only
+        cut = head if plan.kind == "text" else tail  # texts keep the start, prompts the end (next to the response)
+        prompts = [cut(p, k, plan.p_max) for p, k in zip(prompts, keeps)]
         if plan.kind == "pair":
             if plan.generate:
                 responses = generate(model, tok, [ids for ids, _ in prompts], plan.generate, pad_id, device)
@@ -181,8 +213,9 @@ def text_batches(
                 if missing:
                     raise CaptureError(f"examples {missing[:3]} have no \"response\"; add responses to the data or pass --generate N")
                 responses = [response_tokens(tok, r["response"]) for r in recs]
-            src_r = np.asarray([len(ids) for ids, _ in responses], np.int64)
-            responses = [(ids[: plan.r_max], lab[: plan.r_max]) for ids, lab in responses]
+            keeps = [kept(ids, lab, plan, bos) for ids, lab in responses]
+            src_r = np.asarray([len(k) for k in keeps], np.int64)
+            responses = [head(r, k, plan.r_max) for r, k in zip(responses, keeps)]
         else:
             responses = [([], np.zeros(0, np.uint8)) for _ in recs]
         seqs = [p[0] + r[0] for p, r in zip(prompts, responses)]
@@ -196,12 +229,9 @@ def text_batches(
         labels: dict[str, list[np.ndarray]] = {}
         names = list(plan.segments)
         for j, (p, r) in enumerate(zip(prompts, responses)):
-            spans = [(0, p[1])] if plan.kind == "text" else [(0, p[1]), (len(p[0]), r[1])]
-            for name, (off, lab) in zip(names, spans):
-                keep = np.flatnonzero(lab == CONTENT) if plan.special == "drop" else np.arange(len(lab))
-                if plan.drop_bos and tok.bos_token_id is not None:
-                    seq = (p[0] if name != "response" else r[0])
-                    keep = keep[np.asarray([seq[k] != tok.bos_token_id for k in keep], bool)] if len(keep) else keep
+            spans = [(0, p)] if plan.kind == "text" else [(0, p), (len(p[0]), r)]
+            for name, (off, (part, lab)) in zip(names, spans):
+                keep = kept(part, lab, plan, bos)
                 select.setdefault(name, []).append(off + keep)
                 labels.setdefault(name, []).append(lab[keep])
         texts: dict[str, list[Any]] = {}

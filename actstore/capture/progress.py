@@ -10,7 +10,7 @@ class Progress:
     """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm), and what the
     writers' pipelines hold: bytes written (or uploaded) and queued in memory."""
 
-    def __init__(self, total: int, desc: str = "capture", disable: bool = False):
+    def __init__(self, total: int | None, desc: str = "capture", disable: bool = False):
         from actstore.progress import bar
 
         self.bar = bar(total=total, desc=desc, unit="ex", disable=disable, dynamic_ncols=True, smoothing=0.1)

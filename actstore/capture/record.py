@@ -105,7 +105,12 @@ def record(
     world_size: int | None = None,
     token_ids: bool | None = None,
     drop_cls: bool = False,
-) -> RecordResult:
+    engine: str = "local",
+    workers: int = 1,
+    ray_address: str | None = None,
+    cpus_per_worker: float = 1.0,
+    gpus_per_worker: float = 0.0,
+) -> RecordResult | list[RecordResult]:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
@@ -143,10 +148,22 @@ def record(
         token_ids: keep the vocabulary id of every stored token (int32). None: when the
             batches carry `input_ids` (text models), unless resuming a store without them.
         drop_cls: do not store token 0 of a fixed-length (image) segment: a ViT's CLS token.
+        engine: "local" (this process writes shard `shard`) or "ray": `workers` writer
+            actors on a Ray cluster (`ray_address`, else RAY_ADDRESS, else a local one; each
+            reserving `cpus_per_worker` CPUs and `gpus_per_worker` GPUs) write shards
+            0..workers-1, writer r recording the contiguous slice r of `batches` (a list);
+            `model` may then be a model spec for load_model or a callable returning the
+            model, so that each actor loads its own. An actor that dies is restarted and
+            resumes its shard. Finalize afterwards (docs/distributed.md).
 
     Returns:
-        A RecordResult. The shard is closed (complete) when every batch was written.
+        A RecordResult (with engine="ray", one per writer, in rank order). The shard is
+        closed (complete) when every batch was written.
     """
+    if engine == "ray":
+        return _record_ray(locals())
+    if engine != "local":
+        raise ValueError(f"engine must be 'local' or 'ray'. Got {engine!r}.")
     if isinstance(writer_nice, bool) or not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
         raise ValueError(f"writer_nice must be an int in 0..19. Got {writer_nice!r}.")
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
@@ -203,6 +220,23 @@ def record(
         writer_seconds=drain.busy_seconds, writer_cpu_seconds=drain.cpu_seconds,
         source_tokens=job.source_tokens, truncated_tokens=job.truncated_tokens,
     )
+
+
+def _record_ray(args: dict[str, Any]) -> list[RecordResult]:
+    """record(..., engine="ray"): the writers as Ray actors (actstore.capture.engines)."""
+    from actstore.capture.engines import RaySettings, record_ray
+
+    if args["shard"] != 0 or args["world_size"] is not None:
+        raise ValueError("record(engine='ray') writes shards 0..workers-1 (world size `workers`): leave shard and world_size out")
+    settings = RaySettings(workers=args["workers"], address=args["ray_address"], cpus_per_worker=args["cpus_per_worker"],
+                           gpus_per_worker=args["gpus_per_worker"], progress=False)
+    local = ("model", "batches", "store", "shard", "world_size", "resume", "progress", "engine", "workers", "ray_address",
+             "cpus_per_worker", "gpus_per_worker")
+    results = record_ray(record, args["model"], args["batches"], args["store"], settings, resume=args["resume"],
+                         callback=args["progress"], **{k: v for k, v in args.items() if k not in local})
+    done = [committed(args["store"], r)[0] if res is None else 0 for r, res in enumerate(results)]
+    return [res if res is not None else RecordResult(shard=r, n_before=done[r], n_written=0, tokens=0, nbytes=0, seconds=0.0,
+                                                     forward_seconds=0.0, wait_seconds=0.0) for r, res in enumerate(results)]
 
 
 @dataclass

@@ -8,6 +8,7 @@ whatever the number of writers.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
-from actstore.capture.data import Source, load_source
+from actstore.capture.data import Source, absolute_data, load_source
 from actstore.capture import ranks
 from actstore.capture.progress import Progress
 from actstore.capture.ranks import split
@@ -145,7 +146,8 @@ def write(o: WriteOptions) -> dict[str, Any]:
     --rank r --world-size w this process writes shard r only (finalize once every rank
     is done); otherwise one writer writes shard 0 and the store is finalized.
     """
-    require_torch("actstore write (actstore.capture.write)", "capture")
+    if importlib.util.find_spec("torch") is None:  # (found, not imported: the checks below come first, fast)
+        require_torch("actstore write (actstore.capture.write)", "capture")
     check_options(o)
     multi = o.workers > 1 or o.engine == "ray"  # actstore starts the writers: ranks 0..workers-1
     if not multi:
@@ -153,12 +155,15 @@ def write(o: WriteOptions) -> dict[str, Any]:
         if r.source.startswith(("SLURM", "RANK")):  # printed even with --quiet: a job log should say it
             print(f"rank {r.rank} of {r.world_size} (from {r.source})", file=sys.stderr, flush=True)
         o = replace(o, rank=r.rank, world_size=r.world_size)
-    storage = open_storage(o.store)
-    storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
-    source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
     from actstore.capture import preflight
 
-    preflight.check(o, source, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
+    # Everything that can be known before a model loads fails here, in about a second:
+    # nothing above imports torch.
+    storage = open_storage(o.store)
+    storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
+    preflight.check_model(o, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
+    source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
+    preflight.check_data(o, source)
     world = o.workers if multi else o.world_size
     assert world is not None
     if world > len(source) and not (o.pack or o.chunk):  # (windows are counted by each writer)
@@ -221,10 +226,12 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
         torch.set_num_threads(o.threads)
     source = source or load_source(o.data, o.text_field).limit(o.max_examples)
     check_lease(open_storage(o.store), rank)
-    if o.pack or o.chunk:
-        return _run_windows(o, rank, world, source, progress)
-    start, stop = split(len(source), world, rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
+    if complete:  # a finished shard: nothing to do, no model to load
+        return RecordResult(shard=rank, n_before=n_done, n_written=0, tokens=0, nbytes=0, seconds=0.0, forward_seconds=0.0, wait_seconds=0.0)
+    if o.pack or o.chunk:
+        return _run_windows(o, rank, world, source, progress, n_done)
+    start, stop = split(len(source), world, rank)
     if o.progress and progress is None:
         print(f"loading {o.model} ...", file=sys.stderr, flush=True)
     lm = load_model(o.model, device=o.device, torch_dtype=o.model_dtype)
@@ -232,14 +239,12 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
     if lm.modality == "text" and o.generate and source.kind == "text":
         source = _as_prompts(source)  # texts become the prompts to respond to
     plan = _text_plan(o, lm, source) if lm.modality == "text" else None
-    first = start + n_done
-    if complete or first > stop:
-        first = stop
+    first = min(start + n_done, stop)
     if plan is None:
         batches = image_batches(source, first, stop, lm.image, o.batch_size, lm.device)
     else:
         batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
-    attrs = {"source": source.name, "dataset": os.path.abspath(o.data) if os.path.exists(o.data) else source.name, "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
+    attrs = {"source": source.name, "dataset": absolute_data(o.data), "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
                                                 "chat_template": o.chat_template, "generate": o.generate, "world_size": world}}
     bar = progress
     own_bar = None
@@ -259,7 +264,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
             own_bar.close()
 
 
-def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progress: Any) -> RecordResult:
+def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progress: Any, n_done: int) -> RecordResult:
     """--pack / --chunk: this rank's slice of the corpus's windows (actstore.capture.packing)."""
     from actstore.capture.packing import RUNS_TEXT, plan_windows, window_batches
 
@@ -274,10 +279,9 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
     start, stop = split(len(windows), world, rank)
     if start == stop:
         raise CaptureError(f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers")
-    n_done, complete = committed(o.store, rank) if o.resume else (0, False)
-    first = stop if complete else min(start + n_done, stop)
+    first = min(start + n_done, stop)
     attrs = {
-        "source": source.name, "dataset": os.path.abspath(o.data) if os.path.exists(o.data) else source.name,
+        "source": source.name, "dataset": absolute_data(o.data),
         "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "world_size": world},
         "packing": {"mode": windows.mode, "context": o.context, "documents": len(source), "tokens": windows.n_tokens,
                     "windows": len(windows), "separator": lm.tokenizer.eos_token, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
@@ -336,11 +340,10 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     if kind == "pair":
         r_max = o.r_max or o.generate
         if not r_max:
-            from actstore.capture.prepare import response_tokens
+            from actstore.capture.prepare import response_lengths
 
             q = DEFAULT_QUANTILE if o.r_quantile is None else o.r_quantile
-            lens = [len(response_tokens(lm.tokenizer, source.get(i)["response"] or "")[0]) for i in range(len(source))]
-            r_max = max(1, int(np.quantile(lens, q, method="higher")))
+            r_max = max(1, int(np.quantile(response_lengths(lm.tokenizer, plan, source), q, method="higher")))
         plan = replace(plan, r_max=r_max)
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
@@ -393,7 +396,8 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
         print(f"starting {o.workers} writer processes (each loads {o.model}) ...", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
-    bar = Progress(total=max(todo - done_n, 0), desc=f"{o.workers} writers", disable=not o.progress)
+    total = None if o.pack or o.chunk else max(todo - done_n, 0)  # (windows are counted by the writers)
+    bar = Progress(total=total, desc=f"{o.workers} writers", disable=not o.progress)
     results: dict[int, RecordResult] = {}
     errors: dict[int, str] = {}
     try:

@@ -23,7 +23,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (ActstoreError, FileNotFoundError, ValueError) as e:
+        except (ActstoreError, OSError, ValueError) as e:  # bad input or a failing disk: one line, no traceback
             click.echo(f"actstore: error: {e}", err=True)
             sys.exit(1)
 

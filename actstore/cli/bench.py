@@ -23,7 +23,8 @@ def available() -> list[str]:
 @click.argument("names", nargs=-1)
 @click.option("--list", "list_only", is_flag=True, help="List the benchmarks and exit.")
 @click.option("--arg", "extra", multiple=True, help="Extra argument passed to every script (repeatable), e.g. --arg=--examples=500.")
-def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...]) -> None:
+@click.option("--quiet", is_flag=True, help="Print nothing but a failed script's error output (results still go to bench-results/).")
+def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], quiet: bool) -> None:
     """Run benchmarks (all, or NAMES such as `store export loaders capture`).
 
     Each benchmark measures actstore against the physical limit in the same run (raw
@@ -41,9 +42,13 @@ def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...]) -
         raise click.ClickException(f"unknown benchmark(s) {unknown}; available: {have}")
     failed = []
     for name in names or have:
-        click.echo(f"== {name} ==")
-        r = subprocess.run([sys.executable, str(BENCH_DIR / f"bench_{name}.py"), *extra], cwd=BENCH_DIR.parent)
+        if not quiet:
+            click.echo(f"== {name} ==")
+        r = subprocess.run([sys.executable, str(BENCH_DIR / f"bench_{name}.py"), *extra], cwd=BENCH_DIR.parent,
+                           capture_output=quiet, text=True)
         if r.returncode:
             failed.append(name)
+            if quiet:
+                click.echo(r.stderr[-4000:], err=True)
     if failed:
         raise click.ClickException(f"benchmarks failed: {failed}")

@@ -64,7 +64,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
 @click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")
 @click.option("--context", type=int, default=None, help="Window length in tokens for --pack / --chunk.")
-@click.option("--text-field", default=None, help="The JSON key or column holding each document's text (.jsonl, .parquet, .arrow; default text).")
+@click.option("--text-field", default=None, help="The JSON key or column holding each document's text (.jsonl, .parquet, .arrow, a datasets folder; default text).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Writers actstore starts (one shard each): processes on this machine, or actors with --engine ray.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where --workers run: local processes, or actors on a Ray cluster (RAY_ADDRESS / --ray-address, else a local one; pip install 'actstore[ray]').")
 @click.option("--cpus-per-worker", type=float, default=1.0, show_default=True, help="With --engine ray: CPUs each writer actor reserves.")

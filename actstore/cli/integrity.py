@@ -30,7 +30,7 @@ def _bar(total: int | None, unit: str, quiet: bool, desc: str):
 @click.option("--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar; print nothing unless there is a problem.")
 def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool) -> None:
     """Check STORE's integrity; exit 1 and print a table of problems when it is damaged.
 
@@ -51,13 +51,14 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
             total = None
     with _bar(total, "B", quiet, "verify --deep" if deep else "verify") as bar:
         report = verify_store(store, deep=deep, progress=bar.update)
+    failed = not report.ok or (strict and report.problems)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=1))
-    else:
+    elif not quiet or failed:
         click.echo(report.summary())
         if report.problems:
             click.echo(report.table())
-    if not report.ok or (strict and report.problems):
+    if failed:
         sys.exit(1)
 
 
@@ -81,7 +82,8 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
 
     with _bar(None, "ex", quiet, "import-pkl") as bar:
         report = import_pkl(source, store, dtype=dtype, tokens=tokens, max_shard_bytes=max_shard_bytes, progress=bar.update)
-    click.echo(report.summary())
+    if not quiet:
+        click.echo(report.summary())
 
 
 @click.command("export-pkl")
@@ -90,7 +92,7 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
 @click.option("--examples-per-shard", type=int, default=100, show_default=True, help="Records per shard file.")
 @click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")
 @click.option("--overwrite", is_flag=True, help="Replace a finished export in OUT.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
 def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool) -> None:
     """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT.
@@ -108,5 +110,5 @@ def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: b
         import json
 
         click.echo(json.dumps(dataclasses.asdict(report), default=str))
-        return
-    click.echo(report.summary())
+    elif not quiet:
+        click.echo(report.summary())

@@ -18,7 +18,7 @@ def register(main: click.Group) -> None:
               help="Read nothing back: skip comparing every copied object with the source and the final verify --deep.")
 @click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Objects copied at once (threads); memory holds at most this many objects.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the summary line.")
 def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_json: bool) -> None:
     """Copy the finalized store SRC to DST: local folders, file://, s3://, gs:// or az:// URLs.
@@ -48,5 +48,5 @@ def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_js
         result = copy_store(src, dst, progress=progress, verify=not no_verify, workers=workers)
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=1))
-    else:
+    elif not quiet:
         click.echo(result.summary())

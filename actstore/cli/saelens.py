@@ -17,7 +17,7 @@ def register(main: click.Group) -> None:
 @click.argument("store", type=STORE)
 @click.argument("out", type=click.Path(file_okay=False))
 @click.option("--layer", required=True, help="The layer to export: a stored layer number or name (blocks.8.hook_resid_post, a module path).")
-@click.option("--hook-name", default=None, help="Column name = SAELens's hook_name (default: the layer's TransformerLens name).")
+@click.option("--hook-name", default=None, help="Column name = SAELens's hook_name (default: the name the capture kept: blocks.N.hook_resid_post, or the module path of a module-path layer).")
 @click.option("--context-size", type=int, default=128, show_default=True, help="Tokens per row (SAELens's context_size).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token-level shuffle.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,

@@ -54,7 +54,7 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")
 @click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
 @click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar, no summary line: only the directory is printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the directory.")
 @click.option("--tokens-per-example", type=int, default=None,
               help="Stores with padded (text) segments: real tokens packed this many to an exported example (default 1).")
@@ -80,9 +80,10 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         click.echo(json.dumps({"path": str(res.path), "hash": res.hash, "protocol": res.protocol, "examples": res.n_examples,
                                "shards": res.n_shards, "reused": res.reused}))
         return
-    what = "exists, verified" if res.reused else "exported"
-    click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
-    click.echo(str(res.path))
+    if not quiet:
+        what = "exists, verified" if res.reused else "exported"
+        click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
+    click.echo(str(res.path))  # the answer, even with --quiet: dir=$(actstore export-saev ... --quiet)
 
 
 @click.command("verify-saev")
@@ -125,7 +126,8 @@ def import_cmd(directory, store, dtype, overwrite, quiet) -> None:
     from actstore.saev import import_saev
 
     st = import_saev(directory, store, dtype=dtype, overwrite=overwrite, progress=not quiet)
-    click.echo(f"imported {len(st)} examples into {store}")
+    if not quiet:
+        click.echo(f"imported {len(st)} examples into {store}")
 
 
 @click.command("link-run")

@@ -60,7 +60,8 @@ def export_saelens(
     Args:
         layer: a stored layer number or name (`blocks.8.hook_resid_post`, a module path).
         hook_name: the column name, which SAELens's `hook_name` must equal (default: the
-            layer's TransformerLens name the capture kept, else `blocks.{layer}.hook_resid_post`).
+            name the capture kept for the layer: its TransformerLens name, or its module path
+            for a module-path capture; else `blocks.{layer}.hook_resid_post`).
         context_size: tokens per row (SAELens's `context_size`).
         seed: the token-level shuffle's seed.
         dtype: "float32" (exact for every store dtype) or "float16" (exact for float16 stores).
@@ -87,9 +88,13 @@ def export_saelens(
         raise SaelensExportError(f"{out} exists and is not empty; export to a new folder (or delete it first)")
     C, D = context_size, store.d_model
     ids_of = _token_id_table(store)
-    ts = TokenStream(store, batch_size=max(C, BATCH_BYTES // (D * 4) // C * C), layers=[number], seed=seed, shuffle=True,
-                     return_index=True, token_mask="content" if skip_special else None, threads=2)
+    import torch
+
     np_dtype = np.dtype(dtype)
+    # The stream's threads convert to the column dtype; its batches are whole rows but the last.
+    ts = TokenStream(store, batch_size=max(C, BATCH_BYTES // (D * 4) // C * C), layers=[number], seed=seed, shuffle=True,
+                     return_index=True, token_mask="content" if skip_special else None, threads=2,
+                     dtype=torch.float32 if dtype == "float32" else torch.float16)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -99,12 +104,14 @@ def export_saelens(
 
         with bar(total=len(ts), unit="batch", desc=f"export-saelens {hook}", disable=not progress) as pbar:
             for b in ts:
-                x = np.concatenate([carry_x, b["acts"].numpy().astype(np_dtype, copy=False)])
-                ids = np.concatenate([carry_id, ids_of(b["example"].numpy(), b["segment"].numpy(), b["token"].numpy())])
+                x = b["acts"].numpy()
+                ids = ids_of(b["example"].numpy(), b["segment"].numpy(), b["token"].numpy())
+                if len(carry_x):  # (only before a short last batch: the others are whole rows)
+                    x, ids = np.concatenate([carry_x, x]), np.concatenate([carry_id, ids])
                 full = len(x) // C * C
                 if full:
                     writer.write(x[:full].reshape(-1, C, D), ids[:full].reshape(-1, C))
-                carry_x, carry_id = x[full:], ids[full:]
+                carry_x, carry_id = x[full:].copy(), ids[full:].copy()  # copy: the stream may reuse its buffer
                 pbar.update(1)
         n_tokens = writer.tokens + len(carry_x)
         if n_tokens == 0:
@@ -138,8 +145,11 @@ def export_saelens(
 
 
 def _default_hook(store: Any, number: int) -> str:
-    names = [n for n, k in store.layer_names().items() if k == number and n.startswith("blocks.")]
-    return names[0] if names else f"blocks.{number}.hook_resid_post"
+    """The name the capture gave the layer (a TransformerLens name, or the module path of a
+    module-path capture: what SAELens's HF wrapper hooks), else the block output's name."""
+    names = store.config.attrs.get("hook_names")
+    name = names.get(str(number)) if isinstance(names, dict) else None
+    return name if isinstance(name, str) and name else f"blocks.{number}.hook_resid_post"
 
 
 class _TokenIds:

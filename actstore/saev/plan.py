@@ -118,7 +118,7 @@ def make_plan(
         )
     want_labels = _labels(labels, cfg)
     values = {
-        "family": _family(family, attrs, cfg.model_id, protocol),
+        "family": _family(family, attrs, cfg.model_id, protocol, text=offsets is not None),
         "ckpt": _ckpt(ckpt, attrs, cfg.model_id),
         "layers": list(layers_t),
         P.CONTENT_KEY[protocol]: content,
@@ -219,7 +219,7 @@ def _labels(labels: bool | None, cfg: Any) -> bool:
     return bool(labels)
 
 
-def _family(family: str | None, attrs: dict[str, Any], model_id: str | None, protocol: str) -> str:
+def _family(family: str | None, attrs: dict[str, Any], model_id: str | None, protocol: str, text: bool = False) -> str:
     allowed = P.FAMILIES[protocol]
     source = "family"
     if family is None:
@@ -228,6 +228,12 @@ def _family(family: str | None, attrs: dict[str, Any], model_id: str | None, pro
         hits = sorted((f for f in allowed if model_id and f in model_id.lower()), key=len, reverse=True)
         if hits:
             return hits[0]
+        if text:  # saev knows vision families only; its loaders read any listed one
+            raise SaevOptionError(
+                f"a text store ({model_id!r}) has no saev family: saev's protocol {protocol} lists only the vision families "
+                f"{list(allowed)}; pass one as a label (--family, e.g. clip: the shards read the same whichever is named), "
+                "the model stays named in ckpt"
+            )
         raise SaevOptionError(
             f"the store does not record its model family (attrs['family']) and its model_id {model_id!r} names none; "
             f"pass family (--family), one of {list(allowed)}"

@@ -434,6 +434,8 @@ class LocalStorage(Storage):
         top = path
         while not top.exists():
             top = top.parent
+        if not top.is_dir():
+            raise StorageAccessError(f"cannot write to {self.url}: {top} is a file, not a folder; give a path under a folder")
         if not os.access(top, os.W_OK | os.X_OK):
             raise StorageAccessError(f"cannot write to {self.url}: no write permission in {top}")
 
