@@ -246,7 +246,7 @@ def _record_rank(record: Callable[..., Any], model: Any, batches: list[Any], sto
         from actstore.capture.models import load_model
 
         model = load_model(model) if isinstance(model, str) else model()
-    return record(model, batches[skip:], store, shard=rank, world_size=world, resume=True, progress=progress.update, **kwargs)
+    return record(model, batches[skip:], store, shard=rank, world_size=world, resume=True, progress=progress.update, io_progress=getattr(progress, "io", None), **kwargs)
 
 
 def _batch_size(batch: Any) -> int:

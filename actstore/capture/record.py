@@ -230,7 +230,7 @@ def _record_ray(args: dict[str, Any]) -> list[RecordResult]:
         raise ValueError("record(engine='ray') writes shards 0..workers-1 (world size `workers`): leave shard and world_size out")
     settings = RaySettings(workers=args["workers"], address=args["ray_address"], cpus_per_worker=args["cpus_per_worker"],
                            gpus_per_worker=args["gpus_per_worker"], progress=False)
-    local = ("model", "batches", "store", "shard", "world_size", "resume", "progress", "engine", "workers", "ray_address",
+    local = ("model", "batches", "store", "shard", "world_size", "resume", "progress", "io_progress", "engine", "workers", "ray_address",
              "cpus_per_worker", "gpus_per_worker")
     results = record_ray(record, args["model"], args["batches"], args["store"], settings, resume=args["resume"],
                          callback=args["progress"], **{k: v for k, v in args.items() if k not in local})
