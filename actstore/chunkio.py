@@ -67,10 +67,7 @@ class ChunkIO:
         if size is None:
             dest[:] = b"\0" * len(dest)
         elif size != len(dest):
-            raise CorruptChunkError(
-                f"chunk file {self.where(key)} has {size} bytes, expected {len(dest)}: "
-                "the file is damaged (truncated or overwritten); run `actstore verify --deep`"
-            )
+            raise CorruptChunkError(self.wrong_size(key, size))
 
     def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
         """read_into when every byte is at hand without waiting (page cache); False (out
@@ -98,21 +95,38 @@ class ChunkIO:
 
     def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
         key = self.geo.shard_key(ex)
+        offset = self.shard_chunk(ex, layer_pos, tc)
+        if offset is None:
+            dest[:] = b"\0" * len(dest)
+            return
+        if self.storage.read_into(key, dest, offset) != len(dest):
+            raise CorruptChunkError(self.cut_short(key, offset))
+
+    def shard_chunk(self, ex: int, layer_pos: int, tc: int) -> int | None:
+        """Byte offset of (ex, layer_pos, tc) in its shard file (`geo.shard_key(ex)`), or None
+        when the chunk is not stored (the file or its index entry is missing: fill value);
+        an index entry of another size than an uncompressed chunk raises."""
+        key = self.geo.shard_key(ex)
         index = self.shard_index(key)
         if index is None:
-            dest[:] = b"\0" * len(dest)
-            return
+            return None
         offset, nbytes = index[ex % self.geo.shard_examples, layer_pos, tc]
         if offset == EMPTY and nbytes == EMPTY:
-            dest[:] = b"\0" * len(dest)
-            return
-        if int(nbytes) != len(dest):
+            return None
+        nb = self.geo.chunk_nbytes
+        if int(nbytes) != nb:
             raise CorruptChunkError(
                 f"shard file {self.where(key)} holds a {int(nbytes)}-byte chunk for example {ex}, layer position "
-                f"{layer_pos}, token chunk {tc}; an uncompressed chunk has {len(dest)} bytes"
+                f"{layer_pos}, token chunk {tc}; an uncompressed chunk has {nb} bytes"
             )
-        if self.storage.read_into(key, dest, int(offset)) != len(dest):
-            raise CorruptChunkError(f"shard file {self.where(key)} is truncated: chunk at byte {int(offset)} is cut short")
+        return int(offset)
+
+    def cut_short(self, key: str, offset: int) -> str:
+        return f"shard file {self.where(key)} is truncated: chunk at byte {offset} is cut short"
+
+    def wrong_size(self, key: str, size: int) -> str:
+        return (f"chunk file {self.where(key)} has {size} bytes, expected {self.geo.chunk_nbytes}: "
+                "the file is damaged (truncated or overwritten); run `actstore verify --deep`")
 
     def shard_index(self, key: str) -> np.ndarray | None:
         """The (checked) index of a shard file, or None when the file does not exist."""

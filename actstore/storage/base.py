@@ -14,7 +14,7 @@ the implementation's OSError (or the project's own error, e.g. UnsafePathError).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,12 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         """Read up to len(dest) bytes at `offset` into `dest`; returns the count read."""
+
+    def read_ranges_into(self, key: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        """Several `read_into` of one object at once: each (offset, dest) filled with up to
+        len(dest) bytes from offset; returns the counts read. An object store issues them
+        together (adjacent ranges coalesced into one request); here, one after another."""
+        return [self.read_into(key, dest, offset) for offset, dest in ranges]
 
     @abc.abstractmethod
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
