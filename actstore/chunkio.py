@@ -11,14 +11,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from actstore.errors import CorruptChunkError
+from actstore.errors import ActstoreError, CorruptChunkError, StorageAccessError
 from actstore.layout.checksum import crc32c
 from actstore.layout.chunks import EMPTY, ChunkGeometry
 from actstore.storage import Storage, Writeback
 
 __all__ = ["ChunkIO", "crc32c", "drop_chunks"]
 
-INDEX_CACHE = 64  # shard-file indexes kept per array (16 bytes per inner chunk each)
+INDEX_CACHE_BYTES = 16 * 2**20  # shard-file indexes kept per array (16 bytes per inner chunk each)
 
 
 class ChunkIO:
@@ -134,18 +134,37 @@ class ChunkIO:
         if index is not None:
             self._index_cache.move_to_end(key)
             return index
-        size = self.storage.size(key)
-        if size is None:
-            if self.storage.kind(key) is not None:
-                self.storage.get(key)  # raises, naming what stands there instead of a file
-            return None
+        try:
+            size = self.storage.size(key)
+            if size is None:
+                if self.storage.kind(key) is not None:
+                    self.storage.get(key)  # raises, naming what stands there instead of a file
+                return None
+            n = self._index_fits(key, size)
+            raw = self.storage.get_range(key, size - n, n)
+        except (ActstoreError, OSError):
+            raise
+        except Exception as e:  # an object store's own error (after its retries)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise StorageAccessError(f"cannot read the index of shard file {self.where(key)}: {first}") from e
+        return self._keep_index(key, raw, size)
+
+    def index_of_object(self, key: str, data: memoryview) -> np.ndarray:
+        """The (checked) index of shard file `key` from the whole file's bytes, kept: for
+        readers that fetch a whole file at once (one request instead of two)."""
+        n = self._index_fits(key, len(data))
+        return self._keep_index(key, bytes(data[len(data) - n :]), len(data))
+
+    def _index_fits(self, key: str, size: int) -> int:
         n = self.geo.index_nbytes
         if size < n:
             raise CorruptChunkError(f"shard file {self.where(key)} has {size} bytes, less than its {n}-byte index")
-        raw = self.storage.get_range(key, size - n, n)
-        index = self.geo.decode_index(raw, size - n, self.where(key))
+        return n
+
+    def _keep_index(self, key: str, raw: bytes, size: int) -> np.ndarray:
+        index = self.geo.decode_index(raw, size - self.geo.index_nbytes, self.where(key))
         self._index_cache[key] = index
-        if len(self._index_cache) > INDEX_CACHE:
+        while len(self._index_cache) > max(64, INDEX_CACHE_BYTES // index.nbytes):  # every index of an array: one size
             self._index_cache.popitem(last=False)
         return index
 

@@ -28,7 +28,7 @@ from actstore.storage.mapping import FileRegion
 if TYPE_CHECKING:
     from actstore.loaders.tokens import TokenStream
 
-TASK_BYTES = 32 * 2**20  # most bytes one I/O task reads (bounds the memory a batched object-store read holds)
+TASK_BYTES = 128 * 2**20  # most bytes one I/O task reads (the reads of one object stay together up to this)
 KNOWN_UNITS = 1 << 20  # units whose mapped rows are remembered (about 200 bytes each)
 
 
@@ -55,9 +55,10 @@ def void_rows(a: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], -1).view(np.dtype((np.void, a.shape[1] * a.dtype.itemsize))).reshape(-1)
 
 
-def order_of(w: WindowSlice) -> np.ndarray:
-    """The window's units in store order (disk order: chunk files and shard files in turn)."""
-    return np.argsort(w.units, kind="stable")
+def order_of(w: WindowSlice, n_segments: int) -> np.ndarray:
+    """The window's units in store order, segment by segment (each segment is its own
+    array: its chunk files and shard files in turn)."""
+    return np.lexsort((w.units, w.units % n_segments))
 
 
 def unit_tokens(ts: TokenStream, w: WindowSlice, i: int, e: int, s: int) -> np.ndarray | None:
@@ -83,7 +84,7 @@ class MappedFill:
         found: list = [None] * len(w.units)
         pins: list[int] = []
         try:
-            for i in order_of(w).tolist():  # store order: files in turn
+            for i in order_of(w, self.ts.units.n_segments).tolist():  # store order: files in turn
                 chunks = self._unit(int(w.units[i]), int(ex[i]), int(li[i]), int(si[i]))
                 if chunks is None:
                     region.unpin(pins)
@@ -161,6 +162,8 @@ class ReadFill:
         self.ts, self.pool, self.cap = ts, pool, cap
         self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
         self.many = getattr(ts.store, "read_many_into", None)
+        remote = getattr(getattr(ts.store, "storage", None), "coalesce_bytes", 0) > 0
+        self.object_of = getattr(ts.store, "object_of", None) if remote else None  # local: no request to save
         self.read = reader(ts.store)
         self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
         self.local = threading.local()
@@ -169,30 +172,27 @@ class ReadFill:
         """Read every unit of window w into slot.buf[dest:dest+n], in store order. Units
         already in the page cache are copied here, on this one thread: memory copies, and
         more threads copying on a few cores only crowd out batch assembly and the loop.
-        The others go to the I/O threads, many at a time, as they are found, in tasks of
-        neighbouring units (`read_many_into` sends one object's ranges together)."""
+        The others go to the I/O threads as they are found, in tasks of neighbouring
+        units, the units of one object together (`read_many_into`: one request)."""
         if slot.buf is None:
             slot.buf = np.empty((self.cap, self.ts.d_model), self.ts.stored_dtype)
         buf = slot.buf
         units = self.ts.units
-        order = order_of(w)
+        order = order_of(w, self.ts.units.n_segments)
         ex, li, si = units.decode(w.units[order])
-        unit_bytes = [units.segments[s].t_pad * self.row_bytes for s in si.tolist()]
-        # Tasks of neighbouring units: about two per I/O thread, at most TASK_BYTES each.
-        task_bytes = max(min(TASK_BYTES, sum(unit_bytes) // (self.ts.threads * 2)), max(unit_bytes, default=1))
+        nbytes = [units.segments[s].t_pad * self.row_bytes for s in si.tolist()]
+        tasks = TaskPacker(sum(nbytes), self.ts.threads)
         futures: list[Future] = []
-        pending: list[tuple[int, int, int, int]] = []
-        held = 0
         for k, i in enumerate(order.tolist()):
             e, layer_i, s = int(ex[k]), int(li[k]), int(si[k])
-            if self.cached is None or not self._unit(w, buf, i, e, layer_i, s, self.cached):
-                pending.append((i, e, layer_i, s))
-                held += unit_bytes[k]
-                if held >= task_bytes:
-                    futures.append(self.pool.submit(self._read_units, w, buf, pending))
-                    pending, held = [], 0
-        if pending:
-            futures.append(self.pool.submit(self._read_units, w, buf, pending))
+            if self.cached is not None and self._unit(w, buf, i, e, layer_i, s, self.cached):
+                continue
+            obj = self.object_of(e, self.ts.units.layers[layer_i], units.segments[s].name) if self.object_of else k
+            full = tasks.add((i, e, layer_i, s), obj, nbytes[k])
+            if full:
+                futures.append(self.pool.submit(self._read_units, w, buf, full))
+        if tasks.items:
+            futures.append(self.pool.submit(self._read_units, w, buf, tasks.items))
         _wait(futures)
         slot.rows, slot.index = void_rows(buf), None
 
@@ -245,6 +245,28 @@ class ReadFill:
         if s is None or s.shape[0] < n_rows:
             s = self.local.buf = np.empty((max(n_rows, 1), self.ts.d_model), self.ts.stored_dtype)
         return s[:n_rows]
+
+
+class TaskPacker:
+    """Cuts a run of reads (in store order) into I/O tasks: the reads of one object stay
+    together up to TASK_BYTES (an object store then fetches them in one request); reads
+    of different objects are packed up to about total / (2 x threads) bytes, so that
+    every thread has work."""
+
+    def __init__(self, total_bytes: int, threads: int):
+        self.small = max(1, min(TASK_BYTES, total_bytes // (2 * threads)))
+        self.items: list = []
+        self.held, self.obj = 0, None
+
+    def add(self, item: Any, obj: Any, nbytes: int) -> list | None:
+        """Queue `item`; returns the finished task it closed (without it), if any."""
+        done = None
+        if self.items and (self.held + nbytes > TASK_BYTES or (obj != self.obj and self.held >= self.small)):
+            done, self.items, self.held = self.items, [], 0
+        self.items.append(item)
+        self.held += nbytes
+        self.obj = obj
+        return done
 
 
 def _wait(futures: list[Future]) -> None:

@@ -19,6 +19,9 @@ from actstore.errors import CorruptChunkError
 from actstore.storage.mapping import FileRegion
 
 
+WHOLE_FILE_BYTES = 128 * 2**20  # the largest shard file read whole when most of it is wanted
+
+
 class MappedChunk(NamedTuple):
     """Where one token chunk lies in a FileRegion: `rows[row : row + t_chunk]`.
 
@@ -42,22 +45,54 @@ def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> None
         for ex, lp, out in items:
             io.read_into(ex, lp, out)
         return
-    nb = g.chunk_nbytes
-    by_key: dict[str, list[tuple[int, memoryview]]] = {}
-    for ex, lp, out in items:
-        mv = memoryview(out.reshape(-1).view(np.uint8))
-        for tc in range(g.n_tchunks):
-            dest = mv[tc * nb : (tc + 1) * nb]
-            offset = io.shard_chunk(ex, lp, tc)
-            if offset is None:
-                dest[:] = b"\0" * nb
-            else:
-                by_key.setdefault(g.shard_key(ex), []).append((offset, dest))
-    for key, ranges in by_key.items():
+    by_file: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+    for item in items:
+        by_file.setdefault(g.shard_key(item[0]), []).append(item)
+    for key, group in by_file.items():
+        whole = _whole_file(io, key, group)
+        ranges = []
+        for ex, lp, out in group:
+            mv = memoryview(out.reshape(-1).view(np.uint8))
+            for tc in range(g.n_tchunks):
+                dest = mv[tc * g.chunk_nbytes : (tc + 1) * g.chunk_nbytes]
+                offset = io.shard_chunk(ex, lp, tc)
+                if offset is None:
+                    dest[:] = b"\0" * len(dest)
+                elif whole is not None:
+                    got = whole[offset : offset + len(dest)]
+                    if len(got) != len(dest):
+                        raise CorruptChunkError(io.cut_short(key, offset))
+                    dest[:] = got  # copy: the file's bytes into the caller's buffer
+                else:
+                    ranges.append((offset, dest))
         ranges.sort(key=lambda r: r[0])
         for (offset, dest), n in zip(ranges, io.storage.read_ranges_into(key, ranges)):
             if n != len(dest):
                 raise CorruptChunkError(io.cut_short(key, offset))
+
+
+def _whole_file(io: ChunkIO, key: str, group: list[tuple[int, int, np.ndarray]]) -> memoryview | None:
+    """On an object store, a shard file of at most WHOLE_FILE_BYTES whose wanted chunks span
+    most of it (with the gaps the storage fetches anyway: `coalesce_bytes`): the whole file
+    in one request, its index read from its tail, rather than one request for the index
+    and others for the ranges. None otherwise (or when there is no such file)."""
+    g = io.geo
+    per_file = g.shard_examples * g.n_layers * g.n_tchunks
+    size = per_file * g.chunk_nbytes + g.index_nbytes
+    if size > WHOLE_FILE_BYTES or not io.storage.coalesce_bytes or io.storage.keeps_ranges:
+        return None  # a local disk reads ranges as cheaply, straight into place; a cache keeps ranges
+    # Where the chunks lie in a file written densely in index order (actstore, zarr-python).
+    pos = np.unique([((ex % g.shard_examples) * g.n_layers + lp) * g.n_tchunks + tc
+                     for ex, lp, _ in group for tc in range(g.n_tchunks)])
+    gap = 1 + io.storage.coalesce_bytes // g.chunk_nbytes  # chunks apart that one request still covers
+    covered = len(pos) + int(np.where(np.diff(pos) <= gap, np.diff(pos) - 1, 0).sum())
+    if 2 * covered < per_file:
+        return None
+    data = memoryview(np.empty(size, np.uint8))
+    if io.storage.read_object_into(key, data) != size:
+        return None  # missing (the fill value), or not the size actstore writes: the usual path explains
+    io.index_of_object(key, data)
+    return data[: size - g.index_nbytes]
 
 
 def map_chunks(io: ChunkIO, region: FileRegion, ex: int, lp: int) -> list[MappedChunk] | None:

@@ -220,6 +220,14 @@ class ActStore:
         for (pos, segment), group in groups.items():
             self._shard(pos).read_many(self.config.segment(segment), group)
 
+    def object_of(self, ex: int, layer: int, segment: str) -> str:
+        """The object holding the first chunk of segment `segment` of (ex, layer): units
+        that share it are best read by one read_many_into (one request)."""
+        sh, local, lp = self._where(ex, layer)
+        io = sh.io[segment]
+        keys = io.geo.chunk_keys_of(local, lp) if io is not None else [f"{segment}/{local}.{lp}"]
+        return sh.storage.where(keys[0])
+
     def mappable_files(self, segments: Sequence[str]) -> tuple[int, int] | None:
         """(files, largest file's bytes) holding the activations of `segments`, when every
         one can be mapped into a FileRegion (raw chunks on a local disk); else None."""

@@ -54,6 +54,8 @@ class Storage(abc.ABC):
 
     url: str
     local_root: Path | None = None
+    coalesce_bytes = 0  # read_ranges_into fetches ranges closer than this with one request (object stores)
+    keeps_ranges = False  # what is read is kept by byte range (a local cache): read ranges, not whole objects
 
     # ---- naming ---------------------------------------------------------------------
     def where(self, key: str) -> str:

@@ -71,6 +71,12 @@ class CachedStorage(Storage):
     def __repr__(self) -> str:
         return f"CachedStorage({self.inner!r}, {str(self._cache.root)!r}, max_bytes={self._cache.max_bytes})"
 
+    keeps_ranges = True
+
+    @property
+    def coalesce_bytes(self) -> int:  # type: ignore[override]
+        return self.inner.coalesce_bytes
+
     @property
     def cache_dir(self) -> Path:
         return self._cache.root

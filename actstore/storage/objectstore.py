@@ -108,10 +108,17 @@ class ObjectStorage(Storage):
             if size is None:
                 raise KeyNotFound(f"{self.where(key)} does not exist") from None
             end = min(start + length, size)
+            if end == start + length:
+                raise  # the range lies inside the object: a real failure
             return obs.get_range(self.store, key, start=start, end=end) if end > start else b""
 
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
-        data = self._range(key, offset, len(dest))
+        try:
+            data = self._range(key, offset, len(dest))
+        except KeyNotFound:
+            raise
+        except Exception as e:  # the loaders' and readers' path: the project's error, naming the object
+            raise self._read_failed(key, e) from e
         n = len(data)
         dest[:n] = memoryview(data)  # copy: the response into the caller's buffer
         return n
@@ -128,7 +135,7 @@ class ObjectStorage(Storage):
                                    coalesce=self.coalesce_bytes)
         except FileNotFoundError:
             raise KeyNotFound(f"{self.where(key)} does not exist") from None
-        except Exception:  # e.g. a range past the end of the object: one by one, each answering short
+        except Exception:  # e.g. a range past the end of the object: one by one, each answering short (or failing)
             return [self.read_into(key, dest, offset) for offset, dest in ranges]
         counts = []
         for (_, dest), part in zip(ranges, parts):
@@ -140,14 +147,17 @@ class ObjectStorage(Storage):
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
             res = _obstore().get(self.store, key)
+            data = res.bytes()
         except Exception as e:
             if self._missing(e, key):
                 return None
-            raise
-        data = res.bytes()
+            raise self._read_failed(key, e) from e
         n = min(len(data), len(dest))
         dest[:n] = memoryview(data)[:n]
         return len(data)
+
+    def _read_failed(self, key: str, e: Exception) -> StorageAccessError:
+        return StorageAccessError(f"cannot read {self.where(key)} (after obstore's retries): {_first_line(e)}")
 
     def size(self, key: str) -> int | None:
         try:
