@@ -82,7 +82,7 @@ class TokenLoader:
         s._num_workers = self.num_workers
         if self.num_workers == 0:
             for batch in s:  # the stream counts consumed batches itself
-                yield _pin(batch) if self.pin_memory else batch
+                yield _pin(batch) if self.pin_memory and s.device is None else batch
             return
         device = s.device  # workers yield CPU batches; the move happens here, from pinned memory
         dl = DataLoader(
