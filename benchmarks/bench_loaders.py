@@ -450,7 +450,7 @@ def main() -> None:
                   f"2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
                   f"runs of 4 MiB {d['f16_runs'] / 1e6:.2f}M ({d['f16_runs_vs_seq']:.2f}x)", flush=True)
         warm(root / "store", raw)
-        res["token_stages"] = st = stage_costs(store, raw, a.token_batch, a.repeats)
+        res["token_stages"] = st = stage_costs(store, raw, a.token_batch, a.repeats, sequential_read)
         print(f"TokenStream warm, CPU ns per token of each stage alone (load {os.getloadavg()[0]:.1f}): {st['ns_per_token']}; "
               f"ceiling on {st['cores']} cores vs the sequential read: mapped {st['ceiling_vs_seq']['mapped']:.2f}x, "
               f"read {st['ceiling_vs_seq']['read']:.2f}x", flush=True)

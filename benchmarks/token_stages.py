@@ -18,24 +18,13 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from actstore.loaders.assemble import _numpy_view
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.torch import TokenStream
-
-BLOCK = 16 * 2**20
-
-
-def _seq(path: Path) -> float:
-    buf = bytearray(BLOCK)
-    c0 = time.thread_time()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    return time.thread_time() - c0
-
 
 def _parts(ts: TokenStream) -> TokenPipeline:
     """A stream's pipeline parts (no window of its own to read)."""
@@ -76,14 +65,15 @@ def _path_costs(ts: TokenStream, fill) -> tuple[float, float, float]:
     return t_fill, t_gather, t_wall
 
 
-def stage_costs(store, raw: Path, batch: int, repeats: int) -> dict:
-    """Medians over `repeats` epochs of each stage, in ns per token, and the ceilings."""
+def stage_costs(store, raw: Path, batch: int, repeats: int, sequential_read: Callable[[Path], float]) -> dict:
+    """Medians over `repeats` epochs of each stage, in ns per token, and the ceilings
+    (`sequential_read(raw)`: the reference's seconds, on one thread)."""
     mapped = TokenStream(store, batch_size=batch)
     read = TokenStream(store, batch_size=batch, mmap=False)
     n = mapped.n_tokens
     runs: dict[str, list[float]] = {k: [] for k in ("seq_read", "map_fill", "gather", "gather_2", "read_copy", "window_gather")}
     for _ in range(repeats):
-        runs["seq_read"].append(_seq(raw))
+        runs["seq_read"].append(sequential_read(raw))
         f, g, g2 = _path_costs(mapped, lambda p, w, s: p.mapped.fill(w, s))
         runs["map_fill"].append(f)
         runs["gather"].append(g)
