@@ -88,9 +88,12 @@ def _whole_file(io: ChunkIO, key: str, group: list[tuple[int, int, np.ndarray]])
     covered = len(pos) + int(np.where(np.diff(pos) <= gap, np.diff(pos) - 1, 0).sum())
     if 2 * covered < per_file:
         return None
-    data = memoryview(np.empty(size, np.uint8))
-    if io.storage.read_object_into(key, data) != size:
-        return None  # missing (the fill value), or not the size actstore writes: the usual path explains
+    try:
+        data = io.storage.read_object(key, max_bytes=size)
+    except ValueError:
+        return None  # not the size actstore writes: the usual path explains
+    if data is None or len(data) != size:
+        return None  # missing (the fill value), or not the size actstore writes
     io.index_of_object(key, data)
     return data[: size - g.index_nbytes]
 

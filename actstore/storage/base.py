@@ -91,6 +91,19 @@ class Storage(abc.ABC):
         """Fill `dest` with the start of a whole object; returns the object's size (so a
         caller can tell an object of the wrong size), or None when there is none."""
 
+    def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
+        """The whole object as a read-only buffer (the response itself, not a copy, where
+        the storage can), or None when there is none; ValueError when it is larger than
+        `max_bytes` (nothing read)."""
+        if (size := self.size(key)) is None:
+            return None
+        if size > max_bytes:
+            raise ValueError(f"{self.where(key)} has {size} bytes, more than the {max_bytes} expected")
+        try:
+            return memoryview(self.get(key, max_bytes=max_bytes))
+        except KeyNotFound:
+            return None
+
     def read_cached(self, key: str, dest: memoryview, offset: int = 0) -> bool:
         """read_into only when it cannot wait for a device or network (a page-cache or
         local-cache hit); False (dest partly written or not) otherwise. Default: False."""

@@ -144,6 +144,19 @@ class ObjectStorage(Storage):
             counts.append(n)
         return counts
 
+    def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
+        try:
+            res = _obstore().get(self.store, key)
+            if res.meta["size"] > max_bytes:
+                raise ValueError(f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} expected")
+            return memoryview(res.bytes())  # obstore's buffer: no copy
+        except ValueError:
+            raise
+        except Exception as e:
+            if self._missing(e, key):
+                return None
+            raise self._read_failed(key, e) from e
+
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
             res = _obstore().get(self.store, key)
