@@ -219,7 +219,7 @@ def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, thread
         if not w:
             epoch_rate(ts, w)
     out = {}
-    for cond, reps in (("cold", max(2, repeats // 2)), ("warm", repeats)):
+    for cond, reps in (("cold", repeats), ("warm", repeats)):
         if cond == "warm":
             warm(root / "store", raw)
         runs: dict[str, list[float]] = {k: [] for k in ("seq", *streams)}
