@@ -182,3 +182,22 @@ def test_stores_that_are_not_local_raw_chunks_are_read(tmp_path):
     assert spare(ts)["region"] is None
     _, want = epoch(store, batch_size=4, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_other_stored_dtypes_stream_the_same_mapped(tmp_path, dtype):
+    store = qa_store(tmp_path / "s", n=5, dtype=dtype)
+    kw = dict(batch_size=7, seed=3, buffer_bytes=7 * 8 * 4 * 3)
+    _, got = epoch(store, **kw)
+    _, want = epoch(store, mmap=False, **kw)
+    assert got[0].dtype == getattr(torch, dtype) and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+
+
+def test_forked_workers_of_a_stream_that_mapped_in_the_main_process(tmp_path):
+    store = vit_store(tmp_path / "s", n=16)
+    ts = TokenStream(store, batch_size=8, seed=2)
+    assert sum(len(b) for b in ts) == 160  # the main process mapped the files
+    ts.set_epoch(0)
+    got = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
+    want = [b.clone() for b in TokenStream(store, batch_size=8, seed=2, mmap=False).loader(num_workers=2, multiprocessing_context="fork")]
+    assert len(got) == len(want) == 20 and all(torch.equal(a, b) for a, b in zip(got, want))
