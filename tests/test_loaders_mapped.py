@@ -79,6 +79,11 @@ def test_warm_epochs_map_once_and_read_nothing(tmp_path, monkeypatch):
     again = [b.clone() for b in ts]
     assert all(torch.equal(a, b) for a, b in zip(first, again)) and len(again) == len(first)
     assert calls == [] and populated == []  # every unit: remembered rows, resident pages
+    it = iter(ts)
+    next(it)
+    with pytest.raises(RuntimeError, match=r"release\(\) while this stream is being iterated"):
+        ts.release()  # its threads still gather from the mappings
+    del it
     ts.release()  # mappings gone: the next epoch maps and populates every file again
     assert region.base is None and ts._spare == {}
     ts.set_epoch(0)
@@ -98,13 +103,22 @@ def test_pages_that_left_the_page_cache_are_populated_again(tmp_path):
     assert region.to_populate([(slot, 0, 60)]) == []
     rows = region.rows[region.first_row(slot, 0) : region.first_row(slot, 0) + 5]
     np.testing.assert_array_equal(rows.view(np.float16).reshape(5, 6), store[1, 0])
-    import ctypes
-
+    from actstore.fsutil import syncfs
     from actstore.storage import mapping
 
-    page = os.sysconf("SC_PAGE_SIZE")  # reclaim the page (MADV_PAGEOUT): it leaves the page cache
-    assert mapping._LIBC.madvise(region.base + slot * region.stride, page, 21) == 0, ctypes.get_errno()
+    # Evict the page: unmap it from this process (MADV_DONTNEED), then drop it from the page cache.
+    path = storage.where(key)
+    syncfs(os.path.dirname(path))
+    assert mapping._LIBC.madvise(region.base + slot * region.stride, os.sysconf("SC_PAGE_SIZE"), 4) == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     assert region.to_populate([(slot, 0, 60)]) == [(slot, 0, 60)]
+    region.populate(slot, 0, 60)
+    assert region.to_populate([(slot, 0, 60)]) == []
+    np.testing.assert_array_equal(rows.view(np.float16).reshape(5, 6), store[1, 0])
     region.unpin([slot])
     region.close()
 

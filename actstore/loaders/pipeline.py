@@ -120,8 +120,8 @@ class TokenPipeline:
             spare = {"slots": self.slots, "maker": self.maker, "ahead": self.ahead, "region": self.region}
         else:
             self.maker.close()
-        if self.ts._spare.get("pending") is self:
-            self.ts._spare = spare
+        if self.ts._spare.get("pending") is self or not self.ts._spare:
+            self.ts._spare = spare  # also after a stop mid-epoch: the next iteration reuses them
         return spare
 
     # ---- threads ------------------------------------------------------------------

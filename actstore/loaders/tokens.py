@@ -181,10 +181,12 @@ class TokenStream(IterableDataset):
         self._num_workers = 0  # set by TokenLoader; the worker split the saved position refers to
         # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
         self._spare: dict[str, Any] = {}
+        self._active = 0  # iterations running (their threads use the buffers and mappings)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_spare"] = {}
+        state["_active"] = 0
         return state
 
     # ---- the position -------------------------------------------------------------
@@ -251,6 +253,8 @@ class TokenStream(IterableDataset):
         """Give back everything this stream holds between epochs in this process: window
         buffers, batch buffers, the window read ahead, and the mappings of the store's
         files (whose pages the kernel may then evict). The next epoch starts afresh."""
+        if self._active:
+            raise RuntimeError("release() while this stream is being iterated: finish or close the iteration first")
         self.discard_read_ahead()
         spare, self._spare = self._spare, {}
         if spare.get("maker") is not None:
@@ -286,6 +290,7 @@ class TokenStream(IterableDataset):
             worker = (worker + first) % n_workers  # continue the DataLoader's cycle where it stopped
             skip = int(done[worker])
         pipe = TokenPipeline(self, plan, plan.worker_windows(worker, n_workers), skip, in_worker=not in_main)
+        self._active += 1
         try:
             for batch in pipe:
                 if in_main:
@@ -294,4 +299,5 @@ class TokenStream(IterableDataset):
             if in_main:
                 self._end_epoch()
         finally:
+            self._active -= 1
             pipe.close()
