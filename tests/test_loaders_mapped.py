@@ -215,3 +215,22 @@ def test_forked_workers_of_a_stream_that_mapped_in_the_main_process(tmp_path):
     got = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
     want = [b.clone() for b in TokenStream(store, batch_size=8, seed=2, mmap=False).loader(num_workers=2, multiprocessing_context="fork")]
     assert len(got) == len(want) == 20 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "read"])
+def test_the_window_read_ahead_stays_with_the_epoch_that_uses_it(tmp_path, mmap):
+    """Epoch 1 starts from the window read ahead at the end of epoch 0; nothing the stream
+    keeps between epochs may share it meanwhile (forgetting read-aheads mid-epoch, a
+    stage breakdown building its own pipeline) without breaking epoch 1."""
+    store = vit_store(tmp_path / "s", n=30)
+    kw = dict(batch_size=8, seed=4, buffer_bytes=8 * 12 * 3, mmap=mmap)  # windows of 3 batches
+    fresh = TokenStream(store, **kw)
+    fresh.set_epoch(1)
+    want = [b.clone() for b in fresh]
+    ts = TokenStream(store, **kw)
+    assert sum(len(b) for b in ts) == 300
+    it = iter(ts)  # epoch 1: its first window was read ahead
+    got = [next(it).clone()]
+    ts.discard_read_ahead()  # nothing read ahead is pending now: must not touch the running epoch
+    got += [b.clone() for b in it]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -103,7 +103,9 @@ class TokenPipeline:
                 self.ts._spare = {"pending": self}
                 return
         self.stop.set()
-        self.finish()
+        spare = self.finish()
+        if not self.ts._spare:  # stopped mid-epoch: the next iteration reuses its slots and mappings
+            self.ts._spare = spare
 
     def finish(self) -> dict:
         """Wait for the threads and hand the slots, ring and mappings back to the stream
@@ -120,8 +122,8 @@ class TokenPipeline:
             spare = {"slots": self.slots, "maker": self.maker, "ahead": self.ahead, "region": self.region}
         else:
             self.maker.close()
-        if self.ts._spare.get("pending") is self or not self.ts._spare:
-            self.ts._spare = spare  # also after a stop mid-epoch: the next iteration reuses them
+        if self.ts._spare.get("pending") is self:
+            self.ts._spare = spare
         return spare
 
     # ---- threads ------------------------------------------------------------------
