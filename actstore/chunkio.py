@@ -11,14 +11,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from actstore.errors import CorruptChunkError
+from actstore.errors import ActstoreError, CorruptChunkError, StorageAccessError
 from actstore.layout.checksum import crc32c
 from actstore.layout.chunks import EMPTY, ChunkGeometry
 from actstore.storage import Storage, Writeback
 
 __all__ = ["ChunkIO", "crc32c", "drop_chunks"]
 
-INDEX_CACHE = 64  # shard-file indexes kept per array (16 bytes per inner chunk each)
+INDEX_CACHE_BYTES = 16 * 2**20  # shard-file indexes kept per array (16 bytes per inner chunk each)
 
 
 class ChunkIO:
@@ -67,10 +67,7 @@ class ChunkIO:
         if size is None:
             dest[:] = b"\0" * len(dest)
         elif size != len(dest):
-            raise CorruptChunkError(
-                f"chunk file {self.where(key)} has {size} bytes, expected {len(dest)}: "
-                "the file is damaged (truncated or overwritten); run `actstore verify --deep`"
-            )
+            raise CorruptChunkError(self.wrong_size(key, size))
 
     def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
         """read_into when every byte is at hand without waiting (page cache); False (out
@@ -98,21 +95,38 @@ class ChunkIO:
 
     def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
         key = self.geo.shard_key(ex)
+        offset = self.shard_chunk(ex, layer_pos, tc)
+        if offset is None:
+            dest[:] = b"\0" * len(dest)
+            return
+        if self.storage.read_into(key, dest, offset) != len(dest):
+            raise CorruptChunkError(self.cut_short(key, offset))
+
+    def shard_chunk(self, ex: int, layer_pos: int, tc: int) -> int | None:
+        """Byte offset of (ex, layer_pos, tc) in its shard file (`geo.shard_key(ex)`), or None
+        when the chunk is not stored (the file or its index entry is missing: fill value);
+        an index entry of another size than an uncompressed chunk raises."""
+        key = self.geo.shard_key(ex)
         index = self.shard_index(key)
         if index is None:
-            dest[:] = b"\0" * len(dest)
-            return
+            return None
         offset, nbytes = index[ex % self.geo.shard_examples, layer_pos, tc]
         if offset == EMPTY and nbytes == EMPTY:
-            dest[:] = b"\0" * len(dest)
-            return
-        if int(nbytes) != len(dest):
+            return None
+        nb = self.geo.chunk_nbytes
+        if int(nbytes) != nb:
             raise CorruptChunkError(
                 f"shard file {self.where(key)} holds a {int(nbytes)}-byte chunk for example {ex}, layer position "
-                f"{layer_pos}, token chunk {tc}; an uncompressed chunk has {len(dest)} bytes"
+                f"{layer_pos}, token chunk {tc}; an uncompressed chunk has {nb} bytes"
             )
-        if self.storage.read_into(key, dest, int(offset)) != len(dest):
-            raise CorruptChunkError(f"shard file {self.where(key)} is truncated: chunk at byte {int(offset)} is cut short")
+        return int(offset)
+
+    def cut_short(self, key: str, offset: int) -> str:
+        return f"shard file {self.where(key)} is truncated: chunk at byte {offset} is cut short"
+
+    def wrong_size(self, key: str, size: int) -> str:
+        return (f"chunk file {self.where(key)} has {size} bytes, expected {self.geo.chunk_nbytes}: "
+                "the file is damaged (truncated or overwritten); run `actstore verify --deep`")
 
     def shard_index(self, key: str) -> np.ndarray | None:
         """The (checked) index of a shard file, or None when the file does not exist."""
@@ -120,18 +134,37 @@ class ChunkIO:
         if index is not None:
             self._index_cache.move_to_end(key)
             return index
-        size = self.storage.size(key)
-        if size is None:
-            if self.storage.kind(key) is not None:
-                self.storage.get(key)  # raises, naming what stands there instead of a file
-            return None
+        try:
+            size = self.storage.size(key)
+            if size is None:
+                if self.storage.kind(key) is not None:
+                    self.storage.get(key)  # raises, naming what stands there instead of a file
+                return None
+            n = self._index_fits(key, size)
+            raw = self.storage.get_range(key, size - n, n)
+        except (ActstoreError, OSError):
+            raise
+        except Exception as e:  # an object store's own error (after its retries)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise StorageAccessError(f"cannot read the index of shard file {self.where(key)}: {first}") from e
+        return self._keep_index(key, raw, size)
+
+    def index_of_object(self, key: str, data: memoryview) -> np.ndarray:
+        """The (checked) index of shard file `key` from the whole file's bytes, kept: for
+        readers that fetch a whole file at once (one request instead of two)."""
+        n = self._index_fits(key, len(data))
+        return self._keep_index(key, bytes(data[len(data) - n :]), len(data))
+
+    def _index_fits(self, key: str, size: int) -> int:
         n = self.geo.index_nbytes
         if size < n:
             raise CorruptChunkError(f"shard file {self.where(key)} has {size} bytes, less than its {n}-byte index")
-        raw = self.storage.get_range(key, size - n, n)
-        index = self.geo.decode_index(raw, size - n, self.where(key))
+        return n
+
+    def _keep_index(self, key: str, raw: bytes, size: int) -> np.ndarray:
+        index = self.geo.decode_index(raw, size - self.geo.index_nbytes, self.where(key))
         self._index_cache[key] = index
-        if len(self._index_cache) > INDEX_CACHE:
+        while len(self._index_cache) > max(64, INDEX_CACHE_BYTES // index.nbytes):  # every index of an array: one size
             self._index_cache.popitem(last=False)
         return index
 

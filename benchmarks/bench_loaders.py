@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_store_shape_args, drop_cache, save  # noqa: E402
+from token_stages import stage_costs  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.torch import PairDataset, TokenStream  # noqa: E402
@@ -204,9 +205,12 @@ def epoch_rate(ts: TokenStream, num_workers: int = 0) -> float:
 
 def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, threads: int, repeats: int) -> dict:
     """Whole epochs, tokens/s, cold then warm, each stream reused across epochs as in training
-    (its first, untimed epoch allocates its buffers)."""
+    (its first, untimed epoch allocates its buffers and maps the store's files). Every
+    repeat runs the sequential read and each stream back to back; `*_vs_seq` is the
+    median of the per-repeat ratios (pairs that shared the machine's load)."""
     streams = {
         "f16": (TokenStream(store, batch_size=batch, threads=threads), 0),
+        "f16_read": (TokenStream(store, batch_size=batch, threads=threads, mmap=False), 0),
         "f32": (TokenStream(store, batch_size=batch, threads=threads, dtype=torch.float32), 0),
         "f16_w2": (TokenStream(store, batch_size=batch, threads=threads), 2),
         "f16_runs": (TokenStream(store, batch_size=batch, threads=threads, run_bytes=4 * 2**20), 0),
@@ -215,7 +219,7 @@ def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, thread
         if not w:
             epoch_rate(ts, w)
     out = {}
-    for cond, reps in (("cold", 2), ("warm", repeats)):
+    for cond, reps in (("cold", repeats), ("warm", repeats)):
         if cond == "warm":
             warm(root / "store", raw)
         runs: dict[str, list[float]] = {k: [] for k in ("seq", *streams)}
@@ -223,11 +227,12 @@ def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, thread
         for _ in range(reps):
             for name in runs:
                 if cond == "cold":
-                    drop_all(root / "store", raw)
                     for ts, _ in streams.values():
-                        # A stream reads its next epoch's first window at the end of an
-                        # epoch (into its own buffer): cold means none of it is in memory.
-                        ts.discard_read_ahead()
+                        # Cold means nothing of the store in memory: not the window a stream
+                        # read ahead, nor the pages its mappings hold (mapped pages cannot
+                        # be dropped from the page cache).
+                        ts.release()
+                    drop_all(root / "store", raw)
                 if name == "seq":
                     runs[name].append(n_tokens / sequential_read(raw))
                 else:
@@ -238,10 +243,13 @@ def bench_tokens(store, root: Path, raw: Path, n_tokens: int, batch: int, thread
         d = out[cond] = {k: statistics.median(v) for k, v in runs.items()}
         d["f16_first_batch_s"] = statistics.median(first)
         for k in streams:
-            d[f"{k}_vs_seq"] = d[k] / d["seq"]
+            d[f"{k}_vs_seq"] = statistics.median(a / b for a, b in zip(runs[k], runs["seq"]))
+            d[f"{k}_pairs"] = [round(a / b, 3) for a, b in zip(runs[k], runs["seq"])]
     first = streams["f16"][0]
     out["window_tokens"] = first.window_batches * batch
     out["run_units"] = first.run
+    for ts, _ in streams.values():
+        ts.release()
     return out
 
 
@@ -374,10 +382,11 @@ def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, pro
             kw = dict(layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads, run_bytes=run_bytes)
             ts = TokenStream(store, **kw)
             epoch_rate(ts)  # first epoch: allocates its buffers
+            ts.release()  # cold: no window read ahead, no mapped pages (which could not be dropped)
             drop_all(store_dir)
-            ts.discard_read_ahead()  # cold: not even the next epoch's first window in memory
             cold = epoch_rate(ts)
             warm_rate = epoch_rate(ts)
+            ts.release()
             mix = []
             for i, b in enumerate(TokenStream(store, return_index=True, **kw)):
                 mix.append(inverse_simpson(b["example"].numpy()))
@@ -406,6 +415,7 @@ def main() -> None:
     ap.add_argument("--saev-batches", type=int, default=6)
     ap.add_argument("--knob-mb", default="8,32,128,512")
     ap.add_argument("--dir", default=None, help="where to put the temporary data (default: a temp dir)")
+    ap.add_argument("--only", choices=["tokens"], default=None, help="run only the TokenStream figures and the stage breakdown")
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-loaders-"))
     res: dict = {}
@@ -415,28 +425,38 @@ def main() -> None:
         store, raw = build(root, n, L, T, D)
         from actstore.saev import export_saev
 
-        saev_dir = export_saev(store, root / "saev", protocol="2.0", family="dinov2", ckpt="bench/random", dataset="/bench",
-                               cls="none", fsync=False, progress=False).path
+        saev_dir = None if a.only else export_saev(store, root / "saev", protocol="2.0", family="dinov2", ckpt="bench/random",
+                                                   dataset="/bench", cls="none", fsync=False, progress=False).path
         os.sync()
         nbytes = n * L * T * D * 2
         print(f"data: {n} examples x {L} layers x {T} tokens x {D} (fp16 {nbytes / 1e9:.2f} GB; saev float32 "
               f"{2 * nbytes / 1e9:.2f} GB), built in {time.perf_counter() - t0:.0f} s", flush=True)
         res["shape"] = [n, L, T, D]
 
-        res["pairs"] = p = bench_pairs(store, raw, root, n, L, T, D, a.pair_batch, a.k, a.threads, a.repeats)
-        print(f"PairDataset {a.pair_batch}x{a.k} ({p['bytes'] / 1e6:.0f} MB), median ms: {p['median_ms']}; "
-              f"warm {p['warm_vs_memmap']:.2f}x memmap, cold {p['cold_vs_pread']:.2f}x pread", flush=True)
-        res["pair_workers_batches_per_s"] = pw = bench_pair_workers(store, a.pair_batch, a.k, a.threads, 2 * a.repeats)
-        print(f"PairDataset through a DataLoader, warm batches/s by workers: {pw}", flush=True)
+        if a.only is None:
+            res["pairs"] = p = bench_pairs(store, raw, root, n, L, T, D, a.pair_batch, a.k, a.threads, a.repeats)
+            print(f"PairDataset {a.pair_batch}x{a.k} ({p['bytes'] / 1e6:.0f} MB), median ms: {p['median_ms']}; "
+                  f"warm {p['warm_vs_memmap']:.2f}x memmap, cold {p['cold_vs_pread']:.2f}x pread", flush=True)
+            res["pair_workers_batches_per_s"] = pw = bench_pair_workers(store, a.pair_batch, a.k, a.threads, 2 * a.repeats)
+            print(f"PairDataset through a DataLoader, warm batches/s by workers: {pw}", flush=True)
 
         res["tokens"] = tok = bench_tokens(store, root, raw, n * L * T, a.token_batch, a.threads, a.repeats)
         for c in ("cold", "warm"):
             d = tok[c]
-            print(f"TokenStream {c}, tokens/s: sequential read {d['seq'] / 1e6:.2f}M; stream float16 {d['f16'] / 1e6:.2f}M "
-                  f"({d['f16_vs_seq']:.2f}x), float32 {d['f32'] / 1e6:.2f}M ({d['f32_vs_seq']:.2f}x), "
-                  f"float16 through 2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
-                  f"float16 in runs of 4 MiB (run_bytes) {d['f16_runs'] / 1e6:.2f}M ({d['f16_runs_vs_seq']:.2f}x)", flush=True)
-
+            print(f"TokenStream {c} (load {os.getloadavg()[0]:.1f}), tokens/s: sequential read {d['seq'] / 1e6:.2f}M; "
+                  f"stream float16 {d['f16'] / 1e6:.2f}M ({d['f16_vs_seq']:.2f}x, pairs {d['f16_pairs']}), "
+                  f"read path (mmap=False) {d['f16_read'] / 1e6:.2f}M ({d['f16_read_vs_seq']:.2f}x), "
+                  f"float32 {d['f32'] / 1e6:.2f}M ({d['f32_vs_seq']:.2f}x), "
+                  f"2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
+                  f"runs of 4 MiB {d['f16_runs'] / 1e6:.2f}M ({d['f16_runs_vs_seq']:.2f}x)", flush=True)
+        warm(root / "store", raw)
+        res["token_stages"] = st = stage_costs(store, raw, a.token_batch, a.repeats, sequential_read)
+        print(f"TokenStream warm, CPU ns per token of each stage alone (load {os.getloadavg()[0]:.1f}): {st['ns_per_token']}; "
+              f"ceiling on {st['cores']} cores vs the sequential read: mapped {st['ceiling_vs_seq']['mapped']:.2f}x, "
+              f"read {st['ceiling_vs_seq']['read']:.2f}x", flush=True)
+        if a.only is not None:
+            print(f"results: {save('loaders', res)}")
+            return
         layer = store.layers[0]
         drop_all(saev_dir)
         sv = bench_saev_design(saev_dir, 0, a.saev_batch, a.saev_buffer, 4, a.saev_batches)
@@ -445,8 +465,8 @@ def main() -> None:
         epoch_rate(ts)  # first epoch: allocates its buffers
         for c in ("cold", "warm"):
             if c == "cold":
+                ts.release()  # its mapped pages could not be dropped
                 drop_all(root / "store")
-                ts.discard_read_ahead()
             one[c] = epoch_rate(ts)
         sv["stream_one_layer_float32"] = one
         sv["stream_vs_saev"] = {c: one[c] / sv["tokens_per_s"] for c in one}

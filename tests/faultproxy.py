@@ -39,6 +39,7 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "failed": 0, "dropped_request": 0, "dropped_response": 0}
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -50,6 +51,8 @@ class FaultProxy:
             def _any(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                with proxy.lock:
+                    proxy.requests.append((self.command, self.path))
                 fate = proxy._fate()
                 if fate == "failed":
                     self.send_response(503)

@@ -17,12 +17,13 @@ from actstore import ActStore, ShardWriter
 from actstore.torch import PairBatchSampler, TokenStream
 
 
-def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True):
-    """Two shards of a prompt/response store with random lengths (some 0) and labels."""
+def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **layout):
+    """Two shards of a prompt/response store with random lengths (some 0) and labels
+    (`layout`: ShardWriter's zarr_format, shard_examples...)."""
     rng = np.random.default_rng(seed)
     for shard in range(shards):
         with ShardWriter(path, shard=shard, layers=[2, 5, 9], d_model=d, segments={"prompt": 9, "response": 4},
-                         t_chunk={"prompt": 4, "response": 4}, dtype=dtype, token_labels=True, stats=stats) as w:
+                         t_chunk={"prompt": 4, "response": 4}, dtype=dtype, token_labels=True, stats=stats, **layout) as w:
             w.append(prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
                      response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
                      lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
@@ -292,9 +293,10 @@ def test_a_damaged_chunk_raises_in_the_training_loop(tmp_path):
         list(TokenStream(store, batch_size=4).loader(num_workers=2, multiprocessing_context="fork"))
 
 
-def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "read"])
+def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_path, monkeypatch, mmap):
     store = vit_store(tmp_path / "s", n=40, t=5, d=6)
-    kw = dict(batch_size=8, buffer_bytes=8 * 6 * 2 * 4, seed=3)  # windows of 4 batches
+    kw = dict(batch_size=8, buffer_bytes=8 * 6 * 2 * 4, seed=3, mmap=mmap)  # windows of 4 batches
 
     def fresh(epoch):
         ts = TokenStream(store, **kw)
@@ -307,8 +309,11 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     pending = ts._spare["pending"]  # the reader of epoch 0 finishes its read-ahead in the background
     assert pending.finish()["ahead"][1].start == 0 and ts._spare["ahead"][0] == (3, 1)  # seed 3, epoch 1, window 0
     calls = []
-    real = type(store).read_cached
-    monkeypatch.setattr(type(store), "read_cached", lambda self, *a: calls.append(a[:2]) or real(self, *a))
+    from actstore.loaders.windows import MappedFill
+
+    owner, name = (MappedFill, "_unit") if mmap else (type(store), "read_cached")  # how a window's units are reached
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda self, *a: calls.append(a[:2]) or real(self, *a))
     got = [b.clone() for b in ts]  # epoch 1: its first window is already in memory
     assert len(got) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got, want[1]))
     ts._spare["pending"].finish()  # epoch 2's first window, read in the background
@@ -316,7 +321,11 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     assert len(calls) == sum(len(p1.window(j).units) for j in range(1, p1.n_windows)) + len(p2.window(0).units)
     ts.set_epoch(5)  # the window read ahead (epoch 2) is not epoch 5's
     ts.discard_read_ahead()
-    assert "ahead" not in ts._spare and ts._spare["windows"]  # forgotten, its buffers kept
+    assert "ahead" not in ts._spare and ts._spare["slots"]  # forgotten, its slots kept
+    region = ts._spare["region"]
+    assert (region is not None) == mmap
+    if mmap:  # mapped: the store's files stay mapped for the next epochs, none pinned now
+        assert region.stats()["mapped"] == 80 and region.stats()["pinned"] == 0
     ts.set_epoch(2)
     assert all(torch.equal(a, b) for a, b in zip(ts, fresh(2)))  # read again, not from memory
     ts.set_epoch(5)

@@ -79,18 +79,19 @@ def test_missing_or_damaged_chunks_are_left_to_read_into(tmp_path):
 
 def test_token_stream_copies_cached_units_itself_and_reads_the_rest_with_threads(tmp_path, monkeypatch):
     st = make(tmp_path / "s")
-    ts = TokenStream(st, batch_size=32, threads=4, seed=1)
+    ts = TokenStream(st, batch_size=32, threads=4, seed=1, mmap=False)  # the read path (mapped: test_loaders_mapped.py)
     want = [b.clone() for b in ts]  # first epoch: warms every chunk
     calls = []
-    real = ActStore.read_into
+    real, real_many = ActStore.read_into, ActStore.read_many_into
     monkeypatch.setattr(ActStore, "read_into", lambda self, *a: calls.append(a[:2]) or real(self, *a))
+    monkeypatch.setattr(ActStore, "read_many_into", lambda self, items: calls.extend(i[:2] for i in items) or real_many(self, items))
     ts.set_epoch(0)
     assert [torch_equal(a, b) for a, b in zip(ts, want)] == [True] * len(want)
     assert calls == []  # warm: every unit was a cached read
     drop(chunk_files(tmp_path / "s"))
     ts.set_epoch(0)
     assert [torch_equal(a, b) for a, b in zip(ts, want)] == [True] * len(want)
-    assert sorted(calls) == sorted((e, l) for e in range(9) for l in (2, 5))  # cold: all through read_into
+    assert sorted(calls) == sorted((e, l) for e in range(9) for l in (2, 5))  # cold: all through the I/O threads
 
 
 def torch_equal(a, b) -> bool:

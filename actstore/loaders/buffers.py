@@ -54,6 +54,7 @@ class BufferRing:
 
     def __init__(self, n: int, dtype: torch.dtype, *, pin: bool = False, shared: bool = False):
         self.slots: list[torch.Tensor | None] = [None] * n
+        self.events: list = [None] * n  # per slot: an event that must complete before reuse
         self.dtype, self.pin, self.shared = dtype, pin, shared
         self.next = 0
 
@@ -63,9 +64,18 @@ class BufferRing:
         numel = int(np.prod(shape))
         i = self.next % len(self.slots)
         self.next += 1
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # an asynchronous copy out of this slot may still run
+            self.events[i] = None
         t = self.slots[i]
         if t is None or t.numel() < numel or not unreferenced(t):
             # The batch this slot held is still alive somewhere: leave it, take new memory.
             t = torch.empty(numel, dtype=self.dtype, pin_memory=self.pin)
             self.slots[i] = t
         return t[:numel].view(shape)
+
+    def hold(self, event: object) -> None:
+        """The slot last taken is not reused before `event` (anything with synchronize(),
+        e.g. a CUDA event recorded after a non_blocking copy from it) has completed."""
+        if not self.shared:
+            self.events[(self.next - 1) % len(self.slots)] = event

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
 from actstore.loaders.source import TokenMask, pick_layers, pick_segments, reader, resolve_mask, segment_lengths, stored_numpy_dtype
 from actstore.loaders.tokens import dist_rank_world
+from actstore.loaders.windows import TaskPacker
 
 
 class PairIndex(NamedTuple):
@@ -180,7 +181,7 @@ class PairDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for k in ("_pool", "_ring", "_read"):
+        for k in ("_pool", "_ring", "_read", "_many"):
             state.pop(k, None)
         state["_pid"] = None
         return state
@@ -193,6 +194,8 @@ class PairDataset(Dataset):
         in_worker = get_worker_info() is not None
         self._ring = BufferRing(self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker)
         self._read = reader(self.store)
+        self._remote = getattr(getattr(self.store, "storage", None), "coalesce_bytes", 0) > 0 and hasattr(self.store, "object_of")
+        self._many = getattr(self.store, "read_many_into", None) if self._remote else None  # local: one read each
         self._pid = os.getpid()
 
     def _buffer(self, b: int, k: int) -> torch.Tensor:
@@ -220,8 +223,7 @@ class PairDataset(Dataset):
         if acts.dtype == torch.bfloat16:
             arr = arr.view(np.uint16)
         jobs = [(i, j, s) for i in range(b) for j in range(k) for s in range(len(self.segments))]
-        step = -(-len(jobs) // self.threads) if jobs else 1
-        futures = [self._pool.submit(self._read_jobs, arr, exs, lays, jobs[i : i + step]) for i in range(0, len(jobs), step)]
+        futures = [self._pool.submit(self._read_jobs, arr, exs, lays, task) for task in self._tasks(jobs, exs, lays)]
         for f in futures:
             f.result()
         lengths = self.lengths[exs]
@@ -231,19 +233,40 @@ class PairDataset(Dataset):
             out["mask"] = torch.from_numpy(self._mask(exs, lengths))
         return out
 
+    def _tasks(self, jobs: list[tuple[int, int, int]], exs: np.ndarray, lays: np.ndarray) -> list[list[tuple[int, int, int]]]:
+        """The reads split over the threads; on an object store, in store order and the reads
+        of one object together (read_many_into sends them as one request)."""
+        if not self._remote:
+            step = -(-len(jobs) // self.threads) if jobs else 1
+            return [jobs[i : i + step] for i in range(0, len(jobs), step)]
+        jobs = sorted(jobs, key=lambda t: (t[2], int(exs[t[0]]), int(lays[t[0], t[1]])))  # segment by segment: its own objects
+        row_bytes = self.d_model * self.np_dtype.itemsize
+        packer = TaskPacker(sum(self.segments[s].t_pad for _, _, s in jobs) * row_bytes, self.threads)
+        tasks = []
+        for i, j, s in jobs:
+            obj = self.store.object_of(int(exs[i]), int(lays[i, j]), self.segments[s].name)
+            done = packer.add((i, j, s), obj, self.segments[s].t_pad * row_bytes)
+            if done:
+                tasks.append(done)
+        return tasks + ([packer.items] if packer.items else [])
+
     def _read_jobs(self, arr: np.ndarray, exs: np.ndarray, lays: np.ndarray, jobs: list[tuple[int, int, int]]) -> None:
-        scratch = None
+        items, copies = [], []
         for i, j, s in jobs:
             seg = self.segments[s]
             o = int(self.offsets[s])
             dest = arr[i, j, o : o + seg.t_max]
-            if seg.t_pad == seg.t_max:
-                self._read(int(exs[i]), int(lays[i, j]), seg.name, dest)
-            else:
-                if scratch is None or scratch.shape[0] < seg.t_pad:
-                    scratch = np.empty((seg.t_pad, self.d_model), self.np_dtype)
-                self._read(int(exs[i]), int(lays[i, j]), seg.name, scratch[: seg.t_pad])
-                dest[:] = scratch[: seg.t_max]  # copy: the last token chunk runs past T_max
+            if seg.t_pad != seg.t_max:  # the last token chunk runs past T_max: read beside, copy
+                copies.append((dest, np.empty((seg.t_pad, self.d_model), self.np_dtype)))
+                dest = copies[-1][1]
+            items.append((int(exs[i]), int(lays[i, j]), seg.name, dest))
+        if self._many is not None and len(items) > 1:
+            self._many(items)
+        else:
+            for item in items:
+                self._read(*item)
+        for dest, scratch in copies:
+            dest[:] = scratch[: len(dest)]  # copy: the rows up to T_max
 
     def _mask(self, exs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         mask = np.zeros((len(exs), self.t_total), dtype=bool)

@@ -1,13 +1,16 @@
 """TokenPipeline: one consumer's background reading and batch assembly for TokenStream.
 
-A reader thread fills window buffers through a thread pool (whole-chunk reads, which
-release the GIL) while an assembler thread gathers batches from the previous window into
-a ring of reused buffers and queues them, so the training loop finds a batch waiting.
-Buffers are handed back to the stream at the end and reused by the next epoch.
+A reader thread fills windows (actstore/loaders/windows.py: mapped from the page cache
+on a local disk, or read into window buffers through a thread pool) while an assembler
+thread gathers batches from the previous window straight into a ring of reused buffers
+(actstore/loaders/assemble.py) and queues them, so the training loop finds a batch
+waiting. Window slots, the ring and the file mappings are handed back to the stream at
+the end and reused by the next epoch.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -17,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from actstore.dtypes import TORCH_GRAIN
-from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
+from actstore.loaders.assemble import BatchMaker, OnDevice
 from actstore.loaders.plan import EpochPlan, WindowSlice
-from actstore.loaders.source import TokenUnits, reader
+from actstore.loaders.source import TokenUnits
+from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
+from actstore.storage.mapping import FileRegion
 
 if TYPE_CHECKING:
     from actstore.loaders.tokens import TokenStream
@@ -36,16 +40,15 @@ class TokenPipeline:
         spare, ts._spare = ts._spare, {}
         if "pending" in spare:  # the last epoch's reader, reading this epoch's first window
             spare = spare["pending"].finish()
-        # Batches go into a ring of reused buffers: the queue holds 2, the loop one or two.
-        self.ring = spare.get("ring") or BufferRing(6, ts.dtype, pin=ts.pin_memory and not in_worker, shared=in_worker)
-        self.gather = spare.get("gather")
-        if self.gather is None:
-            self.gather = torch.empty((ts.batch_size, ts.d_model), dtype=TORCH_DTYPES[ts.store.dtype])
-        self.read = reader(ts.store)
-        self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
-        n_buf = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
-        self.free: queue.Queue = queue.Queue()
+        self.maker = spare.get("maker")
+        if self.maker is None or self.maker.in_worker != in_worker:
+            self.maker = BatchMaker(ts, in_worker, spare.get("ring"))
+        self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
         cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
+        self.region = _region(ts, spare.get("region"))
+        self.mapped = MappedFill(ts, self.region, self.pool) if self.region is not None else None
+        self.reads = ReadFill(ts, self.pool, cap)
+        n_slots = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
         # Skip whole windows already consumed; `first` batches of the next are skipped too.
         todo = list(windows)
         while todo and skip >= plan.window_n_batches(todo[0]):
@@ -55,14 +58,17 @@ class TokenPipeline:
         ahead = spare.get("ahead")
         self.in_main = not in_worker
         use_ahead = ahead is not None and self.in_main and ahead[0] == _plan_key(ts, plan) and todo[:1] == [0] and skip == 0
-        windows_spare = [b for b in spare.get("windows", []) if b.shape == (cap, ts.d_model) and not (use_ahead and b is ahead[2])]
-        self.buffers = [windows_spare.pop() if windows_spare else np.empty((cap, ts.d_model), ts.stored_dtype)
-                        for _ in range(min(n_buf, max(len(windows), 1)) - (1 if use_ahead else 0))]
-        for b in self.buffers:
-            self.free.put(b)
+        if ahead is not None and not use_ahead:
+            ahead[2].release()
+        kept = [s for s in spare.get("slots", []) if not (use_ahead and s is ahead[2])]
+        kept = [s if s.buf is None or s.buf.shape == (cap, ts.d_model) else WindowSlot() for s in kept]
+        self.slots = [kept.pop() if kept else WindowSlot() for _ in range(min(n_slots, max(len(windows), 1)) - (1 if use_ahead else 0))]
+        self.free: queue.Queue = queue.Queue()
+        for s in self.slots:
+            self.free.put(s)
         self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
         if use_ahead:
-            self.buffers.append(ahead[2])
+            self.slots.append(ahead[2])
             self.full.put((ahead[1], ahead[2]))
             self.windows = todo[1:]
         self.ahead: tuple | None = None
@@ -70,8 +76,6 @@ class TokenPipeline:
         self.served = False  # the loop has taken every batch of this epoch
         self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stop = threading.Event()
-        self.local = threading.local()
-        self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
         self.threads = [
             threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
             threading.Thread(target=self._guard, args=(self._assemble, self.out), daemon=True, name="actstore-batches"),
@@ -87,7 +91,7 @@ class TokenPipeline:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield _handed_over(item)
 
     def close(self) -> None:
         if self.served and self.epoch_read and not self.stop.is_set():
@@ -99,16 +103,25 @@ class TokenPipeline:
                 self.ts._spare = {"pending": self}
                 return
         self.stop.set()
-        self.finish()
+        spare = self.finish()
+        if not self.ts._spare:  # stopped mid-epoch: the next iteration reuses its slots and mappings
+            self.ts._spare = spare
 
     def finish(self) -> dict:
-        """Wait for the threads and hand the buffers back to the stream (and return them)."""
+        """Wait for the threads and hand the slots, ring and mappings back to the stream
+        (and return them); windows not served are released."""
         for t in self.threads:
             t.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
-        spare = {}
+        spare: dict[str, Any] = {}
         if not any(t.is_alive() for t in self.threads):
-            spare = {"windows": self.buffers, "ring": self.ring, "gather": self.gather, "ahead": self.ahead}
+            ahead_slot = self.ahead[2] if self.ahead is not None else None
+            for s in self.slots:
+                if s is not ahead_slot:
+                    s.release()
+            spare = {"slots": self.slots, "maker": self.maker, "ahead": self.ahead, "region": self.region}
+        else:
+            self.maker.close()
         if self.ts._spare.get("pending") is self:
             self.ts._spare = spare
         return spare
@@ -142,12 +155,13 @@ class TokenPipeline:
 
     def _read_windows(self) -> bool:
         for j in self.windows:
-            buf = self._get(self.free)
-            if buf is _STOP:
+            slot = self._get(self.free)
+            if slot is _STOP:
                 return False
             w = self.plan.window(j)
-            self._fill(w, buf)
-            if not self._put(self.full, (w, buf)):
+            self._fill(w, slot)
+            if not self._put(self.full, (w, slot)):
+                slot.release()
                 return False
         if not self.in_main:
             return False
@@ -157,64 +171,17 @@ class TokenPipeline:
         self._put(self.full, _STOP)
         nxt = self.ts.plan(self.plan.epoch + 1)
         if nxt.n_windows and not self.stop.is_set():
-            buf = self._get(self.free)
-            if buf is not _STOP:
+            slot = self._get(self.free)
+            if slot is not _STOP:
                 w = nxt.window(0)
-                self._fill(w, buf)
-                self.ahead = (_plan_key(self.ts, nxt), w, buf)
+                self._fill(w, slot)
+                self.ahead = (_plan_key(self.ts, nxt), w, slot)
         return True
 
-    def _fill(self, w: WindowSlice, buf: np.ndarray) -> None:
-        """Read every unit of window w into buf[dest:dest+n], in store order (closer to
-        sequential on disk; the window is permuted in memory anyway). Units already in
-        the page cache are copied here, on this one thread: they are memory copies, and
-        more threads copying on a few cores only crowd out batch assembly and the training
-        loop. The others go to the I/O thread pool, many at a time, as they are found."""
-        order = np.argsort(w.units, kind="stable")
-        n = len(order)
-        step = max(1, -(-n // (self.ts.threads * 4)))
-        futures, pending = [], []
-        ex, li, si = self.ts.units.decode(w.units[order])
-        for k, i in enumerate(order.tolist()):
-            if self.cached is None or not self._read_unit(w, buf, i, int(ex[k]), int(li[k]), int(si[k]), self.cached):
-                pending.append(i)
-                if len(pending) == step:
-                    futures.append(self.pool.submit(self._read_units, w, buf, np.asarray(pending)))
-                    pending = []
-        if pending:
-            futures.append(self.pool.submit(self._read_units, w, buf, np.asarray(pending)))
-        for f in futures:
-            f.result()
-
-    def _read_units(self, w: WindowSlice, buf: np.ndarray, which: np.ndarray) -> None:
-        ex, li, si = self.ts.units.decode(w.units[which])
-        for k, i in enumerate(which.tolist()):
-            self._read_unit(w, buf, i, int(ex[k]), int(li[k]), int(si[k]), self.read)
-
-    def _read_unit(self, w: WindowSlice, buf: np.ndarray, i: int, e: int, li: int, s: int, read: Any) -> bool:
-        """Unit i of window w into its rows of buf with `read` (a read_into, or read_cached,
-        which may decline: then False and nothing is taken)."""
-        units = self.ts.units
-        seg = units.segments[s]
-        lo, hi, dest = int(w.lo[i]), int(w.hi[i]), int(w.dest[i])
-        rows = units.kept_rows(e, s)
-        layer = units.layers[li]
-        if rows is None and lo == 0 and hi == seg.t_pad:
-            # The unit fills t_pad rows of the window exactly: read straight into it.
-            return read(e, layer, seg.name, buf[dest : dest + seg.t_pad]) is not False
-        scratch = self._scratch(seg.t_pad)
-        if read(e, layer, seg.name, scratch) is False:
-            return False
-        # One copy: the kept rows of this unit into the window.
-        buf[dest : dest + hi - lo] = scratch[lo:hi] if rows is None else scratch[rows[lo:hi]]
-        return True
-
-    def _scratch(self, t_pad: int) -> np.ndarray:
-        s = getattr(self.local, "buf", None)
-        if s is None or s.shape[0] < t_pad:
-            s = np.empty((t_pad, self.ts.d_model), self.ts.stored_dtype)
-            self.local.buf = s
-        return s[:t_pad]
+    def _fill(self, w: WindowSlice, slot: WindowSlot) -> None:
+        """Window w into `slot`: mapped when the store's files can be, else read."""
+        if self.mapped is None or not self.mapped.fill(w, slot):
+            self.reads.fill(w, slot)
 
     def _assemble(self) -> None:
         ts = self.ts
@@ -225,66 +192,32 @@ class TokenPipeline:
                 if isinstance(item, BaseException):
                     raise item
                 return
-            w, buf = item
+            w, slot = item
             perm = self.plan.window_permutation(w)
-            win = buf[: w.n_tokens]
             keys = index = None
             if (ts._norm is not None and len(ts._norm[0]) > 1) or ts.return_index:
                 index = _window_index(ts.units, w)
                 keys = index[1] * ts.units.n_segments + index[2]
-            for b in range(first, w.n_batches):
-                rows = perm[b * ts.batch_size : (b + 1) * ts.batch_size]
-                batch = self._batch(win, rows, keys)
-                if ts.return_index:
-                    batch = _index_dict(batch, ts.units, index, rows)
-                if not self._put(self.out, batch):
-                    return
+            try:
+                for b in range(first, w.n_batches):
+                    rows = perm[b * ts.batch_size : (b + 1) * ts.batch_size]
+                    batch = self.maker.make(slot, rows, keys)
+                    if ts.return_index:
+                        batch = _index_dict(batch, ts.units, index, rows)
+                    if not self._put(self.out, batch):
+                        return
+            finally:
+                slot.release()
             first = 0
-            self.free.put(buf)
+            self.free.put(slot)
             if self.stop.is_set():
                 return
-
-    def _batch(self, win: np.ndarray, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor:
-        ts = self.ts
-        out = self.ring.take((len(rows), ts.d_model))
-        same = out.dtype == self.gather.dtype
-        dst = _numpy_view(out) if same else _numpy_view(self.gather)[: len(rows)]
-        # copy: the batch's rows out of the window. numpy's take runs on one core without
-        # the GIL (torch's index_select would spin up its OpenMP pool); rows are in range.
-        np.take(win, rows, axis=0, out=dst, mode="clip")
-        if same and ts._norm is None:
-            return out
-        shift, scale = (torch.from_numpy(t) for t in ts._norm) if ts._norm is not None else (None, None)
-        k_rows = torch.from_numpy(keys[rows]) if keys is not None and shift is not None else None
-        # Row blocks under torch's parallel grain: each op runs on this thread, inline.
-        # (Whole-batch ops would wake torch's OpenMP pool, whose spinning threads cost
-        # several times the work itself, on the cores the reader and the trainer use.)
-        step = max(1, TORCH_GRAIN // ts.d_model)
-        src = self.gather[: len(rows)]
-        for i in range(0, len(rows), step):
-            o = out[i : i + step]
-            if not same:
-                o.copy_(src[i : i + step])  # copy: dtype conversion
-            if shift is not None:
-                if k_rows is None:
-                    o.sub_(shift[0]).mul_(scale[0])
-                else:
-                    k = k_rows[i : i + step]
-                    o.sub_(shift[k]).mul_(scale[k])
-        return out
 
 
 def _plan_key(ts: TokenStream, plan: EpochPlan) -> tuple[int, int]:
     """What fixes an epoch's windows for one stream (whose store, layers, sizes and ranks
     never change): a window read ahead serves only the same seed and epoch."""
     return (ts.seed, plan.epoch)
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """The numpy array sharing `t`'s memory (bfloat16 as its uint16 bits)."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
 
 
 def _window_index(units: TokenUnits, w: WindowSlice) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -302,7 +235,7 @@ def _window_index(units: TokenUnits, w: WindowSlice) -> tuple[np.ndarray, np.nda
     return rep(ex), rep(li), rep(si), tok
 
 
-def _index_dict(acts: torch.Tensor, units: TokenUnits, index: tuple, rows: np.ndarray) -> dict[str, torch.Tensor]:
+def _index_dict(acts: Any, units: TokenUnits, index: tuple, rows: np.ndarray) -> dict[str, Any]:
     ex, li, si, tok = (a[rows] for a in index)
     layers = np.asarray(units.layers, dtype=np.int64)
     return {
@@ -312,3 +245,28 @@ def _index_dict(acts: torch.Tensor, units: TokenUnits, index: tuple, rows: np.nd
         "segment": torch.from_numpy(si),
         "token": torch.from_numpy(tok),
     }
+
+
+def _handed_over(batch: Any) -> Any:
+    """A batch as the loop receives it: device tensors made safe for its current stream."""
+    if isinstance(batch, OnDevice):
+        return batch.handed_over()
+    if isinstance(batch, dict) and isinstance(batch.get("acts"), OnDevice):
+        return {**batch, "acts": batch["acts"].handed_over()}
+    return batch
+
+
+def _region(ts: TokenStream, region: FileRegion | None) -> FileRegion | None:
+    """The stream's file mappings in this process (kept from epoch to epoch), or None when
+    its store's files cannot be mapped (reads then)."""
+    if region is not None and region.pid == os.getpid() and region.base is not None:
+        return region
+    if not ts.mmap or not FileRegion.supported() or not hasattr(ts.store, "map_unit"):
+        return None
+    files = ts.store.mappable_files([s.name for s in ts.segments])
+    if files is None:
+        return None
+    try:
+        return FileRegion(ts.d_model * ts.stored_dtype.itemsize, files[1], files[0])
+    except OSError:
+        return None  # no address space to reserve (ulimit -v): read instead

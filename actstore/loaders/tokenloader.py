@@ -82,17 +82,25 @@ class TokenLoader:
         s._num_workers = self.num_workers
         if self.num_workers == 0:
             for batch in s:  # the stream counts consumed batches itself
-                yield _pin(batch) if self.pin_memory else batch
+                yield _pin(batch) if self.pin_memory and s.device is None else batch
             return
+        device = s.device  # workers yield CPU batches; the move happens here, from pinned memory
         dl = DataLoader(
-            s, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+            s, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory or device is not None,
             prefetch_factor=self.prefetch_factor, multiprocessing_context=self.multiprocessing_context,
             timeout=self.timeout, persistent_workers=False,
         )
         for batch in dl:
             s._batches_done += 1
-            yield batch
+            yield batch if device is None else _to(batch, device)
         s._end_epoch()
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    """The batch's activations on `device` (an asynchronous copy from pinned memory)."""
+    if isinstance(batch, dict):
+        return {**batch, "acts": batch["acts"].to(device, non_blocking=True)}
+    return batch.to(device, non_blocking=True)
 
 
 def _pin(batch: Any) -> Any:

@@ -44,6 +44,25 @@ def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
+def _device(device: str | torch.device | None) -> torch.device | None:
+    """The device batches go to (None: the CPU), checked now rather than at the first batch."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e}).") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: TokenStream moves batches to 'cuda' devices (or leaves them on the CPU); "
+                         f"move them to {dev.type} yourself")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
+                         "or leave device=None for CPU batches")
+    return dev
+
+
 class TokenStream(IterableDataset):
     """Batches of single token vectors, in a shuffled order that is a pure function of
     (seed, epoch) and the sizes; padding and masked tokens are skipped.
@@ -78,9 +97,18 @@ class TokenStream(IterableDataset):
             stores: half the bytes to move to the accelerator; convert there), float32
             with normalize.
         return_index: yield dicts {"acts", "example", "layer", "segment", "token"} instead of tensors.
-        threads: reader threads per consumer.
+        threads: I/O threads per consumer (reads, and pages made resident).
         prefetch: windows read ahead of the one being served.
-        pin_memory: allocate batches in pinned memory (main process, with an accelerator).
+        pin_memory: batches in pinned memory (main process, with an accelerator), for
+            your own `.to(device, non_blocking=True)`.
+        device: yield batches on this device (e.g. "cuda", torch.device("cuda:1")): rows
+            are gathered into pinned memory and copied asynchronously on a side stream
+            (dtype conversion and normalisation then run on the device); the batch is
+            safe to use on your current stream. None or "cpu": CPU tensors.
+        mmap: on a local store of raw chunks, map its files and gather each batch
+            straight from the page cache (one copy per token); False reads every window
+            into a buffer first (two copies), as object stores and caches always do.
+        gather_threads: threads that gather each batch (1 to 8).
     """
 
     def __init__(
@@ -104,6 +132,9 @@ class TokenStream(IterableDataset):
         threads: int = 8,
         prefetch: int = 1,
         pin_memory: bool = False,
+        device: str | torch.device | None = None,
+        mmap: bool = True,
+        gather_threads: int = 2,
     ):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
@@ -114,6 +145,8 @@ class TokenStream(IterableDataset):
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0. Got {prefetch!r}.")
+        if isinstance(gather_threads, bool) or not isinstance(gather_threads, int) or not 1 <= gather_threads <= 8:
+            raise ValueError(f"gather_threads must be an int in 1..8. Got {gather_threads!r}.")
         self.store = store
         self.batch_size = int(batch_size)
         self.layers = pick_layers(store, layers)
@@ -130,10 +163,12 @@ class TokenStream(IterableDataset):
         if self._norm is not None and self.dtype in (torch.float16, torch.bfloat16) and dtype is None:
             self.dtype = torch.float32  # normalised values are computed and returned in float32
         self.return_index = bool(return_index)
+        self.device = _device(device)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=2)
             pin_memory = False
         self.threads, self.prefetch, self.pin_memory = int(threads), prefetch, bool(pin_memory)
+        self.mmap, self.gather_threads = bool(mmap), gather_threads
         self.units = TokenUnits(store, self.layers, self.segments, token_mask)
         row_bytes = self.d_model * self.stored_dtype.itemsize
         self.window_batches = max(1, int(buffer_bytes) // (row_bytes * self.batch_size))
@@ -146,10 +181,12 @@ class TokenStream(IterableDataset):
         self._num_workers = 0  # set by TokenLoader; the worker split the saved position refers to
         # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
         self._spare: dict[str, Any] = {}
+        self._active = 0  # iterations running (their threads use the buffers and mappings)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_spare"] = {}
+        state["_active"] = 0
         return state
 
     # ---- the position -------------------------------------------------------------
@@ -207,8 +244,23 @@ class TokenStream(IterableDataset):
         spare = self._spare
         if "pending" in spare:
             spare = spare["pending"].finish()
-        spare.pop("ahead", None)
+        ahead = spare.pop("ahead", None)
+        if ahead is not None:
+            ahead[2].release()
         self._spare = spare
+
+    def release(self) -> None:
+        """Give back everything this stream holds between epochs in this process: window
+        buffers, batch buffers, the window read ahead, and the mappings of the store's
+        files (whose pages the kernel may then evict). The next epoch starts afresh."""
+        if self._active:
+            raise RuntimeError("release() while this stream is being iterated: finish or close the iteration first")
+        self.discard_read_ahead()
+        spare, self._spare = self._spare, {}
+        if spare.get("maker") is not None:
+            spare["maker"].close()
+        if spare.get("region") is not None:
+            spare["region"].close()
 
     def _end_epoch(self) -> None:
         self._epoch += 1
@@ -238,6 +290,7 @@ class TokenStream(IterableDataset):
             worker = (worker + first) % n_workers  # continue the DataLoader's cycle where it stopped
             skip = int(done[worker])
         pipe = TokenPipeline(self, plan, plan.worker_windows(worker, n_workers), skip, in_worker=not in_main)
+        self._active += 1
         try:
             for batch in pipe:
                 if in_main:
@@ -246,4 +299,5 @@ class TokenStream(IterableDataset):
             if in_main:
                 self._end_epoch()
         finally:
+            self._active -= 1
             pipe.close()

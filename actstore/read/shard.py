@@ -19,7 +19,9 @@ from actstore.layout import jsonio, keys
 from actstore.layout.chunks import ChunkGeometry, array_meta_key, geometry_from_metadata
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
-from actstore.storage import KeyNotFound, Storage
+from actstore.read.chunks import MappedChunk, map_chunks, read_many
+from actstore.storage import KeyNotFound, LocalStorage, Storage
+from actstore.storage.mapping import FileRegion
 
 
 class ShardReader:
@@ -147,6 +149,31 @@ class ShardReader:
     def read_cached(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
         io = self.io[seg.name]
         return io is not None and io.read_cached(local, lp, out)
+
+    def read_many(self, seg: SegmentSpec, items: list[tuple[int, int, np.ndarray]]) -> None:
+        """read_padded of many (local, lp, out): the chunks of one object read together."""
+        io = self.io[seg.name]
+        if io is None:
+            for local, lp, out in items:
+                self.read_padded(seg, local, lp, out)
+        else:
+            read_many(io, items)
+
+    def files(self, seg: SegmentSpec) -> tuple[int, int] | None:
+        """(number of files, largest file's bytes) of a segment's raw chunks on a local disk,
+        or None when they cannot be mapped (another storage, or zarr-python's codecs)."""
+        io = self.io[seg.name]
+        if io is None or not isinstance(self.storage, LocalStorage):
+            return None
+        g, n = io.geo, self.entry.n_examples
+        if g.shard_examples is None:
+            return n * g.n_layers * g.n_tchunks, g.chunk_nbytes
+        per_file = g.shard_examples * g.n_layers * g.n_tchunks * g.chunk_nbytes + g.index_nbytes
+        return -(-n // g.shard_examples), per_file
+
+    def map_chunks(self, seg: SegmentSpec, region: FileRegion, local: int, lp: int) -> list[MappedChunk] | None:
+        io = self.io[seg.name]
+        return None if io is None else map_chunks(io, region, local, lp)
 
     # ---- texts ----------------------------------------------------------------------
     def text(self, name: str, local: int) -> Any:

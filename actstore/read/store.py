@@ -7,7 +7,7 @@ directly (actstore.chunkio); compressed arrays go through zarr-python.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +20,11 @@ from actstore.errors import LayerNotFoundError, StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
+from actstore.read.chunks import MappedChunk
 from actstore.read.select import is_pair, select
 from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
+from actstore.storage.mapping import FileRegion
 
 DEFAULT_CACHE_BYTES = 10 * 2**30  # the local read cache's default size limit
 
@@ -205,6 +207,47 @@ class ActStore:
         seg = self.config.segment(segment)
         sh, local, lp = self._where(ex, layer)
         return sh.read_cached(seg, local, lp, out)
+
+    def read_many_into(self, items: Sequence[tuple[int, int, str, np.ndarray]]) -> None:
+        """read_into of many (ex, layer, segment, out) at once. The chunks that lie in one
+        object are read together: on an object store, the (example, layer) ranges of one
+        Zarr shard file come in one batched request (adjacent ranges: one GET). For loaders."""
+        groups: dict[tuple[int, str], list[tuple[int, int, np.ndarray]]] = {}
+        for ex, layer, segment, out in items:
+            self.config.segment(segment)
+            pos, local = self.index.locate(ex)
+            groups.setdefault((pos, segment), []).append((local, layer_position(self.config.layers, self.layer_number(layer)), out))
+        for (pos, segment), group in groups.items():
+            self._shard(pos).read_many(self.config.segment(segment), group)
+
+    def object_of(self, ex: int, layer: int, segment: str) -> str:
+        """The object holding the first chunk of segment `segment` of (ex, layer): units
+        that share it are best read by one read_many_into (one request)."""
+        sh, local, lp = self._where(ex, layer)
+        io = sh.io[segment]
+        keys = io.geo.chunk_keys_of(local, lp) if io is not None else [f"{segment}/{local}.{lp}"]
+        return sh.storage.where(keys[0])
+
+    def mappable_files(self, segments: Sequence[str]) -> tuple[int, int] | None:
+        """(files, largest file's bytes) holding the activations of `segments`, when every
+        one can be mapped into a FileRegion (raw chunks on a local disk); else None."""
+        n_files, largest = 0, 0
+        for name in segments:
+            seg = self.config.segment(name)
+            for pos in range(len(self.manifest.shards)):
+                got = self._shard(pos).files(seg)
+                if got is None:
+                    return None
+                n_files, largest = n_files + got[0], max(largest, got[1])
+        return n_files, largest
+
+    def map_unit(self, region: FileRegion, ex: int, layer: int, segment: str) -> list[MappedChunk] | None:
+        """Map the files holding segment `segment` of (ex, layer) into `region` (pinned:
+        `region.unpin` the slots >= 0 when done): where each token chunk's rows lie. None
+        when they cannot be mapped (read them instead). For loaders: a batch is then one
+        gather from the page cache into its buffer, the only copy."""
+        sh, local, lp = self._where(ex, layer)
+        return sh.map_chunks(self.config.segment(segment), region, local, lp)
 
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)

@@ -14,7 +14,7 @@ the implementation's OSError (or the project's own error, e.g. UnsafePathError).
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,8 @@ class Storage(abc.ABC):
 
     url: str
     local_root: Path | None = None
+    coalesce_bytes = 0  # read_ranges_into fetches ranges closer than this with one request (object stores)
+    keeps_ranges = False  # what is read is kept by byte range (a local cache): read ranges, not whole objects
 
     # ---- naming ---------------------------------------------------------------------
     def where(self, key: str) -> str:
@@ -78,10 +80,29 @@ class Storage(abc.ABC):
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         """Read up to len(dest) bytes at `offset` into `dest`; returns the count read."""
 
+    def read_ranges_into(self, key: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        """Several `read_into` of one object at once: each (offset, dest) filled with up to
+        len(dest) bytes from offset; returns the counts read. An object store issues them
+        together (adjacent ranges coalesced into one request); here, one after another."""
+        return [self.read_into(key, dest, offset) for offset, dest in ranges]
+
     @abc.abstractmethod
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         """Fill `dest` with the start of a whole object; returns the object's size (so a
         caller can tell an object of the wrong size), or None when there is none."""
+
+    def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
+        """The whole object as a read-only buffer (the response itself, not a copy, where
+        the storage can), or None when there is none; ValueError when it is larger than
+        `max_bytes` (nothing read)."""
+        if (size := self.size(key)) is None:
+            return None
+        if size > max_bytes:
+            raise ValueError(f"{self.where(key)} has {size} bytes, more than the {max_bytes} expected")
+        try:
+            return memoryview(self.get(key, max_bytes=max_bytes))
+        except KeyNotFound:
+            return None
 
     def read_cached(self, key: str, dest: memoryview, offset: int = 0) -> bool:
         """read_into only when it cannot wait for a device or network (a page-cache or

@@ -14,7 +14,7 @@ layout, integrity checks and eviction are in actstore/storage/cachedir.py.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,12 @@ class CachedStorage(Storage):
 
     def __repr__(self) -> str:
         return f"CachedStorage({self.inner!r}, {str(self._cache.root)!r}, max_bytes={self._cache.max_bytes})"
+
+    keeps_ranges = True
+
+    @property
+    def coalesce_bytes(self) -> int:  # type: ignore[override]
+        return self.inner.coalesce_bytes
 
     @property
     def cache_dir(self) -> Path:
@@ -135,6 +141,26 @@ class CachedStorage(Storage):
             n = self.inner.read_into(key, dest, offset)
             self._missed(path, dest[:n], n)
         return n
+
+    def read_ranges_into(self, key: str, ranges: Sequence[tuple[int, memoryview]]) -> list[int]:
+        """Each range from its own entry (as read_into keeps them); the misses are fetched
+        from `inner` together (one batched request on an object store), then kept."""
+        counts: list[int | None] = [None] * len(ranges)
+        missed: list[tuple[int, str | None]] = []
+        for i, (offset, dest) in enumerate(ranges):
+            path = self._entry("range", key, offset, len(dest)) if len(dest) else None
+            n = self._cache.load_into(path, dest) if path is not None else None
+            if n is not None and n <= len(dest):
+                counts[i] = n
+            else:
+                missed.append((i, path))
+        if missed:
+            got = self.inner.read_ranges_into(key, [ranges[i] for i, _ in missed])
+            for (i, path), n in zip(missed, got):
+                counts[i] = n
+                if path is not None:
+                    self._missed(path, ranges[i][1][:n], n)
+        return [int(n) for n in counts]
 
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         path = self._entry("object", key)

@@ -19,7 +19,7 @@ from actstore.errors import StorageAccessError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.objecterrors import cause as _cause
 from actstore.storage.objecterrors import first_line as _first_line
-from actstore.storage.objecterrors import translated, translating_object_store
+from actstore.storage.objecterrors import access_error, translated, translating_object_store
 
 MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
 MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
@@ -72,6 +72,8 @@ class ObjectStorage(Storage):
     def child(self, prefix: str) -> ObjectStorage:
         return ObjectStorage(f"{self.url}/{prefix.strip('/')}", **self._options)
 
+    coalesce_bytes = 1024 * 1024  # ranges of one object closer than this are read by one request
+
     def _missing(self, e: Exception, key: str) -> bool:
         return isinstance(e, FileNotFoundError) and "NoSuchBucket" not in str(e)
 
@@ -91,11 +93,15 @@ class ObjectStorage(Storage):
 
     @translated("read")
     def get_range(self, key: str, start: int, length: int) -> bytes:
+        return bytes(self._range(key, start, length))
+
+    def _range(self, key: str, start: int, length: int) -> Any:
+        """`length` bytes from `start` (fewer at the end of the object), as obstore's buffer."""
         if length <= 0:
             return b""
         obs = _obstore()
         try:
-            return bytes(obs.get_range(self.store, key, start=start, length=length))
+            return obs.get_range(self.store, key, start=start, length=length)
         except FileNotFoundError:
             raise KeyNotFound(f"{self.where(key)} does not exist") from None
         except Exception:  # a range past the end of the object: answer with what there is
@@ -103,26 +109,76 @@ class ObjectStorage(Storage):
             if size is None:
                 raise KeyNotFound(f"{self.where(key)} does not exist") from None
             end = min(start + length, size)
-            return bytes(obs.get_range(self.store, key, start=start, end=end)) if end > start else b""
+            if end == start + length:
+                raise  # the range lies inside the object: a real failure
+            return obs.get_range(self.store, key, start=start, end=end) if end > start else b""
 
     @translated("read")
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
-        data = self.get_range(key, offset, len(dest))
-        dest[: len(data)] = data
-        return len(data)
+        try:
+            data = self._range(key, offset, len(dest))
+        except KeyNotFound:
+            raise
+        except Exception as e:  # the loaders' and readers' path: the project's error, naming the object
+            raise self._read_failed(key, e) from e
+        n = len(data)
+        dest[:n] = memoryview(data)  # copy: the response into the caller's buffer
+        return n
+
+    @translated("read")
+    def read_ranges_into(self, key: str, ranges: list[tuple[int, memoryview]]) -> list[int]:
+        """One obstore `get_ranges`: ranges less than `coalesce_bytes` apart are fetched as one
+        request (a window's (example, layer) ranges of a Zarr shard file: one GET), up to
+        10 requests at once; a failure raises, after obstore's retries."""
+        if len(ranges) < 2:
+            return [self.read_into(key, dest, offset) for offset, dest in ranges]
+        obs = _obstore()
+        try:
+            parts = obs.get_ranges(self.store, key, starts=[o for o, _ in ranges], lengths=[len(d) for _, d in ranges],
+                                   coalesce=self.coalesce_bytes)
+        except FileNotFoundError:
+            raise KeyNotFound(f"{self.where(key)} does not exist") from None
+        except Exception:  # e.g. a range past the end of the object: one by one, each answering short (or failing)
+            return [self.read_into(key, dest, offset) for offset, dest in ranges]
+        counts = []
+        for (_, dest), part in zip(ranges, parts):
+            n = min(len(part), len(dest))
+            dest[:n] = memoryview(part)[:n]  # copy: the response into the caller's buffer
+            counts.append(n)
+        return counts
+
+    @translated("read")
+    def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
+        try:
+            res = _obstore().get(self.store, key)
+            if res.meta["size"] > max_bytes:
+                raise ValueError(f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} expected")
+            return memoryview(res.bytes())  # obstore's buffer: no copy
+        except ValueError:
+            raise
+        except Exception as e:
+            if self._missing(e, key):
+                return None
+            raise self._read_failed(key, e) from e
 
     @translated("read")
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
             res = _obstore().get(self.store, key)
+            data = res.bytes()
         except Exception as e:
             if self._missing(e, key):
                 return None
-            raise
-        data = res.bytes()
+            raise self._read_failed(key, e) from e
         n = min(len(data), len(dest))
         dest[:n] = memoryview(data)[:n]
         return len(data)
+
+    def _read_failed(self, key: str, e: Exception) -> StorageAccessError:
+        """The project's error for a failed read (refused credentials, an unreachable endpoint
+        ... named as such; anything else after obstore's retries)."""
+        return access_error(e, "read", self.where(key), self.url) or StorageAccessError(
+            f"cannot read {self.where(key)} (after obstore's retries): {_first_line(e)}")
 
     @translated("read")
     def size(self, key: str) -> int | None:

@@ -1,0 +1,176 @@
+"""Batch assembly for TokenStream: a batch's rows gathered from its window's source
+straight into the batch buffer (a ring of reused buffers, pinned for an accelerator),
+then, only when asked, converted, normalised and moved to the device.
+
+The gather is the only copy of a token on the warm mapped path (page cache -> batch
+buffer). It runs in numpy (`np.take` of opaque rows: one memcpy per row, without the
+GIL, no OpenMP pool), split over `gather_threads` threads.
+
+Device batches: the rows go to a pinned buffer, which is copied to the device with
+`non_blocking=True` on a side stream; a CUDA event recorded after the copy (and after
+any conversion there) is waited on by the consumer's current stream before it sees the
+batch, and the pinned buffer is reused only once that event has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+
+from actstore.dtypes import TORCH_GRAIN
+from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
+from actstore.loaders.windows import WindowSlot, void_rows
+
+if TYPE_CHECKING:
+    from actstore.loaders.tokens import TokenStream
+
+SPLIT_ROWS = 256  # rows one gather thread takes at a time
+
+
+class OnDevice(NamedTuple):
+    """A batch on an accelerator and the event its copy (and conversion) recorded."""
+
+    acts: torch.Tensor
+    ready: Any
+
+    def handed_over(self) -> torch.Tensor:
+        """The tensor, made safe for the calling thread's current stream."""
+        stream = torch.cuda.current_stream(self.acts.device)
+        stream.wait_event(self.ready)
+        self.acts.record_stream(stream)  # its memory is not reused while that stream may use it
+        return self.acts
+
+
+class BatchMaker:
+    """Builds one consumer's batches (see the module docstring).
+
+    Args:
+        ts: the stream (batch size, dtypes, normalisation, pin_memory, device).
+        in_worker: inside a DataLoader worker: batches go to fresh shared memory, on the CPU.
+        ring: the ring of a previous epoch of this stream, to reuse.
+    """
+
+    def __init__(self, ts: TokenStream, in_worker: bool, ring: BufferRing | None = None):
+        self.ts, self.in_worker = ts, in_worker
+        dev = None if in_worker else ts.device
+        self.device = dev if dev is not None and dev.type != "cpu" else None
+        stored = TORCH_DTYPES[ts.store.dtype]
+        dtype = stored if self.device is not None else ts.dtype
+        pin = self.device is not None or (ts.pin_memory and not in_worker)
+        if ring is None or ring.dtype != dtype or ring.pin != pin or ring.shared != in_worker:
+            ring = BufferRing(6, dtype, pin=pin, shared=in_worker)
+        self.ring = ring
+        self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
+        self.scratch = torch.empty((ts.batch_size, ts.d_model), dtype=stored) if dtype != stored else None
+        self.helper = ThreadPoolExecutor(ts.gather_threads - 1, thread_name_prefix="actstore-gather") if ts.gather_threads > 1 else None
+        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self._norm_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def close(self) -> None:
+        if self.helper is not None:
+            self.helper.shutdown(wait=True)
+
+    def make(self, slot: WindowSlot, rows: np.ndarray, keys: np.ndarray | None) -> torch.Tensor | OnDevice:
+        """The batch of window rows `rows` (keys: per window row normalisation keys)."""
+        ts = self.ts
+        out = self.ring.take((len(rows), ts.d_model))
+        dst = out if self.scratch is None else self.scratch[: len(rows)]
+        self.gather(slot, rows, void_rows(_numpy_view(dst)))
+        if self.device is not None:
+            return self._to_device(out, rows, keys)
+        if self.scratch is None and ts._norm is None:
+            return out
+        shift, scale = (torch.from_numpy(t) for t in ts._norm) if ts._norm is not None else (None, None)
+        k_rows = torch.from_numpy(keys[rows]) if keys is not None and shift is not None else None
+        # Row blocks under torch's parallel grain: each op runs on this thread, inline.
+        # (Whole-batch ops would wake torch's OpenMP pool, whose spinning threads cost
+        # several times the work itself, on the cores the reader and the trainer use.)
+        step = max(1, TORCH_GRAIN // ts.d_model)
+        for i in range(0, len(rows), step):
+            o = out[i : i + step]
+            if self.scratch is not None:
+                o.copy_(dst[i : i + step])  # copy: dtype conversion
+            if shift is not None:
+                if k_rows is None:
+                    o.sub_(shift[0]).mul_(scale[0])
+                else:
+                    k = k_rows[i : i + step]
+                    o.sub_(shift[k]).mul_(scale[k])
+        return out
+
+    def gather(self, slot: WindowSlot, rows: np.ndarray, dst: np.ndarray) -> None:
+        """dst[j] = the row of window row rows[j]: one memcpy per row, from the page cache
+        (mapped windows) or the window buffer (read windows)."""
+        src = slot.rows
+        idx = rows if slot.index is None else slot.index[rows]
+        if self.helper is None or len(idx) < 2 * SPLIT_ROWS:
+            np.take(src, idx, axis=0, out=dst, mode="clip")  # rows are in range: no check needed
+            return
+        job = _Split(src, idx, dst)
+        for _ in range(self.ts.gather_threads - 1):
+            self.helper.submit(job.work)
+        job.work()
+        job.wait()
+
+    def _to_device(self, out: torch.Tensor, rows: np.ndarray, keys: np.ndarray | None) -> OnDevice:
+        ts = self.ts
+        with torch.cuda.stream(self.stream):
+            acts = out.to(self.device, non_blocking=True)  # from pinned memory: an asynchronous copy
+            if acts.dtype != ts.dtype:
+                acts = acts.to(ts.dtype)
+            if ts._norm is not None:
+                if self._norm_dev is None:
+                    self._norm_dev = tuple(torch.from_numpy(t).to(self.device) for t in ts._norm)
+                shift, scale = self._norm_dev
+                if keys is not None and len(shift) > 1:
+                    k = torch.from_numpy(keys[rows]).to(self.device)
+                    acts = acts.sub_(shift[k]).mul_(scale[k])
+                else:
+                    acts = acts.sub_(shift[0]).mul_(scale[0])
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        self.ring.hold(ready)  # the pinned buffer is reused only once the copy is done
+        return OnDevice(acts, ready)
+
+
+class _Split:
+    """One batch's gather in pieces of SPLIT_ROWS rows, taken by whichever thread is free:
+    a helper that is not scheduled soon leaves its pieces to the others instead of
+    holding the batch back (wait() waits only for pieces already taken)."""
+
+    def __init__(self, src: np.ndarray, idx: np.ndarray, dst: np.ndarray):
+        self.src, self.idx, self.dst = src, idx, dst
+        self.next, self.n = 0, -(-len(idx) // SPLIT_ROWS)
+        self.running = 0
+        self.cond = threading.Condition()
+
+    def work(self) -> None:
+        while True:
+            with self.cond:
+                k = self.next
+                if k >= self.n:
+                    return
+                self.next, self.running = k + 1, self.running + 1
+            a, b = k * SPLIT_ROWS, (k + 1) * SPLIT_ROWS
+            try:
+                np.take(self.src, self.idx[a:b], axis=0, out=self.dst[a:b], mode="clip")
+            finally:
+                with self.cond:
+                    self.running -= 1
+                    self.cond.notify_all()
+
+    def wait(self) -> None:
+        with self.cond:
+            while self.running:
+                self.cond.wait()
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """The numpy array sharing `t`'s memory (bfloat16 as its uint16 bits)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
