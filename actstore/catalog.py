@@ -25,6 +25,13 @@ def read_identity(storage: Storage) -> StoreConfig:
     return records.parse_identity(data, storage.where(keys.IDENTITY))
 
 
+def check_folder(storage: Storage) -> None:
+    """A local store path that is a file (or anything but a folder) is no store."""
+    root = storage.local_root
+    if root is not None and root.exists() and not root.is_dir():
+        raise StoreNotFoundError(f"{storage.url} is a file, not an actstore store (a store is a folder holding {keys.MANIFEST})")
+
+
 def has_identity(storage: Storage) -> bool:
     return storage.exists(keys.IDENTITY)
 
@@ -112,7 +119,7 @@ def rows_on_disk(shard: Storage) -> int:
 
 def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
     """Array metadata keyed by path from a shard's consolidated metadata, when it has it."""
-    if shard.exists(keys.ZMETADATA):
+    if shard.kind(keys.ZMETADATA) is not None:
         doc = jsonio.loads(shard.get(keys.ZMETADATA), shard.where(keys.ZMETADATA), what="consolidated metadata")
         return {k[: -len("/" + keys.ZARRAY)]: v for k, v in doc["metadata"].items() if k.endswith("/" + keys.ZARRAY)}
     try:
@@ -124,9 +131,10 @@ def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
 
 
 def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
-    """The Zarr metadata document of array `rel` (format 2 or 3)."""
+    """The Zarr metadata document of array `rel` (format 2 or 3); whatever stands there
+    instead of a file raises (Storage.get names it)."""
     for name in (keys.ZARRAY, keys.ZARR_JSON):
         key = f"{rel}/{name}"
-        if shard.exists(key):
+        if shard.kind(key) is not None:
             return jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")

@@ -50,11 +50,12 @@ class ChunkIO:
 
     # ---- reading ------------------------------------------------------------------
     def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> None:
-        """Fill `out` (n_tchunks * t_chunk, d_model) with every token chunk of (ex, layer)."""
+        """Fill `out` ((k * t_chunk, d_model)) with the first k token chunks of (ex, layer):
+        every chunk when it has n_tchunks * t_chunk rows (or more)."""
         g = self.geo
         mv = memoryview(out.reshape(-1).view(np.uint8))
         nb = g.chunk_nbytes
-        for tc in range(g.n_tchunks):
+        for tc in range(min(g.n_tchunks, out.shape[0] // g.t_chunk)):
             dest = mv[tc * nb : (tc + 1) * nb]
             if g.shard_examples is None:
                 self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)

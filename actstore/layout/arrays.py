@@ -55,6 +55,11 @@ def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
     return out
 
 
+def array_specs(cfg: StoreConfig) -> dict[str, ArraySpec]:
+    """Every array of a writer shard by its key (relative to the shard)."""
+    return {a.key: a for a in shard_arrays(cfg)}
+
+
 def per_sample(key: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...]) -> ArraySpec:
     """A per-sample array: chunked along examples, up to PER_SAMPLE_CHUNK rows of at most 4 MiB."""
     row_bytes = max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)

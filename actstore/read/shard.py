@@ -14,12 +14,19 @@ import numpy as np
 from actstore import catalog
 from actstore.layout import spec
 from actstore.chunkio import ChunkIO
-from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
 from actstore.layout import jsonio, keys
-from actstore.layout.chunks import ChunkGeometry, array_meta_key, geometry_from_metadata
+from actstore.layout.arraymeta import array_problems
+from actstore.layout.arrays import array_specs
+from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, geometry_from_metadata
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.storage import KeyNotFound, Storage
+
+# A read of one (example, layer, segment) larger than this first confirms that the chunk
+# data it covers exist on disk (raw layouts), so that metadata claiming absurd token counts
+# cannot make a reader allocate what no file holds.
+UNCHECKED_READ_BYTES = 64 * 2**20
 
 
 class ShardReader:
@@ -53,6 +60,8 @@ class ShardReader:
         self._per_sample: dict[str, np.ndarray] = {}
         self._text_offsets: dict[str, np.ndarray] = {}
         self._rows_checked = False
+        self._specs = array_specs(cfg)
+        self._backed: set[str] = set()
         try:
             consolidated = catalog.consolidated_arrays(self.storage)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
@@ -81,18 +90,20 @@ class ShardReader:
             raise CorruptStoreError(f"array {where} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})")
         if not isinstance(shape[0], int) or shape[0] < self.entry.n_examples:
             raise CorruptStoreError(f"array {where} holds {shape[0]} examples; the manifest says {self.entry.n_examples}")
+        self._check_meta(rel, meta)
         try:
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise CorruptStoreError(f"array metadata of {where} is damaged ({e!r})") from None
         if geo is None:
             return None
-        if geo.t_chunk != seg.t_chunk or geo.dtype != np.dtype(cfg.zarr_dtype):
-            raise CorruptStoreError(
-                f"array {where} has chunks of {geo.t_chunk} tokens of {geo.dtype}; the store config says "
-                f"{seg.t_chunk} tokens of {cfg.zarr_dtype}"
-            )
         return ChunkIO(self.storage, geo)
+
+    def _check_meta(self, rel: str, meta: Any) -> None:
+        """Every metadata field that decides how the array's bytes are read, as the format says."""
+        problems = array_problems(meta, self._specs[rel], self.cfg.zarr_format, self.entry.n_examples)
+        if problems:
+            raise CorruptStoreError(f"array {self.storage.where(rel)} has {problems[0]}; its metadata was altered (run `actstore verify`)")
 
     def _open_zarr(self, rel: str) -> Any:
         import zarr
@@ -107,6 +118,10 @@ class ShardReader:
         arr = self._per_sample.get(name)
         if arr is None:
             rel = keys.field_array(name)
+            try:
+                self._check_meta(rel, catalog.array_meta(self.storage, rel))
+            except KeyNotFound:
+                raise CorruptStoreError(f"shard {self.where} has no array {rel}") from None
             z = self._open_zarr(rel)
             n = self.entry.n_examples
             if z.shape[0] < n:
@@ -119,7 +134,12 @@ class ShardReader:
                         f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
                     )
                 self._rows_checked = True
-            arr = np.asarray(z[:n])  # n is now bounded by files on disk
+            try:
+                arr = np.asarray(z[:n])  # n is now bounded by files on disk
+            except ActstoreError:
+                raise
+            except Exception as e:  # noqa: BLE001 - zarr decoding untrusted bytes raises many types
+                raise CorruptChunkError(f"array {self.storage.where(rel)} cannot be read ({e!r}); run `actstore verify`") from None
             self._per_sample[name] = arr
         return arr
 
@@ -133,7 +153,8 @@ class ShardReader:
         return arr
 
     def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
-        """Fill `out` (n_chunks * t_chunk, D) in the stored dtype with every token chunk."""
+        """Fill `out` ((k * t_chunk, D), the stored dtype) with the first k token chunks (all
+        of them when out has n_chunks * t_chunk rows or more, the rest of `out` untouched)."""
         io = self.io[seg.name]
         if io is not None:
             io.read_into(local, lp, out)
@@ -141,8 +162,43 @@ class ShardReader:
         z = self._zarr.get(seg.name)
         if z is None:
             z = self._zarr[seg.name] = self._open_zarr(keys.acts_array(seg.name))
-        out[: seg.t_max] = z[local, lp]
-        out[seg.t_max :] = 0
+        k = min(out.shape[0], seg.n_chunks * seg.t_chunk)
+        t = min(k, seg.t_max)
+        try:
+            out[:t] = z[local, lp, :t]
+        except ActstoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - zarr decoding untrusted bytes raises many types
+            raise CorruptChunkError(
+                f"array {self.storage.where(keys.acts_array(seg.name))} cannot be read at example {local} of the shard, "
+                f"layer position {lp} ({e!r}); run `actstore verify --deep`"
+            ) from None
+        out[t:k] = 0
+
+    def check_backed(self, seg: SegmentSpec) -> None:
+        """Before a read of more than UNCHECKED_READ_BYTES of one (example, layer) of `seg`:
+        the chunk data the metadata claim must be on disk (raw layouts: the last token chunk
+        of the shard's first example at its size), so metadata lying about token counts
+        cannot make a reader allocate what no file holds. Once per segment."""
+        io = self.io[seg.name]
+        if io is None or seg.name in self._backed or not self.entry.n_examples:
+            return
+        g = io.geo
+        tc = g.n_tchunks - 1
+        if g.shard_examples is None:
+            key = g.chunk_key(0, 0, tc)
+            ok = self.storage.size(key) == g.chunk_nbytes
+        else:
+            key = g.shard_key(0)
+            index = io.shard_index(key)
+            ok = index is not None and index[0, 0, tc, 0] != EMPTY and int(index[0, 0, tc, 1]) == g.chunk_nbytes
+        if not ok:
+            raise CorruptStoreError(
+                f"segment {seg.name!r} claims {seg.t_max} tokens ({g.n_tchunks} chunks of {g.chunk_nbytes} bytes per example and "
+                f"layer), but {self.storage.where(key)} does not hold its last token chunk: the metadata claim more than the data "
+                f"on disk (reads above {UNCHECKED_READ_BYTES} bytes are checked first); run `actstore verify`"
+            )
+        self._backed.add(seg.name)
 
     def read_cached(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
         io = self.io[seg.name]
