@@ -138,3 +138,18 @@ def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
         if shard.kind(key) is not None:
             return jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")
+
+
+def array_attrs(shard: Storage, rel: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """An array's attributes: `.zattrs` beside a format 2 `.zarray` (absent: none), the
+    `attributes` of a format 3 `zarr.json`; damage raises CorruptStoreError."""
+    if meta.get("zarr_format") == 3:
+        attrs = meta.get("attributes", {})
+        where = shard.where(f"{rel}/{keys.ZARR_JSON}")
+    else:
+        key = f"{rel}/{keys.ZATTRS}"
+        where = shard.where(key)
+        attrs = jsonio.loads(shard.get(key), where, what="array attributes") if shard.kind(key) is not None else {}
+    if not isinstance(attrs, dict):
+        raise CorruptStoreError(f"{where}: array attributes must be a JSON object, got {type(attrs).__name__}")
+    return attrs

@@ -18,7 +18,7 @@ from actstore.layout.arraymeta import array_problems
 from actstore.layout.arrays import array_specs
 from actstore.layout.chunks import EMPTY, ChunkGeometry, array_shape, geometry_from_metadata, key_scheme
 from actstore.layout.config import SegmentSpec
-from actstore.verify.check import MAX_LISTED, Checker, ShardCtx, array_entries
+from actstore.verify.check import MAX_LISTED, Checker, ShardCtx, array_entries, attrs_problem
 from actstore.verify.report import ERROR, WARNING
 
 MAX_MISSING_ENUMERATED = 1_000_000  # beyond this many missing chunks, one summary line
@@ -65,6 +65,7 @@ class ActsCheck:
         if meta is None:
             return False
         problems = array_problems(meta, array_specs(self.cfg)[self.array], self.cfg.zarr_format, self.ctx.n)
+        problems += filter(None, [attrs_problem(self.ctx, self.array, meta, self.cfg)])
         if problems:
             self.add(ERROR, "array-meta", problems[0], self.akey)
             return False

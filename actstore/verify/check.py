@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actstore.layout import keys
+from actstore import catalog
+from actstore.errors import ActstoreError
+from actstore.layout import keys, spec
 from actstore.layout.chunks import parse_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Commit
@@ -137,6 +139,19 @@ class Checker:
         else:
             self.add(WARNING, "symlink", f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)", key,
                      shard=shard, **where)
+
+
+def attrs_problem(ctx: ShardCtx, array: str, meta: dict[str, Any], cfg: StoreConfig) -> str | None:
+    """What is wrong with an array's attributes (unreadable, or an activation array's
+    `actstore_dtype` other than the store's dtype: it says how the stored bits are read)."""
+    try:
+        attrs = catalog.array_attrs(ctx.storage, array, meta)
+    except ActstoreError as e:
+        return str(e)
+    got = attrs.get("actstore_dtype", cfg.dtype)
+    if array.endswith(spec.ACTS_SUFFIX) and got != cfg.dtype:
+        return f"attribute actstore_dtype {got!r}; the store config says {cfg.dtype!r} (it decides how the stored bits are read)"
+    return None
 
 
 def array_entries(listing: Listing, akey: str, fmt: int, sep: str, ndim: int) -> Iterator[tuple[str, tuple[int, ...] | None, Entry]]:

@@ -17,7 +17,7 @@ from actstore.layout.records import Block, ShardEntry
 from actstore.storage import KeyNotFound
 from actstore.verify import deep as deep_checks
 from actstore.verify.acts import ActsCheck
-from actstore.verify.check import Checker, ShardCtx, array_entries
+from actstore.verify.check import Checker, ShardCtx, array_entries, attrs_problem
 from actstore.verify.report import ERROR, WARNING
 
 _ZARR_META = set(keys.ZARR_NAMES)
@@ -235,6 +235,9 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
         if problems:
             v.add(ERROR, "array-meta", f"per-sample array {name} has {problems[0]}", key, **where)
             continue
+        attrs = attrs_problem(ctx, array, meta, v.cfg)
+        if attrs:
+            v.add(ERROR, "array-meta", f"per-sample array {name}: {attrs}", key, **where)
         if _walk_per_sample(v, ctx, array, meta, specs[array]) and deep:
             deep_checks.per_sample_values(v, ctx, array)
 
