@@ -22,18 +22,6 @@ from hostile import everything, outcome, run_cli, same
 SH0 = "shards/shard-00000.zarr"
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("special") / "store"
-    F.write_shard(root, 0, 6)
-    actstore.finalize(root)
-    return root, everything(root)
-
-
-@pytest.fixture
-def store(built, tmp_path) -> Path:
-    return F.copy_store(built[0], tmp_path / "store")
-
 
 def _stats_file(store: Path) -> str:
     return json.loads((store / "manifest.json").read_text())["stats"]
@@ -100,43 +88,47 @@ def _check_all(store: Path, original: dict) -> tuple[str, list]:
 
 @pytest.mark.parametrize("kind", ["fifo", "dir", "emptydir"])
 @pytest.mark.parametrize("rel", FILES)
-def test_special_file_where_a_file_belongs(store, built, rel, kind):
-    path = _resolve(store, rel)
+def test_special_file_where_a_file_belongs(fault_store, fault_original, rel, kind):
+    built = fault_original
+    path = _resolve(fault_store, rel)
     _replace(path, kind)
-    read, errors = _check_all(store, built[1])
+    read, errors = _check_all(fault_store, built[1])
     assert errors, f"verify found nothing wrong with {kind} at {rel}"
     if rel not in ("actstore.json", f"{SH0}/meta/STATS", f"{SH0}/meta/blocks.jsonl", f"{SH0}/meta/example_layer_crc32c.u32", f"{SH0}/.zattrs",
                    f"{SH0}/arrays/prompt_activations/.zarray", f"{SH0}/.zmetadata"):
         assert read == "error"  # readers need these files (the others: readers never open them)
 
 
-def test_fifo_chunk_read_names_the_file(store):
+def test_fifo_chunk_read_names_the_file(fault_store):
+    store = fault_store
     chunk = store / SH0 / "arrays/prompt_activations/0.1.0.0"
     _replace(chunk, "fifo")
-    kind, e = outcome(lambda: actstore.ActStore(store)[0, 7])
+    kind, e = outcome(lambda: actstore.ActStore(fault_store)[0, 7])
     assert kind == "error" and isinstance(e, CorruptStoreError)
     assert str(e) == f"{chunk} is a FIFO (named pipe) where a file belongs; the store is damaged (run `actstore verify`)"
 
 
-def test_folder_at_a_chunk_key_is_named_by_verify(store):
+def test_folder_at_a_chunk_key_is_named_by_verify(fault_store):
+    store = fault_store
     chunk = store / SH0 / "arrays/prompt_activations/2.1.0.0"
     _replace(chunk, "dir")
-    rep = verify_store(store)
+    rep = verify_store(fault_store)
     msgs = [(p.kind, p.message) for p in rep.errors]
     assert msgs == [("not-a-file", f"{SH0}/arrays/prompt_activations/2.1.0.0 is a folder where the array has a chunk file (readers refuse it)")]
     assert rep.damaged() == [(2, 7, f"{SH0}/arrays/prompt_activations/2.1.0.0")]
-    kind, e = outcome(lambda: actstore.ActStore(store)[2, 7])
+    kind, e = outcome(lambda: actstore.ActStore(fault_store)[2, 7])
     assert kind == "error" and str(e) == f"{chunk} is a folder where a file belongs; the store is damaged (run `actstore verify`)"
 
 
-def test_folder_at_a_per_sample_chunk_is_not_read_as_zeros(store):
+def test_folder_at_a_per_sample_chunk_is_not_read_as_zeros(fault_store):
     """zarr reads a folder at a chunk key as a missing chunk (the fill value): labels 0..5
     would silently read as zeros."""
+    store = fault_store
     _replace(store / SH0 / "arrays/label/0", "dir")
-    kind, e = outcome(lambda: actstore.ActStore(store).field("label"))
+    kind, e = outcome(lambda: actstore.ActStore(fault_store).field("label"))
     assert kind == "error"
     assert str(e).startswith(f"{store / SH0 / 'arrays/label/0'} is a folder where a file belongs")
-    rep = verify_store(store)
+    rep = verify_store(fault_store)
     assert [(p.kind, p.path) for p in rep.errors] == [("not-a-file", f"{SH0}/arrays/label/0")]
 
 
@@ -151,19 +143,21 @@ def test_store_path_that_is_a_file(tmp_path):
     assert code == 2 and f"Directory '{f}' is a file." in out  # click's check of the argument
 
 
-def test_a_file_where_the_store_has_a_folder(store):
+def test_a_file_where_the_store_has_a_folder(fault_store):
+    store = fault_store
     shutil.rmtree(store / SH0 / "text")
     (store / SH0 / "text").write_text("x")
-    kind, e = outcome(lambda: actstore.ActStore(store).sample(0))
+    kind, e = outcome(lambda: actstore.ActStore(fault_store).sample(0))
     assert kind == "error"
     assert str(e) == (f"{store / SH0 / 'text'} is a file where a folder belongs (it holds {store / SH0 / 'text/prompt.jsonl'}); "
                       "the store is damaged (run `actstore verify`)")
 
 
-def test_writes_never_follow_a_link_inside_the_store(store, tmp_path):
+def test_writes_never_follow_a_link_inside_the_store(fault_store, tmp_path):
     """A writer resuming a shard whose meta/ folder was replaced by a link would write its
     commit record, block records and checksums wherever the link leads."""
-    F.write_shard(store, 1, 2)
+    store = fault_store
+    F.write_shard(fault_store, 1, 2)
     sh1 = store / "shards/shard-00001.zarr"
     commit = json.loads((sh1 / "meta/commit.json").read_text())
     commit["complete"] = False
@@ -173,7 +167,7 @@ def test_writes_never_follow_a_link_inside_the_store(store, tmp_path):
     (sh1 / "meta").symlink_to(outside)
     before = {p.name: p.read_bytes() for p in outside.iterdir()}
     with pytest.raises(UnsafePathError) as ei:
-        w = F.writer(store, 1, resume=True)
+        w = F.writer(fault_store, 1, resume=True)
         F.append_range(w, 1, 2, 4)
         w.close()
     assert str(ei.value) == (

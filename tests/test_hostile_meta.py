@@ -23,18 +23,6 @@ from hostile import everything, outcome, run_cli, same
 SH0 = "shards/shard-00000.zarr"
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("meta") / "store"
-    F.write_shard(root, 0, 6)
-    actstore.finalize(root)
-    return root, everything(root)
-
-
-@pytest.fixture
-def store(built, tmp_path) -> Path:
-    return F.copy_store(built[0], tmp_path / "store")
-
 
 def edit(path: Path, fn) -> None:
     doc = json.loads(path.read_text())
@@ -56,7 +44,9 @@ NESTED = "[" * 100_000 + "]" * 100_000
     f"{SH0}/arrays/prompt_activations/.zarray", f"{SH0}/arrays/label/.zarray", f"{SH0}/arrays/label/.zattrs",
     f"{SH0}/arrays/prompt_len/.zarray",
 ])
-def test_deeply_nested_json_is_refused(store, built, rel):
+def test_deeply_nested_json_is_refused(fault_store, fault_original, rel):
+    store = fault_store
+    built = fault_original
     (store / rel).write_text(NESTED)
     kind, got = outcome(everything, store)
     assert kind == "error" or same(got, built[1])
@@ -64,26 +54,28 @@ def test_deeply_nested_json_is_refused(store, built, rel):
         assert "nested deeper than" in str(got) or "nested deeper than" in repr(got.__cause__), str(got)
     rep = outcome(verify_store, store)[1]
     assert not rep.ok and any("nested deeper than" in p.message for p in rep.errors), [p.message for p in rep.errors]
-    run_cli("info", str(store))
+    run_cli("info", str(fault_store))
 
 
-def test_per_sample_array_metadata_nested_deeply_gives_the_projects_error(store):
+def test_per_sample_array_metadata_nested_deeply_gives_the_projects_error(fault_store):
+    store = fault_store
     (store / SH0 / "arrays/label/.zarray").write_text(NESTED)
-    kind, e = outcome(lambda: actstore.ActStore(store).field("label"))
+    kind, e = outcome(lambda: actstore.ActStore(fault_store).field("label"))
     assert kind == "error" and isinstance(e, CorruptStoreError)
     assert str(e) == (f"{store / SH0 / 'arrays/label/.zarray'} is not valid JSON (nested deeper than JSON parsing allows); "
                       "the array metadata is damaged")
 
 
-def test_byte_order_edit_is_refused_by_readers_and_fast_verify(store):
-    edit_array(store, "prompt_activations", lambda d: d.__setitem__("dtype", ">f2"))
-    kind, e = outcome(lambda: actstore.ActStore(store)[0, 2])
+def test_byte_order_edit_is_refused_by_readers_and_fast_verify(fault_store):
+    store = fault_store
+    edit_array(fault_store, "prompt_activations", lambda d: d.__setitem__("dtype", ">f2"))
+    kind, e = outcome(lambda: actstore.ActStore(fault_store)[0, 2])
     assert kind == "error"
     assert str(e) == (
         f"array {store / SH0 / 'arrays/prompt_activations'} has dtype >f2; the store config says <f2 (the byte order and "
         "width decide every value read); its metadata was altered (run `actstore verify`)"
     )
-    rep = verify_store(store)
+    rep = verify_store(fault_store)
     assert [(p.kind, p.message) for p in rep.errors] == [
         ("array-meta", "dtype >f2; the store config says <f2 (the byte order and width decide every value read)")
     ]
@@ -105,12 +97,13 @@ PER_SAMPLE_LIES = [
 
 
 @pytest.mark.parametrize("array, field, value, problem", PER_SAMPLE_LIES)
-def test_per_sample_metadata_that_lies(store, built, array, field, value, problem):
-    edit_array(store, array, lambda d: d.__setitem__(field, value))
+def test_per_sample_metadata_that_lies(fault_store, fault_original, array, field, value, problem):
+    store = fault_store
+    edit_array(fault_store, array, lambda d: d.__setitem__(field, value))
     kind, got = outcome(everything, store)
     assert kind == "error"
     assert str(got) == f"array {store / SH0 / 'arrays' / array} has {problem}; its metadata was altered (run `actstore verify`)"
-    rep = verify_store(store)
+    rep = verify_store(fault_store)
     if field == "shape":
         problem = "holds 3 values; 6 examples are published"
     else:
@@ -120,27 +113,29 @@ def test_per_sample_metadata_that_lies(store, built, array, field, value, proble
 
 @pytest.mark.parametrize("value", ["1.0", True, 1.0, "1", None])
 @pytest.mark.parametrize("rel", ["manifest.json", "actstore.json", f"{SH0}/meta/commit.json", f"{SH0}/.zattrs"])
-def test_format_version_must_be_exactly_1(store, rel, value):
+def test_format_version_must_be_exactly_1(fault_store, rel, value):
+    store = fault_store
     def put(d):
         (d["actstore"] if rel.endswith(".zattrs") else d)["format_version"] = value
 
     edit(store / rel, put)
     if rel.endswith(".zattrs"):  # what resume and verify read
-        rep = verify_store(store)
+        rep = verify_store(fault_store)
         assert [p.kind for p in rep.errors] == ["shard-meta"]
         assert f"has unknown format_version {value!r}; this actstore reads version 1" in rep.errors[0].message
         return
     with pytest.raises(FormatVersionError) as ei:
-        verify_store(store)
+        verify_store(fault_store)
     assert str(ei.value) == f"{store / rel} has unknown format_version {value!r}; this actstore reads version 1"
     if rel != "actstore.json":  # readers never open the identity file
         with pytest.raises(FormatVersionError):
-            actstore.ActStore(store)[0, 2]
+            actstore.ActStore(fault_store)[0, 2]
 
 
-def test_consistent_lie_about_token_counts_allocates_nothing(store):
+def test_consistent_lie_about_token_counts_allocates_nothing(fault_store):
     """t_max of 2**34 in the manifest, the identity file, the shard's attributes, the array's
     metadata and the manifest's byte counts: readers would allocate 512 GiB per read."""
+    store = fault_store
     T = 2**34
 
     def fix(cfg):
@@ -157,9 +152,9 @@ def test_consistent_lie_about_token_counts_allocates_nothing(store):
             s["nbytes"] = s["n_examples"] * per
 
     edit(store / "manifest.json", lie)
-    edit_array(store, "prompt_activations", lambda d: d["shape"].__setitem__(2, T))
+    edit_array(fault_store, "prompt_activations", lambda d: d["shape"].__setitem__(2, T))
     tracemalloc.start()
-    st = actstore.ActStore(store)
+    st = actstore.ActStore(fault_store)
     kind, x = outcome(lambda: st[3, 2])  # only the chunks of its 6 real tokens
     assert kind == "ok" and x.shape == (F.lengths(0, 3)["prompt"] + F.lengths(0, 3)["response"], 16)
     kind, e = outcome(lambda: st.segment("prompt").padded(3, 2))
@@ -172,7 +167,7 @@ def test_consistent_lie_about_token_counts_allocates_nothing(store):
     kind, e = outcome(lambda: st[0:2, 2])
     assert kind == "error" and "does not hold its last token chunk" in str(e)
     rep = outcome(verify_store, store, deep=True)[1]
-    run_cli("info", str(store))
+    run_cli("info", str(fault_store))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 64 * 2**20
