@@ -221,3 +221,12 @@ def test_lease_with_an_endless_lifetime_is_refused():
            "renewed": 0.0, "ttl": float("inf")}
     with pytest.raises(CorruptStoreError, match="a lease field has the wrong type"):
         parse_lease(json.dumps(doc).encode(), "lease.json")
+
+
+def test_json_depth_limit_is_exact():
+    from actstore.layout import jsonio
+
+    assert jsonio.parse("[" * 64 + "1" + "]" * 64) is not None  # 64 nested containers: allowed
+    for depth in (65, 200, 100_000):  # 65..~1000 were accepted before (an off-by-one); deeper: RecursionError
+        with pytest.raises(ValueError, match="nested deeper than"):
+            jsonio.parse("[" * depth + "]" * depth)
