@@ -41,6 +41,8 @@ def everything(path: Path | str) -> dict[str, Any]:
         stats = st.stats()
         out["stats"] = None if stats is None else stats.summary()
         out["ids"] = [st.token_ids(ex) for ex in range(len(st))] if cfg.token_ids else None
+    elif st.config.token_labels:  # a saev directory with labels.bin
+        out["f:labels"] = np.array(st.field("tokens_token_labels"))
     return out
 
 
