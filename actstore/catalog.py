@@ -111,7 +111,7 @@ def rows_on_disk(shard: Storage) -> int:
         chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
         rows = int(chunks[0])
         heads = [n.split(".")[0] for n in shard.list_dir(rel + "/c" if meta.get("zarr_format") == 3 else rel)]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, CorruptStoreError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, CorruptStoreError) as e:
         raise CorruptStoreError(f"array {shard.where(rel)} has damaged metadata ({e!r})") from None
     top = max((int(h) for h in heads if h.isdigit()), default=-1)
     return (top + 1) * rows
@@ -136,7 +136,10 @@ def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
     for name in (keys.ZARRAY, keys.ZARR_JSON):
         key = f"{rel}/{name}"
         if shard.kind(key) is not None:
-            return jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
+            doc = jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
+            if not isinstance(doc, dict):
+                raise CorruptStoreError(f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}")
+            return doc
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")
 
 

@@ -49,29 +49,34 @@ class ChunkIO:
         return self.geo.n_tchunks
 
     # ---- reading ------------------------------------------------------------------
-    def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> None:
+    def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> int:
         """Fill `out` ((k * t_chunk, d_model)) with the first k token chunks of (ex, layer):
-        every chunk when it has n_tchunks * t_chunk rows (or more)."""
+        every chunk when it has n_tchunks * t_chunk rows (or more). Returns how many of them
+        were absent (read as the fill value: the caller may check them against a checksum)."""
         g = self.geo
         mv = memoryview(out.reshape(-1).view(np.uint8))
         nb = g.chunk_nbytes
+        missing = 0
         for tc in range(min(g.n_tchunks, out.shape[0] // g.t_chunk)):
             dest = mv[tc * nb : (tc + 1) * nb]
             if g.shard_examples is None:
-                self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)
+                missing += self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)
             else:
-                self._read_sharded(ex, layer_pos, tc, dest)
+                missing += self._read_sharded(ex, layer_pos, tc, dest)
+        return missing
 
-    def _read_chunk(self, key: str, dest: memoryview) -> None:
-        """One whole chunk object; a missing one is the fill value; another size is damage."""
+    def _read_chunk(self, key: str, dest: memoryview) -> bool:
+        """One whole chunk object; a missing one is the fill value (True); another size is damage."""
         size = self.storage.read_object_into(key, dest)
         if size is None:
             dest[:] = b"\0" * len(dest)
-        elif size != len(dest):
+            return True
+        if size != len(dest):
             raise CorruptChunkError(
                 f"chunk file {self.where(key)} has {size} bytes, expected {len(dest)}: "
                 "the file is damaged (truncated or overwritten); run `actstore verify --deep`"
             )
+        return False
 
     def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
         """read_into when every byte is at hand without waiting (page cache); False (out
@@ -97,16 +102,16 @@ class ChunkIO:
                 return False
         return True
 
-    def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
+    def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> bool:
         key = self.geo.shard_key(ex)
         index = self.shard_index(key)
         if index is None:
             dest[:] = b"\0" * len(dest)
-            return
+            return True
         offset, nbytes = index[ex % self.geo.shard_examples, layer_pos, tc]
         if offset == EMPTY and nbytes == EMPTY:
             dest[:] = b"\0" * len(dest)
-            return
+            return True
         if int(nbytes) != len(dest):
             raise CorruptChunkError(
                 f"shard file {self.where(key)} holds a {int(nbytes)}-byte chunk for example {ex}, layer position "
@@ -114,6 +119,7 @@ class ChunkIO:
             )
         if self.storage.read_into(key, dest, int(offset)) != len(dest):
             raise CorruptChunkError(f"shard file {self.where(key)} is truncated: chunk at byte {int(offset)} is cut short")
+        return False
 
     def shard_index(self, key: str) -> np.ndarray | None:
         """The (checked) index of a shard file, or None when the file does not exist."""

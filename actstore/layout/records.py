@@ -215,6 +215,11 @@ def el_crc_nbytes(n: int, cfg: StoreConfig) -> int:
     return n * len(cfg.segments) * cfg.n_layers * 4
 
 
+def el_crc_offset(local: int, segment: int, layer_pos: int, cfg: StoreConfig) -> int:
+    """Byte offset of one (example, segment, layer)'s crc32c in the checksums file."""
+    return ((local * len(cfg.segments) + segment) * cfg.n_layers + layer_pos) * 4
+
+
 def parse_el_crcs(data: bytes, n: int, cfg: StoreConfig) -> np.ndarray | None:
     """(n, segments, layers) crc32c values, or None when the file holds fewer."""
     nbytes = el_crc_nbytes(n, cfg)

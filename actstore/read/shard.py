@@ -13,12 +13,12 @@ import numpy as np
 
 from actstore import catalog
 from actstore.layout import spec
-from actstore.chunkio import ChunkIO
+from actstore.chunkio import ChunkIO, crc32c
 from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
-from actstore.layout import jsonio, keys
+from actstore.layout import jsonio, keys, records
 from actstore.layout.arraymeta import array_problems
 from actstore.layout.arrays import array_specs
-from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, geometry_from_metadata
+from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.storage import KeyNotFound, Storage
@@ -62,6 +62,7 @@ class ShardReader:
         self._rows_checked = False
         self._specs = array_specs(cfg)
         self._backed: set[str] = set()
+        self._zkeys: dict[str, tuple[int, str, list[int] | None]] = {}  # zarr-read arrays: how chunks are named
         try:
             consolidated = catalog.consolidated_arrays(self.storage)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
@@ -96,6 +97,8 @@ class ShardReader:
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise CorruptStoreError(f"array metadata of {where} is damaged ({e!r})") from None
         if geo is None:
+            fmt, sep = key_scheme(meta)
+            self._zkeys[seg.name] = (fmt, sep, declared(meta).shards)
             return None
         return ChunkIO(self.storage, geo)
 
@@ -157,8 +160,14 @@ class ShardReader:
         of them when out has n_chunks * t_chunk rows or more, the rest of `out` untouched)."""
         io = self.io[seg.name]
         if io is not None:
-            io.read_into(local, lp, out)
+            if io.read_into(local, lp, out):
+                self._check_absent(seg, local, lp, out)
             return
+        self._read_zarr(seg, local, lp, out)
+        if self._zarr_absent(seg, local, lp):
+            self._check_absent(seg, local, lp, out)
+
+    def _read_zarr(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
         z = self._zarr.get(seg.name)
         if z is None:
             z = self._zarr[seg.name] = self._open_zarr(keys.acts_array(seg.name))
@@ -174,6 +183,46 @@ class ShardReader:
                 f"layer position {lp} ({e!r}); run `actstore verify --deep`"
             ) from None
         out[t:k] = 0
+
+    def _zarr_absent(self, seg: SegmentSpec, local: int, lp: int) -> bool:
+        """Whether a chunk object of (local, lp) is absent (zarr read it as the fill value)."""
+        fmt, sep, shards = self._zkeys[seg.name]
+        head = f"{keys.acts_array(seg.name)}/" + (f"c{sep}" if fmt == 3 else "")
+        if shards is not None:
+            return self.storage.size(f"{head}{local // shards[0]}{sep}0{sep}0{sep}0") is None
+        return any(self.storage.size(f"{head}{local}{sep}{lp}{sep}{tc}{sep}0") is None for tc in range(seg.n_chunks))
+
+    def _check_absent(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
+        """Absent chunks read as zeros: right where the writer omitted chunks of zeros (zarr
+        does), damage where a chunk file was deleted. The writer's crc32c of the whole padded
+        (example, layer) says which; a shard without per-example checksums cannot tell."""
+        want = self._el_crc(seg, local, lp)
+        if want is None:
+            return
+        rows = seg.n_chunks * seg.t_chunk
+        full = out
+        if out.shape[0] < rows:  # the read stopped at the example's tokens: the checksum covers every chunk
+            full = np.empty((rows, self.cfg.d_model), dtype=out.dtype)
+            io = self.io[seg.name]
+            io.read_into(local, lp, full) if io is not None else self._read_zarr(seg, local, lp, full)
+        got = crc32c(np.ascontiguousarray(full[:rows]))
+        if got != want:
+            raise CorruptChunkError(
+                f"a chunk of (example {local} of shard {self.where}, layer {self.cfg.layers[lp]}, segment {seg.name!r}) is "
+                f"missing and reads as zeros, but the writer recorded crc32c {want:#010x} for it, not {got:#010x}: "
+                "a chunk file was deleted; run `actstore verify`"
+            )
+
+    def _el_crc(self, seg: SegmentSpec, local: int, lp: int) -> int | None:
+        """The writer's crc32c of one (example, segment, layer), or None (no checksums file)."""
+        size = self.storage.size(keys.EL_CRC)
+        if size is None:
+            return None
+        need = records.el_crc_nbytes(self.entry.n_examples, self.cfg)
+        if size < need:
+            raise CorruptStoreError(f"{self.storage.where(keys.EL_CRC)} has {size} bytes; {self.entry.n_examples} examples need {need}")
+        si = [s.name for s in self.cfg.segments].index(seg.name)
+        return int.from_bytes(self.storage.get_range(keys.EL_CRC, records.el_crc_offset(local, si, lp, self.cfg), 4), "little")
 
     def check_backed(self, seg: SegmentSpec) -> None:
         """Before a read of more than UNCHECKED_READ_BYTES of one (example, layer) of `seg`:

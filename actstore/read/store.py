@@ -237,7 +237,7 @@ class ActStore:
         pos, local = self.index.locate(ex)
         sh = self._shard(pos)
         out: dict[str, Any] = {"example": ex if ex >= 0 else ex + len(self)}
-        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1])[0]
+        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1], sh.storage.where(keys.field_array(spec.SAMPLE_KEY)))[0]
         out["lengths"] = {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
         for name in self.config.fields:
             out[name] = sh.per_sample(name)[local].item()
@@ -250,7 +250,8 @@ class ActStore:
         if name == spec.SAMPLE_KEY:
             from actstore.layout.arrays import decode_keys
 
-            return np.array([k for pos in range(len(self.manifest.shards)) for k in decode_keys(self._shard(pos).per_sample(name))])
+            return np.array([k for pos in range(len(self.manifest.shards))
+                             for k in decode_keys(self._shard(pos).per_sample(name), self._shard(pos).storage.where(keys.field_array(name)))])
         allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
         if self.config.token_labels:
             allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
