@@ -268,34 +268,20 @@ def _settings(layout: str):
                                            HealthCheck.data_too_large])
 
 
-@_settings("v2")
-@given(data=st.data())
-def test_mutations_of_a_v2_store(layouts, data, tmp_path_factory):
-    _property(layouts, "v2", data, tmp_path_factory)
+def _property_test(layout: str):
+    """The property test of one layout (one test function each: its own example budget)."""
+
+    @_settings(layout)
+    @given(data=st.data())
+    def test(layouts, data, tmp_path_factory):
+        _property(layouts, layout, data, tmp_path_factory)
+
+    test.__name__ = f"test_mutations_of_the_{layout.replace('-', '_')}_layout"
+    return test
 
 
-@_settings("v3")
-@given(data=st.data())
-def test_mutations_of_a_v3_store(layouts, data, tmp_path_factory):
-    _property(layouts, "v3", data, tmp_path_factory)
-
-
-@_settings("v3-sharded")
-@given(data=st.data())
-def test_mutations_of_a_v3_sharded_store(layouts, data, tmp_path_factory):
-    _property(layouts, "v3-sharded", data, tmp_path_factory)
-
-
-@_settings("v2-zstd")
-@given(data=st.data())
-def test_mutations_of_a_compressed_store(layouts, data, tmp_path_factory):
-    _property(layouts, "v2-zstd", data, tmp_path_factory)
-
-
-@_settings("saev")
-@given(data=st.data())
-def test_mutations_of_a_saev_export(layouts, data, tmp_path_factory):
-    _property(layouts, "saev", data, tmp_path_factory)
+for _layout in PER_LAYOUT:  # test_mutations_of_the_v2_layout, ..._v3_sharded_layout, ..._saev_layout
+    globals()[f"test_mutations_of_the_{_layout.replace('-', '_')}_layout"] = _property_test(_layout)
 
 
 def test_every_mutation_was_tried_and_the_stores_restored(layouts):
