@@ -178,7 +178,7 @@ def test_nan_in_a_text_is_refused(tmp_path):
     w = actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, texts=["meta"])
     with pytest.raises(AppendError) as ei:
         w.append(np.zeros((2, 1, 2, 4), np.float16), texts={"meta": [{"score": float("nan")}, {"score": 1.0}]})
-    assert str(ei.value) == "text 'meta' holds a value that standard JSON cannot hold: Out of range float values are not JSON compliant"
+    assert str(ei.value).startswith("text 'meta' holds a value that standard JSON cannot hold: Out of range float values are not JSON compliant")
     w.append(np.zeros((2, 1, 2, 4), np.float16), texts={"meta": [{"score": 0.5}, {"score": 1.0}]})
     w.close()
     actstore.finalize(tmp_path / "s")

@@ -44,7 +44,7 @@ SEED = os.environ.get("ACTSTORE_MUTATION_SEED")
 SCALE = float(os.environ.get("ACTSTORE_MUTATION_SCALE", "1"))  # e.g. 0.1 for a quick local run  # 2,050 mutations per run
 COUNT: dict[str, Any] = {"mutations": 0, "by_kind": {}, "by_layout": {}, "t0": None}
 JSON_NAMES = (".json", ".zarray", ".zattrs", ".zgroup", ".zmetadata", ".jsonl")
-SAME_SIZE = ("flip", "zero")
+SAME_SIZE = ("flip", "zero", "json-same")  # "json-same": a JSON line rewritten to the same number of bytes
 
 
 # ---- the stores -------------------------------------------------------------------------
@@ -174,6 +174,8 @@ def mutate(root: Path, rel: str, draw, outside: Path) -> str:
             doc = None
         text = json.dumps(_rewrite_json(doc, draw)).encode()
         if i is not None:
+            if len(text) == len(lines[i]):
+                kind = "json-same"
             lines[i] = text
             text = b"\n".join(lines)
         path.write_bytes(text)

@@ -15,7 +15,7 @@ from actstore import catalog
 from actstore.layout import spec
 from actstore.chunkio import ChunkIO, crc32c
 from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
-from actstore.layout import jsonio, keys, records
+from actstore.layout import jsonio, keys, records, texts
 from actstore.layout.arraymeta import array_problems
 from actstore.layout.arrays import array_specs
 from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme
@@ -48,7 +48,8 @@ class ShardReader:
                 f"shard {entry.name} listed in the manifest of {storage.url} is missing (holds examples "
                 f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {[keys.shard_name(n) for n in catalog.shard_numbers(storage)]}"
             )
-        committed = catalog.read_commit(self.storage).n_committed  # counts are checked before anything is allocated
+        self.commit = catalog.read_commit(self.storage)
+        committed = self.commit.n_committed  # counts are checked before anything is allocated
         if committed < entry.n_examples:
             raise CorruptStoreError(
                 f"shard {self.where} has committed {committed} examples but the manifest says {entry.n_examples}; "
@@ -275,14 +276,24 @@ class ShardReader:
             if len(ends) < self.entry.n_examples:
                 raise CorruptStoreError(f"{self.storage.where(key)} has fewer than {self.entry.n_examples} lines")
             offsets = np.concatenate([[0], ends])
+            want = self.commit.text_bytes.get(name)
+            end = int(offsets[-1])
+            if want is not None and (end > want or (self.commit.n_committed == self.entry.n_examples and end != want)):
+                raise CorruptStoreError(
+                    f"{self.storage.where(key)}: its first {self.entry.n_examples} lines take {end} bytes; the commit record says "
+                    f"{want} for its {self.commit.n_committed} committed lines: the file was altered (run `actstore verify --deep`)"
+                )
             cached = self._text_offsets[name] = (data, offsets)
         return cached
 
 
 def text_value(line: bytes, where: str, i: int, name: str) -> Any:
-    """The value of text `name` on line i of its .jsonl file, refusing damaged lines."""
+    """The value of text `name` on line i of its .jsonl file (which names example i),
+    refusing damaged lines."""
     try:
-        rec = jsonio.loads(line, where, what="text line")
-        return rec[name]
-    except (CorruptStoreError, KeyError, TypeError) as e:
-        raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e!r}); run `actstore verify --deep`") from None
+        index, value = texts.parse_line(line, where, name)
+    except CorruptStoreError as e:
+        raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e}); run `actstore verify --deep`") from None
+    if type(index) is not int or index != i:
+        raise CorruptStoreError(f"{where}: line {i + 1} holds the text of example {index!r}, not {i}; run `actstore verify --deep`")
+    return value
