@@ -191,3 +191,27 @@ def test_chunk_written_in_place_never_follows_a_link(tmp_path):
         s.append("a/c", b"more")
     assert victim.read_bytes() == b"precious"
     assert np.frombuffer(s.get("a/b"), np.uint8).tolist() == [ord("x")]
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.txt", "d.parquet", "glob"])
+def test_capture_data_that_is_a_fifo_is_refused(tmp_path, name):
+    """`actstore write --data` on a FIFO blocked before the model even loaded."""
+    from actstore.capture.data import load_source
+    from actstore.capture.errors import DataError
+
+    target = tmp_path / ("g/a.txt" if name == "glob" else name)
+    target.parent.mkdir(exist_ok=True)
+    os.mkfifo(target)
+    spec = str(tmp_path / "g/*.txt") if name == "glob" else str(target)
+    kind, e = outcome(load_source, spec)
+    assert kind == "error" and isinstance(e, DataError)
+    assert str(e) == f"--data {spec}: {target} is a FIFO (named pipe), not a file or folder of data"
+
+
+def test_capture_jsonl_nested_too_deeply_is_a_data_error(tmp_path):
+    from actstore.capture.data import load_source
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    kind, e = outcome(load_source, str(p))
+    assert kind == "error" and str(e).startswith(f"{p}:2: not valid JSON (maximum recursion depth exceeded")
