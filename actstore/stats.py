@@ -116,6 +116,7 @@ class RunningStats:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunningStats:
+        _check_npz(data)
         return cls.load(io.BytesIO(data))
 
     @classmethod
@@ -132,6 +133,27 @@ class RunningStats:
                     raise ValueError(f"statistics file {path} has field {f} of shape {arr.shape}")
                 setattr(st, f, arr.astype(getattr(st, f).dtype))
         return st
+
+
+def _check_npz(data: bytes) -> None:
+    """Refuse a statistics file whose arrays claim more bytes than the file holds, before
+    numpy allocates them: np.savez stores its members uncompressed, so each array's header
+    shape x itemsize must fit in its member (a few KB claiming 10**12 values would make
+    np.load allocate them). Damage raises ValueError."""
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                raise ValueError(f"member {info.filename} is compressed or larger than the file; np.savez writes neither")
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version not in ((1, 0), (2, 0), (3, 0)):
+                    raise ValueError(f"member {info.filename} has npy format version {version}")
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+                if dtype.hasobject or int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
+                    raise ValueError(f"member {info.filename} claims {shape} values of {dtype}, more than its {info.file_size} bytes")
 
 
 def stats_key(layer: int, segment: str) -> str:

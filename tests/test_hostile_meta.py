@@ -230,3 +230,26 @@ def test_json_depth_limit_is_exact():
     for depth in (65, 200, 100_000):  # 65..~1000 were accepted before (an off-by-one); deeper: RecursionError
         with pytest.raises(ValueError, match="nested deeper than"):
             jsonio.parse("[" * depth + "]" * depth)
+
+
+def test_statistics_file_claiming_huge_arrays_allocates_nothing(fault_store):
+    """A few hundred bytes of .npz whose array header claims 10**12 float64 values: np.load
+    allocated 8 TB (MemoryError) before reading a byte."""
+    import io
+    import zipfile
+
+    store = fault_store
+    name = json.loads((store / "manifest.json").read_text())["stats"]
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**12,)})
+        zf.writestr("keys.npy", header.getvalue() + bytes(64))
+    (store / name).write_bytes(buf.getvalue())
+    tracemalloc.start()
+    kind, e = outcome(lambda: actstore.ActStore(store).stats())
+    rep = outcome(verify_store, store, deep=True)[1]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert kind == "error" and str(e).startswith(f"statistics file {store / name} is unreadable (ValueError('member keys.npy claims")
+    assert [p.kind for p in rep.errors] == ["stats"] and peak < 16 * 2**20
