@@ -253,3 +253,37 @@ def test_statistics_file_claiming_huge_arrays_allocates_nothing(fault_store):
     tracemalloc.stop()
     assert kind == "error" and str(e).startswith(f"statistics file {store / name} is unreadable (ValueError('member keys.npy claims")
     assert [p.kind for p in rep.errors] == ["stats"] and peak < 16 * 2**20
+
+
+def test_consistent_lie_about_token_counts_in_per_sample_rows(tmp_path):
+    """Token labels of a segment claiming 2**34 tokens: zarr would allocate (n, 2**34) rows."""
+    root = tmp_path / "s"
+    with actstore.ShardWriter(root, layers=[0], d_model=4, tokens=4, token_labels=True) as w:
+        w.append(np.ones((3, 1, 4, 4), np.float16), token_labels=np.ones((3, 4), np.uint8))
+    actstore.finalize(root)
+    T = 2**34
+
+    def fix(cfg):
+        cfg["segments"][0]["t_max"] = T
+
+    edit(root / "actstore.json", lambda d: fix(d["config"]))
+    edit(root / SH0 / ".zattrs", lambda d: fix(d["actstore"]["config"]))
+    edit(root / SH0 / ".zmetadata", lambda d: fix(d["metadata"][".zattrs"]["actstore"]["config"]))
+
+    def lie(d):
+        fix(d["config"])
+        d["shards"][0]["nbytes"] = 3 * StoreConfig.from_json(d["config"]).example_bytes()
+
+    edit(root / "manifest.json", lie)
+    edit_array(root, "tokens_activations", lambda d: d["shape"].__setitem__(2, T))
+    edit_array(root, "tokens_token_labels", lambda d: (d["shape"].__setitem__(1, T), d.__setitem__("chunks", [1, T])))
+    tracemalloc.start()
+    kind, e = outcome(lambda: actstore.ActStore(root).field("tokens_token_labels"))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert kind == "error" and peak < 16 * 2**20
+    assert str(e) == (
+        f"array {root / SH0 / 'arrays/tokens_token_labels'} claims rows of {T} bytes (3 rows: {3 * T} bytes), but its chunk "
+        f"file {root / SH0 / 'arrays/tokens_token_labels/0.0'} does not hold {T} bytes: the metadata claim more than the data on "
+        "disk (reads above 67108864 bytes are checked first); run `actstore verify`"
+    )

@@ -123,7 +123,8 @@ class ShardReader:
         if arr is None:
             rel = keys.field_array(name)
             try:
-                self._check_meta(rel, catalog.array_meta(self.storage, rel))
+                meta = catalog.array_meta(self.storage, rel)
+                self._check_meta(rel, meta)
             except KeyNotFound:
                 raise CorruptStoreError(f"shard {self.where} has no array {rel}") from None
             z = self._open_zarr(rel)
@@ -138,6 +139,7 @@ class ShardReader:
                         f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
                     )
                 self._rows_checked = True
+            self._check_rows_backed(rel, meta, n)
             try:
                 arr = np.asarray(z[:n])  # n is now bounded by files on disk
             except ActstoreError:
@@ -146,6 +148,26 @@ class ShardReader:
                 raise CorruptChunkError(f"array {self.storage.where(rel)} cannot be read ({e!r}); run `actstore verify`") from None
             self._per_sample[name] = arr
         return arr
+
+    def _check_rows_backed(self, rel: str, meta: dict[str, Any], n: int) -> None:
+        """Before reading more than UNCHECKED_READ_BYTES of a per-sample array (long rows:
+        token labels or ids of a long segment), every chunk file it covers must be on disk at
+        its size: metadata claiming absurd row lengths cannot make zarr allocate them."""
+        want = self._specs[rel]
+        row = int(np.prod(want.shape[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize
+        if n * row <= UNCHECKED_READ_BYTES:
+            return
+        fmt, sep = key_scheme(meta)
+        rows = want.chunks[0]
+        tail = sep.join("0" * (len(want.shape) - 1))
+        for c in range(-(-n // rows)):
+            key = f"{rel}/{'c' + sep if fmt == 3 else ''}{c}{sep + tail if tail else ''}"
+            if self.storage.size(key) != rows * row:
+                raise CorruptStoreError(
+                    f"array {self.storage.where(rel)} claims rows of {row} bytes ({n} rows: {n * row} bytes), but its chunk file "
+                    f"{self.storage.where(key)} does not hold {rows * row} bytes: the metadata claim more than the data on "
+                    f"disk (reads above {UNCHECKED_READ_BYTES} bytes are checked first); run `actstore verify`"
+                )
 
     def lengths(self, seg: SegmentSpec) -> np.ndarray:
         arr = self._lengths.get(seg.name)
