@@ -116,8 +116,14 @@ class RunningStats:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunningStats:
-        _check_npz(data)
-        return cls.load(io.BytesIO(data))
+        """A statistics .npz's bytes; damage of any kind raises ValueError."""
+        import zipfile
+
+        try:
+            _check_npz(data)
+            return cls.load(io.BytesIO(data))
+        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, EOFError, OSError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"not a readable statistics file ({type(e).__name__}: {e})") from None
 
     @classmethod
     def load(cls, path: Any) -> RunningStats:

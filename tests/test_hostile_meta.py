@@ -287,3 +287,20 @@ def test_consistent_lie_about_token_counts_in_per_sample_rows(tmp_path):
         f"file {root / SH0 / 'arrays/tokens_token_labels/0.0'} does not hold {T} bytes: the metadata claim more than the data on "
         "disk (reads above 67108864 bytes are checked first); run `actstore verify`"
     )
+
+
+def test_damaged_statistics_files_raise_only_value_error():
+    """Bit flips in a zip's flags made zipfile raise NotImplementedError or RuntimeError
+    (encrypted), out of ActStore.stats() and info (found by the mutation tests)."""
+    from actstore.stats import RunningStats
+
+    data = RunningStats(["layer2/prompt", "layer2/response"], 16).to_bytes()
+    damaged = [data[:n] for n in range(0, len(data), 16)]
+    damaged += [data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1:] for i in range(0, len(data), 5) for bit in (0, 5, 6, 7)]
+    refused = 0
+    for d in damaged:
+        try:
+            RunningStats.from_bytes(d)
+        except ValueError:
+            refused += 1
+    assert refused > len(damaged) // 2
