@@ -175,4 +175,5 @@ def read_stats(storage, key: str, *, then: str) -> RunningStats:
     try:
         return RunningStats.from_bytes(storage.get(key))
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
-        raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({e!r}); {then}") from None
+        why = str(e) if type(e) is ValueError else repr(e)  # from_bytes says what was wrong
+        raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({why}); {then}") from None

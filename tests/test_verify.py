@@ -345,7 +345,7 @@ def test_resume_of_a_shard_without_per_example_checksums(tmp_path):
 def test_unreadable_statistics_file(store):
     m = json.loads((store / spec.MANIFEST_FILE).read_text())
     (store / m["stats"]).write_bytes(b"PK\x03\x04 not a zip")
-    with pytest.raises(actstore.CorruptStoreError, match=r"statistics file .* is unreadable \(BadZipFile"):
+    with pytest.raises(actstore.CorruptStoreError, match=r"statistics file .* is unreadable \(not a readable statistics file \(BadZipFile: File is not a zip file\)\)"):
         ActStore(store).stats()
     rep = verify_store(store, deep=True)
     assert kinds(rep) == [(ERROR, "stats")]
