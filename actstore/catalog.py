@@ -25,6 +25,13 @@ def read_identity(storage: Storage) -> StoreConfig:
     return records.parse_identity(data, storage.where(keys.IDENTITY))
 
 
+def check_folder(storage: Storage) -> None:
+    """A local store path that is a file (or anything but a folder) is no store."""
+    root = storage.local_root
+    if root is not None and root.exists() and not root.is_dir():
+        raise StoreNotFoundError(f"{storage.url} is a file, not an actstore store (a store is a folder holding {keys.MANIFEST})")
+
+
 def has_identity(storage: Storage) -> bool:
     return storage.exists(keys.IDENTITY)
 
@@ -104,7 +111,7 @@ def rows_on_disk(shard: Storage) -> int:
         chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
         rows = int(chunks[0])
         heads = [n.split(".")[0] for n in shard.list_dir(rel + "/c" if meta.get("zarr_format") == 3 else rel)]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, CorruptStoreError) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, CorruptStoreError) as e:
         raise CorruptStoreError(f"array {shard.where(rel)} has damaged metadata ({e!r})") from None
     top = max((int(h) for h in heads if h.isdigit()), default=-1)
     return (top + 1) * rows
@@ -112,7 +119,7 @@ def rows_on_disk(shard: Storage) -> int:
 
 def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
     """Array metadata keyed by path from a shard's consolidated metadata, when it has it."""
-    if shard.exists(keys.ZMETADATA):
+    if shard.kind(keys.ZMETADATA) is not None:
         doc = jsonio.loads(shard.get(keys.ZMETADATA), shard.where(keys.ZMETADATA), what="consolidated metadata")
         return {k[: -len("/" + keys.ZARRAY)]: v for k, v in doc["metadata"].items() if k.endswith("/" + keys.ZARRAY)}
     try:
@@ -124,9 +131,28 @@ def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
 
 
 def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
-    """The Zarr metadata document of array `rel` (format 2 or 3)."""
+    """The Zarr metadata document of array `rel` (format 2 or 3); whatever stands there
+    instead of a file raises (Storage.get names it)."""
     for name in (keys.ZARRAY, keys.ZARR_JSON):
         key = f"{rel}/{name}"
-        if shard.exists(key):
-            return jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
+        if shard.kind(key) is not None:
+            doc = jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
+            if not isinstance(doc, dict):
+                raise CorruptStoreError(f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}")
+            return doc
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")
+
+
+def array_attrs(shard: Storage, rel: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """An array's attributes: `.zattrs` beside a format 2 `.zarray` (absent: none), the
+    `attributes` of a format 3 `zarr.json`; damage raises CorruptStoreError."""
+    if meta.get("zarr_format") == 3:
+        attrs = meta.get("attributes", {})
+        where = shard.where(f"{rel}/{keys.ZARR_JSON}")
+    else:
+        key = f"{rel}/{keys.ZATTRS}"
+        where = shard.where(key)
+        attrs = jsonio.loads(shard.get(key), where, what="array attributes") if shard.kind(key) is not None else {}
+    if not isinstance(attrs, dict):
+        raise CorruptStoreError(f"{where}: array attributes must be a JSON object, got {type(attrs).__name__}")
+    return attrs

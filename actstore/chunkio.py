@@ -49,25 +49,31 @@ class ChunkIO:
         return self.geo.n_tchunks
 
     # ---- reading ------------------------------------------------------------------
-    def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> None:
-        """Fill `out` (n_tchunks * t_chunk, d_model) with every token chunk of (ex, layer)."""
+    def read_into(self, ex: int, layer_pos: int, out: np.ndarray) -> int:
+        """Fill `out` ((k * t_chunk, d_model)) with the first k token chunks of (ex, layer):
+        every chunk when it has n_tchunks * t_chunk rows (or more). Returns how many of them
+        were absent (read as the fill value: the caller may check them against a checksum)."""
         g = self.geo
         mv = memoryview(out.reshape(-1).view(np.uint8))
         nb = g.chunk_nbytes
-        for tc in range(g.n_tchunks):
+        missing = 0
+        for tc in range(min(g.n_tchunks, out.shape[0] // g.t_chunk)):
             dest = mv[tc * nb : (tc + 1) * nb]
             if g.shard_examples is None:
-                self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)
+                missing += self._read_chunk(g.chunk_key(ex, layer_pos, tc), dest)
             else:
-                self._read_sharded(ex, layer_pos, tc, dest)
+                missing += self._read_sharded(ex, layer_pos, tc, dest)
+        return missing
 
-    def _read_chunk(self, key: str, dest: memoryview) -> None:
-        """One whole chunk object; a missing one is the fill value; another size is damage."""
+    def _read_chunk(self, key: str, dest: memoryview) -> bool:
+        """One whole chunk object; a missing one is the fill value (True); another size is damage."""
         size = self.storage.read_object_into(key, dest)
         if size is None:
             dest[:] = b"\0" * len(dest)
-        elif size != len(dest):
+            return True
+        if size != len(dest):
             raise CorruptChunkError(self.wrong_size(key, size))
+        return False
 
     def read_cached(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
         """read_into when every byte is at hand without waiting (page cache); False (out
@@ -93,14 +99,16 @@ class ChunkIO:
                 return False
         return True
 
-    def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> None:
+    def _read_sharded(self, ex: int, layer_pos: int, tc: int, dest: memoryview) -> bool:
+        """One chunk of a shard file; an absent one is the fill value (True)."""
         key = self.geo.shard_key(ex)
         offset = self.shard_chunk(ex, layer_pos, tc)
         if offset is None:
             dest[:] = b"\0" * len(dest)
-            return
+            return True
         if self.storage.read_into(key, dest, offset) != len(dest):
             raise CorruptChunkError(self.cut_short(key, offset))
+        return False
 
     def shard_chunk(self, ex: int, layer_pos: int, tc: int) -> int | None:
         """Byte offset of (ex, layer_pos, tc) in its shard file (`geo.shard_key(ex)`), or None

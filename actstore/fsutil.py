@@ -11,10 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import UnsafePathError
-from actstore.storage.local import fsync_dir, syncfs, tmp_name
+from actstore.errors import ActstoreError, UnsafePathError
+from actstore.storage.fileops import fsync_dir, syncfs, tmp_name
+from actstore.storage.regular import open_regular
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "fsync_dir", "safe_child", "syncfs", "tmp_name"]
+__all__ = ["atomic_write_bytes", "atomic_write_json", "fsync_dir", "read_regular", "safe_child", "syncfs", "tmp_name"]
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
@@ -58,3 +59,21 @@ def safe_child(root: str | os.PathLike, relative: str) -> Path:
             "(a symlink leaving the store?); refusing to follow it"
         )
     return Path(root) / rel
+
+
+def read_regular(path: str | os.PathLike, *, error: type[ActstoreError], hint: str, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file `path` (an export's or a legacy directory's file): a
+    FIFO, device, folder or link there raises `error` (never blocking), as does a file of
+    more than `max_bytes`; a missing file raises FileNotFoundError."""
+    fd = open_regular(os.fspath(path), error=error, hint=hint)
+    try:
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise error(f"{path} has {size} bytes, more than the {max_bytes} allowed for it; {hint}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read() if max_bytes is None else f.read(size + 1)  # read(n) allocates n bytes up front
+        if max_bytes is not None and len(data) > max_bytes:
+            raise error(f"{path} grew past the {max_bytes} bytes allowed for it; {hint}")
+        return data
+    finally:
+        os.close(fd)

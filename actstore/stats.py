@@ -116,7 +116,14 @@ class RunningStats:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RunningStats:
-        return cls.load(io.BytesIO(data))
+        """A statistics .npz's bytes; damage of any kind raises ValueError."""
+        import zipfile
+
+        try:
+            _check_npz(data)
+            return cls.load(io.BytesIO(data))
+        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, EOFError, OSError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"not a readable statistics file ({type(e).__name__}: {e})") from None
 
     @classmethod
     def load(cls, path: Any) -> RunningStats:
@@ -134,6 +141,27 @@ class RunningStats:
         return st
 
 
+def _check_npz(data: bytes) -> None:
+    """Refuse a statistics file whose arrays claim more bytes than the file holds, before
+    numpy allocates them: np.savez stores its members uncompressed, so each array's header
+    shape x itemsize must fit in its member (a few KB claiming 10**12 values would make
+    np.load allocate them). Damage raises ValueError."""
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        for info in zf.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
+                raise ValueError(f"member {info.filename} is compressed or larger than the file; np.savez writes neither")
+            with zf.open(info) as f:
+                version = np.lib.format.read_magic(f)
+                if version not in ((1, 0), (2, 0), (3, 0)):
+                    raise ValueError(f"member {info.filename} has npy format version {version}")
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+                if dtype.hasobject or int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
+                    raise ValueError(f"member {info.filename} claims {shape} values of {dtype}, more than its {info.file_size} bytes")
+
+
 def stats_key(layer: int, segment: str) -> str:
     return f"layer{layer}/{segment}"
 
@@ -147,4 +175,5 @@ def read_stats(storage, key: str, *, then: str) -> RunningStats:
     try:
         return RunningStats.from_bytes(storage.get(key))
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
-        raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({e!r}); {then}") from None
+        why = str(e) if type(e) is ValueError else repr(e)  # from_bytes says what was wrong
+        raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({why}); {then}") from None

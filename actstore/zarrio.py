@@ -9,7 +9,31 @@ from typing import Any
 from actstore.layout.arrays import decode_keys, encode_keys, shard_arrays
 from actstore.layout.config import StoreConfig
 
-__all__ = ["create_shard_arrays", "decode_keys", "encode_keys"]
+__all__ = ["check_compressor", "create_shard_arrays", "decode_keys", "encode_keys"]
+
+
+def check_compressor(compressor: Any, zarr_format: int) -> None:
+    """Refuse a compressor that zarr-python cannot use for this Zarr format, before anything
+    of the shard is written: format 2 takes a numcodecs codec, format 3 a bytes-to-bytes
+    codec of zarr.codecs."""
+    if compressor is None:
+        return
+    if zarr_format == 2:
+        from numcodecs.abc import Codec
+
+        if not isinstance(compressor, Codec):
+            raise ValueError(
+                f"compressor {compressor!r} is not a numcodecs codec; a Zarr format 2 store takes one "
+                "(e.g. numcodecs.Zstd()), or pass zarr_format=3 for zarr.codecs.ZstdCodec()"
+            )
+        return
+    from zarr.abc.codec import BytesBytesCodec
+
+    if not isinstance(compressor, BytesBytesCodec):
+        raise ValueError(
+            f"compressor {compressor!r} is not a Zarr v3 bytes-to-bytes codec; a Zarr format 3 store takes one "
+            "(e.g. zarr.codecs.ZstdCodec()); numcodecs codecs (numcodecs.Zstd()) go with zarr_format=2"
+        )
 
 
 def create_shard_arrays(group: Any, cfg: StoreConfig, compressor: Any = None) -> None:

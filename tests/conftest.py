@@ -46,3 +46,25 @@ def s3_url(s3_endpoint):
     import s3server
 
     return f"s3://{s3server.create_bucket(s3_endpoint)}/store"
+
+
+@pytest.fixture(scope="module")
+def fault_original(tmp_path_factory):
+    """(root, every value a reader gives) of a finalized faultlib store of 6 examples
+    (segments prompt and response, a text, an int64 field, statistics), built once per module."""
+    import actstore
+    import faultlib
+    from hostile import everything
+
+    root = tmp_path_factory.mktemp("fault") / "store"
+    faultlib.write_shard(root, 0, 6)
+    actstore.finalize(root)
+    return root, everything(root)
+
+
+@pytest.fixture
+def fault_store(fault_original, tmp_path):
+    """A fresh copy of fault_original's store, to damage."""
+    import faultlib
+
+    return faultlib.copy_store(fault_original[0], tmp_path / "store")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gzip
 import hashlib
 import json
@@ -245,7 +246,7 @@ def test_bounded_decompression_and_shape_checks(tmp_path):
         import_pkl(src, tmp_path / "s")
     doc = legacy_records(0, 2, rng)
     del doc["layer_16"]
-    src = write_legacy(tmp_path / "layers", [{**doc, "layer_3": doc["layer_15"]}])
+    src = write_legacy(tmp_path / "layers", [{**doc, "layer_3": copy.deepcopy(doc["layer_15"])}])  # a copy: shared records are refused
     with pytest.raises(LegacyFormatError, match=r"holds keys \['layer_15', 'layer_3'\]; metadata.json lists layers \[15, 16\]"):
         import_pkl(src, tmp_path / "s")
     doc = legacy_records(0, 2, rng)

@@ -90,7 +90,7 @@ def _edit_meta(store: Path, fn) -> None:
     "edit, message",
     [
         (lambda m: m.__setitem__("chunks", [1, 1, 4, 8]), "chunks of shape [1, 1, 4, 8] of float16; the store config says 4 tokens of <f2"),
-        (lambda m: m.__setitem__("dtype", "<f4"), "chunks of 4 tokens of float32; the store config says 4 tokens of <f2"),
+        (lambda m: m.__setitem__("dtype", "<f4"), "dtype <f4; the store config says <f2 (the byte order and width decide every value read)"),
         (lambda m: m.__setitem__("fill_value", 1.5), "fill value 1.5; the format's is 0 (missing chunks read as it)"),
         (lambda m: m.__setitem__("zarr_format", 3), None),
     ],

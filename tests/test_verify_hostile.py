@@ -187,7 +187,8 @@ def test_damaged_array_metadata(store):
     with pytest.raises(CorruptStoreError) as ei:
         ActStore(store)[0, 2]
     assert str(ei.value) == (
-        f"array {store / SH0 / 'arrays/prompt_activations'} has chunks of 6 tokens of float16; the store config says 4 tokens of <f2"
+        f"array {store / SH0 / 'arrays/prompt_activations'} has chunks of 6 tokens of float16; the store config says 4 tokens of <f2; "
+        "its metadata was altered (run `actstore verify`)"
     )
     (store / SH0 / "arrays/prompt_activations/.zarray").write_text("{not json")
     with pytest.raises(CorruptStoreError, match=r"array metadata of .*prompt_activations is damaged \(Expecting property name"):

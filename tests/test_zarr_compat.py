@@ -84,6 +84,9 @@ def _zarr_written_store(tmp_path, rng, fmt: int, sharded: bool):
     fresh = random_acts(rng, (7, 2, 10, 12), "float16")
     fresh[2, 1] = 0  # an all-zero chunk: zarr-python does not write it (missing = fill value)
     arr[:] = fresh
+    # The writer's per-example checksums are of the values replaced: without them (as in a
+    # shard of an older writer) an absent chunk reads as the fill value unchecked.
+    (path / "shards/shard-00000.zarr/meta/example_layer_crc32c.u32").unlink()
     return path, fresh
 
 
@@ -124,13 +127,25 @@ def test_layout_detection_refuses_non_raw_metadata(tmp_path):
         assert geometry_from_metadata("a", {**base, **change}, 2, 12) is None, change
 
 
-def test_missing_chunk_reads_as_fill_value(tmp_path, rng):
+def test_missing_chunk_reads_as_fill_value_only_where_zeros_were_written(tmp_path, rng):
+    """An absent chunk is the fill value where the writer wrote zeros (zarr omits such
+    chunks); where it wrote data, the chunk file was deleted: the writer's crc32c says so."""
+    from actstore.errors import CorruptChunkError
+
     path = tmp_path / "s"
-    _write(path, rng)
-    os.unlink(path / "shards/shard-00000.zarr/arrays/tokens_activations/4.1.0.0")
+    data = random_acts(rng, (4, 2, 10, 12), "float16")
+    data[2, 1] = 0
+    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10) as w:
+        w.append(data)
+    actstore.finalize(path)
+    adir = path / "shards/shard-00000.zarr/arrays/tokens_activations"
+    os.unlink(adir / "2.1.0.0")
+    os.unlink(adir / "3.1.0.0")
     store = ActStore(path)
-    assert not store[4, 7].any()
-    assert store[4, 3].any()
+    assert not store[2, 7].any()
+    assert store[2, 3].any()
+    with pytest.raises(CorruptChunkError, match=r"is missing and reads as zeros, but the writer recorded crc32c"):
+        store[3, 7]
 
 
 @pytest.mark.parametrize("kw", [{}, {"t_chunk": 3}, {"zarr_format": 3}])

@@ -61,6 +61,7 @@ def load_source(spec: str, text_field: str | None = None) -> Source:
         p = Path(spec).expanduser()
         if not p.exists():
             raise DataError(f"--data {spec}: no such file or folder")
+        _check_regular(p, spec)
         if p.is_dir() and ((p / "state.json").exists() or (p / "dataset_dict.json").exists()):
             src = _hf_datasets(p, text_field)
         elif p.is_dir():
@@ -180,6 +181,17 @@ def _key(s: str) -> str:
 
 
 # ---- JSONL ------------------------------------------------------------------------
+def _check_regular(p: Path, spec: str) -> None:
+    """A data file must be a regular file (a FIFO would block the capture) or a folder."""
+    import stat
+
+    from actstore.storage.regular import describe
+
+    mode = p.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise DataError(f"--data {spec}: {p} is {describe(mode)}, not a file or folder of data")
+
+
 def _txt_lines(path: Path) -> Source:
     """One document a non-empty line, streamed (only each line's byte range is kept)."""
     lines = _LineIndex(path)
@@ -200,6 +212,8 @@ def _glob(spec: str, text_field: str | None) -> Source:
     files = sorted(glob.glob(spec, recursive=True))
     if not files:
         raise EmptyDatasetError(f"--data {spec}: no file matches this pattern")
+    for f in files:
+        _check_regular(Path(f), spec)
     if all(f.endswith(".txt") for f in files):
         def get_file(i: int) -> dict[str, Any]:
             try:
@@ -285,7 +299,7 @@ def _jsonl(path: Path, text_field: str | None = None) -> Source:
     for i, (lineno, raw) in enumerate(lines.scan()):
         try:
             obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
         kinds.add(record(obj, f"{path}:{lineno}", i)[1])
     if len(kinds) > 1:

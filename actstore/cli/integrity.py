@@ -10,6 +10,7 @@ import click
 from actstore.cli.params import STORE
 
 from actstore.layout import spec
+from actstore.legacy.safe_pickle import MAX_OBJECTS
 
 
 def register(main: click.Group) -> None:
@@ -68,9 +69,12 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
 @click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True,
               help="Stored dtype (legacy activations are float32; float16 halves the size).")
 @click.option("--tokens", type=int, help="T_max when metadata.json has no extraction_config.max_seq_length.")
-@click.option("--max-shard-bytes", type=int, help="Refuse a shard whose pickle decompresses to more bytes (default: from its metadata).")
+@click.option("--max-shard-bytes", type=click.IntRange(min=1), help="Refuse a shard whose pickle decompresses to more bytes (default: from its metadata).")
+@click.option("--max-objects", type=click.IntRange(min=1), default=MAX_OBJECTS, show_default=True,
+              help="Refuse a shard whose pickle builds more objects.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, quiet: bool) -> None:
+def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, max_objects: int,
+                   quiet: bool) -> None:
     """Import the legacy pkl.gz directory SOURCE (metadata.json + shard_NNNN.pkl.gz) into STORE.
 
     Shard pickles are loaded by a restricted unpickler that admits only numpy array
@@ -81,7 +85,8 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
     from actstore.legacy import import_pkl
 
     with _bar(None, "ex", quiet, "import-pkl") as bar:
-        report = import_pkl(source, store, dtype=dtype, tokens=tokens, max_shard_bytes=max_shard_bytes, progress=bar.update)
+        report = import_pkl(source, store, dtype=dtype, tokens=tokens, max_shard_bytes=max_shard_bytes, max_objects=max_objects,
+                            progress=bar.update)
     if not quiet:
         click.echo(report.summary())
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.errors import CorruptStoreError
 from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
 
@@ -55,6 +56,11 @@ def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
     return out
 
 
+def array_specs(cfg: StoreConfig) -> dict[str, ArraySpec]:
+    """Every array of a writer shard by its key (relative to the shard)."""
+    return {a.key: a for a in shard_arrays(cfg)}
+
+
 def per_sample(key: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...]) -> ArraySpec:
     """A per-sample array: chunked along examples, up to PER_SAMPLE_CHUNK rows of at most 4 MiB."""
     row_bytes = max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)
@@ -78,8 +84,12 @@ def encode_keys(names: list[str], zarr_format: int) -> np.ndarray:
     return arr
 
 
-def decode_keys(arr: np.ndarray) -> list[str]:
-    """The strings of a `sample_key` array's rows."""
+def decode_keys(arr: np.ndarray, where: str = "the sample_key array") -> list[str]:
+    """The strings of a `sample_key` array's rows; a key that is not UTF-8 (damage) raises
+    CorruptStoreError naming `where`."""
     if arr.dtype == np.uint8:
         arr = arr.reshape(-1).view(f"S{spec.SAMPLE_KEY_BYTES}") if arr.size else np.zeros(0, f"S{spec.SAMPLE_KEY_BYTES}")
-    return [k.decode("utf-8") for k in arr]
+    try:
+        return [k.decode("utf-8") for k in arr]
+    except UnicodeDecodeError as e:
+        raise CorruptStoreError(f"{where} holds a sample key that is not UTF-8 ({e}); the array is damaged") from None

@@ -260,8 +260,8 @@ def check_format_header(d: Any, where: str) -> None:
     if not isinstance(d, dict) or d.get("format") != spec.FORMAT_NAME:
         raise CorruptStoreError(f"{where} is not an actstore document (missing \"format\": \"actstore\")")
     v = d.get("format_version")
-    if v != spec.FORMAT_VERSION:
-        if isinstance(v, int) and v > spec.FORMAT_VERSION:
+    if type(v) is not int or v != spec.FORMAT_VERSION:  # exactly the JSON integer: not 1.0, "1" or true
+        if type(v) is int and v > spec.FORMAT_VERSION:
             raise FormatVersionError(
                 f"{where} uses actstore format version {v}, newer than this actstore reads "
                 f"(version {spec.FORMAT_VERSION}); upgrade actstore (pip install -U actstore)"

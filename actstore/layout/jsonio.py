@@ -46,16 +46,12 @@ def dump_line(doc: Any) -> bytes:
 
 
 def _depth(doc: Any) -> int:
+    """How many containers nest in `doc` (0 for a scalar), counted up to MAX_JSON_DEPTH + 1."""
     depth, level = 0, [doc]
-    while level:
-        depth += 1
-        nxt = []
-        for v in level:
-            if isinstance(v, dict):
-                nxt.extend(v.values())
-            elif isinstance(v, list):
-                nxt.extend(v)
-        level = nxt
-        if depth > MAX_JSON_DEPTH:
+    while depth <= MAX_JSON_DEPTH:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
             break
-    return depth - 1
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth

@@ -6,6 +6,7 @@ created with a create-only put; the holder is the highest generation. No I/O her
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from actstore.errors import CorruptStoreError
@@ -43,7 +44,8 @@ def parse_lease(data: bytes, where: str) -> Lease:
         is_count(rec["shard"]) and is_count(rec["generation"]) and is_count(rec["pid"])
         and (rec["pid_start"] is None or is_count(rec["pid_start"]))
         and all(isinstance(rec[k], str) for k in ("token", "host", "started"))
-        and all(isinstance(rec[k], (int, float)) and not isinstance(rec[k], bool) for k in ("renewed", "ttl"))
+        and all(isinstance(rec[k], (int, float)) and not isinstance(rec[k], bool) and math.isfinite(rec[k]) and rec[k] >= 0
+                for k in ("renewed", "ttl"))
     )
     if not ok:
         raise CorruptStoreError(f"{where}: a lease field has the wrong type: {rec!r}")

@@ -89,8 +89,7 @@ def parse_commit(data: bytes, where: str) -> Commit:
     missing = [k for k in spec.COMMIT_FIELDS if k not in rec] if isinstance(rec, dict) else list(spec.COMMIT_FIELDS)
     if missing:
         raise CorruptStoreError(f"{where} lacks fields {missing}")
-    if rec["format_version"] != spec.FORMAT_VERSION or isinstance(rec["format_version"], bool):
-        check_format_header({"format": spec.FORMAT_NAME, "format_version": rec["format_version"]}, where)
+    check_format_header({"format": spec.FORMAT_NAME, "format_version": rec["format_version"]}, where)
     n = rec["n_committed"]
     if not is_count(n) or n > MAX_EXAMPLES:
         raise CorruptStoreError(f"{where}: n_committed must be a non-negative int, got {n!r}")
@@ -216,6 +215,11 @@ def el_crc_nbytes(n: int, cfg: StoreConfig) -> int:
     return n * len(cfg.segments) * cfg.n_layers * 4
 
 
+def el_crc_offset(local: int, segment: int, layer_pos: int, cfg: StoreConfig) -> int:
+    """Byte offset of one (example, segment, layer)'s crc32c in the checksums file."""
+    return ((local * len(cfg.segments) + segment) * cfg.n_layers + layer_pos) * 4
+
+
 def parse_el_crcs(data: bytes, n: int, cfg: StoreConfig) -> np.ndarray | None:
     """(n, segments, layers) crc32c values, or None when the file holds fewer."""
     nbytes = el_crc_nbytes(n, cfg)
@@ -264,6 +268,8 @@ def shard_attrs_config(group_meta: bytes, zarr_format: int, where: str) -> Store
     doc = jsonio.loads(group_meta, where, what="shard's group metadata")
     attrs = doc.get("attributes", {}) if zarr_format == 3 and isinstance(doc, dict) else doc
     inner = attrs.get("actstore") if isinstance(attrs, dict) else None
+    if isinstance(inner, dict):
+        check_format_header(inner, where)
     return _config(inner.get("config") if isinstance(inner, dict) else None, where, "the shard's metadata is damaged")
 
 

@@ -13,9 +13,10 @@ INDEX = "i"  # the line's local example index
 
 
 def dump_line(i: int, sample_key: str, name: str, value: Any) -> bytes:
-    """The line of text `name` of local example `i` (UTF-8, not ASCII-escaped, newline-ended).
-    A value that is not JSON-serialisable raises TypeError or ValueError."""
-    return (json.dumps({INDEX: i, spec.SAMPLE_KEY: sample_key, name: value}, ensure_ascii=False) + "\n").encode("utf-8")
+    """The line of text `name` of local example `i` (UTF-8, not ASCII-escaped, newline-ended,
+    standard JSON). A value that is not JSON-serialisable (NaN and infinity included: they
+    have no standard JSON form) raises TypeError or ValueError."""
+    return (json.dumps({INDEX: i, spec.SAMPLE_KEY: sample_key, name: value}, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
 
 
 def parse_line(line: bytes, where: str, name: str) -> tuple[Any, Any]:

@@ -27,13 +27,15 @@ import numpy as np
 
 from actstore.layout import spec
 from actstore.errors import CorruptStoreError, LegacyFormatError, StoreMismatchError, UnsafePathError
-from actstore.fsutil import safe_child
+from actstore.fsutil import read_regular, safe_child
+from actstore.layout import jsonio
 from actstore.legacy.metadata import METADATA_FILE, LegacyMetadata, LegacyShardInfo, parse_metadata
-from actstore.legacy.safe_pickle import load_shard_bytes
+from actstore.legacy.safe_pickle import MAX_OBJECTS, load_shard_bytes
 
 SEGMENT = "tokens"
 TEXTS = ("text_preview", "metadata")
 BATCH = 32
+_HINT = "a legacy directory holds only metadata.json and its shard files"
 _RECORD_SLACK = 1 << 16  # pickle bytes allowed per record beyond its activation (text, metadata)
 
 
@@ -72,6 +74,7 @@ def import_pkl(
     dtype: str = spec.DEFAULT_DTYPE,
     tokens: int | None = None,
     max_shard_bytes: int | None = None,
+    max_objects: int = MAX_OBJECTS,
     progress: Callable[[int], None] | None = None,
 ) -> ImportReport:
     """Import a legacy pkl.gz directory into a new (or partly imported) store, then finalize it.
@@ -83,6 +86,7 @@ def import_pkl(
         tokens: T_max when metadata.json has no extraction_config.max_seq_length.
         max_shard_bytes: refuse a shard whose pickle decompresses to more bytes than this
             (default: derived from its metadata: num_samples x layers x T x D x 8 + slack).
+        max_objects: refuse a shard whose pickle builds more objects than this.
         progress: called with the number of examples imported after each shard.
 
     Raises:
@@ -113,7 +117,8 @@ def import_pkl(
         if info.sha256 is None:
             report.warnings.append(f"{info.filename} lists no checksum: its integrity was not verified")
         bound = max_shard_bytes or _default_bound(info, md, t_max, d_model)
-        obj = load_shard_bytes(data, compressed=info.compressed, where=str(src / info.filename), max_bytes=bound)
+        obj = load_shard_bytes(data, compressed=info.compressed, where=str(src / info.filename), max_bytes=bound, max_objects=max_objects,
+                               max_shares=len(md.layers) - 1)
         del data
         examples = _shard_examples(obj, info, md.layers, t_max, d_model, str(src / info.filename))
         del obj
@@ -138,11 +143,11 @@ def import_pkl(
 def _read_metadata(src: Path) -> tuple[LegacyMetadata, str]:
     path = src / METADATA_FILE
     try:
-        raw = path.read_bytes()
+        raw = read_regular(path, error=LegacyFormatError, hint=_HINT, max_bytes=jsonio.MAX_JSON_BYTES)
     except FileNotFoundError:
         raise LegacyFormatError(f"{src} has no {METADATA_FILE}: it is not a legacy pkl.gz activation directory") from None
     try:
-        doc = json.loads(raw)
+        doc = jsonio.parse(raw)
     except ValueError as e:
         raise LegacyFormatError(f"{path} is not valid JSON ({e})") from None
     return parse_metadata(doc, str(path)), hashlib.sha256(raw).hexdigest()
@@ -156,7 +161,7 @@ def _read_shard_file(src: Path, info: LegacyShardInfo) -> bytes:
             f"{src / METADATA_FILE}: shard filename {info.filename!r} points outside {src}; refusing to read it"
         ) from None
     try:
-        data = path.read_bytes()
+        data = read_regular(path, error=LegacyFormatError, hint=_HINT)
     except FileNotFoundError:
         raise LegacyFormatError(f"{path} is listed in {METADATA_FILE} but missing") from None
     if info.size_bytes is not None and len(data) != info.size_bytes:
@@ -210,8 +215,8 @@ def _record(r: Any, where: str, t_max: int, d_model: int | None) -> tuple[int, n
     if not isinstance(r, dict) or "sample_idx" not in r or "activation" not in r:
         raise LegacyFormatError(f"{where} must be a dict with sample_idx and activation. Got {str(r)[:120]}")
     idx = r["sample_idx"]
-    if isinstance(idx, (bool, np.bool_)) or not isinstance(idx, (int, np.integer)) or idx < 0:
-        raise LegacyFormatError(f"{where}: sample_idx must be a non-negative int. Got {idx!r}.")
+    if isinstance(idx, (bool, np.bool_)) or not isinstance(idx, (int, np.integer)) or not 0 <= idx < 2**63:
+        raise LegacyFormatError(f"{where}: sample_idx must be a non-negative int64. Got {idx!r}.")
     a = r["activation"]
     if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype.kind != "f":
         desc = f"{a.dtype} array of shape {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
@@ -227,9 +232,9 @@ def _record(r: Any, where: str, t_max: int, d_model: int | None) -> tuple[int, n
     if not isinstance(text, str):
         raise LegacyFormatError(f"{where}: text_preview must be a string. Got {type(text).__name__}.")
     try:
-        meta = json.loads(json.dumps(r.get("metadata"), default=_jsonable))
-    except (TypeError, ValueError) as e:
-        raise LegacyFormatError(f"{where}: metadata is not JSON-serialisable ({e})") from None
+        meta = jsonio.parse(json.dumps(r.get("metadata"), default=_jsonable, allow_nan=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise LegacyFormatError(f"{where}: metadata is not standard JSON (kept as a text of the store) ({type(e).__name__}: {e})") from None
     return int(idx), a, text, meta
 
 

@@ -33,8 +33,10 @@ class MappedChunk(NamedTuple):
     row: int
 
 
-def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> None:
-    """Fill each `out` (n_tchunks * t_chunk, D) with the chunks of its (ex, layer_pos).
+def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> list[tuple[int, int, np.ndarray]]:
+    """Fill each `out` (n_tchunks * t_chunk, D) with the chunks of its (ex, layer_pos);
+    returns the items of which a chunk was absent (read as zeros: the caller checks them
+    against the writer's checksums).
 
     Chunk files are one object each (read one by one: the caller's threads give the
     concurrency); the chunks that lie in one Zarr shard file go to the storage together
@@ -42,9 +44,8 @@ def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> None
     """
     g = io.geo
     if g.shard_examples is None:
-        for ex, lp, out in items:
-            io.read_into(ex, lp, out)
-        return
+        return [item for item in items if io.read_into(*item)]
+    absent: list[tuple[int, int, np.ndarray]] = []
     by_file: dict[str, list[tuple[int, int, np.ndarray]]] = {}
     for item in items:
         by_file.setdefault(g.shard_key(item[0]), []).append(item)
@@ -58,6 +59,8 @@ def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> None
                 offset = io.shard_chunk(ex, lp, tc)
                 if offset is None:
                     dest[:] = b"\0" * len(dest)
+                    if not absent or absent[-1][2] is not out:
+                        absent.append((ex, lp, out))
                 elif whole is not None:
                     got = whole[offset : offset + len(dest)]
                     if len(got) != len(dest):
@@ -69,6 +72,7 @@ def read_many(io: ChunkIO, items: Sequence[tuple[int, int, np.ndarray]]) -> None
         for (offset, dest), n in zip(ranges, io.storage.read_ranges_into(key, ranges)):
             if n != len(dest):
                 raise CorruptChunkError(io.cut_short(key, offset))
+    return absent
 
 
 def _whole_file(io: ChunkIO, key: str, group: list[tuple[int, int, np.ndarray]]) -> memoryview | None:

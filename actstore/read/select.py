@@ -29,6 +29,7 @@ from actstore.layout import spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import ExampleIndexError
 from actstore.index import layer_position
+from actstore.read.shard import UNCHECKED_READ_BYTES
 
 _LIST_TYPES = (list, tuple, range, np.ndarray)
 
@@ -127,7 +128,10 @@ def gather(
         base = np.concatenate([[0], np.cumsum(per_layer * n_layers)[:-1]]) + (n_layers - 1) * per_layer
         within = np.cumsum(rows, axis=1) - rows
         tail = max(0, int((base[:, None] + within + n_pad[None, :]).max()) - total)
-    buf = np.empty((total + tail, d), dtype=spec.ACT_DTYPES[store.dtype])
+    dtype = np.dtype(spec.ACT_DTYPES[store.dtype])
+    if len(examples) and int(n_pad.sum()) * d * dtype.itemsize > UNCHECKED_READ_BYTES and hasattr(store, "check_backed"):
+        store.check_backed(int(examples[0]), segs)  # metadata claiming huge token counts are refused before allocating
+    buf = np.empty((total + tail, d), dtype=dtype)
     pos = 0
     for i, ex in enumerate(examples.tolist()):
         row = rows[i].tolist()

@@ -13,15 +13,22 @@ import numpy as np
 
 from actstore import catalog
 from actstore.layout import spec
-from actstore.chunkio import ChunkIO
-from actstore.errors import CorruptStoreError, StoreNotFoundError
-from actstore.layout import jsonio, keys
-from actstore.layout.chunks import ChunkGeometry, array_meta_key, geometry_from_metadata
+from actstore.chunkio import ChunkIO, crc32c
+from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
+from actstore.layout import jsonio, keys, records, texts
+from actstore.layout.arraymeta import array_problems
+from actstore.layout.arrays import array_specs
+from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.read.chunks import MappedChunk, map_chunks, read_many
 from actstore.storage import KeyNotFound, LocalStorage, Storage
 from actstore.storage.mapping import FileRegion
+
+# A read of one (example, layer, segment) larger than this first confirms that the chunk
+# data it covers exist on disk (raw layouts), so that metadata claiming absurd token counts
+# cannot make a reader allocate what no file holds.
+UNCHECKED_READ_BYTES = 64 * 2**20
 
 
 class ShardReader:
@@ -43,7 +50,8 @@ class ShardReader:
                 f"shard {entry.name} listed in the manifest of {storage.url} is missing (holds examples "
                 f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {[keys.shard_name(n) for n in catalog.shard_numbers(storage)]}"
             )
-        committed = catalog.read_commit(self.storage).n_committed  # counts are checked before anything is allocated
+        self.commit = catalog.read_commit(self.storage)
+        committed = self.commit.n_committed  # counts are checked before anything is allocated
         if committed < entry.n_examples:
             raise CorruptStoreError(
                 f"shard {self.where} has committed {committed} examples but the manifest says {entry.n_examples}; "
@@ -55,6 +63,9 @@ class ShardReader:
         self._per_sample: dict[str, np.ndarray] = {}
         self._text_offsets: dict[str, np.ndarray] = {}
         self._rows_checked = False
+        self._specs = array_specs(cfg)
+        self._backed: set[str] = set()
+        self._zkeys: dict[str, tuple[int, str, list[int] | None]] = {}  # zarr-read arrays: how chunks are named
         try:
             consolidated = catalog.consolidated_arrays(self.storage)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
@@ -83,18 +94,22 @@ class ShardReader:
             raise CorruptStoreError(f"array {where} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})")
         if not isinstance(shape[0], int) or shape[0] < self.entry.n_examples:
             raise CorruptStoreError(f"array {where} holds {shape[0]} examples; the manifest says {self.entry.n_examples}")
+        self._check_meta(rel, meta)
         try:
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
         except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
             raise CorruptStoreError(f"array metadata of {where} is damaged ({e!r})") from None
         if geo is None:
+            fmt, sep = key_scheme(meta)
+            self._zkeys[seg.name] = (fmt, sep, declared(meta).shards)
             return None
-        if geo.t_chunk != seg.t_chunk or geo.dtype != np.dtype(cfg.zarr_dtype):
-            raise CorruptStoreError(
-                f"array {where} has chunks of {geo.t_chunk} tokens of {geo.dtype}; the store config says "
-                f"{seg.t_chunk} tokens of {cfg.zarr_dtype}"
-            )
         return ChunkIO(self.storage, geo)
+
+    def _check_meta(self, rel: str, meta: Any) -> None:
+        """Every metadata field that decides how the array's bytes are read, as the format says."""
+        problems = array_problems(meta, self._specs[rel], self.cfg.zarr_format, self.entry.n_examples)
+        if problems:
+            raise CorruptStoreError(f"array {self.storage.where(rel)} has {problems[0]}; its metadata was altered (run `actstore verify`)")
 
     def _open_zarr(self, rel: str) -> Any:
         import zarr
@@ -109,6 +124,11 @@ class ShardReader:
         arr = self._per_sample.get(name)
         if arr is None:
             rel = keys.field_array(name)
+            try:
+                meta = catalog.array_meta(self.storage, rel)
+                self._check_meta(rel, meta)
+            except KeyNotFound:
+                raise CorruptStoreError(f"shard {self.where} has no array {rel}") from None
             z = self._open_zarr(rel)
             n = self.entry.n_examples
             if z.shape[0] < n:
@@ -121,9 +141,35 @@ class ShardReader:
                         f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
                     )
                 self._rows_checked = True
-            arr = np.asarray(z[:n])  # n is now bounded by files on disk
+            self._check_rows_backed(rel, meta, n)
+            try:
+                arr = np.asarray(z[:n])  # n is now bounded by files on disk
+            except ActstoreError:
+                raise
+            except Exception as e:  # noqa: BLE001 - zarr decoding untrusted bytes raises many types
+                raise CorruptChunkError(f"array {self.storage.where(rel)} cannot be read ({e!r}); run `actstore verify`") from None
             self._per_sample[name] = arr
         return arr
+
+    def _check_rows_backed(self, rel: str, meta: dict[str, Any], n: int) -> None:
+        """Before reading more than UNCHECKED_READ_BYTES of a per-sample array (long rows:
+        token labels or ids of a long segment), every chunk file it covers must be on disk at
+        its size: metadata claiming absurd row lengths cannot make zarr allocate them."""
+        want = self._specs[rel]
+        row = int(np.prod(want.shape[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize
+        if n * row <= UNCHECKED_READ_BYTES:
+            return
+        fmt, sep = key_scheme(meta)
+        rows = want.chunks[0]
+        tail = sep.join("0" * (len(want.shape) - 1))
+        for c in range(-(-n // rows)):
+            key = f"{rel}/{'c' + sep if fmt == 3 else ''}{c}{sep + tail if tail else ''}"
+            if self.storage.size(key) != rows * row:
+                raise CorruptStoreError(
+                    f"array {self.storage.where(rel)} claims rows of {row} bytes ({n} rows: {n * row} bytes), but its chunk file "
+                    f"{self.storage.where(key)} does not hold {rows * row} bytes: the metadata claim more than the data on "
+                    f"disk (reads above {UNCHECKED_READ_BYTES} bytes are checked first); run `actstore verify`"
+                )
 
     def lengths(self, seg: SegmentSpec) -> np.ndarray:
         arr = self._lengths.get(seg.name)
@@ -135,16 +181,98 @@ class ShardReader:
         return arr
 
     def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
-        """Fill `out` (n_chunks * t_chunk, D) in the stored dtype with every token chunk."""
+        """Fill `out` ((k * t_chunk, D), the stored dtype) with the first k token chunks (all
+        of them when out has n_chunks * t_chunk rows or more, the rest of `out` untouched)."""
         io = self.io[seg.name]
         if io is not None:
-            io.read_into(local, lp, out)
+            if io.read_into(local, lp, out):
+                self._check_absent(seg, local, lp, out)
             return
+        self._read_zarr(seg, local, lp, out)
+        if self._zarr_absent(seg, local, lp):
+            self._check_absent(seg, local, lp, out)
+
+    def _read_zarr(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
         z = self._zarr.get(seg.name)
         if z is None:
             z = self._zarr[seg.name] = self._open_zarr(keys.acts_array(seg.name))
-        out[: seg.t_max] = z[local, lp]
-        out[seg.t_max :] = 0
+        k = min(out.shape[0], seg.n_chunks * seg.t_chunk)
+        t = min(k, seg.t_max)
+        try:
+            out[:t] = z[local, lp, :t]
+        except ActstoreError:
+            raise
+        except Exception as e:  # noqa: BLE001 - zarr decoding untrusted bytes raises many types
+            raise CorruptChunkError(
+                f"array {self.storage.where(keys.acts_array(seg.name))} cannot be read at example {local} of the shard, "
+                f"layer position {lp} ({e!r}); run `actstore verify --deep`"
+            ) from None
+        out[t:k] = 0
+
+    def _zarr_absent(self, seg: SegmentSpec, local: int, lp: int) -> bool:
+        """Whether a chunk object of (local, lp) is absent (zarr read it as the fill value)."""
+        fmt, sep, shards = self._zkeys[seg.name]
+        head = f"{keys.acts_array(seg.name)}/" + (f"c{sep}" if fmt == 3 else "")
+        if shards is not None:
+            return self.storage.size(f"{head}{local // shards[0]}{sep}0{sep}0{sep}0") is None
+        return any(self.storage.size(f"{head}{local}{sep}{lp}{sep}{tc}{sep}0") is None for tc in range(seg.n_chunks))
+
+    def _check_absent(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
+        """Absent chunks read as zeros: right where the writer omitted chunks of zeros (zarr
+        does), damage where a chunk file was deleted. The writer's crc32c of the whole padded
+        (example, layer) says which; a shard without per-example checksums cannot tell."""
+        want = self._el_crc(seg, local, lp)
+        if want is None:
+            return
+        rows = seg.n_chunks * seg.t_chunk
+        full = out
+        if out.shape[0] < rows:  # the read stopped at the example's tokens: the checksum covers every chunk
+            full = np.empty((rows, self.cfg.d_model), dtype=out.dtype)
+            io = self.io[seg.name]
+            io.read_into(local, lp, full) if io is not None else self._read_zarr(seg, local, lp, full)
+        got = crc32c(np.ascontiguousarray(full[:rows]))
+        if got != want:
+            raise CorruptChunkError(
+                f"a chunk of (example {local} of shard {self.where}, layer {self.cfg.layers[lp]}, segment {seg.name!r}) is "
+                f"missing and reads as zeros, but the writer recorded crc32c {want:#010x} for it, not {got:#010x}: "
+                "a chunk file was deleted; run `actstore verify`"
+            )
+
+    def _el_crc(self, seg: SegmentSpec, local: int, lp: int) -> int | None:
+        """The writer's crc32c of one (example, segment, layer), or None (no checksums file)."""
+        size = self.storage.size(keys.EL_CRC)
+        if size is None:
+            return None
+        need = records.el_crc_nbytes(self.entry.n_examples, self.cfg)
+        if size < need:
+            raise CorruptStoreError(f"{self.storage.where(keys.EL_CRC)} has {size} bytes; {self.entry.n_examples} examples need {need}")
+        si = [s.name for s in self.cfg.segments].index(seg.name)
+        return int.from_bytes(self.storage.get_range(keys.EL_CRC, records.el_crc_offset(local, si, lp, self.cfg), 4), "little")
+
+    def check_backed(self, seg: SegmentSpec) -> None:
+        """Before a read of more than UNCHECKED_READ_BYTES of one (example, layer) of `seg`:
+        the chunk data the metadata claim must be on disk (raw layouts: the last token chunk
+        of the shard's first example at its size), so metadata lying about token counts
+        cannot make a reader allocate what no file holds. Once per segment."""
+        io = self.io[seg.name]
+        if io is None or seg.name in self._backed or not self.entry.n_examples:
+            return
+        g = io.geo
+        tc = g.n_tchunks - 1
+        if g.shard_examples is None:
+            key = g.chunk_key(0, 0, tc)
+            ok = self.storage.size(key) == g.chunk_nbytes
+        else:
+            key = g.shard_key(0)
+            index = io.shard_index(key)
+            ok = index is not None and index[0, 0, tc, 0] != EMPTY and int(index[0, 0, tc, 1]) == g.chunk_nbytes
+        if not ok:
+            raise CorruptStoreError(
+                f"segment {seg.name!r} claims {seg.t_max} tokens ({g.n_tchunks} chunks of {g.chunk_nbytes} bytes per example and "
+                f"layer), but {self.storage.where(key)} does not hold its last token chunk: the metadata claim more than the data "
+                f"on disk (reads above {UNCHECKED_READ_BYTES} bytes are checked first); run `actstore verify`"
+            )
+        self._backed.add(seg.name)
 
     def read_cached(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
         io = self.io[seg.name]
@@ -157,7 +285,8 @@ class ShardReader:
             for local, lp, out in items:
                 self.read_padded(seg, local, lp, out)
         else:
-            read_many(io, items)
+            for local, lp, out in read_many(io, items):  # a chunk read as zeros: omitted, or deleted?
+                self._check_absent(seg, local, lp, out)
 
     def files(self, seg: SegmentSpec) -> tuple[int, int] | None:
         """(number of files, largest file's bytes) of a segment's raw chunks on a local disk,
@@ -173,7 +302,11 @@ class ShardReader:
 
     def map_chunks(self, seg: SegmentSpec, region: FileRegion, local: int, lp: int) -> list[MappedChunk] | None:
         io = self.io[seg.name]
-        return None if io is None else map_chunks(io, region, local, lp)
+        chunks = None if io is None else map_chunks(io, region, local, lp)
+        if chunks is not None and any(c.slot < 0 for c in chunks):
+            region.unpin([c.slot for c in chunks if c.slot >= 0])
+            return None  # an absent chunk: the read path checks it against the writer's checksum
+        return chunks
 
     # ---- texts ----------------------------------------------------------------------
     def text(self, name: str, local: int) -> Any:
@@ -197,14 +330,24 @@ class ShardReader:
             if len(ends) < self.entry.n_examples:
                 raise CorruptStoreError(f"{self.storage.where(key)} has fewer than {self.entry.n_examples} lines")
             offsets = np.concatenate([[0], ends])
+            want = self.commit.text_bytes.get(name)
+            end = int(offsets[-1])
+            if want is not None and (end > want or (self.commit.n_committed == self.entry.n_examples and end != want)):
+                raise CorruptStoreError(
+                    f"{self.storage.where(key)}: its first {self.entry.n_examples} lines take {end} bytes; the commit record says "
+                    f"{want} for its {self.commit.n_committed} committed lines: the file was altered (run `actstore verify --deep`)"
+                )
             cached = self._text_offsets[name] = (data, offsets)
         return cached
 
 
 def text_value(line: bytes, where: str, i: int, name: str) -> Any:
-    """The value of text `name` on line i of its .jsonl file, refusing damaged lines."""
+    """The value of text `name` on line i of its .jsonl file (which names example i),
+    refusing damaged lines."""
     try:
-        rec = jsonio.loads(line, where, what="text line")
-        return rec[name]
-    except (CorruptStoreError, KeyError, TypeError) as e:
-        raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e!r}); run `actstore verify --deep`") from None
+        index, value = texts.parse_line(line, where, name)
+    except CorruptStoreError as e:
+        raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e}); run `actstore verify --deep`") from None
+    if type(index) is not int or index != i:
+        raise CorruptStoreError(f"{where}: line {i + 1} holds the text of example {index!r}, not {i}; run `actstore verify --deep`")
+    return value

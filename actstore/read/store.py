@@ -22,7 +22,7 @@ from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.chunks import MappedChunk
 from actstore.read.select import is_pair, select
-from actstore.read.shard import ShardReader
+from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
 from actstore.storage import Storage, open_storage
 from actstore.storage.mapping import FileRegion
 
@@ -87,6 +87,7 @@ class ActStore:
         local = self.storage.local_root
         # The store's location: a Path for a local folder, the URL string otherwise.
         self.path: Path | str = local if local is not None else self.storage.url
+        catalog.check_folder(self.storage)
         if local is not None:
             _refuse_saev_dir(local)
             if not local.exists():
@@ -197,8 +198,17 @@ class ActStore:
         shape (>= n_chunks*t_chunk, D)); returns the example's length. For loaders."""
         seg = self.config.segment(segment)
         sh, local, lp = self._where(ex, layer)
+        if out.nbytes > UNCHECKED_READ_BYTES:
+            sh.check_backed(seg)
         sh.read_padded(seg, local, lp, out)
         return int(sh.lengths(seg)[local])
+
+    def check_backed(self, ex: int, segments: Any = None) -> None:
+        """Before a large read (more than UNCHECKED_READ_BYTES per example and layer): the
+        chunk data that the metadata of each segment claim exist on disk (ShardReader.check_backed)."""
+        pos, _ = self.index.locate(ex)
+        for seg in segments or self.config.segments:
+            self._shard(pos).check_backed(seg)
 
     def read_cached(self, ex: int, layer: int, segment: str, out: np.ndarray) -> bool:
         """read_into, but only if every byte is in the page cache (it never waits for the
@@ -251,10 +261,13 @@ class ActStore:
 
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)
-        n_pad = seg.n_chunks * seg.t_chunk
-        buf = np.empty((n_pad, self.config.d_model), dtype=spec.ACT_DTYPES[self.config.dtype])
-        sh.read_padded(seg, local, lp, buf)
         n = seg.t_max if pad else int(sh.lengths(seg)[local])
+        rows = seg.n_chunks * seg.t_chunk if pad else -(-n // seg.t_chunk) * seg.t_chunk  # only the chunks holding tokens
+        dtype = np.dtype(spec.ACT_DTYPES[self.config.dtype])
+        if rows * self.config.d_model * dtype.itemsize > UNCHECKED_READ_BYTES:
+            sh.check_backed(seg)
+        buf = np.empty((rows, self.config.d_model), dtype=dtype)
+        sh.read_padded(seg, local, lp, buf)
         out = buf[:n]
         if self.config.dtype == "bfloat16":
             return bf16_bits_to_f32(out)
@@ -267,7 +280,7 @@ class ActStore:
         pos, local = self.index.locate(ex)
         sh = self._shard(pos)
         out: dict[str, Any] = {"example": ex if ex >= 0 else ex + len(self)}
-        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1])[0]
+        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1], sh.storage.where(keys.field_array(spec.SAMPLE_KEY)))[0]
         out["lengths"] = {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
         for name in self.config.fields:
             out[name] = sh.per_sample(name)[local].item()
@@ -280,7 +293,8 @@ class ActStore:
         if name == spec.SAMPLE_KEY:
             from actstore.layout.arrays import decode_keys
 
-            return np.array([k for pos in range(len(self.manifest.shards)) for k in decode_keys(self._shard(pos).per_sample(name))])
+            return np.array([k for pos in range(len(self.manifest.shards))
+                             for k in decode_keys(self._shard(pos).per_sample(name), self._shard(pos).storage.where(keys.field_array(name)))])
         allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
         if self.config.token_labels:
             allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]

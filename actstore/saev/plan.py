@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from actstore.chunkio import crc32c
+from actstore.layout import jsonio
 from actstore.layout.spec import LEN_SUFFIX
 from actstore.index import layer_position
 from actstore.saev import protocol as P
@@ -310,8 +311,8 @@ def _data(data: Any, attrs: dict[str, Any], protocol: str, default: dict[str, An
         return data
     if isinstance(data, str):
         try:
-            data = json.loads(data)
-        except json.JSONDecodeError:
+            data = jsonio.parse(data)
+        except ValueError:
             raise SaevOptionError(f"{source} must be a JSON object for protocol 2.0. Got {data!r}.") from None
     if not isinstance(data, dict) or not isinstance(data.get("__class__"), str):
         raise SaevOptionError(

@@ -19,7 +19,7 @@ from actstore.index import ExampleIndex, layer_position
 from actstore.read.select import is_pair, select
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevFormatError
-from actstore.saev.schema import check_metadata, check_shards_json, read_json
+from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
 
 SEGMENT = spec.DEFAULT_SEGMENT
 
@@ -63,6 +63,8 @@ class SaevStore:
         self._open()
 
     def _open(self) -> None:
+        if not self.path.is_dir():
+            raise SaevFormatError(f"{self.path} is not a saev shard directory (not a folder)")
         md, problem = read_json(self.path / P.METADATA_FILE)
         if problem:
             raise SaevFormatError(f"{self.path}: {problem}")
@@ -79,7 +81,9 @@ class SaevStore:
         self.geometry: P.ShardGeometry = geom
         for i in range(geom.n_shards):
             f = self.path / P.SHARD_NAME_FORMAT.format(i)
-            size = f.stat().st_size if f.is_file() else None
+            size = regular_size(f)  # never a FIFO, folder or link: np.memmap would open it
+            if isinstance(size, str):
+                raise SaevFormatError(f"{f} is {size} where a shard file belongs; run `actstore verify-saev {self.path}`")
             if size != geom.shard_nbytes:
                 raise SaevFormatError(
                     f"{f} has {size if size is not None else 'no'} bytes, expected {geom.shard_nbytes} (full-size shard); "
@@ -91,7 +95,7 @@ class SaevStore:
         self._labels: np.memmap | None = None
         self.config: StoreConfig = make_config(
             layers=md["layers"], d_model=geom.d_model, dtype="float32", tokens=geom.tokens_per_example,
-            token_labels=(self.path / P.LABELS_FILE).exists(), model_id=md["ckpt"], attrs=self._attrs(),
+            token_labels=regular_size(self.path / P.LABELS_FILE) is not None, model_id=md["ckpt"], attrs=self._attrs(),
         )
 
     def _attrs(self) -> dict[str, Any]:
@@ -208,10 +212,13 @@ class SaevStore:
             g = self.geometry
             path = self.path / P.LABELS_FILE
             want = g.n_examples * g.content_tokens
-            if not path.exists():
+            size = regular_size(path)
+            if size is None:
                 raise KeyError(f"{self.path} has no {P.LABELS_FILE}")
-            if path.stat().st_size != want:
-                raise SaevFormatError(f"{path} has {path.stat().st_size} bytes, expected {want}; run `actstore verify-saev {self.path}`")
+            if isinstance(size, str):
+                raise SaevFormatError(f"{path} is {size} where a file belongs; run `actstore verify-saev {self.path}`")
+            if size != want:
+                raise SaevFormatError(f"{path} has {size} bytes, expected {want}; run `actstore verify-saev {self.path}`")
             self._labels = np.memmap(path, dtype=np.uint8, mode="r", shape=(g.n_examples, g.content_tokens))
         return self._labels
 

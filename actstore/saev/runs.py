@@ -12,7 +12,6 @@ links/shards and links/dataset, so both spellings are created.
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevOptionError
 from actstore.saev.reader import is_saev_dir
+from actstore.saev.schema import read_json
 
 RUN_DIRS = ("checkpoint", "links", "inference")
 
@@ -112,10 +112,8 @@ def _shards_dir(value: str | os.PathLike) -> Path:
 def _metadata_dataset(shards: Path | None) -> Path | None:
     if shards is None:
         return None
-    try:
-        value = json.loads((shards / P.METADATA_FILE).read_text(encoding="utf-8")).get("dataset")
-    except (OSError, ValueError, AttributeError):
-        return None
+    doc, _ = read_json(shards / P.METADATA_FILE)  # regular file, bounded JSON; None when damaged
+    value = doc.get("dataset") if isinstance(doc, dict) else None
     if isinstance(value, str) and os.path.isabs(value) and os.path.isdir(value):
         return Path(value)
     return None

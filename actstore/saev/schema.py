@@ -6,22 +6,44 @@ them all and tests can compare exact strings.
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
+from actstore.errors import ActstoreError
+from actstore.fsutil import read_regular
+from actstore.layout import jsonio
 from actstore.saev import protocol as P
+from actstore.saev.errors import SaevFormatError
+from actstore.storage.regular import describe
+
+HINT = "a saev shard directory holds only regular files (run `actstore verify-saev`)"
 
 
 def read_json(path: Path) -> tuple[Any, str | None]:
-    """(document, None) or (None, the problem) for a JSON file."""
+    """(document, None) or (None, the problem) for a JSON file: a regular file (a FIFO there
+    would block, a folder fail) within the JSON size and depth limits."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8")), None
+        data = read_regular(path, error=SaevFormatError, hint=HINT, max_bytes=jsonio.MAX_JSON_BYTES)
     except FileNotFoundError:
         return None, f"{path.name}: missing"
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ActstoreError as e:
+        return None, f"{path.name}: {str(e).removeprefix(str(path) + ' ')}"
+    try:
+        return jsonio.parse(data), None
+    except ValueError as e:
         return None, f"{path.name}: not valid UTF-8 JSON ({e})"
+
+
+def regular_size(path: Path) -> int | str | None:
+    """The size of the regular file `path`; None when nothing is there; else what stands
+    there, in words (a folder, a FIFO, a symbolic link, ...). Never follows a link."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else describe(st.st_mode)
 
 
 def trailing_empty_shard(geom: P.ShardGeometry, counts: list[int], n_entries: int) -> bool:
@@ -130,6 +152,10 @@ def check_shards_json(entries: Any, geom: P.ShardGeometry | None, proto: str) ->
         else:
             counts.append((i, e[key]))
     if geom is None:
+        return names, problems
+    if geom.n_shards > len(entries) + 1:  # counted before listing them: metadata may claim any number
+        problems.append(f"{f}: lists {len(entries)} shards; {geom.n_examples} examples at "
+                        f"{geom.examples_per_shard} per shard make {geom.n_shards}")
         return names, problems
     want_counts = geom.shard_counts()
     if trailing_empty_shard(geom, [n for _, n in counts], len(entries)):

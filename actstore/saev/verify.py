@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from actstore.saev import protocol as P
-from actstore.saev.schema import check_metadata, check_shards_json, read_json
+from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
 
 _BLOCK = 16 * 2**20  # bytes per read when scanning padding or values
 
@@ -88,10 +88,14 @@ def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, lay
                 "a saev shard directory holds only metadata.json, shards.json, acts*.bin and labels.bin"
             )
             problems.append(f"stray {kind} {entry.name!r}: {why}")
+        elif entry.name in (P.LABELS_FILE, P.OFFSETS_FILE) and isinstance(regular_size(root / entry.name), str):
+            problems.append(f"{entry.name}: {regular_size(root / entry.name)} where a file belongs (readers refuse it)")
     if geom is None:
         for name in names:
-            if not (root / name).is_file():
+            if not isinstance(regular_size(root / name), int):
                 problems.append(f"{name}: missing (listed in shards.json)")
+        return problems
+    if geom.n_shards > len(names) + 1:  # shards.json's problem says so; do not list absurd counts
         return problems
     counts = geom.shard_counts()
     want = geom.shard_nbytes
@@ -100,10 +104,10 @@ def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, lay
     sized = []
     for i, name in enumerate(names):
         p = root / name
-        if not p.is_file():
-            problems.append(f"{name}: missing (listed in shards.json)")
+        size = regular_size(p)
+        if not isinstance(size, int):
+            problems.append(f"{name}: {size} where a shard file belongs (readers refuse it)" if size else f"{name}: missing (listed in shards.json)")
             continue
-        size = p.stat().st_size
         if i >= len(counts) and size in (0, want):
             continue  # the trailing empty shard (schema.trailing_empty_shard): no data to check
         if size != want:
@@ -117,8 +121,8 @@ def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, lay
                     f"{name}: padding after its {counts[i]} examples holds non-zero bytes (the last shard's padding must be zeros)"
                 )
     labels = root / P.LABELS_FILE
-    if labels.exists():
-        size = labels.stat().st_size
+    size = regular_size(labels)
+    if isinstance(size, int):
         want_l = geom.n_examples * geom.content_tokens
         if size != want_l:
             problems.append(

@@ -13,99 +13,23 @@ behaviours are options of the object, not environment switches:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ctypes
 import errno
 import os
-import queue
 import shutil
 import stat
-import threading
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import CorruptStoreError, UnsafePathError
+from actstore.errors import UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
+from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
+from actstore.storage.regular import O_BINARY as _O_BINARY
+from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
+from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular
 
-_O_BINARY = getattr(os, "O_BINARY", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _load_libc_fn(name: str, argtypes: list) -> Any:
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    return fn
-
-
-_sync_file_range = _load_libc_fn("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
-_syncfs = _load_libc_fn("syncfs", [ctypes.c_int])
-
-
-def tmp_name(path: Path) -> Path:
-    """A hidden temporary name beside `path` (`.name.tmp-<pid>-<random>`)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that a rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def syncfs(path: str | os.PathLike) -> None:
-    """Flush every dirty page of the file system holding `path` (Linux syncfs, else sync)."""
-    if _syncfs is None:
-        os.sync()
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _syncfs(fd)
-    finally:
-        os.close(fd)
-
-
-class FileWriteback(Writeback):
-    """A thread that starts the writeback of written files (sync_file_range WRITE).
-
-    It only starts I/O: durability still comes from `sync` where it is asked for. A
-    failure to start writeback is ignored: the kernel writes the pages later.
-    """
-
-    def __init__(self, depth: int = 8):
-        self._q: queue.Queue = queue.Queue(depth)  # file descriptors owned by the thread
-        self._thread = threading.Thread(target=self._run, name="actstore-writeback", daemon=True)
-        self._thread.start()
-
-    def submit(self, fd: int) -> None:
-        """Start the writeback of file `fd`; the thread closes it (waits while `depth` are queued)."""
-        self._q.put(fd)
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._q.put(None)
-            self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            fd = self._q.get()
-            if fd is None:
-                return
-            try:
-                _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-            finally:
-                os.close(fd)
 
 
 class LocalStorage(Storage):
@@ -115,13 +39,17 @@ class LocalStorage(Storage):
         root: the store's folder.
         eager_writeback: start each written file's writeback at once (Linux).
         read_nowait: let `read_cached` use preadv2 RWF_NOWAIT (Linux).
+        top: the store's root when `root` is a folder inside it (writes refuse a symbolic
+            link anywhere below `top`); default `root`.
     """
 
-    def __init__(self, root: str | os.PathLike, *, eager_writeback: bool = True, read_nowait: bool = True):
+    def __init__(self, root: str | os.PathLike, *, eager_writeback: bool = True, read_nowait: bool = True,
+                 top: str | None = None):
         self.local_root = Path(root)
         self.url = str(root)
         self._root = str(root).rstrip("/") + "/" if str(root) != "/" else "/"
-        self.eager_writeback = eager_writeback and _sync_file_range is not None
+        self._top = top if top is not None else self._root
+        self.eager_writeback = eager_writeback and sync_file_range is not None
         self.read_nowait = read_nowait and bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._made_dirs: set[str] = set()
 
@@ -151,31 +79,13 @@ class LocalStorage(Storage):
                     f"path {prefix!r} resolves to {str(full)!r}, outside the store {str(root)!r} "
                     "(a symlink leaving the store?); refusing to follow it"
                 )
-        return LocalStorage(path, eager_writeback=self.eager_writeback, read_nowait=self.read_nowait)
+        return LocalStorage(path, eager_writeback=self.eager_writeback, read_nowait=self.read_nowait, top=self._top)
 
     # ---- reads ----------------------------------------------------------------------
     def _open_regular(self, key: str) -> int:
-        """An fd of the regular file `key`; links, FIFOs, devices and folders are refused."""
-        path = self.path(_checked(key))
-        try:
-            fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW | _O_NONBLOCK)
-        except FileNotFoundError:
-            raise KeyNotFound(f"{path} does not exist") from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise UnsafePathError(
-                    f"{path} is a symbolic link; actstore never writes links inside a store, so the store was "
-                    "altered: refusing to follow it (run `actstore verify`)"
-                ) from None
-            if e.errno in (errno.EISDIR, errno.ENOTDIR):
-                raise CorruptStoreError(f"{path} is a folder where the store has a file; the store is damaged (run `actstore verify`)") from None
-            raise
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a FIFO, socket or device)"
-            raise CorruptStoreError(f"{path} is {kind} where the store has a file; the store is damaged (run `actstore verify`)")
-        return fd
+        """An fd of the regular file `key`; links, FIFOs, devices and folders are refused
+        (actstore.storage.regular), never blocking."""
+        return open_regular(self.path(_checked(key)), missing=KeyNotFound)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         fd = self._open_regular(key)
@@ -202,19 +112,26 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    # The hot paths below open without fstat; a short read or a failed one is explained by
+    # actstore.storage.regular (a FIFO opened O_NONBLOCK reads nothing, a folder fails).
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         try:
-            fd = os.open(self._root + key, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW)
+            fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
             fd = self._open_regular(key)  # explains what is wrong (or works after a race)
         try:
-            return os.preadv(fd, [dest], offset)
+            n = os.preadv(fd, [dest], offset)
+            if n < len(dest):
+                self._check_regular(fd, key)
+            return n
+        except OSError as e:
+            raise not_regular(self.path(key), e.errno) from None
         finally:
             os.close(fd)
 
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
-            fd = os.open(self._root + key, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW)
+            fd = os.open(self._root + key, READ_FLAGS)
         except FileNotFoundError:
             return None
         except OSError:
@@ -222,19 +139,28 @@ class LocalStorage(Storage):
         try:
             extra = bytearray(1)
             n = os.readv(fd, [dest, extra])
+            if n != len(dest):
+                self._check_regular(fd, key)
             return n if n <= len(dest) else os.fstat(fd).st_size
+        except OSError as e:
+            raise not_regular(self.path(key), e.errno) from None
         finally:
             os.close(fd)
+
+    def _check_regular(self, fd: int, key: str) -> None:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise not_regular(self.path(key))
 
     def read_cached(self, key: str, dest: memoryview, offset: int = 0) -> bool:
         if not self.read_nowait:
             return False
         try:
-            fd = os.open(self._root + key, os.O_RDONLY | _O_BINARY | _O_NOFOLLOW)
+            fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
             return False  # missing, a link, ...: read_into handles and explains it
         try:
-            if offset == 0 and os.fstat(fd).st_size != len(dest):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (offset == 0 and st.st_size != len(dest)):
                 return False
             n = os.preadv(fd, [dest], offset, _RWF_NOWAIT)
         except BlockingIOError:
@@ -242,8 +168,7 @@ class LocalStorage(Storage):
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                 self.read_nowait = False  # this kernel or file system cannot tell: never again
-                return False
-            raise
+            return False  # read_into explains anything else
         finally:
             os.close(fd)
         return n == len(dest)
@@ -261,7 +186,7 @@ class LocalStorage(Storage):
             st = os.lstat(self.path(_checked(key)))
         except (FileNotFoundError, NotADirectoryError):
             return None
-        return _kind(st.st_mode)
+        return kind_of(st.st_mode)
 
     def link_target(self, key: str) -> tuple[str, bool] | None:
         path = self.path(_checked(key))
@@ -288,7 +213,7 @@ class LocalStorage(Storage):
                         stack.append(e.path)
                         continue
                     st = e.stat(follow_symlinks=False)
-                    yield Entry(e.path[base:], st.st_size, _kind(st.st_mode))
+                    yield Entry(e.path[base:], st.st_size, kind_of(st.st_mode))
                 if empty and d != top:
                     yield Entry(d[base:], 0, "dir")
 
@@ -310,8 +235,10 @@ class LocalStorage(Storage):
 
     # ---- writes ---------------------------------------------------------------------
     def _parent(self, path: str) -> None:
+        """Create the folder of `path`; refuse (once per folder) a symbolic link on the way."""
         parent = path.rsplit("/", 1)[0]
         if parent not in self._made_dirs:
+            check_no_links(self._top, parent)
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
 
@@ -334,7 +261,7 @@ class LocalStorage(Storage):
             fsync_dir(path.rsplit("/", 1)[0])
 
     def _write_file(self, path: str, parts: tuple, durable: bool, writeback: Writeback | None) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
+        fd = _open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY | _O_NOFOLLOW)
         try:
             for part in parts:
                 view = memoryview(part).cast("B")
@@ -347,7 +274,7 @@ class LocalStorage(Storage):
                 if isinstance(writeback, FileWriteback):
                     writeback.submit(os.dup(fd))
                 else:
-                    _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+                    sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
         finally:
             os.close(fd)
 
@@ -386,7 +313,7 @@ class LocalStorage(Storage):
     def append(self, key: str, data: bytes) -> int:
         path = self.path(_checked(key))
         self._parent(path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW, 0o644)
+        fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
             view = memoryview(data).cast("B")
             while view.nbytes:
@@ -396,18 +323,23 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def truncate(self, key: str, size: int) -> None:
-        fd = os.open(self.path(_checked(key)), os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
+        path = self.path(_checked(key))
+        check_no_links(self._top, path.rsplit("/", 1)[0])
+        fd = _open_write(path, os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
         try:
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
 
     def delete(self, key: str) -> None:
+        path = self.path(_checked(key))
+        check_no_links(self._top, path.rsplit("/", 1)[0])
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(_checked(key)))
+            os.unlink(path)
 
     def delete_prefix(self, prefix: str) -> None:
         path = self.path(_checked(prefix)) if prefix else self._root
+        check_no_links(self._top, path.rstrip("/").rsplit("/", 1)[0])
         if os.path.islink(path.rstrip("/")):
             os.unlink(path.rstrip("/"))
         else:
@@ -441,7 +373,26 @@ class LocalStorage(Storage):
 
     # ---- zarr -----------------------------------------------------------------------
     def zarr_store(self, prefix: str, *, read_only: bool) -> Any:
-        return _atomic_local_store_class()(self.path(_checked(prefix)) if prefix else self._root, read_only=read_only)
+        """Reads go through this Storage (regular files only, bounded metadata JSON:
+        actstore.storage.zarrview); writes through zarr's LocalStore made atomic."""
+        if read_only:
+            from actstore.storage.zarrview import StorageZarrStore
+
+            return StorageZarrStore(self.child(prefix) if prefix else self)
+        from actstore.storage.localzarr import atomic_local_store
+
+        return atomic_local_store(self.path(_checked(prefix)) if prefix else self._root, top=self._top, storage_class=LocalStorage)
+
+
+def _open_write(path: str, flags: int) -> int:
+    """os.open for writing; a symbolic link at `path` (O_NOFOLLOW) is the project's error."""
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link; actstore never writes through links (it could write "
+                                  "outside the store): delete the link") from None
+        raise
 
 
 def _parents(root: str, prefix: str) -> Iterator[str]:
@@ -450,46 +401,8 @@ def _parents(root: str, prefix: str) -> Iterator[str]:
         yield root + "/".join(parts[:i])
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISLNK(mode):
-        return "link"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    return "other"
-
-
 def _checked(key: str) -> str:
     """A key is a relative path inside the store: no absolute path, no '..'."""
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
-
-
-_ATOMIC_STORE = None
-
-
-def _atomic_local_store_class() -> type:
-    """zarr's LocalStore with atomic writes (built on first use: zarr imports slowly)."""
-    global _ATOMIC_STORE
-    if _ATOMIC_STORE is None:
-        from zarr.storage import LocalStore
-
-        class AtomicLocalStore(LocalStore):
-            """A LocalStore whose every write goes to a temporary file renamed into place.
-
-            zarr-python 3.1's LocalStore writes in place: a crash mid-write would leave a
-            half-written `.zarray` or per-sample chunk. Here no reader ever sees one.
-            """
-
-            async def set(self, key: str, value: Any) -> None:  # noqa: D102
-                if not self._is_open:
-                    await self._open()
-                self._check_writable()
-                target = LocalStorage(self.root)
-                data = value.to_bytes()
-                await asyncio.to_thread(target.put, key, data)
-
-        _ATOMIC_STORE = AtomicLocalStore
-    return _ATOMIC_STORE

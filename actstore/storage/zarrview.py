@@ -1,5 +1,8 @@
 """A read-only zarr store over any Storage, so zarr-python's reads take the Storage's
-path (e.g. a CachedStorage's cache) instead of going to the bytes' home directly."""
+path (e.g. a CachedStorage's cache, a local store's regular-files-only reads) instead of
+going to the bytes' home directly. Zarr metadata documents are checked against the size
+and depth limits of actstore.layout.jsonio before zarr-python parses them (its own JSON
+parsing recurses without bound)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+from actstore.errors import CorruptStoreError
+from actstore.layout import jsonio, keys
 from actstore.storage.base import Storage
 
 _CLASS = None
@@ -45,7 +50,10 @@ def _store_class() -> type:
             s = self.storage
             try:
                 if byte_range is None:
-                    return s.get(key)
+                    data = s.get(key)
+                    if keys.basename(key) in keys.ZARR_NAMES:
+                        _check_json(data, s.where(key))
+                    return data
                 if isinstance(byte_range, RangeByteRequest):
                     return s.get_range(key, byte_range.start, byte_range.end - byte_range.start)
                 size = s.size(key)
@@ -98,3 +106,11 @@ def _store_class() -> type:
 
     _CLASS = _StorageZarrStore
     return _CLASS
+
+
+def _check_json(data: bytes, where: str) -> None:
+    """Refuse a metadata document that is not bounded JSON before zarr-python parses it."""
+    try:
+        jsonio.parse(data)
+    except ValueError as e:
+        raise CorruptStoreError(f"Zarr metadata {where} is not valid JSON ({e}); the store is damaged (run `actstore verify`)") from None

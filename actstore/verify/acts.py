@@ -14,10 +14,11 @@ from actstore import catalog
 from actstore.chunkio import ChunkIO
 from actstore.errors import ActstoreError, CorruptChunkError
 from actstore.layout import keys
-from actstore.layout.chunks import EMPTY, ChunkGeometry, array_shape, declared, geometry_from_metadata, key_scheme, parse_chunk_key
-from actstore.layout.spec import FILL_VALUE
+from actstore.layout.arraymeta import array_problems
+from actstore.layout.arrays import array_specs
+from actstore.layout.chunks import EMPTY, ChunkGeometry, array_shape, geometry_from_metadata, key_scheme
 from actstore.layout.config import SegmentSpec
-from actstore.verify.check import MAX_LISTED, Checker, ShardCtx
+from actstore.verify.check import MAX_LISTED, Checker, ShardCtx, array_entries, attrs_problem
 from actstore.verify.report import ERROR, WARNING
 
 MAX_MISSING_ENUMERATED = 1_000_000  # beyond this many missing chunks, one summary line
@@ -63,10 +64,13 @@ class ActsCheck:
         meta = self._meta()
         if meta is None:
             return False
+        problems = array_problems(meta, array_specs(self.cfg)[self.array], self.cfg.zarr_format, self.ctx.n)
+        problems += filter(None, [attrs_problem(self.ctx, self.array, meta, self.cfg)])
+        if problems:
+            self.add(ERROR, "array-meta", problems[0], self.akey)
+            return False
         try:
             geo = geometry_from_metadata(self.array, meta, self.cfg.n_layers, self.cfg.d_model)
-            if not self._chunking_ok(meta):
-                return False
         except _DAMAGED as e:
             self.add(ERROR, "array-meta", f"array metadata is damaged ({e!r})", self.akey)
             return False
@@ -125,28 +129,6 @@ class ActsCheck:
             return None
         return meta
 
-    def _chunking_ok(self, meta: dict[str, Any]) -> bool:
-        """Every field that decides which values are read agrees with the store config:
-        Zarr format, dtype, chunk and Zarr shard shapes, fill value (compressed arrays too)."""
-        cfg, seg = self.cfg, self.seg
-        d = declared(meta)
-        if d.zarr_format != cfg.zarr_format:
-            self.add(ERROR, "array-meta", f"array is Zarr format {d.zarr_format}; the store config says {cfg.zarr_format}", self.akey)
-            return False
-        c = d.chunks
-        if d.dtype is None or d.dtype.newbyteorder("<") != np.dtype(cfg.zarr_dtype) or c != [1, 1, seg.t_chunk, cfg.d_model]:
-            have = f"{c[2]} tokens" if len(c) == 4 and c[:2] == [1, 1] and c[3] == cfg.d_model else f"shape {c}"
-            self.add(ERROR, "array-meta", f"chunks of {have} of {d.dtype}; the store config says {seg.t_chunk} tokens of {cfg.zarr_dtype}", self.akey)
-            return False
-        want = None if cfg.shard_examples is None else [cfg.shard_examples, cfg.n_layers, self.n_tc * seg.t_chunk, cfg.d_model]
-        if d.shards != want:
-            self.add(ERROR, "array-meta", f"Zarr shards of shape {d.shards}; the store config says {want}", self.akey)
-            return False
-        if isinstance(d.fill_value, bool) or not isinstance(d.fill_value, (int, float)) or d.fill_value != FILL_VALUE:
-            self.add(ERROR, "array-meta", f"fill value {d.fill_value!r}; the format's is {FILL_VALUE} (missing chunks read as it)", self.akey)
-            return False
-        return True
-
     def _walk(self, geo: ChunkGeometry | None, fmt: int, sep: str) -> None:
         L, n_tc, n = self.cfg.n_layers, self.n_tc, self.ctx.n
         sharded = geo is not None and geo.shard_examples is not None
@@ -154,18 +136,13 @@ class ActsCheck:
         complete = bool(self.ctx.rec and self.ctx.rec.complete)
         committed = self.ctx.rec.n_committed if self.ctx.rec else n
         found = array("q")  # flat (example, layer, token chunk) index of each chunk file present
-        head = self.akey + "/"
-        for entry in self.v.listing.under(self.akey):
-            rel = entry.key[len(head):]
+        for rel, key, entry in array_entries(self.v.listing, self.akey, fmt, sep, 4):
             if entry.kind == "link":
                 self.v.symlink(entry.key, self.ctx.shard)
                 continue
-            if rel in keys.ZARR_NAMES or entry.kind == "dir":
-                continue
-            key = parse_chunk_key(rel, fmt, sep)
             grid_ok = key is not None and (key[1:] == (0, 0, 0) if sharded else (key[1] < L and key[2] < n_tc and key[3] == 0))
             if not grid_ok:
-                if not self.v.odd_entry(entry.key, entry.kind, self.ctx.shard) and not keys.is_temporary(keys.basename(rel)):
+                if not self.v.not_a_chunk_file(entry.key, entry.kind, self.ctx.shard) and not keys.is_temporary(keys.basename(rel)):
                     self.add(WARNING, "stray-file", f"{rel} in array {keys.basename(self.array)} is not a chunk of this array", entry.key)
                 continue
             ex = key[0] * geo.shard_examples if sharded else key[0]
@@ -174,8 +151,8 @@ class ActsCheck:
                     self.add(WARNING, "stray-file", f"chunk {rel} belongs to example {ex}, past the shard's {committed} committed examples", entry.key)
                 continue
             self.v.report.n_chunk_files += 1
-            if self.v.odd_entry(entry.key, entry.kind, self.ctx.shard, **self._where(ex, None if sharded else key[1])):
-                # a FIFO, socket or device: never read
+            if self.v.not_a_chunk_file(entry.key, entry.kind, self.ctx.shard, **self._where(ex, None if sharded else key[1])):
+                # a folder, FIFO, socket or device: never read
                 if sharded:
                     self.bad_size.update((e, lp) for e in range(ex, min(n, ex + geo.shard_examples)) for lp in range(L))
                 elif raw:

@@ -3,11 +3,14 @@ the shard being checked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from actstore.layout import keys
+from actstore import catalog
+from actstore.errors import ActstoreError
+from actstore.layout import keys, spec
+from actstore.layout.chunks import parse_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Commit
 from actstore.storage import Entry, Storage
@@ -111,6 +114,14 @@ class Checker:
             return True
         return False
 
+    def not_a_chunk_file(self, key: str, kind: str | None, shard: int | None, **where: Any) -> bool:
+        """odd_entry, and a folder where a chunk file belongs (reported); True when either."""
+        if kind == "dir":
+            self.add(ERROR, "not-a-file", f"{key} is a folder where the array has a chunk file (readers refuse it)",
+                     key, shard=shard, **where)
+            return True
+        return self.odd_entry(key, kind, shard, **where)
+
     def not_a_file(self, key: str, kind: str | None, shard: int | None) -> bool:
         """Report whatever stands at `key` where the format has a regular file (a folder, a
         link, ...); True when something other than a file is there."""
@@ -128,3 +139,48 @@ class Checker:
         else:
             self.add(WARNING, "symlink", f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)", key,
                      shard=shard, **where)
+
+
+def attrs_problem(ctx: ShardCtx, array: str, meta: dict[str, Any], cfg: StoreConfig) -> str | None:
+    """What is wrong with an array's attributes (unreadable, or an activation array's
+    `actstore_dtype` other than the store's dtype: it says how the stored bits are read)."""
+    try:
+        attrs = catalog.array_attrs(ctx.storage, array, meta)
+    except ActstoreError as e:
+        return str(e)
+    got = attrs.get("actstore_dtype", cfg.dtype)
+    if array.endswith(spec.ACTS_SUFFIX) and got != cfg.dtype:
+        return f"attribute actstore_dtype {got!r}; the store config says {cfg.dtype!r} (it decides how the stored bits are read)"
+    return None
+
+
+def array_entries(listing: Listing, akey: str, fmt: int, sep: str, ndim: int) -> Iterator[tuple[str, tuple[int, ...] | None, Entry]]:
+    """(key relative to the array, chunk grid coordinates or None, entry) of everything in
+    an array's folder but its Zarr metadata. A folder standing at a chunk's key (empty or
+    not) comes once, as an entry of kind "dir"; other folders are left out."""
+    head = akey + "/"
+    folders: set[str] = set()
+    for entry in listing.under(akey):
+        rel = entry.key[len(head):]
+        if rel in keys.ZARR_NAMES:
+            continue
+        coords = parse_chunk_key(rel, fmt, sep, ndim)
+        if coords is not None and entry.kind != "dir":
+            yield rel, coords, entry
+            continue
+        folder = rel if coords is not None else _chunk_folder(rel, fmt, sep, ndim)
+        if folder is not None and folder not in folders:
+            folders.add(folder)
+            yield folder, parse_chunk_key(folder, fmt, sep, ndim), Entry(head + folder, 0, "dir")
+        elif folder is None and entry.kind != "dir":
+            yield rel, None, entry
+
+
+def _chunk_folder(rel: str, fmt: int, sep: str, ndim: int) -> str | None:
+    """The chunk key that a path inside the array lies below (a folder at a chunk's key)."""
+    parts = rel.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = "/".join(parts[:i])
+        if parse_chunk_key(prefix, fmt, sep, ndim) is not None:
+            return prefix
+    return None

@@ -9,13 +9,15 @@ import numpy as np
 from actstore import catalog
 from actstore.errors import ActstoreError, FormatVersionError, UnsafePathError
 from actstore.layout import keys, records, spec
-from actstore.layout.chunks import array_shape, key_scheme, parse_chunk_key
+from actstore.layout.arraymeta import array_problems
+from actstore.layout.arrays import ArraySpec, array_specs
+from actstore.layout.chunks import array_shape, key_scheme
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Block, ShardEntry
 from actstore.storage import KeyNotFound
 from actstore.verify import deep as deep_checks
 from actstore.verify.acts import ActsCheck
-from actstore.verify.check import Checker, ShardCtx
+from actstore.verify.check import Checker, ShardCtx, array_entries, attrs_problem
 from actstore.verify.report import ERROR, WARNING
 
 _ZARR_META = set(keys.ZARR_NAMES)
@@ -50,6 +52,7 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
     blocks = _blocks(v, ctx, n_blocks, entry)
     el = _el_crcs(v, ctx)
     _check_dir_entries(v, ctx)
+    _check_group(v, ctx)
     # Deep reads only when the counts are backed by the commit record, the block records
     # and files on disk: damaged metadata must not make verify read (or allocate) forever.
     deep = v.deep and blocks is not None and (rec is None or rec.n_committed >= n) and _rows_ok(v, ctx)
@@ -69,6 +72,24 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
         elif not v.not_a_file(key, kind, shard) and v.deep:
             deep_checks.load_stats(v, key, shard)
     v.flush_counts(shard)
+
+
+def _check_group(v: Checker, ctx: ShardCtx) -> None:
+    """The shard's group attributes hold the store's config (resume compares against it)."""
+    rel = records.group_attrs_key(v.cfg.zarr_format)
+    key = ctx.key(rel)
+    if v.listing.kind(key) != "file":
+        if v.listing.kind(key) is None:
+            v.add(ERROR, "shard-meta", f"{rel} of the shard is missing (it holds the shard's config)", key, shard=ctx.shard)
+        return  # anything else there was reported with the folder's entries
+    try:
+        cfg = records.shard_attrs_config(ctx.storage.get(rel), v.cfg.zarr_format, ctx.storage.where(rel))
+    except (ActstoreError, OSError) as e:
+        v.add(ERROR, "shard-meta", str(e), key, shard=ctx.shard)
+        return
+    diffs = cfg.differences(v.cfg)
+    if diffs:
+        v.add(ERROR, "shard-meta", f"the shard's {rel} describes another store: {'; '.join(diffs)}", key, shard=ctx.shard)
 
 
 def _rows_ok(v: Checker, ctx: ShardCtx) -> bool:
@@ -189,6 +210,7 @@ def _array_keys(cfg: StoreConfig) -> list[str]:
 
 
 def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
+    specs = array_specs(v.cfg)
     acts = {keys.acts_array(s.name) for s in v.cfg.segments}
     for array in _array_keys(v.cfg):
         if array in acts:
@@ -209,26 +231,34 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
             v.add(ERROR, "array-meta", f"per-sample array {name} holds {shape[0] if shape else shape} values; {ctx.n} examples are published",
                   key, **where)
             continue
-        _walk_per_sample(v, ctx, array, meta, len(shape))
-        if deep:
+        problems = array_problems(meta, specs[array], v.cfg.zarr_format, ctx.n)
+        if problems:
+            v.add(ERROR, "array-meta", f"per-sample array {name} has {problems[0]}", key, **where)
+            continue
+        attrs = attrs_problem(ctx, array, meta, v.cfg)
+        if attrs:
+            v.add(ERROR, "array-meta", f"per-sample array {name}: {attrs}", key, **where)
+        if _walk_per_sample(v, ctx, array, meta, specs[array]) and deep:
             deep_checks.per_sample_values(v, ctx, array)
 
 
-def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, ndim: int) -> None:
-    """Links, odd entries and stray files among a per-sample array's chunk files."""
-    try:
-        fmt, sep = key_scheme(meta)
-    except (AttributeError, TypeError) as e:
-        v.add(ERROR, "array-meta", f"metadata of per-sample array {keys.basename(array)} is damaged ({e!r})", ctx.key(array), shard=ctx.shard)
-        return
-    head = ctx.key(array) + "/"
-    for entry in v.listing.under(ctx.key(array)):
-        rel = entry.key[len(head):]
-        if v.odd_entry(entry.key, entry.kind, ctx.shard) or rel in keys.ZARR_NAMES or entry.kind == "dir":
-            continue
-        key = parse_chunk_key(rel, fmt, sep, ndim)
-        if (key is None or any(key[1:])) and not keys.is_temporary(keys.basename(rel)):
-            v.add(WARNING, "stray-file", f"{rel} in array {keys.basename(array)} is not a chunk of this array", entry.key, shard=ctx.shard)
+def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: ArraySpec) -> bool:
+    """Links, odd entries and stray files among a per-sample array's chunk files, and each
+    chunk file's size (per-sample arrays are never compressed); False when a chunk cannot be read."""
+    fmt, sep = key_scheme(meta)
+    nbytes = int(np.prod(want.chunks)) * np.dtype(want.dtype).itemsize
+    ok = True
+    for rel, key, entry in array_entries(v.listing, ctx.key(array), fmt, sep, len(want.shape)):
+        if v.not_a_chunk_file(entry.key, entry.kind, ctx.shard):
+            ok = False
+        elif key is None or any(key[1:]):
+            if not keys.is_temporary(keys.basename(rel)):
+                v.add(WARNING, "stray-file", f"{rel} in array {keys.basename(array)} is not a chunk of this array", entry.key, shard=ctx.shard)
+        elif key[0] * want.chunks[0] < ctx.n and entry.size != nbytes:
+            v.add(ERROR, "chunk-size", f"chunk file {rel} of per-sample array {keys.basename(array)} has {entry.size} bytes, expected {nbytes}",
+                  entry.key, shard=ctx.shard)
+            ok = False
+    return ok
 
 
 def _check_texts(v: Checker, ctx: ShardCtx, deep: bool) -> None:

@@ -36,6 +36,7 @@ def verify_store(
         that holds no store raises StoreNotFoundError.
     """
     storage = open_storage(path)
+    catalog.check_folder(storage)
     root = storage.url
     names = storage.list_dir()  # empty for a missing folder or a file
     if not (keys.IDENTITY in names or keys.MANIFEST in names):

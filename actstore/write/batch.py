@@ -7,7 +7,6 @@ kept, with a message that names the argument and what it should be.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from actstore.layout.arrays import encode_keys
 from actstore.dtypes import clip_to, convert, to_numpy
 from actstore.errors import AppendError, Float16OverflowError, NonFiniteError
 from actstore.layout import keys, spec
+from actstore.layout import texts as texts_layout
 from actstore.layout.config import SegmentSpec, StoreConfig
 
 
@@ -232,6 +232,7 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
             out[keys.field_array(name)] = v.astype(dt, casting="same_kind")
         except TypeError:
             raise AppendError(f"field {name!r} holds {v.dtype} values that do not fit its dtype {np.dtype(dt)}") from None
+        _check_range(name, v, out[keys.field_array(name)])
     texts = dict(texts or {})
     if set(texts) != set(cfg.texts):
         raise AppendError(f"this store declares texts {list(cfg.texts)}; the batch gives {sorted(texts)}")
@@ -240,9 +241,21 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
         if len(vals) != b:
             raise AppendError(f"text {name!r} has {len(vals)} values for a batch of {b}")
         try:
-            batch.text_lines[name] = [
-                (json.dumps({"i": first_index + i, "sample_key": names[i], name: v}, ensure_ascii=False) + "\n").encode("utf-8")
-                for i, v in enumerate(vals)
-            ]
+            batch.text_lines[name] = [texts_layout.dump_line(first_index + i, names[i], name, v) for i, v in enumerate(vals)]
         except (TypeError, ValueError) as e:
-            raise AppendError(f"text {name!r} holds a value that is not JSON-serialisable: {e}") from None
+            raise AppendError(f"text {name!r} holds a value that standard JSON cannot hold: {e}") from None
+
+
+def _check_range(name: str, given: np.ndarray, stored: np.ndarray) -> None:
+    """A field value must be stored exactly: 300 given to an int8 field would wrap to 44, a
+    float64 beyond float16's range would become infinity."""
+    dt = stored.dtype
+    if dt.kind in "iu" and given.size:
+        info = np.iinfo(dt)
+        lo, hi = given.min(), given.max()
+        if lo < info.min or hi > info.max:
+            raise AppendError(f"field {name!r} holds values {lo}..{hi}; its dtype {dt} holds {info.min}..{info.max}")
+    if dt.kind == "f" and given.size:
+        bad = np.isfinite(given) & ~np.isfinite(stored)
+        if bad.any():
+            raise AppendError(f"field {name!r} holds {given[bad][0]!r}, beyond the range of its dtype {dt}")

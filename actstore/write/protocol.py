@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore import catalog
+from actstore import catalog, zarrio
 from actstore._version import __version__
 from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError
 from actstore.layout import keys, records, spec
@@ -66,7 +66,8 @@ class ShardWriter(ShardSetup):
         commit_bytes: commit a block after this many activation bytes.
         on_nonfinite: "count" (store and count NaN/inf) or "raise".
         on_overflow: "raise" (default) or "clip" finite values beyond the stored dtype's range.
-        compressor: a zarr compressor (e.g. zarr.codecs.ZstdCodec()); disables the raw fast path.
+        compressor: a compressor for the activations: numcodecs.Zstd() (zarr_format=2) or
+            zarr.codecs.ZstdCodec() (zarr_format=3); disables the raw fast path.
         engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
         stats: keep running statistics per (layer, segment) of the stored vectors.
         fsync: durable against power loss, not only crashes: each Zarr shard file is
@@ -128,6 +129,7 @@ class ShardWriter(ShardSetup):
             raise ValueError(f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {world_size!r}.")
         if engine == "direct" and compressor is not None:
             raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
+        zarrio.check_compressor(compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
         self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
         self.shard = shard

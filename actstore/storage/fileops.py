@@ -1,0 +1,89 @@
+"""File operations of a local store: temporary names, directory fsync, syncfs, and the
+thread that starts written files' writeback (Linux sync_file_range)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from actstore.storage.base import Writeback
+
+__all__ = ["SYNC_FILE_RANGE_WRITE", "FileWriteback", "fsync_dir", "sync_file_range", "syncfs", "tmp_name"]
+
+SYNC_FILE_RANGE_WRITE = 2
+
+
+def _load_libc_fn(name: str, argtypes: list) -> Any:
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = argtypes
+    return fn
+
+
+sync_file_range = _load_libc_fn("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
+_syncfs = _load_libc_fn("syncfs", [ctypes.c_int])
+
+
+def tmp_name(path: Path) -> Path:
+    """A hidden temporary name beside `path` (`.name.tmp-<pid>-<random>`)."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that a rename inside it is durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def syncfs(path: str | os.PathLike) -> None:
+    """Flush every dirty page of the file system holding `path` (Linux syncfs, else sync)."""
+    if _syncfs is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _syncfs(fd)
+    finally:
+        os.close(fd)
+
+
+class FileWriteback(Writeback):
+    """A thread that starts the writeback of written files (sync_file_range WRITE).
+
+    It only starts I/O: durability still comes from `sync` where it is asked for. A
+    failure to start writeback is ignored: the kernel writes the pages later.
+    """
+
+    def __init__(self, depth: int = 8):
+        self._q: queue.Queue = queue.Queue(depth)  # file descriptors owned by the thread
+        self._thread = threading.Thread(target=self._run, name="actstore-writeback", daemon=True)
+        self._thread.start()
+
+    def submit(self, fd: int) -> None:
+        """Start the writeback of file `fd`; the thread closes it (waits while `depth` are queued)."""
+        self._q.put(fd)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            fd = self._q.get()
+            if fd is None:
+                return
+            try:
+                sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
+            finally:
+                os.close(fd)
