@@ -228,7 +228,7 @@ def drop_chunks(storage: Storage, array: str, first: int) -> None:
     head = "c" + sep if fmt == 3 else ""
     for e in list(storage.list(array)):
         rel = e.key[len(array) + 1 :]
-        if not rel.startswith(head):
+        if e.kind == "dir" or not rel.startswith(head):  # an empty folder a failed write left: no object
             continue
         first_part = rel[len(head) :].split(sep, 1)[0]
         if first_part.isdigit() and int(first_part) >= first:

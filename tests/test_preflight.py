@@ -4,6 +4,7 @@ leaves the store as it was."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -23,6 +24,8 @@ def env(tmp_path_factory):
     make_images(d / "imgs", n=3)
     data = write_jsonl(d / "p.jsonl", PAIRS)
     texts = write_jsonl(d / "t.jsonl", [{"text": s} for s in SENTENCES])
+    (d / "fifomodel").mkdir()
+    os.mkfifo(d / "fifomodel" / "config.json")  # would block a reader forever
     bad = d / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": broken\n', encoding="utf-8")
     for store, layers, extra in (("s.store", "0,1", []), ("named.store", "blocks.1.hook_resid_post,model.layers.0.mlp", []),
@@ -31,7 +34,7 @@ def env(tmp_path_factory):
         res = CliRunner().invoke(main, ["write", str(d / store), "--model", str(llama), "--data", str(src), "--layers", layers, "--quiet", *extra])
         assert res.exit_code == 0, res.output
     return {"llama": llama, "dino": dino, "imgs": d / "imgs", "data": data, "texts": texts, "bad": bad, "store": d / "s.store",
-            "named": d / "named.store", "packed": d / "packed.store", "dir": d}
+            "named": d / "named.store", "packed": d / "packed.store", "dir": d, "fifomodel": d / "fifomodel"}
 
 
 # (case, store it runs on (None: a new one), the arguments after STORE, the one-line message)
@@ -62,6 +65,9 @@ CASES = [
     ("module_path", None, ["--model", "{llama}", "--data", "{data}", "--layers", "model.layers.3.mlp"],
      "model.layers.3.mlp does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
      "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths"),
+    ("fifo_config", None, ["--model", "{fifomodel}", "--data", "{data}", "--layers", "0"],
+     "{fifomodel}/config.json is a FIFO (named pipe), not a file: a model folder holds its config.json as a regular file "
+     "(pass a saved model folder, a hub id or embedded:...)"),
     ("bad_line", None, ["--model", "{llama}", "--data", "{bad}", "--layers", "0"],
      "{bad}:3: not valid JSON (Expecting value: line 1 column 10 (char 9))"),
     ("not_writable", "unwritable", ["--model", "{llama}", "--data", "{data}", "--layers", "0"],

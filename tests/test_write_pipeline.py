@@ -156,3 +156,23 @@ def test_fsync_syncs_every_data_file_on_the_io_threads(tmp_path, monkeypatch, la
     assert len(syncfs) >= 1  # before the commit record
     actstore.finalize(tmp_path / "s")
     assert np.array_equal(actstore.ActStore(tmp_path / "s")[0:7, :], x)
+
+
+def test_resume_ignores_the_empty_folders_a_failed_shard_file_write_left(tmp_path):
+    """A put that failed after its folders were made leaves them empty; a resume drops the
+    uncommitted tail and must not take such a folder for an object (it raised
+    IsADirectoryError, depending on which of the pipeline's writes ran first)."""
+    x = np.arange(6 * 2 * 3 * 4, dtype=np.float16).reshape(6, 2, 3, 4)
+    with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, zarr_format=3, shard_examples=2) as w:
+        w.append(x[:4])
+        w.commit()
+        left = tmp_path / "s/shards/shard-00000.zarr/arrays/tokens_activations/c/7/0/0"
+        left.mkdir(parents=True)
+        w._closed = True  # crashed: never closed
+        w._layout.close()
+        w._lease.release()
+    with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, zarr_format=3, shard_examples=2, resume=True) as w:
+        assert w.n_committed == 4
+        w.append(x[4:])
+    actstore.finalize(tmp_path / "s")
+    assert np.array_equal(actstore.ActStore(tmp_path / "s")[0:6, :], x)

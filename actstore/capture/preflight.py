@@ -12,11 +12,14 @@ block list are checked when the model loads (they need its modules).
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from actstore.capture.errors import CaptureError, UnknownLayerError
+from actstore.storage.regular import describe
 from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_name
 
 # (modality, blocks) of the embedded defaults (actstore/capture/embedded.py).
@@ -31,6 +34,13 @@ def model_shape(model: str) -> tuple[str | None, int | None]:
     if model.startswith("embedded:"):
         return EMBEDDED_SHAPES.get(model.removeprefix("embedded:"), (None, None))
     cfg_file = Path(model).expanduser() / "config.json"
+    try:
+        mode = os.stat(cfg_file).st_mode  # a model folder may link to its files (the hub's cache does)
+    except OSError:
+        return None, None  # not a local folder (a hub id), or no config: load_model will say
+    if not stat.S_ISREG(mode):
+        raise CaptureError(f"{cfg_file} is {describe(mode)}, not a file: a model folder holds its config.json as a "
+                           "regular file (pass a saved model folder, a hub id or embedded:...)")
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -13,10 +13,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
 from actstore.errors import ActstoreError, StorageAccessError
+
+_STATUS = re.compile(r"status code: (\d{3})")
 
 
 def first_line(e: BaseException) -> str:
@@ -28,14 +31,16 @@ def cause(e: BaseException, url: str) -> str:
     text = str(e)
     bucket = url.split("://", 1)[1].split("/", 1)[0] if "://" in url else url
     endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3")
-    if "NoSuchBucket" in text or ("404" in text and "list" in text.lower()):
+    status = _STATUS.search(text)
+    code = int(status.group(1)) if status else None  # not any "404" in the text: timings ("in 404.2ms") hold digits too
+    if "NoSuchBucket" in text or (code == 404 and "list" in text.lower()):
         return f"the bucket {bucket!r} does not exist (create it first, or check the URL)"
-    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or "401" in text or type(e).__name__ == "UnauthenticatedError":
+    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or code == 401 or type(e).__name__ == "UnauthenticatedError":
         return ("the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the "
                 "provider's credential chain)")
     if "AccessDenied" in text:
         return f"access denied: these credentials may not do this in {bucket!r} (check the bucket policy and IAM permissions)"
-    if "403" in text or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
+    if code == 403 or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
         return (f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
