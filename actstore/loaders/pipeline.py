@@ -10,9 +10,11 @@ the end and reused by the next epoch.
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -30,6 +32,20 @@ if TYPE_CHECKING:
     from actstore.loaders.tokens import TokenStream
 
 _STOP = object()
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose threads may still run
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At interpreter exit, stop every pipeline's threads and wait for them. A reader
+    still reading the next epoch's first window when a script ends would otherwise be
+    frozen inside native code during finalization, which can abort the process
+    ("terminate called without an active exception", exit code 134)."""
+    for p in list(_LIVE):
+        p.stop.set()
+    for p in list(_LIVE):
+        for t in p.threads:
+            t.join(timeout=30)
 
 
 class TokenPipeline:
@@ -80,6 +96,7 @@ class TokenPipeline:
             threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
             threading.Thread(target=self._guard, args=(self._assemble, self.out), daemon=True, name="actstore-batches"),
         ]
+        _LIVE.add(self)
         for t in self.threads:
             t.start()
 

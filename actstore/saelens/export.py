@@ -28,11 +28,12 @@ import numpy as np
 
 from actstore.errors import ActstoreError
 from actstore.index import layer_position
+from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 DEFAULT_CONTEXT = 128
 NO_TOKEN, CONTENT, SPECIAL, TEMPLATE = -1, -2, -3, -4  # token_ids codes when the store keeps no ids
 FILE_BYTES = 512 * 2**20  # an Arrow file's activation bytes (SAELens caches use 0.5-2 GB)
-BATCH_BYTES = 64 * 2**20  # a record batch's (int32 list offsets: far below 2**31 values)
+BATCH_BYTES = 16 * 2**20  # a record batch (and a stream batch): the stream keeps 6 such buffers
 TRAIN_BATCH_TOKENS = 4096  # SAELens's default train_batch_size_tokens
 
 
@@ -213,6 +214,8 @@ class _ArrowFiles:
         acts = pa.ExtensionArray.from_storage(self.ext_type, outer)
         tids = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(ids, np.int32).reshape(-1)), C)
         self._writer.write_batch(pa.RecordBatch.from_arrays([acts, tids], schema=self.schema))
+        if sync_file_range is not None:  # start this batch's writeback: the file's fsync waits only for the tail
+            sync_file_range(self._sink.fileno(), 0, 0, SYNC_FILE_RANGE_WRITE)
         self.rows += r
         self._file_rows += r
         self.tokens += int(np.count_nonzero(ids != NO_TOKEN))
