@@ -14,6 +14,7 @@ import atexit
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 _STOP = object()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose threads may still run
+EXIT_WAIT_S = 30.0  # at interpreter exit, the longest wait for all of them together
 
 
 @atexit.register
@@ -41,11 +43,13 @@ def _stop_all() -> None:
     still reading the next epoch's first window when a script ends would otherwise be
     frozen inside native code during finalization, which can abort the process
     ("terminate called without an active exception", exit code 134)."""
-    for p in list(_LIVE):
+    live = list(_LIVE)
+    for p in live:
         p.stop.set()
-    for p in list(_LIVE):
+    deadline = time.monotonic() + EXIT_WAIT_S  # a read stuck on a network gives up the wait, not the exit
+    for p in live:
         for t in p.threads:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class TokenPipeline:
