@@ -3,7 +3,7 @@
 # beside the main suite's full dev install: writer, reader, finalize, verify, statistics,
 # exports and the CLI must work without torch. The list is every test file whose tests do
 # not need torch (a test of the main suite checks that none is forgotten). Left out: files
-# that import torch at the top (loaders, capture, ...), test_loaders_exit.py (its script streams batches with torch), test_capture_resume.py, test_distributed.py and test_preflight.py (use a
+# that import torch at the top (loaders, capture, ...), test_loaders_exit.py (its script streams batches with torch), test_benchmarks_run.py (the benchmarks capture and stream with torch), test_capture_resume.py, test_distributed.py and test_preflight.py (use a
 # torch model), test_capture_support.py (helpers, no tests), and test_copy.py,
 # test_storage.py, test_storage_cache.py, test_remote.py and test_remote_access.py, whose S3
 # cases need moto's server (the main suite has it); test_mutations.py (2,200 mutations, about 2 minutes: the main suite

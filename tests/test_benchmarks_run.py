@@ -1,0 +1,96 @@
+"""Every benchmark script runs to its end on a tiny input and writes its results file
+with the sizes it was given (the figures themselves are measured on a quiet machine,
+never asserted here: docs/benchmarks.md). A benchmark that no longer runs against the
+current API fails here instead of on the next measurement campaign."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300) -> dict:
+    """Run benchmarks/bench_<name>.py in tmp_path (its results go to tmp_path/bench-results)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"bench_{name}.py"), *args], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"bench_{name}.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    files = sorted((tmp_path / "bench-results").glob("*.json"))
+    assert files, f"bench_{name}.py wrote no results: {r.stdout[-2000:]}"
+    return json.loads(files[-1].read_text())
+
+
+def positive(*values: float) -> bool:
+    return all(isinstance(v, (int, float)) and v > 0 for v in values)
+
+
+def test_bench_store(tmp_path):
+    d = run_bench("store", ["--examples", "40", "--tokens", "9", "--d-model", "16", "--batch", "10", "--write-repeats", "1",
+                            "--queries", "20", "--dir", str(tmp_path)], tmp_path)
+    n, layers, t, dm = d["shape"]
+    assert (layers, t, dm) == (2, 9, 16) and n >= 40
+    for layout in ("v2", "v3-sharded"):
+        w = d["layouts"][layout]["write"]
+        assert w["bytes"] == n * layers * t * dm * 2 and positive(w["ratio_vs_raw"], w["raw_MBps"]), w
+
+
+def test_bench_breakdown(tmp_path):
+    d = run_bench("breakdown", ["--block-mb", "1", "--repeats", "1"], tmp_path)
+    assert d["bytes"] >= 2**20 * 0.7 and len(d["ns_per_byte"]) >= 7, d
+    assert positive(d["disk_ns_per_byte"], d["serial_ratio"], d["pipelined_ratio"])
+    assert positive(*(v for k, v in d["ns_per_byte"].items() if "writeback" not in k)), d["ns_per_byte"]
+
+
+def test_bench_saelens(tmp_path):
+    d = run_bench("saelens", ["--tokens", "3000", "--d-model", "32", "--repeats", "2", "--settle", "0", "--dir", str(tmp_path)], tmp_path)
+    assert d["bytes"] == d["tokens"] * 32 * 4 and d["tokens"] > 2000
+    assert len(d["export_s"]) == len(d["raw_s"]) == 2 and positive(d["ratio"])
+
+
+def test_bench_remote(tmp_path):
+    d = run_bench("remote", ["--examples", "8", "--tokens", "9", "--d-model", "16", "--batch", "4", "--shard-examples", "4",
+                             "--queries", "5", "--upload-repeats", "1", "--repeats", "1", "--threads", "4"], tmp_path)
+    data = 8 * 2 * 9 * 16 * 2  # the shard files' activations, plus their indexes
+    assert data < d["store_bytes"] < data + 1024, d["store_bytes"]
+    assert positive(d["upload"]["ratio"], d["random_read"]["ratio"])
+    assert positive(*(v["next_epoch_ratio"] for v in d["token_stream"].values()))
+
+
+def test_bench_distributed(tmp_path):
+    d = run_bench("distributed", ["--examples", "24", "--workers", "1,2", "--repeats", "1", "--d-model", "32", "--model-layers", "2",
+                                  "--dir", str(tmp_path)], tmp_path)
+    assert [r["writers"] for r in d["rows"]] == [1, 2] and positive(*(r["examples_per_s"] for r in d["rows"]))
+    written = {w: sum(run["bytes"] for run in runs) for w, runs in d["runs"].items()}
+    assert len(set(written.values())) == 1 and min(written.values()) > 0, written  # the same store, whatever the writers
+
+
+@pytest.mark.parametrize("extra", [[], ["--zarr-format", "3", "--shard-examples", "4"]], ids=["v2", "v3-sharded"])
+def test_bench_capture(tmp_path, extra):
+    d = run_bench("capture", ["--examples", "8", "--batch-size", "4", "--layers", "0-1", "--repeats", "1", "--dir", str(tmp_path), *extra],
+                  tmp_path)
+    assert d["examples"] == 8 and d["layers"] == [0, 1]
+    assert d["bytes_written"] == 8 * 2 * 257 * 384 * 2 and positive(d["ratio_median_of_pairs"])
+
+
+def test_bench_loaders(tmp_path):
+    d = run_bench("loaders", ["--examples", "40", "--tokens", "9", "--d-model", "16", "--pair-batch", "8", "--token-batch", "64",
+                              "--repeats", "1", "--saev-batch", "64", "--saev-buffer", "2", "--saev-batches", "2", "--knob-mb", "1",
+                              "--dir", str(tmp_path)], tmp_path)
+    assert d["shape"] == [40, 2, 9, 16] and d["pairs"]["bytes"] == 8 * 2 * 9 * 16 * 2
+    cold = d["tokens"]["cold"]
+    assert positive(cold["seq"], cold["f16"], cold["f32"]) and positive(*d["token_stages"]["ns_per_token"].values())
+    assert positive(d["saev_design"]["tokens_per_s"]) and d["knob"][0]["buffer_mb"] == 1.0
+
+
+def test_bench_export(tmp_path):
+    d = run_bench("export", ["--gb", "0.002", "--budget", "100", "--tokens", "9", "--d-model", "16", "--repeat", "1", "--workers", "1",
+                             "--dir", str(tmp_path)], tmp_path)
+    assert d["n_examples"] > 0 and d["budget"] == 100 and d["workers"] == 1
+    assert positive(d["ratio"], *d["plain_write_gbps"], *d["export_gbps"])
