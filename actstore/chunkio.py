@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from actstore.errors import ActstoreError, CorruptChunkError, StorageAccessError
+from actstore.errors import CorruptChunkError
 from actstore.layout.checksum import crc32c
 from actstore.layout.chunks import EMPTY, ChunkGeometry
 from actstore.storage import Storage, Writeback
@@ -142,19 +142,13 @@ class ChunkIO:
         if index is not None:
             self._index_cache.move_to_end(key)
             return index
-        try:
-            size = self.storage.size(key)
-            if size is None:
-                if self.storage.kind(key) is not None:
-                    self.storage.get(key)  # raises, naming what stands there instead of a file
-                return None
-            n = self._index_fits(key, size)
-            raw = self.storage.get_range(key, size - n, n)
-        except (ActstoreError, OSError):
-            raise
-        except Exception as e:  # an object store's own error (after its retries)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            raise StorageAccessError(f"cannot read the index of shard file {self.where(key)}: {first}") from e
+        size = self.storage.size(key)  # an object store's failure: StorageAccessError naming the file
+        if size is None:
+            if self.storage.kind(key) is not None:
+                self.storage.get(key)  # raises, naming what stands there instead of a file
+            return None
+        n = self._index_fits(key, size)
+        raw = self.storage.get_range(key, size - n, n)
         return self._keep_index(key, raw, size)
 
     def index_of_object(self, key: str, data: memoryview) -> np.ndarray:

@@ -71,8 +71,11 @@ def translated(what: str) -> Callable:
     StorageAccessError naming the object's URL (generators: while they are iterated)."""
 
     def deco(fn: Callable) -> Callable:
-        def where(self: Any, args: tuple) -> str:
-            return self.where(args[0]) if args and isinstance(args[0], str) else self.url
+        def translate(e: Exception, self: Any, args: tuple) -> None:
+            """Raise `e` as StorageAccessError when it is an obstore failure; else return."""
+            err = access_error(e, what, self.where(args[0]) if args and isinstance(args[0], str) else self.url, self.url)
+            if err is not None:
+                raise err from None
 
         if inspect.isgeneratorfunction(fn):
             @functools.wraps(fn)
@@ -80,10 +83,8 @@ def translated(what: str) -> Callable:
                 try:
                     yield from fn(self, *args, **kw)
                 except Exception as e:
-                    err = access_error(e, what, where(self, args), self.url)
-                    if err is None:
-                        raise
-                    raise err from None
+                    translate(e, self, args)
+                    raise
             return gen
 
         @functools.wraps(fn)
@@ -91,10 +92,8 @@ def translated(what: str) -> Callable:
             try:
                 return fn(self, *args, **kw)
             except Exception as e:
-                err = access_error(e, what, where(self, args), self.url)
-                if err is None:
-                    raise
-                raise err from None
+                translate(e, self, args)
+                raise
         return call
 
     return deco

@@ -19,7 +19,7 @@ from actstore.errors import StorageAccessError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.objecterrors import cause as _cause
 from actstore.storage.objecterrors import first_line as _first_line
-from actstore.storage.objecterrors import access_error, translated, translating_object_store
+from actstore.storage.objecterrors import translated, translating_object_store
 
 MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
 MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
@@ -115,12 +115,7 @@ class ObjectStorage(Storage):
 
     @translated("read")
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
-        try:
-            data = self._range(key, offset, len(dest))
-        except KeyNotFound:
-            raise
-        except Exception as e:  # the loaders' and readers' path: the project's error, naming the object
-            raise self._read_failed(key, e) from e
+        data = self._range(key, offset, len(dest))
         n = len(data)
         dest[:n] = memoryview(data)  # copy: the response into the caller's buffer
         return n
@@ -159,7 +154,7 @@ class ObjectStorage(Storage):
         except Exception as e:
             if self._missing(e, key):
                 return None
-            raise self._read_failed(key, e) from e
+            raise
 
     @translated("read")
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
@@ -169,16 +164,10 @@ class ObjectStorage(Storage):
         except Exception as e:
             if self._missing(e, key):
                 return None
-            raise self._read_failed(key, e) from e
+            raise
         n = min(len(data), len(dest))
         dest[:n] = memoryview(data)[:n]
         return len(data)
-
-    def _read_failed(self, key: str, e: Exception) -> StorageAccessError:
-        """The project's error for a failed read (refused credentials, an unreachable endpoint
-        ... named as such; anything else after obstore's retries)."""
-        return access_error(e, "read", self.where(key), self.url) or StorageAccessError(
-            f"cannot read {self.where(key)} (after obstore's retries): {_first_line(e)}")
 
     @translated("read")
     def size(self, key: str) -> int | None:
