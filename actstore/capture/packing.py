@@ -110,18 +110,17 @@ def stored_runs(runs: list[tuple[int, int, int]], kept: np.ndarray) -> list[tupl
     """The (document, offset, length) runs of a window's stored tokens: its model-token runs
     with the positions not stored (--drop bos) cut out, so stored token k of the window is
     the k-th token the runs list."""
-    out: list[tuple[int, int, int]] = []
-    kept_set = set(kept.tolist())
-    pos = 0
-    for d, off, n in runs:
-        for k in range(n):
-            if pos + k in kept_set:
-                if out and out[-1][0] == d and out[-1][1] + out[-1][2] == off + k:
-                    out[-1] = (d, out[-1][1], out[-1][2] + 1)
-                else:
-                    out.append((d, off + k, 1))
-        pos += n
-    return out
+    if not runs or not len(kept):
+        return []
+    # Each stored token's document and position in it, vectorised (this runs for every batch).
+    d, off, n = (np.asarray(c, np.int64) for c in zip(*runs))
+    doc = np.repeat(d, n)[kept]
+    at = (np.repeat(off - (np.cumsum(n) - n), n) + np.arange(int(n.sum())))[kept]
+    new = np.ones(len(doc), bool)
+    new[1:] = (doc[1:] != doc[:-1]) | (at[1:] != at[:-1] + 1)
+    starts = np.flatnonzero(new)
+    lengths = np.diff(np.append(starts, len(doc)))
+    return [(int(doc[i]), int(at[i]), int(k)) for i, k in zip(starts, lengths)]
 
 
 def token_origins(store: Any, ex: int) -> np.ndarray:

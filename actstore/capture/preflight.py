@@ -61,8 +61,9 @@ def _blocks(cfg: dict[str, Any]) -> int | None:
     return None
 
 
-def check_model(o: Any, store_cfg: Any | None) -> None:
-    """Checks from the options, the model's config and the store (before the data is read)."""
+def check_model(o: Any, store_cfg: Any | None) -> str | None:
+    """Checks from the options, the model's config and the store (before the data is read);
+    the model's modality ("image", "text" or None when its config does not say), for check_data."""
     modality, n_blocks = model_shape(o.model)
     if o.generate and modality == "image":
         raise CaptureError(f"--generate makes responses for prompts; {o.model} is an image model")
@@ -77,27 +78,21 @@ def check_model(o: Any, store_cfg: Any | None) -> None:
             )
     if store_cfg is not None and o.resume:
         _check_resume(o, store_cfg, n_blocks)
+    return modality
 
 
-def check_data(o: Any, source: Any) -> None:
-    """Checks that need the data's kind (the data has parsed)."""
+def check_data(o: Any, source: Any, modality: str | None) -> None:
+    """Checks that need the data's kind (the data has parsed); `modality` from check_model."""
     if "bos" in o.drop and source.kind == "image":
         raise CaptureError("--drop bos leaves out a tokenizer's BOS tokens; --data holds images (use --drop cls for a ViT's CLS token)")
     if "cls" in o.drop and source.kind != "image":
         raise CaptureError("--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)")
     if o.generate and source.kind == "image":
         raise CaptureError("--generate makes responses for prompts; --data holds images")
-    modality, _ = model_shape(o.model)
     if modality is not None:
         want = "image" if source.kind == "image" else "text"
         if modality != want:
             raise CaptureError(f"model {o.model} takes {modality} input but --data {source.name} holds {source.kind} examples")
-
-
-def check(o: Any, source: Any, store_cfg: Any | None) -> None:
-    """Every check above (for callers that have the data already)."""
-    check_model(o, store_cfg)
-    check_data(o, source)
 
 
 def _block_of(x: int | str, paths: bool) -> tuple[int | None, str]:

@@ -161,9 +161,9 @@ def write(o: WriteOptions) -> dict[str, Any]:
     # nothing above imports torch.
     storage = open_storage(o.store)
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
-    preflight.check_model(o, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
+    modality = preflight.check_model(o, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
     source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
-    preflight.check_data(o, source)
+    preflight.check_data(o, source, modality)
     world = o.workers if multi else o.world_size
     assert world is not None
     if world > len(source) and not (o.pack or o.chunk):  # (windows are counted by each writer)

@@ -64,7 +64,6 @@ class BatchMaker:
         if ring is None or ring.dtype != dtype or ring.pin != pin or ring.shared != in_worker:
             ring = BufferRing(6, dtype, pin=pin, shared=in_worker)
         self.ring = ring
-        self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
         self.scratch = torch.empty((ts.batch_size, ts.d_model), dtype=stored) if dtype != stored else None
         self.helper = ThreadPoolExecutor(ts.gather_threads - 1, thread_name_prefix="actstore-gather") if ts.gather_threads > 1 else None
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None

@@ -73,8 +73,7 @@ class MappedFill:
 
     def __init__(self, ts: TokenStream, region: FileRegion, pool: ThreadPoolExecutor):
         self.ts, self.region, self.pool = ts, region, pool
-        # unit id -> (chunks, their slots' generations): where a unit lay when last mapped.
-        self.known: dict[int, tuple[list, list[int]]] = region.__dict__.setdefault("known_units", {})
+        self.known = region.known_units
 
     def fill(self, w: WindowSlice, slot: WindowSlot) -> bool:
         """Map every unit of w; False (nothing kept) when some unit cannot be mapped."""

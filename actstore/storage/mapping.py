@@ -138,6 +138,9 @@ class FileRegion:
         self._gen = [0] * self.n_slots  # per slot: how many times a file left it
         self._vec = ctypes.create_string_buffer(1)  # mincore's answer (reader thread only)
         self._resident = 0
+        # unit id -> (chunks, their slots' generations): where each unit lay when last
+        # mapped (kept by the loaders from epoch to epoch, checked against `generation`).
+        self.known_units: dict[int, tuple[list, list[int]]] = {}
 
     def __getstate__(self) -> dict:
         raise TypeError("a FileRegion holds this process's mappings and cannot be pickled")
