@@ -23,7 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
-from actstore.loaders.source import TokenMask, pick_layers, pick_segments, reader, resolve_mask, segment_lengths, stored_numpy_dtype
+from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, reader, request_objects, resolve_mask, segment_lengths,
+                                     stored_numpy_dtype)
 from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
 
@@ -194,8 +195,8 @@ class PairDataset(Dataset):
         in_worker = get_worker_info() is not None
         self._ring = BufferRing(self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker)
         self._read = reader(self.store)
-        self._remote = getattr(getattr(self.store, "storage", None), "coalesce_bytes", 0) > 0 and hasattr(self.store, "object_of")
-        self._many = getattr(self.store, "read_many_into", None) if self._remote else None  # local: one read each
+        self._object_of = request_objects(self.store)
+        self._many = getattr(self.store, "read_many_into", None) if self._object_of else None  # local: one read each
         self._pid = os.getpid()
 
     def _buffer(self, b: int, k: int) -> torch.Tensor:
@@ -236,7 +237,7 @@ class PairDataset(Dataset):
     def _tasks(self, jobs: list[tuple[int, int, int]], exs: np.ndarray, lays: np.ndarray) -> list[list[tuple[int, int, int]]]:
         """The reads split over the threads; on an object store, in store order and the reads
         of one object together (read_many_into sends them as one request)."""
-        if not self._remote:
+        if self._object_of is None:
             step = -(-len(jobs) // self.threads) if jobs else 1
             return [jobs[i : i + step] for i in range(0, len(jobs), step)]
         jobs = sorted(jobs, key=lambda t: (t[2], int(exs[t[0]]), int(lays[t[0], t[1]])))  # segment by segment: its own objects
@@ -244,7 +245,7 @@ class PairDataset(Dataset):
         packer = TaskPacker(sum(self.segments[s].t_pad for _, _, s in jobs) * row_bytes, self.threads)
         tasks = []
         for i, j, s in jobs:
-            obj = self.store.object_of(int(exs[i]), int(lays[i, j]), self.segments[s].name)
+            obj = self._object_of(int(exs[i]), int(lays[i, j]), self.segments[s].name)
             done = packer.add((i, j, s), obj, self.segments[s].t_pad * row_bytes)
             if done:
                 tasks.append(done)
@@ -252,13 +253,18 @@ class PairDataset(Dataset):
 
     def _read_jobs(self, arr: np.ndarray, exs: np.ndarray, lays: np.ndarray, jobs: list[tuple[int, int, int]]) -> None:
         items, copies = [], []
+        # The last token chunk of a segment may run past T_max: those reads go to one scratch
+        # block of the task and their first T_max rows are copied.
+        scratch = np.empty((sum(self.segments[s].t_pad for _, _, s in jobs if self.segments[s].t_pad != self.segments[s].t_max),
+                            self.d_model), self.np_dtype)
+        at = 0
         for i, j, s in jobs:
             seg = self.segments[s]
             o = int(self.offsets[s])
             dest = arr[i, j, o : o + seg.t_max]
-            if seg.t_pad != seg.t_max:  # the last token chunk runs past T_max: read beside, copy
-                copies.append((dest, np.empty((seg.t_pad, self.d_model), self.np_dtype)))
-                dest = copies[-1][1]
+            if seg.t_pad != seg.t_max:
+                copies.append((dest, scratch[at : at + seg.t_pad]))
+                dest, at = copies[-1][1], at + seg.t_pad
             items.append((int(exs[i]), int(lays[i, j]), seg.name, dest))
         if self._many is not None and len(items) > 1:
             self._many(items)

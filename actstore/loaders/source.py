@@ -217,3 +217,12 @@ def stats_tables(store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeo
             else:
                 scale[k] = np.sqrt(d) / max(float(st.norm_sum[pos]) / n, 1e-12)
     return shift, scale
+
+
+def request_objects(store: Any) -> Callable[[int, int, str], Any] | None:
+    """store.object_of(ex, layer, segment), the object holding a unit, when the store sits
+    in object storage, whose requests are worth saving (units of one object read together,
+    as one request); None on a local disk or for a store without it."""
+    if getattr(getattr(store, "storage", None), "coalesce_bytes", 0) > 0:
+        return getattr(store, "object_of", None)
+    return None

@@ -22,7 +22,7 @@ import numpy as np
 
 from actstore.errors import CorruptChunkError
 from actstore.loaders.plan import WindowSlice
-from actstore.loaders.source import reader
+from actstore.loaders.source import reader, request_objects
 from actstore.storage.mapping import FileRegion
 
 if TYPE_CHECKING:
@@ -161,8 +161,7 @@ class ReadFill:
         self.ts, self.pool, self.cap = ts, pool, cap
         self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
         self.many = getattr(ts.store, "read_many_into", None)
-        remote = getattr(getattr(ts.store, "storage", None), "coalesce_bytes", 0) > 0
-        self.object_of = getattr(ts.store, "object_of", None) if remote else None  # local: no request to save
+        self.object_of = request_objects(ts.store)  # local: no request to save
         self.read = reader(ts.store)
         self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
         self.local = threading.local()
