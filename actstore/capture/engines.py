@@ -175,20 +175,18 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
     """Write shards 0..o.workers-1 of n examples (documents with --pack / --chunk) with Ray actors, each calling
     `run_shard(o, rank, world, progress=...)` (actstore.capture.run)."""
     from actstore.capture.data import absolute_data
-    from actstore.capture.ranks import split
+    from actstore.capture.ranks import bar_total
 
     store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
     # The driver checked that a fresh run starts on no shard: a restarted actor resumes.
     wo = replace(o, data=absolute_data(o.data), store=store, resume=True, progress=False,  # actors run elsewhere
                  threads=o.threads or max(1, int(o.cpus_per_worker)))
-    todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
-    done = sum(_committed(store, r)[0] for r in range(o.workers)) if o.resume else 0
+    total = bar_total(o, n)
     if o.progress:
         print(f"{o.workers} Ray writer actors (each loads {o.model}) ...", file=sys.stderr, flush=True)
     settings = RaySettings(workers=o.workers, address=o.ray_address, cpus_per_worker=o.cpus_per_worker,
                            gpus_per_worker=o.gpus_per_worker, progress=o.progress)
     jobs = [functools.partial(run_shard, wo, r, o.workers) for r in range(o.workers)]
-    total = None if o.pack or o.chunk else max(todo - done, 0)  # (windows are counted by the writers)
     return run_actors(jobs, settings, total=total, desc=f"{o.workers} ray writers")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from actstore.capture.errors import CaptureError
 from actstore.layout import spec
@@ -26,6 +27,21 @@ def split(n: int, world: int, rank: int) -> tuple[int, int]:
     """The partition contract: the contiguous slice [start, stop) of n examples that writer
     `rank` of `world` takes (into shard `rank`)."""
     return n * rank // world, n * (rank + 1) // world
+
+
+def bar_total(o: Any, n: int) -> int | None:
+    """The total of a job's one progress bar: the examples its `o.workers` writers have left
+    of `n` (those committed before a --resume are done), or None for --pack/--chunk, whose
+    windows the writers count themselves."""
+    if o.pack or o.chunk:
+        return None
+    if not o.resume:
+        return n
+    from actstore import catalog
+    from actstore.storage import open_storage
+
+    storage = open_storage(o.store)
+    return max(n - sum(catalog.committed(storage, r)[0] for r in range(o.workers)), 0)
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

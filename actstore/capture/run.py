@@ -22,7 +22,7 @@ from actstore.layout import spec
 from actstore.capture.data import Source, absolute_data, load_source
 from actstore.capture import ranks
 from actstore.capture.progress import Progress
-from actstore.capture.ranks import split
+from actstore.capture.ranks import bar_total, split
 from actstore.capture.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
@@ -390,13 +390,11 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
     threads = o.threads or max(1, (os.cpu_count() or 1) // o.workers)
     wo = replace(o, threads=threads, progress=False)
     procs = [ctx.Process(target=_worker_main, args=(wo, r, q), name=f"actstore-writer-{r}") for r in range(o.workers)]
-    todo = sum(split(n, o.workers, r)[1] - split(n, o.workers, r)[0] for r in range(o.workers))
-    done_n = sum(committed(o.store, r)[0] for r in range(o.workers)) if o.resume else 0
+    total = bar_total(o, n)
     if o.progress:
         print(f"starting {o.workers} writer processes (each loads {o.model}) ...", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
-    total = None if o.pack or o.chunk else max(todo - done_n, 0)  # (windows are counted by the writers)
     bar = Progress(total=total, desc=f"{o.workers} writers", disable=not o.progress)
     results: dict[int, RecordResult] = {}
     errors: dict[int, str] = {}
