@@ -4,22 +4,16 @@ side stream, events) is exercised by `python tests/cuda_check.py` on a CUDA mach
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-import actstore
-from actstore import ShardWriter
 from actstore.loaders.buffers import BufferRing
 from actstore.torch import TokenStream
+from test_loaders_tokens import vit_store as tokens_vit_store
 
 
-def vit_store(path, n=10, t=5, d=6):
-    rng = np.random.default_rng(2)
-    with ShardWriter(path, shard=0, layers=[0, 1], d_model=d, tokens=t, stats=True) as w:
-        w.append(rng.standard_normal((n, 2, t, d)).astype(np.float16))
-    actstore.finalize(path)
-    return actstore.ActStore(path)
+def vit_store(path):
+    return tokens_vit_store(path, n=10, seed=2)
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), None])

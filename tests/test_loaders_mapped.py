@@ -19,17 +19,12 @@ from actstore.read.chunks import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream
+from helpers import LAYOUTS
 from test_loaders_tokens import qa_store
+from test_loaders_tokens import vit_store as tokens_vit_store
 
-LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
-
-
-def vit_store(path, layout="v2", n=12, t=5, d=6):
-    rng = np.random.default_rng(1)
-    with ShardWriter(path, shard=0, layers=[0, 1], d_model=d, tokens=t, **LAYOUTS[layout]) as w:
-        w.append(rng.standard_normal((n, 2, t, d)).astype(np.float16))
-    actstore.finalize(path)
-    return ActStore(path)
+def vit_store(path, layout="v2", n=12):
+    return tokens_vit_store(path, n=n, stats=False, **LAYOUTS[layout])
 
 
 def epoch(store, **kw):

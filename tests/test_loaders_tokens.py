@@ -33,9 +33,9 @@ def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **la
     return ActStore(path)
 
 
-def vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1):
+def vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1, stats=True, **layout):
     rng = np.random.default_rng(seed)
-    with ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=True) as w:
+    with ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=stats, **layout) as w:
         w.append(rng.standard_normal((n, len(layers), t, d)).astype(np.float16))
     actstore.finalize(path)
     return ActStore(path)

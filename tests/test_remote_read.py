@@ -15,10 +15,8 @@ import actstore
 from actstore.storage import ObjectStorage
 from actstore.torch import PairDataset, TokenStream
 from faultproxy import FaultProxy
+from helpers import LAYOUTS
 from test_loaders_tokens import qa_store
-
-LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
-
 
 def batches(store, **kw):
     return [{k: v.clone() for k, v in b.items()} for b in TokenStream(store, return_index=True, **kw)]

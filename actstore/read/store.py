@@ -222,13 +222,13 @@ class ActStore:
         """read_into of many (ex, layer, segment, out) at once. The chunks that lie in one
         object are read together: on an object store, the (example, layer) ranges of one
         Zarr shard file come in one batched request (adjacent ranges: one GET). For loaders."""
-        groups: dict[tuple[int, str], list[tuple[int, int, np.ndarray]]] = {}
+        groups: dict[tuple[ShardReader, str], list[tuple[int, int, np.ndarray]]] = {}
         for ex, layer, segment, out in items:
-            self.config.segment(segment)
-            pos, local = self.index.locate(ex)
-            groups.setdefault((pos, segment), []).append((local, layer_position(self.config.layers, self.layer_number(layer)), out))
-        for (pos, segment), group in groups.items():
-            self._shard(pos).read_many(self.config.segment(segment), group)
+            self.config.segment(segment)  # an unknown segment raises before anything is read
+            sh, local, lp = self._where(ex, layer)
+            groups.setdefault((sh, segment), []).append((local, lp, out))
+        for (sh, segment), group in groups.items():
+            sh.read_many(self.config.segment(segment), group)
 
     def object_of(self, ex: int, layer: int, segment: str) -> str:
         """The object holding the first chunk of segment `segment` of (ex, layer): units
