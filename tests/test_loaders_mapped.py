@@ -134,8 +134,6 @@ def test_a_region_of_few_slots_unmaps_the_least_recently_used_unpinned_file(tmp_
     assert region.open(storage, geo.chunk_key(0, 0, 5)) is None  # no such file: the fill value
     with pytest.raises(TypeError, match="cannot be pickled"):
         pickle.dumps(region)
-    zero = region.rows[region.zero_row : region.zero_row + 5]
-    assert not np.frombuffer(zero.tobytes(), np.uint8).any()
     region.close()
 
 
@@ -155,6 +153,18 @@ def test_chunks_not_a_whole_number_of_rows_from_the_start_are_read(tmp_path):
     region = FileRegion(24, 10**4, 8)  # rows of two tokens: every odd chunk starts mid-row
     assert map_chunks(io, region, 0, 0) is not None and map_chunks(io, region, 0, 1) is None
     assert region.stats()["pinned"] == 1
+    region.close()
+
+
+def test_an_absent_chunk_is_not_mapped(tmp_path):
+    """No rows stand for an absent chunk: the unit is read instead, which checks it against
+    the writer's checksum (test_a_deleted_chunk_file_of_data_...)."""
+    store = vit_store(tmp_path / "s", n=8)
+    io = store._shard(0).io["tokens"]
+    os.remove(io.storage.where(io.geo.chunk_key(5, 1, 0)))
+    region = FileRegion(12, 10**4, 8)
+    assert map_chunks(io, region, 5, 0) is not None and map_chunks(io, region, 5, 1) is None
+    assert region.stats()["pinned"] == 1  # the mapped unit's file only
     region.close()
 
 

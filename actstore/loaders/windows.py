@@ -89,8 +89,8 @@ class MappedFill:
                     region.unpin(pins)
                     return False
                 found[i] = chunks
-                pins += [c.slot for c in chunks if c.slot >= 0]
-            self._populate(region.to_populate([(c.slot, c.offset, c.nbytes) for ch in found for c in ch if c.slot >= 0]))
+                pins += [c.slot for c in chunks]
+            self._populate(region.to_populate([(c.slot, c.offset, c.nbytes) for ch in found for c in ch]))
             index = self._index(w, found, ex, si)
         except BaseException:
             region.unpin(pins)
@@ -104,7 +104,7 @@ class MappedFill:
         region = self.region
         known = self.known.get(u)
         if known is not None:
-            slots = [c.slot for c in known[0] if c.slot >= 0]
+            slots = [c.slot for c in known[0]]
             if region.repin(slots, known[1]):
                 return known[0]
         units = self.ts.units
@@ -112,7 +112,7 @@ class MappedFill:
         if chunks is not None:
             if len(self.known) >= KNOWN_UNITS:
                 self.known.clear()
-            self.known[u] = (chunks, [region.generation(c.slot) for c in chunks if c.slot >= 0])
+            self.known[u] = (chunks, [region.generation(c.slot) for c in chunks])
         return chunks
 
     def _index(self, w: WindowSlice, found: list, ex: np.ndarray, si: np.ndarray) -> np.ndarray:

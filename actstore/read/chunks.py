@@ -23,9 +23,7 @@ WHOLE_FILE_BYTES = 128 * 2**20  # the largest shard file read whole when most of
 
 
 class MappedChunk(NamedTuple):
-    """Where one token chunk lies in a FileRegion: `rows[row : row + t_chunk]`.
-
-    slot is -1 for a chunk that is not stored (its rows are the region's zeros)."""
+    """Where one token chunk lies in a FileRegion: `rows[row : row + t_chunk]`."""
 
     slot: int
     offset: int
@@ -104,8 +102,9 @@ def _whole_file(io: ChunkIO, key: str, group: list[tuple[int, int, np.ndarray]])
 
 def map_chunks(io: ChunkIO, region: FileRegion, ex: int, lp: int) -> list[MappedChunk] | None:
     """The region rows of every token chunk of (ex, lp), each file mapped and pinned
-    (release the slots >= 0 with `region.unpin`). None when a chunk cannot be mapped (its
-    offset is not a whole number of rows, or no slot is free): read the unit instead.
+    (release their slots with `region.unpin`). None when a chunk cannot be mapped (absent,
+    its offset not a whole number of rows, or no slot free): read the unit instead (the read
+    path checks an absent chunk against the writer's checksum).
     `io.storage` must be a LocalStorage."""
     g = io.geo
     out: list[MappedChunk] = []
@@ -113,11 +112,11 @@ def map_chunks(io: ChunkIO, region: FileRegion, ex: int, lp: int) -> list[Mapped
         for tc in range(g.n_tchunks):
             chunk = _map_chunk(io, region, ex, lp, tc)
             if chunk is None:
-                region.unpin([c.slot for c in out if c.slot >= 0])
+                region.unpin([c.slot for c in out])
                 return None
             out.append(chunk)
     except BaseException:
-        region.unpin([c.slot for c in out if c.slot >= 0])
+        region.unpin([c.slot for c in out])
         raise
     return out
 
@@ -125,18 +124,17 @@ def map_chunks(io: ChunkIO, region: FileRegion, ex: int, lp: int) -> list[Mapped
 def _map_chunk(io: ChunkIO, region: FileRegion, ex: int, lp: int, tc: int) -> MappedChunk | None:
     g = io.geo
     nb = g.chunk_nbytes
-    zeros = MappedChunk(-1, 0, nb, region.zero_row)
     if g.shard_examples is None:
         key, offset = g.chunk_key(ex, lp, tc), 0
     else:
         key, offset = g.shard_key(ex), io.shard_chunk(ex, lp, tc)
         if offset is None:
-            return zeros
+            return None  # not stored: the read path checks it against the writer's checksum
         if offset % region.row_bytes:
             return None  # not written by actstore or zarr-python's dense layout: the read path copes
     opened = region.open(io.storage, key)
     if opened is None:
-        return zeros  # no file: the fill value (chunk files); a shard file's index said so already
+        return None  # no file: the read path checks the fill value against the writer's checksum
     slot, size = opened
     if g.shard_examples is None and size != nb:
         if slot >= 0:

@@ -302,11 +302,7 @@ class ShardReader:
 
     def map_chunks(self, seg: SegmentSpec, region: FileRegion, local: int, lp: int) -> list[MappedChunk] | None:
         io = self.io[seg.name]
-        chunks = None if io is None else map_chunks(io, region, local, lp)
-        if chunks is not None and any(c.slot < 0 for c in chunks):
-            region.unpin([c.slot for c in chunks if c.slot >= 0])
-            return None  # an absent chunk: the read path checks it against the writer's checksum
-        return chunks
+        return None if io is None else map_chunks(io, region, local, lp)  # None: read instead (e.g. an absent chunk)
 
     # ---- texts ----------------------------------------------------------------------
     def text(self, name: str, local: int) -> Any:

@@ -89,7 +89,7 @@ class _Slot:
 
 class FileRegion:
     """Up to `n_slots` local files mapped read-only, each at a fixed stride, as one array
-    of `row_bytes`-byte rows (`rows`); a last slot reads as zeros (`zero_row`).
+    of `row_bytes`-byte rows (`rows`).
 
     Args:
         row_bytes: bytes of one row (a token vector in the stored dtype).
@@ -116,19 +116,14 @@ class FileRegion:
         self.rows_per_slot = self.stride // row_bytes
         self.n_slots = max(1, min(int(n_slots), ADDRESS_BUDGET // self.stride, MAX_SLOTS, _max_map_count() // 4))
         self.resident_cap = physical_memory() if resident_cap is None else int(resident_cap)
-        self.nbytes = (self.n_slots + 1) * self.stride  # the last slot: zeros
+        self.nbytes = self.n_slots * self.stride
         base = _LIBC.mmap(None, self.nbytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         if base in (None, _FAILED):
             e = ctypes.get_errno()
             raise OSError(e, f"cannot reserve {self.nbytes} bytes of address space: {os.strerror(e)}")
         self.base = base
         self.pid = os.getpid()
-        zero = base + self.n_slots * self.stride
-        if _LIBC.mmap(zero, self.stride, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) != zero:
-            self._unmap_all()
-            raise OSError(ctypes.get_errno(), "cannot map the zero slot")
-        self.zero_row = self.n_slots * self.rows_per_slot
-        # The whole range as rows; every row lies in a slot (mapped, or the zero slot).
+        # The whole range as rows; every row read lies in a mapped slot.
         self._view = (ctypes.c_char * self.nbytes).from_address(base)
         self.rows = np.frombuffer(self._view, dtype=np.dtype((np.void, row_bytes)))
         self._lock = threading.Lock()
