@@ -203,8 +203,8 @@ def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: Any,
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
     hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
-    to every actor). Returns each writer's RecordResult in rank order (None for a shard that
-    was already complete); finalize afterwards."""
+    to every actor). Returns each writer's RecordResult in rank order (for a shard that was
+    already complete, its count of committed examples); finalize afterwards."""
     from actstore import catalog
     from actstore.capture.ranks import split
     from actstore.storage import open_storage
@@ -229,10 +229,10 @@ def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: Any,
 def _record_rank(record: Callable[..., Any], model: Any, batches: list[Any], store: str, rank: int, world: int,
                  kwargs: dict[str, Any], progress: Any) -> Any:
     """One actor's record(): the batches after the shard's committed examples (commits fall
-    on batch boundaries); None, loading no model, when the shard is complete."""
+    on batch boundaries); the shard's committed examples, loading no model, when it is complete."""
     n_done, complete = _committed(store, rank)
     if complete:
-        return None
+        return n_done
     skip, seen = 0, 0
     while seen < n_done and skip < len(batches):
         seen += _batch_size(batches[skip])

@@ -234,9 +234,9 @@ def _record_ray(args: dict[str, Any]) -> list[RecordResult]:
              "cpus_per_worker", "gpus_per_worker")
     results = record_ray(record, args["model"], args["batches"], args["store"], settings, resume=args["resume"],
                          callback=args["progress"], **{k: v for k, v in args.items() if k not in local})
-    done = [committed(args["store"], r)[0] if res is None else 0 for r, res in enumerate(results)]
-    return [res if res is not None else RecordResult(shard=r, n_before=done[r], n_written=0, tokens=0, nbytes=0, seconds=0.0,
-                                                     forward_seconds=0.0, wait_seconds=0.0) for r, res in enumerate(results)]
+    return [res if isinstance(res, RecordResult) else RecordResult(shard=r, n_before=res, n_written=0, tokens=0, nbytes=0, seconds=0.0,
+                                                                   forward_seconds=0.0, wait_seconds=0.0)  # a complete shard
+            for r, res in enumerate(results)]
 
 
 @dataclass
