@@ -56,7 +56,10 @@ def _check_store(path, ids: list[int]) -> None:
 def test_eight_processes_racing_for_one_shard_one_writes_seven_get_the_clear_error(tmp_path):
     path, go = str(tmp_path / "s"), tmp_path / "go"
     procs = [_spawn(path, "0", "0", "12", "--batch", "3", "--sleep", "0.4", "--start-after", str(go)) for _ in range(8)]
-    time.sleep(3.0)  # every racer imported and waits at the start line
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("go.ready.*"))) < 8:  # every racer imported and waits at the start line
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [p.poll() for p in procs]
+        time.sleep(0.05)
     go.touch()
     outs = [p.communicate(timeout=120) for p in procs]
     winners = [p for p in procs if p.returncode == 0]

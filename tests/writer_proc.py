@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--start-after", default=None, help="wait until this file exists (a start line for racers)")
     a = ap.parse_args()
     if a.start_after:
+        Path(f"{a.start_after}.ready.{os.getpid()}").touch()  # imported: at the start line
         while not os.path.exists(a.start_after):
             time.sleep(0.002)
     with ShardWriter(a.store, shard=a.shard, layers=LAYERS, d_model=D, tokens=T, resume=a.resume,
