@@ -9,7 +9,7 @@ from typing import Any
 from actstore.layout.arrays import decode_keys, encode_keys, shard_arrays
 from actstore.layout.config import StoreConfig
 
-__all__ = ["check_compressor", "create_shard_arrays", "decode_keys", "encode_keys"]
+__all__ = ["check_compressor", "create_shard_arrays", "decode_keys", "encode_keys", "every_chunk"]
 
 
 def check_compressor(compressor: Any, zarr_format: int) -> None:
@@ -52,6 +52,13 @@ def create_shard_arrays(group: Any, cfg: StoreConfig, compressor: Any = None) ->
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             group.create_array(a.key, shape=a.shape, chunks=a.chunks, dtype=a.dtype, **kw, **_dims(v3, a.dims, a.attrs))
+
+
+def every_chunk(array: Any) -> Any:
+    """The array, writing every chunk it is given, zeros included (Zarr omits chunks equal to
+    the fill value by default): per-sample arrays promise it (spec.EVERY_CHUNK_ATTR), so a
+    reader can tell a deleted chunk from one of zeros."""
+    return array.with_config({"write_empty_chunks": True})
 
 
 def _dims(v3: bool, dims: tuple[str, ...], attrs: dict[str, Any]) -> dict[str, Any]:

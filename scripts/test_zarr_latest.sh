@@ -22,4 +22,4 @@ fi
 .venv312/bin/python -c "import zarr, sys; print(f'zarr {zarr.__version__} on Python {sys.version.split()[0]}')"
 ACTSTORE_NO_SKIP=1 .venv312/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_roundtrip.py tests/test_zarr_compat.py tests/test_processes.py tests/test_index.py tests/test_format_doc.py \
-  tests/test_hostile_meta.py tests/test_hostile_files.py
+  tests/test_hostile_meta.py tests/test_hostile_files.py tests/test_per_sample_chunks.py tests/test_store_golden.py

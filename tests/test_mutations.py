@@ -203,10 +203,6 @@ def _unchecked(layout: str, rel: str, kind: str) -> str | None:
     change of a checksummed activation chunk (deep verify must see it); "data" for a
     same-size change of a file without checksums (only a clean read or refusal)."""
     name = rel.rsplit("/", 1)[-1]
-    parts = rel.split("/")
-    in_per_sample = layout != "saev" and len(parts) > 4 and parts[2] == "arrays" and not parts[3].endswith("_activations")
-    if kind in ("delete", "dir-delete") and in_per_sample and name not in (".zarray", ".zattrs", "zarr.json"):
-        return "data"  # zarr omits per-sample chunks of zeros: a deleted one reads as zeros, as if written so
     if kind == "delete" and layout == "saev" and name in ("labels.bin", "example_offsets.bin"):
         return "data"  # optional files of the protocol: without them the directory is another valid one
     if kind not in SAME_SIZE:

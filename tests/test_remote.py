@@ -211,3 +211,16 @@ def test_a_local_cache_serves_the_second_epoch(s3_url, tmp_path, monkeypatch):
     assert all((a == b).all() for a, b in zip(first, second))
     assert [k for k in calls if "/c/" in k] == []  # every chunk came from the cache
     np.testing.assert_array_equal(np.stack(second[::2]), x[:, 0])
+
+
+def test_a_deleted_per_sample_object_is_named_not_read_as_zeros(s3_url):
+    x = np.ones((5, 2, 5, 8), np.float16)
+    _write(s3_url, x)
+    storage = open_storage(s3_url)
+    key = "shards/shard-00000.zarr/arrays/tokens_len/0"
+    assert storage.size(key) is not None  # lengths 5: not zeros, but every chunk is written anyway
+    storage.delete(key)
+    with pytest.raises(actstore.CorruptChunkError, match=rf"chunk file {s3_url}/{key} of per-sample array tokens_len is missing"):
+        actstore.ActStore(s3_url)[0, 1]
+    rep = verify_store(s3_url)
+    assert [(p.kind, p.path) for p in rep.errors] == [("missing-chunk", key)]

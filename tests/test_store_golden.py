@@ -11,6 +11,9 @@ temporary folder and checks that
 - today's writer, given the same batches, writes every file byte for byte as the golden
   one (after the generator's normalisation of `created`, `updated` and `actstore_version`).
 
+tests/golden/before-every-chunk/ keeps the same stores as written before per-sample arrays
+carried `actstore_every_chunk` (format.md, section 3): today's reader reads them exactly too.
+
 Regenerate (only after a deliberate format change, and say so in the commit) with one command:
     .venv/bin/python tests/golden/make_store_golden.py
 Only the public API is used here (ShardWriter, finalize, ActStore, verify_store, zarr).
@@ -53,8 +56,11 @@ def expected(name: str):
     return gen.expected(name)
 
 
-def _golden(tmp_path: Path, name: str) -> Path:
-    return gen.unpack(GOLDEN / f"{name}.tar.xz", tmp_path / "golden")
+ERAS = {"today": GOLDEN, "before-every-chunk": GOLDEN / "before-every-chunk"}
+
+
+def _golden(tmp_path: Path, name: str, era: str = "today") -> Path:
+    return gen.unpack(ERAS[era] / f"{name}.tar.xz", tmp_path / "golden")
 
 
 def _read_dtype(dtype: str) -> np.dtype:
@@ -63,15 +69,20 @@ def _read_dtype(dtype: str) -> np.dtype:
 
 
 def test_every_layout_has_a_golden_archive():
-    on_disk = sorted(p.name.removesuffix(".tar.xz") for p in GOLDEN.glob("store-*.tar.xz"))
-    assert on_disk == sorted(NAMES), f"golden archives and generator disagree; run {REGENERATE}"
-    total = sum((GOLDEN / f"{n}.tar.xz").stat().st_size for n in NAMES)
+    for folder in ERAS.values():
+        on_disk = sorted(p.name.removesuffix(".tar.xz") for p in folder.glob("store-*.tar.xz"))
+        assert on_disk == sorted(NAMES), f"golden archives and generator disagree; run {REGENERATE}"
+    total = sum((folder / f"{n}.tar.xz").stat().st_size for folder in ERAS.values() for n in NAMES)
     assert total < 300_000, f"golden store archives take {total} bytes; keep them tiny"
 
 
+@pytest.mark.parametrize("era", list(ERAS))
 @pytest.mark.parametrize("name", NAMES)
-def test_golden_reads_exactly(tmp_path, name):
-    root = _golden(tmp_path, name)
+def test_golden_reads_exactly(tmp_path, name, era):
+    root = _golden(tmp_path, name, era)
+    arrays = zarr.open_group(str(root / "shards/shard-00000.zarr/arrays"), mode="r")
+    promised = {k: a.attrs.get("actstore_every_chunk") for k, a in arrays.arrays() if not k.endswith("_activations")}
+    assert promised and set(promised.values()) == ({True} if era == "today" else {None}), promised
     exp = expected(name)
     store = actstore.ActStore(root)
     segs = list(exp.segments)

@@ -66,7 +66,14 @@ def per_sample(key: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...
     row_bytes = max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)
     rows = max(1, min(spec.PER_SAMPLE_CHUNK, (4 * 2**20) // row_bytes))
     fill = b"" if np.dtype(dtype).kind == "S" else 0
-    return ArraySpec(key=key, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, dims=dims, fill_value=fill)
+    return ArraySpec(key=key, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, dims=dims, fill_value=fill,
+                     attrs={spec.EVERY_CHUNK_ATTR: True})
+
+
+def every_chunk(attrs: dict[str, Any]) -> bool:
+    """Whether a per-sample array's attributes promise every chunk of its published rows on
+    disk (spec.EVERY_CHUNK_ATTR): then a missing chunk is damage, not a chunk of zeros."""
+    return attrs.get(spec.EVERY_CHUNK_ATTR) is True
 
 
 def encode_keys(names: list[str], zarr_format: int) -> np.ndarray:

@@ -114,6 +114,13 @@ def parse_chunk_key(rel: str, zarr_format: int, separator: str, ndim: int = 4) -
     return tuple(int(p) for p in parts)
 
 
+def row_chunk_key(array: str, zarr_format: int, separator: str, ndim: int, c: int) -> str:
+    """The key of chunk `c` along the examples of an `ndim`-d per-sample array (its other
+    axes are one chunk): `sample_key/3`, `token_ids/c/3/0`; parse_chunk_key's inverse."""
+    tail = "".join(separator + "0" for _ in range(ndim - 1))
+    return f"{array}/{'c' + separator if zarr_format == 3 else ''}{c}{tail}"
+
+
 def array_shape(meta: Any) -> list[int]:
     """The shape an array's metadata declares (format 2 or 3); ValueError when it is not a
     list of non-negative ints."""

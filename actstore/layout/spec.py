@@ -67,6 +67,11 @@ FLOAT16_MAX = 65504.0
 # would exceed MAX_CHUNK_BYTES; then the token axis is split into equal chunks.
 MAX_CHUNK_BYTES = 4 * 2**20
 PER_SAMPLE_CHUNK = 65_536
+# A per-sample array with this attribute true has every chunk that holds a published row
+# on disk, zeros included (the writer sets Zarr's write_empty_chunks): a missing chunk is
+# damage, not zeros. Arrays without it (written before the attribute existed) may omit chunks of
+# zeros, as Zarr does by default.
+EVERY_CHUNK_ATTR = "actstore_every_chunk"
 FILL_VALUE = 0
 ZARR_FORMATS = (2, 3)
 DEFAULT_ZARR_FORMAT = 2

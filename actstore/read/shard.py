@@ -17,8 +17,8 @@ from actstore.chunkio import ChunkIO, crc32c
 from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
 from actstore.layout import jsonio, keys, records, texts
 from actstore.layout.arraymeta import array_problems
-from actstore.layout.arrays import array_specs
-from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme
+from actstore.layout.arrays import array_specs, every_chunk
+from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme, row_chunk_key
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.read.chunks import MappedChunk, map_chunks, read_many
@@ -141,7 +141,7 @@ class ShardReader:
                         f"manifest says {n}; the store's counts are damaged (run `actstore verify`)"
                     )
                 self._rows_checked = True
-            self._check_rows_backed(rel, meta, n)
+            self._check_rows_backed(rel, meta, n, every_chunk(catalog.array_attrs(self.storage, rel, meta)))
             try:
                 arr = np.asarray(z[:n])  # n is now bounded by files on disk
             except ActstoreError:
@@ -151,20 +151,34 @@ class ShardReader:
             self._per_sample[name] = arr
         return arr
 
-    def _check_rows_backed(self, rel: str, meta: dict[str, Any], n: int) -> None:
-        """Before reading more than UNCHECKED_READ_BYTES of a per-sample array (long rows:
-        token labels or ids of a long segment), every chunk file it covers must be on disk at
-        its size: metadata claiming absurd row lengths cannot make zarr allocate them."""
+    def _check_rows_backed(self, rel: str, meta: dict[str, Any], n: int, dense: bool) -> None:
+        """Before a per-sample array is read, every chunk file of its n rows must be on disk at
+        its size when the array promises them all (`dense`: spec.EVERY_CHUNK_ATTR), else zarr
+        would read a deleted chunk as zeros; and before more than UNCHECKED_READ_BYTES are read
+        of any (long rows: token labels or ids of a long segment), so that metadata claiming
+        absurd row lengths cannot make zarr allocate them."""
         want = self._specs[rel]
         row = int(np.prod(want.shape[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize
-        if n * row <= UNCHECKED_READ_BYTES:
+        big = n * row > UNCHECKED_READ_BYTES
+        if not (dense or big):
             return
         fmt, sep = key_scheme(meta)
         rows = want.chunks[0]
-        tail = sep.join("0" * (len(want.shape) - 1))
         for c in range(-(-n // rows)):
-            key = f"{rel}/{'c' + sep if fmt == 3 else ''}{c}{sep + tail if tail else ''}"
-            if self.storage.size(key) != rows * row:
+            key = row_chunk_key(rel, fmt, sep, len(want.shape), c)
+            size = self.storage.size(key)
+            if size == rows * row:
+                continue
+            if size is None and not big and self.storage.kind(key) is not None:
+                continue  # a folder, link or FIFO where the chunk belongs: the read names it
+            if dense and size is None:
+                raise CorruptChunkError(
+                    f"chunk file {self.storage.where(key)} of per-sample array {keys.basename(rel)} is missing: it holds the "
+                    f"values of examples {c * rows}..{min(n, (c + 1) * rows) - 1} of the shard, which its writer "
+                    "wrote in full (zeros included), so they are lost, not zeros. Restore the file from a copy of the store "
+                    "or write the shard again (run `actstore verify` for every damaged file)"
+                )
+            if big:  # else a chunk of the wrong size is left to the read, which refuses it
                 raise CorruptStoreError(
                     f"array {self.storage.where(rel)} claims rows of {row} bytes ({n} rows: {n * row} bytes), but its chunk file "
                     f"{self.storage.where(key)} does not hold {rows * row} bytes: the metadata claim more than the data on "

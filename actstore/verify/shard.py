@@ -10,8 +10,8 @@ from actstore import catalog
 from actstore.errors import ActstoreError, FormatVersionError, UnsafePathError
 from actstore.layout import keys, records, spec
 from actstore.layout.arraymeta import array_problems
-from actstore.layout.arrays import ArraySpec, array_specs
-from actstore.layout.chunks import array_shape, key_scheme
+from actstore.layout.arrays import ArraySpec, array_specs, every_chunk
+from actstore.layout.chunks import array_shape, key_scheme, row_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Block, ShardEntry
 from actstore.storage import KeyNotFound
@@ -238,27 +238,51 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
         attrs = attrs_problem(ctx, array, meta, v.cfg)
         if attrs:
             v.add(ERROR, "array-meta", f"per-sample array {name}: {attrs}", key, **where)
-        if _walk_per_sample(v, ctx, array, meta, specs[array]) and deep:
+        dense = not attrs and every_chunk(catalog.array_attrs(ctx.storage, array, meta))
+        if _walk_per_sample(v, ctx, array, meta, specs[array], dense) and deep:
             deep_checks.per_sample_values(v, ctx, array)
 
 
-def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: ArraySpec) -> bool:
-    """Links, odd entries and stray files among a per-sample array's chunk files, and each
-    chunk file's size (per-sample arrays are never compressed); False when a chunk cannot be read."""
+def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: ArraySpec, dense: bool) -> bool:
+    """Links, odd entries and stray files among a per-sample array's chunk files, each chunk
+    file's size (per-sample arrays are never compressed) and, when the array promises every
+    chunk (`dense`), the chunks missing; False when a chunk cannot be read."""
     fmt, sep = key_scheme(meta)
     nbytes = int(np.prod(want.chunks)) * np.dtype(want.dtype).itemsize
-    ok = True
+    rows, name = want.chunks[0], keys.basename(array)
+    ok, present = True, set()
     for rel, key, entry in array_entries(v.listing, ctx.key(array), fmt, sep, len(want.shape)):
+        if key is not None and not any(key[1:]):
+            present.add(key[0])  # a folder there is reported as such, not also as missing
         if v.not_a_chunk_file(entry.key, entry.kind, ctx.shard):
             ok = False
         elif key is None or any(key[1:]):
             if not keys.is_temporary(keys.basename(rel)):
-                v.add(WARNING, "stray-file", f"{rel} in array {keys.basename(array)} is not a chunk of this array", entry.key, shard=ctx.shard)
-        elif key[0] * want.chunks[0] < ctx.n and entry.size != nbytes:
-            v.add(ERROR, "chunk-size", f"chunk file {rel} of per-sample array {keys.basename(array)} has {entry.size} bytes, expected {nbytes}",
+                v.add(WARNING, "stray-file", f"{rel} in array {name} is not a chunk of this array", entry.key, shard=ctx.shard)
+        elif key[0] * rows < ctx.n and entry.size != nbytes:
+            v.add(ERROR, "chunk-size", f"chunk file {rel} of per-sample array {name} has {entry.size} bytes, expected {nbytes}",
                   entry.key, shard=ctx.shard)
             ok = False
+    for c0, c1 in _gaps(present, -(-ctx.n // rows)) if dense else ():  # runs of missing chunks, however many
+        rel = row_chunk_key(array, fmt, sep, len(want.shape), c0)[len(array) + 1 :]
+        which, verb = (f"chunk file {rel}", "is") if c1 == c0 + 1 else (f"{c1 - c0} chunk files from {rel} on", "are")
+        v.add(ERROR, "missing-chunk", f"{which} of per-sample array {name} (examples {c0 * rows}..{min(ctx.n, c1 * rows) - 1}) "
+              f"{verb} missing: its writer writes every chunk, zeros included, so it was deleted (readers would return zeros)",
+              f"{ctx.key(array)}/{rel}", shard=ctx.shard)
+        ok = False
     return ok
+
+
+def _gaps(present: set[int], total: int) -> list[tuple[int, int]]:
+    """The runs [c0, c1) of 0..total-1 not in `present`, found without counting to total."""
+    out, nxt = [], 0
+    for c in sorted(present):
+        if c > nxt:
+            out.append((nxt, c))
+        nxt = max(nxt, c + 1)
+    if total > nxt:
+        out.append((nxt, total))
+    return out
 
 
 def _check_texts(v: Checker, ctx: ShardCtx, deep: bool) -> None:
