@@ -54,11 +54,17 @@ def create_shard_arrays(group: Any, cfg: StoreConfig, compressor: Any = None) ->
             group.create_array(a.key, shape=a.shape, chunks=a.chunks, dtype=a.dtype, **kw, **_dims(v3, a.dims, a.attrs))
 
 
-def every_chunk(array: Any) -> Any:
-    """The array, writing every chunk it is given, zeros included (Zarr omits chunks equal to
-    the fill value by default): per-sample arrays promise it (spec.EVERY_CHUNK_ATTR), so a
-    reader can tell a deleted chunk from one of zeros."""
-    return array.with_config({"write_empty_chunks": True})
+def every_chunk(group: Any, name: str) -> Any:
+    """Array `name` of `group`, writing every chunk it is given, zeros included (Zarr omits
+    chunks equal to the fill value by default): per-sample arrays promise it
+    (spec.EVERY_CHUNK_ATTR), so a reader can tell a deleted chunk from one of zeros."""
+    array = group[name]
+    if hasattr(array, "with_config"):  # zarr >= 3.1.6
+        return array.with_config({"write_empty_chunks": True})
+    import zarr  # older: an array takes the global default when it is opened
+
+    with zarr.config.set({"array.write_empty_chunks": True}):
+        return group[name]
 
 
 def _dims(v3: bool, dims: tuple[str, ...], attrs: dict[str, Any]) -> dict[str, Any]:

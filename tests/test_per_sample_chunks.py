@@ -111,3 +111,30 @@ def test_a_resumed_shard_keeps_writing_every_chunk(tmp_path):
     finalize(root)
     assert (root / SH0 / "arrays/label/0").read_bytes() == bytes(spec.PER_SAMPLE_CHUNK * 8)
     assert np.array_equal(actstore.ActStore(root).field("label"), np.zeros(5, np.int64))
+
+
+def test_zarr_before_3_1_6_takes_the_global_default_and_gets_it_back(tmp_path):
+    """zarr 3.1.3-3.1.5 have no Array.with_config: every_chunk opens the array under the
+    global write_empty_chunks default instead (checked by hand on 3.1.3 and 3.1.5)."""
+    from actstore import zarrio
+
+    group = zarr.open_group(str(tmp_path), mode="w", zarr_format=2)
+    group.create_array("a", shape=(4,), chunks=(4,), dtype="<i8", fill_value=0, compressors=None)
+
+    class Array:  # as zarr 3.1.5 hands it out: no with_config
+        def __init__(self, array):
+            self.array = array
+
+        def __setitem__(self, key, value):
+            self.array[key] = value
+
+    class Group:
+        def __getitem__(self, name):
+            return Array(group[name])
+
+    before = zarr.config.get("array.write_empty_chunks")
+    zarrio.every_chunk(Group(), "a")[:] = 0
+    assert (tmp_path / "a/0").read_bytes() == bytes(32)  # a chunk of zeros, written
+    assert zarr.config.get("array.write_empty_chunks") == before is False
+    group["a"][:] = 0  # opened outside: zarr's default again, the chunk of zeros is removed
+    assert not (tmp_path / "a/0").exists()

@@ -345,7 +345,7 @@ class ShardWriter(ShardSetup):
         if n1 > n0:
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
-                arr = zarrio.every_chunk(self._group[name])
+                arr = zarrio.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
             for seg in cfg.segments:
