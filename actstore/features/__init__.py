@@ -1,0 +1,14 @@
+"""Feature views: encoders per direction source, the streaming top-k pass, its tables,
+context around each example, and a static site (docs/features.md)."""
+
+from __future__ import annotations
+
+from actstore.features.encoders import Encoder, neurons
+from actstore.features.errors import EncoderError, FeatureError, TokenizerNotFoundError
+from actstore.features.sources import load_dictionary_learning, load_directions, load_saelens, load_saev
+from actstore.features.topk import FeatureTables, top_activations
+
+__all__ = [
+    "Encoder", "EncoderError", "FeatureError", "FeatureTables", "TokenizerNotFoundError", "load_dictionary_learning",
+    "load_directions", "load_saelens", "load_saev", "neurons", "top_activations",
+]

@@ -1,0 +1,142 @@
+"""Encoders: a layer's activations (n, d_in) -> feature activations (n, F).
+
+One class covers every direction source: `f(x) = act(norm(x) - b_pre) @ W + b)`, with
+`act` one of identity, relu, jumprelu (per-feature or scalar threshold), topk (per token,
+over all F features, then ReLU: SAELens's and dictionary_learning's TopK) and an optional
+per-feature scale after the matmul (SAELens's `rescale_acts_by_decoder_norm`). Neurons are
+the stored dimensions themselves (no matmul). The readers of each checkpoint format are in
+actstore.features.sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actstore.features.errors import EncoderError
+
+ACTIVATIONS = ("identity", "relu", "jumprelu", "topk")
+NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")
+LAYER_NORM_EPS = 1e-5  # SAELens's run_time_activation_ln_in default
+
+
+@dataclass(frozen=True, eq=False)
+class Encoder:
+    """Directions and how a source turns activations into feature values.
+
+    Args:
+        kind: "neurons", "directions", "saelens", "saev" or "dictionary_learning".
+        d_in: the activation width it takes (the layer's d_model).
+        n_features: F.
+        W: (d_in, F) float32 encoder matrix; None for neurons.
+        b: (F,) bias added after the matmul, or None.
+        b_pre: (d_in,) subtracted from the input first (b_dec for SAEs that say so), or None.
+        activation: one of ACTIVATIONS.
+        threshold: JumpReLU threshold (F,) or a scalar; feature values <= it become 0.
+        k: TopK's k (topk only).
+        normalize: one of NORMALIZATIONS, applied to each token before b_pre.
+        post_scale: (F,) multiplied into the pre-activations (before the activation), or None.
+        W_dec: (F, d_in) decoder directions when the source has them (logit tables).
+        source: where it came from (path) and its checksum, for meta.json.
+    """
+
+    kind: str
+    d_in: int
+    n_features: int
+    W: np.ndarray | None = None
+    b: np.ndarray | None = None
+    b_pre: np.ndarray | None = None
+    activation: str = "identity"
+    threshold: Any = None
+    k: int | None = None
+    normalize: str = "none"
+    post_scale: np.ndarray | None = None
+    W_dec: np.ndarray | None = None
+    source: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise EncoderError(f"activation must be one of {list(ACTIVATIONS)}. Got {self.activation!r}.")
+        if self.normalize not in NORMALIZATIONS:
+            raise EncoderError(f"input normalisation must be one of {list(NORMALIZATIONS)}. Got {self.normalize!r}.")
+        if self.kind != "neurons":
+            if self.W is None or self.W.shape != (self.d_in, self.n_features):
+                got = None if self.W is None else self.W.shape
+                raise EncoderError(f"{self.kind} encoder: W must be (d_in, F) = ({self.d_in}, {self.n_features}), got {got}")
+        for name, v, n in (("b", self.b, self.n_features), ("b_pre", self.b_pre, self.d_in), ("post_scale", self.post_scale, self.n_features)):
+            if v is not None and np.shape(v) != (n,):
+                raise EncoderError(f"{self.kind} encoder: {name} must have shape ({n},), got {np.shape(v)}")
+        if self.activation == "topk" and not (isinstance(self.k, int) and 0 < self.k):
+            raise EncoderError(f"a TopK encoder needs k >= 1, got {self.k!r}")
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able description (meta.json)."""
+        return {"kind": self.kind, "d_in": self.d_in, "n_features": self.n_features, "activation": self.activation,
+                "k": self.k, "normalize": self.normalize, "b_pre": self.b_pre is not None, **self.source}
+
+    def check_input(self, d_model: int, where: str = "the layer") -> None:
+        """Raise before any pass when the encoder does not take vectors of width d_model."""
+        if d_model != self.d_in:
+            raise EncoderError(
+                f"the {self.kind} encoder takes d_in={self.d_in} but {where} has d_model={d_model}: "
+                "use directions trained on this layer's activations (or a store of that model)"
+            )
+
+    def encode(self, x: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
+        """(n, d_in) float activations -> (n, F') float32 feature values, F' = len(features)
+        (all F when None). TopK selects over all F before the subset is taken."""
+        x = np.asarray(x, dtype=np.float32)
+        if x.ndim != 2 or x.shape[1] != self.d_in:
+            raise EncoderError(f"encode takes (n, {self.d_in}) activations, got {x.shape}")
+        if self.kind == "neurons":
+            return np.ascontiguousarray(x if features is None else x[:, features])
+        x = self._normalized(x)
+        if self.b_pre is not None:
+            x = x - self.b_pre  # one copy: the centred input
+        cols = features if self.activation != "topk" else None
+        W = self.W if cols is None else self.W[:, cols]
+        h = x @ W
+        if self.b is not None:
+            h += self.b if cols is None else self.b[cols]
+        if self.post_scale is not None:
+            h *= self.post_scale if cols is None else self.post_scale[cols]
+        h = self._activate(h, cols)
+        return h if features is None or cols is not None else np.ascontiguousarray(h[:, features])
+
+    def _normalized(self, x: np.ndarray) -> np.ndarray:
+        if self.normalize == "constant_norm_rescale":
+            return x * (np.float32(self.d_in**0.5) / np.linalg.norm(x, axis=1, keepdims=True))
+        if self.normalize == "layer_norm":
+            x = x - x.mean(axis=1, keepdims=True)
+            return x / (x.std(axis=1, ddof=1, keepdims=True) + np.float32(LAYER_NORM_EPS))
+        return x
+
+    def _activate(self, h: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
+        if self.activation == "identity":
+            return h
+        if self.activation == "relu":
+            return np.maximum(h, 0, out=h)
+        if self.activation == "jumprelu":
+            t = self.threshold
+            if cols is not None and np.ndim(t):
+                t = np.asarray(t)[cols]
+            keep = h > t
+            np.maximum(h, 0, out=h)
+            h *= keep
+            return h
+        # topk: keep the k largest per token (then ReLU), zero the rest
+        k = min(self.k, h.shape[1])
+        if k == h.shape[1]:
+            return np.maximum(h, 0, out=h)
+        idx = np.argpartition(h, h.shape[1] - k, axis=1)[:, h.shape[1] - k:]
+        out = np.zeros_like(h)
+        rows = np.arange(h.shape[0])[:, None]
+        out[rows, idx] = np.maximum(h[rows, idx], 0)
+        return out
+
+
+def neurons(d_model: int) -> Encoder:
+    """The stored dimensions themselves: feature j is dimension j of the layer."""
+    return Encoder(kind="neurons", d_in=int(d_model), n_features=int(d_model), source={"path": None, "sha256": None})

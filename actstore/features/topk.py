@@ -1,0 +1,220 @@
+"""`top_activations`: one sequential pass over a layer's real tokens, many features at once.
+
+Examples are read in store order (`read_many_into` of a few examples at a time, so an
+object store answers with batched range requests), padding is never encoded, and the
+tokens that the loaders' default mask leaves out (token label != 0: BOS, special and chat
+template tokens) are left out unless `keep_special`. Memory is O(features x (k + pool))
+plus one batch of `batch_elements` feature values, never tokens x features.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from actstore.dtypes import bf16_bits_to_f32
+from actstore.layout import spec
+from actstore.features.accum import HIST_EDGES, FeatureAccumulator, hash_keys, order_keys, split_order
+from actstore.features.encoders import Encoder
+from actstore.features.errors import FeatureError
+from actstore.loaders.source import CONTENT, pick_layers, pick_segments, resolve_mask, segment_geometry, stored_numpy_dtype
+
+MAX_TOP_K = 10_000
+DEFAULT_BATCH_ELEMENTS = 1 << 23  # feature values per encoded batch (32 MiB of float32)
+READ_BYTES = 64 << 20  # activations read per group of examples
+
+
+@dataclass
+class FeatureTables:
+    """What the pass found, as columns (numpy arrays), ready for parquet or pandas.
+
+    top: feature, rank, example, token, activation (one row per (feature, rank), only
+    positive activations); features: feature, max, density, mean_active, n_active,
+    n_tokens, histogram ((F, N_BINS) counts on `hist_edges`); intervals: feature, interval,
+    lo, hi, sample, example, token, activation, exact (False where the pool could not
+    guarantee a uniform sample of the interval); meta: what was run.
+    """
+
+    top: dict[str, np.ndarray]
+    features: dict[str, np.ndarray]
+    intervals: dict[str, np.ndarray]
+    meta: dict[str, Any] = field(default_factory=dict)
+    hist_edges: np.ndarray = field(default_factory=lambda: HIST_EDGES.copy())
+
+
+def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndarray | None:
+    """`0-4095,5000` or a list of ids -> sorted unique int64 ids (None: all)."""
+    if spec is None:
+        return None
+    ids: list[int] = []
+    if isinstance(spec, str):
+        for part in spec.split(","):
+            a, _, b = part.strip().partition("-")
+            try:
+                lo, hi = int(a), int(b) if b else int(a)
+            except ValueError:
+                raise FeatureError(f"--features takes ids and ranges like '0-4095,5000'. Got {spec!r}.") from None
+            ids.extend(range(lo, hi + 1))
+    else:
+        ids = [int(x) for x in spec]
+    out = np.unique(np.asarray(ids, np.int64))
+    if not len(out) or out[0] < 0 or out[-1] >= n_features:
+        raise FeatureError(f"features must be ids in 0..{n_features - 1} (the encoder has {n_features}); got {spec!r}")
+    return out
+
+
+def top_activations(
+    store: Any, layer: Any, encoder: Encoder, *, k: int = 20, features: str | Sequence[int] | None = None,
+    segments: Sequence[str] | str | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
+    pool: int | None = None, seed: int = 0, batch_elements: int = DEFAULT_BATCH_ELEMENTS, progress: bool | Callable[[int], Any] = False,
+) -> FeatureTables:
+    """Top-k activations, statistics and interval samples of many features, in one pass.
+
+    Args:
+        store: an ActStore (actstore.open).
+        layer: a stored layer number or name.
+        encoder: the directions (actstore.features.encoders / sources).
+        k: top activations per feature (1..MAX_TOP_K).
+        features: the feature ids (`"0-4095"` or a list); None: all.
+        segments: segment names to read (default all); token positions stay those of `store[ex, layer]`.
+        keep_special: include the tokens with a nonzero token label (BOS, specials, template).
+        n_intervals, per_interval: SAEDashboard's equal-width intervals of the max, and the
+            samples drawn in each (seeded).
+        pool: the uniform sample kept per feature for the intervals (default 4 x their total).
+        seed: the sampling seed.
+        batch_elements: feature values encoded at once (memory: 4 bytes each, a few times).
+        progress: True for a bar on stderr, or a callable taking the examples done.
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
+        raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
+    if not (isinstance(n_intervals, int) and n_intervals >= 1 and isinstance(per_interval, int) and per_interval >= 0):
+        raise FeatureError(f"intervals need n_intervals >= 1 and per_interval >= 0. Got {n_intervals!r}, {per_interval!r}.")
+    if hasattr(store, "layer_number"):
+        layer = store.layer_number(layer)
+    layer = pick_layers(store, layer)[0]
+    encoder.check_input(int(store.d_model), f"layer {layer} of {getattr(store, 'path', 'the store')}")
+    ids = parse_features(features, encoder.n_features)
+    n_f = encoder.n_features if ids is None else len(ids)
+    pool = 4 * n_intervals * per_interval if pool is None else int(pool)
+    acc = FeatureAccumulator(n_f, int(k), pool, int(seed))
+    segs = pick_segments(store, segments)
+    all_geo = segment_geometry(store)
+    has_labels = bool(getattr(getattr(store, "config", None), "token_labels", False))
+    mask_kind = CONTENT if has_labels and not keep_special else None
+    masks = [resolve_mask(store, s, mask_kind) for s in segs]
+    lens = {name: np.asarray(store.field(name + spec.LEN_SUFFIX), np.int64) for name in all_geo}
+    names = list(all_geo)
+    before = {s.name: sum((lens[o] for o in names[: names.index(s.name)]), np.zeros(len(store), np.int64)) for s in segs}  # token offset of each segment
+    dtype = stored_numpy_dtype(store)
+    d = int(store.d_model)
+    n_ex = len(store)
+    row_bytes = d * dtype.itemsize
+    group = max(1, READ_BYTES // max(1, sum(s.t_pad for s in segs) * row_bytes))
+    tok_batch = max(1, batch_elements // max(1, n_f))
+    bar = _bar(progress, n_ex)
+    pending_x: list[np.ndarray] = []
+    pending_o: list[np.ndarray] = []
+    n_pending = 0
+    for g0 in range(0, n_ex, group):
+        exs = range(g0, min(n_ex, g0 + group))
+        bufs = {(e, s.name): np.empty((s.t_pad, d), dtype) for e in exs for s in segs}
+        store.read_many_into([(e, layer, s.name, bufs[e, s.name]) for e in exs for s in segs])
+        for e in exs:
+            for si, s in enumerate(segs):
+                n = int(lens[s.name][e])
+                keep = np.arange(n) if masks[si] is None else np.flatnonzero(masks[si][e, :n])
+                if not len(keep):
+                    continue
+                rows = bufs[e, s.name][keep]  # copy: the real (kept) tokens only
+                pending_x.append(bf16_bits_to_f32(rows) if store.dtype == "bfloat16" else rows)
+                pending_o.append(order_keys(np.full(len(keep), e), keep + int(before[s.name][e])))
+                n_pending += len(keep)
+            while n_pending >= tok_batch:
+                n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch)
+        del bufs
+        if bar is not None:
+            bar(len(exs))
+    while n_pending:
+        n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch)
+    feat_ids = np.arange(n_f, dtype=np.int64) if ids is None else ids
+    return _tables(acc, feat_ids, n_intervals, per_interval)
+
+
+def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs: list[np.ndarray], os_: list[np.ndarray], n: int) -> int:
+    """Encode the first n pending tokens (all if fewer) and feed them; returns what remains."""
+    x = np.concatenate(xs) if len(xs) > 1 else xs[0]
+    o = np.concatenate(os_) if len(os_) > 1 else os_[0]
+    xs.clear()
+    os_.clear()
+    if len(x) > n:
+        xs.append(x[n:])
+        os_.append(o[n:])
+        x, o = x[:n], o[:n]
+    acts = encoder.encode(x, ids)
+    acc.update(np.ascontiguousarray(acts.T), o)  # copy: feature-major rows for the per-feature merges
+    return sum(len(a) for a in xs)
+
+
+def _bar(progress: Any, total: int) -> Callable[[int], Any] | None:
+    if callable(progress):
+        return progress
+    if progress:
+        from actstore.progress import bar
+
+        b = bar(total=total, desc="features", unit="ex", file=sys.stderr)
+        return b.update
+    return None
+
+
+def _tables(acc: FeatureAccumulator, ids: np.ndarray, n_intervals: int, per_interval: int) -> FeatureTables:
+    filled = acc.top_val > 0
+    r, c = np.nonzero(filled)
+    ex, tok = split_order(acc.top_ord[r, c])
+    top = {"feature": ids[r].astype(np.int32), "rank": c.astype(np.int32), "example": ex.astype(np.int64),
+           "token": tok, "activation": acc.top_val[r, c].astype(np.float32)}
+    n_tok = max(acc.n_tokens, 1)
+    mean = np.divide(acc.sum_pos, acc.n_pos, out=np.zeros(len(ids)), where=acc.n_pos > 0)
+    feats = {"feature": ids.astype(np.int32), "max": np.where(np.isfinite(acc.max), acc.max, 0).astype(np.float32),
+             "density": (acc.n_pos / n_tok).astype(np.float64), "mean_active": mean.astype(np.float32),
+             "n_active": acc.n_pos.copy(), "n_tokens": np.full(len(ids), acc.n_tokens, np.int64), "histogram": acc.hist}
+    return FeatureTables(top=top, features=feats, intervals=_intervals(acc, ids, n_intervals, per_interval))
+
+
+def _intervals(acc: FeatureAccumulator, ids: np.ndarray, n_int: int, per: int) -> dict[str, np.ndarray]:
+    """Equal-width intervals (lo, hi] of each feature's max, `per` samples each: the tokens
+    with the smallest keys among the pool and the top-k (the same keys the pool used). Exact
+    when the pool holds all active tokens, or >= per of the interval's, or the top-k holds
+    every token of the interval."""
+    cols: dict[str, list[Any]] = {n: [] for n in ("feature", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")}
+    for f in range(len(ids)):
+        m = float(acc.max[f])
+        if not acc.n_pos[f] or per == 0 or m <= 0:
+            continue
+        top_ok = acc.top_val[f] > 0
+        o = np.concatenate([acc.pool_ord[f][acc.pool_ord[f] != np.iinfo(np.int64).max], acc.top_ord[f][top_ok]])
+        v = np.concatenate([acc.pool_val[f][acc.pool_ord[f] != np.iinfo(np.int64).max], acc.top_val[f][top_ok]])
+        o, first = np.unique(o, return_index=True)
+        v = v[first]
+        key = hash_keys(o, acc.seed)
+        pool_all = acc.n_pos[f] <= acc.pool
+        kth = acc.top_val[f, -1]  # every active value above kth is in the top-k
+        in_pool = np.isin(o, acc.pool_ord[f])
+        for i in range(n_int):
+            lo, hi = m * i / n_int, m * (i + 1) / n_int
+            sel = np.flatnonzero((v > lo) & (v <= hi))
+            if not len(sel):
+                continue
+            pick = sel[np.argsort(key[sel], kind="stable")[:per]]
+            exact = bool(pool_all or int(in_pool[sel].sum()) >= per or lo >= kth)
+            ex, tok = split_order(o[pick])
+            for j, p in enumerate(pick):
+                for name, val in (("feature", ids[f]), ("interval", i), ("lo", lo), ("hi", hi), ("sample", j), ("example", ex[j]),
+                                  ("token", tok[j]), ("activation", v[p]), ("exact", exact)):
+                    cols[name].append(val)
+    types = {"feature": np.int32, "interval": np.int32, "lo": np.float32, "hi": np.float32, "sample": np.int32, "example": np.int64,
+             "token": np.int32, "activation": np.float32, "exact": bool}
+    return {n: np.asarray(cols[n], dtype=types[n]) for n in cols}

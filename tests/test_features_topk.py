@@ -1,0 +1,169 @@
+"""top_activations against a brute-force numpy oracle: random stores of several writer
+shards, padded segments, token-label masks, both layouts, local and S3 (moto); ties broken
+by (example, token); statistics, histograms and interval samples; deterministic output."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import actstore
+from actstore.features import top_activations
+from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
+from actstore.features.encoders import Encoder, neurons
+from actstore.features.errors import EncoderError, FeatureError
+from actstore.errors import LayerNotFoundError
+
+D = 8
+
+
+def make_store(path, *, zarr_format=2, n_shards=3, per_shard=7, dtype="float16", seed=0, ties=False):
+    """Two padded segments of random lengths, token labels (0 content, 1 special), layers 0 and 2."""
+    rng = np.random.default_rng(seed)
+    for shard in range(n_shards):
+        with actstore.ShardWriter(path, shard=shard, layers=[0, 2], d_model=D, segments={"prompt": 5, "response": 3}, dtype=dtype,
+                                  token_labels=True, zarr_format=zarr_format, world_size=n_shards, t_chunk={"prompt": 2, "response": 3}) as w:
+            n = per_shard
+            p = rng.standard_normal((n, 2, 5, D)).astype(np.float32)
+            r = rng.standard_normal((n, 2, 3, D)).astype(np.float32)
+            if ties:  # many equal values: the tie-break must decide
+                p, r = np.round(p), np.round(r)
+            w.append(prompt=p.astype(dtype) if dtype != "bfloat16" else p, response=r.astype(dtype) if dtype != "bfloat16" else r,
+                     lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
+                     token_labels={"prompt": (rng.random((n, 5)) < 0.3).astype(np.uint8), "response": np.zeros((n, 3), np.uint8)})
+    actstore.finalize(path)
+    return actstore.open(path)
+
+
+def oracle_tokens(store, layer, *, keep_special=False, segments=None):
+    """Every kept (example, token, vector) in store order, the slow way."""
+    rows = []
+    labels = {s: store.field(s + "_token_labels") for s in store.segments}
+    for ex in range(len(store)):
+        off = 0
+        for s in store.segments:
+            x = np.asarray(store.segment(s)[ex, layer], np.float32)
+            for t in range(len(x)):
+                if (segments is None or s in segments) and (keep_special or labels[s][ex, t] == 0):
+                    rows.append((ex, off + t, x[t]))
+            off += len(x)
+    ex = np.array([r[0] for r in rows], np.int64)
+    tok = np.array([r[1] for r in rows], np.int32)
+    X = np.stack([r[2] for r in rows]) if rows else np.zeros((0, D), np.float32)
+    return ex, tok, X
+
+
+def oracle_top(ex, tok, A, k):
+    """Per feature: the k largest positive values, ties by (example, token)."""
+    out = []
+    for f in range(A.shape[1]):
+        v = A[:, f]
+        idx = [i for i in np.lexsort((tok, ex, -v)) if v[i] > 0][:k]
+        out += [(f, r, ex[i], tok[i], v[i]) for r, i in enumerate(idx)]
+    return out
+
+
+def check_against_oracle(store, layer, enc, k, **kw):
+    t = top_activations(store, layer, enc, k=k, **kw)
+    ex, tok, X = oracle_tokens(store, layer, keep_special=kw.get("keep_special", False), segments=kw.get("segments"))
+    A = enc.encode(X)
+    want = oracle_top(ex, tok, A, k)
+    got = list(zip(t.top["feature"], t.top["rank"], t.top["example"], t.top["token"], t.top["activation"]))
+    assert [g[:4] for g in got] == [w[:4] for w in want]
+    np.testing.assert_array_equal([g[4] for g in got], np.array([w[4] for w in want], np.float32))
+    f = t.features
+    np.testing.assert_array_equal(f["max"], A.max(axis=0))
+    np.testing.assert_array_equal(f["n_active"], (A > 0).sum(axis=0))
+    np.testing.assert_allclose(f["density"], (A > 0).mean(axis=0))
+    pos_mean = [A[:, j][A[:, j] > 0].mean() if (A[:, j] > 0).any() else 0 for j in range(A.shape[1])]
+    np.testing.assert_allclose(f["mean_active"], pos_mean, rtol=1e-5)
+    for j in range(A.shape[1]):
+        v = A[:, j][A[:, j] > 0]
+        np.testing.assert_array_equal(f["histogram"][j], np.bincount(np.searchsorted(HIST_EDGES, v, side="right"), minlength=N_BINS))
+    assert f["n_tokens"][0] == len(ex)
+    return t, (ex, tok, A)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype):
+    store = make_store(tmp_path / "s", zarr_format=zarr_format, dtype=dtype)
+    t, _ = check_against_oracle(store, 2, neurons(D), k=4, batch_elements=5 * D)  # batches of 5 tokens: many merges
+    assert len(t.top["feature"]) == 4 * D  # enough positive tokens for every neuron
+
+
+def test_ties_are_broken_by_example_then_token(tmp_path):
+    store = make_store(tmp_path / "s", ties=True, seed=3)
+    t, (ex, tok, A) = check_against_oracle(store, 0, neurons(D), k=6, batch_elements=3 * D)
+    assert len(np.unique(t.top["activation"])) < len(t.top["activation"])  # the test has ties to break
+
+
+def test_special_tokens_segments_and_a_directions_encoder(tmp_path):
+    store = make_store(tmp_path / "s", seed=5)
+    rng = np.random.default_rng(1)
+    # small integer weights: float16 inputs give exact sums in any order, so batching cannot change a value
+    enc = Encoder(kind="directions", d_in=D, n_features=11, W=rng.integers(-2, 3, (D, 11)).astype(np.float32),
+                  b=(rng.integers(-4, 5, 11) / 4).astype(np.float32))
+    check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64)
+    check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000)
+    # a feature subset gives those features' rows, numbered as in the encoder
+    t = top_activations(store, 0, enc, k=3, features="2-4,9")
+    full = top_activations(store, 0, enc, k=3)
+    keep = np.isin(full.top["feature"], [2, 3, 4, 9])
+    for c in ("feature", "rank", "example", "token", "activation"):
+        np.testing.assert_array_equal(t.top[c], full.top[c][keep])
+
+
+def test_interval_samples_are_uniform_draws_from_each_interval(tmp_path):
+    store = make_store(tmp_path / "s", per_shard=20, seed=7)
+    t, (ex, tok, A) = check_against_oracle(store, 2, neurons(D), k=5, n_intervals=4, per_interval=3, pool=6, seed=11)
+    iv = t.intervals
+    ords = order_keys(ex, tok)
+    key = hash_keys(ords, 11)
+    assert len(iv["feature"]) > 0 and iv["exact"].any()
+    for f in range(D):
+        m = A[:, f].max()
+        for i in range(4):
+            lo, hi = np.float32(m * i / 4), np.float32(m * (i + 1) / 4)
+            rows = np.flatnonzero((iv["feature"] == f) & (iv["interval"] == i))
+            members = np.flatnonzero((A[:, f] > m * i / 4) & (A[:, f] <= m * (i + 1) / 4))
+            if not len(rows):  # nothing of it reached the pool: only when the pool could not hold every active token
+                assert not len(members) or (A[:, f] > 0).sum() > 6
+                continue
+            assert len(set(iv["exact"][rows])) == 1
+            assert len(rows) == min(3, len(members)) or not iv["exact"][rows[0]]
+            for r in rows:
+                assert lo <= iv["activation"][r] <= hi
+            if len(rows) and iv["exact"][rows[0]]:  # exact: the 3 smallest keys of the interval
+                want = members[np.argsort(key[members])[:3]]
+                assert list(zip(iv["example"][rows], iv["token"][rows])) == list(zip(ex[want], tok[want]))
+
+
+def test_same_call_same_tables(tmp_path):
+    store = make_store(tmp_path / "s")
+    a = top_activations(store, 0, neurons(D), k=3, batch_elements=7 * D)
+    b = top_activations(store, 0, neurons(D), k=3, batch_elements=1000 * D)  # other batching, same answer
+    for table in ("top", "features", "intervals"):
+        for c in getattr(a, table):
+            np.testing.assert_array_equal(getattr(a, table)[c], getattr(b, table)[c])
+
+
+def test_s3_store_matches_the_oracle(tmp_path, s3_url):
+    make_store(s3_url, zarr_format=3)
+    store = actstore.open(s3_url)
+    check_against_oracle(store, 2, neurons(D), k=4)
+
+
+def test_bad_inputs_are_refused_before_the_pass(tmp_path):
+    store = make_store(tmp_path / "s", n_shards=1)
+    for k in (0, -1, 10**9, 2.5, True):
+        with pytest.raises(FeatureError, match="--top-k must be an int"):
+            top_activations(store, 0, neurons(D), k=k)
+    with pytest.raises(EncoderError, match="takes d_in=9 but layer 0 .* has d_model=8"):
+        top_activations(store, 0, neurons(9))
+    with pytest.raises(LayerNotFoundError, match=r"layers \[5\] are not stored"):
+        top_activations(store, 5, neurons(D))
+    with pytest.raises(FeatureError, match="features must be ids in 0..7"):
+        top_activations(store, 0, neurons(D), features="3-8")
+    with pytest.raises(FeatureError, match="--features takes ids and ranges"):
+        top_activations(store, 0, neurons(D), features="a-b")
