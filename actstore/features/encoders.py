@@ -36,6 +36,8 @@ class Encoder:
         activation: one of ACTIVATIONS.
         threshold: JumpReLU threshold (F,) or a scalar; feature values <= it become 0.
         k: TopK's k (topk only).
+        topk_relu: TopK takes the ReLU of the values it keeps (SAELens, dictionary_learning);
+            False keeps them signed (saev).
         normalize: one of NORMALIZATIONS, applied to each token before b_pre.
         post_scale: (F,) multiplied into the pre-activations (before the activation), or None.
         W_dec: (F, d_in) decoder directions when the source has them (logit tables).
@@ -53,6 +55,7 @@ class Encoder:
     k: int | None = None
     normalize: str = "none"
     post_scale: np.ndarray | None = None
+    topk_relu: bool = True
     W_dec: np.ndarray | None = None
     source: dict[str, Any] = field(default_factory=dict)
 
@@ -133,7 +136,8 @@ class Encoder:
         idx = np.argpartition(h, h.shape[1] - k, axis=1)[:, h.shape[1] - k:]
         out = np.zeros_like(h)
         rows = np.arange(h.shape[0])[:, None]
-        out[rows, idx] = np.maximum(h[rows, idx], 0)
+        kept = h[rows, idx]
+        out[rows, idx] = np.maximum(kept, 0) if self.topk_relu else kept
         return out
 
 

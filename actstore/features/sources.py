@@ -7,7 +7,8 @@
 - saev (OSU-NLP-Group/saev, src/saev/nn/modeling.py at 3d73f1f): one file, a JSON header
   line then a torch state dict (W_enc (d_model, d_sae), b_enc, W_dec, b_dec, and
   `activation.threshold` for BatchTopK); encode is `act(x @ W_enc + b_enc)` (no b_dec
-  subtraction); activations Relu, TopK (top_k), BatchTopK (eval: JumpReLU at its threshold).
+  subtraction); activations Relu, TopK (top_k; the kept values stay signed), BatchTopK
+  (eval: JumpReLU at its threshold, ReLU when the threshold is <= 0).
 - dictionary_learning (saprmarks/dictionary_learning at 60ec6bf): a folder with `ae.pt` (a
   torch state dict) and `config.json` (`trainer.dict_class`): AutoEncoder
   (`relu(encoder(x - bias))`), JumpReluAutoEncoder, AutoEncoderTopK, BatchTopKSAE.
@@ -155,7 +156,7 @@ def load_saev(path: str | Path) -> Encoder:
     if name == "Relu":
         kw = {"activation": "relu"}
     elif name == "TopK":
-        kw = {"activation": "topk", "k": int(params.get("top_k", 32))}
+        kw = {"activation": "topk", "k": int(params.get("top_k", 32)), "topk_relu": False}
     elif name == "BatchTopK":
         thr = float(state.get("activation.threshold", np.float32(0.0)))
         kw = {"activation": "jumprelu", "threshold": np.float32(max(thr, 0.0))}
