@@ -3,6 +3,11 @@
 # Idempotent: skips the install when pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# A real browser for the feature site's tests (tests/test_features_site.py): Debian's chromium.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo "sudo")
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 stamp=.venv/.actstore-setup

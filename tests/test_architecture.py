@@ -23,8 +23,8 @@ LAYERS: list[list[str]] = [
     ["actstore.verify", "actstore.write", "actstore.manifest"],
     ["actstore.read"],
     ["actstore.saev", "actstore.legacy", "actstore.copyio", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
-     "actstore.info", "actstore.torch", "actstore.features"],
-    ["actstore.opener", "actstore.xarray_backend", "actstore"],
+     "actstore.info", "actstore.torch"],
+    ["actstore.opener", "actstore.xarray_backend", "actstore.features", "actstore"],
     ["actstore.cli"],
 ]
 MAX_LINES = 500

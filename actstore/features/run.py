@@ -1,0 +1,44 @@
+"""`actstore features`: open the store, read the direction source, run the pass, write
+the tables and meta.json (everything checked before the pass starts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from actstore._version import __version__
+from actstore.features import sources
+from actstore.features.tables import store_checksum, write_tables
+from actstore.features.topk import top_activations
+
+
+def run_features(
+    store_path: Any, layer: Any, out: str, *, neurons: bool = False, sae: str | None = None, saev: str | None = None,
+    dictionary: str | None = None, directions: str | None = None, bias: str | None = None, features: str | None = None,
+    top_k: int = 20, segments: Sequence[str] | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
+    seed: int = 0, command: str | None = None, progress: bool = False, store: Any = None,
+) -> dict[str, Any]:
+    """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content."""
+    if store is None:
+        from actstore.opener import open as open_store
+
+        store = open_store(store_path)
+    enc = sources.load(neurons_d_model=int(store.d_model) if neurons else None, sae=sae, saev=saev, dictionary=dictionary,
+                       directions=directions, bias=bias)
+    if isinstance(layer, str) and layer.lstrip("-").isdigit():
+        layer = int(layer)
+    layer_n = store.layer_number(layer) if hasattr(store, "layer_number") else int(layer)
+    tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
+                             n_intervals=n_intervals, per_interval=per_interval, seed=seed, progress=progress)
+    labels = bool(getattr(getattr(store, "config", None), "token_labels", False))
+    meta = {
+        "store": {"path": str(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},
+        "layer": layer_n,
+        "encoder": enc.describe() | ({"bias": str(bias)} if bias else {}),
+        "masks": {"token_mask": "content" if labels and not keep_special else None, "keep_special": keep_special,
+                  "segments": list(segments) if segments else list(store.segments)},
+        "options": {"k": top_k, "features": features, "n_intervals": n_intervals, "per_interval": per_interval, "seed": seed},
+        "command": command,
+        "actstore_version": __version__,
+    }
+    return write_tables(tables, out, meta)

@@ -1,0 +1,150 @@
+"""`actstore features` and `actstore view` end to end on a text store: the files are read by
+pandas and pyarrow, the context windows decode the store's token ids with the tokenizer the
+store records, and the site renders in a real headless browser (Debian's chromium), which
+shows the top example's decoded text; a screenshot is kept among the test's outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+import actstore
+from actstore.cli import main
+from actstore.features import FeatureError, TokenizerNotFoundError
+from actstore.features.context import load_tokenizer, text_windows
+from actstore.features.site import build_site
+
+WORDS = ["<bos>", "the", "cat", "sat", "on", "mat", "dog", "ran", "far", "away", "red", "blue", "green", "sun", "moon", "zebra"]
+D = 6
+
+
+def make_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_store(tmp_path_factory):
+    """Two shards of 'sentences': token 0 is <bos> (label 1); dimension 0 fires on 'zebra'."""
+    root = tmp_path_factory.mktemp("txt")
+    tok = make_tokenizer(root / "tok")
+    path = root / "store"
+    rng = np.random.default_rng(0)
+    for shard in range(2):
+        n = 6
+        ids = rng.integers(1, len(WORDS) - 1, (n, 9))
+        ids[:, 0] = 0
+        ids[2 + shard, 5] = len(WORDS) - 1  # one zebra per shard
+        x = rng.standard_normal((n, 1, 9, D)).astype(np.float32) * 0.1
+        x[:, 0, :, 0] = (ids == len(WORDS) - 1) * (5.0 + shard) + 0.01 * (ids % 3)
+        x[:, 0, 0, :] = 50.0  # a huge BOS: left out by the default mask
+        labels = (ids == 0).astype(np.uint8)
+        with actstore.ShardWriter(path, shard=shard, layers=[4], d_model=D, tokens=9, token_ids=True, token_labels=True, model_id=str(tok),
+                                  world_size=2, zarr_format=3) as w:
+            w.append(x.astype(np.float16), token_ids=ids, token_labels=labels)
+    actstore.finalize(path)
+    return path, tok
+
+
+def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
+    path, _ = text_store
+    out = tmp_path / "feat"
+    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    top = pd.read_parquet(out / "top.parquet")
+    assert [str(t) for t in top.dtypes] == ["int32", "int32", "int64", "int32", "float32"]
+    assert list(top.columns) == ["feature", "rank", "example", "token", "activation"]
+    z = top[top.feature == 0]
+    # the two zebras (example 8 = shard 1's row 3, then example 2), then the 0.02 tokens, earliest first
+    assert list(z.example[:2]) == [9, 2] and list(z.token[:2]) == [5, 5] and list(z["rank"]) == [0, 1, 2]
+    assert z.activation.iloc[0] == np.float32(np.float16(6.0 + 0.01 * ((len(WORDS) - 1) % 3)))
+    assert (top.activation < 40).all()  # the BOS rows (label 1) never enter
+    feats = pd.read_parquet(out / "features.parquet")
+    assert len(feats) == D and feats.n_tokens.iloc[0] == 12 * 8
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["layer"] == 4 and meta["encoder"]["kind"] == "neurons" and meta["masks"]["token_mask"] == "content"
+    assert len(meta["store"]["sha256"]) == 64 and meta["command"].startswith("actstore features")
+    first = (out / "top.parquet").read_bytes()
+    CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"])
+    assert (out / "top.parquet").read_bytes() == first  # the same command gives the same files
+
+
+def test_context_windows_decode_the_stored_ids(text_store):
+    path, _ = text_store
+    store = actstore.open(path)
+    tok = load_tokenizer(store)
+    from actstore.features import neurons
+
+    recs = text_windows(store, 4, neurons(D), {"feature": np.array([0]), "example": np.array([2]), "token": np.array([5]),
+                                               "activation": np.array([5.0], np.float32)}, tok, window=(3, 1))
+    r = recs[0]
+    ids = store.token_ids(2)
+    assert r["tokens"] == [WORDS[i] for i in ids[2:7]] and r["tokens"][r["center"]] == "zebra"
+    np.testing.assert_array_equal(r["acts"], np.asarray(store[2, 4], np.float32)[2:7, 0])
+
+
+def test_no_recorded_tokenizer_is_a_clear_error(tmp_path):
+    path = tmp_path / "s"
+    with actstore.ShardWriter(path, layers=[0], d_model=2, tokens=2, token_ids=True) as w:
+        w.append(np.zeros((1, 1, 2, 2), np.float16), token_ids=np.zeros((1, 2), int))
+    actstore.finalize(path)
+    with pytest.raises(TokenizerNotFoundError, match="records no model id, so no tokenizer: pass --tokenizer FOLDER"):
+        load_tokenizer(actstore.open(path))
+    with pytest.raises(FeatureError, match="holds no meta.json"):
+        build_site(str(tmp_path), tmp_path / "site")
+
+
+def _chromium():
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/setup.sh does)"
+        if os.environ.get("ACTSTORE_NO_SKIP") == "1":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return exe
+
+
+def _browser(exe, *args, url):
+    res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(args[0]), *args[1:], url],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+def test_site_in_headless_chromium(text_store, tmp_path, request):
+    exe = _chromium()
+    path, _ = text_store
+    out = tmp_path / "feat"
+    assert CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]).exit_code == 0
+    res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    site = tmp_path / "site"
+    prof = tmp_path / "profile"
+    dom = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri())
+    assert "6 of 6 features" in dom  # the script ran and drew the table from data/index.js
+    assert 'href="f/0.html"' in dom and "zebra" in dom
+    page = _browser(exe, prof, "--dump-dom", url=(site / "f" / "0.html").as_uri())
+    # the top example's decoded text, with the top token marked and its value on hover
+    ids = actstore.open(path).token_ids(9)
+    assert "Feature 0" in page and "<svg" in page
+    text = page.split("Top activations", 1)[1]
+    for w in [WORDS[i] for i in ids[1:6]]:
+        assert f">{w}</span>" in text
+    assert 'class="top" style="background: rgba(255,110,0,1.00)" title="6">zebra<' in text
+    shots = request.config.rootpath / "test-output"
+    shots.mkdir(exist_ok=True)
+    shot = shots / "features-page.png"
+    _browser(exe, prof, f"--screenshot={shot}", "--window-size=1200,900", url=(site / "f" / "0.html").as_uri())
+    assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
