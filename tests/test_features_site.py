@@ -148,3 +148,61 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     shot = shots / "features-page.png"
     _browser(exe, prof, f"--screenshot={shot}", "--window-size=1200,900", url=(site / "f" / "0.html").as_uri())
     assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def vit_store(tmp_path_factory):
+    """A ViT-like store: 1 CLS + 3x3 patches of images on disk; dimension 1 fires on one patch."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("vit")
+    rng = np.random.default_rng(2)
+    refs = []
+    for i in range(4):
+        p = root / f"im{i}.png"
+        Image.fromarray(rng.integers(0, 255, (30, 30, 3), dtype=np.uint8)).save(p)
+        refs.append({"path": str(p)})
+    x = rng.standard_normal((4, 1, 10, D)).astype(np.float32) * 0.1
+    x[1, 0, 1 + 5, 1] = 9.0  # example 1, patch (1, 2)
+    path = root / "store"
+    with actstore.ShardWriter(path, layers=[11], d_model=D, tokens=10, texts=("image",), model_id="a-vit",
+                              attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}}) as w:
+        w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(4)])
+    actstore.finalize(path)
+    return path
+
+
+def test_vit_site_shows_heatmaps(vit_store, tmp_path):
+    from PIL import Image
+
+    from actstore.features.run import run_features
+
+    exe = _chromium()
+    out = tmp_path / "feat"
+    run_features(vit_store, 11, str(out), neurons=True, top_k=2)
+    index = build_site(str(out), tmp_path / "site")
+    page = (index.parent / "f" / "1.html").read_text()
+    assert 'src="../img/t1-' in page
+    img_name = page.split('src="../', 1)[1].split('"', 1)[0]
+    img = np.asarray(Image.open(index.parent / img_name).convert("RGB"))
+    assert img.shape == (56, 56, 3)
+    # the top patch (row 1, col 2 of 3x3 over 56 px) is outlined in green
+    assert (img[int(56 / 3) + 1, int(2 * 56 / 3) + 5] == [0, 255, 0]).all()
+    dom = _browser(exe, tmp_path / "profile", "--dump-dom", url=(index.parent / "f" / "1.html").as_uri())
+    assert 'class="heat"' in dom and "<td>9</td>" in dom
+
+
+def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
+    from actstore.features.run import run_features
+    from actstore.features.tables import TOP, read_meta, read_table
+
+    path, _ = text_store
+    url = s3_url.replace("/store", "/features")
+    meta = run_features(path, 4, url, neurons=True, top_k=2)
+    assert read_meta(url) == meta
+    top = read_table(url, TOP).to_pandas()
+    local = tmp_path / "local"
+    run_features(path, 4, str(local), neurons=True, top_k=2)
+    pd.testing.assert_frame_equal(top, pd.read_parquet(local / "top.parquet"))
+    index = build_site(url, tmp_path / "site")
+    assert "zebra" in (index.parent / "f" / "0.html").read_text()

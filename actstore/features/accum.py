@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-HIST_EDGES = (10.0 ** np.linspace(-6, 4, 81)).astype(np.float32)  # 8 bins a decade, 1e-6 .. 1e4
-N_BINS = len(HIST_EDGES) + 1  # bin 0: (0, 1e-6); bin i: [edge i-1, edge i); last: >= 1e4
+# Histogram bins from a float32's bits: exponent and the top 2 mantissa bits, i.e. 4 bins an
+# octave with edges 2**e * (1, 1.25, 1.5, 1.75), from 2**-20 (~1e-6) to 2**14 (16384).
+# Bin 0 holds the positive values below 2**-20; the last bin those >= 2**14.
+_SHIFT = 21
+_LO_CODE = (127 - 20) << 2  # bits >> 21 of 2**-20
+_HI_CODE = (127 + 14) << 2  # bits >> 21 of 2**14
+N_BINS = _HI_CODE - _LO_CODE + 2
+HIST_EDGES = np.array([(2.0 ** ((c >> 2) - 127)) * (1 + (c & 3) / 4) for c in range(_LO_CODE, _HI_CODE + 1)], np.float32)
 NO_ORD = np.iinfo(np.int64).max
-NO_KEY = np.iinfo(np.uint64).max
+NO_KEY = np.iinfo(np.uint32).max
 TOKEN_BITS = 31
 
 
@@ -31,22 +37,51 @@ def split_order(ords: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def hash_keys(ords: np.ndarray, seed: int) -> np.ndarray:
-    """splitmix64 of (ord, seed): a token's sampling key, the same for every feature."""
+    """The high 32 bits of splitmix64(ord, seed): a token's sampling key (uint32), the same
+    for every feature. Samples take the smallest (key, ord): equal keys go by order."""
     with np.errstate(over="ignore"):
         z = ords.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15) * np.uint64(seed + 1)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        return ((z ^ (z >> np.uint64(31))) >> np.uint64(32)).astype(np.uint32)
 
 
-def _select_largest(vals: np.ndarray, k: int) -> np.ndarray:
-    """A (r, c) bool mask of exactly k entries per row: the k largest, ties to the leftmost
-    (the caller lays candidates out so that leftmost means smallest order key)."""
-    kth = np.partition(vals, vals.shape[1] - k, axis=1)[:, vals.shape[1] - k, None]
-    gt = vals > kth
-    need = k - gt.sum(axis=1, keepdims=True)
-    eq = vals == kth
-    return gt | (eq & (np.cumsum(eq, axis=1) <= need))
+def histogram_bins(values: np.ndarray) -> np.ndarray:
+    """The bin of each positive float32 value (numpy's searchsorted on HIST_EDGES, right side)."""
+    codes = np.ascontiguousarray(values, np.float32).view(np.int32) >> _SHIFT
+    return np.clip(codes - _LO_CODE + 1, 0, N_BINS - 1)
+
+
+def sort_code(neg: np.ndarray) -> np.ndarray:
+    """float32 -> uint32 whose unsigned order is the floats' order."""
+    bits = np.ascontiguousarray(neg, np.float32).view(np.uint32)
+    return np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
+
+
+def _merge_rows(score: np.ndarray, ords: np.ndarray, vals: np.ndarray, r: np.ndarray, c_score: np.ndarray, c_ord: np.ndarray,
+                c_val: np.ndarray) -> None:
+    """Merge candidates (row r, uint32 score, ord, value) into the per-row lists (F, m), each
+    kept sorted by (score, ord) ascending, empty slots (ord NO_ORD) last: in place. The
+    candidates come row by row in ord order and after every kept entry in ord, so one
+    stable sort on (row, score) orders ties by ord."""
+    m = score.shape[1]
+    rows = np.unique(r)
+    old = ords[rows] != NO_ORD
+    R = np.concatenate([np.repeat(rows, m)[old.ravel()], r])
+    S = np.concatenate([score[rows][old], c_score])
+    O = np.concatenate([ords[rows][old], c_ord])
+    V = np.concatenate([vals[rows][old], c_val])
+    order = np.argsort(R.astype(np.uint64) << np.uint64(32) | S.astype(np.uint64), kind="stable")
+    R, S, O, V = R[order], S[order], O[order], V[order]
+    first = np.flatnonzero(np.r_[True, R[1:] != R[:-1]])
+    rank = np.arange(len(R)) - np.repeat(first, np.diff(np.r_[first, len(R)]))
+    keep = rank < m
+    ords[rows] = NO_ORD
+    vals[rows] = 0
+    score[rows] = NO_KEY
+    score[R[keep], rank[keep]] = S[keep]
+    ords[R[keep], rank[keep]] = O[keep]
+    vals[R[keep], rank[keep]] = V[keep]
 
 
 class FeatureAccumulator:
@@ -62,64 +97,50 @@ class FeatureAccumulator:
     def __init__(self, n_features: int, k: int, pool: int, seed: int):
         self.k, self.pool, self.seed = k, pool, seed
         self.top_val = np.zeros((n_features, k), np.float32)  # 0: empty slot (only values > 0 enter)
+        self.top_code = np.full((n_features, k), NO_KEY, np.uint32)  # sort_code(-value): the sort score
         self.top_ord = np.full((n_features, k), NO_ORD, np.int64)
         self.max = np.full(n_features, -np.inf, np.float32)
         self.n_pos = np.zeros(n_features, np.int64)
         self.sum_pos = np.zeros(n_features, np.float64)
         self.hist = np.zeros((n_features, N_BINS), np.int64)
-        self.pool_key = np.full((n_features, pool), NO_KEY, np.uint64)
+        self.pool_key = np.full((n_features, pool), NO_KEY, np.uint32)
         self.pool_val = np.zeros((n_features, pool), np.float32)
         self.pool_ord = np.full((n_features, pool), NO_ORD, np.int64)
         self.n_tokens = 0
+        self._offsets = (np.arange(n_features, dtype=np.int32) * N_BINS)[:, None]
 
     def update(self, acts_ft: np.ndarray, ords: np.ndarray) -> None:
         """Add a batch: acts_ft (F, n) float32 feature-major, ords (n,) increasing and all
-        greater than those of earlier batches."""
+        greater than those of earlier batches. Three passes over the batch (max, > 0, the
+        positions of the positive values); everything else works on those positions only,
+        so sparse codes (SAEs) cost little beyond their matmul."""
         n = acts_ft.shape[1]
         if n == 0:
             return
         self.n_tokens += n
         np.maximum(self.max, acts_ft.max(axis=1), out=self.max)
-        pos = acts_ft > 0
-        rows, cols = np.nonzero(pos)
-        vals = acts_ft[rows, cols]
-        self.n_pos += np.bincount(rows, minlength=len(self.n_pos))
-        self.sum_pos += np.bincount(rows, weights=vals, minlength=len(self.n_pos))
-        bins = np.searchsorted(HIST_EDGES, vals, side="right")
-        self.hist += np.bincount(rows * N_BINS + bins, minlength=self.hist.size).reshape(self.hist.shape)
-        self._merge_top(acts_ft, ords)
+        r, c = np.nonzero(acts_ft > 0)  # row-major: rows ascending, then tokens in ord order
+        if not len(r):
+            return
+        v = acts_ft[r, c]
+        F = len(self.n_pos)
+        self.n_pos += np.bincount(r, minlength=F)
+        self.sum_pos += np.bincount(r, weights=v, minlength=F)
+        self.hist += np.bincount(r * N_BINS + histogram_bins(v), minlength=self.hist.size).reshape(self.hist.shape)
+        cand = v > self.top_val[r, -1]  # only values above the row's k-th can enter
+        if cand.sum() > 4 * F * self.k and n > self.k:  # early batches: first cut each row to the batch's own top k (and ties)
+            kth = np.partition(acts_ft, n - self.k, axis=1)[:, n - self.k]
+            cand &= v >= kth[r]
+        if cand.any():
+            rc, vc = r[cand], v[cand]
+            _merge_rows(self.top_code, self.top_ord, self.top_val, rc, sort_code(-vc), ords[c[cand]], vc)
         if self.pool:
-            self._merge_pool(pos, acts_ft, ords)
-
-    def _merge_top(self, acts_ft: np.ndarray, ords: np.ndarray) -> None:
-        r = np.flatnonzero(acts_ft.max(axis=1) > self.top_val[:, -1])  # rows where a value can enter
-        if not len(r):
-            return
-        k, n = self.k, acts_ft.shape[1]
-        # Candidates: the kept slots (sorted by (-value, ord)), then the batch in ord order, so
-        # that among equal values the leftmost has the smallest ord.
-        cv = np.concatenate([self.top_val[r], acts_ft[r]], axis=1)  # copy: the candidates
-        co = np.concatenate([self.top_ord[r], np.broadcast_to(ords, (len(r), n))], axis=1)
-        sel = _select_largest(cv, k)
-        v, o = cv[sel].reshape(len(r), k), co[sel].reshape(len(r), k)
-        idx = np.argsort(-v, axis=1, kind="stable")
-        self.top_val[r] = np.take_along_axis(v, idx, axis=1)
-        self.top_ord[r] = np.take_along_axis(o, idx, axis=1)
-
-    def _merge_pool(self, pos: np.ndarray, acts_ft: np.ndarray, ords: np.ndarray) -> None:
-        keys = hash_keys(ords, self.seed)
-        kb = np.where(pos, keys[None, :], NO_KEY)  # (F, n): inactive tokens never sampled
-        r = np.flatnonzero(kb.min(axis=1) < self.pool_key[:, -1])
-        if not len(r):
-            return
-        n, m = acts_ft.shape[1], self.pool
-        ck = np.concatenate([self.pool_key[r], kb[r]], axis=1)
-        cv = np.concatenate([self.pool_val[r], acts_ft[r]], axis=1)
-        co = np.concatenate([self.pool_ord[r], np.broadcast_to(ords, (len(r), n))], axis=1)
-        # smallest keys = largest of the bitwise complement (keys are distinct per token)
-        sel = _select_largest(~ck, m)
-        k2, v2, o2 = (a[sel].reshape(len(r), m) for a in (ck, cv, co))
-        idx = np.argsort(k2, axis=1, kind="stable")
-        self.pool_key[r] = np.take_along_axis(k2, idx, axis=1)
-        self.pool_val[r] = np.take_along_axis(v2, idx, axis=1)
-        self.pool_ord[r] = np.take_along_axis(o2, idx, axis=1)
+            keys = hash_keys(ords, self.seed)[c]
+            cand = (keys < self.pool_key[r, -1]) | (self.pool_ord[r, -1] == NO_ORD)  # a key equal to the m-th has a larger ord: out
+            if cand.sum() > 4 * F * self.pool and n > self.pool:  # early batches: first cut each row to its pool-th smallest key
+                kb = np.full(acts_ft.shape, NO_KEY, np.uint32)
+                kb[r, c] = keys
+                cut = np.partition(kb, self.pool - 1, axis=1)[:, self.pool - 1]
+                cand &= keys <= cut[r]
+            if cand.any():
+                _merge_rows(self.pool_key, self.pool_ord, self.pool_val, r[cand], keys[cand], ords[c[cand]], v[cand])

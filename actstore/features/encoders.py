@@ -87,26 +87,32 @@ class Encoder:
                 "use directions trained on this layer's activations (or a store of that model)"
             )
 
-    def encode(self, x: np.ndarray, features: np.ndarray | None = None) -> np.ndarray:
+    def encode(self, x: np.ndarray, features: np.ndarray | None = None, *, feature_major: bool = False) -> np.ndarray:
         """(n, d_in) float activations -> (n, F') float32 feature values, F' = len(features)
-        (all F when None). TopK selects over all F before the subset is taken."""
-        x = np.asarray(x, dtype=np.float32)
+        (all F when None); with feature_major, the (F', n) C-contiguous array instead (what
+        the pass consumes: one row per feature, no transpose copy). TopK selects over all F
+        before the subset is taken."""
+        x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise EncoderError(f"encode takes (n, {self.d_in}) activations, got {x.shape}")
         if self.kind == "neurons":
-            return np.ascontiguousarray(x if features is None else x[:, features])
-        x = self._normalized(x)
+            sel = x if features is None else x[:, features]
+            h = np.array(sel.T, dtype=np.float32, order="C")  # the one copy: converted, feature-major
+            return h if feature_major else h.T
+        x = self._normalized(x.astype(np.float32, copy=False))
         if self.b_pre is not None:
             x = x - self.b_pre  # one copy: the centred input
         cols = features if self.activation != "topk" else None
         W = self.W if cols is None else self.W[:, cols]
-        h = x @ W
+        h = W.T @ x.T  # (F', n), computed feature-major by BLAS from the transposed views
         if self.b is not None:
-            h += self.b if cols is None else self.b[cols]
+            h += (self.b if cols is None else self.b[cols])[:, None]
         if self.post_scale is not None:
-            h *= self.post_scale if cols is None else self.post_scale[cols]
+            h *= (self.post_scale if cols is None else self.post_scale[cols])[:, None]
         h = self._activate(h, cols)
-        return h if features is None or cols is not None else np.ascontiguousarray(h[:, features])
+        if features is not None and cols is None:
+            h = h[features]  # copy: the subset's rows
+        return h if feature_major else h.T
 
     def _normalized(self, x: np.ndarray) -> np.ndarray:
         if self.normalize == "constant_norm_rescale":
@@ -117,27 +123,30 @@ class Encoder:
         return x
 
     def _activate(self, h: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
+        """The activation on feature-major pre-activations h (F', n), in place."""
         if self.activation == "identity":
             return h
         if self.activation == "relu":
             return np.maximum(h, 0, out=h)
         if self.activation == "jumprelu":
             t = self.threshold
-            if cols is not None and np.ndim(t):
-                t = np.asarray(t)[cols]
+            if np.ndim(t):
+                t = np.asarray(t)[cols] if cols is not None else np.asarray(t)
+                t = t[:, None]
             keep = h > t
             np.maximum(h, 0, out=h)
             h *= keep
             return h
-        # topk: keep the k largest per token (then ReLU), zero the rest
-        k = min(self.k, h.shape[1])
-        if k == h.shape[1]:
-            return np.maximum(h, 0, out=h)
-        idx = np.argpartition(h, h.shape[1] - k, axis=1)[:, h.shape[1] - k:]
+        # topk: keep the k largest of each token (column), zero the rest
+        F = h.shape[0]
+        k = min(self.k, F)
+        if k == F:
+            return np.maximum(h, 0, out=h) if self.topk_relu else h
+        idx = np.argpartition(h, F - k, axis=0)[F - k:]
+        cols_n = np.arange(h.shape[1])[None, :]
+        kept = h[idx, cols_n]
         out = np.zeros_like(h)
-        rows = np.arange(h.shape[0])[:, None]
-        kept = h[rows, idx]
-        out[rows, idx] = np.maximum(kept, 0) if self.topk_relu else kept
+        out[idx, cols_n] = np.maximum(kept, 0) if self.topk_relu else kept
         return out
 
 

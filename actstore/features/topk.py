@@ -18,13 +18,13 @@ import numpy as np
 
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.layout import spec
-from actstore.features.accum import HIST_EDGES, FeatureAccumulator, hash_keys, order_keys, split_order
+from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, TOKEN_BITS, FeatureAccumulator, hash_keys, split_order
 from actstore.features.encoders import Encoder
 from actstore.features.errors import FeatureError
 from actstore.loaders.source import CONTENT, pick_layers, pick_segments, resolve_mask, segment_geometry, stored_numpy_dtype
 
 MAX_TOP_K = 10_000
-DEFAULT_BATCH_ELEMENTS = 1 << 23  # feature values per encoded batch (32 MiB of float32)
+DEFAULT_BATCH_ELEMENTS = 1 << 22  # feature values per encoded batch (16 MiB of float32)
 READ_BYTES = 64 << 20  # activations read per group of examples
 
 
@@ -116,6 +116,7 @@ def top_activations(
     group = max(1, READ_BYTES // max(1, sum(s.t_pad for s in segs) * row_bytes))
     tok_batch = max(1, batch_elements // max(1, n_f))
     bar = _bar(progress, n_ex)
+    arange = np.arange(max((s.t_pad for s in segs), default=0), dtype=np.int64)
     pending_x: list[np.ndarray] = []
     pending_o: list[np.ndarray] = []
     n_pending = 0
@@ -126,12 +127,12 @@ def top_activations(
         for e in exs:
             for si, s in enumerate(segs):
                 n = int(lens[s.name][e])
-                keep = np.arange(n) if masks[si] is None else np.flatnonzero(masks[si][e, :n])
+                keep = arange[:n] if masks[si] is None else np.flatnonzero(masks[si][e, :n])
                 if not len(keep):
                     continue
-                rows = bufs[e, s.name][keep]  # copy: the real (kept) tokens only
+                rows = bufs[e, s.name][:n] if masks[si] is None else bufs[e, s.name][keep]  # a view, or a copy of the kept tokens
                 pending_x.append(bf16_bits_to_f32(rows) if store.dtype == "bfloat16" else rows)
-                pending_o.append(order_keys(np.full(len(keep), e), keep + int(before[s.name][e])))
+                pending_o.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
                 n_pending += len(keep)
             while n_pending >= tok_batch:
                 n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch)
@@ -154,8 +155,7 @@ def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs
         xs.append(x[n:])
         os_.append(o[n:])
         x, o = x[:n], o[:n]
-    acts = encoder.encode(x, ids)
-    acc.update(np.ascontiguousarray(acts.T), o)  # copy: feature-major rows for the per-feature merges
+    acc.update(encoder.encode(x, ids, feature_major=True), o)
     return sum(len(a) for a in xs)
 
 
@@ -186,35 +186,48 @@ def _tables(acc: FeatureAccumulator, ids: np.ndarray, n_intervals: int, per_inte
 
 def _intervals(acc: FeatureAccumulator, ids: np.ndarray, n_int: int, per: int) -> dict[str, np.ndarray]:
     """Equal-width intervals (lo, hi] of each feature's max, `per` samples each: the tokens
-    with the smallest keys among the pool and the top-k (the same keys the pool used). Exact
-    when the pool holds all active tokens, or >= per of the interval's, or the top-k holds
-    every token of the interval."""
-    cols: dict[str, list[Any]] = {n: [] for n in ("feature", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")}
-    for f in range(len(ids)):
-        m = float(acc.max[f])
-        if not acc.n_pos[f] or per == 0 or m <= 0:
+    with the smallest (key, ord) among the pool and the top-k (the keys the pool used).
+    Exact when the pool holds all active tokens, or >= per of the interval's, or the top-k
+    holds every token of the interval. Vectorised over features; a loop over intervals."""
+    F, M = acc.pool_ord.shape
+    ords = np.concatenate([acc.pool_ord, acc.top_ord], axis=1)  # (F, M + k)
+    vals = np.concatenate([acc.pool_val, acc.top_val], axis=1)
+    in_pool = np.zeros(ords.shape, bool)
+    in_pool[:, :M] = True
+    valid = ords != NO_ORD
+    # a top-k token already in the pool is dropped (the pool copy stays): equal ords sit side
+    # by side once each row is sorted by ord, the pool's copy first (a stable sort)
+    by_ord = np.argsort(ords, axis=1, kind="stable")
+    o_sorted = np.take_along_axis(ords, by_ord, axis=1)
+    dup = np.zeros(ords.shape, bool)
+    rows_idx = np.arange(F)[:, None]
+    dup[rows_idx, by_ord[:, 1:]] = (o_sorted[:, 1:] == o_sorted[:, :-1]) & (o_sorted[:, 1:] != NO_ORD)
+    valid &= ~dup
+    keys = np.where(valid, hash_keys(np.where(valid, ords, 0), acc.seed), NO_KEY).astype(np.uint64)
+    ord_rank = np.empty(ords.shape, np.uint64)
+    ord_rank[rows_idx, by_ord] = np.arange(ords.shape[1], dtype=np.uint64)
+    rank_key = keys << np.uint64(32) | ord_rank  # (key, ord) as one sortable number
+    m = np.where(np.isfinite(acc.max) & (acc.max > 0), acc.max, 0).astype(np.float64)
+    pool_all = acc.n_pos <= M
+    kth = acc.top_val[:, -1]
+    out: dict[str, list[np.ndarray]] = {n: [] for n in ("feature", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")}
+    for i in range(n_int):
+        lo, hi = m * i / n_int, m * (i + 1) / n_int
+        inside = valid & (vals > lo[:, None]) & (vals <= hi[:, None]) & (acc.n_pos > 0)[:, None]
+        if per == 0 or not inside.any():
             continue
-        top_ok = acc.top_val[f] > 0
-        o = np.concatenate([acc.pool_ord[f][acc.pool_ord[f] != np.iinfo(np.int64).max], acc.top_ord[f][top_ok]])
-        v = np.concatenate([acc.pool_val[f][acc.pool_ord[f] != np.iinfo(np.int64).max], acc.top_val[f][top_ok]])
-        o, first = np.unique(o, return_index=True)
-        v = v[first]
-        key = hash_keys(o, acc.seed)
-        pool_all = acc.n_pos[f] <= acc.pool
-        kth = acc.top_val[f, -1]  # every active value above kth is in the top-k
-        in_pool = np.isin(o, acc.pool_ord[f])
-        for i in range(n_int):
-            lo, hi = m * i / n_int, m * (i + 1) / n_int
-            sel = np.flatnonzero((v > lo) & (v <= hi))
-            if not len(sel):
-                continue
-            pick = sel[np.argsort(key[sel], kind="stable")[:per]]
-            exact = bool(pool_all or int(in_pool[sel].sum()) >= per or lo >= kth)
-            ex, tok = split_order(o[pick])
-            for j, p in enumerate(pick):
-                for name, val in (("feature", ids[f]), ("interval", i), ("lo", lo), ("hi", hi), ("sample", j), ("example", ex[j]),
-                                  ("token", tok[j]), ("activation", v[p]), ("exact", exact)):
-                    cols[name].append(val)
+        score = np.where(inside, rank_key, np.iinfo(np.uint64).max)
+        take = np.argsort(score, axis=1, kind="stable")[:, :per]
+        ok = np.take_along_axis(inside, take, axis=1)
+        exact = pool_all | ((inside & in_pool).sum(axis=1) >= per) | (lo >= kth)
+        r, j = np.nonzero(ok)
+        cols = take[r, j]
+        ex, tok = split_order(ords[r, cols])
+        for name, col in (("feature", ids[r]), ("interval", np.full(len(r), i)), ("lo", lo[r]), ("hi", hi[r]), ("sample", j), ("example", ex),
+                          ("token", tok), ("activation", vals[r, cols]), ("exact", exact[r])):
+            out[name].append(col)
     types = {"feature": np.int32, "interval": np.int32, "lo": np.float32, "hi": np.float32, "sample": np.int32, "example": np.int64,
              "token": np.int32, "activation": np.float32, "exact": bool}
-    return {n: np.asarray(cols[n], dtype=types[n]) for n in cols}
+    cat = {n: np.concatenate(out[n]).astype(types[n]) if out[n] else np.zeros(0, types[n]) for n in out}
+    order = np.lexsort((cat["sample"], cat["interval"], cat["feature"]))
+    return {n: a[order] for n, a in cat.items()}
