@@ -206,3 +206,30 @@ def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
     pd.testing.assert_frame_equal(top, pd.read_parquet(local / "top.parquet"))
     index = build_site(url, tmp_path / "site")
     assert "zebra" in (index.parent / "f" / "0.html").read_text()
+
+
+def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
+    """SAEDashboard 0.8.0's own classes rebuild every batch file exactly; logits come from the
+    decoder direction times W_U."""
+    from sae_dashboard.neuronpedia.neuronpedia_dashboard import NeuronpediaDashboardBatch
+
+    path, _ = text_store
+    np.save(tmp_path / "dirs.npy", np.eye(D, dtype=np.float32))
+    W_U = np.zeros((D, len(WORDS)), np.float32)
+    for i in range(D):
+        W_U[i, 10 + i] = 1.0  # dimension i raises token 10 + i ("red" for 0)
+    np.save(tmp_path / "wu.npy", W_U)
+    out = tmp_path / "feat"
+    assert CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "dirs.npy"), "--top-k", "2",
+                                     "--out", str(out), "--no-progress"]).exit_code == 0
+    res = CliRunner().invoke(main, ["export-neuronpedia", str(out), "--out", str(tmp_path / "np"), "--unembedding", str(tmp_path / "wu.npy")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "np" / "batch-0.json").read_text())
+    assert NeuronpediaDashboardBatch(**data).to_dict() == data
+    f0 = data["features"][0]
+    assert f0["feature_index"] == 0 and f0["pos_str"][0] == "red" and f0["pos_values"][0] == 1.0
+    assert f0["neuron_alignment_indices"] == [0, 1, 2] and f0["neuron_alignment_values"][0] == 1.0
+    top = f0["activations"][0]
+    assert top["bin_min"] == -1 and top["tokens"][top["qualifying_token_index"]] == "zebra" and top["values"][top["qualifying_token_index"]] == 6.0
+    feats = pd.read_parquet(out / "features.parquet")
+    assert f0["frac_nonzero"] == feats.density[0] and sum(f0["freq_hist_data_bar_heights"]) == feats.n_active[0]

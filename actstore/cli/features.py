@@ -13,6 +13,7 @@ from actstore.cli.params import STORE
 def register(main: click.Group) -> None:
     main.add_command(features_cmd)
     main.add_command(view_cmd)
+    main.add_command(export_neuronpedia_cmd)
 
 
 @click.command("features")
@@ -82,3 +83,24 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
         store = open_store(store_path)
     index = build_site(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, progress=progress)
     click.echo(f"wrote {index}")
+
+
+@click.command("export-neuronpedia")
+@click.argument("src")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).")
+@click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
+@click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
+@click.option("--unembedding", type=click.Path(exists=True), help="W_U (.npy or safetensors): logit tables and histograms of the decoder directions.")
+@click.option("--model-id", help="Neuronpedia's model id (default: the store's).")
+@click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's SAE set name.")
+def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_id, sae_set) -> None:
+    """Feature dashboards as SAEDashboard's Neuronpedia JSON, from the output of `actstore features` SRC."""
+    from actstore.features.export import export_neuronpedia
+
+    store = None
+    if store_path:
+        from actstore.opener import open as open_store
+
+        store = open_store(store_path)
+    files = export_neuronpedia(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set)
+    click.echo(f"wrote {len(files)} batch files to {out}")
