@@ -276,11 +276,23 @@ def test_datasets_folder(tmp_path, llama_dir):
     assert_f16_close(store[2, 1], hs)
 
 
-def test_show_refuses_text_stores(tmp_path, llama_dir):
+def test_show_colours_a_text_stores_tokens(tmp_path, llama_dir):
+    """A text store shows as an HTML page of its decoded tokens (the tokenizer the store
+    records), each coloured by a dimension with the value on hover."""
+    import html
+
+    from transformers import AutoTokenizer
+
     data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:2])
     cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", "--quiet")
-    res = cli("show", tmp_path / "s", "--ex", "0", "--layer", "1", ok=False)
-    assert res.exit_code == 1 and "holds no image activations" in res.output
+    cli("show", tmp_path / "s", "--ex", "1", "--layer", "1", "--dim", "3", "-o", tmp_path / "x.html")
+    page = (tmp_path / "x.html").read_text()
+    store = actstore.ActStore(tmp_path / "s")
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    for i, v in zip(store.token_ids(1), np.asarray(store[1, 1], np.float32)[:, 3]):
+        assert f'title="{float(v):.4g}">{html.escape(tok.decode([int(i)]))}</span>' in page
+    res = cli("show", tmp_path / "s", "--ex", "0", "--ex", "1", "--layer", "1", ok=False)
+    assert res.exit_code != 0 and "a text store shows one example at a time" in res.output
 
 
 def test_max_examples_and_json_records(tmp_path, llama_dir):

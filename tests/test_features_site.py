@@ -233,3 +233,38 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
     assert top["bin_min"] == -1 and top["tokens"][top["qualifying_token_index"]] == "zebra" and top["values"][top["qualifying_token_index"]] == 6.0
     feats = pd.read_parquet(out / "features.parquet")
     assert f0["frac_nonzero"] == feats.density[0] and sum(f0["freq_hist_data_bar_heights"]) == feats.n_active[0]
+
+
+def test_several_images_share_one_colour_scale(vit_store, tmp_path):
+    from PIL import Image
+
+    from actstore.features.context import image_pixels
+    from actstore.features.images import heatmap
+
+    res = CliRunner().invoke(main, ["show", str(vit_store), "--ex", "0", "--ex", "1", "--layer", "11", "--dim", "1", "-o", str(tmp_path / "two.png")])
+    assert res.exit_code == 0, res.output
+    canvas = np.asarray(Image.open(tmp_path / "two.png").convert("RGB"))
+    store = actstore.open(vit_store)
+    grids = [np.asarray(store[e, 11], np.float32)[1:, 1].reshape(3, 3) for e in (0, 1)]
+    lo, hi = min(g.min() for g in grids), max(g.max() for g in grids)
+    for i, g in enumerate(grids):  # each tile is its heatmap on the shared [lo, hi]
+        want = np.asarray(heatmap(image_pixels(store, i, 28), g - lo, hi - lo))
+        x0 = 8 + i * (56 + 8)
+        np.testing.assert_array_equal(canvas[24 : 24 + 56, x0 : x0 + 56], want)
+    alone = np.asarray(heatmap(image_pixels(store, 0, 28), grids[0] - grids[0].min(), grids[0].max() - grids[0].min()))
+    assert not np.array_equal(canvas[24:80, 8:64], alone)  # its own scale would look different
+
+
+def test_info_plots_show_the_window_start_outlier(text_store, tmp_path):
+    import re
+
+    path, _ = text_store
+    res = CliRunner().invoke(main, ["info", str(path), "--plots", str(tmp_path / "plots")])
+    assert res.exit_code == 0, res.output
+    assert f"plots: {tmp_path / 'plots'}/plots.html" in res.output
+    svg = (tmp_path / "plots" / "positions.svg").read_text()
+    pts = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
+    assert len(pts) == 9 and pts[0][1] == 22.0 and all(y > 150 for _, y in pts[1:])  # token 0 (BOS, norm ~122) at the top
+    norms = (tmp_path / "plots" / "norms.svg").read_text()
+    assert norms.count("<polyline") == 1 and "layer 4" in norms
+    assert 'src="norms.svg"' in (tmp_path / "plots" / "plots.html").read_text()

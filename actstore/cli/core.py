@@ -41,9 +41,16 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
 @click.argument("store", type=STORE)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--quiet", is_flag=True, help="Print nothing: the exit code says whether the store opens.")
-def info_cmd(store: str, as_json: bool, quiet: bool) -> None:
+@click.option("--plots", "plots_dir", type=click.Path(file_okay=False), help="Also write plots (token norms per layer, norm by position) as SVG into this folder.")
+@click.option("--plot-examples", type=int, default=1000, show_default=True, help="Examples read for --plots, spread evenly over the store.")
+def info_cmd(store: str, as_json: bool, quiet: bool, plots_dir: str | None, plot_examples: int) -> None:
     """Describe STORE: examples, layers, segments, shapes, dtype, sizes, truncation, shards."""
     info = store_info(store)
+    if plots_dir:
+        from actstore.features.plots import write_plots
+        from actstore.opener import open as open_store
+
+        info["plots"] = [str(p) for p in write_plots(open_store(store), plots_dir, max_examples=plot_examples)]
     if quiet:
         return
-    click.echo(json.dumps(info, indent=1) if as_json else format_info(info))
+    click.echo(json.dumps(info, indent=1) if as_json else format_info(info) + (f"\nplots: {plots_dir}/plots.html" if plots_dir else ""))
