@@ -268,3 +268,23 @@ def test_info_plots_show_the_window_start_outlier(text_store, tmp_path):
     norms = (tmp_path / "plots" / "norms.svg").read_text()
     assert norms.count("<polyline") == 1 and "layer 4" in norms
     assert 'src="norms.svg"' in (tmp_path / "plots" / "plots.html").read_text()
+
+
+def test_index_of_16384_features_draws_one_page(tmp_path):
+    """The index loads its rows as one script and draws a page of them: 16,384 features make
+    an index.js of about a megabyte and a table of PER_PAGE rows; searching and sorting run
+    in the page."""
+    from actstore.features.site import PER_PAGE, write_index
+
+    exe = _chromium()
+    rng = np.random.default_rng(0)
+    rows = [[f, float(rng.random() * 10), float(rng.random()), 1.0, f"tok{f}"] for f in range(16384)]
+    meta = {"store": {"path": "x", "sha256": "0" * 64}, "layer": 3, "encoder": {"kind": "saelens", "path": "sae"}, "n_features": 16384,
+            "n_tokens": 10**6, "options": {"k": 20}}
+    index = write_index(tmp_path / "site", rows, meta, title="t")
+    assert (index.parent / "data" / "index.js").stat().st_size < 2**21
+    dom = _browser(exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=index.as_uri())
+    assert "16384 of 16384 features" in dom and "page 1 of 164" in dom
+    import re
+
+    assert len(re.findall(r'<a href="f/\d+\.html">', dom)) == PER_PAGE and 'data-ms="' in dom

@@ -67,7 +67,8 @@ def _columns(table: Any) -> dict[str, np.ndarray]:
 
 
 def build_site(src: str, out: str | os.PathLike, *, store: Any = None, encoder: Encoder | None = None, tokenizer: str | None = None,
-               unembedding: str | None = None, window: tuple[int, int] = context.DEFAULT_WINDOW, progress: bool = False) -> Path:
+               unembedding: str | None = None, window: tuple[int, int] = context.DEFAULT_WINDOW, plot_examples: int = 200,
+               progress: bool = False) -> Path:
     """Render the site of feature-pass output `src` into folder `out`; returns index.html.
 
     Args:
@@ -77,6 +78,7 @@ def build_site(src: str, out: str | os.PathLike, *, store: Any = None, encoder: 
         encoder: the encoder (default: reloaded from meta.json's source, checksum checked).
         tokenizer: a tokenizer folder or id overriding the store's (text stores).
         unembedding: W_U (.npy or safetensors) for logit tables of the decoder directions.
+        plot_examples: examples read for the plots page (token norms; 0: no plots).
     """
     meta = read_meta(src)
     if store is None:
@@ -128,9 +130,20 @@ def build_site(src: str, out: str | os.PathLike, *, store: Any = None, encoder: 
         rows.append([f, float(fd["max"]), float(fd["density"]), float(fd["mean_active"]), text])
         if bar is not None:
             bar(1)
+    if plot_examples:
+        from actstore.features.plots import write_plots
+
+        write_plots(store, out / "plots", layers=[layer], max_examples=plot_examples)
+    return write_index(out, rows, meta, title=title, plots=bool(plot_examples))
+
+
+def write_index(out: Path, rows: list[list[Any]], meta: dict[str, Any], *, title: str, plots: bool = False) -> Path:
+    """index.html, style.css and data/index.js (rows: [feature, max, density, mean_active,
+    top example text]); the page draws PER_PAGE rows at a time."""
+    (out / "data").mkdir(parents=True, exist_ok=True)
     _put(out / "data" / "index.js", "window.ACTSTORE_FEATURES = " + json.dumps(rows, separators=(",", ":")) + ";\n")
     _put(out / "style.css", (Path(__file__).with_name("templates") / "base.css").read_text())
-    index = env.get_template("index.html").render(title=title, meta=meta | {"k": meta["options"]["k"]}, per_page=PER_PAGE, plots=False)
+    index = _env().get_template("index.html").render(title=title, meta=meta | {"k": meta["options"]["k"]}, per_page=PER_PAGE, plots=plots)
     _put(out / "index.html", index)
     return out / "index.html"
 
