@@ -94,3 +94,10 @@ def test_bench_export(tmp_path):
                              "--dir", str(tmp_path)], tmp_path)
     assert d["n_examples"] > 0 and d["budget"] == 100 and d["workers"] == 1
     assert positive(d["ratio"], *d["plain_write_gbps"], *d["export_gbps"])
+
+
+def test_bench_features(tmp_path):
+    d = run_bench("features", ["--examples", "40", "--tokens", "8", "--d-model", "16", "--expansion", "2", "--repeats", "1",
+                               "--dir", str(tmp_path)], tmp_path)
+    assert d["tokens"] == 320 and d["features_sae"] == 32 and len(d["runs"]) == 1
+    assert positive(d["neurons_ratio_median"], d["sae_ratio_median"], d["peak_bytes"]["half"], d["peak_bytes"]["full"])

@@ -38,6 +38,7 @@ def _saelens(kind, tmp_path, **cfg):
     return sae, folder
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])  # numpy, and torch
 @pytest.mark.parametrize("kind,cfg", [
     ("standard", {}),
     ("standard", {"apply_b_dec_to_input": False}),
@@ -48,20 +49,21 @@ def _saelens(kind, tmp_path, **cfg):
     ("topk", {"k": 5}),
     ("topk", {"k": 3, "rescale_acts_by_decoder_norm": True}),
 ])
-def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg):
+def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
     sae, folder = _saelens(kind, tmp_path, **cfg)
     enc = load_saelens(folder)
     assert enc.kind == "saelens" and (enc.d_in, enc.n_features) == (D_IN, D_SAE)
     assert (enc.b_pre is not None) == cfg.get("apply_b_dec_to_input", True)
     x = np.random.default_rng(0).standard_normal((300, D_IN)).astype(np.float32) * 3
     want = sae.encode(torch.from_numpy(x)).detach().numpy()
-    got = enc.encode(x)
+    got = enc.encode(x, device=device)
     assert (want > 0).sum() > 100  # the comparison sees many active latents
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got > 0, want > 0)
     # a subset of features gives those columns (TopK still selects over all latents)
     cols = np.array([1, 7, 30])
-    np.testing.assert_allclose(enc.encode(x, cols), want[:, cols], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(enc.encode(x, cols, device=device), want[:, cols], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(enc.encode(x, cols, device=device, feature_major=True), want[:, cols].T, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(enc.W_dec, sae.W_dec.detach().numpy())
 
 
@@ -78,8 +80,9 @@ def _sae_state(gen, **extra):
     return s | extra
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
 @pytest.mark.parametrize("act", ["Relu", "TopK", "BatchTopK"])
-def test_saev_checkpoints(tmp_path, act):
+def test_saev_checkpoints(tmp_path, act, device):
     gen = torch.Generator().manual_seed(1)
     extra = {"activation.threshold": torch.tensor(0.4)} if act == "BatchTopK" else {}
     state = _sae_state(gen, **extra)
@@ -98,14 +101,15 @@ def test_saev_checkpoints(tmp_path, act):
         want = torch.zeros_like(h).scatter(-1, idx, 1.0) * h
     else:
         want = torch.where(h > 0.4, h, torch.zeros_like(h))
-    got = enc.encode(x.numpy())
+    got = enc.encode(x.numpy(), device=device)
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
     if act == "TopK":
         assert (got < 0).any()  # saev keeps the k largest signed
 
 
+@pytest.mark.parametrize("device", [None, "cpu"])
 @pytest.mark.parametrize("dict_class", ["AutoEncoder", "JumpReluAutoEncoder", "AutoEncoderTopK", "BatchTopKSAE"])
-def test_dictionary_learning_checkpoints(tmp_path, dict_class):
+def test_dictionary_learning_checkpoints(tmp_path, dict_class, device):
     gen = torch.Generator().manual_seed(2)
     W = torch.randn(D_SAE, D_IN, generator=gen)
     b = torch.randn(D_SAE, generator=gen) * 0.3
@@ -136,7 +140,7 @@ def test_dictionary_learning_checkpoints(tmp_path, dict_class):
     else:
         post = torch.relu((x - bd) @ W.T + b)
         want = post * (post > 0.3)
-    np.testing.assert_allclose(enc.encode(x.numpy()), want.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(enc.encode(x.numpy(), device=device), want.numpy(), rtol=1e-5, atol=1e-5)
     assert load_dictionary_learning(folder / "ae.pt").n_features == D_SAE
 
 
@@ -179,3 +183,18 @@ def test_bad_direction_sources(tmp_path):
         load_saev(tmp_path / "x.pt")
     with pytest.raises(EncoderError, match="name exactly one direction source"):
         load(sae=folder, directions=tmp_path / "w.npy")
+
+
+def test_cuda_device(tmp_path):
+    """--device cuda: the same values as the CPU where an accelerator is present, a clear
+    error before any work where none is."""
+    from actstore.features import FeatureError
+
+    sae, folder = _saelens("jumprelu", tmp_path)
+    enc = load_saelens(folder)
+    x = np.random.default_rng(5).standard_normal((64, D_IN)).astype(np.float32)
+    if torch.cuda.is_available():
+        np.testing.assert_allclose(enc.encode(x, device="cuda"), enc.encode(x, device="cpu"), rtol=1e-4, atol=1e-4)
+    else:
+        with pytest.raises(FeatureError, match="--device cuda: no CUDA device is available here; use --device cpu"):
+            enc.encode(x, device="cuda")

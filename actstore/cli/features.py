@@ -32,10 +32,11 @@ def register(main: click.Group) -> None:
 @click.option("--intervals", type=int, default=5, show_default=True, help="Equal-width intervals of each feature's max to sample.")
 @click.option("--per-interval", type=int, default=5, show_default=True, help="Samples per interval.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
+@click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).")
 @click.option("--out", required=True, help="Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def features_cmd(store, layer, neurons, sae, saev, dictionary, directions, bias, features, top_k, segments, keep_special, intervals,
-                 per_interval, seed, out, progress) -> None:
+                 per_interval, seed, device, out, progress) -> None:
     """Top activations, statistics and interval samples of many directions over LAYER of STORE.
 
     One sequential pass over the layer's real tokens (never padding); memory grows with
@@ -45,7 +46,7 @@ def features_cmd(store, layer, neurons, sae, saev, dictionary, directions, bias,
 
     meta = run_features(store, layer, out, neurons=neurons, sae=sae, saev=saev, dictionary=dictionary, directions=directions, bias=bias,
                         features=features, top_k=top_k, segments=segments.split(",") if segments else None, keep_special=keep_special,
-                        n_intervals=intervals, per_interval=per_interval, seed=seed, progress=progress,
+                        n_intervals=intervals, per_interval=per_interval, seed=seed, device=device, progress=progress,
                         command=_command(click.get_current_context()))
     click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
 

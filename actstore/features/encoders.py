@@ -87,14 +87,20 @@ class Encoder:
                 "use directions trained on this layer's activations (or a store of that model)"
             )
 
-    def encode(self, x: np.ndarray, features: np.ndarray | None = None, *, feature_major: bool = False) -> np.ndarray:
+    def encode(self, x: np.ndarray, features: np.ndarray | None = None, *, feature_major: bool = False, device: str | None = None) -> np.ndarray:
         """(n, d_in) float activations -> (n, F') float32 feature values, F' = len(features)
         (all F when None); with feature_major, the (F', n) C-contiguous array instead (what
         the pass consumes: one row per feature, no transpose copy). TopK selects over all F
-        before the subset is taken."""
+        before the subset is taken. `device` ("cpu", "cuda", "cuda:1"): compute with torch
+        there (actstore.features.torchenc); None: numpy."""
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise EncoderError(f"encode takes (n, {self.d_in}) activations, got {x.shape}")
+        if device is not None and self.kind != "neurons":
+            from actstore.features.torchenc import encode_torch
+
+            h = encode_torch(self, x, features, device, LAYER_NORM_EPS)
+            return h if feature_major else h.T
         if self.kind == "neurons":
             sel = x if features is None else x[:, features]
             h = np.array(sel.T, dtype=np.float32, order="C")  # the one copy: converted, feature-major

@@ -16,7 +16,7 @@ def run_features(
     store_path: Any, layer: Any, out: str, *, neurons: bool = False, sae: str | None = None, saev: str | None = None,
     dictionary: str | None = None, directions: str | None = None, bias: str | None = None, features: str | None = None,
     top_k: int = 20, segments: Sequence[str] | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
-    seed: int = 0, command: str | None = None, progress: bool = False, store: Any = None,
+    seed: int = 0, device: str | None = "auto", command: str | None = None, progress: bool = False, store: Any = None,
 ) -> dict[str, Any]:
     """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content."""
     if store is None:
@@ -29,7 +29,7 @@ def run_features(
         layer = int(layer)
     layer_n = store.layer_number(layer) if hasattr(store, "layer_number") else int(layer)
     tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
-                             n_intervals=n_intervals, per_interval=per_interval, seed=seed, progress=progress)
+                             n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
     labels = bool(getattr(getattr(store, "config", None), "token_labels", False))
     meta = {
         "store": {"path": str(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},

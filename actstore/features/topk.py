@@ -25,7 +25,7 @@ from actstore.loaders.source import CONTENT, pick_layers, pick_segments, resolve
 
 MAX_TOP_K = 10_000
 DEFAULT_BATCH_ELEMENTS = 1 << 22  # feature values per encoded batch (16 MiB of float32)
-READ_BYTES = 64 << 20  # activations read per group of examples
+READ_BYTES = 16 << 20  # activations read per group of examples (bounds the read buffers)
 
 
 @dataclass
@@ -70,7 +70,8 @@ def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndar
 def top_activations(
     store: Any, layer: Any, encoder: Encoder, *, k: int = 20, features: str | Sequence[int] | None = None,
     segments: Sequence[str] | str | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
-    pool: int | None = None, seed: int = 0, batch_elements: int = DEFAULT_BATCH_ELEMENTS, progress: bool | Callable[[int], Any] = False,
+    pool: int | None = None, seed: int = 0, batch_elements: int = DEFAULT_BATCH_ELEMENTS, device: str | None = "auto",
+    progress: bool | Callable[[int], Any] = False,
 ) -> FeatureTables:
     """Top-k activations, statistics and interval samples of many features, in one pass.
 
@@ -87,6 +88,8 @@ def top_activations(
         pool: the uniform sample kept per feature for the intervals (default 4 x their total).
         seed: the sampling seed.
         batch_elements: feature values encoded at once (memory: 4 bytes each, a few times).
+        device: where the encode runs: "cpu", "cuda", "cuda:N" (torch), None (numpy), or
+            "auto" (torch on the CPU when torch is installed, else numpy).
         progress: True for a bar on stderr, or a callable taking the examples done.
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
@@ -98,6 +101,7 @@ def top_activations(
     layer = pick_layers(store, layer)[0]
     encoder.check_input(int(store.d_model), f"layer {layer} of {getattr(store, 'path', 'the store')}")
     ids = parse_features(features, encoder.n_features)
+    device = _pick_device(device)
     n_f = encoder.n_features if ids is None else len(ids)
     pool = 4 * n_intervals * per_interval if pool is None else int(pool)
     acc = FeatureAccumulator(n_f, int(k), pool, int(seed))
@@ -135,17 +139,30 @@ def top_activations(
                 pending_o.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
                 n_pending += len(keep)
             while n_pending >= tok_batch:
-                n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch)
+                n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch, device)
         del bufs
         if bar is not None:
             bar(len(exs))
     while n_pending:
-        n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch)
+        n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch, device)
     feat_ids = np.arange(n_f, dtype=np.int64) if ids is None else ids
     return _tables(acc, feat_ids, n_intervals, per_interval)
 
 
-def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs: list[np.ndarray], os_: list[np.ndarray], n: int) -> int:
+def _pick_device(device: str | None) -> str | None:
+    if device != "auto":
+        if device is not None:
+            from actstore.features.torchenc import _device
+
+            _device(device)  # a missing torch or accelerator is refused before the pass
+        return device
+    import importlib.util
+
+    return "cpu" if importlib.util.find_spec("torch") is not None else None
+
+
+def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs: list[np.ndarray], os_: list[np.ndarray], n: int,
+           device: str | None) -> int:
     """Encode the first n pending tokens (all if fewer) and feed them; returns what remains."""
     x = np.concatenate(xs) if len(xs) > 1 else xs[0]
     o = np.concatenate(os_) if len(os_) > 1 else os_[0]
@@ -155,7 +172,7 @@ def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs
         xs.append(x[n:])
         os_.append(o[n:])
         x, o = x[:n], o[:n]
-    acc.update(encoder.encode(x, ids, feature_major=True), o)
+    acc.update(encoder.encode(x, ids, feature_major=True, device=device), o)
     return sum(len(a) for a in xs)
 
 

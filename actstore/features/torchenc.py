@@ -1,0 +1,75 @@
+"""Encoder.encode in torch, on the CPU or an accelerator: the matmul with its bias in one
+call (addmm), the activation in place, the same semantics as the numpy path (the tests
+compare both with the source libraries). Weights are moved to the device once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from actstore.features.errors import FeatureError
+
+_CACHE: dict[tuple[int, str], dict[str, Any]] = {}
+
+
+def _device(device: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise FeatureError(f"--device {device} needs torch: pip install 'actstore[torch]'") from None
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FeatureError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    return dev
+
+
+def _weights(enc: Any, dev: Any) -> dict[str, Any]:
+    import torch
+
+    key = (id(enc), str(dev))
+    w = _CACHE.get(key)
+    if w is None or w["enc"] is not enc:
+        t = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.float32), device=dev)  # noqa: E731
+        w = {"enc": enc, "W": t(enc.W), "b": t(enc.b), "b_pre": t(enc.b_pre), "post": t(enc.post_scale),
+             "thr": t(enc.threshold) if enc.threshold is not None else None}
+        _CACHE.clear()  # one encoder's weights on the device at a time
+        _CACHE[key] = w
+    return w
+
+
+def encode_torch(enc: Any, x: np.ndarray, features: np.ndarray | None, device: str, layer_norm_eps: float) -> np.ndarray:
+    """(n, d_in) -> (F', n) float32 feature-major values of Encoder `enc`, computed with torch on `device`."""
+    import torch
+
+    dev = _device(device)
+    w = _weights(enc, dev)
+    xt = torch.as_tensor(np.ascontiguousarray(x), device=dev).float()
+    if enc.normalize == "constant_norm_rescale":
+        xt = xt * (enc.d_in**0.5 / xt.norm(dim=1, keepdim=True))
+    elif enc.normalize == "layer_norm":
+        xt = xt - xt.mean(dim=1, keepdim=True)
+        xt = xt / (xt.std(dim=1, keepdim=True) + layer_norm_eps)
+    if w["b_pre"] is not None:
+        xt = xt - w["b_pre"]
+    cols = None if features is None or enc.activation == "topk" else torch.as_tensor(features, device=dev)
+    W = w["W"] if cols is None else w["W"][:, cols]
+    b = w["b"] if cols is None or w["b"] is None else w["b"][cols]
+    h = torch.addmm(b[:, None], W.T, xt.T) if b is not None else W.T @ xt.T  # (F', n), the bias fused into the matmul
+    if w["post"] is not None:
+        h *= (w["post"] if cols is None else w["post"][cols])[:, None]
+    if enc.activation == "relu":
+        h.relu_()
+    elif enc.activation == "jumprelu":
+        t = w["thr"]
+        if t.ndim:
+            t = (t if cols is None else t[cols])[:, None]
+        h = torch.where(h > t, h.relu(), torch.zeros((), device=dev))
+    elif enc.activation == "topk":
+        k = min(enc.k, h.shape[0])
+        vals, idx = torch.topk(h, k, dim=0)
+        out = torch.zeros_like(h)
+        h = out.scatter_(0, idx, vals.relu() if enc.topk_relu else vals)
+    if features is not None and cols is None:
+        h = h[torch.as_tensor(features, device=dev)]
+    return h.cpu().numpy() if h.device.type != "cpu" else h.numpy()
