@@ -166,7 +166,7 @@ def _load_hf(name: str) -> LoadedModel:
     local = Path(name).expanduser()
     if local.exists() and not (local / "config.json").exists():
         raise ModelLoadError(f"{local} is not a transformers model folder (no config.json); pass a saved model folder, a hub id or embedded:...")
-    src = str(local) if local.exists() else name
+    src = str(local.resolve()) if local.exists() else name
     try:
         config = AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as e:
@@ -197,7 +197,7 @@ def _load_hf(name: str) -> LoadedModel:
         raise ModelLoadError(f"model {name!r} has no usable tokenizer: {str(e).splitlines()[0]}") from None
     max_tokens = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return LoadedModel(
-        model=model, forward=model, modality="text", model_id=name, tokenizer=tok,
+        model=model, forward=model, modality="text", model_id=src, tokenizer=tok,  # a local folder by its absolute path: feature views load its tokenizer
         is_decoder=hasattr(model, "generate") and bool(getattr(config, "is_decoder", False) or any(a.endswith("ForCausalLM") for a in archs) or config.model_type == "gpt2"),
         max_tokens=max_tokens,
     )
