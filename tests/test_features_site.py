@@ -162,12 +162,14 @@ def vit_store(tmp_path_factory):
         p = root / f"im{i}.png"
         Image.fromarray(rng.integers(0, 255, (30, 30, 3), dtype=np.uint8)).save(p)
         refs.append({"path": str(p)})
-    x = rng.standard_normal((4, 1, 10, D)).astype(np.float32) * 0.1
+    refs.append({"embedded": "skimage:camera"})  # an embedded image (actstore write --data embedded:images)
+    x = rng.standard_normal((5, 1, 10, D)).astype(np.float32) * 0.1
     x[1, 0, 1 + 5, 1] = 9.0  # example 1, patch (1, 2)
+    x[4, 0, 1 + 0, 0] = 7.0  # example 4 (the embedded image), patch (0, 0)
     path = root / "store"
     with actstore.ShardWriter(path, layers=[11], d_model=D, tokens=10, texts=("image",), model_id="a-vit",
                               attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}}) as w:
-        w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(4)])
+        w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(5)])
     actstore.finalize(path)
     return path
 
@@ -190,6 +192,10 @@ def test_vit_site_shows_heatmaps(vit_store, tmp_path):
     assert (img[int(56 / 3) + 1, int(2 * 56 / 3) + 5] == [0, 255, 0]).all()
     dom = _browser(exe, tmp_path / "profile", "--dump-dom", url=(index.parent / "f" / "1.html").as_uri())
     assert 'class="heat"' in dom and "<td>9</td>" in dom
+    page0 = (index.parent / "f" / "0.html").read_text()  # feature 0's top example is the embedded camera image
+    first = page0.split('src="../', 1)[1].split('"', 1)[0]
+    cam = np.asarray(Image.open(index.parent / first).convert("RGB"))
+    assert "<td>7</td>" in page0 and cam.shape == (56, 56, 3) and (cam[1, 5] == [0, 255, 0]).all()  # patch (0, 0) outlined
 
 
 def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
@@ -288,3 +294,37 @@ def test_index_of_16384_features_draws_one_page(tmp_path):
     import re
 
     assert len(re.findall(r'<a href="f/\d+\.html">', dom)) == PER_PAGE and 'data-ms="' in dom
+
+
+def test_packed_windows_map_to_documents(tmp_path):
+    """A --pack store's windows (text field `runs`): each shown token names its document and
+    position there (token_origins)."""
+    from actstore.features import neurons
+
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    path = tmp_path / "packed"
+    ids = np.array([[3, 4, 5, 7, 1, 2], [6, 2, 7, 1, 1, 1]])
+    runs = [[[0, "doc-a", 5, 3], [1, "doc-b", 0, 3]], [[1, "doc-b", 3, 2], [2, "doc-c", 0, 4]]]
+    x = np.zeros((2, 1, 6, D), np.float32)
+    x[0, 0, 4, 2] = 3.0  # window 0, token 4: document 1, its token 1
+    with actstore.ShardWriter(path, layers=[0], d_model=D, segments={"tokens": 6}, token_ids=True, texts=("runs",), model_id=str(tok_dir)) as w:
+        w.append(tokens=x.astype(np.float16), lengths=np.array([6, 6]), token_ids=ids, texts={"runs": runs})
+    actstore.finalize(path)
+    store = actstore.open(path)
+    rec = text_windows(store, 0, neurons(D), {"feature": np.array([2]), "example": np.array([0]), "token": np.array([4]),
+                                              "activation": np.array([3.0], np.float32)}, load_tokenizer(store), window=(2, 1))[0]
+    assert (rec["document"], rec["doc_token"]) == (1, 1)
+    assert rec["tokens"] == [WORDS[i] for i in ids[0, 2:6]] and rec["acts"][rec["center"]] == 3.0
+
+
+def test_bad_direction_source_writes_nothing(text_store, tmp_path):
+    path, _ = text_store
+    np.save(tmp_path / "wrong.npy", np.zeros((7, 3), np.float32))
+    out = tmp_path / "feat"
+    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "wrong.npy"), "--out", str(out)])
+    assert res.exit_code == 1 and "the directions encoder takes d_in=7 but layer 4 of" in res.output and "has d_model=6" in res.output
+    assert not out.exists()
+    res = CliRunner().invoke(main, ["features", str(path), "--layer", "9", "--neurons", "--out", str(out)])
+    assert res.exit_code == 1 and "this store holds layers [4]" in res.output and not out.exists()
+    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "0", "--out", str(out)])
+    assert res.exit_code == 1 and "--top-k must be an int in 1..10000. Got 0." in res.output and not out.exists()
