@@ -143,6 +143,7 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     for w in [WORDS[i] for i in ids[1:6]]:
         assert f">{w}</span>" in text
     assert 'class="top" style="background: rgba(255,110,0,1.00)" title="6">zebra<' in text
+    assert 'class="off" style="background: rgba(255,110,0,0.00)" title="50 (left out)">&lt;bos&gt;</span>' in text  # BOS: greyed
     shots = request.config.rootpath / "test-output"
     shots.mkdir(exist_ok=True)
     shot = shots / "features-page.png"

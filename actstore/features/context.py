@@ -64,6 +64,24 @@ def _origins(store: Any, ex: int) -> np.ndarray | None:
     return token_origins(store, ex)
 
 
+def _label_fields(store: Any) -> dict[str, np.ndarray] | None:
+    """Each segment's token labels (N, T_max) when the pass's default mask applies to the store."""
+    from actstore.features.topk import default_mask
+    from actstore.layout import spec
+
+    if not default_mask(store):
+        return None
+    return {s: np.asarray(store.field(s + spec.TOKEN_LABELS_SUFFIX)) for s in store.segments}
+
+
+def _left_out(store: Any, labels: dict[str, np.ndarray] | None, ex: int, n: int) -> np.ndarray:
+    """Which of example ex's stored tokens the default mask leaves out (label != 0)."""
+    if labels is None:
+        return np.zeros(n, bool)
+    lengths = store.lengths(ex)
+    return np.concatenate([labels[s][ex, : lengths[s]] != 0 for s in store.segments])
+
+
 def text_windows(store: Any, layer: int, encoder: Encoder, rows: dict[str, np.ndarray], tok: Any, *,
                  window: tuple[int, int] = DEFAULT_WINDOW) -> list[dict[str, Any]]:
     """One record per row (feature, example, token, activation): the tokens around the
@@ -72,6 +90,7 @@ def text_windows(store: Any, layer: int, encoder: Encoder, rows: dict[str, np.nd
     if not getattr(getattr(store, "config", None), "token_ids", False):
         raise FeatureError(f"{getattr(store, 'path', 'the store')} keeps no token ids: text context needs a store captured with token_ids")
     out: list[dict[str, Any]] = [{} for _ in range(len(rows["example"]))]
+    labels = _label_fields(store)
     order = np.argsort(rows["example"], kind="stable")
     exs = rows["example"][order]
     bounds = np.flatnonzero(np.diff(exs)) + 1
@@ -84,11 +103,13 @@ def text_windows(store: Any, layer: int, encoder: Encoder, rows: dict[str, np.nd
         ids = store.token_ids(ex)
         texts = token_texts(tok, ids)
         origins = _origins(store, ex)
+        left_out = _left_out(store, labels, ex, len(ids))
         for i in grp:
             t, f = int(rows["token"][i]), int(np.searchsorted(feats, rows["feature"][i]))
             lo, hi = max(0, t - window[0]), min(len(texts), t + window[1] + 1)
             rec = {"feature": int(rows["feature"][i]), "example": ex, "token": t, "activation": float(rows["activation"][i]),
-                   "tokens": texts[lo:hi], "acts": [float(a) for a in acts[lo:hi, f]], "center": t - lo, "start": lo}
+                   "tokens": texts[lo:hi], "acts": [float(a) for a in acts[lo:hi, f]], "center": t - lo, "start": lo,
+                   "left_out": [bool(m) for m in left_out[lo:hi]]}
             if origins is not None and len(origins) > t:
                 rec["document"], rec["doc_token"] = (int(v) for v in origins[t])
             out[i] = rec

@@ -9,7 +9,7 @@ from typing import Any
 from actstore._version import __version__
 from actstore.features import sources
 from actstore.features.tables import store_checksum, write_tables
-from actstore.features.topk import top_activations
+from actstore.features.topk import default_mask, top_activations
 
 
 def run_features(
@@ -30,7 +30,7 @@ def run_features(
     layer_n = store.layer_number(layer) if hasattr(store, "layer_number") else int(layer)
     tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
                              n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
-    labels = bool(getattr(getattr(store, "config", None), "token_labels", False))
+    labels = default_mask(store)
     meta = {
         "store": {"path": str(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,

@@ -58,8 +58,14 @@ def histogram_svg(counts: np.ndarray, edges: list[float]) -> str:
 
 
 def _spans(rec: dict[str, Any], vmax: float) -> list[dict[str, Any]]:
-    return [{"text": t, "act": a, "alpha": f"{min(1.0, max(0.0, a / vmax)) if vmax > 0 else 0:.2f}", "top": i == rec["center"]}
-            for i, (t, a) in enumerate(zip(rec["tokens"], rec["acts"]))]
+    """Each token's text, value, colour strength and marks; the tokens the pass left out
+    (specials) are greyed, uncoloured."""
+    out = []
+    for i, (t, a) in enumerate(zip(rec["tokens"], rec["acts"])):
+        off = rec.get("left_out", [False] * len(rec["tokens"]))[i]
+        alpha = 0.0 if off or vmax <= 0 else min(1.0, max(0.0, a / vmax))
+        out.append({"text": t, "act": a, "alpha": f"{alpha:.2f}", "top": i == rec["center"], "off": off})
+    return out
 
 
 def _columns(table: Any) -> dict[str, np.ndarray]:

@@ -46,6 +46,13 @@ class FeatureTables:
     hist_edges: np.ndarray = field(default_factory=lambda: HIST_EDGES.copy())
 
 
+def default_mask(store: Any) -> bool:
+    """Whether the loaders' `content` mask applies: a text store with token labels (0
+    content, 1 special, 2 template). An image store's labels are classes, not a mask."""
+    cfg = getattr(store, "config", None)
+    return bool(getattr(cfg, "token_labels", False)) and not getattr(cfg, "attrs", {}).get("image")
+
+
 def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndarray | None:
     """`0-4095,5000` or a list of ids -> sorted unique int64 ids (None: all)."""
     if spec is None:
@@ -107,8 +114,7 @@ def top_activations(
     acc = FeatureAccumulator(n_f, int(k), pool, int(seed))
     segs = pick_segments(store, segments)
     all_geo = segment_geometry(store)
-    has_labels = bool(getattr(getattr(store, "config", None), "token_labels", False))
-    mask_kind = CONTENT if has_labels and not keep_special else None
+    mask_kind = CONTENT if default_mask(store) and not keep_special else None
     masks = [resolve_mask(store, s, mask_kind) for s in segs]
     lens = {name: np.asarray(store.field(name + spec.LEN_SUFFIX), np.int64) for name in all_geo}
     names = list(all_geo)
