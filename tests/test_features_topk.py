@@ -98,14 +98,19 @@ def test_ties_are_broken_by_example_then_token(tmp_path):
     assert len(np.unique(t.top["activation"])) < len(t.top["activation"])  # the test has ties to break
 
 
-def test_special_tokens_segments_and_a_directions_encoder(tmp_path):
+@pytest.mark.parametrize("device", [None, "auto"])  # numpy; torch where installed
+def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device):
     store = make_store(tmp_path / "s", seed=5)
     rng = np.random.default_rng(1)
     # small integer weights: float16 inputs give exact sums in any order, so batching cannot change a value
     enc = Encoder(kind="directions", d_in=D, n_features=11, W=rng.integers(-2, 3, (D, 11)).astype(np.float32),
                   b=(rng.integers(-4, 5, 11) / 4).astype(np.float32))
-    check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64)
-    check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000)
+    check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64, device=device)
+    check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000, device=device)
+    a = top_activations(store, 0, enc, k=3, segments=["response", "prompt"], device=device)  # any order: the store's
+    b = top_activations(store, 0, enc, k=3, device=device)
+    for c in a.top:
+        np.testing.assert_array_equal(a.top[c], b.top[c])
     # a feature subset gives those features' rows, numbered as in the encoder
     t = top_activations(store, 0, enc, k=3, features="2-4,9")
     full = top_activations(store, 0, enc, k=3)

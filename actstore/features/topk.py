@@ -21,7 +21,7 @@ from actstore.layout import spec
 from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, TOKEN_BITS, FeatureAccumulator, hash_keys, split_order
 from actstore.features.encoders import Encoder
 from actstore.features.errors import FeatureError
-from actstore.loaders.source import CONTENT, pick_layers, pick_segments, resolve_mask, segment_geometry, stored_numpy_dtype
+from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 
 MAX_TOP_K = 10_000
 DEFAULT_BATCH_ELEMENTS = 1 << 22  # feature values per encoded batch (16 MiB of float32)
@@ -44,6 +44,16 @@ class FeatureTables:
     intervals: dict[str, np.ndarray]
     meta: dict[str, Any] = field(default_factory=dict)
     hist_edges: np.ndarray = field(default_factory=lambda: HIST_EDGES.copy())
+
+
+@dataclass(frozen=True)
+class _Seg:
+    name: str
+    t_pad: int  # rows read_into fills: whole chunks
+
+
+def _geometry(store: Any) -> dict[str, _Seg]:
+    return {s.name: _Seg(s.name, -(-s.t_max // s.t_chunk) * s.t_chunk) for s in store.config.segments}
 
 
 def default_mask(store: Any) -> bool:
@@ -105,21 +115,28 @@ def top_activations(
         raise FeatureError(f"intervals need n_intervals >= 1 and per_interval >= 0. Got {n_intervals!r}, {per_interval!r}.")
     if hasattr(store, "layer_number"):
         layer = store.layer_number(layer)
-    layer = pick_layers(store, layer)[0]
+    if int(layer) not in [int(x) for x in store.layers]:
+        raise LayerNotFoundError(f"layers [{layer}] are not stored; this store holds layers {list(store.layers)}")
+    layer = int(layer)
     encoder.check_input(int(store.d_model), f"layer {layer} of {getattr(store, 'path', 'the store')}")
     ids = parse_features(features, encoder.n_features)
     device = _pick_device(device)
     n_f = encoder.n_features if ids is None else len(ids)
     pool = 4 * n_intervals * per_interval if pool is None else int(pool)
     acc = FeatureAccumulator(n_f, int(k), pool, int(seed))
-    segs = pick_segments(store, segments)
-    all_geo = segment_geometry(store)
-    mask_kind = CONTENT if default_mask(store) and not keep_special else None
-    masks = [resolve_mask(store, s, mask_kind) for s in segs]
+    all_geo = _geometry(store)
+    names = [segments] if isinstance(segments, str) else list(segments or all_geo)
+    unknown = [x for x in names if x not in all_geo]
+    if unknown or not names:
+        raise SegmentNotFoundError(f"segments {unknown or names} are not in this store; it has segments {list(all_geo)}")
+    segs = [g for x, g in all_geo.items() if x in names]  # store order: order keys increase along the pass
+    # the loaders' "content" mask: keep token label 0 (text stores with labels), unless keep_special
+    use_mask = default_mask(store) and not keep_special
+    masks = [np.asarray(store.field(s.name + spec.TOKEN_LABELS_SUFFIX)) == 0 if use_mask else None for s in segs]
     lens = {name: np.asarray(store.field(name + spec.LEN_SUFFIX), np.int64) for name in all_geo}
     names = list(all_geo)
     before = {s.name: sum((lens[o] for o in names[: names.index(s.name)]), np.zeros(len(store), np.int64)) for s in segs}  # token offset of each segment
-    dtype = stored_numpy_dtype(store)
+    dtype = np.dtype(spec.ACT_DTYPES[store.dtype])
     d = int(store.d_model)
     n_ex = len(store)
     row_bytes = d * dtype.itemsize
