@@ -32,9 +32,9 @@ def run_features(
                              n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
     labels = default_mask(store)
     meta = {
-        "store": {"path": str(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},
+        "store": {"path": _absolute(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,
-        "encoder": enc.describe() | ({"bias": str(bias)} if bias else {}),
+        "encoder": enc.describe() | ({"bias": _absolute(bias)} if bias else {}),
         "masks": {"token_mask": "content" if labels and not keep_special else None, "keep_special": keep_special,
                   "segments": list(segments) if segments else list(store.segments)},
         "options": {"k": top_k, "features": features, "n_intervals": n_intervals, "per_interval": per_interval, "seed": seed},
@@ -42,3 +42,13 @@ def run_features(
         "actstore_version": __version__,
     }
     return write_tables(tables, out, meta)
+
+
+def _absolute(path: Any) -> str:
+    """A local path made absolute (meta.json is read from other folders); URLs as they are."""
+    import os
+
+    from actstore.storage import is_url
+
+    text = str(path)
+    return text if is_url(text) or "://" in text else os.path.abspath(text)

@@ -114,7 +114,7 @@ def load_saelens(folder: str | Path) -> Encoder:
         kind="saelens", d_in=d_in, n_features=F, W=W, b=_f32(w["b_enc"], "b_enc"),
         b_pre=_f32(w["b_dec"], "b_dec") if cfg.get("apply_b_dec_to_input", True) else None,
         normalize=SAELENS_NORMALIZE[norm], W_dec=W_dec,
-        source={"path": str(folder), "sha256": sha256_of(cfg_path, w_path), "architecture": arch}, **kw,
+        source={"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, w_path), "architecture": arch}, **kw,
     )
 
 
@@ -163,7 +163,7 @@ def load_saev(path: str | Path) -> Encoder:
     else:
         raise EncoderError(f"saev activation must be Relu, TopK or BatchTopK. Got {name!r} in {path}.")
     return Encoder(kind="saev", d_in=W.shape[0], n_features=W.shape[1], W=W, b=_f32(state["b_enc"], "b_enc"),
-                   W_dec=_f32(state["W_dec"], "W_dec"), source={"path": str(path), "sha256": sha256_of(path), "architecture": name}, **kw)
+                   W_dec=_f32(state["W_dec"], "W_dec"), source={"path": str(path.resolve()), "sha256": sha256_of(path), "architecture": name}, **kw)
 
 
 def load_dictionary_learning(path: str | Path) -> Encoder:
@@ -180,7 +180,7 @@ def load_dictionary_learning(path: str | Path) -> Encoder:
     if dict_class not in DL_CLASSES:
         raise EncoderError(f"dictionary_learning dict_class must be one of {list(DL_CLASSES)}. Got {dict_class!r} in {cfg_path}.")
     s = _torch_state(ae)
-    src = {"path": str(folder), "sha256": sha256_of(cfg_path, ae), "architecture": dict_class}
+    src = {"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, ae), "architecture": dict_class}
     if dict_class == "JumpReluAutoEncoder":
         _need(s, ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"), ae)
         W = _f32(s["W_enc"], "W_enc")
@@ -229,7 +229,7 @@ def load_directions(path: str | Path, bias: str | Path | None = None) -> Encoder
             raise EncoderError(f"the bias has {b.size} values but the directions matrix {W.shape} has F={W.shape[1]} columns")
     files = [path] + ([Path(bias)] if bias is not None else [])
     return Encoder(kind="directions", d_in=W.shape[0], n_features=W.shape[1], W=W, b=b, W_dec=W.T.copy(),
-                   source={"path": str(path), "sha256": sha256_of(*files)})
+                   source={"path": str(path.resolve()), "sha256": sha256_of(*files)})
 
 
 def load(*, neurons_d_model: int | None = None, sae: str | Path | None = None, saev: str | Path | None = None,
