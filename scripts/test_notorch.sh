@@ -9,7 +9,8 @@
 # cases need moto's server (the main suite has it); test_mutations.py (2,200 mutations, about 2 minutes: the main suite
 # runs them; the paths they exercise have no torch branch) and test_docs_blocks.py (capture
 # commands of docs/ need torch); test_features_site.py (decodes with a transformers tokenizer,
-# reads the parquet files with pandas, drives chromium). The feature pass's oracle tests run
+# reads the parquet files with pandas, drives chromium), test_features_embedded.py (captures
+# with a real model). The feature pass's oracle tests run
 # here, but for their S3 case (moto's server).
 set -euo pipefail
 cd "$(dirname "$0")/.."
