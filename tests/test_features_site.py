@@ -240,6 +240,12 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
     assert top["bin_min"] == -1 and top["tokens"][top["qualifying_token_index"]] == "zebra" and top["values"][top["qualifying_token_index"]] == 6.0
     feats = pd.read_parquet(out / "features.parquet")
     assert f0["frac_nonzero"] == feats.density[0] and sum(f0["freq_hist_data_bar_heights"]) == feats.n_active[0]
+    # the site's logit table: the decoder direction of feature 0 raises "red" most
+    res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--unembedding", str(tmp_path / "wu.npy"), "--no-progress"])
+    assert res.exit_code == 0, res.output
+    page = (tmp_path / "site" / "f" / "0.html").read_text()
+    logits = page.split("Logits of the decoder direction", 1)[1].split("Top activations", 1)[0]
+    assert '<th class="text">positive</th>' in logits and '<td class="text ctx">red</td><td>1.000</td>' in logits
 
 
 def test_several_images_share_one_colour_scale(vit_store, tmp_path):
@@ -325,6 +331,11 @@ def test_bad_direction_source_writes_nothing(text_store, tmp_path):
     res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "wrong.npy"), "--out", str(out)])
     assert res.exit_code == 1 and "the directions encoder takes d_in=7 but layer 4 of" in res.output and "has d_model=6" in res.output
     assert not out.exists()
+    from sae_lens import StandardSAE, StandardSAEConfig
+
+    StandardSAE(StandardSAEConfig(d_in=5, d_sae=8, dtype="float32", device="cpu")).save_model(tmp_path / "sae5")
+    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--sae", str(tmp_path / "sae5"), "--out", str(out)])
+    assert res.exit_code == 1 and "the saelens encoder takes d_in=5 but layer 4 of" in res.output and not out.exists()
     res = CliRunner().invoke(main, ["features", str(path), "--layer", "9", "--neurons", "--out", str(out)])
     assert res.exit_code == 1 and "this store holds layers [4]" in res.output and not out.exists()
     res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "0", "--out", str(out)])
