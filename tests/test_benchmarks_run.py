@@ -94,3 +94,28 @@ def test_bench_export(tmp_path):
                              "--dir", str(tmp_path)], tmp_path)
     assert d["n_examples"] > 0 and d["budget"] == 100 and d["workers"] == 1
     assert positive(d["ratio"], *d["plain_write_gbps"], *d["export_gbps"])
+
+
+def test_bench_spec(tmp_path):
+    """The spec's matrix at --quick size: one row per measurement, every cell's parameters."""
+    d = run_bench("spec", ["--quick", "--r-max", "8,16", "--t-chunk", "8,16", "--workers", "0,2", "--writers", "1,2", "--queries", "30",
+                           "--dir", str(tmp_path)], tmp_path)
+    rows = d["rows"]
+    cells = {(r["layout"], r["r_max"], r["t_chunk"]) for r in rows}
+    assert cells == {(lay, r, t) for lay in ("v2", "v3-sharded") for r in (8, 16) for t in (8, 16)}
+    for r in rows:
+        assert (r["d_model"], r["layers"], r["examples"], r["p_max"]) == (32, 2, 16, 32), r
+        assert r["prompt_chunk_bytes"] == r["t_chunk"] * 32 * 2 and r["response_chunk_bytes"] == r["r_max"] * 32 * 2
+    per_cell = {}
+    for r in rows:
+        per_cell.setdefault((r["layout"], r["r_max"], r["t_chunk"]), []).append((r["metric"], r.get("workers", r.get("writers"))))
+    assert all(sorted(v, key=str) == sorted([("write", 1), ("write", 2), ("read_prompt", None), ("read_response", None), ("batch", 0), ("batch", 2)],
+                                            key=str) for v in per_cell.values()), per_cell
+    for r in rows:
+        if r["metric"] == "write":
+            assert r["bytes"] == 16 * 2 * (32 + r["r_max"]) * 32 * 2 and positive(r["MBps"], r["limit_MBps"], r["ratio"]), r
+        else:
+            assert positive(r["mean_us"], r["p50_us"], r["p95_us"], r["limit_mean_us"], r["limit_p50_us"]) and r["p95_us"] >= r["p50_us"], r
+        if r["metric"].startswith("read_"):
+            assert r["n"] == 30 and positive(r["zarr_python_p50_us"]), r
+    assert (tmp_path / "bench-results" / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
