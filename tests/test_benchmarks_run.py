@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300) -> dict:
-    """Run benchmarks/bench_<name>.py in tmp_path (its results go to tmp_path/bench-results)."""
+def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300, script: str | None = None) -> dict:
+    """Run benchmarks/bench_<name>.py (or benchmarks/<script>.py) in tmp_path (its results go to tmp_path/bench-results)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"bench_{name}.py"), *args], cwd=tmp_path, env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script or 'bench_' + name}.py"), *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"bench_{name}.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     files = sorted((tmp_path / "bench-results").glob("*.json"))
@@ -119,3 +119,24 @@ def test_bench_spec(tmp_path):
         if r["metric"].startswith("read_"):
             assert r["n"] == 30 and positive(r["zarr_python_p50_us"]), r
     assert (tmp_path / "bench-results" / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spec_data(tmp_path):
+    """spec_data.py on a tiny config-built Llama: the lengths it stores, their quantiles and
+    what each truncation policy loses, recomputed here from the lengths."""
+    import numpy as np
+
+    from test_capture_support import save_llama
+
+    model = save_llama(tmp_path / "llama", layers=2)
+    d = run_bench("spec_data", ["--examples", "12", "--generate", "4", "--model", str(model), "--layers", "0", "--batch-size", "4",
+                                "--dir", str(tmp_path)], tmp_path, script="spec_data")
+    p, r = np.asarray(d["lengths"]["prompt"]), np.asarray(d["lengths"]["response"])
+    assert d["n_examples"] == len(p) == len(r) == 12 and d["r_max_stored"] == 4 and d["p_max_stored"] == p.max()
+    assert r.min() >= 1 and r.max() <= 4 and d["responses_at_generation_cap"] == int((r == 4).sum())
+    assert d["prompt_len"]["p50"] == np.quantile(p, 0.5) and d["response_len"]["p99"] == np.quantile(r, 0.99)
+    fixed64 = next(x for x in d["prompt_policies"] if x["policy"] == "fixed 64")
+    assert fixed64["truncated_examples"] == int((p > 64).sum())
+    assert abs(fixed64["lost_tokens_fraction"] - (1 - np.minimum(p, 64).sum() / p.sum())) < 1e-12
+    q1 = next(x for x in d["response_policies"] if x["policy"] == "quantile 1.0")
+    assert q1["budget"] == r.max() and q1["truncated_examples"] == 0 and q1["lost_tokens_fraction"] == 0
