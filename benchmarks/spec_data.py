@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,13 @@ def policies(x: np.ndarray, fixed: tuple[int, ...]) -> list[dict]:
     return rows
 
 
+def loops(text: str, n: int = 6, times: int = 3) -> bool:
+    """True when some run of n words repeats at least `times` times (a greedy decoding loop)."""
+    w = text.split()
+    grams = Counter(" ".join(w[i : i + n]) for i in range(len(w) - n + 1))
+    return bool(grams) and grams.most_common(1)[0][1] >= times
+
+
 def analyse(store_path: Path, generate: int) -> dict:
     """Length distributions and truncation policies from a prompt/response store."""
     import actstore
@@ -83,12 +91,15 @@ def analyse(store_path: Path, generate: int) -> dict:
     p = np.asarray(store.segment("prompt").lengths(), np.int64)
     r = np.asarray(store.segment("response").lengths(), np.int64)
     seg = store.meta["segments"]
+    capped = r >= generate if generate else np.zeros(len(r), bool)
+    looping = np.asarray([loops(t) for t in store.texts("response")], bool)
     # The prompt budget was the longest prompt, so no prompt was cut; a response of exactly
     # `generate` tokens without EOS was cut by generation (its true length is unknown).
     return {
         "n_examples": len(store), "model_id": store.meta["model_id"], "d_model": store.d_model,
         "p_max_stored": seg["prompt"]["t_max"], "r_max_stored": seg["response"]["t_max"], "generate": generate,
-        "responses_at_generation_cap": int((r >= generate).sum()) if generate else None,
+        "responses_at_generation_cap": int(capped.sum()) if generate else None,
+        "capped_responses_looping": int((capped & looping).sum()), "other_responses_looping": int((~capped & looping).sum()),
         "prompt_len": quantiles(p), "response_len": quantiles(r), "total_len": quantiles(p + r),
         "prompt_policies": policies(p, FIXED_P), "response_policies": policies(r, FIXED_R),
         "lengths": {"prompt": p.tolist(), "response": r.tolist()},

@@ -134,6 +134,7 @@ def test_spec_data(tmp_path):
     p, r = np.asarray(d["lengths"]["prompt"]), np.asarray(d["lengths"]["response"])
     assert d["n_examples"] == len(p) == len(r) == 12 and d["r_max_stored"] == 4 and d["p_max_stored"] == p.max()
     assert r.min() >= 1 and r.max() <= 4 and d["responses_at_generation_cap"] == int((r == 4).sum())
+    assert 0 <= d["capped_responses_looping"] <= d["responses_at_generation_cap"] and d["other_responses_looping"] == 0  # 4 words cannot loop
     assert d["prompt_len"]["p50"] == np.quantile(p, 0.5) and d["response_len"]["p99"] == np.quantile(r, 0.99)
     fixed64 = next(x for x in d["prompt_policies"] if x["policy"] == "fixed 64")
     assert fixed64["truncated_examples"] == int((p > 64).sum())
