@@ -8,7 +8,8 @@ physical limit in the same run on the same bytes:
 
 - write: W = 1, 2, 4 (--writers) ShardWriter processes, each writing its share of the
   examples into its own shard (fsync=True), against W processes writing the same arrays
-  plainly to raw files (+ fsync); MB/s of the arrays handed to the writers.
+  plainly to raw files (+ fsync); MB/s of the arrays handed to the writers
+  (`--durability none`: both sides left in the page cache).
 - read: --queries random (i, random layer) reads of the prompt slice
   (`store.segment("prompt")[i, l]`, prompt[:p_i]) and of the response slice, each
   against np.memmap of the raw files (the same bytes, copied out), warm; mean, p50, p95.
@@ -98,13 +99,13 @@ def make_arrays(n: int, n_layers: int, p_max: int, r_max: int, d: int, plen: np.
 def _write_store(w: int, n_w: int, store: str, kw: dict, p, r, plen, rlen, b: int, barrier) -> None:
     lo, hi = w * len(p) // n_w, (w + 1) * len(p) // n_w
     barrier.wait()
-    with actstore.ShardWriter(store, shard=w, fsync=True, **kw) as wr:
+    with actstore.ShardWriter(store, shard=w, **kw) as wr:
         for i in range(lo, hi, b):
             j = min(i + b, hi)
             wr.append(prompt=p[i:j], response=r[i:j], lengths={"prompt": plen[i:j], "response": rlen[i:j]})
 
 
-def _write_raw(w: int, n_w: int, folder: str, p, r, b: int, barrier) -> None:
+def _write_raw(w: int, n_w: int, folder: str, p, r, b: int, sync: bool, barrier) -> None:
     lo, hi = w * len(p) // n_w, (w + 1) * len(p) // n_w
     barrier.wait()
     with open(f"{folder}/prompt-{w}.bin", "wb", buffering=0) as fp, open(f"{folder}/response-{w}.bin", "wb", buffering=0) as fr:
@@ -112,8 +113,9 @@ def _write_raw(w: int, n_w: int, folder: str, p, r, b: int, barrier) -> None:
             j = min(i + b, hi)
             fp.write(memoryview(p[i:j]).cast("B"))
             fr.write(memoryview(r[i:j]).cast("B"))
-        os.fsync(fp.fileno())
-        os.fsync(fr.fileno())
+        if sync:
+            os.fsync(fp.fileno())
+            os.fsync(fr.fileno())
 
 
 def run_procs(target, n_w: int, args: tuple) -> float:
@@ -142,7 +144,7 @@ def bench_writes(root: Path, kw: dict, p, r, plen, rlen, a) -> list[dict]:
         raw = root / f"raw-{n_w}"
         raw.mkdir()
         os.sync()
-        t_raw = run_procs(_write_raw, n_w, (str(raw), p, r, a.write_batch))
+        t_raw = run_procs(_write_raw, n_w, (str(raw), p, r, a.write_batch, a.durability == "fsync"))
         store = root / f"store-{n_w}"
         os.sync()
         t_store = run_procs(_write_store, n_w, (str(store), kw, p, r, plen, rlen, a.write_batch))
@@ -230,11 +232,17 @@ def run_cell(root: Path, a, d: int, layout: str, r_max: int, t_chunk: int, seed:
     rng = np.random.default_rng(seed)
     plen, rlen = draw_lengths(a, a.examples, r_max, rng)
     p, r = make_arrays(a.examples, a.layers, a.p_max, r_max, d, plen, rlen, seed)
-    kw = {"layers": list(range(a.layers)), "d_model": d, "segments": {"prompt": a.p_max, "response": r_max},
+    kw = {"fsync": a.durability == "fsync", "layers": list(range(a.layers)), "d_model": d, "segments": {"prompt": a.p_max, "response": r_max},
           "t_chunk": {"prompt": t_chunk, "response": r_max}}
     if layout == "v3-sharded":
         kw.update(zarr_format=3, shard_examples=min(a.shard_examples, a.examples))
+    cell = {"d_model": d, "layers": a.layers, "examples": a.examples, "layout": layout, "r_max": r_max, "t_chunk": t_chunk, "p_max": a.p_max,
+            "prompt_chunk_bytes": t_chunk * d * 2, "response_chunk_bytes": r_max * d * 2}
     rows = bench_writes(root, kw, p, r, plen, rlen, a)
+    if a.parts == "write":
+        shutil.rmtree(root / "store-1")
+        shutil.rmtree(root / "raw-1")
+        return [{**cell, **row} for row in rows]
     store = actstore.ActStore(root / "store-1")
     shape = {"prompt": p.shape, "response": r.shape}
     raws = {s: np.memmap(root / "raw-1" / f"{s}-0.bin", dtype=np.float16, mode="r", shape=shape[s]) for s in shape}
@@ -247,8 +255,6 @@ def run_cell(root: Path, a, d: int, layout: str, r_max: int, t_chunk: int, seed:
     del raws, store
     shutil.rmtree(root / "store-1")
     shutil.rmtree(root / "raw-1")
-    cell = {"d_model": d, "layers": a.layers, "examples": a.examples, "layout": layout, "r_max": r_max, "t_chunk": t_chunk, "p_max": a.p_max,
-            "prompt_chunk_bytes": t_chunk * d * 2, "response_chunk_bytes": r_max * d * 2}
     return [{**cell, **row} for row in rows]
 
 
@@ -268,6 +274,9 @@ def main() -> None:
     ap.add_argument("--shard-examples", type=int, help=f"examples per Zarr shard file, v3-sharded (default {FULL['shard_examples']}).")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="v2 (a file per chunk) and/or v3-sharded.")
     ap.add_argument("--epochs", type=int, default=2, help="DataLoader epochs timed per worker count.")
+    ap.add_argument("--durability", choices=["fsync", "none"], default="fsync",
+                    help="fsync: ShardWriter(fsync=True) against raw writes + fsync; none: both left in the page cache.")
+    ap.add_argument("--parts", choices=["all", "write"], default="all", help="write: the write scaling alone.")
     ap.add_argument("--write-batch", type=int, default=16, help="examples per append.")
     ap.add_argument("--lengths", default=None, help="spec_data.py results: draw token lengths from that data set.")
     ap.add_argument("--dir", default=None, help="Scratch folder (default: a temporary folder).")
@@ -295,6 +304,10 @@ def main() -> None:
                         rows += cell
                         load.append(os.getloadavg())
                         by = {x["metric"] + str(x.get("workers", x.get("writers", ""))): x for x in cell}
+                        if a.parts == "write":
+                            print(f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: " + ", ".join(
+                                f"W={x['writers']} {x['MBps']:.0f} MB/s, raw {x['limit_MBps']:.0f} ({x['ratio']:.2f}x)" for x in cell), flush=True)
+                            continue
                         print(f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: prompt p50 {by['read_prompt']['p50_us']:.0f} us "
                               f"({by['read_prompt']['ratio_p50']:.2f}x memmap), response p50 {by['read_response']['p50_us']:.0f} us "
                               f"({by['read_response']['ratio_p50']:.2f}x), batch w0 {by['batch0']['p50_us'] / 1e3:.1f} ms, "
@@ -303,10 +316,10 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     params = {k: getattr(a, k) for k in ("quick", "d_model", "layers", "examples", "r_max", "t_chunk", "p_max", "queries", "workers", "writers",
-                                          "batch", "shard_examples", "layouts", "epochs", "write_batch", "lengths", "seed")}
+                                          "batch", "shard_examples", "layouts", "epochs", "write_batch", "durability", "parts", "lengths", "seed")}
     path = save("spec", {"params": params, "command": " ".join(sys.argv), "seconds": time.time() - t_start, "load_average": load, "rows": rows})
     print(f"results: {path}")
-    if not a.no_plot:
+    if not a.no_plot and a.parts == "all":
         from spec_plot import plot
 
         print(f"figure: {plot(rows, path.with_suffix('.png'))}")

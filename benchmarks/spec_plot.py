@@ -1,10 +1,15 @@
-"""The figure of bench_spec.py's matrix: per (H, layout) a row of latency heatmaps over
-R_max x T_chunk_prompt (prompt read, response read, batch assembly without workers; p50,
-with the ratio to the memmap limit) and the write scaling curve (MB/s against writer
-processes, actstore and raw files, median over the cells)."""
+"""The figure and tables of bench_spec.py's matrix: per (H, layout) a row of latency
+heatmaps over R_max x T_chunk_prompt (prompt read, response read, batch assembly without
+workers; p50, with the ratio to the memmap limit) and the write scaling curve (MB/s
+against writer processes, actstore and raw files, median over the cells).
+
+Run: .venv/bin/python benchmarks/spec_plot.py bench-results/spec.json  (figure + markdown tables)
+"""
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +65,39 @@ def plot(rows: list[dict], out: Path) -> Path:
         ax.legend()
     fig.suptitle("bench_spec: p50 latency (ratio to np.memmap of the same bytes below each figure)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=72)
     plt.close(fig)
     return out
+
+
+def tables(rows: list[dict]) -> str:
+    """Markdown: reads per T_chunk (prompt) and R_max (response), batches per workers,
+    writes per W; medians over the other axis of the matrix."""
+    med = lambda xs: float(np.median(xs)) if xs else float("nan")  # noqa: E731
+    out = []
+    for d, layout in sorted({(x["d_model"], x["layout"]) for x in rows}):
+        sub = [x for x in rows if x["d_model"] == d and x["layout"] == layout]
+        out.append(f"\n**H={d}, {layout}**\n\n| read | param | mean us | p50 us | p95 us | memmap p50 us | x memmap p50 | zarr-python p50 us |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for metric, key in (("read_prompt", "t_chunk"), ("read_response", "r_max")):
+            for v in sorted({x[key] for x in sub}):
+                c = [x for x in sub if x["metric"] == metric and x[key] == v]
+                out.append(f"| {metric[5:]} | {key}={v} | {med([x['mean_us'] for x in c]):.0f} | {med([x['p50_us'] for x in c]):.0f} | "
+                           f"{med([x['p95_us'] for x in c]):.0f} | {med([x['limit_p50_us'] for x in c]):.0f} | {med([x['ratio_p50'] for x in c]):.2f} | "
+                           f"{med([x['zarr_python_p50_us'] for x in c]):.0f} |")
+        out.append("\n| batch b x 2 layers | mean ms | p50 ms | p95 ms | batches/s | memmap, 1 process, mean ms |\n| --- | --- | --- | --- | --- | --- |")
+        for w in sorted({x["workers"] for x in sub if x["metric"] == "batch"}):
+            c = [x for x in sub if x["metric"] == "batch" and x["workers"] == w]
+            out.append(f"| {w} workers | {med([x['mean_us'] for x in c]) / 1e3:.2f} | {med([x['p50_us'] for x in c]) / 1e3:.2f} | "
+                       f"{med([x['p95_us'] for x in c]) / 1e3:.2f} | {med([x['batches_per_s'] for x in c]):.0f} | {med([x['limit_mean_us'] for x in c]) / 1e3:.2f} |")
+        out.append("\n| writers W | actstore MB/s | raw MB/s | ratio (median of cells) | ratios per cell |\n| --- | --- | --- | --- | --- |")
+        for w in sorted({x["writers"] for x in sub if x["metric"] == "write"}):
+            c = [x for x in sub if x["metric"] == "write" and x["writers"] == w]
+            out.append(f"| {w} | {med([x['MBps'] for x in c]):.0f} | {med([x['limit_MBps'] for x in c]):.0f} | {med([x['ratio'] for x in c]):.2f} | "
+                       + ", ".join(f"{x['ratio']:.2f}" for x in c) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    res = json.loads(Path(sys.argv[1]).read_text())
+    print(f"figure: {plot(res['rows'], Path(sys.argv[1]).with_suffix('.png'))}")
+    print(tables(res["rows"]))
