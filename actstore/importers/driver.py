@@ -40,7 +40,8 @@ class ImportVerifyError(ActstoreError, RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class Geometry:
-    """The store an import writes: one fixed-length segment SEGMENT of `tokens` tokens."""
+    """The store an import writes: one segment SEGMENT of `tokens` tokens (fixed, or up to
+    that many with `variable`, when examples have lengths)."""
 
     layers: list[int]
     d_model: int
@@ -48,6 +49,7 @@ class Geometry:
     dtype: str
     token_ids: bool = False
     token_labels: bool = False
+    variable: bool = False
     model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
 
@@ -152,7 +154,8 @@ def _import_part(source: Source, store: Any, i: int, report: ImportReport, updat
         return None
     kw = {"commit_bytes": commit_bytes} if commit_bytes else {}
     attrs = {**g.attrs, IMPORT_ATTR: {"kind": source.kind, "source": source.url, "part": part.key, "fingerprint": part.fingerprint}}
-    w = ShardWriter(store, shard=i, layers=g.layers, d_model=g.d_model, tokens=g.tokens, dtype=g.dtype, token_ids=g.token_ids,
+    shape = {"segments": {SEGMENT: g.tokens}} if g.variable else {"tokens": g.tokens}
+    w = ShardWriter(store, shard=i, layers=g.layers, d_model=g.d_model, **shape, dtype=g.dtype, token_ids=g.token_ids,
                     token_labels=g.token_labels, model_id=g.model_id, attrs=attrs, resume=state == "partial",
                     zarr_format=zarr_format, **kw)
     probe = None

@@ -94,6 +94,7 @@ class SaelensSource:
             layer = int(m.group(1)) if m else 0
         self.geometry = Geometry(
             layers=[int(layer)], d_model=self.D, tokens=self.C, dtype=dtype, token_ids=self.ids_mode, token_labels=labels,
+            variable=self.has_ids,
             model_id=config.get("model_name") if isinstance(config, dict) else None,
             attrs={"saelens": {"hook_name": hook_name, "context_size": self.C, "config": config or None},
                    "hook_names": {str(int(layer)): hook_name}},
