@@ -8,6 +8,7 @@ import click
 def register(main: click.Group) -> None:
     main.add_command(import_activault_cmd)
     main.add_command(import_saelens_cmd)
+    main.add_command(import_dictionary_learning_cmd)
 
 
 def _common(f):
@@ -55,5 +56,27 @@ def import_saelens_cmd(src: str, store: str, hook_name: str | None, workers: int
     from actstore.importers import import_saelens
 
     rep = import_saelens(src, store, hook_name=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet)
+    if not quiet:
+        click.echo(rep.summary())
+
+
+@click.command("import-dictionary-learning")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("store")
+@click.option("--tokens-per-example", type=int, default=None, help="Tokens per example (default: the cache's context_len).")
+@_common
+def import_dictionary_learning_cmd(src: str, store: str, tokens_per_example: int | None, workers: int, zarr_format: str,
+                                   layer: int | None, quiet: bool) -> None:
+    """Import one submodule of a dictionary_learning activation cache (SRC: the folder
+    {store_dir}/{submodule}_{io} with config.json and shard_N.memmap/.meta) into STORE.
+
+    Tokens are kept in file order, cut into examples of --tokens-per-example tokens
+    (float32, exact; the cache keeps no token ids). Every shard present is imported,
+    including the last one, which the cache's config.json does not count.
+    """
+    from actstore.importers import import_dictionary_learning
+
+    rep = import_dictionary_learning(src, store, tokens_per_example=tokens_per_example, layer=layer, workers=workers,
+                                     zarr_format=int(zarr_format), progress=not quiet)
     if not quiet:
         click.echo(rep.summary())
