@@ -94,3 +94,11 @@ def test_bench_export(tmp_path):
                              "--dir", str(tmp_path)], tmp_path)
     assert d["n_examples"] > 0 and d["budget"] == 100 and d["workers"] == 1
     assert positive(d["ratio"], *d["plain_write_gbps"], *d["export_gbps"])
+
+
+def test_bench_import(tmp_path):
+    d = run_bench("import", ["--files", "2", "--seqs", "4", "--seq-len", "16", "--d-model", "8", "--repeats", "1",
+                             "--dir", str(tmp_path)], tmp_path)
+    assert d["activault"]["tokens"] == d["saelens"]["tokens"] == 2 * 4 * 16
+    assert d["aligned"]["layers"] == 3 and d["aligned"]["vectors"] == 8 * 8 * 3
+    assert positive(d["activault"]["ratio"], d["saelens"]["ratio"], d["aligned"]["ratio"])
