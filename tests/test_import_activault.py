@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,3 +216,52 @@ def test_verification_catches_a_store_that_does_not_hold_the_source(tmp_path, mo
     monkeypatch.setattr(driver, "_checksum", lambda *a: 12345)
     with pytest.raises(driver.ImportVerifyError, match=r"example 0 \(the first of .*\) does not hold the bytes read from the source"):
         import_activault(d, tmp_path / "s", progress=False)
+
+
+KILL_SCRIPT = """
+import sys, time
+from actstore.importers import activault, import_activault
+real = activault.ActivaultSource.read
+activault.BATCH_BYTES = 5 * 8 * 2  # one example per batch
+def slow(self, part, start):
+    for b in real(self, part, start):
+        time.sleep(0.05)
+        yield b
+activault.ActivaultSource.read = slow
+import_activault(sys.argv[1], sys.argv[2], progress=False, workers=2, commit_bytes=1)
+"""
+
+
+def test_sigkill_mid_import_then_rerun_continues_exactly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from actstore import catalog
+    from actstore.storage import open_storage
+
+    files = write_hook(tmp_path, n_files=3, batch_size=8, batches_per_file=2)
+    d, store = tmp_path / "run" / HOOK, tmp_path / "s"
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(d), str(store)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # kill once a shard has committed some, not all, of its 16 examples
+            st = open_storage(store)
+            if catalog.shard_exists(st, 0) and 3 <= catalog.read_commit(catalog.shard_storage(st, 0)).n_committed < 16:
+                break
+            assert proc.poll() is None, "the import ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (store / "manifest.json").exists()  # nothing published
+    rep = import_activault(d, store, progress=False)
+    assert rep.n_resumed >= 1 and rep.n_resumed + rep.n_written + rep.n_skipped == 3
+    check_store(store, files)

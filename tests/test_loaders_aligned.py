@@ -203,3 +203,27 @@ def test_on_s3(tmp_path, s3_url):
     remote = tagged_store(s3_url)
     seen = check_aligned(local, list(TokenStream(remote, layers=[2, 9], aligned=True, batch_size=6, seed=1)), [2, 9])
     assert sorted(seen) == every_token(local)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_fixed_token_vit_store_mapped_or_read(tmp_path, mmap):
+    """A ViT-like store (one fixed segment, no token ids): layers in step, every patch once."""
+    rng = np.random.default_rng(0)
+    n, t, d = 10, 5, 6
+    acts = rng.standard_normal((n, 2, t, d)).astype(np.float32)
+    acts[..., 0] = np.arange(n)[:, None, None]
+    acts[..., 1] = np.array([3, 7])[None, :, None]
+    acts[..., 2] = np.arange(t)[None, None, :]
+    with ShardWriter(tmp_path / "v", layers=[3, 7], d_model=d, tokens=t, dtype="float32") as w:
+        w.append(acts)
+    actstore.finalize(tmp_path / "v")
+    st = ActStore(tmp_path / "v")
+    batches = list(TokenStream(st, layers=[3, 7], aligned=True, batch_size=7, seed=2, mmap=mmap))
+    seen = []
+    for a, b in batches:
+        assert torch.equal(a[:, [0, 2]], b[:, [0, 2]]) and torch.all(a[:, 1] == 3) and torch.all(b[:, 1] == 7)
+        seen += [tuple(r) for r in a[:, [0, 2]].numpy().astype(int).tolist()]
+        for row in range(len(a)):
+            ex, tok = int(a[row, 0]), int(a[row, 2])
+            np.testing.assert_array_equal(b[row].numpy(), acts[ex, 1, tok])
+    assert sorted(seen) == [(e, k) for e in range(n) for k in range(t)]
