@@ -114,24 +114,29 @@ def test_from_s3_equals_local(tmp_path, s3_url):
         assert st.token_ids(r).tolist() == ids[r].tolist()
 
 
-def test_resumes_exactly_after_a_failure(tmp_path, monkeypatch):
+def test_resumes_exactly_after_a_failure_inside_a_record_batch(tmp_path, monkeypatch):
     acts, ids = saelens_cache(tmp_path, n_buffers=3)
+    monkeypatch.setattr("actstore.importers.saelens.BATCH_BYTES", 8 * 5 * 4)  # one row per append
     real = SaelensSource.read
 
     def dying(self, part, start):
         for k, b in enumerate(real(self, part, start)):
+            if k == 2:
+                raise KeyboardInterrupt("killed inside the first record batch")
             yield b
-            raise KeyboardInterrupt("killed after the first record batch")
     monkeypatch.setattr(SaelensSource, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         import_saelens(tmp_path / "cache", tmp_path / "s", progress=False, workers=1, commit_bytes=1)
     starts = []
     monkeypatch.setattr(SaelensSource, "read", lambda self, part, start: (starts.append(start), real(self, part, start))[1])
     rep = import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)
-    assert (rep.n_resumed, rep.n_written, rep.n_skipped) == (1, 2, 0) and sorted(starts) == [0, 0, 6]
+    assert (rep.n_resumed, rep.n_written, rep.n_skipped) == (1, 2, 0) and sorted(starts) == [0, 0, 2]
     st = ActStore(tmp_path / "s")
     for r in range(18):
         np.testing.assert_array_equal(np.asarray(st[r, 4]), acts[r])
+        assert st.token_ids(r).tolist() == ids[r].tolist()
+    again = import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)  # a finished import: nothing to do
+    assert (again.n_skipped, again.n_written, again.n_examples) == (3, 0, 18)
 
 
 def test_another_hook_than_asked_is_refused_naming_the_file(tmp_path):

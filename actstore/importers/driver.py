@@ -14,6 +14,7 @@ the bytes of each part's first example read back against a checksum taken from t
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +96,12 @@ class ImportReport:
     n_skipped: int = 0
     n_examples: int = 0
     n_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, what: str) -> None:
+        """One more part written, resumed or skipped (from any writer thread)."""
+        with self.lock:
+            setattr(self, what, getattr(self, what) + 1)
 
     def summary(self) -> str:
         return (f"imported {self.kind} {self.source} -> {self.store}: {self.n_examples:,} examples, {self.n_tokens:,} tokens "
@@ -149,7 +156,7 @@ def _import_part(source: Source, store: Any, i: int, report: ImportReport, updat
     part, g = source.parts[i], source.geometry
     state = _existing(store, i, part, source, zarr_format)
     if state == "done":
-        report.n_skipped += 1
+        report.count("n_skipped")
         update(part.n_examples or 0)
         return None
     kw = {"commit_bytes": commit_bytes} if commit_bytes else {}
@@ -162,10 +169,10 @@ def _import_part(source: Source, store: Any, i: int, report: ImportReport, updat
     with w:
         start = w.n_committed
         if state == "partial":
-            report.n_resumed += 1
+            report.count("n_resumed")
             update(start)
         else:
-            report.n_written += 1
+            report.count("n_written")
         for b in source.read(part, start):
             if probe is None and start == 0:
                 probe = _checksum(b.acts, 0, None if b.lengths is None else int(b.lengths[0]))

@@ -33,6 +33,7 @@ STATE, INFO, CONFIG = "state.json", "dataset_info.json", "saelens_config.json"
 NO_TOKEN, CONTENT, SPECIAL, TEMPLATE = -1, -2, -3, -4
 MAX_JSON_BYTES = 64 * 2**20
 READ_BYTES = 8 * 2**20  # range request size for object-store files
+BATCH_BYTES = 64 * 2**20  # activation bytes appended per batch
 
 
 class SaelensDatasetError(ImportSourceError):
@@ -170,34 +171,37 @@ class SaelensSource:
     def read(self, part: Part, start: int) -> Iterator[Examples]:
         where = f"{self.url}/{part.key}"
         row0 = 0
-        g = self.geometry
         for b in self._batches(part.key):
             r = b.num_rows
             if row0 + r <= start:
                 row0 += r
                 continue
-            acts, ids = self._rows(b, where)
-            lo = max(0, start - row0)
-            acts = acts[lo:]
-            ex = Examples(acts=acts)
-            if ids is not None:
-                ids = ids[lo:]
-                filler = ids == NO_TOKEN
-                lengths = self.C - np.argmin(filler[:, ::-1], axis=1)  # trailing -1s end the example
-                lengths[filler.all(axis=1)] = 0
-                ex.lengths = lengths
-                inside = np.arange(self.C)[None, :] < lengths[:, None]
-                if g.token_ids:
-                    bad = np.argwhere((ids < 0) & inside)
-                    if len(bad):
-                        i, t = (int(v) for v in bad[0])
-                        raise SaelensDatasetError(f"{where}: row {row0 + lo + i}, token {t} has token id {int(ids[i, t])}: "
-                                                  "real token ids are >= 0 (-1 only fills the end of a row)")
-                    ex.token_ids = np.where(inside, ids, 0)
-                elif g.token_labels:
-                    ex.token_labels = np.select([ids == SPECIAL, ids == TEMPLATE], [1, 2], 0).astype(np.uint8)
-            yield ex
+            acts_all, ids_all = self._rows(b, where)
+            step = max(1, BATCH_BYTES // (self.C * self.D * acts_all.itemsize))  # SAELens's record batches can be GBs
+            for lo in range(max(0, start - row0), r, step):
+                yield self._examples(acts_all[lo : lo + step], None if ids_all is None else ids_all[lo : lo + step], where, row0 + lo)
             row0 += r
+
+    def _examples(self, acts: np.ndarray, ids: np.ndarray | None, where: str, first_row: int) -> Examples:
+        """Rows first_row... of a part as examples: lengths from the trailing -1 filler, ids or labels."""
+        g = self.geometry
+        ex = Examples(acts=acts)
+        if ids is not None:
+            filler = ids == NO_TOKEN
+            lengths = self.C - np.argmin(filler[:, ::-1], axis=1)  # trailing -1s end the example
+            lengths[filler.all(axis=1)] = 0
+            ex.lengths = lengths
+            inside = np.arange(self.C)[None, :] < lengths[:, None]
+            if g.token_ids:
+                bad = np.argwhere((ids < 0) & inside)
+                if len(bad):
+                    i, t = (int(v) for v in bad[0])
+                    raise SaelensDatasetError(f"{where}: row {first_row + i}, token {t} has token id {int(ids[i, t])}: "
+                                              "real token ids are >= 0 (-1 only fills the end of a row)")
+                ex.token_ids = np.where(inside, ids, 0)
+            elif g.token_labels:
+                ex.token_labels = np.select([ids == SPECIAL, ids == TEMPLATE], [1, 2], 0).astype(np.uint8)
+        return ex
 
 
 class _RangeFile(io.RawIOBase):
