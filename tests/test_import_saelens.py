@@ -164,3 +164,19 @@ def test_foreign_or_damaged_folders(tmp_path):
     (tmp_path / "cache" / "dataset_info.json").write_text("{broken")
     with pytest.raises(SaelensDatasetError, match=r"cache/dataset_info.json is not valid JSON"):
         import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)
+
+
+def test_shapes_that_disagree_with_dataset_info_are_named(tmp_path):
+    import json
+
+    saelens_cache(tmp_path)
+    info = tmp_path / "cache" / "dataset_info.json"
+    doc = json.loads(info.read_text())
+    doc["features"][HOOK]["shape"] = [8, 4]  # the files hold rows of 8 x 5
+    info.write_text(json.dumps(doc))
+    first = sorted((tmp_path / "cache").glob("data-*.arrow"))[0]
+    with pytest.raises(SaelensDatasetError) as e:
+        import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)
+    assert str(e.value) == (f"{first}: a record batch of 6 rows holds 240 float32 values in '{HOOK}'; "
+                            "dataset_info.json says 6 x 8 x 4 float32")
+    assert not (tmp_path / "s").exists()

@@ -83,7 +83,7 @@ class AlignedTokenStream(IterableDataset):
         if self.stack and len({(s.d_model, s.dtype) for s in self.streams}) > 1:
             raise ValueError("stack=True needs sources of one width and dtype; these have "
                              f"{sorted({(s.d_model, str(s.dtype)) for s in self.streams})}: leave stack=False for a tuple")
-        self.batch_size, self.rank, self.world_size = first.batch_size, first.rank, first.world_size
+        self.batch_size, self.rank, self.world_size, self.seed = first.batch_size, first.rank, first.world_size, first.seed
         self.drop_last, self.n_tokens, self.device = first.drop_last, first.n_tokens, first.device
         self._epoch = 0
         self._batches_done = 0
@@ -127,7 +127,7 @@ class AlignedTokenStream(IterableDataset):
             mine = s.state_dict()
             s.load_state_dict({**state, "format": mine["format"], "version": mine["version"]})
         s0 = self.streams[0]
-        self._epoch, self._batches_done, self._num_workers = s0._epoch, s0._batches_done, s0._num_workers
+        self._epoch, self._batches_done, self._num_workers, self.seed = s0._epoch, s0._batches_done, s0._num_workers, s0.seed
 
     def release(self) -> None:
         """Give back every source's buffers and mappings (TokenStream.release)."""
