@@ -141,3 +141,11 @@ def test_spec_data(tmp_path):
     assert abs(fixed64["lost_tokens_fraction"] - (1 - np.minimum(p, 64).sum() / p.sum())) < 1e-12
     q1 = next(x for x in d["response_policies"] if x["policy"] == "quantile 1.0")
     assert q1["budget"] == r.max() and q1["truncated_examples"] == 0 and q1["lost_tokens_fraction"] == 0
+
+
+def test_bench_import(tmp_path):
+    d = run_bench("import", ["--files", "2", "--seqs", "4", "--seq-len", "16", "--d-model", "8", "--repeats", "1",
+                             "--dir", str(tmp_path)], tmp_path)
+    assert d["activault"]["tokens"] == d["saelens"]["tokens"] == 2 * 4 * 16
+    assert d["aligned"]["layers"] == 3 and d["aligned"]["vectors"] == 8 * 8 * 3
+    assert positive(d["activault"]["ratio"], d["saelens"]["ratio"], d["aligned"]["ratio"])
