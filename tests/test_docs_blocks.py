@@ -76,7 +76,7 @@ def test_every_block_runs_or_is_marked_with_a_known_reason():
     assert not unknown, f"blocks marked with reasons not in REASONS: {unknown}"
     n = sum(len(blocks(d)) for d in DOCS)
     print(f"\n{n} python/bash blocks in docs/: {n - len(marked)} run, {len(marked)} not run: {marked}")
-    assert len(marked) <= 16  # a new exclusion needs a reason above and a place in this budget
+    assert len(marked) <= 17  # a new exclusion needs a reason above and a place in this budget (17th: the Hub push of export.md)
 
 
 def _env(tmp: Path) -> dict[str, str]:

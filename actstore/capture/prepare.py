@@ -92,6 +92,8 @@ class TextPlan:
         special: "mask" (store every token plus token_labels) or "drop" (store content only).
         chat_template: wrap prompts in the tokenizer's chat template.
         generate: new tokens to generate as the response (0: take responses from the data).
+        t_chunk: token chunk length of the text or prompt segment (None: the writer's
+            default by bytes); the response's chunk is its whole budget.
     """
 
     kind: str
@@ -102,6 +104,12 @@ class TextPlan:
     generate: int = 0
     drop_bos: bool = False  # do not store the tokenizer's BOS tokens
     separator: str = "\n"  # pairs without a chat template: between prompt and response (labelled template)
+    t_chunk: int | None = None
+
+    @property
+    def t_chunks(self) -> dict[str, int] | None:
+        """The writer's t_chunk argument: {text or prompt segment: t_chunk}, or None."""
+        return None if self.t_chunk is None else {"tokens" if self.kind == "text" else "prompt": self.t_chunk}
 
     @property
     def segments(self) -> dict[str, int]:

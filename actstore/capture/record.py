@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
+from actstore.layout.config import default_t_chunk
 from actstore.capture.drain import Drain
 from actstore.capture.errors import CaptureError, EmptyDatasetError
 from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
@@ -87,6 +88,7 @@ def record(
     shard: int = 0,
     dtype: str = spec.DEFAULT_DTYPE,
     segments: Mapping[str, int] | None = None,
+    t_chunk: Mapping[str, int] | None = None,
     token_labels: bool = False,
     texts: Sequence[str] = (),
     resume: bool = False,
@@ -125,6 +127,8 @@ def record(
         shard: this writer's shard number.
         dtype: stored dtype ("float16", "bfloat16", "float32").
         segments: {name: T_max} of zero-padded segments (texts); None for one fixed segment.
+        t_chunk: {segment: token chunk length} for some of `segments` (each capped to the
+            writer's default chunk size); the others get the writer's default.
         token_labels, texts: as in ShardWriter (CaptureBatch supplies the values).
         resume: continue the shard after its committed examples; `batches` must start
             after them (see committed()).
@@ -172,7 +176,7 @@ def record(
     extra = {"use_cache": False} if _accepts(lm.forward, "use_cache") else {}
     job = _Job(
         store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
-        token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
+        t_chunk=dict(t_chunk) if t_chunk else None, token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
         attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
         io_progress=io_progress, zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids, drop_cls=drop_cls,
     )
@@ -249,6 +253,7 @@ class _Job:
     lm: LoadedModel
     dtype: str
     segments: dict[str, int] | None
+    t_chunk: dict[str, int] | None
     token_labels: bool
     texts: tuple[str, ...]
     resume: bool
@@ -300,6 +305,9 @@ class _Job:
             if family is not None:
                 attrs.setdefault("family", family)
         seg_kw = {"segments": self.segments} if self.segments else {"tokens": t}
+        if self.t_chunk:  # never a chunk above the writer's default size (MAX_CHUNK_BYTES)
+            item = np.dtype(spec.ACT_DTYPES[self.dtype]).itemsize
+            seg_kw["t_chunk"] = {k: min(v, default_t_chunk(self.segments[k], d, item)) for k, v in self.t_chunk.items()}
         self.writer = ShardWriter(
             self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,
             texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
@@ -314,7 +322,7 @@ class _Job:
         cfg = catalog.read_identity(open_storage(self.store))
         seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
         return dict(
-            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, texts=cfg.texts, token_labels=cfg.token_labels, token_ids=cfg.token_ids,
+            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, t_chunk={s.name: s.t_chunk for s in cfg.segments}, texts=cfg.texts, token_labels=cfg.token_labels, token_ids=cfg.token_ids,
             model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format, shard_examples=cfg.shard_examples,
         )
 

@@ -34,6 +34,16 @@ from actstore.storage import open_storage
 ENGINES = ("local", "ray")
 DROPPABLE = ("bos", "cls")
 DEFAULT_QUANTILE = 0.99  # default token budgets: this quantile of the measured lengths
+MIN_T_CHUNK = 16
+
+
+def measured_t_chunk(lengths: Any, budget: int) -> int:
+    """Token chunk of a variable-length segment whose lengths were measured: the smallest
+    power of two >= the median length (at least MIN_T_CHUNK), at most the budget. Most
+    reads then touch one chunk holding little padding: in benchmarks/bench_spec.py's
+    matrix (docs/spec-answers.md) it gave the lowest prompt read latency at every width."""
+    median = max(1, int(np.ceil(np.median(np.asarray(lengths)))))
+    return min(int(budget), max(MIN_T_CHUNK, 1 << (median - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -253,7 +263,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
     try:
         return record(
             lm, batches, o.store, layers=o.layers, shard=rank, dtype=o.dtype,
-            segments=plan.segments if plan else None, token_labels=bool(plan and o.special == "mask"),
+            segments=plan.segments if plan else None, t_chunk=plan.t_chunks if plan else None, token_labels=bool(plan and o.special == "mask"),
             texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
             on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
             progress=bar.update if bar is not None else None, io_progress=getattr(bar, "io", None), zarr_format=o.zarr_format, shard_examples=o.shard_examples,
@@ -331,8 +341,9 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate,
                     drop_bos="bos" in o.drop, separator=o.separator)
     stored = _stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
-    if stored is not None:  # a resume keeps the store's budgets (measured on the first run)
-        return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0)
+    if stored is not None:  # a resume keeps the store's budgets and chunks (measured on the first run)
+        return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0, t_chunk=stored[2])
+    lengths = None
     if o.p_max is None:  # measured: a high quantile of the lengths, not a fixed budget mostly padding
         lengths = prompt_lengths(lm.tokenizer, plan, source)
         q = DEFAULT_QUANTILE if o.p_quantile is None else o.p_quantile
@@ -350,16 +361,18 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
         if o.p_max is not None:
             raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
         plan = replace(plan, p_max=max(1, lm.max_tokens - plan.r_max))  # a default or quantile budget: fit the context
+    if lengths is not None:  # chunks sized to the measured lengths, not to the budget
+        plan = replace(plan, t_chunk=measured_t_chunk(lengths, plan.p_max))
     return plan
 
 
-def _stored_budgets(o: WriteOptions) -> tuple[int, int] | None:
-    """(p_max, r_max) of the store being resumed, or None (no store yet)."""
+def _stored_budgets(o: WriteOptions) -> tuple[int, int, int] | None:
+    """(p_max, r_max, text or prompt t_chunk) of the store being resumed, or None (no store yet)."""
     storage = open_storage(o.store)
     if not catalog.has_identity(storage):
         return None
     segs = catalog.read_identity(storage).segments
-    return segs[0].t_max, (segs[1].t_max if len(segs) > 1 else 0)
+    return segs[0].t_max, (segs[1].t_max if len(segs) > 1 else 0), segs[0].t_chunk
 
 
 def _as_prompts(source: Source) -> Source:

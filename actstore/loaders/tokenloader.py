@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 if TYPE_CHECKING:
+    from actstore.loaders.aligned import AlignedTokenStream
     from actstore.loaders.tokens import TokenStream
 
 
@@ -33,7 +34,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        stream: TokenStream,
+        stream: TokenStream | AlignedTokenStream,
         *,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -92,18 +93,32 @@ class TokenLoader:
         )
         for batch in dl:
             s._batches_done += 1
+            batch = _as_sent(batch)
             yield batch if device is None else _to(batch, device)
         s._end_epoch()
+
+
+def _as_sent(batch: Any) -> Any:
+    """The batch as the worker yielded it: the DataLoader turns an aligned stream's tuple into a list."""
+    if isinstance(batch, list):
+        return tuple(batch)
+    if isinstance(batch, dict) and isinstance(batch.get("acts"), list):
+        return {**batch, "acts": tuple(batch["acts"])}
+    return batch
 
 
 def _to(batch: Any, device: torch.device) -> Any:
     """The batch's activations on `device` (an asynchronous copy from pinned memory)."""
     if isinstance(batch, dict):
-        return {**batch, "acts": batch["acts"].to(device, non_blocking=True)}
+        return {**batch, "acts": _to(batch["acts"], device)}
+    if isinstance(batch, (tuple, list)):  # an aligned stream's tensors, one per source
+        return tuple(t.to(device, non_blocking=True) for t in batch)
     return batch.to(device, non_blocking=True)
 
 
 def _pin(batch: Any) -> Any:
     if isinstance(batch, dict):
-        return {k: v.pin_memory() for k, v in batch.items()}
+        return {k: _pin(v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return tuple(t.pin_memory() for t in batch)
     return batch.pin_memory()

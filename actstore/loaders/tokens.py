@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from actstore.loaders.aligned import AlignedTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
@@ -109,7 +110,20 @@ class TokenStream(IterableDataset):
             straight from the page cache (one copy per token); False reads every window
             into a buffer first (two copies), as object stores and caches always do.
         gather_threads: threads that gather each batch (1 to 8).
+        aligned: stream several sources in step, row i the same token in each: the
+            `layers` of `store`, or of each store of a sequence of stores captured from
+            several models on the same tokens; yields a tuple of one tensor per source
+            (an AlignedTokenStream, actstore/loaders/aligned.py; `stack=True` gives one
+            (batch, k, D) tensor).
     """
+
+    def __new__(cls, store: Any = None, *args: Any, aligned: bool = False, **kwargs: Any) -> Any:
+        if aligned:
+            if args:
+                raise TypeError("TokenStream(..., aligned=True) takes its options by keyword")
+            kwargs.setdefault("buffer_bytes", DEFAULT_BUFFER_BYTES)
+            return AlignedTokenStream(store, make_stream=cls, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -135,6 +149,7 @@ class TokenStream(IterableDataset):
         device: str | torch.device | None = None,
         mmap: bool = True,
         gather_threads: int = 2,
+        aligned: bool = False,
     ):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:

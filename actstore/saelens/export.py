@@ -28,6 +28,7 @@ import numpy as np
 
 from actstore.errors import ActstoreError
 from actstore.index import layer_position
+from actstore.saelens.card import dataset_card
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 DEFAULT_CONTEXT = 128
@@ -136,6 +137,9 @@ def export_saelens(
         _write_json(tmp / "dataset_info.json", {"citation": "", "description": f"actstore export of {store.path}, layer {number}",
                                                 "features": writer.features.to_dict(), "homepage": "", "license": ""})
         _write_json(tmp / "saelens_config.json", config)
+        (tmp / "README.md").write_text(dataset_card(
+            store=store, layer=number, hook=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, dtype=dtype,
+            seed=seed, skip_special=skip_special, config=config), encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)

@@ -1,0 +1,95 @@
+"""import-dictionary-learning: caches written the way dictionary_learning's
+ActivationCache.collect writes them (memmap shards + .meta + config.json, its last shard
+uncounted); exact values, every shard, resumable; damaged caches named."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from actstore import ActStore
+from actstore.cli import main
+from actstore.importers import DictionaryLearningCacheError, import_dictionary_learning
+
+
+def write_cache(root, *, sizes=(23, 17, 9), d=6, context_len=8, seed=0, name="resid_5_out"):
+    """collect()'s files for one submodule: shards 0..k-2 counted in config.json, the last not."""
+    rng = np.random.default_rng(seed)
+    folder = root / name
+    os.makedirs(folder, exist_ok=True)
+    shards = []
+    for i, n in enumerate(sizes):
+        acts = rng.standard_normal((n, d)).astype(np.float32)
+        mm = np.memmap(folder / f"shard_{i}.memmap", dtype=np.float32, mode="w+", shape=(n, d))
+        mm[:] = acts
+        mm.flush()
+        del mm
+        with open(folder / f"shard_{i}.meta", "w") as f:
+            json.dump({"shape": [n, d]}, f)
+        shards.append(acts)
+    with open(folder / "config.json", "w") as f:
+        json.dump({"batch_size": 4, "context_len": context_len, "shard_size": 10, "d_model": d, "shuffle_shards": False,
+                   "io": "out", "total_size": sum(sizes[:-1]), "shard_count": len(sizes) - 1}, f)
+    return folder, shards
+
+
+def tokens_of(st, layer):
+    return np.concatenate([np.asarray(st[ex, layer]) for ex in range(len(st))])
+
+
+def test_every_shard_exactly_in_order(tmp_path):
+    folder, shards = write_cache(tmp_path)
+    res = CliRunner().invoke(main, ["import-dictionary-learning", str(folder), str(tmp_path / "s")])
+    assert res.exit_code == 0, res.output
+    assert "49 tokens from 3 parts" in res.output
+    st = ActStore(tmp_path / "s")
+    assert list(st.layers) == [5] and st.dtype == "float32" and len(st) == 3 + 3 + 2
+    np.testing.assert_array_equal(tokens_of(st, 5), np.concatenate(shards))
+    assert [st.lengths(ex)["tokens"] for ex in range(len(st))] == [8, 8, 7, 8, 8, 1, 8, 1]
+    assert "beyond config.json's shard_count" in st.config.attrs["dictionary_learning"]["note"]
+
+
+def test_resumes_exactly(tmp_path, monkeypatch):
+    folder, shards = write_cache(tmp_path, sizes=(40, 30))
+    from actstore.importers.dictionary_learning import DictionaryLearningSource
+
+    monkeypatch.setattr("actstore.importers.dictionary_learning.BATCH_TOKENS", 8)
+    real = DictionaryLearningSource.read
+
+    def dying(self, part, start):
+        for k, b in enumerate(real(self, part, start)):
+            if k == 2:
+                raise KeyboardInterrupt
+            yield b
+    monkeypatch.setattr(DictionaryLearningSource, "read", dying)
+    with pytest.raises(KeyboardInterrupt):
+        import_dictionary_learning(folder, tmp_path / "s", progress=False, workers=1, commit_bytes=1)
+    monkeypatch.setattr(DictionaryLearningSource, "read", real)
+    rep = import_dictionary_learning(folder, tmp_path / "s", tokens_per_example=8, progress=False)
+    assert rep.n_resumed == 1 and rep.n_written == 1
+    np.testing.assert_array_equal(tokens_of(ActStore(tmp_path / "s"), 5), np.concatenate(shards))
+
+
+def test_damaged_caches(tmp_path):
+    folder, _ = write_cache(tmp_path)
+    p = folder / "shard_1.memmap"
+    p.write_bytes(p.read_bytes()[:-8])
+    with pytest.raises(DictionaryLearningCacheError) as e:
+        import_dictionary_learning(folder, tmp_path / "s", progress=False)
+    assert str(e.value) == f"{folder}/shard_1.memmap has {17 * 24 - 8} bytes; shard_1.meta says 17 x 6 float32 = {17 * 24} bytes (truncated or replaced?)"
+    os.remove(folder / "shard_1.memmap")
+    os.remove(folder / "shard_1.meta")
+    with pytest.raises(DictionaryLearningCacheError, match=r"holds \['shard_2.memmap', 'shard_2.meta'\] but no shard_1.memmap/.meta"):
+        import_dictionary_learning(folder, tmp_path / "s", progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DictionaryLearningCacheError, match=r"empty/config.json is missing: pass one submodule's folder"):
+        import_dictionary_learning(tmp_path / "empty", tmp_path / "s", progress=False)
+    folder2, _ = write_cache(tmp_path / "b")
+    (folder2 / "shard_0.meta").write_text(json.dumps({"shape": [23, 7]}))
+    with pytest.raises(DictionaryLearningCacheError, match=r"shard_0.meta: shape \[23, 7\]; expected \[n_tokens, 6\]"):
+        import_dictionary_learning(folder2, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
