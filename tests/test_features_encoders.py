@@ -198,3 +198,30 @@ def test_cuda_device(tmp_path):
     else:
         with pytest.raises(FeatureError, match="--device cuda: no CUDA device is available here; use --device cpu"):
             enc.encode(x, device="cuda")
+
+
+@pytest.mark.parametrize("dict_class", ["AutoEncoder", "JumpReluAutoEncoder", "AutoEncoderTopK", "BatchTopKSAE"])
+def test_dictionary_learning_package_own_encode(tmp_path, dict_class):
+    """Checkpoints saved from dictionary-learning 0.1.0's own classes (scripts/setup.sh
+    installs it) encode as its encode does."""
+    from dictionary_learning import dictionary
+    from dictionary_learning.trainers import batch_top_k, top_k
+
+    gen = torch.Generator().manual_seed(7)
+    ae = {"AutoEncoder": lambda: dictionary.AutoEncoder(D_IN, D_SAE), "JumpReluAutoEncoder": lambda: dictionary.JumpReluAutoEncoder(D_IN, D_SAE),
+          "AutoEncoderTopK": lambda: top_k.AutoEncoderTopK(D_IN, D_SAE, k=4), "BatchTopKSAE": lambda: batch_top_k.BatchTopKSAE(D_IN, D_SAE, k=4)}[dict_class]()
+    with torch.no_grad():
+        for name, p in ae.named_parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) * 0.3 if name == "threshold" else torch.randn(p.shape, generator=gen) * 0.5)
+        if dict_class == "BatchTopKSAE":
+            ae.threshold.fill_(0.2)
+    folder = tmp_path / "trainer_0"
+    folder.mkdir()
+    torch.save(ae.state_dict(), folder / "ae.pt")
+    (folder / "config.json").write_text(json.dumps({"trainer": {"dict_class": dict_class}}))
+    x = torch.randn(150, D_IN, generator=gen)
+    with torch.no_grad():
+        want = ae.encode(x).numpy()
+    got = load_dictionary_learning(folder).encode(x.numpy())
+    assert (want > 0).sum() > 50
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
