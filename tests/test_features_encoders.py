@@ -225,3 +225,15 @@ def test_dictionary_learning_package_own_encode(tmp_path, dict_class):
     got = load_dictionary_learning(folder).encode(x.numpy())
     assert (want > 0).sum() > 50
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_saelens_checkpoint(tmp_path):
+    """An SAE saved in bfloat16 (numpy has no bfloat16) is read through torch, exactly widened."""
+    import sae_lens
+
+    sae = sae_lens.StandardSAE(sae_lens.StandardSAEConfig(d_in=D_IN, d_sae=D_SAE, dtype="bfloat16", device="cpu"))
+    _randomize(sae, torch.Generator().manual_seed(3))
+    sae.save_model(tmp_path / "bf")
+    enc = load_saelens(tmp_path / "bf")
+    np.testing.assert_array_equal(enc.W, sae.W_enc.detach().float().numpy())
+    np.testing.assert_array_equal(enc.b_pre, sae.b_dec.detach().float().numpy())

@@ -64,7 +64,15 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own SafetensorError (and others) on bad files
-        raise EncoderError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}); re-save it with safetensors") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "bf16" in first.lower() or "bfloat16" in first.lower():  # numpy has no bfloat16: read it with torch
+            try:
+                from safetensors.torch import load_file as load_torch
+
+                return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
+            except ImportError:
+                raise EncoderError(f"{path} holds bfloat16 tensors: reading them needs torch (pip install 'actstore[torch]')") from None
+        raise EncoderError(f"{path} is not a readable safetensors file ({first}); re-save it with safetensors") from None
 
 
 def _need(d: dict[str, Any], names: tuple[str, ...], where: Path) -> None:
