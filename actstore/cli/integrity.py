@@ -11,6 +11,7 @@ from actstore.cli.params import STORE
 
 from actstore.layout import spec
 from actstore.legacy.safe_pickle import MAX_OBJECTS
+from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -54,7 +55,7 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
         report = verify_store(store, deep=deep, progress=bar.update)
     failed = not report.ok or (strict and report.problems)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        click.echo(json.dumps({**report.to_json(), "network": network_counts()}, indent=1))
     elif not quiet or failed:
         click.echo(report.summary())
         if report.problems:
@@ -114,6 +115,6 @@ def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: b
         import dataclasses
         import json
 
-        click.echo(json.dumps(dataclasses.asdict(report), default=str))
+        click.echo(json.dumps({**dataclasses.asdict(report), "network": network_counts()}, default=str))
     elif not quiet:
         click.echo(report.summary())

@@ -4,7 +4,8 @@ Every ObjectStorage operation goes through `translated`: refused credentials, de
 permissions, a missing bucket, an unreachable endpoint or a request that failed after
 obstore's retries become one StorageAccessError that names the URL, the operation and
 the cause with its fix, instead of a Rust error dump. zarr-python's reads and writes of a
-store in object storage go through `TranslatingObjectStore` for the same reason. A
+store in object storage go through `TranslatingObjectStore` for the same reason, which also
+retries them on connection failures (`storage/retry.py`). A
 missing key is not a failure: the operations answer it themselves (KeyNotFound, None).
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actstore.errors import ActstoreError, StorageAccessError
+from actstore.storage import retry
 
 _STATUS = re.compile(r"status code: (\d{3})")
 
@@ -114,25 +116,29 @@ def translating_object_store() -> type:
         url = "object store"
 
         async def get(self, key, prototype, byte_range=None):  # noqa: D102
-            return await self._translate("read", key, super().get(key, prototype, byte_range))
+            return await self._translate("read", key, lambda: ObjectStore.get(self, key, prototype, byte_range))
 
         async def get_partial_values(self, prototype, key_ranges):  # noqa: D102
-            return await self._translate("read", "", super().get_partial_values(prototype, key_ranges))
+            key_ranges = list(key_ranges)  # tried again as a whole: not an iterator used up by the first try
+            return await self._translate("read", "", lambda: ObjectStore.get_partial_values(self, prototype, key_ranges))
 
         async def exists(self, key):  # noqa: D102
-            return await self._translate("read", key, super().exists(key))
+            return await self._translate("read", key, lambda: ObjectStore.exists(self, key))
 
         async def set(self, key, value):  # noqa: D102
-            return await self._translate("write", key, super().set(key, value))
+            return await self._translate("write", key, lambda: ObjectStore.set(self, key, value))
 
         async def delete(self, key):  # noqa: D102
-            return await self._translate("delete", key, super().delete(key))
+            return await self._translate("delete", key, lambda: ObjectStore.delete(self, key))
 
-        async def _translate(self, what: str, key: str, coro: Any) -> Any:
+        async def _translate(self, what: str, key: str, make: Any) -> Any:
+            """`make()`'s coroutine, retried on connection failures (`retry.acall`), its
+            failure as StorageAccessError naming the object."""
+            where = f"{self.url}/{key}" if key else self.url
             try:
-                return await coro
+                return await retry.acall(make, what=what, where=where, root=retry.root_of(self.url))
             except Exception as e:
-                err = access_error(e, what, f"{self.url}/{key}" if key else self.url, self.url)
+                err = access_error(e, what, where, self.url)
                 if err is None:
                     raise
                 raise err from None
