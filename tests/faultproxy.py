@@ -68,7 +68,7 @@ class FaultProxy:
         self.accept_rng = random.Random(seed + 1_000_003)  # its own stream: resets do not shift the requests' fates
         self.lock = threading.Lock()
         self.counts = {"forwarded": 0, "failed": 0, "dropped_request": 0, "dropped_response": 0,
-                       "connections": 0, "reset": 0, "cut": 0}
+                       "connections": 0, "reset": 0, "cut": 0, "upstream_error": 0}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
@@ -97,10 +97,18 @@ class FaultProxy:
                     return
                 conn = http.client.HTTPConnection(proxy.host, proxy.port, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection", "proxy-connection")}
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                conn.close()
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                except OSError:  # the server is busy (its backlog full): the client sees a dropped request
+                    with proxy.lock:
+                        proxy.counts["upstream_error"] += 1
+                    self.close_connection = True
+                    _reset(self.connection)
+                    return
+                finally:
+                    conn.close()
                 if fate == "dropped_response":
                     self.close_connection = True
                     self.connection.close()
@@ -137,6 +145,8 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
         class Server(ThreadingHTTPServer):
+            request_queue_size = 128  # not 5: a client opening many connections at once is not refused
+
             def verify_request(self, request, client_address) -> bool:  # at accept: maybe a reset
                 with proxy.lock:
                     proxy.counts["connections"] += 1
