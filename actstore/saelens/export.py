@@ -11,7 +11,9 @@ row count a multiple of `store_batch_size_prompts` (SAELens never reads the rema
 Token ids are the store's (`ActStore.token_ids`) where it keeps them; otherwise -2 for a
 content token, -3 a special token, -4 a chat-template token (from the token labels).
 Built with pyarrow from flat numpy buffers; published by renaming a finished temporary
-directory, so a killed export leaves nothing that looks complete.
+directory, so a killed export leaves nothing that looks complete. saelens_config.json
+records the row count and each data file's size and sha256, which `actstore verify OUT`
+(`verify_saelens_folder`) checks.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from actstore.errors import ActstoreError
 from actstore.index import layer_position
+from actstore.saelens.check import file_record
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 DEFAULT_CONTEXT = 128
@@ -128,7 +131,8 @@ def export_saelens(
                 last_id[0, : len(carry_id)] = carry_id
             writer.write(last_x, last_id)
         files = writer.close()
-        config = _config(store, hook, C, D, out, writer.rows, prompts, ids_of.codes)
+        records = [file_record(tmp / f) for f in files]  # read back (from the page cache): what `actstore verify OUT` checks
+        config = _config(store, hook, C, D, out, writer.rows, prompts, ids_of.codes, records)
         _write_json(tmp / "state.json", {
             "_data_files": [{"filename": f} for f in files], "_fingerprint": uuid.uuid4().hex[:16],
             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None,
@@ -251,8 +255,10 @@ class _ArrowFiles:
         return names
 
 
-def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int]) -> dict[str, Any]:
-    """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields)."""
+def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int],
+            records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields), and
+    what checks it: the row count and each data file's size and sha256 (saelens/check.py)."""
     return {
         "hook_name": hook,
         "context_size": C,
@@ -266,6 +272,7 @@ def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts
         "dtype": "float32",
         "model_name": store.config.model_id,
         "n_rows": rows,
+        "files": records,
     }
 
 
