@@ -88,6 +88,7 @@ def job_token_stream(s3_endpoint, url, tmp, seed):
     with flaky(s3_endpoint, seed) as proxy:
         remote = TokenStream(actstore.ActStore(url), **kw)
         got = [_clone(remote), _clone(remote)]
+        remote.release()  # the next epoch's read-ahead ends here, not against a closed proxy
     assert _same(got[0], want[0]) and _same(got[1], want[1]) and not _same(got[0], got[1])
     return proxy
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import ActstoreError
+from actstore.fsutil import export_os_errors
 from actstore.index import layer_position
 from actstore.saelens.check import file_record
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
@@ -70,7 +71,19 @@ def export_saelens(
         seed: the token-level shuffle's seed.
         dtype: "float32" (exact for every store dtype) or "float16" (exact for float16 stores).
         skip_special: leave out tokens labelled special or chat template.
+
+    Raises:
+        DiskFullError / ExportWriteError naming the file and the fix when a write fails
+        (nothing is published then).
     """
+    with export_os_errors(f"exporting {getattr(store, 'path', store)} for SAELens", Path(os.path.abspath(out)),
+                          "the same export-saelens command"):
+        return _export(store, out, layer=layer, hook_name=hook_name, context_size=context_size, seed=seed, dtype=dtype,
+                       skip_special=skip_special, progress=progress)
+
+
+def _export(store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
+            dtype: str, skip_special: bool, progress: bool) -> SaelensExport:
     from actstore.loaders import TokenStream
     from actstore.read.store import ActStore
 
@@ -217,7 +230,11 @@ class _ArrowFiles:
         outer = pa.ListArray.from_arrays(pa.array(np.arange(0, (r + 1) * C, C, dtype=np.int32)), inner)
         acts = pa.ExtensionArray.from_storage(self.ext_type, outer)
         tids = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(ids, np.int32).reshape(-1)), C)
-        self._writer.write_batch(pa.RecordBatch.from_arrays([acts, tids], schema=self.schema))
+        try:
+            self._writer.write_batch(pa.RecordBatch.from_arrays([acts, tids], schema=self.schema))
+        except OSError as e:  # pyarrow's names no file
+            e.filename = e.filename or str(self.root / self.files[-1])
+            raise
         if sync_file_range is not None:  # start this batch's writeback: the file's fsync waits only for the tail
             sync_file_range(self._sink.fileno(), 0, 0, SYNC_FILE_RANGE_WRITE)
         self.rows += r

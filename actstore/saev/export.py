@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actstore.fsutil import export_os_errors
 from actstore.saev import protocol as P
 from actstore.saev.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
@@ -139,6 +140,18 @@ def export_saev(
     nonfinite = sum(store.manifest.nonfinite.values())
     if nonfinite:
         warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
+    with export_os_errors(f"exporting {store.path} to saev", target, "the same export-saev command"):
+        published = _build(store, plan, root, target, overwrite=overwrite, workers=workers, batch_bytes=batch_bytes,
+                           fsync=fsync, progress=progress)
+    if not published:  # another process published the same hash meanwhile
+        return _reuse(target, plan)
+    return _result(target, plan, reused=False)
+
+
+def _build(store: Any, plan: ExportPlan, root: Path, target: Path, *, overwrite: bool, workers: int, batch_bytes: int,
+           fsync: bool, progress: bool) -> bool:
+    """Write the directory beside `target` and publish it; False: another process did first."""
+    protocol = plan.protocol
     tmp = temp_dir(root, plan.hash)
     try:
         ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
@@ -155,10 +168,9 @@ def export_saev(
     except BaseException:
         _rmtree(tmp)
         raise
-    if not published:  # another process published the same hash meanwhile
+    if not published:
         _rmtree(tmp)
-        return _reuse(target, plan)
-    return _result(target, plan, reused=False)
+    return published
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

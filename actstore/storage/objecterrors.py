@@ -131,6 +131,32 @@ def translating_object_store() -> type:
         async def delete(self, key):  # noqa: D102
             return await self._translate("delete", key, lambda: ObjectStore.delete(self, key))
 
+        async def set_if_not_exists(self, key, value):  # noqa: D102
+            return await self._translate("write", key, lambda: ObjectStore.set_if_not_exists(self, key, value))
+
+        async def delete_dir(self, prefix):  # noqa: D102
+            return await self._translate("delete", prefix, lambda: ObjectStore.delete_dir(self, prefix))
+
+        async def getsize(self, key):  # noqa: D102
+            return await self._translate("read", key, lambda: ObjectStore.getsize(self, key))
+
+        def list(self):  # noqa: D102
+            return self._listed("", lambda: ObjectStore.list(self))
+
+        def list_prefix(self, prefix):  # noqa: D102
+            return self._listed(prefix, lambda: ObjectStore.list_prefix(self, prefix))
+
+        def list_dir(self, prefix):  # noqa: D102
+            return self._listed(prefix, lambda: ObjectStore.list_dir(self, prefix))
+
+        async def _listed(self, prefix: str, make: Any) -> Any:
+            """A listing collected whole, then yielded: one cut midway is listed again."""
+            async def collect() -> list:
+                return [x async for x in make()]
+
+            for x in await self._translate("list", prefix, collect):
+                yield x
+
         async def _translate(self, what: str, key: str, make: Any) -> Any:
             """`make()`'s coroutine, retried on connection failures (`retry.acall`), its
             failure as StorageAccessError naming the object."""
