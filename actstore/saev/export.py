@@ -16,6 +16,7 @@ from typing import Any
 
 from actstore.fsutil import export_os_errors
 from actstore.saev import protocol as P
+from actstore.saev.checksums import file_crc, sidecar_bytes
 from actstore.saev.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
@@ -154,11 +155,16 @@ def _build(store: Any, plan: ExportPlan, root: Path, target: Path, *, overwrite:
     protocol = plan.protocol
     tmp = temp_dir(root, plan.hash)
     try:
-        ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
+        pipe = ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress)
+        pipe.run()
+        sums = dict(pipe.checksums)
         if plan.labels:
             write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
+            sums[P.LABELS_FILE] = file_crc(tmp / P.LABELS_FILE)
         if plan.offsets is not None:
             write_small(tmp / P.OFFSETS_FILE, plan.offsets.astype("<i8").tobytes(), fsync)
+            sums[P.OFFSETS_FILE] = file_crc(tmp / P.OFFSETS_FILE)
+        write_small(tmp / P.CHECKSUMS_FILE, sidecar_bytes(sums), fsync)
         counts = plan.geometry.shard_counts()
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)

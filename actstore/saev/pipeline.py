@@ -23,6 +23,7 @@ import numpy as np
 
 from actstore.layout import spec
 from actstore.saev import protocol as P
+from actstore.saev.checksums import FileCrc
 from actstore.saev.plan import ExportPlan
 
 READ_ONLY = 0o444
@@ -57,6 +58,7 @@ class ShardPipeline:
         self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
         self._d_model = g.d_model
         self._half = _half_converter(g.n_examples * g.example_nbytes) if plan.stored_dtype == "float16" else None
+        self.checksums: dict[str, dict[str, int]] = {}  # acts file -> size and crc32c (padding included), for the sidecar
 
     def units(self) -> list[tuple[int, int, int]]:
         """(shard, first row, end row) with rows counted within the shard, in file order."""
@@ -78,7 +80,7 @@ class ShardPipeline:
             free.put(np.empty((self.rows_per_unit, *self.row_shape), dtype=np.float32))
         pending: deque = deque()
         todo = iter(units)
-        fd, shard, path = -1, -1, self.dir
+        fd, shard, path, crc = -1, -1, self.dir, FileCrc()
         closing = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
@@ -99,15 +101,18 @@ class ShardPipeline:
                     if s != shard:
                         if fd >= 0:
                             closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync, path))
+                            self._sum(path, crc)
                         path = self.dir / P.SHARD_NAME_FORMAT.format(s)
-                        fd, shard = _create(path), s
+                        fd, shard, crc = _create(path), s, FileCrc()
                     with _naming(path):
                         _write_all(fd, buf[: r1 - r0])
+                    crc.update(buf[: r1 - r0])
                     bar.update((r1 - r0) * buf[0].nbytes)
                     free.put(buf)
                     submit()
                 if fd >= 0:
                     closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync, path))
+                    self._sum(path, crc)
                     fd = -1
                 for c in closing:
                     c.result()
@@ -117,6 +122,10 @@ class ShardPipeline:
                 if fd >= 0:
                     os.close(fd)
                 raise
+
+    def _sum(self, path: Path, crc: FileCrc) -> None:
+        crc.pad_to(self.plan.geometry.shard_nbytes)  # the zero padding _seal leaves (a sparse hole)
+        self.checksums[path.name] = crc.record()
 
     def _reader(self) -> tuple[Any, dict[str, np.ndarray]]:
         """This thread's own ActStore (its caches are not shared) and scratch buffers."""
