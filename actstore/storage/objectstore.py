@@ -21,7 +21,8 @@ from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.objecterrors import cause as _cause
 from actstore.storage.objecterrors import first_line as _first_line
 from actstore.storage.objecterrors import translated, translating_object_store
-from actstore.storage.retry import retried
+from actstore.storage.retry import call as retry_call
+from actstore.storage.retry import retried, root_of
 
 MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
 MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
@@ -293,13 +294,16 @@ class ObjectStorage(Storage):
         except Exception as e:  # a malformed URL or configuration
             raise StorageAccessError(f"cannot open {self.url}: {_first_line(e)}") from None
         what = "list"
-        try:
-            obs.list_with_delimiter(store, None)
+        root = root_of(self.url)
+        try:  # connection resets are retried (retry.call): the endpoint answered; a refusal is not
+            retry_call(lambda: obs.list_with_delimiter(store, None), what=what, where=self.url, root=root, deadline_s=20)
             if write:
                 what = "write to"
                 probe = f".actstore-probe-{uuid.uuid4().hex}"
-                obs.put(store, probe, b"probe")
-                obs.delete(store, probe)
+                retry_call(lambda: obs.put(store, probe, b"probe"), what=what, where=self.url, root=root, deadline_s=20)
+                retry_call(lambda: obs.delete(store, probe), what=what, where=self.url, root=root, deadline_s=20)
+        except StorageAccessError:
+            raise
         except Exception as e:
             raise StorageAccessError(f"cannot {what} {self.url}: {_cause(e, self.url)}") from None
 

@@ -126,8 +126,11 @@ def _last(e: BaseException) -> str:
 class _Attempts:
     """One request's tries: what failed, whether to go on, how long to wait."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, deadline_s: float | None = None):
         self.root, self.p, self.start = root, policy(), time.monotonic()
+        if deadline_s is not None and deadline_s < self.p.deadline_s:
+            self.p = RetryPolicy(deadline_s=deadline_s, attempts=self.p.attempts, first_wait_s=self.p.first_wait_s,
+                                 max_wait_s=self.p.max_wait_s)
         self.failures: Counter = Counter()
         self.n = 0
 
@@ -165,15 +168,16 @@ class _Attempts:
             f"configuration; try again later, or let requests retry longer ({DEADLINE_ENV}, now {self.p.deadline_s:g} s)")
 
 
-def call(fn: Callable[[], T], *, what: str, where: str, root: str) -> T:
+def call(fn: Callable[[], T], *, what: str, where: str, root: str, deadline_s: float | None = None) -> T:
     """`fn()`, tried again on connection-level failures (see the module's text).
 
     Args:
         fn: the request; called again from the start on each try (it must be idempotent).
         what, where: for the error (`cannot {what} {where}: ...`).
         root: the endpoint's identity (scheme://bucket): whether it answered before.
+        deadline_s: a shorter deadline than the policy's (a quick check).
     """
-    tries = _Attempts(root)
+    tries = _Attempts(root, deadline_s)
     while True:
         try:
             out = fn()
