@@ -62,14 +62,22 @@ def _bar_class() -> type:
         from tqdm import tqdm
 
         class Bar(tqdm):
-            _note = ""
+            _note = ""  # notes() when last shown
+            _own = ""  # what the bar's owner set as postfix
+
+            def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+                self._own = str(s)
+                self._show(refresh)
 
             def update(self, n: float = 1) -> bool | None:
                 note = notes()
                 if note != self._note:
                     self._note = note
-                    self.set_postfix_str(note, refresh=False)
+                    self._show(False)
                 return super().update(n)
+
+            def _show(self, refresh: bool) -> None:
+                tqdm.set_postfix_str(self, ", ".join(x for x in (self._own, self._note) if x), refresh=refresh)
 
         _BAR = Bar
     return _BAR

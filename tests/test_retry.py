@@ -126,3 +126,13 @@ def test_which_failures_are_connection_failures(text, kind):
 
     assert retry.kind(GenericError(text)) == kind
     assert retry.kind(ValueError(text)) is None  # only the store client's errors
+
+
+def test_the_network_note_follows_what_the_bar_shows_itself(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(retry, "_counts", retry.Counter({"reset": 2, "cut": 1, "retried": 3}))
+    with bar(total=2, file=out, mininterval=0, delay=0) as b:
+        b.set_postfix_str("1,000 tok/s", refresh=False)  # a capture's own note
+        b.update(1)
+        b.update(1)
+    assert out.getvalue().splitlines()[-1].endswith("1,000 tok/s, 3 network retries]")
