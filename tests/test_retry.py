@@ -136,3 +136,18 @@ def test_the_network_note_follows_what_the_bar_shows_itself(monkeypatch):
         b.update(1)
         b.update(1)
     assert out.getvalue().splitlines()[-1].endswith("1,000 tok/s, 3 network retries]")
+
+
+def test_a_failure_nothing_retries_after_the_endpoint_answered_is_not_blamed_on_the_configuration(s3_url):
+    from obstore.exceptions import GenericError
+
+    from actstore.storage.objecterrors import cause
+
+    e = GenericError('Generic S3 error: Error performing PUT http://h/k - HTTP error: error sending request\n'
+                     'Os {\n code: 104,\n kind: ConnectionReset,\n message: "Connection reset by peer",\n }')
+    root = retry.root_of(s3_url)
+    retry._reached.discard(root)  # noqa: SLF001
+    assert cause(e, s3_url).startswith("the endpoint ") and "check AWS_ENDPOINT_URL" in cause(e, s3_url)
+    retry._reached.add(root)  # noqa: SLF001
+    assert cause(e, s3_url) == ("the connection failed (connection reset: Connection reset by peer) although the endpoint "
+                                "answered before: the network or the server failed, not the configuration; try again")

@@ -45,6 +45,10 @@ def cause(e: BaseException, url: str) -> str:
     if code == 403 or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
         return (f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)")
+    k = retry.kind(e)
+    if k is not None and retry.root_of(url) in retry.reached():  # it answered before: not the configuration
+        return (f"the connection failed ({retry.ONE[k]}: {retry.last_cause(e)}) although the endpoint answered "
+                "before: the network or the server failed, not the configuration; try again")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
         where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
         return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"

@@ -51,6 +51,8 @@ _KINDS: tuple[tuple[str, str], ...] = (
 )
 LABELS = {"reset": "connection resets", "cut": "responses cut midway", "timeout": "timeouts",
           "refused": "refused connections", "unresolved": "failed name lookups"}
+ONE = {"reset": "connection reset", "cut": "response cut midway", "timeout": "timeout",
+       "refused": "refused connection", "unresolved": "failed name lookup"}
 _UNREACHED = {"refused", "unresolved"}  # never reached: the configuration is the likely cause
 _MESSAGE = re.compile(r'message: "([^"]+)"|hyper::Error\(\s*\w+,\s*"([^"]+)"')
 
@@ -115,7 +117,13 @@ def kind(e: BaseException) -> str | None:
     return "timeout" if isinstance(e, TimeoutError) else "reset" if isinstance(e, ConnectionError) else None
 
 
-def _last(e: BaseException) -> str:
+def reached() -> set[str]:
+    """The roots (scheme://bucket) that answered a request in this process."""
+    with _lock:
+        return set(_reached)
+
+
+def last_cause(e: BaseException) -> str:
     """The innermost cause in obstore's text, e.g. `Connection reset by peer`."""
     found = [a or b for a, b in _MESSAGE.findall(str(e))]
     if found:
@@ -160,11 +168,10 @@ class _Attempts:
 
     def gave_up(self, e: BaseException, what: str, where: str, elapsed: float) -> StorageAccessError:
         total = sum(self.failures.values())
-        kinds = ", ".join(f"{n} {LABELS[k] if n > 1 else LABELS[k][:-1].replace('responses', 'response')}"
-                          for k, n in self.failures.most_common())
+        kinds = ", ".join(f"{n} {LABELS[k] if n > 1 else ONE[k]}" for k, n in self.failures.most_common())
         return StorageAccessError(
             f"cannot {what} {where}: {total} connection failure{'s' if total > 1 else ''} in {elapsed:.1f} s ({kinds}); "
-            f"the last: {_last(e)}. The endpoint answered before, so the network or the server failed, not the "
+            f"the last: {last_cause(e)}. The endpoint answered before, so the network or the server failed, not the "
             f"configuration; try again later, or let requests retry longer ({DEADLINE_ENV}, now {self.p.deadline_s:g} s)")
 
 
