@@ -93,6 +93,11 @@ class DiskFullError(ActstoreError, OSError):
     """A write failed for lack of space (ENOSPC, EDQUOT) or a file-size limit (EFBIG)."""
 
 
+class ExportWriteError(ActstoreError, OSError):
+    """An export could not write or publish a file (permissions, a read-only file system,
+    an I/O error); the message names the file and the fix."""
+
+
 class LegacyFormatError(ActstoreError, ValueError):
     """A legacy pkl.gz directory does not match its format or its metadata.json."""
 

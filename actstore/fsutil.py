@@ -6,16 +6,59 @@ these helpers, built on the same primitives (temporary name, rename, directory f
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import ActstoreError, UnsafePathError
+from actstore.errors import ActstoreError, DiskFullError, ExportWriteError, UnsafePathError
 from actstore.storage.fileops import fsync_dir, syncfs, tmp_name
 from actstore.storage.regular import open_regular
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "fsync_dir", "read_regular", "safe_child", "syncfs", "tmp_name"]
+__all__ = ["atomic_write_bytes", "atomic_write_json", "export_os_errors", "fsync_dir", "read_regular", "safe_child", "syncfs",
+           "tmp_name"]
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FIXES = {
+    errno.EACCES: "check that you may write there (its permissions and owner), or export to another folder",
+    errno.EPERM: "check that you may write there (its permissions and owner), or export to another folder",
+    errno.EROFS: "that file system is read-only: export to another folder",
+    errno.EIO: "the disk reported an I/O error: check the device (dmesg, its health), then export again",
+    errno.ENAMETOOLONG: "the path is too long for the file system: export to a shorter path",
+}
+
+
+@contextlib.contextmanager
+def export_os_errors(what: str, out: str | os.PathLike, rerun: str, *, left: str | None = None) -> Iterator[None]:
+    """Turn an OSError of an export into the project's error, naming the file and the fix:
+    DiskFullError for a full disk, a quota or a file-size limit, ExportWriteError otherwise.
+
+    Args:
+        what: the job, for the message (`exporting s3://b/s to saev`).
+        out: the export's target (named when the error names no file).
+        rerun: the command that redoes the export once fixed.
+        left: what the failed export leaves (default: nothing published, partial files removed).
+    """
+    try:
+        yield
+    except ActstoreError:
+        raise
+    except OSError as e:
+        file = e.filename or out
+        cause = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno in _FULL:
+            space = "a file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "the disk or quota is full"
+            err: OSError = DiskFullError(
+                f"{what}: {cause} writing {file}: {space}. {left or f'Nothing was published to {out} and the partial files were removed'}; "
+                f"free space there (or export elsewhere), then rerun {rerun}")
+        else:
+            fix = _FIXES.get(e.errno, f"fix the cause, then rerun {rerun}")
+            err = ExportWriteError(f"{what}: {cause} writing {file}; {fix}")
+        err.errno, err.filename = e.errno, str(file)
+        raise err from e
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
@@ -29,8 +72,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsy
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a buffered write names no file
+            e.filename = str(path)
         raise
     if fsync:
         fsync_dir(path.parent)

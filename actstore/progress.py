@@ -5,9 +5,22 @@ when stderr is a pipe or a log file, so a job log is not flooded with carriage-r
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 PIPE_INTERVAL = 10.0  # seconds between lines when stderr is not a terminal
+
+_notes: list[Callable[[], str]] = []  # what lower layers add to every bar (e.g. network retries)
+
+
+def add_note(fn: Callable[[], str]) -> None:
+    """Show `fn()` after every bar's counts (when not empty), refreshed as the bar moves."""
+    if fn not in _notes:
+        _notes.append(fn)
+
+
+def notes() -> str:
+    return ", ".join(s for s in (fn() for fn in _notes) if s)
 
 
 class _Lines:
@@ -27,8 +40,6 @@ class _Lines:
 
 def bar(**kw: Any) -> Any:
     """A tqdm bar (same arguments) on stderr: live on a terminal, periodic lines otherwise."""
-    from tqdm import tqdm
-
     stream = kw.pop("file", None) or sys.stderr
     if not getattr(stream, "isatty", lambda: False)():
         kw["mininterval"] = max(kw.get("mininterval", 0.1), PIPE_INTERVAL)
@@ -38,4 +49,35 @@ def bar(**kw: Any) -> Any:
         kw.setdefault("ncols", 100)
         kw["ascii"] = True
         stream = _Lines(stream)
-    return tqdm(file=stream, **kw)
+    return _bar_class()(file=stream, **kw)
+
+
+_BAR = None
+
+
+def _bar_class() -> type:
+    """tqdm whose postfix carries `notes()` (built on first use: tqdm imports slowly)."""
+    global _BAR
+    if _BAR is None:
+        from tqdm import tqdm
+
+        class Bar(tqdm):
+            _note = ""  # notes() when last shown
+            _own = ""  # what the bar's owner set as postfix
+
+            def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+                self._own = str(s)
+                self._show(refresh)
+
+            def update(self, n: float = 1) -> bool | None:
+                note = notes()
+                if note != self._note:
+                    self._note = note
+                    self._show(False)
+                return super().update(n)
+
+            def _show(self, refresh: bool) -> None:
+                tqdm.set_postfix_str(self, ", ".join(x for x in (self._own, self._note) if x), refresh=refresh)
+
+        _BAR = Bar
+    return _BAR

@@ -143,6 +143,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     ok = r.invoke(main, ["verify-saev", path, "--values"])
     assert ok.exit_code == 0 and ok.stdout.strip() == f"ok: protocol 2.1, {n} examples in {shards} shards"
     os.chmod(os.path.join(path, "labels.bin"), 0o644)
+    labels = open(os.path.join(path, "labels.bin"), "rb").read()
     os.truncate(os.path.join(path, "labels.bin"), 3)
     bad = r.invoke(main, ["verify-saev", path])
     assert bad.exit_code == 1
@@ -152,7 +153,8 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     assert err.stderr == ("actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
                           "only the vision families ['clip', 'siglip', 'dinov2']; pass one as a label (--family, e.g. clip: the shards "
                           "read the same whichever is named), the model stays named in ckpt\n")
-    os.truncate(os.path.join(path, "labels.bin"), n)
+    with open(os.path.join(path, "labels.bin"), "wb") as f:  # as exported (its checksum sidecar says so)
+        f.write(labels)
     imp = r.invoke(main, ["import-saev", path, str(tmp_path / "imported")])
     assert imp.exit_code == 0 and imp.stdout.strip() == f"imported {n} examples in {tmp_path / 'imported'}".replace(" in ", " into ")
     monkeypatch.setenv("SAEV_NFS", str(tmp_path / "nfs"))

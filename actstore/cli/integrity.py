@@ -11,6 +11,7 @@ from actstore.cli.params import STORE
 
 from actstore.layout import spec
 from actstore.legacy.safe_pickle import MAX_OBJECTS
+from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -38,11 +39,18 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
     Fast mode (default) checks metadata against itself and every chunk file's presence and
     size. --deep also recomputes checksums and names each damaged (example, layer) and its
     file. Warnings (a shard not yet finalized, leftover temporary files) do not fail unless
-    --strict.
+    --strict. An export-saelens folder (OUT, with saelens_config.json) is checked against
+    what its export recorded: data files, sizes, sha256 checksums and rows.
     """
     from actstore.errors import ActstoreError
     from actstore.manifest import load_manifest
+    from actstore.saelens.check import is_saelens_folder
+    from actstore.storage import is_url
     from actstore.verify import verify_store
+
+    if not is_url(store) and is_saelens_folder(store):
+        _verify_saelens(store, as_json, quiet)
+        return
 
     total = None
     if deep:
@@ -54,12 +62,27 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
         report = verify_store(store, deep=deep, progress=bar.update)
     failed = not report.ok or (strict and report.problems)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        click.echo(json.dumps({**report.to_json(), "network": network_counts()}, indent=1))
     elif not quiet or failed:
         click.echo(report.summary())
         if report.problems:
             click.echo(report.table())
     if failed:
+        sys.exit(1)
+
+
+def _verify_saelens(path: str, as_json: bool, quiet: bool) -> None:
+    """`actstore verify OUT` of an export-saelens folder: every problem listed, exit 1."""
+    from actstore.saelens.check import verify_saelens_folder
+
+    report = verify_saelens_folder(path, raise_on_error=False)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=1))
+    elif not quiet or not report.ok:
+        click.echo(report.summary())
+        for p in report.problems:
+            click.echo(f"  {p}")
+    if not report.ok:
         sys.exit(1)
 
 
@@ -114,6 +137,6 @@ def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: b
         import dataclasses
         import json
 
-        click.echo(json.dumps(dataclasses.asdict(report), default=str))
+        click.echo(json.dumps({**dataclasses.asdict(report), "network": network_counts()}, default=str))
     elif not quiet:
         click.echo(report.summary())

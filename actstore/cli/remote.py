@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import click
+from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -47,6 +48,6 @@ def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_js
         # errors (CopyError for I/O, StoreMismatchError, ...) are actstore's: one line, exit 1
         result = copy_store(src, dst, progress=progress, verify=not no_verify, workers=workers)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=1))
+        click.echo(json.dumps({**result.to_json(), "network": network_counts()}, indent=1))
     elif not quiet:
         click.echo(result.summary())

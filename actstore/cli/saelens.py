@@ -7,6 +7,7 @@ import json
 import click
 
 from actstore.cli.params import STORE
+from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -39,7 +40,7 @@ def export_saelens_cmd(store: str, out: str, layer: str, hook_name: str | None, 
                          context_size=context_size, seed=seed, dtype=dtype, skip_special=skip_special, progress=not quiet)
     if as_json:
         click.echo(json.dumps({"path": str(res.path), "hook_name": res.hook_name, "rows": res.n_rows, "tokens": res.n_tokens,
-                               "config": res.config}))
+                               "config": res.config, "network": network_counts()}))
     elif not quiet:
         click.echo(f"exported {res.n_tokens:,} tokens of {res.hook_name} in {res.n_rows} rows of {res.context_size} to {res.path}")
         click.echo("SAELens config (LanguageModelSAERunnerConfig fields; also in saelens_config.json):")

@@ -10,6 +10,7 @@ import click
 from actstore.cli.params import STORE
 
 from actstore.saev import protocol as P
+from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -78,7 +79,7 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         import json
 
         click.echo(json.dumps({"path": str(res.path), "hash": res.hash, "protocol": res.protocol, "examples": res.n_examples,
-                               "shards": res.n_shards, "reused": res.reused}))
+                               "shards": res.n_shards, "reused": res.reused, "network": network_counts()}))
         return
     if not quiet:
         what = "exists, verified" if res.reused else "exported"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import LegacyExportExistsError
-from actstore.fsutil import atomic_write_bytes, atomic_write_json
+from actstore.fsutil import atomic_write_bytes, atomic_write_json, export_os_errors
 from actstore.legacy.metadata import METADATA_FILE, SHARD_NAME_FORMAT
 
 PICKLE_PROTOCOL = 4
@@ -70,7 +70,13 @@ def export_pkl(
         raise ValueError(f"examples_per_shard must be a positive int. Got {examples_per_shard!r}.")
     st = ActStore(store)
     out = Path(out)
-    _prepare_out(out, overwrite)
+    with export_os_errors(f"exporting {st.path} to pkl", out, "the same export-pkl command (it replaces the unfinished export)",
+                          left=f"{out} holds an unfinished export (no {METADATA_FILE}), which no reader takes for a complete one"):
+        _prepare_out(out, overwrite)
+        return _export(st, store, out, examples_per_shard, compress, progress)
+
+
+def _export(st: Any, store: Any, out: Path, examples_per_shard: int, compress: bool, progress: Callable[[int], None] | None) -> ExportReport:
     n, cfg = len(st), st.config
     ids = st.field("sample_idx").astype(np.int64) if "sample_idx" in cfg.fields else np.arange(n, dtype=np.int64)
     keys = st.field("sample_key") if n else []

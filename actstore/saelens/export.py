@@ -11,7 +11,9 @@ row count a multiple of `store_batch_size_prompts` (SAELens never reads the rema
 Token ids are the store's (`ActStore.token_ids`) where it keeps them; otherwise -2 for a
 content token, -3 a special token, -4 a chat-template token (from the token labels).
 Built with pyarrow from flat numpy buffers; published by renaming a finished temporary
-directory, so a killed export leaves nothing that looks complete.
+directory, so a killed export leaves nothing that looks complete. saelens_config.json
+records the row count and each data file's size and sha256, which `actstore verify OUT`
+(`verify_saelens_folder`) checks.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import ActstoreError
+from actstore.fsutil import export_os_errors
 from actstore.index import layer_position
 from actstore.saelens.card import dataset_card
+from actstore.saelens.check import file_record
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 DEFAULT_CONTEXT = 128
@@ -68,7 +72,19 @@ def export_saelens(
         seed: the token-level shuffle's seed.
         dtype: "float32" (exact for every store dtype) or "float16" (exact for float16 stores).
         skip_special: leave out tokens labelled special or chat template.
+
+    Raises:
+        DiskFullError / ExportWriteError naming the file and the fix when a write fails
+        (nothing is published then).
     """
+    with export_os_errors(f"exporting {getattr(store, 'path', store)} for SAELens", Path(os.path.abspath(out)),
+                          "the same export-saelens command"):
+        return _export(store, out, layer=layer, hook_name=hook_name, context_size=context_size, seed=seed, dtype=dtype,
+                       skip_special=skip_special, progress=progress)
+
+
+def _export(store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
+            dtype: str, skip_special: bool, progress: bool) -> SaelensExport:
     from actstore.loaders import TokenStream
     from actstore.read.store import ActStore
 
@@ -129,7 +145,8 @@ def export_saelens(
                 last_id[0, : len(carry_id)] = carry_id
             writer.write(last_x, last_id)
         files = writer.close()
-        config = _config(store, hook, C, D, out, writer.rows, prompts, ids_of.codes)
+        records = [file_record(tmp / f) for f in files]  # read back (from the page cache): what `actstore verify OUT` checks
+        config = _config(store, hook, C, D, out, writer.rows, prompts, ids_of.codes, records)
         _write_json(tmp / "state.json", {
             "_data_files": [{"filename": f} for f in files], "_fingerprint": uuid.uuid4().hex[:16],
             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None,
@@ -217,7 +234,11 @@ class _ArrowFiles:
         outer = pa.ListArray.from_arrays(pa.array(np.arange(0, (r + 1) * C, C, dtype=np.int32)), inner)
         acts = pa.ExtensionArray.from_storage(self.ext_type, outer)
         tids = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(ids, np.int32).reshape(-1)), C)
-        self._writer.write_batch(pa.RecordBatch.from_arrays([acts, tids], schema=self.schema))
+        try:
+            self._writer.write_batch(pa.RecordBatch.from_arrays([acts, tids], schema=self.schema))
+        except OSError as e:  # pyarrow's names no file
+            e.filename = e.filename or str(self.root / self.files[-1])
+            raise
         if sync_file_range is not None:  # start this batch's writeback: the file's fsync waits only for the tail
             sync_file_range(self._sink.fileno(), 0, 0, SYNC_FILE_RANGE_WRITE)
         self.rows += r
@@ -255,8 +276,10 @@ class _ArrowFiles:
         return names
 
 
-def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int]) -> dict[str, Any]:
-    """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields)."""
+def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int],
+            records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields), and
+    what checks it: the row count and each data file's size and sha256 (saelens/check.py)."""
     return {
         "hook_name": hook,
         "context_size": C,
@@ -270,6 +293,7 @@ def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts
         "dtype": "float32",
         "model_name": store.config.model_id,
         "n_rows": rows,
+        "files": records,
     }
 
 

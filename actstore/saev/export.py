@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from actstore.fsutil import export_os_errors
 from actstore.saev import protocol as P
+from actstore.saev.checksums import file_crc, sidecar_bytes
 from actstore.saev.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
@@ -139,13 +141,30 @@ def export_saev(
     nonfinite = sum(store.manifest.nonfinite.values())
     if nonfinite:
         warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
+    with export_os_errors(f"exporting {store.path} to saev", target, "the same export-saev command"):
+        published = _build(store, plan, root, target, overwrite=overwrite, workers=workers, batch_bytes=batch_bytes,
+                           fsync=fsync, progress=progress)
+    if not published:  # another process published the same hash meanwhile
+        return _reuse(target, plan)
+    return _result(target, plan, reused=False)
+
+
+def _build(store: Any, plan: ExportPlan, root: Path, target: Path, *, overwrite: bool, workers: int, batch_bytes: int,
+           fsync: bool, progress: bool) -> bool:
+    """Write the directory beside `target` and publish it; False: another process did first."""
+    protocol = plan.protocol
     tmp = temp_dir(root, plan.hash)
     try:
-        ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
+        pipe = ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress)
+        pipe.run()
+        sums = dict(pipe.checksums)
         if plan.labels:
             write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
+            sums[P.LABELS_FILE] = file_crc(tmp / P.LABELS_FILE)
         if plan.offsets is not None:
             write_small(tmp / P.OFFSETS_FILE, plan.offsets.astype("<i8").tobytes(), fsync)
+            sums[P.OFFSETS_FILE] = file_crc(tmp / P.OFFSETS_FILE)
+        write_small(tmp / P.CHECKSUMS_FILE, sidecar_bytes(sums), fsync)
         counts = plan.geometry.shard_counts()
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
@@ -155,10 +174,9 @@ def export_saev(
     except BaseException:
         _rmtree(tmp)
         raise
-    if not published:  # another process published the same hash meanwhile
+    if not published:
         _rmtree(tmp)
-        return _reuse(target, plan)
-    return _result(target, plan, reused=False)
+    return published
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

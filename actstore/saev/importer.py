@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from actstore.manifest import finalize
+from actstore.saev import checksums
 from actstore.saev.reader import SaevStore
 from actstore.write import ShardWriter
 
@@ -31,7 +32,8 @@ def import_saev(
     directory has one), the directory's layers and d_model, per-token labels when
     labels.bin exists (label 0 at CLS), and attrs family, ckpt, cls_token, dataset, data
     (and pixel_agg), so that exporting it again with the same protocol and budget gives
-    the same directory.
+    the same directory. A directory with export-saev's checksum sidecar is checked against
+    it first (SaevFormatError naming each changed file).
 
     Args:
         saev_dir: the `<HASH>` directory.
@@ -47,6 +49,7 @@ def import_saev(
     from actstore.read.store import ActStore
 
     src = SaevStore(saev_dir)
+    checksums.require(saev_dir)  # an export's sidecar, when present: a changed byte is refused, not copied
     g = src.geometry
     cfg = src.config
     labels = src.labels() if cfg.token_labels else None

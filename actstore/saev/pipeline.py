@@ -8,11 +8,13 @@ is the buffer pool, whatever the store's size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import numpy as np
 
 from actstore.layout import spec
 from actstore.saev import protocol as P
+from actstore.saev.checksums import FileCrc
 from actstore.saev.plan import ExportPlan
 
 READ_ONLY = 0o444
@@ -55,6 +58,7 @@ class ShardPipeline:
         self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
         self._d_model = g.d_model
         self._half = _half_converter(g.n_examples * g.example_nbytes) if plan.stored_dtype == "float16" else None
+        self.checksums: dict[str, dict[str, int]] = {}  # acts file -> size and crc32c (padding included), for the sidecar
 
     def units(self) -> list[tuple[int, int, int]]:
         """(shard, first row, end row) with rows counted within the shard, in file order."""
@@ -76,7 +80,7 @@ class ShardPipeline:
             free.put(np.empty((self.rows_per_unit, *self.row_shape), dtype=np.float32))
         pending: deque = deque()
         todo = iter(units)
-        fd, shard = -1, -1
+        fd, shard, path, crc = -1, -1, self.dir, FileCrc()
         closing = []
         with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
@@ -96,14 +100,19 @@ class ShardPipeline:
                     fut.result()
                     if s != shard:
                         if fd >= 0:
-                            closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync))
-                        fd, shard = _create(self.dir / P.SHARD_NAME_FORMAT.format(s)), s
-                    _write_all(fd, buf[: r1 - r0])
+                            closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync, path))
+                            self._sum(path, crc)
+                        path = self.dir / P.SHARD_NAME_FORMAT.format(s)
+                        fd, shard, crc = _create(path), s, FileCrc()
+                    with _naming(path):
+                        _write_all(fd, buf[: r1 - r0])
+                    crc.update(buf[: r1 - r0])
                     bar.update((r1 - r0) * buf[0].nbytes)
                     free.put(buf)
                     submit()
                 if fd >= 0:
-                    closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync))
+                    closing.append(closer.submit(_seal, fd, g.shard_nbytes, self.fsync, path))
+                    self._sum(path, crc)
                     fd = -1
                 for c in closing:
                     c.result()
@@ -113,6 +122,10 @@ class ShardPipeline:
                 if fd >= 0:
                     os.close(fd)
                 raise
+
+    def _sum(self, path: Path, crc: FileCrc) -> None:
+        crc.pad_to(self.plan.geometry.shard_nbytes)  # the zero padding _seal leaves (a sparse hole)
+        self.checksums[path.name] = crc.record()
 
     def _reader(self) -> tuple[Any, dict[str, np.ndarray]]:
         """This thread's own ActStore (its caches are not shared) and scratch buffers."""
@@ -224,13 +237,24 @@ def _write_all(fd: int, arr: np.ndarray) -> None:
         view = view[n:]
 
 
-def _seal(fd: int, size: int, fsync: bool) -> None:
+@contextlib.contextmanager
+def _naming(path: Path | None) -> Iterator[None]:
+    """An OSError inside names `path` (os.write's and os.fsync's name no file)."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or (str(path) if path else None)
+        raise
+
+
+def _seal(fd: int, size: int, fsync: bool, path: Path | None = None) -> None:
     """Pad a shard file to full size (a sparse hole), flush it and make it read-only."""
     try:
-        os.ftruncate(fd, size)
-        if fsync:
-            os.fsync(fd)
-        os.fchmod(fd, READ_ONLY)
+        with _naming(path):
+            os.ftruncate(fd, size)
+            if fsync:
+                os.fsync(fd)
+            os.fchmod(fd, READ_ONLY)
     finally:
         os.close(fd)
 
@@ -238,9 +262,10 @@ def _seal(fd: int, size: int, fsync: bool) -> None:
 def write_small(path: Path, data: bytes, fsync: bool) -> None:
     fd = _create(path)
     try:
-        _write_all(fd, np.frombuffer(data, dtype=np.uint8))
-        if fsync:
-            os.fsync(fd)
+        with _naming(path):
+            _write_all(fd, np.frombuffer(data, dtype=np.uint8))
+            if fsync:
+                os.fsync(fd)
         os.fchmod(fd, READ_ONLY)
     finally:
         os.close(fd)
@@ -275,9 +300,10 @@ def write_labels(store: Any, plan: ExportPlan, path: Path, fsync: bool) -> None:
 def _write_labels(labels: np.ndarray, path: Path, fsync: bool) -> None:
     fd = _create(path)
     try:
-        _write_all(fd, np.ascontiguousarray(labels))
-        if fsync:
-            os.fsync(fd)
+        with _naming(path):
+            _write_all(fd, np.ascontiguousarray(labels))
+            if fsync:
+                os.fsync(fd)
         os.fchmod(fd, READ_ONLY)
     finally:
         os.close(fd)

@@ -34,6 +34,8 @@ LABELS_FILE = "labels.bin"
 # exported examples x content tokens) is position k - offsets[e] of store example e, where
 # offsets[e] <= k < offsets[e + 1] (the example's tokens as store[e, layer] returns them).
 OFFSETS_FILE = "example_offsets.bin"
+# actstore's checksum sidecar (saev/checksums.py): saev's loaders never open it.
+CHECKSUMS_FILE = "actstore_checksums.json"
 SHARD_NAME_FORMAT = "acts{:06d}.bin"
 SHARD_NAME_RE = re.compile(r"^acts(\d{6})\.bin$")
 DTYPE = "float32"

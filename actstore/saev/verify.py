@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from actstore.saev import checksums
 from actstore.saev import protocol as P
 from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
 
@@ -35,7 +36,8 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
     Rules: metadata fields, types and order (2.1); the directory name equals the metadata
     hash; 2.1 sits at .../saev/shards/<hash>; shards.json names and counts; every shard
     file exists at full size; the last shard's padding is zeros; labels.bin size; no stray
-    files; with `values`, every stored value is finite.
+    files; with `values`, every stored value is finite and, where export-saev left its checksum
+    sidecar (actstore_checksums.json), every file matches its recorded size and crc32c.
 
     Args:
         path: the `<HASH>` directory.
@@ -80,7 +82,7 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
 
 def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, layers: list, *, values: bool, progress: bool) -> list[str]:
     problems = []
-    allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, P.OFFSETS_FILE, *names}
+    allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, P.OFFSETS_FILE, P.CHECKSUMS_FILE, *names}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.name not in allowed:
             kind = "directory" if entry.is_dir(follow_symlinks=False) else "file"
@@ -131,6 +133,7 @@ def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, lay
             )
     if values:
         problems += _check_values(root, sized, counts, geom, layers, progress)
+        problems += checksums.check(root) or []  # a directory with actstore's sidecar: every byte as exported
     return problems
 
 

@@ -4,7 +4,8 @@ Every ObjectStorage operation goes through `translated`: refused credentials, de
 permissions, a missing bucket, an unreachable endpoint or a request that failed after
 obstore's retries become one StorageAccessError that names the URL, the operation and
 the cause with its fix, instead of a Rust error dump. zarr-python's reads and writes of a
-store in object storage go through `TranslatingObjectStore` for the same reason. A
+store in object storage go through `TranslatingObjectStore` for the same reason, which also
+retries them on connection failures (`storage/retry.py`). A
 missing key is not a failure: the operations answer it themselves (KeyNotFound, None).
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actstore.errors import ActstoreError, StorageAccessError
+from actstore.storage import retry
 
 _STATUS = re.compile(r"status code: (\d{3})")
 
@@ -43,6 +45,10 @@ def cause(e: BaseException, url: str) -> str:
     if code == 403 or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
         return (f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)")
+    k = retry.kind(e)
+    if k is not None and retry.root_of(url) in retry.reached():  # it answered before: not the configuration
+        return (f"the connection failed ({retry.ONE[k]}: {retry.last_cause(e)}) although the endpoint answered "
+                "before: the network or the server failed, not the configuration; try again")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
         where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
         return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"
@@ -114,25 +120,55 @@ def translating_object_store() -> type:
         url = "object store"
 
         async def get(self, key, prototype, byte_range=None):  # noqa: D102
-            return await self._translate("read", key, super().get(key, prototype, byte_range))
+            return await self._translate("read", key, lambda: ObjectStore.get(self, key, prototype, byte_range))
 
         async def get_partial_values(self, prototype, key_ranges):  # noqa: D102
-            return await self._translate("read", "", super().get_partial_values(prototype, key_ranges))
+            key_ranges = list(key_ranges)  # tried again as a whole: not an iterator used up by the first try
+            return await self._translate("read", "", lambda: ObjectStore.get_partial_values(self, prototype, key_ranges))
 
         async def exists(self, key):  # noqa: D102
-            return await self._translate("read", key, super().exists(key))
+            return await self._translate("read", key, lambda: ObjectStore.exists(self, key))
 
         async def set(self, key, value):  # noqa: D102
-            return await self._translate("write", key, super().set(key, value))
+            return await self._translate("write", key, lambda: ObjectStore.set(self, key, value))
 
         async def delete(self, key):  # noqa: D102
-            return await self._translate("delete", key, super().delete(key))
+            return await self._translate("delete", key, lambda: ObjectStore.delete(self, key))
 
-        async def _translate(self, what: str, key: str, coro: Any) -> Any:
+        async def set_if_not_exists(self, key, value):  # noqa: D102
+            return await self._translate("write", key, lambda: ObjectStore.set_if_not_exists(self, key, value))
+
+        async def delete_dir(self, prefix):  # noqa: D102
+            return await self._translate("delete", prefix, lambda: ObjectStore.delete_dir(self, prefix))
+
+        async def getsize(self, key):  # noqa: D102
+            return await self._translate("read", key, lambda: ObjectStore.getsize(self, key))
+
+        def list(self):  # noqa: D102
+            return self._listed("", lambda: ObjectStore.list(self))
+
+        def list_prefix(self, prefix):  # noqa: D102
+            return self._listed(prefix, lambda: ObjectStore.list_prefix(self, prefix))
+
+        def list_dir(self, prefix):  # noqa: D102
+            return self._listed(prefix, lambda: ObjectStore.list_dir(self, prefix))
+
+        async def _listed(self, prefix: str, make: Any) -> Any:
+            """A listing collected whole, then yielded: one cut midway is listed again."""
+            async def collect() -> list:
+                return [x async for x in make()]
+
+            for x in await self._translate("list", prefix, collect):
+                yield x
+
+        async def _translate(self, what: str, key: str, make: Any) -> Any:
+            """`make()`'s coroutine, retried on connection failures (`retry.acall`), its
+            failure as StorageAccessError naming the object."""
+            where = f"{self.url}/{key}" if key else self.url
             try:
-                return await coro
+                return await retry.acall(make, what=what, where=where, root=retry.root_of(self.url))
             except Exception as e:
-                err = access_error(e, what, f"{self.url}/{key}" if key else self.url, self.url)
+                err = access_error(e, what, where, self.url)
                 if err is None:
                     raise
                 raise err from None

@@ -3,8 +3,9 @@
 obstore (the Rust object_store crate) reads credentials, region and endpoint from the
 providers' standard environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION,
 AWS_ENDPOINT_URL, AWS_ALLOW_HTTP, GOOGLE_*, AZURE_*) and retries with backoff on 5xx,
-throttling and dropped connections. A put is atomic and durable when it returns (large
-objects go multipart by themselves); a create-only put is a conditional put
+throttling and some dropped connections; every read and every idempotent write is also
+retried on the connection-level failures obstore does not retry (`storage/retry.py`). A
+put is atomic and durable when it returns (large objects go multipart by themselves); a create-only put is a conditional put
 (If-None-Match: *). Objects cannot be appended to or truncated in place: `append` and
 `truncate` rewrite the whole object (small metadata files only: a writer shard's block
 records and checksums).
@@ -20,6 +21,8 @@ from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.objecterrors import cause as _cause
 from actstore.storage.objecterrors import first_line as _first_line
 from actstore.storage.objecterrors import translated, translating_object_store
+from actstore.storage.retry import call as retry_call
+from actstore.storage.retry import retried, root_of
 
 MULTIPART_BYTES = 8 * 2**20  # objects larger than this go up in parts of this size
 MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
@@ -79,6 +82,7 @@ class ObjectStorage(Storage):
 
     # ---- reads ----------------------------------------------------------------------
     @translated("read")
+    @retried("read")
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
         obs = _obstore()
         try:
@@ -92,6 +96,7 @@ class ObjectStorage(Storage):
         return bytes(res.bytes())
 
     @translated("read")
+    @retried("read")
     def get_range(self, key: str, start: int, length: int) -> bytes:
         return bytes(self._range(key, start, length))
 
@@ -114,6 +119,7 @@ class ObjectStorage(Storage):
             return obs.get_range(self.store, key, start=start, end=end) if end > start else b""
 
     @translated("read")
+    @retried("read")
     def read_into(self, key: str, dest: memoryview, offset: int = 0) -> int:
         data = self._range(key, offset, len(dest))
         n = len(data)
@@ -121,6 +127,7 @@ class ObjectStorage(Storage):
         return n
 
     @translated("read")
+    @retried("read")
     def read_ranges_into(self, key: str, ranges: list[tuple[int, memoryview]]) -> list[int]:
         """One obstore `get_ranges`: ranges less than `coalesce_bytes` apart are fetched as one
         request (a window's (example, layer) ranges of a Zarr shard file: one GET), up to
@@ -143,6 +150,7 @@ class ObjectStorage(Storage):
         return counts
 
     @translated("read")
+    @retried("read")
     def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
         try:
             res = _obstore().get(self.store, key)
@@ -157,6 +165,7 @@ class ObjectStorage(Storage):
             raise
 
     @translated("read")
+    @retried("read")
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
             res = _obstore().get(self.store, key)
@@ -170,6 +179,7 @@ class ObjectStorage(Storage):
         return len(data)
 
     @translated("read")
+    @retried("read")
     def size(self, key: str) -> int | None:
         try:
             return int(_obstore().head(self.store, key)["size"])
@@ -178,14 +188,18 @@ class ObjectStorage(Storage):
                 return None
             raise
 
-    @translated("list")
     def list(self, prefix: str = "") -> Iterator[Entry]:
-        full = prefix.strip("/")
-        for batch in _obstore().list(self.store, (full + "/") if full else None):
-            for meta in batch:
-                yield Entry(meta["path"], int(meta["size"]), "file")
+        yield from self._list(prefix)  # whole, then yielded: a listing cut midway is listed again
 
     @translated("list")
+    @retried("list")
+    def _list(self, prefix: str) -> list[Entry]:
+        full = prefix.strip("/")
+        return [Entry(meta["path"], int(meta["size"]), "file")
+                for batch in _obstore().list(self.store, (full + "/") if full else None) for meta in batch]
+
+    @translated("list")
+    @retried("list")
     def list_dir(self, prefix: str = "") -> list[str]:
         full = prefix.strip("/")
         res = _obstore().list_with_delimiter(self.store, (full + "/") if full else None)
@@ -195,6 +209,7 @@ class ObjectStorage(Storage):
 
     # ---- writes ---------------------------------------------------------------------
     @translated("write")
+    @retried("write")
     def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
             writeback: Writeback | None = None) -> None:
         """A whole-object put: always atomic and durable in an object store. An object of
@@ -214,6 +229,7 @@ class ObjectStorage(Storage):
         _obstore().put(self.store, key, parts, max_concurrency=2)
 
     @translated("write")
+    @retried("write")
     def put_if_absent(self, key: str, data: bytes) -> bool:
         """A conditional put (If-None-Match: *). When a retried create finds the object,
         the first try may have succeeded with its answer lost: the object then holds
@@ -243,6 +259,7 @@ class ObjectStorage(Storage):
         self.put(key, self.get_range(key, 0, size))
 
     @translated("delete")
+    @retried("delete")
     def delete(self, key: str) -> None:
         try:
             _obstore().delete(self.store, key)
@@ -251,6 +268,7 @@ class ObjectStorage(Storage):
                 raise
 
     @translated("delete")
+    @retried("delete")
     def delete_prefix(self, prefix: str) -> None:
         keys = [e.key for e in self.list(prefix)]
         for i in range(0, len(keys), 1000):
@@ -276,13 +294,16 @@ class ObjectStorage(Storage):
         except Exception as e:  # a malformed URL or configuration
             raise StorageAccessError(f"cannot open {self.url}: {_first_line(e)}") from None
         what = "list"
-        try:
-            obs.list_with_delimiter(store, None)
+        root = root_of(self.url)
+        try:  # connection resets are retried (retry.call): the endpoint answered; a refusal is not
+            retry_call(lambda: obs.list_with_delimiter(store, None), what=what, where=self.url, root=root, deadline_s=20)
             if write:
                 what = "write to"
                 probe = f".actstore-probe-{uuid.uuid4().hex}"
-                obs.put(store, probe, b"probe")
-                obs.delete(store, probe)
+                retry_call(lambda: obs.put(store, probe, b"probe"), what=what, where=self.url, root=root, deadline_s=20)
+                retry_call(lambda: obs.delete(store, probe), what=what, where=self.url, root=root, deadline_s=20)
+        except StorageAccessError:
+            raise
         except Exception as e:
             raise StorageAccessError(f"cannot {what} {self.url}: {_cause(e, self.url)}") from None
 
