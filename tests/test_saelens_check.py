@@ -121,3 +121,34 @@ def test_an_export_without_checksums_is_checked_for_rows_and_says_so(exported, t
     (out / "state.json").write_text("{")
     r = _verify(out)
     assert r.exit_code == 1 and "is not a readable export-saelens folder" in r.output and "export it again" in r.output
+
+
+def test_import_saelens_checks_an_export_before_importing_it(exported, tmp_path, s3_url):
+    """import-saelens refuses an export that does not match its own record (a file cut at a
+    record-batch boundary, a changed byte), locally before anything is written; on an object
+    store by its files' sizes; a sound export imports whole."""
+    from actstore.importers import SaelensDatasetError, import_saelens
+    from actstore.storage import open_storage
+
+    ok = CliRunner().invoke(main, ["import-saelens", str(exported.path), str(tmp_path / "ok.store"), "--quiet"])
+    assert ok.exit_code == 0, ok.output
+    assert len(actstore.open(tmp_path / "ok.store")) == 30
+    cut = _copy(exported, tmp_path)
+    last = cut / "data-00004-of-00005.arrow"
+    with open(last, "r+b") as f:
+        f.truncate(_boundaries(last)[1])
+    with pytest.raises(SaelensDatasetError, match=r"does not match its export .*26 rows; the export wrote 30"):
+        import_saelens(cut, tmp_path / "cut.store", progress=False)
+    assert not (tmp_path / "cut.store").exists()
+    changed = shutil.copytree(exported.path, tmp_path / "changed")
+    first = changed / "data-00000-of-00005.arrow"
+    raw = bytearray(first.read_bytes())
+    raw[-20] ^= 0xFF
+    first.write_bytes(bytes(raw))
+    with pytest.raises(SaelensDatasetError, match=r"data-00000-of-00005.arrow: sha256 .* differs"):
+        import_saelens(changed, tmp_path / "changed.store", progress=False)
+    remote = open_storage(s3_url + "/cut")
+    for p in sorted(cut.iterdir()):
+        remote.put(p.name, p.read_bytes())
+    with pytest.raises(SaelensDatasetError, match=r"data-00004-of-00005.arrow has \d+ bytes; the export wrote \d+ \(copy it again\)"):
+        import_saelens(s3_url + "/cut", tmp_path / "cut2.store", progress=False)

@@ -87,6 +87,8 @@ class SaelensSource:
             raise SaelensDatasetError(f"{self.url}/{STATE} lists {missing}, which are not in the folder (it holds {sorted(sizes)})")
         self.parts = [Part(key=n, n_examples=self._count(n), fingerprint=str(sizes[n])) for n in names]
         config = self._json(CONFIG) if CONFIG in sizes else {}
+        if isinstance(config, dict) and isinstance(config.get("files"), list):
+            self._check_export(config, names, sizes)
         codes = config.get("exclude_special_tokens") if isinstance(config, dict) else None
         self.ids_mode = self._ids_mode()
         labels = not self.ids_mode and isinstance(codes, list) and SPECIAL in codes
@@ -100,6 +102,25 @@ class SaelensSource:
             attrs={"saelens": {"hook_name": hook_name, "context_size": self.C, "config": config or None},
                    "hook_names": {str(int(layer)): hook_name}},
         )
+
+    def _check_export(self, config: dict, names: list[str], sizes: dict[str, int]) -> None:
+        """An export-saelens folder records its rows and each data file's size and sha256: a
+        local folder is checked whole (actstore.saelens.verify_saelens_folder) before anything is
+        imported; a remote one by its files' sizes (its bytes are read once, by the import)."""
+        from actstore.saelens.check import verify_saelens_folder
+
+        if self.storage.local_root is not None:
+            rep = verify_saelens_folder(self.storage.local_root, raise_on_error=False)
+            if rep.problems:
+                raise SaelensDatasetError(f"{self.url} does not match its export ({CONFIG}): " + "; ".join(rep.problems))
+            return
+        problems = []
+        recorded = {r.get("name"): r.get("bytes") for r in config["files"] if isinstance(r, dict)}
+        for n in names:
+            if n in recorded and recorded[n] != sizes[n]:
+                problems.append(f"{self.url}/{n} has {sizes[n]} bytes; the export wrote {recorded[n]} (copy it again)")
+        if problems:
+            raise SaelensDatasetError(f"{self.url} does not match its export: " + "; ".join(problems))
 
     # ---- reading --------------------------------------------------------------------
     def _json(self, key: str) -> Any:
