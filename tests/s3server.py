@@ -5,10 +5,33 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+
+
+_PUT_LOCK = threading.Lock()
+
+
+def _atomic_conditional_puts() -> None:
+    """Make moto's PUT Object atomic, as S3's own is: moto checks `If-None-Match: *` and then
+    writes with nothing between, so two racing create-only puts of one key could both win
+    under load (seen once in a loaded run of test_put_if_absent_has_one_winner). Once per
+    process; the lock covers only the in-process server (moto_server)."""
+    from moto.s3.responses import S3Response
+
+    if getattr(S3Response.put_object, "_actstore_locked", False):
+        return
+    plain = S3Response.put_object
+
+    def put_object(self, *args, **kwargs):
+        with _PUT_LOCK:
+            return plain(self, *args, **kwargs)
+
+    put_object._actstore_locked = True
+    S3Response.put_object = put_object
 
 
 @contextlib.contextmanager
@@ -16,6 +39,7 @@ def moto_server() -> Iterator[str]:
     """Start moto on a free loopback port; yield its endpoint URL; always stop it."""
     from moto.server import ThreadedMotoServer
 
+    _atomic_conditional_puts()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
