@@ -38,8 +38,6 @@ from typing import Any
 
 from actstore import copyio
 from actstore.copyio import (
-    CopyError,
-    CopyVerifyError,
     checksum,
     make_folders,
     parallel,
@@ -47,6 +45,8 @@ from actstore.copyio import (
 )
 from actstore.errors import (
     ActstoreError,
+    CopyError,
+    CopyVerifyError,
     CorruptStoreError,
     StoreMismatchError,
     UnsafePathError,

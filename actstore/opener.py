@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from actstore.errors import VerificationError
-from actstore.saev.reader import SaevStore, is_saev_dir
+from actstore.read.saevstore import SaevStore, is_saev_dir
 from actstore.read.store import ActStore
 
 VERIFY_MODES = (None, "fast", "deep")

@@ -17,7 +17,7 @@ PKG = ROOT / "actstore"
 # later ones (an entry may import the entries before it, never those after).
 LAYERS: list[list[str]] = [
     ["actstore.errors", "actstore._version", "actstore.progress"],
-    ["actstore.layout", "actstore.saev.protocol"],
+    ["actstore.layout", "actstore.layout.saevspec"],
     ["actstore.storage", "actstore.fsutil"],
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.zarrio", "actstore.catalog", "actstore.chunkio"],
     ["actstore.verify", "actstore.write", "actstore.manifest"],

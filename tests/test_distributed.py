@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.capture import ranks
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.cli import main
 from actstore.layout import keys
 from actstore.verify import verify_store

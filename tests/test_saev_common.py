@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -54,7 +54,7 @@ def _rename(d, proto):
 
 
 def _edit_ckpt(d, proto):
-    from actstore.saev.protocol import metadata_hash
+    from actstore.layout.saevspec import metadata_hash
 
     md = _edit_metadata(d, proto, ckpt="someone/else")
     rule = ("full sha256 of the sorted-keys compact JSON of metadata" if proto == "2.0"
@@ -118,7 +118,7 @@ def _missing_and_fields(d, proto):
     md.pop("ckpt")
     md["extra"] = 1
     (d / "metadata.json").write_text(json.dumps(md))
-    from actstore.saev.protocol import FIELDS
+    from actstore.layout.saevspec import FIELDS
 
     return [
         f"metadata.json: missing fields ['ckpt'] (protocol {proto} has exactly: {', '.join(FIELDS[proto])})",

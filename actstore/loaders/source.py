@@ -25,10 +25,7 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
-from actstore.errors import ActstoreError, LayerNotFoundError, SegmentNotFoundError
-
-class TokenMaskError(ActstoreError, KeyError):
-    """token_mask names a per-token array that the store does not hold."""
+from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskError
 
 
 CONTENT = "content"  # token_mask shortcut: token label 0 (capture's content tokens)

@@ -417,7 +417,7 @@ def _refuse_saev_dir(path: Path) -> None:
     """ActStore reads actstore stores only; a saev directory is pointed to actstore.open."""
     if os.path.lexists(path / spec.MANIFEST_FILE):
         return
-    from actstore.saev import protocol as saev_protocol  # constants only; lazy: its package imports this module
+    from actstore.layout import saevspec as saev_protocol  # constants only
 
     if (path / saev_protocol.METADATA_FILE).is_file() and (path / saev_protocol.SHARDS_FILE).is_file():
         raise StoreNotFoundError(

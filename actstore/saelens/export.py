@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.errors import ActstoreError
+from actstore.errors import SaelensExportError
 from actstore.index import layer_position
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -36,9 +36,6 @@ FILE_BYTES = 512 * 2**20  # an Arrow file's activation bytes (SAELens caches use
 BATCH_BYTES = 16 * 2**20  # a record batch (and a stream batch): the stream keeps 6 such buffers
 TRAIN_BATCH_TOKENS = 4096  # SAELens's default train_batch_size_tokens
 
-
-class SaelensExportError(ActstoreError, ValueError):
-    """An export-saelens option does not fit the store, or OUT is taken."""
 
 
 @dataclass(frozen=True)

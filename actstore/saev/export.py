@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevExistsError, SaevOptionError
+from actstore.layout import saevspec as P
+from actstore.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
 from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
@@ -104,7 +104,7 @@ def export_saev(
             leave a published directory with missing data (off only for scratch use).
         progress: show a progress bar.
     """
-    from actstore.saev.reader import is_saev_dir
+    from actstore.read.saevstore import is_saev_dir
     from actstore.read.store import ActStore
 
     if not hasattr(store, "read_into"):

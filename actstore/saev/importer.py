@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from actstore.manifest import finalize
-from actstore.saev.reader import SaevStore
+from actstore.read.saevstore import SaevStore
 from actstore.write import ShardWriter
 
 DEFAULT_BATCH_BYTES = 64 * 2**20

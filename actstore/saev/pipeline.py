@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
 from actstore.saev.plan import ExportPlan
 
 READ_ONLY = 0o444

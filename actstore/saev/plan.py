@@ -22,8 +22,8 @@ from actstore.chunkio import crc32c
 from actstore.layout import jsonio
 from actstore.layout.spec import LEN_SUFFIX
 from actstore.index import layer_position
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevOptionError
+from actstore.layout import saevspec as P
+from actstore.errors import SaevOptionError
 
 CLS_MODES = ("keep", "drop", "none")
 

@@ -17,9 +17,9 @@ from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
 from actstore.index import ExampleIndex, layer_position
 from actstore.read.select import is_pair, select
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevFormatError
-from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
+from actstore.layout import saevspec as P
+from actstore.errors import SaevFormatError
+from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 
 SEGMENT = spec.DEFAULT_SEGMENT
 
