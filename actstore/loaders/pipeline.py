@@ -282,7 +282,7 @@ def _region(ts: TokenStream, region: FileRegion | None) -> FileRegion | None:
     its store's files cannot be mapped (reads then)."""
     if region is not None and region.pid == os.getpid() and region.base is not None:
         return region
-    if not ts.mmap or not FileRegion.supported() or not hasattr(ts.store, "map_unit"):
+    if not ts.mmap or not FileRegion.supported():
         return None
     files = ts.store.mappable_files([s.name for s in ts.segments])
     if files is None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from actstore.errors import CorruptChunkError
 from actstore.loaders.plan import WindowSlice
-from actstore.loaders.source import reader, request_objects
+from actstore.loaders.source import request_objects
 from actstore.storage.mapping import FileRegion
 
 if TYPE_CHECKING:
@@ -159,10 +159,10 @@ class ReadFill:
 
     def __init__(self, ts: TokenStream, pool: ThreadPoolExecutor, cap: int):
         self.ts, self.pool, self.cap = ts, pool, cap
-        self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
-        self.many = getattr(ts.store, "read_many_into", None)
+        self.cached = ts.store.read_cached  # page-cache-only reads (a reader without them declines each)
+        self.many = ts.store.read_many_into
         self.object_of = request_objects(ts.store)  # local: no request to save
-        self.read = reader(ts.store)
+        self.read = ts.store.read_into
         self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
         self.local = threading.local()
 
@@ -183,7 +183,7 @@ class ReadFill:
         futures: list[Future] = []
         for k, i in enumerate(order.tolist()):
             e, layer_i, s = int(ex[k]), int(li[k]), int(si[k])
-            if self.cached is not None and self._unit(w, buf, i, e, layer_i, s, self.cached):
+            if self._unit(w, buf, i, e, layer_i, s, self.cached):
                 continue
             obj = self.object_of(e, self.ts.units.layers[layer_i], units.segments[s].name) if self.object_of else k
             full = tasks.add((i, e, layer_i, s), obj, nbytes[k])
@@ -195,7 +195,7 @@ class ReadFill:
         slot.rows, slot.index = void_rows(buf), None
 
     def _read_units(self, w: WindowSlice, buf: np.ndarray, units: list[tuple[int, int, int, int]]) -> None:
-        if self.many is None or len(units) == 1:
+        if len(units) == 1:
             for i, e, layer_i, s in units:
                 self._unit(w, buf, i, e, layer_i, s, self.read)
             return

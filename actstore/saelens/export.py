@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import SaelensExportError
+from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.index import layer_position
 from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
 
@@ -50,7 +51,7 @@ class SaelensExport:
 
 
 def export_saelens(
-    store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
+    store: ReaderLike, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
     seed: int = 0, dtype: str = "float32", skip_special: bool = False, progress: bool = True,
 ) -> SaelensExport:
     """Write layer `layer` of `store` (an ActStore, a path or a URL) to `out` for SAELens.
@@ -66,10 +67,8 @@ def export_saelens(
         skip_special: leave out tokens labelled special or chat template.
     """
     from actstore.loaders import TokenStream
-    from actstore.read.store import ActStore
 
-    if not hasattr(store, "read_into"):
-        store = ActStore(store)
+    store = as_reader(store)
     number = store.layer_number(layer)
     layer_position(store.layers, number)  # raises LayerNotFoundError listing the stored layers
     hook = hook_name or _default_hook(store, number)
@@ -142,7 +141,7 @@ def export_saelens(
     return SaelensExport(path=out, hook_name=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, config=config)
 
 
-def _default_hook(store: Any, number: int) -> str:
+def _default_hook(store: Reader, number: int) -> str:
     """The name the capture gave the layer (a TransformerLens name, or the module path of a
     module-path capture: what SAELens's HF wrapper hooks), else the block output's name."""
     names = store.config.attrs.get("hook_names")
@@ -153,7 +152,7 @@ def _default_hook(store: Any, number: int) -> str:
 class _TokenIds:
     """(example, segment index, token) -> the token id SAELens sees (vectorised)."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Reader):
         self.segments = list(store.segments)
         self.real = bool(store.config.token_ids)
         labels = store.config.token_labels
@@ -173,7 +172,7 @@ class _TokenIds:
         return out
 
 
-def _token_id_table(store: Any) -> _TokenIds:
+def _token_id_table(store: Reader) -> _TokenIds:
     return _TokenIds(store)
 
 
@@ -248,7 +247,7 @@ class _ArrowFiles:
         return names
 
 
-def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int]) -> dict[str, Any]:
+def _config(store: Reader, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int]) -> dict[str, Any]:
     """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields)."""
     return {
         "hook_name": hook,

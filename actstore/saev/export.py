@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from actstore.layout import saevspec as P
+from actstore.read.api import ReaderLike, Reader, as_reader
+from actstore.read.store import ActStore
 from actstore.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
@@ -47,7 +49,7 @@ def default_dump_to() -> Path:
 
 
 def export_saev(
-    store: Any,
+    store: ReaderLike,
     dump_to: str | os.PathLike | None = None,
     *,
     protocol: str = "auto",
@@ -76,7 +78,7 @@ def export_saev(
     directory.
 
     Args:
-        store: an ActStore or the path of one.
+        store: an ActStore or its location (a path, a URL, a Storage).
         dump_to: the shards root; default $SAEV_SCRATCH/saev/shards. Protocol 2.1 needs a
             path ending in saev/shards (saev's loaders check).
         protocol: "2.1" (what saev's current loaders read; the directory must sit at
@@ -104,15 +106,11 @@ def export_saev(
             leave a published directory with missing data (off only for scratch use).
         progress: show a progress bar.
     """
-    from actstore.read.saevstore import is_saev_dir
-    from actstore.read.store import ActStore
-
-    if not hasattr(store, "read_into"):
-        if is_saev_dir(store):
-            raise SaevOptionError(f"{store} is not an actstore store (a saev directory cannot be exported again)")
-        store = ActStore(store)
-    if not hasattr(store, "manifest"):
-        raise SaevOptionError(f"{store.path} is not an actstore store (a saev directory cannot be exported again)")
+    reader = as_reader(store)
+    if not isinstance(reader, ActStore):
+        where = reader.path if isinstance(store, Reader) else store
+        raise SaevOptionError(f"{where} is not an actstore store (a saev directory cannot be exported again)")
+    store = reader
     root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
     protocol = P.choose_protocol(protocol, root)
     plan = make_plan(

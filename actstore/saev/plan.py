@@ -22,6 +22,7 @@ from actstore.chunkio import crc32c
 from actstore.layout import jsonio
 from actstore.layout.spec import LEN_SUFFIX
 from actstore.index import layer_position
+from actstore.read.store import ActStore
 from actstore.layout import saevspec as P
 from actstore.errors import SaevOptionError
 
@@ -58,7 +59,7 @@ class ExportPlan:
 
 
 def make_plan(
-    store: Any,
+    store: ActStore,
     *,
     protocol: str = P.DEFAULT_PROTOCOL,
     layers: Sequence[int] | None = None,
@@ -145,7 +146,7 @@ def make_plan(
     )
 
 
-def _token_offsets(store: Any, parts: tuple[Part, ...]) -> np.ndarray:
+def _token_offsets(store: ActStore, parts: tuple[Part, ...]) -> np.ndarray:
     """Each store example's first token in the stream of real tokens (parts in order, each
     part's tokens past its skip and within its length), and the total at the end."""
     counts = np.zeros(len(store), np.int64)
@@ -284,7 +285,7 @@ def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> s
     return value
 
 
-def _default_data(store: Any, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
+def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
     """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
     crc = 0
     for s in store.manifest.shards:
