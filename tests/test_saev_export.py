@@ -274,3 +274,18 @@ def test_the_default_protocol_is_what_saev_reads_where_it_can_read_it(tmp_path, 
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "env"))
     res = export_saev(store, progress=False)  # the default place: $SAEV_SCRATCH/saev/shards
     assert res.protocol == "2.1" and res.path.parent == tmp_path / "env" / "saev" / "shards"
+
+
+def test_one_options_value_exports_what_the_keywords_export(tmp_path):
+    from actstore.saev import SaevExportOptions
+
+    store = make_vit_store(tmp_path / "store", n=5, dtype="float16")
+    kw = dict(protocol="2.0", patches_per_shard=30, layers=[5], cls="drop", progress=False)
+    by_kw = export_saev(store, tmp_path / "a", **kw)
+    by_value = export_saev(store, tmp_path / "b", options=SaevExportOptions(**kw))
+    assert by_value.path.name == by_kw.path.name and not by_value.reused
+    for f in sorted(p.name for p in by_kw.path.iterdir()):
+        assert (by_value.path / f).read_bytes() == (by_kw.path / f).read_bytes(), f
+    with pytest.raises(SaevOptionError, match=r"pass options= or the export's keywords, not both: got options= and \['workers'\]"):
+        export_saev(store, tmp_path / "c", options=SaevExportOptions(**kw), workers=3)
+    assert not (tmp_path / "c").exists()

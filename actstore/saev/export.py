@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,10 @@ from actstore.read.api import ReaderLike, Reader, as_reader
 from actstore.read.store import ActStore
 from actstore.errors import SaevExistsError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
-from actstore.saev.plan import ExportPlan, make_plan
+from actstore.saev.plan import DEFAULT_BATCH_BYTES, ExportPlan, SaevExportOptions, make_plan
 from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
 from actstore.saev.verify import verify_saev
 
-DEFAULT_BATCH_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +68,7 @@ def export_saev(
     fsync: bool = True,
     progress: bool = True,
     tokens_per_example: int | None = None,
+    options: SaevExportOptions | None = None,
 ) -> SaevExport:
     """Export a finalized store as a saev shard directory `<dump_to>/<HASH>`.
 
@@ -105,19 +105,20 @@ def export_saev(
         fsync: flush every file to disk before publishing, so that a power loss cannot
             leave a published directory with missing data (off only for scratch use).
         progress: show a progress bar.
+        options: every option above as one SaevExportOptions value, instead of the
+            keywords (a keyword changed from its default beside it is refused).
     """
+    given = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
+    o = _options(options, given)
     reader = as_reader(store)
     if not isinstance(reader, ActStore):
         where = reader.path if isinstance(store, Reader) else store
         raise SaevOptionError(f"{where} is not an actstore store (a saev directory cannot be exported again)")
     store = reader
     root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
-    protocol = P.choose_protocol(protocol, root)
-    plan = make_plan(
-        store, protocol=protocol, layers=layers, segments=segments, cls=cls, family=family, ckpt=ckpt,
-        dataset=dataset, data=data, patches_per_shard=patches_per_shard, pixel_agg=pixel_agg, labels=labels,
-        tokens_per_example=tokens_per_example,
-    )
+    protocol = P.choose_protocol(o.protocol, root)
+    plan = make_plan(store, o, protocol=protocol)
+    workers, overwrite, fsync = o.workers, o.overwrite, o.fsync
     if plan.dropped_tokens:
         warnings.warn(
             f"the last {plan.dropped_tokens} real tokens of {store.path} do not fill an exported example of "
@@ -139,7 +140,7 @@ def export_saev(
         warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
     tmp = temp_dir(root, plan.hash)
     try:
-        ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=batch_bytes, fsync=fsync, progress=progress).run()
+        ShardPipeline(store, plan, tmp, workers=workers, batch_bytes=o.batch_bytes, fsync=fsync, progress=o.progress).run()
         if plan.labels:
             write_labels(store, plan, tmp / P.LABELS_FILE, fsync)
         if plan.offsets is not None:
@@ -157,6 +158,22 @@ def export_saev(
         _rmtree(tmp)
         return _reuse(target, plan)
     return _result(target, plan, reused=False)
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(SaevExportOptions))
+_DEFAULTS = SaevExportOptions()
+
+
+def _options(options: SaevExportOptions | None, given: dict[str, Any]) -> SaevExportOptions:
+    """`options`, or the SaevExportOptions of the keywords `given`; never both."""
+    if options is None:
+        return SaevExportOptions(**given)
+    if not isinstance(options, SaevExportOptions):
+        raise SaevOptionError(f"options must be a SaevExportOptions. Got {type(options).__name__}.")
+    changed = sorted(k for k, v in given.items() if v is not getattr(_DEFAULTS, k) and v != getattr(_DEFAULTS, k))
+    if changed:
+        raise SaevOptionError(f"pass options= or the export's keywords, not both: got options= and {changed}")
+    return options
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

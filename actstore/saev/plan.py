@@ -58,23 +58,38 @@ class ExportPlan:
     dropped_tokens: int = 0  # the stream's tail shorter than one exported example
 
 
-def make_plan(
-    store: ActStore,
-    *,
-    protocol: str = P.DEFAULT_PROTOCOL,
-    layers: Sequence[int] | None = None,
-    segments: Sequence[str] | None = None,
-    cls: str | bool | None = None,
-    family: str | None = None,
-    ckpt: str | None = None,
-    dataset: str | os.PathLike | None = None,
-    data: Any = None,
-    patches_per_shard: int = P.DEFAULT_BUDGET,
-    pixel_agg: str | None = None,
-    labels: bool | None = None,
-    tokens_per_example: int | None = None,
-) -> ExportPlan:
-    """Validate every export option against `store` (an ActStore); see export_saev."""
+DEFAULT_BATCH_BYTES = 32 * 2**20  # float32 bytes per work unit of the export's pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaevExportOptions:
+    """Every option of a saev export, as one value (export_saev's Args describe each)."""
+
+    protocol: str = "auto"
+    layers: Sequence[int] | None = None
+    segments: Sequence[str] | None = None
+    cls: str | bool | None = None
+    family: str | None = None
+    ckpt: str | None = None
+    dataset: str | os.PathLike | None = None
+    data: Any = None
+    patches_per_shard: int = P.DEFAULT_BUDGET
+    pixel_agg: str | None = None
+    labels: bool | None = None
+    tokens_per_example: int | None = None
+    overwrite: bool = False
+    workers: int = 2
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    fsync: bool = True
+    progress: bool = True
+
+
+def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, protocol: str = P.DEFAULT_PROTOCOL) -> ExportPlan:
+    """Validate every export option against `store`; `protocol` is the one chosen for the
+    export (options.protocol may say "auto"); see export_saev."""
+    o = options if options is not None else SaevExportOptions()
+    layers, segments, cls, family, ckpt, dataset, data = o.layers, o.segments, o.cls, o.family, o.ckpt, o.dataset, o.data
+    patches_per_shard, pixel_agg, labels, tokens_per_example = o.patches_per_shard, o.pixel_agg, o.labels, o.tokens_per_example
     if protocol not in P.PROTOCOLS:
         raise SaevOptionError(f"protocol must be one of {list(P.PROTOCOLS)}. Got {protocol!r}.")
     cfg = store.config
