@@ -15,7 +15,7 @@ import torch
 
 import actstore
 from actstore import ActStore, ShardWriter
-from actstore.read.chunks import map_chunks
+from actstore.read.batched import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream

@@ -20,7 +20,7 @@ from actstore.errors import StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
-from actstore.read.chunks import MappedChunk
+from actstore.read.batched import MappedChunk
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
