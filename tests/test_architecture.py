@@ -22,7 +22,7 @@ LAYERS: list[list[str]] = [
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.zarrio", "actstore.catalog", "actstore.chunkio"],
     ["actstore.verify", "actstore.write", "actstore.manifest"],
     ["actstore.read"],
-    ["actstore.saev", "actstore.legacy", "actstore.copyio", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
+    ["actstore.saev", "actstore.legacy", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
      "actstore.info", "actstore.torch"],
     ["actstore.opener", "actstore.xarray_backend", "actstore"],
     ["actstore.cli"],

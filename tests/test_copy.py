@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 import actstore
-from actstore import copyio
+from actstore.copy import transfer as copyio
 from actstore.cli import main
 from actstore.copy import MARKER, CopyError, CopyVerifyError, copy_store
 from actstore.errors import NotFinalizedError, StoreMismatchError, StoreNotFoundError

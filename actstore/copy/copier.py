@@ -36,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from actstore import copyio
-from actstore.copyio import (
+from actstore.copy import transfer
+from actstore.copy.transfer import (
     checksum,
     make_folders,
     parallel,
@@ -371,7 +371,7 @@ class _Copier:
         if have == item.size and item.data and self.trust_size:
             return self._tick(item.size, present=True)
         with self._io(key):
-            if item.size > copyio.STREAM_BYTES:
+            if item.size > transfer.STREAM_BYTES:
                 if have == item.size and checksum(self.d, key) == checksum(self.s, key):
                     return self._tick(item.size, present=True)
                 size, crc = stream(self.s, self.d, key, item.size)
