@@ -17,13 +17,13 @@ PKG = ROOT / "actstore"
 # later ones (an entry may import the entries before it, never those after).
 LAYERS: list[list[str]] = [
     ["actstore.errors", "actstore._version", "actstore.progress"],
-    ["actstore.layout", "actstore.layout.saevspec"],
-    ["actstore.storage", "actstore.fsutil"],
-    ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.zarrio", "actstore.catalog", "actstore.chunkio"],
-    ["actstore.verify", "actstore.write", "actstore.manifest"],
+    ["actstore.layout"],
+    ["actstore.storage"],
+    ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.catalog", "actstore.chunkio"],
+    ["actstore.verify", "actstore.write"],
     ["actstore.read"],
     ["actstore.saev", "actstore.legacy", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
-     "actstore.info", "actstore.torch"],
+     "actstore.torch"],
     ["actstore.opener", "actstore.xarray_backend", "actstore"],
     ["actstore.cli"],
 ]

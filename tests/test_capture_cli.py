@@ -14,7 +14,7 @@ from PIL import Image
 
 import actstore
 from actstore.cli import main
-from actstore.info import store_info
+from actstore.read.info import store_info
 from test_capture_support import (
     PAIRS, SENTENCES, all_vectors, make_images, reference_pixels, save_dinov2, save_llama, tiny_dinov2, tiny_llama, write_jsonl,
 )

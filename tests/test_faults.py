@@ -22,7 +22,7 @@ import pytest
 
 from actstore import ActStore, finalize
 from actstore.errors import DiskFullError
-from actstore.manifest import load_manifest
+from actstore.write.finalize import load_manifest
 from actstore.verify import verify_store
 
 import faultlib as F

@@ -24,7 +24,7 @@ from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError
 from actstore.legacy import parse_metadata, restricted_loads
 from actstore.catalog import read_blocks, read_commit, read_identity
 from actstore.layout.records import parse_manifest
-from actstore.manifest import finalize, load_manifest
+from actstore.write.finalize import finalize, load_manifest
 from actstore.storage import LocalStorage
 from actstore.verify import verify_store
 

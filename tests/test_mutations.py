@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.info import store_info
+from actstore.read.info import store_info
 from actstore.saev import export_saev, verify_saev
 from actstore.verify import verify_store
 

@@ -211,7 +211,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
         "finalized": False,
     }
     if o.finalize and whole:
-        from actstore.manifest import finalize
+        from actstore.write.finalize import finalize
 
         finalize(root)
         summary["finalized"] = True

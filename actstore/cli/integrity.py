@@ -41,7 +41,7 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
     --strict.
     """
     from actstore.errors import ActstoreError
-    from actstore.manifest import load_manifest
+    from actstore.write.finalize import load_manifest
     from actstore.verify import verify_store
 
     total = None

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ActstoreError
-from actstore.fsutil import read_regular
+from actstore.storage.files import read_regular
 from actstore.layout import jsonio
 from actstore.layout import saevspec as P
 from actstore.errors import SaevFormatError

@@ -29,7 +29,7 @@ import numpy as np
 from actstore.errors import SaelensExportError
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.index import layer_position
-from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
+from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, sync_file_range
 
 DEFAULT_CONTEXT = 128
 NO_TOKEN, CONTENT, SPECIAL, TEMPLATE = -1, -2, -3, -4  # token_ids codes when the store keeps no ids

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.manifest import finalize
+from actstore.write.finalize import finalize
 from actstore.read.saevstore import SaevStore
 from actstore.write import ShardWriter
 

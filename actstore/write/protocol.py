@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore import catalog, zarrio
+from actstore import catalog
+from actstore.write import arrays
 from actstore._version import __version__
 from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError
 from actstore.layout import keys, records, spec
@@ -127,7 +128,7 @@ class ShardWriter(ShardSetup):
         opts = writer_options(options, {k: given[k] for k in OPTION_KEYWORDS})
         cfg = store_config(config, {k: given[k] for k in CONFIG_KEYWORDS})
         opts.check_rank(shard)
-        zarrio.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
+        arrays.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
         self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
         self.shard = shard
@@ -341,7 +342,7 @@ class ShardWriter(ShardSetup):
         if n1 > n0:
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
-                arr = zarrio.every_chunk(self._group, name)
+                arr = arrays.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
             for seg in cfg.segments:
