@@ -1,4 +1,5 @@
-"""The architecture, enforced: imports point down the layers, no circles, small modules,
+"""The architecture, enforced: imports point down the layers (type-checking imports
+included), no circles, small modules,
 and the format's record keys spelled only in actstore/layout/ (docs/architecture.md)."""
 
 from __future__ import annotations
@@ -61,18 +62,12 @@ def _entry(module: str) -> str:
 
 
 def _imports(module: str, path: Path) -> list[tuple[str, int]]:
-    """Every actstore module `module` imports (also inside functions), with line numbers."""
+    """Every actstore module `module` imports (also inside functions, and under `if
+    TYPE_CHECKING:`: a type a module names is a dependency too), with line numbers."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    typing_only = {  # imports under `if TYPE_CHECKING:` never run
-        id(n) for node in ast.walk(tree)
-        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING"
-        for stmt in node.body for n in ast.walk(stmt)
-    }
     out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "actstore"]
         elif isinstance(node, ast.ImportFrom):

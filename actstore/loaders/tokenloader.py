@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-if TYPE_CHECKING:
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 
 class TokenLoader:
@@ -33,7 +32,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        stream: TokenStream,
+        stream: StreamState,
         *,
         num_workers: int = 0,
         pin_memory: bool = False,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,9 +24,7 @@ from actstore.errors import CorruptChunkError
 from actstore.loaders.plan import WindowSlice
 from actstore.loaders.source import request_objects
 from actstore.storage.mapping import FileRegion
-
-if TYPE_CHECKING:
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 TASK_BYTES = 128 * 2**20  # most bytes one I/O task reads (the reads of one object stay together up to this)
 KNOWN_UNITS = 1 << 20  # units whose mapped rows are remembered (about 200 bytes each)
@@ -61,7 +59,7 @@ def order_of(w: WindowSlice, n_segments: int) -> np.ndarray:
     return np.lexsort((w.units, w.units % n_segments))
 
 
-def unit_tokens(ts: TokenStream, w: WindowSlice, i: int, e: int, s: int) -> np.ndarray | None:
+def unit_tokens(ts: StreamState, w: WindowSlice, i: int, e: int, s: int) -> np.ndarray | None:
     """Token numbers unit i of window w contributes (in window order); None when they are
     lo..hi of an unmasked unit."""
     rows = ts.units.kept_rows(e, s)
@@ -71,7 +69,7 @@ def unit_tokens(ts: TokenStream, w: WindowSlice, i: int, e: int, s: int) -> np.n
 class MappedFill:
     """Fills window slots by mapping (see the module docstring)."""
 
-    def __init__(self, ts: TokenStream, region: FileRegion, pool: ThreadPoolExecutor):
+    def __init__(self, ts: StreamState, region: FileRegion, pool: ThreadPoolExecutor):
         self.ts, self.region, self.pool = ts, region, pool
         self.known = region.known_units
 
@@ -157,7 +155,7 @@ class MappedFill:
 class ReadFill:
     """Fills window slots by reads (see the module docstring)."""
 
-    def __init__(self, ts: TokenStream, pool: ThreadPoolExecutor, cap: int):
+    def __init__(self, ts: StreamState, pool: ThreadPoolExecutor, cap: int):
         self.ts, self.pool, self.cap = ts, pool, cap
         self.cached = ts.store.read_cached  # page-cache-only reads (a reader without them declines each)
         self.many = ts.store.read_many_into
