@@ -163,3 +163,14 @@ def test_ruff_finds_nothing():
     res = subprocess.run([str(ruff), "check", "actstore", "tests", "benchmarks", "examples"], cwd=ROOT,
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_architecture_doc_names_every_module_where_it_is():
+    """docs/architecture.md names each module of the package (the CLI's commands aside), and
+    each module it names exists: a reader finds each job where the doc says."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    named = {n for n in re.findall(r"`([\w/]+\.py)`", doc) if not n.startswith("tests/")}
+    files = {p.relative_to(PKG).as_posix() for p in MODULES.values() if p.name != "__init__.py"}
+    assert not sorted(named - files), f"docs/architecture.md names modules that do not exist: {sorted(named - files)}"
+    unnamed = sorted(f for f in files - named if not f.startswith("cli/"))
+    assert not unnamed, f"modules docs/architecture.md does not place: {unnamed}"
