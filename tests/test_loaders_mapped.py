@@ -19,7 +19,7 @@ from actstore.read.batched import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream
-from helpers import LAYOUTS
+from factory import LAYOUTS
 from test_loaders_tokens import qa_store
 from test_loaders_tokens import vit_store as tokens_vit_store
 

@@ -50,9 +50,9 @@ SAME_SIZE = ("flip", "zero", "json-same")  # "json-same": a JSON line rewritten 
 # ---- the stores -------------------------------------------------------------------------
 def _build(kind: str, root: Path) -> Path:
     if kind == "saev":
-        from test_saev_common import make_vit_store
+        from factory import vit_store
 
-        store = make_vit_store(root / "vit", n=5)
+        store = vit_store(root / "vit", n=5)
         return export_saev(store, root / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False).path
     kw: dict[str, Any] = {
         "v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 2},

@@ -20,7 +20,7 @@ from actstore.errors import CorruptChunkError
 from actstore.layout import spec
 from actstore.verify import verify_store
 
-from helpers import LAYOUTS
+from factory import LAYOUTS
 
 SH0 = "shards/shard-00000.zarr"
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 from actstore import ActStore
 from actstore.errors import SegmentNotFoundError
@@ -95,7 +95,7 @@ def memory() -> MemoryReader:
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
-    store = make_vit_store(root / "store", n=6, dtype="float16")
+    store = vit_store(root / "store", n=6, dtype="float16")
     res = export_saev(store, root / "dump", protocol="2.0", patches_per_shard=20, progress=False)
     return root / "store", res.path
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actstore.saev import export_saev, verify_saev
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 SHAPE = "examples_per_shard 3 x 2 layers x 5 tokens x 8 d_model x 4 bytes"  # 960 bytes per shard
 
@@ -18,7 +18,7 @@ SHAPE = "examples_per_shard 3 x 2 layers x 5 tokens x 8 d_model x 4 bytes"  # 96
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
-    store = make_vit_store(tmp / "s", n=13)
+    store = vit_store(tmp / "s", n=13)
     return {
         proto: export_saev(store, tmp / "x" / "saev" / "shards", protocol=proto, patches_per_shard=30, progress=False)
         for proto in ("2.0", "2.1")
