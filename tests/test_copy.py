@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from factory import qa_store
 
 import actstore
-from actstore.copy import transfer as copyio
+from actstore.copy import transfer
 from actstore.cli import main
 from actstore.copy import MARKER, CopyError, CopyVerifyError, copy_store
 from actstore.errors import NotFinalizedError, StoreMismatchError, StoreNotFoundError
@@ -53,8 +53,8 @@ def test_local_to_s3_to_local_is_exact(tmp_path, s3_url, monkeypatch):
     (src / "shards" / "shard-00000.zarr" / "meta" / ".commit.json.tmp-1-dead").write_bytes(b"torn")
     expected = {k: v for k, v in store_files(src).items() if not k.startswith("shards/shard-00002.zarr/")}
     # objects over 100 kB go range by range (sample_key/0 is 4 MiB: a multipart upload to S3)
-    monkeypatch.setattr(copyio, "STREAM_BYTES", 100_000)
-    monkeypatch.setattr(copyio, "RANGE_BYTES", 1_500_000)
+    monkeypatch.setattr(transfer, "STREAM_BYTES", 100_000)
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 1_500_000)
     seen = []
     up = copy_store(src, s3_url, workers=3, progress=lambda n, total: seen.append((n, total)))
     assert up.n_copied == len(expected) and up.bytes_copied == sum(map(len, expected.values())) == up.total_bytes

@@ -29,6 +29,8 @@ from actstore.layout import keys
 from actstore.verify import verify_store
 from test_capture_support import PAIRS, save_llama, write_jsonl
 
+pytestmark = pytest.mark.slow  # writer processes and Ray
+
 ROOT = Path(__file__).resolve().parents[1]
 # Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth.
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}

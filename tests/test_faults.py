@@ -27,6 +27,8 @@ from actstore.verify import verify_store
 
 import faultlib as F
 
+pytestmark = pytest.mark.slow  # writers killed mid-write, full disks, readers racing finalize
+
 TRIALS = int(os.environ.get("ACTSTORE_FAULT_TRIALS", "20"))
 SEED = int(os.environ.get("ACTSTORE_FAULT_SEED", "20251122"))
 N0, N1 = 8, 24

@@ -8,9 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from actstore.saev import export_saev, verify_saev
 from test_saev_common import dir_files
 from factory import vit_store
+
+pytestmark = pytest.mark.slow  # exports killed in a subprocess
 
 CHILD = r"""
 import os, sys, time
