@@ -37,6 +37,6 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_select.py tests/test_shard_claim.py tests/test_sharded_writes.py tests/test_store_golden.py tests/test_verify.py \
   tests/test_verify_hostile.py tests/test_verify_entries.py tests/test_write_pipeline.py tests/test_xarray.py tests/test_zarr_compat.py \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
-  tests/test_per_sample_chunks.py \
+  tests/test_per_sample_chunks.py tests/test_writer_options.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes

@@ -38,6 +38,8 @@ from actstore.verify import verify_store
 import faultlib as F
 from hostile import everything, outcome, same
 
+pytestmark = pytest.mark.slow  # every mutation of every layout, about 2 minutes
+
 PER_LAYOUT = {"v2": 500, "v3": 400, "v3-sharded": 400, "v2-zstd": 400, "saev": 500}  # 2,200 mutations per run
 # ACTSTORE_MUTATION_SEED=1 draws new random mutations each run (CI runs one fixed, derandomized set).
 SEED = os.environ.get("ACTSTORE_MUTATION_SEED")
