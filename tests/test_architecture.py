@@ -174,3 +174,14 @@ def test_the_architecture_doc_names_every_module_where_it_is():
     assert not sorted(named - files), f"docs/architecture.md names modules that do not exist: {sorted(named - files)}"
     unnamed = sorted(f for f in files - named if not f.startswith("cli/"))
     assert not unnamed, f"modules docs/architecture.md does not place: {unnamed}"
+
+
+def test_ruff_format_is_applied():
+    """`ruff format` (line length in pyproject.toml) leaves every file as it is."""
+    import subprocess
+    import sys
+
+    ruff = Path(sys.executable).with_name("ruff")
+    res = subprocess.run([str(ruff), "format", "--check", "actstore", "tests", "benchmarks", "examples"], cwd=ROOT,
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, "run `ruff format actstore tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr
