@@ -3,7 +3,7 @@
 from actstore._version import __version__  # noqa: E402
 
 from actstore.errors import *  # noqa: E402,F401,F403
-from actstore.manifest import finalize  # noqa: E402
+from actstore.write.finalize import finalize  # noqa: E402
 from actstore.read.store import ActStore  # noqa: E402
 from actstore.write import ShardWriter  # noqa: E402
 from actstore.capture.record import record  # noqa: E402  (imports torch only when called)

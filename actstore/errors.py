@@ -113,3 +113,122 @@ class LegacyExportExistsError(ActstoreError, FileExistsError):
 class StorageAccessError(ActstoreError, OSError):
     """A store's location cannot be reached, read or written (missing bucket, credentials,
     permissions, an unreachable endpoint); the message names the URL and the cause."""
+
+
+class KeyNotFound(StoreNotFoundError):
+    """A storage key with no object behind it."""
+
+
+class ReadOnlyCacheError(ActstoreError, PermissionError):
+    """A write through a CachedStorage (a cache reads a finalized store, never writes it)."""
+
+
+# ---- copying a store (actstore cp) -------------------------------------------------
+
+
+class CopyError(ActstoreError, OSError):
+    """Reading SRC or writing DST failed. What was copied stays; a rerun resumes."""
+
+
+class CopyVerifyError(CorruptStoreError):
+    """An object read back from DST differs from the bytes read from SRC."""
+
+
+# ---- loaders -------------------------------------------------------------------------
+
+
+class TokenMaskError(ActstoreError, KeyError):
+    """token_mask names a per-token array that the store does not hold."""
+
+
+# ---- saev export and reading ---------------------------------------------------------
+
+
+class SaevOptionError(ActstoreError, ValueError):
+    """An export option (or the store's metadata it defaults to) does not fit the protocol."""
+
+
+class SaevExistsError(ActstoreError, FileExistsError):
+    """The target <HASH> directory exists but does not verify; pass overwrite=True to rebuild it."""
+
+
+class SaevFormatError(CorruptStoreError):
+    """A saev shard directory breaks a rule of its protocol."""
+
+
+# ---- SAELens export ------------------------------------------------------------------
+
+
+class SaelensExportError(ActstoreError, ValueError):
+    """An export-saelens option does not fit the store, or OUT is taken."""
+
+
+# ---- capture: each names what is wrong and how to fix it -----------------------------
+
+
+class CaptureError(ActstoreError, ValueError):
+    """A capture run cannot go on (bad model, layer, data or options)."""
+
+
+class UnknownLayerError(CaptureError):
+    """A layer number or module path the model does not have."""
+
+
+class NoBlocksError(CaptureError):
+    """The model has no recognised transformer blocks."""
+
+
+class ModelLoadError(CaptureError):
+    """The model could not be loaded (missing package, no such folder, hub unreachable)."""
+
+
+class DataError(CaptureError):
+    """The data source is missing, malformed or empty."""
+
+
+class EmptyDatasetError(DataError):
+    """The data source holds no examples."""
+
+
+class UnreadableImageError(DataError):
+    """An image file that cannot be decoded."""
+
+
+class SaelensFolderError(CorruptStoreError):
+    """An export-saelens folder does not match what its export recorded."""
+
+
+class FeatureError(ActstoreError, ValueError):
+    """A feature pass was asked for something the store or the options cannot give."""
+
+
+class EncoderError(FeatureError):
+    """A direction source (SAE checkpoint, directions matrix) is unreadable or does not fit."""
+
+
+class TokenizerNotFoundError(FeatureError, FileNotFoundError):
+    """The store records no tokenizer that can be loaded from files (pass --tokenizer)."""
+
+
+class ImportSourceError(ActstoreError, ValueError):
+    """A source to import is damaged, or not in the format asked for; the message names the file."""
+
+
+class ImportVerifyError(ActstoreError, RuntimeError):
+    """The imported store does not hold what was read from the source."""
+
+
+class SaelensDatasetError(ImportSourceError):
+    """A SAELens cached-activations folder is damaged, of another hook, or not one."""
+
+
+class DictionaryLearningCacheError(ImportSourceError):
+    """A dictionary_learning activation cache folder is damaged or not one."""
+
+
+class ActivaultFormatError(ImportSourceError):
+    """An Activault hook folder, metadata.json or megabatch is damaged or not Activault's."""
+
+
+class AlignmentError(ActstoreError, ValueError):
+    """Aligned sources do not hold the same tokens (examples, lengths or token ids differ)."""

@@ -3,7 +3,8 @@
 An actstore store (manifest.json) opens as an ActStore; a saev 2.0/2.1 shard directory
 (metadata.json and shards.json, no manifest.json) as a SaevStore over np.memmap. Both
 have the same reading API (`len`, `layers`, `store[ex, layer]`, `read_into`, ...).
-This module sits above actstore.store and actstore.saev: neither imports it at load time.
+Both are Readers (actstore.read.interface), opened by actstore.read.api.as_reader; this
+module adds the verification of saev directories, which lives in actstore.saev.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import os
 
 from actstore.errors import VerificationError
-from actstore.saev.reader import SaevStore, is_saev_dir
-from actstore.read.store import ActStore
+from actstore.read.api import Reader, as_reader
+from actstore.read.saevstore import is_saev_dir
 
 VERIFY_MODES = (None, "fast", "deep")
 
 
-def open(path: str | os.PathLike, *, verify: str | None = None) -> ActStore | SaevStore:
+def open(path: str | os.PathLike, *, verify: str | None = None) -> Reader:
     """Open the store at `path` for reading, whichever kind it is.
 
     Args:
@@ -37,8 +38,8 @@ def open(path: str | os.PathLike, *, verify: str | None = None) -> ActStore | Sa
     if is_saev_dir(path):
         if verify is not None:
             _verify_saev(path, deep=verify == "deep")
-        return SaevStore(path)
-    return ActStore(path, verify=verify)
+        return as_reader(path)
+    return as_reader(path, verify=verify)
 
 
 def _verify_saev(path: str | os.PathLike, *, deep: bool) -> None:

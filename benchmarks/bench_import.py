@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
-from actstore.storage.fileops import syncfs  # noqa: E402
+from actstore.storage.durable import syncfs  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.importers import import_activault, import_saelens  # noqa: E402

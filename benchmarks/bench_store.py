@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_store_shape_args, percentile_us, save  # noqa: E402
 
 import actstore  # noqa: E402
-from actstore.fsutil import syncfs  # noqa: E402
+from actstore.storage.files import syncfs  # noqa: E402
 
 
 LAYOUTS = {"v2": {}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}, "v3-sharded-256": {"zarr_format": 3, "shard_examples": 256}}

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every benchmark script in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 import actstore
 from actstore.cli import main
-from actstore.info import store_info
+from actstore.read.info import store_info
 from test_capture_support import (
     PAIRS, SENTENCES, all_vectors, make_images, reference_pixels, save_dinov2, save_llama, tiny_dinov2, tiny_llama, write_jsonl,
 )
@@ -167,6 +167,7 @@ def test_generate_responses(tmp_path, llama_dir):
         assert_f16_close(store.segment("response")[i, 1], hs[len(p_ids) :])
 
 
+@pytest.mark.slow
 def test_workers_and_ranks_equal_a_single_writer(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 2)
     common = ["--model", llama_dir, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
@@ -360,6 +361,7 @@ def test_captured_vit_store_exports_to_saev_without_extra_options(tmp_path, dino
     np.testing.assert_array_equal(exported[5, 2], store[5, 2].astype(np.float32))
 
 
+@pytest.mark.slow
 def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_dir):
     import zarr
 
@@ -424,6 +426,7 @@ def test_writer_nice_option_reaches_the_capture_and_is_range_checked(tmp_path, m
     assert res.exit_code == 2 and "--writer-nice" in res.output and len(got) == 2
 
 
+@pytest.mark.slow
 def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images):
     cli("write", tmp_path / "local", "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--quiet")
     cli("write", s3_url, "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--workers", "2", "--quiet")

@@ -12,6 +12,7 @@ from actstore.capture.progress import Progress, io_note
 from test_capture_support import tiny_dinov2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_io_progress_follows_the_pipeline_and_the_store_equals_a_local_one(tmp_path, request, where):
     model = tiny_dinov2(layers=3)

@@ -3,6 +3,8 @@ uninterrupted run (activations, keys, texts, lengths, labels and statistics)."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -16,6 +18,8 @@ import actstore
 from actstore.capture import committed
 from actstore.cli import main
 from test_capture_support import SENTENCES, save_llama, write_jsonl
+
+pytestmark = pytest.mark.slow  # captures killed and resumed in subprocesses
 
 
 def _cli(*args):

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from factory import qa_store
 
 import actstore
-from actstore import copyio
+from actstore.copy import transfer
 from actstore.cli import main
 from actstore.copy import MARKER, CopyError, CopyVerifyError, copy_store
 from actstore.errors import NotFinalizedError, StoreMismatchError, StoreNotFoundError
@@ -23,23 +24,6 @@ from actstore.storage import LocalStorage, open_storage
 
 LAYERS = [2, 5]
 D = 8
-
-
-def make_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=D, **kw) -> Path:
-    """A small question-answer store: two padded segments, a text field, statistics."""
-    rng = np.random.default_rng(seed)
-    for shard in shards:
-        with actstore.ShardWriter(path, shard=shard, layers=LAYERS, d_model=d_model, segments={"prompt": 6, "response": 3},
-                                  texts=["prompt"], stats=True, commit_bytes=600, **kw) as w:
-            for _ in range(2):
-                n = 3
-                w.append(prompt=rng.standard_normal((n, 2, 6, d_model)).astype(np.float16),
-                         response=rng.standard_normal((n, 2, 3, d_model)).astype(np.float16),
-                         lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(1, 4, n)},
-                         texts={"prompt": [f"q{shard}-{i}-{rng.integers(1000)}" for i in range(n)]})
-    if finalize:
-        actstore.finalize(path)
-    return Path(path)
 
 
 def store_files(location) -> dict[str, bytes]:
@@ -60,17 +44,17 @@ def assert_same_reads(a, b) -> None:
 
 @pytest.fixture
 def src(tmp_path) -> Path:
-    return make_store(tmp_path / "src.store")
+    return qa_store(tmp_path / "src.store")
 
 
 def test_local_to_s3_to_local_is_exact(tmp_path, s3_url, monkeypatch):
-    src = make_store(tmp_path / "src.store")
-    make_store(src, shards=(2,), finalize=False, seed=7)  # written after finalize: not listed
+    src = qa_store(tmp_path / "src.store")
+    qa_store(src, shards=(2,), finalize=False, seed=7)  # written after finalize: not listed
     (src / "shards" / "shard-00000.zarr" / "meta" / ".commit.json.tmp-1-dead").write_bytes(b"torn")
     expected = {k: v for k, v in store_files(src).items() if not k.startswith("shards/shard-00002.zarr/")}
     # objects over 100 kB go range by range (sample_key/0 is 4 MiB: a multipart upload to S3)
-    monkeypatch.setattr(copyio, "STREAM_BYTES", 100_000)
-    monkeypatch.setattr(copyio, "RANGE_BYTES", 1_500_000)
+    monkeypatch.setattr(transfer, "STREAM_BYTES", 100_000)
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 1_500_000)
     seen = []
     up = copy_store(src, s3_url, workers=3, progress=lambda n, total: seen.append((n, total)))
     assert up.n_copied == len(expected) and up.bytes_copied == sum(map(len, expected.values())) == up.total_bytes
@@ -137,7 +121,7 @@ def test_publication_order(src, tmp_path):
 
 
 def test_source_must_be_finalized(tmp_path):
-    make_store(tmp_path / "raw.store", finalize=False)
+    qa_store(tmp_path / "raw.store", finalize=False)
     with pytest.raises(NotFinalizedError, match=r"raw\.store has writer shards but was never finalized .*run `actstore finalize"):
         copy_store(tmp_path / "raw.store", tmp_path / "dst")
     with pytest.raises(StoreNotFoundError, match=r"nothing is not an actstore store \(no manifest.json\)"):
@@ -148,13 +132,13 @@ def test_source_must_be_finalized(tmp_path):
 
 
 def test_different_stores_are_refused_before_writing(src, tmp_path, s3_url):
-    other = make_store(tmp_path / "other.store", d_model=16)
+    other = qa_store(tmp_path / "other.store", d_model=16)
     before = store_files(other)
     with pytest.raises(StoreMismatchError, match=r"already holds a different store \(its actstore.json differs in d_model\)"):
         copy_store(src, other)
     assert store_files(other) == before and not (other / MARKER).exists()
 
-    twin = make_store(tmp_path / "twin.store", seed=99)  # same configuration, other data
+    twin = qa_store(tmp_path / "twin.store", seed=99)  # same configuration, other data
     before = store_files(twin)
     with pytest.raises(StoreMismatchError, match="a different store with the same configuration: the block records of its shard-0000"):
         copy_store(src, twin)
@@ -197,7 +181,7 @@ def test_resume_after_sigkill(src, tmp_path, s3_url):
 
 def test_resume_after_failed_puts(src, tmp_path):
     dst = tmp_path / "dst.store"
-    twin = make_store(tmp_path / "twin.store", seed=99)  # same configuration (same actstore.json), other data
+    twin = qa_store(tmp_path / "twin.store", seed=99)  # same configuration (same actstore.json), other data
     with pytest.raises(CopyError, match=r"failed: ConnectionResetError: connection reset by peer \(injected\); rerun the same command"):
         copy_store(twin, Recording(dst, fail=lambda key, n: n == 40), workers=1)
     # an interrupted copy of another source: its objects are compared by content, not trusted by size
@@ -226,9 +210,9 @@ def test_read_back_catches_damage(src, tmp_path):
 
 
 def test_update_of_an_older_copy(tmp_path):
-    src = make_store(tmp_path / "src.store")
+    src = qa_store(tmp_path / "src.store")
     copy_store(src, tmp_path / "dst.store")
-    make_store(src, shards=(2,), seed=5)  # the source grows a shard and is finalized again
+    qa_store(src, shards=(2,), seed=5)  # the source grows a shard and is finalized again
     res = copy_store(src, tmp_path / "dst.store")
     assert res.n_copied > 0 and res.n_present > 0
     assert store_files(tmp_path / "dst.store").keys() >= store_files(src).keys()
@@ -245,7 +229,7 @@ def test_cli(src, tmp_path):
     res = runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--no-verify"])
     assert res.exit_code == 0 and res.stdout.startswith(f"copied {src} to {tmp_path / 'a'}: 0 objects") and "not verified" in res.stdout
     assert runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--quiet", "--no-verify"]).output == ""  # --quiet: nothing
-    make_store(tmp_path / "raw", finalize=False)
+    qa_store(tmp_path / "raw", finalize=False)
     res = runner.invoke(main, ["cp", str(tmp_path / "raw"), str(tmp_path / "b")])
     assert res.exit_code == 1 and res.stderr.count("\n") == 1
     assert res.stderr.startswith("actstore: error: ") and "run `actstore finalize" in res.stderr

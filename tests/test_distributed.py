@@ -23,11 +23,13 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.capture import ranks
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.cli import main
 from actstore.layout import keys
 from actstore.verify import verify_store
 from test_capture_support import PAIRS, save_llama, write_jsonl
+
+pytestmark = pytest.mark.slow  # writer processes and Ray
 
 ROOT = Path(__file__).resolve().parents[1]
 # Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth.

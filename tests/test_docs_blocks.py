@@ -102,7 +102,11 @@ def _run_bash(b: Block, tmp: Path) -> None:
         assert "Traceback" not in r.stderr, f"{b}: `{command}` printed a traceback:\n{r.stderr}"
 
 
-@pytest.mark.parametrize("doc", [d.name for d in DOCS if any(not b.not_run for b in blocks(d))])
+SLOW_DOCS = {"capture.md", "export.md"}  # they run real captures and exports: marked slow
+
+
+@pytest.mark.parametrize("doc", [pytest.param(d.name, marks=[pytest.mark.slow] if d.name in SLOW_DOCS else [])
+                                 for d in DOCS if any(not b.not_run for b in blocks(d))])
 def test_blocks_of_each_document_run(doc, tmp_path, monkeypatch, request):
     path = ROOT / "docs" / doc
     setup = SETUP.search(path.read_text())

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # the example scripts end to end
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import actstore
 from actstore.features import top_activations
 from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 from actstore.features.encoders import Encoder, neurons
-from actstore.features.errors import EncoderError, FeatureError
+from actstore.errors import EncoderError, FeatureError
 from actstore.errors import LayerNotFoundError
 
 D = 8

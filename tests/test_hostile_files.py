@@ -197,7 +197,7 @@ def test_chunk_written_in_place_never_follows_a_link(tmp_path):
 def test_capture_data_that_is_a_fifo_is_refused(tmp_path, name):
     """`actstore write --data` on a FIFO blocked before the model even loaded."""
     from actstore.capture.data import load_source
-    from actstore.capture.errors import DataError
+    from actstore.errors import DataError
 
     target = tmp_path / ("g/a.txt" if name == "glob" else name)
     target.parent.mkdir(exist_ok=True)

@@ -15,13 +15,13 @@ import actstore
 from actstore.saev import export_saev, verify_saev
 
 from hostile import everything, outcome, run_cli, same
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hsaev")
-    store = make_vit_store(tmp / "s", n=7)
+    store = vit_store(tmp / "s", n=7)
     ex = export_saev(store, tmp / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False)
     return ex.path, everything(ex.path)
 

@@ -53,6 +53,7 @@ def _check_store(path, ids: list[int]) -> None:
             assert np.array_equal(store[ex, layer], example_data(k)[lp]), (ex, layer)
 
 
+@pytest.mark.slow
 def test_eight_processes_racing_for_one_shard_one_writes_seven_get_the_clear_error(tmp_path):
     path, go = str(tmp_path / "s"), tmp_path / "go"
     procs = [_spawn(path, "0", "0", "12", "--batch", "3", "--sleep", "0.4", "--start-after", str(go)) for _ in range(8)]

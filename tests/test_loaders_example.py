@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import re
 import subprocess
 import sys
@@ -10,6 +12,8 @@ from pathlib import Path
 import torch
 
 import actstore
+
+pytestmark = pytest.mark.slow  # trains a small SAE
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_sae.py"
 

@@ -15,11 +15,11 @@ import torch
 
 import actstore
 from actstore import ActStore, ShardWriter
-from actstore.read.chunks import map_chunks
+from actstore.read.batched import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream
-from helpers import LAYOUTS
+from factory import LAYOUTS
 from test_loaders_tokens import qa_store
 from test_loaders_tokens import vit_store as tokens_vit_store
 
@@ -98,7 +98,7 @@ def test_pages_that_left_the_page_cache_are_populated_again(tmp_path):
     assert region.to_populate([(slot, 0, 60)]) == []
     rows = region.rows[region.first_row(slot, 0) : region.first_row(slot, 0) + 5]
     np.testing.assert_array_equal(rows.view(np.float16).reshape(5, 6), store[1, 0])
-    from actstore.fsutil import syncfs
+    from actstore.storage.files import syncfs
     from actstore.storage import mapping
 
     # Evict the page: unmap it from this process (MADV_DONTNEED), then drop it from the page cache.

@@ -293,6 +293,7 @@ def test_a_damaged_chunk_raises_in_the_training_loop(tmp_path):
         list(TokenStream(store, batch_size=4).loader(num_workers=2, multiprocessing_context="fork"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "read"])
 def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_path, monkeypatch, mmap):
     store = vit_store(tmp_path / "s", n=40, t=5, d=6)

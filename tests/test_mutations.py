@@ -31,12 +31,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.info import store_info
+from actstore.read.info import store_info
 from actstore.saev import export_saev, verify_saev
 from actstore.verify import verify_store
 
 import faultlib as F
 from hostile import everything, outcome, same
+
+pytestmark = pytest.mark.slow  # every mutation of every layout, about 2 minutes
 
 PER_LAYOUT = {"v2": 500, "v3": 400, "v3-sharded": 400, "v2-zstd": 400, "saev": 500}  # 2,200 mutations per run
 # ACTSTORE_MUTATION_SEED=1 draws new random mutations each run (CI runs one fixed, derandomized set).
@@ -50,9 +52,9 @@ SAME_SIZE = ("flip", "zero", "json-same")  # "json-same": a JSON line rewritten 
 # ---- the stores -------------------------------------------------------------------------
 def _build(kind: str, root: Path) -> Path:
     if kind == "saev":
-        from test_saev_common import make_vit_store
+        from factory import vit_store
 
-        store = make_vit_store(root / "vit", n=5)
+        store = vit_store(root / "vit", n=5)
         return export_saev(store, root / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False).path
     kw: dict[str, Any] = {
         "v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 2},

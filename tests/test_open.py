@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 import actstore
 from actstore import ActStore
@@ -18,7 +18,7 @@ from actstore.saev import SaevOptionError, SaevStore, export_saev
 
 @pytest.fixture
 def pair(tmp_path):
-    store = make_vit_store(tmp_path / "store", n=6, dtype="float16")
+    store = vit_store(tmp_path / "store", n=6, dtype="float16")
     res = export_saev(store, tmp_path / "dump", protocol="2.0", patches_per_shard=20, progress=False)
     return tmp_path / "store", res.path
 

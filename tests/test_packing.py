@@ -69,6 +69,7 @@ def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, 
     assert seen == corpus  # every token exactly once, in order
 
 
+@pytest.mark.slow
 def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir, monkeypatch):
     data = write_jsonl(tmp_path / "c.jsonl", [{"id": f"doc{i}", "body": d} for i, d in enumerate(DOCS)])
     out = tmp_path / "packed"

@@ -20,7 +20,7 @@ from actstore.errors import CorruptChunkError
 from actstore.layout import spec
 from actstore.verify import verify_store
 
-from helpers import LAYOUTS
+from factory import LAYOUTS
 
 SH0 = "shards/shard-00000.zarr"
 
@@ -116,7 +116,7 @@ def test_a_resumed_shard_keeps_writing_every_chunk(tmp_path):
 def test_zarr_before_3_1_6_takes_the_global_default_and_gets_it_back(tmp_path):
     """zarr 3.1.3-3.1.5 have no Array.with_config: every_chunk opens the array under the
     global write_empty_chunks default instead (checked by hand on 3.1.3 and 3.1.5)."""
-    from actstore import zarrio
+    from actstore.write import arrays
 
     group = zarr.open_group(str(tmp_path), mode="w", zarr_format=2)
     group.create_array("a", shape=(4,), chunks=(4,), dtype="<i8", fill_value=0, compressors=None)
@@ -133,7 +133,7 @@ def test_zarr_before_3_1_6_takes_the_global_default_and_gets_it_back(tmp_path):
             return Array(group[name])
 
     before = zarr.config.get("array.write_empty_chunks")
-    zarrio.every_chunk(Group(), "a")[:] = 0
+    arrays.every_chunk(Group(), "a")[:] = 0
     assert (tmp_path / "a/0").read_bytes() == bytes(32)  # a chunk of zeros, written
     assert zarr.config.get("array.write_empty_chunks") == before is False
     group["a"][:] = 0  # opened outside: zarr's default again, the chunk of zeros is removed

@@ -16,6 +16,8 @@ from actstore import ActStore
 from actstore.errors import NotFinalizedError
 from tests.writer_proc import LAYERS, example_data
 
+pytestmark = pytest.mark.slow  # racing writer processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import actstore.chunkio as chunkio
 from actstore import ActStore, ShardWriter, finalize
-from actstore.fsutil import syncfs
+from actstore.storage.files import syncfs
 from actstore.torch import TokenStream
 
 

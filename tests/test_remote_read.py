@@ -15,7 +15,7 @@ import actstore
 from actstore.storage import ObjectStorage
 from actstore.torch import PairDataset, TokenStream
 from faultproxy import FaultProxy
-from helpers import LAYOUTS
+from factory import LAYOUTS
 from test_loaders_tokens import qa_store
 
 def batches(store, **kw):

@@ -7,52 +7,10 @@ import tempfile
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import actstore
 from actstore import ActStore, ShardWriter
-from tests.helpers import expected_view, random_acts
-
-
-@st.composite
-def store_cases(draw):
-    n_layers = draw(st.integers(1, 3))
-    layers = sorted(draw(st.lists(st.integers(0, 40), min_size=n_layers, max_size=n_layers, unique=True)))
-    d_model = draw(st.sampled_from([1, 3, 8, 16]))
-    dtype = draw(st.sampled_from(["float16", "bfloat16", "float32"]))
-    multi = draw(st.booleans())
-    if multi:
-        segs = {"prompt": draw(st.integers(1, 9)), "response": draw(st.integers(1, 6))}
-    else:
-        segs = {"tokens": draw(st.integers(1, 12))}
-    t_chunk = draw(st.one_of(st.none(), st.integers(1, 5)))
-    storage = draw(st.sampled_from(["v2", "v2-zarr", "v3", "v3-sharded"]))
-    n_writers = draw(st.integers(1, 3))
-    writers = []
-    for _ in range(n_writers):
-        batches = draw(st.lists(st.integers(1, 4), min_size=0, max_size=3))
-        writers.append(batches)
-    commit_bytes = draw(st.sampled_from([1, 10_000, 10**9]))
-    return dict(layers=layers, d_model=d_model, dtype=dtype, multi=multi, segs=segs, t_chunk=t_chunk,
-                storage=storage, writers=writers, commit_bytes=commit_bytes, seed=draw(st.integers(0, 2**16)))
-
-
-def _writer_kwargs(case):
-    kw = dict(layers=case["layers"], d_model=case["d_model"], dtype=case["dtype"], t_chunk=case["t_chunk"],
-              commit_bytes=case["commit_bytes"])
-    if case["multi"]:
-        kw["segments"] = case["segs"]
-    else:
-        kw["tokens"] = case["segs"]["tokens"]
-    s = case["storage"]
-    if s == "v2-zarr":
-        kw["engine"] = "zarr"
-    elif s == "v3":
-        kw["zarr_format"] = 3
-    elif s == "v3-sharded":
-        kw["zarr_format"] = 3
-        kw["shard_examples"] = 2
-    return kw
+from factory import expected_view, random_acts, store_cases, writer_kwargs
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -63,7 +21,7 @@ def test_every_read_equals_what_was_appended(case):
     try:
         path = f"{tmp}/s"
         logged = []  # per global example: {segment: (L, len, D) values}, in shard-major order
-        kw = _writer_kwargs(case)
+        kw = writer_kwargs(case)
         L = len(case["layers"])
         for shard, batches in enumerate(case["writers"]):
             with ShardWriter(path, shard=shard, **kw) as w:

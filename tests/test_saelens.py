@@ -49,6 +49,7 @@ def _sorted(x, ids):
     return x[order], ids[order]
 
 
+@pytest.mark.slow
 def test_saelens_reads_exactly_the_real_tokens(store, tmp_path):
     from sae_lens.training.activations_store import ActivationsStore
 

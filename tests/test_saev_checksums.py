@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.saev import SaevFormatError, export_saev, import_saev, verify_saev
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
 from actstore.saev.checksums import file_crc
 from test_saev_common import make_vit_store
 

@@ -11,46 +11,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import actstore
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def make_vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16", cls=True, labels=True,
-                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1, **writer_kw):
-    """A ViT-like store (one fixed segment) with random values; cls=None records no cls_token."""
-    rng = np.random.default_rng(seed)
-    a = {"dataset": "/datasets/images"} | ({} if cls is None else {"cls_token": cls}) | dict(attrs or {})
-    per = -(-n // n_shards)
-    for shard in range(n_shards):
-        b = min(per, n - shard * per)
-        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, tokens=tokens, dtype=dtype,
-                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk, **writer_kw) as w:
-            x = (rng.standard_normal((b, len(layers), tokens, d_model)) * 3).astype(np.float32)
-            kw = {"token_labels": rng.integers(0, 20, (b, tokens)).astype(np.uint8)} if labels else {}
-            w.append(x, **kw)
-    actstore.finalize(path)
-    return actstore.ActStore(path)
-
-
-def make_llm_store(path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1,
-                   t_chunk=None):
-    """A prompt/response store with random lengths, garbage past the lengths, and labels."""
-    rng = np.random.default_rng(seed)
-    with actstore.ShardWriter(path, layers=list(layers), d_model=d_model, segments={"prompt": p_max, "response": r_max},
-                              dtype=dtype, token_labels=labels, model_id="HuggingFaceTB/SmolLM2-135M", t_chunk=t_chunk) as w:
-        L = len(layers)
-        p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
-        r = (rng.standard_normal((n, L, r_max, d_model)) * 2).astype(np.float32)
-        lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
-        kw = {}
-        if labels:
-            kw["token_labels"] = {"prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
-                                  "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8)}
-        w.append(prompt=p, response=r, lengths=lens, **kw)
-    actstore.finalize(path)
-    return actstore.ActStore(path)
 
 
 def expected_rows(store, ex, layer, segments, cls):

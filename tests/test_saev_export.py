@@ -15,9 +15,8 @@ import actstore
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.saev import SaevExistsError, SaevOptionError, export_saev, verify_saev
 from actstore.saev import pipeline as pipeline_mod
-from test_saev_common import (
-    expected_labels, expected_rows, make_llm_store, make_vit_store, seed_read_vector,
-)
+from test_saev_common import expected_labels, expected_rows, seed_read_vector
+from factory import text_store, vit_store
 
 CASES = [
     # (kind, dtype, protocol, options, store options)
@@ -38,7 +37,7 @@ LLM_CASES = [
 
 @pytest.mark.parametrize("dtype,protocol,opts,sopts", LLM_CASES)
 def test_text_stores_export_real_tokens_only_packed(tmp_path, dtype, protocol, opts, sopts):
-    store = make_llm_store(tmp_path / "store", dtype=dtype, **sopts)
+    store = text_store(tmp_path / "store", dtype=dtype, **sopts)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = export_saev(store, _dump(tmp_path, protocol), protocol=protocol, progress=False, **opts)
@@ -71,7 +70,7 @@ def _dump(tmp_path, protocol):
 
 @pytest.mark.parametrize("kind,dtype,protocol,opts,sopts", CASES)
 def test_every_vector_equals_the_store_in_float32(tmp_path, kind, dtype, protocol, opts, sopts):
-    make = make_vit_store if kind == "vit" else make_llm_store
+    make = vit_store if kind == "vit" else text_store
     store = make(tmp_path / "store", dtype=dtype, **sopts)
     res = export_saev(store, _dump(tmp_path, protocol), protocol=protocol, progress=False, **opts)
     assert verify_saev(res.path, values=True).problems == []
@@ -102,7 +101,7 @@ def test_every_vector_equals_the_store_in_float32(tmp_path, kind, dtype, protoco
 
 
 def test_last_shard_padding_is_sparse(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=3, d_model=256, tokens=4, labels=False)
+    store = vit_store(tmp_path / "s", n=3, d_model=256, tokens=4, labels=False)
     res = export_saev(store, tmp_path / "d", patches_per_shard=8 * 1000, progress=False)  # 1000 examples per shard
     f = res.path / "acts000000.bin"
     assert f.stat().st_size == 1000 * 2 * 4 * 256 * 4
@@ -111,7 +110,7 @@ def test_last_shard_padding_is_sparse(tmp_path):
 
 
 def test_rerun_returns_the_same_directory_untouched_and_overwrite_replaces_it(tmp_path):
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     a = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in a.path.iterdir()}
     b = export_saev(store.path, tmp_path / "d", patches_per_shard=30, progress=False)
@@ -126,8 +125,8 @@ def test_rerun_returns_the_same_directory_untouched_and_overwrite_replaces_it(tm
 
 
 def test_different_configurations_get_different_hashes(tmp_path):
-    store = make_vit_store(tmp_path / "s")
-    other = make_vit_store(tmp_path / "s2", seed=7)  # same configuration, other values
+    store = vit_store(tmp_path / "s")
+    other = vit_store(tmp_path / "s2", seed=7)  # same configuration, other values
     base = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     variants = [
         export_saev(store, tmp_path / "d", patches_per_shard=40, progress=False),
@@ -142,7 +141,7 @@ def test_different_configurations_get_different_hashes(tmp_path):
 
 
 def test_an_existing_damaged_directory_is_refused_without_overwrite(tmp_path):
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     os.chmod(res.path / "acts000001.bin", 0o644)
     os.truncate(res.path / "acts000001.bin", 100)
@@ -158,7 +157,7 @@ def test_an_existing_damaged_directory_is_refused_without_overwrite(tmp_path):
 
 
 def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     calls = []
 
     def failing_write(fd, arr):
@@ -174,7 +173,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_small_batches_and_one_worker_give_the_same_bytes(tmp_path):
-    store = make_llm_store(tmp_path / "s", dtype="float16", t_chunk=4)
+    store = text_store(tmp_path / "s", dtype="float16", t_chunk=4)
     kw = dict(patches_per_shard=50, family="clip", dataset="/d", progress=False)
     a = export_saev(store, tmp_path / "a", **kw)
     b = export_saev(store, tmp_path / "b", workers=1, batch_bytes=1, **kw)
@@ -184,7 +183,7 @@ def test_small_batches_and_one_worker_give_the_same_bytes(tmp_path):
 
 
 def test_metadata_defaults_come_from_the_store_and_options_override_them(tmp_path):
-    store = make_vit_store(tmp_path / "s", attrs={"family": "clip", "ckpt": "hf-hub:x/y", "data": {"__class__": "ImageFolder", "root": "/img"}})
+    store = vit_store(tmp_path / "s", attrs={"family": "clip", "ckpt": "hf-hub:x/y", "data": {"__class__": "ImageFolder", "root": "/img"}})
     md = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False).metadata
     assert (md["family"], md["ckpt"], md["dataset"], md["data"]) == ("clip", "hf-hub:x/y", "/datasets/images", {"__class__": "ImageFolder", "root": "/img"})
     md = export_saev(store, tmp_path / "d", patches_per_shard=30, family="siglip", ckpt="c", dataset="rel", data='{"__class__": "X"}', progress=False).metadata
@@ -197,7 +196,7 @@ def test_metadata_defaults_come_from_the_store_and_options_override_them(tmp_pat
 
 
 def test_family_is_guessed_from_the_model_id(tmp_path):
-    store = make_vit_store(tmp_path / "s", model_id="embedded:dinov2-s14")
+    store = vit_store(tmp_path / "s", model_id="embedded:dinov2-s14")
     assert export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False).metadata["family"] == "dinov2"
 
 
@@ -215,7 +214,7 @@ def test_family_is_guessed_from_the_model_id(tmp_path):
     ({"protocol": "3.0"}, {}, "protocol must be one of ['2.0', '2.1']. Got '3.0'."),
 ])
 def test_bad_options_are_clear_errors(tmp_path, kwargs, store_kw, message):
-    store = make_vit_store(tmp_path / "s", **store_kw)
+    store = vit_store(tmp_path / "s", **store_kw)
     d = tmp_path / "d"
     with pytest.raises(SaevOptionError) as e:
         export_saev(store, d, progress=False, **{"patches_per_shard": 30, **kwargs})
@@ -224,7 +223,7 @@ def test_bad_options_are_clear_errors(tmp_path, kwargs, store_kw, message):
 
 
 def test_unknown_layer_and_segment_name_what_exists(tmp_path):
-    store = make_llm_store(tmp_path / "s")
+    store = text_store(tmp_path / "s")
     with pytest.raises(LayerNotFoundError, match=r"layer 2 is not stored; this store holds layers \[1, 3\]"):
         export_saev(store, tmp_path / "d", layers=[2], family="clip", dataset="/d", progress=False)
     with pytest.raises(SegmentNotFoundError, match=r"segment 'answer' is not in this store; it has segments \['prompt', 'response'\]"):
@@ -232,7 +231,7 @@ def test_unknown_layer_and_segment_name_what_exists(tmp_path):
 
 
 def test_dump_to_defaults_to_saev_scratch(tmp_path, monkeypatch):
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "scratch"))
     res = export_saev(store, protocol="2.1", patches_per_shard=30, progress=False)
     assert res.path == tmp_path / "scratch" / "saev" / "shards" / res.hash and len(res.hash) == 8
@@ -246,7 +245,7 @@ def test_top_level_api_is_exported():
 
 
 def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypatch):
-    store = make_vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
+    store = vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
     kw = dict(patches_per_shard=30, cls="drop", progress=False)
     real = pipeline_mod._half_converter
     monkeypatch.setattr(pipeline_mod, "_half_converter", lambda nbytes: None)  # numpy's cast
@@ -261,16 +260,31 @@ def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypa
 
 
 def test_a_saev_directory_is_not_exported_again(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=4)
+    store = vit_store(tmp_path / "s", n=4)
     res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     with pytest.raises(SaevOptionError, match=r"is not an actstore store \(a saev directory cannot be exported again\)"):
         export_saev(res.path, tmp_path / "e", progress=False)
 
 
 def test_the_default_protocol_is_what_saev_reads_where_it_can_read_it(tmp_path, monkeypatch):
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     assert export_saev(store, tmp_path / "scratch" / "saev" / "shards", progress=False).protocol == "2.1"
     assert export_saev(store, tmp_path / "elsewhere", progress=False).protocol == "2.0"  # saev's loaders need .../saev/shards
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "env"))
     res = export_saev(store, progress=False)  # the default place: $SAEV_SCRATCH/saev/shards
     assert res.protocol == "2.1" and res.path.parent == tmp_path / "env" / "saev" / "shards"
+
+
+def test_one_options_value_exports_what_the_keywords_export(tmp_path):
+    from actstore.saev import SaevExportOptions
+
+    store = vit_store(tmp_path / "store", n=5, dtype="float16")
+    kw = dict(protocol="2.0", patches_per_shard=30, layers=[5], cls="drop", progress=False)
+    by_kw = export_saev(store, tmp_path / "a", **kw)
+    by_value = export_saev(store, tmp_path / "b", options=SaevExportOptions(**kw))
+    assert by_value.path.name == by_kw.path.name and not by_value.reused
+    for f in sorted(p.name for p in by_kw.path.iterdir()):
+        assert (by_value.path / f).read_bytes() == (by_kw.path / f).read_bytes(), f
+    with pytest.raises(SaevOptionError, match=r"pass options= or the export's keywords, not both: got options= and \['workers'\]"):
+        export_saev(store, tmp_path / "c", options=SaevExportOptions(**kw), workers=3)
+    assert not (tmp_path / "c").exists()

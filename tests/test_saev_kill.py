@@ -8,8 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from actstore.saev import export_saev, verify_saev
-from test_saev_common import dir_files, make_vit_store
+from test_saev_common import dir_files
+from factory import vit_store
+
+pytestmark = pytest.mark.slow  # exports killed in a subprocess
 
 CHILD = r"""
 import os, sys, time
@@ -32,7 +37,7 @@ export_saev(store, dump, patches_per_shard=30, batch_bytes=1, progress=False)
 
 
 def test_sigkill_leaves_no_hash_directory_and_rerun_completes(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=13)
+    store = vit_store(tmp_path / "s", n=13)
     dump, marker = tmp_path / "dump", tmp_path / "marker"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(marker), str(store.path), str(dump)], env=env)

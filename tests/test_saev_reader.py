@@ -14,13 +14,14 @@ import actstore
 from actstore.cli import main
 from actstore.errors import ExampleIndexError, LayerNotFoundError
 from actstore.saev import SaevFormatError, SaevOptionError, SaevStore, export_saev, import_saev, link_run, verify_saev
-from test_saev_common import dir_files, make_llm_store, make_vit_store
+from test_saev_common import dir_files
+from factory import text_store, vit_store
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reader")
-    store = make_vit_store(tmp / "s", n=13, dtype="float16", cls=True)
+    store = vit_store(tmp / "s", n=13, dtype="float16", cls=True)
     res = export_saev(store, tmp / "scratch" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False)
     return store, res
 
@@ -77,7 +78,7 @@ def test_saev_reader_errors(exported, tmp_path):
 
 @pytest.mark.parametrize("protocol", ["2.0", "2.1"])
 def test_import_then_export_reproduces_the_directory(tmp_path, protocol):
-    store = make_vit_store(tmp_path / "s", n=11, dtype="float32", cls=True, attrs={"family": "clip", "data": {"__class__": "ImageFolder", "root": "/img"}})
+    store = vit_store(tmp_path / "s", n=11, dtype="float32", cls=True, attrs={"family": "clip", "data": {"__class__": "ImageFolder", "root": "/img"}})
     root = tmp_path / "a" / "saev" / "shards"
     first = export_saev(store, root, protocol=protocol, patches_per_shard=30, progress=False)
     back = import_saev(first.path, tmp_path / "imported", progress=False)
@@ -90,7 +91,7 @@ def test_import_then_export_reproduces_the_directory(tmp_path, protocol):
 
 
 def test_import_to_float16_and_refuse_existing(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=5, labels=False, cls=False)
+    store = vit_store(tmp_path / "s", n=5, labels=False, cls=False)
     res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
     back = import_saev(res.path, tmp_path / "st", dtype="float16", progress=False)
     assert back.dtype == "float16" and not back.config.token_labels
@@ -126,7 +127,7 @@ def test_link_run_creates_the_layout_and_is_idempotent(tmp_path, monkeypatch, ex
 
 
 def test_cli_export_verify_import_link(tmp_path, monkeypatch):
-    store = make_llm_store(tmp_path / "s", n=7)
+    store = text_store(tmp_path / "s", n=7)
     r = CliRunner()
     dump = tmp_path / "scratch" / "saev" / "shards"
     args = ["export-saev", str(store.path), str(dump), "--protocol", "2.1", "--family", "clip", "--dataset", "/data/text",
@@ -165,7 +166,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("size", ["full", "empty"])
 def test_a_trailing_empty_shard_as_saev_writes_it_opens_imports_and_verifies(tmp_path, size):
-    store = make_vit_store(tmp_path / "s", n=6)
+    store = vit_store(tmp_path / "s", n=6)
     res = export_saev(store, tmp_path / "d", patches_per_shard=3 * 2 * 5, progress=False)  # 3 examples per shard: 2 full shards
     path = res.path
     entries = json.loads((path / "shards.json").read_text())

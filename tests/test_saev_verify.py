@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from actstore.saev import export_saev, verify_saev
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 SHAPE = "examples_per_shard 3 x 2 layers x 5 tokens x 8 d_model x 4 bytes"  # 960 bytes per shard
 
@@ -18,7 +18,7 @@ SHAPE = "examples_per_shard 3 x 2 layers x 5 tokens x 8 d_model x 4 bytes"  # 96
 @pytest.fixture(scope="module")
 def exports(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
-    store = make_vit_store(tmp / "s", n=13)
+    store = vit_store(tmp / "s", n=13)
     return {
         proto: export_saev(store, tmp / "x" / "saev" / "shards", protocol=proto, patches_per_shard=30, progress=False)
         for proto in ("2.0", "2.1")
@@ -54,7 +54,7 @@ def _rename(d, proto):
 
 
 def _edit_ckpt(d, proto):
-    from actstore.saev.protocol import metadata_hash
+    from actstore.layout.saevspec import metadata_hash
 
     md = _edit_metadata(d, proto, ckpt="someone/else")
     rule = ("full sha256 of the sorted-keys compact JSON of metadata" if proto == "2.0"
@@ -118,7 +118,7 @@ def _missing_and_fields(d, proto):
     md.pop("ckpt")
     md["extra"] = 1
     (d / "metadata.json").write_text(json.dumps(md))
-    from actstore.saev.protocol import FIELDS
+    from actstore.layout.saevspec import FIELDS
 
     return [
         f"metadata.json: missing fields ['ckpt'] (protocol {proto} has exactly: {', '.join(FIELDS[proto])})",

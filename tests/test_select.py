@@ -12,7 +12,7 @@ from zarr.codecs import ZstdCodec
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.errors import ExampleIndexError, LayerNotFoundError
-from tests.helpers import random_acts
+from factory import random_acts
 
 LAYERS = (2, 5, 9)
 

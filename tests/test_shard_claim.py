@@ -64,14 +64,14 @@ def test_writers_racing_for_one_shard_number_exactly_one_wins(tmp_path, attempt)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_shard_killed_between_claim_and_arrays_is_created_again_on_resume(tmp_path, monkeypatch, layout, when):
     root = tmp_path / "s.store"
-    real = setup.zarrio.create_shard_arrays
+    real = setup.arrays.create_shard_arrays
 
     def killed(group, cfg, compressor):
         if when != "before the arrays":
             real(group, cfg, compressor)
         raise KeyboardInterrupt  # the writer dies here: its commit record is claimed
 
-    monkeypatch.setattr(setup.zarrio, "create_shard_arrays", killed)
+    monkeypatch.setattr(setup.arrays, "create_shard_arrays", killed)
     with pytest.raises(KeyboardInterrupt):
         _writer(root, **LAYOUTS[layout])
     monkeypatch.undo()

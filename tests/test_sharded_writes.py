@@ -173,10 +173,10 @@ def test_buffered_writes_copy_a_reused_caller_buffer(tmp_path, kw):
 def test_writeback_thread_starts_each_file_and_closes_its_descriptor(tmp_path, monkeypatch):
     import os
 
-    from actstore.storage import fileops, local
+    from actstore.storage import durable, local
 
     started = []
-    real = fileops.sync_file_range
+    real = durable.sync_file_range
     if real is None:  # a system without sync_file_range: puts then never hand files over
         pytest.fail("this Linux test machine should have sync_file_range")
     import threading
@@ -185,7 +185,7 @@ def test_writeback_thread_starts_each_file_and_closes_its_descriptor(tmp_path, m
         started.append((os.fstat(fd).st_ino, threading.current_thread().name))
         return real(fd, off, n, flags)
 
-    monkeypatch.setattr(fileops, "sync_file_range", spy)
+    monkeypatch.setattr(durable, "sync_file_range", spy)
     storage = local.LocalStorage(tmp_path)
     before = len(os.listdir("/proc/self/fd"))
     wb = local.FileWriteback(depth=2)

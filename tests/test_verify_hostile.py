@@ -15,7 +15,7 @@ from actstore.layout import spec
 from actstore.cli import main
 from actstore.errors import CorruptStoreError, FormatVersionError, UnsafePathError
 from actstore.layout.records import MAX_EXAMPLES
-from actstore.manifest import finalize, load_manifest
+from actstore.write.finalize import finalize, load_manifest
 from actstore.verify import ERROR, verify_store
 
 import faultlib as F

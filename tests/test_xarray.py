@@ -15,7 +15,7 @@ import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout import spec
 from actstore.layout.arrays import decode_keys
-from tests.helpers import random_acts
+from factory import random_acts
 
 LAYERS = [2, 5, 9]
 HOOKS = {"2": "model.layers.2", "5": "model.layers.5"}  # layer 9 unnamed: falls back to "layer 9"

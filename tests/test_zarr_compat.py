@@ -13,7 +13,7 @@ from zarr.codecs import ZstdCodec
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout.chunks import geometry_from_metadata
-from tests.helpers import random_acts
+from factory import random_acts
 
 LAYERS = [3, 7]
 

@@ -8,7 +8,7 @@ module's output. `actstore write` runs the whole job from the command line. Impo
 package does not import torch; its functions do.
 """
 
-from actstore.capture.errors import (
+from actstore.errors import (
     CaptureError,
     DataError,
     EmptyDatasetError,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from actstore.capture import embedded
-from actstore.capture.errors import DataError, EmptyDatasetError, UnreadableImageError
+from actstore.errors import DataError, EmptyDatasetError, UnreadableImageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 EMBEDDED_PREFIX = "embedded:"

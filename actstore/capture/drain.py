@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 
 
 class Drain:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.capture.errors import DataError, ModelLoadError
+from actstore.errors import DataError, ModelLoadError
 
 EMBEDDED_MODELS = ("dinov2-s14", "smollm2-135m", "minilm-l6")
 EMBEDDED_DATA = ("images", "pydoc-topics")

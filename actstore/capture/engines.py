@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 
 MAX_RESTARTS = 3  # per actor: a writer killed more often than this fails the job
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.capture.errors import CaptureError, NoBlocksError, UnknownLayerError
+from actstore.errors import CaptureError, NoBlocksError, UnknownLayerError
 
 # Where HF transformers models keep their blocks, relative to the module we call.
 # Decoder LLMs (Llama, Qwen, Gemma, Mistral), GPT-2, BERT/ViT/DINOv2, CLIP/SigLIP towers.

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.capture import embedded
-from actstore.capture.errors import ModelLoadError
+from actstore.errors import ModelLoadError
 from actstore.dtypes import require_torch
 
 EMBEDDED_PREFIX = "embedded:"

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from actstore.capture.data import Source
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.capture.prepare import CaptureBatch
 
 MODES = ("pack", "chunk")

@@ -18,7 +18,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from actstore.capture.errors import CaptureError, UnknownLayerError
+from actstore.errors import CaptureError, UnknownLayerError
 from actstore.storage.regular import describe
 from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_name
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from actstore.capture.data import Source, load_image
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.capture.models import ImageSpec
 
 CONTENT, SPECIAL, TEMPLATE = 0, 1, 2

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.layout import spec
 
 

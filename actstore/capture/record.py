@@ -20,7 +20,7 @@ import numpy as np
 from actstore.layout import spec
 from actstore.layout.config import default_t_chunk
 from actstore.capture.drain import Drain
-from actstore.capture.errors import CaptureError, EmptyDatasetError
+from actstore.errors import CaptureError, EmptyDatasetError
 from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
 from actstore.capture.models import LoadedModel, wrap_module
 from actstore.capture.prepare import TOKEN_LABEL_MEANING, CaptureBatch

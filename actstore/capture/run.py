@@ -23,7 +23,7 @@ from actstore.capture.data import Source, absolute_data, load_source
 from actstore.capture import ranks
 from actstore.capture.progress import Progress
 from actstore.capture.ranks import bar_total, split
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
 from actstore.capture.record import DEFAULT_WRITER_NICE, RecordResult, committed, record
@@ -221,7 +221,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
         "finalized": False,
     }
     if o.finalize and whole:
-        from actstore.manifest import finalize
+        from actstore.write.finalize import finalize
 
         finalize(root)
         summary["finalized"] = True

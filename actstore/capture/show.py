@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 
 # A perceptually ordered dark-to-bright map (inferno's anchors), interpolated to 256 steps.
 _ANCHORS = np.array(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from actstore.capture.errors import CaptureError
+from actstore.errors import CaptureError
 from actstore.stats import stats_key
 
 

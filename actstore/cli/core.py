@@ -8,8 +8,8 @@ import click
 
 from actstore.cli.params import STORE
 
-from actstore.info import store_info, format_info
-from actstore.manifest import finalize
+from actstore.read.info import store_info, format_info
+from actstore.write.finalize import finalize
 
 
 def register(main: click.Group) -> None:

@@ -43,9 +43,9 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
     what its export recorded: data files, sizes, sha256 checksums and rows.
     """
     from actstore.errors import ActstoreError
-    from actstore.manifest import load_manifest
     from actstore.saelens.check import is_saelens_folder
     from actstore.storage import is_url
+    from actstore.write.finalize import load_manifest
     from actstore.verify import verify_store
 
     if not is_url(store) and is_saelens_folder(store):

@@ -9,7 +9,7 @@ import click
 
 from actstore.cli.params import STORE
 
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
 from actstore.storage.retry import counts as network_counts
 
 

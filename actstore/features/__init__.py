@@ -4,7 +4,7 @@ context around each example, and a static site (docs/features.md)."""
 from __future__ import annotations
 
 from actstore.features.encoders import Encoder, neurons
-from actstore.features.errors import EncoderError, FeatureError, TokenizerNotFoundError
+from actstore.errors import EncoderError, FeatureError, TokenizerNotFoundError
 from actstore.features.sources import load_dictionary_learning, load_directions, load_saelens, load_saev
 from actstore.features.topk import FeatureTables, top_activations
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from actstore.features.encoders import Encoder
-from actstore.features.errors import FeatureError, TokenizerNotFoundError
+from actstore.errors import FeatureError, TokenizerNotFoundError
 
 DEFAULT_WINDOW = (12, 4)  # tokens shown before and after the top token
 

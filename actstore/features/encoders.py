@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.errors import EncoderError
+from actstore.errors import EncoderError
 
 ACTIVATIONS = ("identity", "relu", "jumprelu", "topk")
 NORMALIZATIONS = ("none", "constant_norm_rescale", "layer_norm")

@@ -23,7 +23,7 @@ import numpy as np
 
 from actstore.features import context
 from actstore.features.encoders import Encoder
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
 
 SAEDASHBOARD_VERSION = "0.8.0"

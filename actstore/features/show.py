@@ -12,7 +12,7 @@ import numpy as np
 
 from actstore.features import context
 from actstore.features.encoders import Encoder, neurons
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 
 
 def _values(store: Any, ex: int, layer: int, encoder: Encoder | None, feature: int | None) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from actstore.features import context
 from actstore.features.encoders import Encoder
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
 
 PER_PAGE = 100

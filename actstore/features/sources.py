@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from actstore.features.encoders import Encoder
-from actstore.features.errors import EncoderError
+from actstore.errors import EncoderError
 
 SAELENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
 SAELENS_NORMALIZE = {"none": "none", "expected_average_only_in": "none", "constant_norm_rescale": "constant_norm_rescale", "layer_norm": "layer_norm"}

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 from actstore.features.topk import FeatureTables
 from actstore.layout import keys
 from actstore.storage import Storage, open_storage

@@ -20,7 +20,7 @@ from actstore.dtypes import bf16_bits_to_f32
 from actstore.layout import spec
 from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, TOKEN_BITS, FeatureAccumulator, hash_keys, split_order
 from actstore.features.encoders import Encoder
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 
 MAX_TOP_K = 10_000

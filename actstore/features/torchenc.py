@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.errors import FeatureError
+from actstore.errors import FeatureError
 
 _CACHE: dict[tuple[int, str], dict[str, Any]] = {}
 

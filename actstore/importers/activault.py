@@ -32,7 +32,8 @@ import zipfile
 from collections.abc import Iterator
 from typing import Any
 
-from actstore.importers.driver import Examples, Geometry, ImportSourceError, Part
+from actstore.errors import ActivaultFormatError
+from actstore.importers.driver import Examples, Geometry, Part
 from actstore.storage import KeyNotFound, open_storage
 
 METADATA, STATISTICS = "metadata.json", "statistics.json"
@@ -44,8 +45,6 @@ SLACK_BYTES = 1 << 20  # torch.save's zip headers and pickle, beyond the tensors
 BATCH_BYTES = 64 * 2**20  # activation bytes appended per batch
 
 
-class ActivaultFormatError(ImportSourceError):
-    """An Activault hook folder, metadata.json or megabatch is damaged or not Activault's."""
 
 
 class ActivaultSource:

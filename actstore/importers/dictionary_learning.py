@@ -29,15 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from actstore.importers.driver import Examples, Geometry, ImportSourceError, Part
+from actstore.errors import DictionaryLearningCacheError
+from actstore.importers.driver import Examples, Geometry, Part
 from actstore.storage import KeyNotFound, open_storage
 
 CONFIG = "config.json"
 BATCH_TOKENS = 1 << 16  # tokens appended per batch (a window of the memory map)
 
 
-class DictionaryLearningCacheError(ImportSourceError):
-    """A dictionary_learning activation cache folder is damaged or not one."""
 
 
 class DictionaryLearningSource:

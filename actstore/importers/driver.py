@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from actstore.errors import ActstoreError, CorruptStoreError, StoreMismatchError
+from actstore.errors import CorruptStoreError, ImportSourceError, ImportVerifyError, StoreMismatchError
 from actstore.layout import records
 from actstore.storage import KeyNotFound, open_storage
 
@@ -31,12 +31,8 @@ SEGMENT = "tokens"
 IMPORT_ATTR = "actstore_import"  # per shard: which source part it holds
 
 
-class ImportSourceError(ActstoreError, ValueError):
-    """A source to import is damaged, or not in the format asked for; the message names the file."""
 
 
-class ImportVerifyError(ActstoreError, RuntimeError):
-    """The imported store does not hold what was read from the source."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +117,7 @@ def run_import(source: Source, store: str | os.PathLike, *, workers: int = 2, pr
         commit_bytes: commit a shard's block every this many bytes (a kill loses at most one block).
         zarr_format: 2 (chunk files) or 3 (sharded).
     """
-    from actstore.manifest import finalize
+    from actstore.write.finalize import finalize
     from actstore.progress import bar
 
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:

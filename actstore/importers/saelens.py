@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.importers.driver import Examples, Geometry, ImportSourceError, Part
+from actstore.errors import SaelensDatasetError
+from actstore.importers.driver import Examples, Geometry, Part
 from actstore.storage import KeyNotFound, open_storage
 
 STATE, INFO, CONFIG = "state.json", "dataset_info.json", "saelens_config.json"
@@ -36,8 +37,6 @@ READ_BYTES = 8 * 2**20  # range request size for object-store files
 BATCH_BYTES = 64 * 2**20  # activation bytes appended per batch
 
 
-class SaelensDatasetError(ImportSourceError):
-    """A SAELens cached-activations folder is damaged, of another hook, or not one."""
 
 
 class SaelensSource:

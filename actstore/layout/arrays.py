@@ -1,6 +1,6 @@
 """The Zarr arrays of a writer shard, described (no I/O): names, shapes, chunks, dtypes,
 dimension names, sharding and attributes of each layout (format 2 chunk files, format 3
-with or without Zarr shard files). actstore.zarrio creates them through zarr-python."""
+with or without Zarr shard files). actstore.write.arrays creates them through zarr-python."""
 
 from __future__ import annotations
 

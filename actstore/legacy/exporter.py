@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import LegacyExportExistsError
-from actstore.fsutil import atomic_write_bytes, atomic_write_json, export_os_errors
+from actstore.storage.files import atomic_write_bytes, atomic_write_json, export_os_errors
 from actstore.legacy.metadata import METADATA_FILE, SHARD_NAME_FORMAT
 
 PICKLE_PROTOCOL = 4

@@ -27,7 +27,7 @@ import numpy as np
 
 from actstore.layout import spec
 from actstore.errors import CorruptStoreError, LegacyFormatError, StoreMismatchError, UnsafePathError
-from actstore.fsutil import read_regular, safe_child
+from actstore.storage.files import read_regular, safe_child
 from actstore.layout import jsonio
 from actstore.legacy.metadata import METADATA_FILE, LegacyMetadata, LegacyShardInfo, parse_metadata
 from actstore.legacy.safe_pickle import MAX_OBJECTS, load_shard_bytes
@@ -93,7 +93,7 @@ def import_pkl(
         LegacyFormatError: metadata, checksums or shard contents do not match the format.
         UnsafePickleError: a shard pickle asks for anything but numpy array reconstruction.
     """
-    from actstore.manifest import finalize
+    from actstore.write.finalize import finalize
 
     src = Path(source)
     md, md_sha = _read_metadata(src)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset
 
-from actstore.errors import ActstoreError
+from actstore.errors import AlignmentError
 from actstore.loaders.plan import rank_batches
 
 STATE_FORMAT = "actstore.AlignedTokenStream"
@@ -31,8 +31,6 @@ STATE_VERSION = 1
 _END = object()
 
 
-class AlignmentError(ActstoreError, ValueError):
-    """Aligned sources do not hold the same tokens (examples, lengths or token ids differ)."""
 
 
 class AlignedTokenStream(IterableDataset):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -24,9 +24,7 @@ import torch
 from actstore.dtypes import TORCH_GRAIN
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
 from actstore.loaders.windows import WindowSlot, void_rows
-
-if TYPE_CHECKING:
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 SPLIT_ROWS = 256  # rows one gather thread takes at a time
 
@@ -54,7 +52,7 @@ class BatchMaker:
         ring: the ring of a previous epoch of this stream, to reuse.
     """
 
-    def __init__(self, ts: TokenStream, in_worker: bool, ring: BufferRing | None = None):
+    def __init__(self, ts: StreamState, in_worker: bool, ring: BufferRing | None = None):
         self.ts, self.in_worker = ts, in_worker
         dev = None if in_worker else ts.device
         self.device = dev if dev is not None and dev.type != "cpu" else None

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
+from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
-from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, reader, request_objects, resolve_mask, segment_lengths,
+from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, request_objects, resolve_mask, segment_lengths,
                                      stored_numpy_dtype)
 from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
@@ -122,7 +123,7 @@ class PairDataset(Dataset):
     never overwritten; one you drop costs no new allocation).
 
     Args:
-        store: an ActStore, or a SaevStore from actstore.open(saev_dir).
+        store: a Reader (an ActStore, a SaevStore from actstore.open(saev_dir)) or its location (actstore.read.api.as_reader).
         layers: model layer numbers to sample from (default all).
         segments: segment names to read (default all).
         threads: reader threads per process.
@@ -134,7 +135,7 @@ class PairDataset(Dataset):
 
     def __init__(
         self,
-        store: Any,
+        store: ReaderLike,
         *,
         layers: Sequence[int] | None = None,
         segments: Sequence[str] | str | None = None,
@@ -151,7 +152,7 @@ class PairDataset(Dataset):
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no accelerator is available: buffers are not pinned", stacklevel=2)
             pin_memory = False
-        self.store = store
+        self.store = store = as_reader(store)
         self.layers = pick_layers(store, layers)
         self.segments = pick_segments(store, segments)
         self.d_model = int(store.d_model)
@@ -194,9 +195,9 @@ class PairDataset(Dataset):
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-pairs")
         in_worker = get_worker_info() is not None
         self._ring = BufferRing(self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker)
-        self._read = reader(self.store)
+        self._read = self.store.read_into
         self._object_of = request_objects(self.store)
-        self._many = getattr(self.store, "read_many_into", None) if self._object_of else None  # local: one read each
+        self._many = self.store.read_many_into if self._object_of else None  # local: one read each
         self._pid = os.getpid()
 
     def _buffer(self, b: int, k: int) -> torch.Tensor:

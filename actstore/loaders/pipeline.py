@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,9 +28,7 @@ from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits
 from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
 from actstore.storage.mapping import FileRegion
-
-if TYPE_CHECKING:
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 _STOP = object()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose threads may still run
@@ -55,7 +53,7 @@ def _stop_all() -> None:
 class TokenPipeline:
     """One consumer's reader and assembler threads, with bounded queues between them."""
 
-    def __init__(self, ts: TokenStream, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
+    def __init__(self, ts: StreamState, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
         self.ts, self.plan = ts, plan
         spare, ts._spare = ts._spare, {}
         if "pending" in spare:  # the last epoch's reader, reading this epoch's first window
@@ -235,7 +233,7 @@ class TokenPipeline:
                 return
 
 
-def _plan_key(ts: TokenStream, plan: EpochPlan) -> tuple[int, int]:
+def _plan_key(ts: StreamState, plan: EpochPlan) -> tuple[int, int]:
     """What fixes an epoch's windows for one stream (whose store, layers, sizes and ranks
     never change): a window read ahead serves only the same seed and epoch."""
     return (ts.seed, plan.epoch)
@@ -277,12 +275,12 @@ def _handed_over(batch: Any) -> Any:
     return batch
 
 
-def _region(ts: TokenStream, region: FileRegion | None) -> FileRegion | None:
+def _region(ts: StreamState, region: FileRegion | None) -> FileRegion | None:
     """The stream's file mappings in this process (kept from epoch to epoch), or None when
     its store's files cannot be mapped (reads then)."""
     if region is not None and region.pid == os.getpid() and region.base is not None:
         return region
-    if not ts.mmap or not FileRegion.supported() or not hasattr(ts.store, "map_unit"):
+    if not ts.mmap or not FileRegion.supported():
         return None
     files = ts.store.mappable_files([s.name for s in ts.segments])
     if files is None:

@@ -1,7 +1,7 @@
-"""What the loaders need from a store, through ActStore's public API only, so that they
-work on any object with that API (an actstore store, a saev directory from actstore.open):
-`len`, `layers`, `d_model`, `dtype`, `config.segments`, `segment(name).lengths()`,
-`read_into(ex, layer, segment, out)` and `stats()`.
+"""What the loaders need from a store, through the Reader interface only
+(actstore.read.interface), so that they work on any reader (an actstore store, a saev
+directory from actstore.open): `len`, `layers`, `d_model`, `dtype`, `config.segments`,
+`segment(name).lengths()`, `field`, `read_into(ex, layer, segment, out)` and `stats()`.
 
 Per-token masks (the option hook): `token_mask` selects which tokens inside each
 example's length are kept. It is one of
@@ -25,10 +25,8 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
-from actstore.errors import ActstoreError, LayerNotFoundError, SegmentNotFoundError
-
-class TokenMaskError(ActstoreError, KeyError):
-    """token_mask names a per-token array that the store does not hold."""
+from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskError
+from actstore.read.interface import Reader
 
 
 CONTENT = "content"  # token_mask shortcut: token label 0 (capture's content tokens)
@@ -44,20 +42,19 @@ class SegmentGeometry:
     t_pad: int
 
 
-def segment_geometry(store: Any) -> dict[str, SegmentGeometry]:
+def segment_geometry(store: Reader) -> dict[str, SegmentGeometry]:
     out = {}
     for s in store.config.segments:
-        t_chunk = getattr(s, "t_chunk", s.t_max)
-        t_pad = -(-s.t_max // t_chunk) * t_chunk
+        t_pad = s.n_chunks * s.t_chunk
         out[s.name] = SegmentGeometry(name=s.name, t_max=int(s.t_max), t_pad=int(t_pad))
     return out
 
 
-def stored_numpy_dtype(store: Any) -> np.dtype:
+def stored_numpy_dtype(store: Reader) -> np.dtype:
     return np.dtype(spec.ACT_DTYPES[store.dtype])
 
 
-def pick_layers(store: Any, layers: Sequence[int] | int | None) -> tuple[int, ...]:
+def pick_layers(store: Reader, layers: Sequence[int] | int | None) -> tuple[int, ...]:
     """The model layer numbers asked for, checked against the store's."""
     have = tuple(int(x) for x in store.layers)
     if layers is None:
@@ -73,7 +70,7 @@ def pick_layers(store: Any, layers: Sequence[int] | int | None) -> tuple[int, ..
     return picked
 
 
-def pick_segments(store: Any, segments: Sequence[str] | str | None) -> tuple[SegmentGeometry, ...]:
+def pick_segments(store: Reader, segments: Sequence[str] | str | None) -> tuple[SegmentGeometry, ...]:
     geo = segment_geometry(store)
     if segments is None:
         return tuple(geo.values())
@@ -86,14 +83,14 @@ def pick_segments(store: Any, segments: Sequence[str] | str | None) -> tuple[Seg
     return tuple(geo[n] for n in names)
 
 
-def segment_lengths(store: Any, seg: SegmentGeometry) -> np.ndarray:
+def segment_lengths(store: Reader, seg: SegmentGeometry) -> np.ndarray:
     lens = np.asarray(store.segment(seg.name).lengths()).astype(np.int64).reshape(-1)
     if lens.shape != (len(store),):
         raise ValueError(f"segment {seg.name!r}: the store gives {lens.shape} lengths for {len(store)} examples")
     return lens
 
 
-def resolve_mask(store: Any, seg: SegmentGeometry, token_mask: TokenMask) -> np.ndarray | None:
+def resolve_mask(store: Reader, seg: SegmentGeometry, token_mask: TokenMask) -> np.ndarray | None:
     """The (N, t_max) bool keep-mask of one segment, or None (keep all)."""
     if token_mask is None:
         return None
@@ -136,13 +133,13 @@ class TokenUnits:
     """The stream's units: unit u is (example, layer, segment) with u = (ex*L + li)*S + si.
 
     Args:
-        store: an ActStore (or an object with its API).
+        store: a Reader (an ActStore, a SaevStore).
         layers: model layer numbers (each unit's layer is layers[li]).
         segments: the segments streamed.
         token_mask: see the module docstring.
     """
 
-    def __init__(self, store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], token_mask: TokenMask):
+    def __init__(self, store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], token_mask: TokenMask):
         self.n_examples = len(store)
         self.layers = layers
         self.segments = segments
@@ -172,22 +169,7 @@ class TokenUnits:
         return np.flatnonzero(m[ex, : self.lengths[ex, si]])
 
 
-def reader(store: Any) -> Callable[[int, int, str, np.ndarray], None]:
-    """read(ex, layer, segment, out): fills `out` (t_pad, D) in the stored dtype."""
-    if hasattr(store, "read_into"):
-        def read(ex: int, layer: int, segment: str, out: np.ndarray) -> None:
-            store.read_into(ex, layer, segment, out)
-        return read
-
-    def read_padded(ex: int, layer: int, segment: str, out: np.ndarray) -> None:
-        # Fallback for stores without read_into: one extra copy per read.
-        x = np.asarray(store.segment(segment).padded(ex, layer))
-        out[: len(x)] = x.view(out.dtype) if x.dtype.itemsize == out.dtype.itemsize else x
-        out[len(x) :] = 0
-    return read_padded
-
-
-def stats_tables(store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str) -> tuple[np.ndarray, np.ndarray]:
+def stats_tables(store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str) -> tuple[np.ndarray, np.ndarray]:
     """Per (layer, segment) key k = li*S + si: (shift (K, D), scale (K, D)) float32 so that
     normalised = (x - shift) * scale. Modes: 'standardize' (per-dimension mean and std),
     'scale' (one factor per key making the mean L2 norm sqrt(D), no shift)."""
@@ -219,10 +201,8 @@ def stats_tables(store: Any, layers: tuple[int, ...], segments: tuple[SegmentGeo
     return shift, scale
 
 
-def request_objects(store: Any) -> Callable[[int, int, str], Any] | None:
-    """store.object_of(ex, layer, segment), the object holding a unit, when the store sits
-    in object storage, whose requests are worth saving (units of one object read together,
-    as one request); None on a local disk or for a store without it."""
-    if getattr(getattr(store, "storage", None), "coalesce_bytes", 0) > 0:
-        return getattr(store, "object_of", None)
-    return None
+def request_objects(store: Reader) -> Callable[[int, int, str], Any] | None:
+    """store.object_of(ex, layer, segment), the object holding a unit, when the store's
+    requests are worth saving (object storage: units of one object read together, as one
+    request); None otherwise (a local disk)."""
+    return store.object_of if store.groups_requests else None

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
-if TYPE_CHECKING:
-    from actstore.loaders.aligned import AlignedTokenStream
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 
 class TokenLoader:
@@ -23,7 +21,7 @@ class TokenLoader:
     steps resumes, with the same `num_workers`, at exactly the next batch.
 
     Args:
-        stream: the TokenStream.
+        stream: the TokenStream (or an AlignedTokenStream).
         num_workers: DataLoader worker processes (0: read in this process, with the
             stream's own background threads).
         pin_memory: copy batches into pinned memory (needs an accelerator).
@@ -34,7 +32,7 @@ class TokenLoader:
 
     def __init__(
         self,
-        stream: TokenStream | AlignedTokenStream,
+        stream: StreamState,
         *,
         num_workers: int = 0,
         pin_memory: bool = False,

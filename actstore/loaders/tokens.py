@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from actstore.loaders.aligned import AlignedTokenStream
+from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
@@ -76,7 +77,7 @@ class TokenStream(IterableDataset):
     `stream.loader(num_workers=...)`: it counts the batches the loop consumed.
 
     Args:
-        store: an ActStore, or a SaevStore from actstore.open(saev_dir).
+        store: a Reader (an ActStore, a SaevStore from actstore.open(saev_dir)) or its location (actstore.read.api.as_reader).
         batch_size: token vectors per batch (the last batch of an epoch may be smaller).
         layers: model layer numbers to stream (default all); rows of all of them are mixed.
         segments: segment names to stream (default all).
@@ -127,7 +128,7 @@ class TokenStream(IterableDataset):
 
     def __init__(
         self,
-        store: Any,
+        store: ReaderLike,
         *,
         batch_size: int = 4096,
         layers: Sequence[int] | int | None = None,
@@ -162,7 +163,7 @@ class TokenStream(IterableDataset):
             raise ValueError(f"prefetch must be an int >= 0. Got {prefetch!r}.")
         if isinstance(gather_threads, bool) or not isinstance(gather_threads, int) or not 1 <= gather_threads <= 8:
             raise ValueError(f"gather_threads must be an int in 1..8. Got {gather_threads!r}.")
-        self.store = store
+        self.store = store = as_reader(store)
         self.batch_size = int(batch_size)
         self.layers = pick_layers(store, layers)
         self.segments = pick_segments(store, segments)

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from actstore.errors import CorruptChunkError
 from actstore.loaders.plan import WindowSlice
-from actstore.loaders.source import reader, request_objects
+from actstore.loaders.source import request_objects
 from actstore.storage.mapping import FileRegion
-
-if TYPE_CHECKING:
-    from actstore.loaders.tokens import TokenStream
+from actstore.loaders.state import StreamState
 
 TASK_BYTES = 128 * 2**20  # most bytes one I/O task reads (the reads of one object stay together up to this)
 KNOWN_UNITS = 1 << 20  # units whose mapped rows are remembered (about 200 bytes each)
@@ -61,7 +59,7 @@ def order_of(w: WindowSlice, n_segments: int) -> np.ndarray:
     return np.lexsort((w.units, w.units % n_segments))
 
 
-def unit_tokens(ts: TokenStream, w: WindowSlice, i: int, e: int, s: int) -> np.ndarray | None:
+def unit_tokens(ts: StreamState, w: WindowSlice, i: int, e: int, s: int) -> np.ndarray | None:
     """Token numbers unit i of window w contributes (in window order); None when they are
     lo..hi of an unmasked unit."""
     rows = ts.units.kept_rows(e, s)
@@ -71,7 +69,7 @@ def unit_tokens(ts: TokenStream, w: WindowSlice, i: int, e: int, s: int) -> np.n
 class MappedFill:
     """Fills window slots by mapping (see the module docstring)."""
 
-    def __init__(self, ts: TokenStream, region: FileRegion, pool: ThreadPoolExecutor):
+    def __init__(self, ts: StreamState, region: FileRegion, pool: ThreadPoolExecutor):
         self.ts, self.region, self.pool = ts, region, pool
         self.known = region.known_units
 
@@ -157,12 +155,12 @@ class MappedFill:
 class ReadFill:
     """Fills window slots by reads (see the module docstring)."""
 
-    def __init__(self, ts: TokenStream, pool: ThreadPoolExecutor, cap: int):
+    def __init__(self, ts: StreamState, pool: ThreadPoolExecutor, cap: int):
         self.ts, self.pool, self.cap = ts, pool, cap
-        self.cached = getattr(ts.store, "read_cached", None)  # page-cache-only reads, where the store has them
-        self.many = getattr(ts.store, "read_many_into", None)
+        self.cached = ts.store.read_cached  # page-cache-only reads (a reader without them declines each)
+        self.many = ts.store.read_many_into
         self.object_of = request_objects(ts.store)  # local: no request to save
-        self.read = reader(ts.store)
+        self.read = ts.store.read_into
         self.row_bytes = ts.d_model * ts.stored_dtype.itemsize
         self.local = threading.local()
 
@@ -183,7 +181,7 @@ class ReadFill:
         futures: list[Future] = []
         for k, i in enumerate(order.tolist()):
             e, layer_i, s = int(ex[k]), int(li[k]), int(si[k])
-            if self.cached is not None and self._unit(w, buf, i, e, layer_i, s, self.cached):
+            if self._unit(w, buf, i, e, layer_i, s, self.cached):
                 continue
             obj = self.object_of(e, self.ts.units.layers[layer_i], units.segments[s].name) if self.object_of else k
             full = tasks.add((i, e, layer_i, s), obj, nbytes[k])
@@ -195,7 +193,7 @@ class ReadFill:
         slot.rows, slot.index = void_rows(buf), None
 
     def _read_units(self, w: WindowSlice, buf: np.ndarray, units: list[tuple[int, int, int, int]]) -> None:
-        if self.many is None or len(units) == 1:
+        if len(units) == 1:
             for i, e, layer_i, s in units:
                 self._unit(w, buf, i, e, layer_i, s, self.read)
             return

@@ -29,6 +29,7 @@ from actstore.layout import spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import ExampleIndexError
 from actstore.index import layer_position
+from actstore.read.interface import Reader
 from actstore.read.shard import UNCHECKED_READ_BYTES
 
 _LIST_TYPES = (list, tuple, range, np.ndarray)
@@ -43,7 +44,7 @@ def is_pair(key: Any) -> bool:
     return _is_int(ex) and not isinstance(layer, (slice, *_LIST_TYPES))
 
 
-def select(store: Any, key: Any, segments: Sequence[Any] | None = None) -> np.ndarray | list[np.ndarray]:
+def select(store: Reader, key: Any, segments: Sequence[Any] | None = None) -> np.ndarray | list[np.ndarray]:
     """Read `store[examples, layers]` for a selection key (see the module docstring).
 
     Args:
@@ -88,7 +89,7 @@ def select(store: Any, key: Any, segments: Sequence[Any] | None = None) -> np.nd
     return out
 
 
-def read_padded(store: Any, examples: np.ndarray, layers: Sequence[int], needed: Sequence[bool] | None = None) -> np.ndarray:
+def read_padded(store: Reader, examples: np.ndarray, layers: Sequence[int], needed: Sequence[bool] | None = None) -> np.ndarray:
     """(n, L', T_total, D): every segment padded to t_max as stored, concatenated in config order.
 
     Args:
@@ -105,7 +106,7 @@ def read_padded(store: Any, examples: np.ndarray, layers: Sequence[int], needed:
 
 
 def gather(
-    store: Any,
+    store: Reader,
     examples: np.ndarray,
     layers: Sequence[int],
     segs: Sequence[Any],
@@ -129,7 +130,7 @@ def gather(
         within = np.cumsum(rows, axis=1) - rows
         tail = max(0, int((base[:, None] + within + n_pad[None, :]).max()) - total)
     dtype = np.dtype(spec.ACT_DTYPES[store.dtype])
-    if len(examples) and int(n_pad.sum()) * d * dtype.itemsize > UNCHECKED_READ_BYTES and hasattr(store, "check_backed"):
+    if len(examples) and int(n_pad.sum()) * d * dtype.itemsize > UNCHECKED_READ_BYTES:
         store.check_backed(int(examples[0]), segs)  # metadata claiming huge token counts are refused before allocating
     buf = np.empty((total + tail, d), dtype=dtype)
     pos = 0
@@ -206,6 +207,6 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def _exposed(store: Any, flat: np.ndarray) -> np.ndarray:
+def _exposed(store: Reader, flat: np.ndarray) -> np.ndarray:
     """The stored dtype as readers return it: bfloat16 bits widen to float32 (a second copy)."""
     return bf16_bits_to_f32(flat) if store.dtype == "bfloat16" else flat

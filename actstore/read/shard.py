@@ -21,7 +21,7 @@ from actstore.layout.arrays import array_specs, every_chunk
 from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme, row_chunk_key
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
-from actstore.read.chunks import MappedChunk, map_chunks, read_many
+from actstore.read.batched import MappedChunk, map_chunks, read_many
 from actstore.storage import KeyNotFound, LocalStorage, Storage
 from actstore.storage.mapping import FileRegion
 

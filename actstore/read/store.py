@@ -16,11 +16,12 @@ import numpy as np
 from actstore import catalog
 from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import LayerNotFoundError, StoreNotFoundError
+from actstore.errors import StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
-from actstore.read.chunks import MappedChunk
+from actstore.read.batched import MappedChunk
+from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
 from actstore.storage import Storage, open_storage
@@ -53,8 +54,8 @@ class SegmentView:
         return self._store._global_per_sample(self.name + spec.LEN_SUFFIX)
 
 
-class ActStore:
-    """A finalized actstore store, read-only.
+class ActStore(Reader):
+    """A finalized actstore store, read-only: a Reader (actstore.read.interface).
 
     `store[ex, layer]` returns the (T_i, D) activations of example `ex` at model layer
     number `layer`, exactly as logged (prompt[:p] then response[:r] for several segments).
@@ -218,7 +219,7 @@ class ActStore:
         sh, local, lp = self._where(ex, layer)
         return sh.read_cached(seg, local, lp, out)
 
-    def read_many_into(self, items: Sequence[tuple[int, int, str, np.ndarray]]) -> None:
+    def read_many_into(self, items: Sequence[ReadItem]) -> None:
         """read_into of many (ex, layer, segment, out) at once. The chunks that lie in one
         object are read together: on an object store, the (example, layer) ranges of one
         Zarr shard file come in one batched request (adjacent ranges: one GET). For loaders."""
@@ -229,6 +230,11 @@ class ActStore:
             groups.setdefault((sh, segment), []).append((local, lp, out))
         for (sh, segment), group in groups.items():
             sh.read_many(self.config.segment(segment), group)
+
+    @property
+    def groups_requests(self) -> bool:
+        """True in object storage, where units of one object are best read together."""
+        return self.storage.coalesce_bytes > 0
 
     def object_of(self, ex: int, layer: int, segment: str) -> str:
         """The object holding the first chunk of segment `segment` of (ex, layer): units
@@ -295,14 +301,19 @@ class ActStore:
 
             return np.array([k for pos in range(len(self.manifest.shards))
                              for k in decode_keys(self._shard(pos).per_sample(name), self._shard(pos).storage.where(keys.field_array(name)))])
-        allowed = list(self.config.fields) + [s + spec.LEN_SUFFIX for s in self._segs]
-        if self.config.token_labels:
-            allowed += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
-        if self.config.token_ids:
-            allowed += [s + spec.TOKEN_IDS_SUFFIX for s in self._segs]
-        if name not in allowed:
-            raise KeyError(f"no per-sample field {name!r}; this store has {[spec.SAMPLE_KEY, *allowed]}")
+        if name not in self.field_names():
+            raise KeyError(f"no per-sample field {name!r}; this store has {list(self.field_names())}")
         return self._global_per_sample(name)
+
+    def field_names(self) -> tuple[str, ...]:
+        """`sample_key`, the per-sample fields, then per segment `<segment>_len` (and
+        `<segment>_token_labels`, `<segment>_token_ids` where kept)."""
+        names = [spec.SAMPLE_KEY, *self.config.fields, *(s + spec.LEN_SUFFIX for s in self._segs)]
+        if self.config.token_labels:
+            names += [s + spec.TOKEN_LABELS_SUFFIX for s in self._segs]
+        if self.config.token_ids:
+            names += [s + spec.TOKEN_IDS_SUFFIX for s in self._segs]
+        return tuple(names)
 
     def texts(self, name: str) -> Iterator[Any]:
         """Every value of text field `name`, in global example order."""
@@ -355,18 +366,6 @@ class ActStore:
                         names[name] = int(n)
         return names
 
-    def layer_number(self, layer: Any) -> int:
-        """The stored layer number of `layer` (a number, or a name from layer_names())."""
-        if not isinstance(layer, str):
-            return layer
-        names = self.layer_names()
-        if layer not in names:
-            raise LayerNotFoundError(
-                f"no stored layer is named {layer!r}; this store holds layers {list(self.config.layers)}"
-                + (f", named {names}" if names else " (it keeps no layer names: index by number)")
-            )
-        return names[layer]
-
     def _numbered(self, key: Any) -> Any:
         """A key with layer names replaced by layer numbers."""
         if isinstance(key, tuple) and len(key) == 2:
@@ -417,7 +416,7 @@ def _refuse_saev_dir(path: Path) -> None:
     """ActStore reads actstore stores only; a saev directory is pointed to actstore.open."""
     if os.path.lexists(path / spec.MANIFEST_FILE):
         return
-    from actstore.saev import protocol as saev_protocol  # constants only; lazy: its package imports this module
+    from actstore.layout import saevspec as saev_protocol  # constants only
 
     if (path / saev_protocol.METADATA_FILE).is_file() and (path / saev_protocol.SHARDS_FILE).is_file():
         raise StoreNotFoundError(

@@ -32,6 +32,7 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from actstore.layout import spec
+from actstore.read.interface import Reader
 from actstore.read.select import read_padded, select
 
 ACTIVATIONS = "activations"
@@ -39,7 +40,7 @@ TOKEN_LABELS = "token_labels"
 EXAMPLE, LAYER, TOKEN, D_MODEL = spec.AXES
 
 
-def to_dataset(store: Any, *, chunks: Any = None) -> xr.Dataset:
+def to_dataset(store: Reader, *, chunks: Any = None) -> xr.Dataset:
     """The whole store as a lazy xarray.Dataset (see the module docstring).
 
     Args:
@@ -57,16 +58,16 @@ def to_dataset(store: Any, *, chunks: Any = None) -> xr.Dataset:
     for s in segs:
         name = s.name + spec.LEN_SUFFIX
         data_vars[name] = _lazy((EXAMPLE,), _PerSample(lambda s=s: store.segment(s.name).lengths(), (n,), np.int32))
-    if getattr(store.config, "token_labels", False):
+    if store.config.token_labels:
         load = lambda: np.concatenate([store.field(s.name + spec.TOKEN_LABELS_SUFFIX) for s in segs], axis=1)
         data_vars[TOKEN_LABELS] = _lazy((EXAMPLE, TOKEN), _PerSample(load, (n, t_total), np.uint8))
-    if hasattr(store, "manifest"):  # an actstore store; a saev directory has neither keys nor fields
+    if spec.SAMPLE_KEY in store.field_names():  # an actstore store; a saev directory has no sample keys
         data_vars[spec.SAMPLE_KEY] = _lazy((EXAMPLE,), _PerSample(lambda: store.field(spec.SAMPLE_KEY), (n,), object))
     coords: dict[str, Any] = {LAYER: (LAYER, np.array(layers, dtype=np.int64)), "layer_name": (LAYER, layer_names(store))}
     if len(segs) > 1:
         coords["segment"] = (TOKEN, np.concatenate([np.full(s.t_max, s.name, dtype=object) for s in segs]))
         coords["position"] = (TOKEN, np.concatenate([np.arange(s.t_max, dtype=np.int64) for s in segs]))
-    for name, dt in getattr(store.config, "fields", {}).items():
+    for name, dt in store.config.fields.items():
         key = f"field_{name}" if name in data_vars or name in coords or name in spec.AXES else name
         data_vars[key] = _lazy((EXAMPLE,), _PerSample(lambda name=name: store.field(name), (n,), np.dtype(dt)))
     ds = xr.Dataset(data_vars, coords=coords, attrs=json_safe_attrs(store.meta))
@@ -82,7 +83,7 @@ def to_dataset(store: Any, *, chunks: Any = None) -> xr.Dataset:
     return ds
 
 
-def example_dataarray(store: Any, ex: int, segment: str | None = None) -> xr.DataArray:
+def example_dataarray(store: Reader, ex: int, segment: str | None = None) -> xr.DataArray:
     """Example `ex` in memory as a DataArray (layer, token, d_model), padding removed.
 
     Coordinates: `layer` (model layer numbers), `token` (0..T_i-1) and `segment` (the
@@ -100,7 +101,7 @@ def example_dataarray(store: Any, ex: int, segment: str | None = None) -> xr.Dat
     )
 
 
-def layer_names(store: Any) -> np.ndarray:
+def layer_names(store: Reader) -> np.ndarray:
     """The model's name of each stored layer: capture's attrs["hooks"][str(n)], else "layer <n>"."""
     hooks = store.config.attrs.get("hooks")
     hooks = hooks if isinstance(hooks, dict) else {}
@@ -125,7 +126,7 @@ class _Activations(BackendArray):
     """(example, layer, token, d_model) over read_padded: reads only the indexed pairs, and
     of those only the segments whose tokens are asked for."""
 
-    def __init__(self, store: Any, shape: tuple[int, int, int, int], dtype: np.dtype):
+    def __init__(self, store: Reader, shape: tuple[int, int, int, int], dtype: np.dtype):
         self.store, self.shape, self.dtype = store, shape, dtype
         self._seg_bounds = np.cumsum([0] + [s.t_max for s in store.config.segments])
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from actstore.read.api import ReaderLike, as_reader
+
 
 def saelens_data_provider(
-    store: Any, *, layer: Any, batch_size: int = 4096, seed: int = 0, token_mask: Any = None, device: str | None = None,
+    store: ReaderLike, *, layer: Any, batch_size: int = 4096, seed: int = 0, token_mask: Any = None, device: str | None = None,
     **stream_kwargs: Any,
 ) -> Iterator[Any]:
     """An endless iterator of float32 (batch_size, d_model) tensors of layer `layer` (a number
@@ -20,10 +22,8 @@ def saelens_data_provider(
     import torch
 
     from actstore.loaders import TokenStream
-    from actstore.read.store import ActStore
 
-    if not hasattr(store, "read_into"):
-        store = ActStore(store)
+    store = as_reader(store)
     number = store.layer_number(layer)
     epoch = 0
     while True:

@@ -18,15 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import CorruptStoreError
+from actstore.errors import SaelensFolderError
 
 CONFIG = "saelens_config.json"
 STATE = "state.json"
 HASH_BLOCK = 16 * 2**20  # bytes read at a time for a checksum
 
 
-class SaelensFolderError(CorruptStoreError):
-    """An export-saelens folder does not match what its export recorded."""
 
 
 @dataclass

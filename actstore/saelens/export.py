@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from actstore.errors import ActstoreError
-from actstore.fsutil import export_os_errors
+from actstore.errors import SaelensExportError
 from actstore.index import layer_position
+from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.saelens.card import dataset_card
 from actstore.saelens.check import file_record
-from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, sync_file_range
+from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, sync_file_range
+from actstore.storage.files import export_os_errors
 
 DEFAULT_CONTEXT = 128
 NO_TOKEN, CONTENT, SPECIAL, TEMPLATE = -1, -2, -3, -4  # token_ids codes when the store keeps no ids
@@ -41,9 +42,6 @@ FILE_BYTES = 512 * 2**20  # an Arrow file's activation bytes (SAELens caches use
 BATCH_BYTES = 16 * 2**20  # a record batch (and a stream batch): the stream keeps 6 such buffers
 TRAIN_BATCH_TOKENS = 4096  # SAELens's default train_batch_size_tokens
 
-
-class SaelensExportError(ActstoreError, ValueError):
-    """An export-saelens option does not fit the store, or OUT is taken."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class SaelensExport:
 
 
 def export_saelens(
-    store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
+    store: ReaderLike, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
     seed: int = 0, dtype: str = "float32", skip_special: bool = False, progress: bool = True,
 ) -> SaelensExport:
     """Write layer `layer` of `store` (an ActStore, a path or a URL) to `out` for SAELens.
@@ -86,10 +84,8 @@ def export_saelens(
 def _export(store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
             dtype: str, skip_special: bool, progress: bool) -> SaelensExport:
     from actstore.loaders import TokenStream
-    from actstore.read.store import ActStore
 
-    if not hasattr(store, "read_into"):
-        store = ActStore(store)
+    store = as_reader(store)
     number = store.layer_number(layer)
     layer_position(store.layers, number)  # raises LayerNotFoundError listing the stored layers
     hook = hook_name or _default_hook(store, number)
@@ -166,7 +162,7 @@ def _export(store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | 
     return SaelensExport(path=out, hook_name=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, config=config)
 
 
-def _default_hook(store: Any, number: int) -> str:
+def _default_hook(store: Reader, number: int) -> str:
     """The name the capture gave the layer (a TransformerLens name, or the module path of a
     module-path capture: what SAELens's HF wrapper hooks), else the block output's name."""
     names = store.config.attrs.get("hook_names")
@@ -177,7 +173,7 @@ def _default_hook(store: Any, number: int) -> str:
 class _TokenIds:
     """(example, segment index, token) -> the token id SAELens sees (vectorised)."""
 
-    def __init__(self, store: Any):
+    def __init__(self, store: Reader):
         self.segments = list(store.segments)
         self.real = bool(store.config.token_ids)
         labels = store.config.token_labels
@@ -197,7 +193,7 @@ class _TokenIds:
         return out
 
 
-def _token_id_table(store: Any) -> _TokenIds:
+def _token_id_table(store: Reader) -> _TokenIds:
     return _TokenIds(store)
 
 
@@ -276,7 +272,7 @@ class _ArrowFiles:
         return names
 
 
-def _config(store: Any, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int],
+def _config(store: Reader, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int],
             records: list[dict[str, Any]]) -> dict[str, Any]:
     """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields), and
     what checks it: the row count and each data file's size and sha256 (saelens/check.py)."""

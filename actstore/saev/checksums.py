@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from actstore.layout.checksum import crc32c
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevFormatError
-from actstore.saev.schema import read_json, regular_size
+from actstore.layout import saevspec as P
+from actstore.errors import SaevFormatError
+from actstore.read.saevschema import read_json, regular_size
 
 ALGORITHM = "crc32c"
 _BLOCK = 16 * 2**20  # bytes per read

@@ -10,20 +10,21 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from actstore.fsutil import export_os_errors
-from actstore.saev import protocol as P
+from actstore.errors import SaevExistsError, SaevOptionError
+from actstore.layout import saevspec as P
+from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.store import ActStore
 from actstore.saev.checksums import file_crc, sidecar_bytes
-from actstore.saev.errors import SaevExistsError, SaevOptionError
+from actstore.storage.files import export_os_errors
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
-from actstore.saev.plan import ExportPlan, make_plan
+from actstore.saev.plan import DEFAULT_BATCH_BYTES, ExportPlan, SaevExportOptions, make_plan
 from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
 from actstore.saev.verify import verify_saev
 
-DEFAULT_BATCH_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +50,7 @@ def default_dump_to() -> Path:
 
 
 def export_saev(
-    store: Any,
+    store: ReaderLike,
     dump_to: str | os.PathLike | None = None,
     *,
     protocol: str = "auto",
@@ -69,6 +70,7 @@ def export_saev(
     fsync: bool = True,
     progress: bool = True,
     tokens_per_example: int | None = None,
+    options: SaevExportOptions | None = None,
 ) -> SaevExport:
     """Export a finalized store as a saev shard directory `<dump_to>/<HASH>`.
 
@@ -78,7 +80,7 @@ def export_saev(
     directory.
 
     Args:
-        store: an ActStore or the path of one.
+        store: an ActStore or its location (a path, a URL, a Storage).
         dump_to: the shards root; default $SAEV_SCRATCH/saev/shards. Protocol 2.1 needs a
             path ending in saev/shards (saev's loaders check).
         protocol: "2.1" (what saev's current loaders read; the directory must sit at
@@ -105,23 +107,20 @@ def export_saev(
         fsync: flush every file to disk before publishing, so that a power loss cannot
             leave a published directory with missing data (off only for scratch use).
         progress: show a progress bar.
+        options: every option above as one SaevExportOptions value, instead of the
+            keywords (a keyword changed from its default beside it is refused).
     """
-    from actstore.saev.reader import is_saev_dir
-    from actstore.read.store import ActStore
-
-    if not hasattr(store, "read_into"):
-        if is_saev_dir(store):
-            raise SaevOptionError(f"{store} is not an actstore store (a saev directory cannot be exported again)")
-        store = ActStore(store)
-    if not hasattr(store, "manifest"):
-        raise SaevOptionError(f"{store.path} is not an actstore store (a saev directory cannot be exported again)")
+    given = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
+    o = _options(options, given)
+    reader = as_reader(store)
+    if not isinstance(reader, ActStore):
+        where = reader.path if isinstance(store, Reader) else store
+        raise SaevOptionError(f"{where} is not an actstore store (a saev directory cannot be exported again)")
+    store = reader
     root = Path(os.path.abspath(default_dump_to() if dump_to is None else dump_to))
-    protocol = P.choose_protocol(protocol, root)
-    plan = make_plan(
-        store, protocol=protocol, layers=layers, segments=segments, cls=cls, family=family, ckpt=ckpt,
-        dataset=dataset, data=data, patches_per_shard=patches_per_shard, pixel_agg=pixel_agg, labels=labels,
-        tokens_per_example=tokens_per_example,
-    )
+    protocol = P.choose_protocol(o.protocol, root)
+    plan = make_plan(store, o, protocol=protocol)
+    workers, overwrite, fsync = o.workers, o.overwrite, o.fsync
     if plan.dropped_tokens:
         warnings.warn(
             f"the last {plan.dropped_tokens} real tokens of {store.path} do not fill an exported example of "
@@ -142,14 +141,14 @@ def export_saev(
     if nonfinite:
         warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
     with export_os_errors(f"exporting {store.path} to saev", target, "the same export-saev command"):
-        published = _build(store, plan, root, target, overwrite=overwrite, workers=workers, batch_bytes=batch_bytes,
-                           fsync=fsync, progress=progress)
+        published = _build(store, plan, root, target, overwrite=overwrite, workers=workers, batch_bytes=o.batch_bytes,
+                           fsync=fsync, progress=o.progress)
     if not published:  # another process published the same hash meanwhile
         return _reuse(target, plan)
     return _result(target, plan, reused=False)
 
 
-def _build(store: Any, plan: ExportPlan, root: Path, target: Path, *, overwrite: bool, workers: int, batch_bytes: int,
+def _build(store: ActStore, plan: ExportPlan, root: Path, target: Path, *, overwrite: bool, workers: int, batch_bytes: int,
            fsync: bool, progress: bool) -> bool:
     """Write the directory beside `target` and publish it; False: another process did first."""
     protocol = plan.protocol
@@ -177,6 +176,22 @@ def _build(store: Any, plan: ExportPlan, root: Path, target: Path, *, overwrite:
     if not published:
         _rmtree(tmp)
     return published
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(SaevExportOptions))
+_DEFAULTS = SaevExportOptions()
+
+
+def _options(options: SaevExportOptions | None, given: dict[str, Any]) -> SaevExportOptions:
+    """`options`, or the SaevExportOptions of the keywords `given`; never both."""
+    if options is None:
+        return SaevExportOptions(**given)
+    if not isinstance(options, SaevExportOptions):
+        raise SaevOptionError(f"options must be a SaevExportOptions. Got {type(options).__name__}.")
+    changed = sorted(k for k, v in given.items() if v is not getattr(_DEFAULTS, k) and v != getattr(_DEFAULTS, k))
+    if changed:
+        raise SaevOptionError(f"pass options= or the export's keywords, not both: got options= and {changed}")
+    return options
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.manifest import finalize
+from actstore.read.saevstore import SaevStore
 from actstore.saev import checksums
-from actstore.saev.reader import SaevStore
+from actstore.write.finalize import finalize
 from actstore.write import ShardWriter
 
 DEFAULT_BATCH_BYTES = 64 * 2**20

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from actstore.layout import spec
-from actstore.saev import protocol as P
+from actstore.layout import saevspec as P
+from actstore.read.store import ActStore
 from actstore.saev.checksums import FileCrc
 from actstore.saev.plan import ExportPlan
 
@@ -41,7 +42,7 @@ class ShardPipeline:
     one (T, D) float32 block, contiguous in the output file.
     """
 
-    def __init__(self, store: Any, plan: ExportPlan, out_dir: Path, *, workers: int, batch_bytes: int, fsync: bool, progress: bool):
+    def __init__(self, store: ActStore, plan: ExportPlan, out_dir: Path, *, workers: int, batch_bytes: int, fsync: bool, progress: bool):
         self.plan = plan
         self.fsync = fsync
         self.dir = out_dir
@@ -130,9 +131,7 @@ class ShardPipeline:
     def _reader(self) -> tuple[Any, dict[str, np.ndarray]]:
         """This thread's own ActStore (its caches are not shared) and scratch buffers."""
         loc = self._local
-        if not hasattr(loc, "store"):
-            from actstore.read.store import ActStore
-
+        if not hasattr(loc, "store"):  # (a thread-local, not a store)
             loc.store = ActStore(self.store_path)
             loc.scratch = {
                 p.segment: np.empty((self.rows_per_unit, p.n_pad, self._d_model), dtype=self._stored)
@@ -271,7 +270,7 @@ def write_small(path: Path, data: bytes, fsync: bool) -> None:
         os.close(fd)
 
 
-def write_labels(store: Any, plan: ExportPlan, path: Path, fsync: bool) -> None:
+def write_labels(store: ActStore, plan: ExportPlan, path: Path, fsync: bool) -> None:
     """labels.bin: uint8 (n_examples, content tokens), CLS excluded, zeros past a segment's length
     (a packed export: the labels of its real tokens, in the same stream order)."""
     if plan.offsets is not None:

@@ -22,8 +22,9 @@ from actstore.chunkio import crc32c
 from actstore.layout import jsonio
 from actstore.layout.spec import LEN_SUFFIX
 from actstore.index import layer_position
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevOptionError
+from actstore.read.store import ActStore
+from actstore.layout import saevspec as P
+from actstore.errors import SaevOptionError
 
 CLS_MODES = ("keep", "drop", "none")
 
@@ -57,23 +58,38 @@ class ExportPlan:
     dropped_tokens: int = 0  # the stream's tail shorter than one exported example
 
 
-def make_plan(
-    store: Any,
-    *,
-    protocol: str = P.DEFAULT_PROTOCOL,
-    layers: Sequence[int] | None = None,
-    segments: Sequence[str] | None = None,
-    cls: str | bool | None = None,
-    family: str | None = None,
-    ckpt: str | None = None,
-    dataset: str | os.PathLike | None = None,
-    data: Any = None,
-    patches_per_shard: int = P.DEFAULT_BUDGET,
-    pixel_agg: str | None = None,
-    labels: bool | None = None,
-    tokens_per_example: int | None = None,
-) -> ExportPlan:
-    """Validate every export option against `store` (an ActStore); see export_saev."""
+DEFAULT_BATCH_BYTES = 32 * 2**20  # float32 bytes per work unit of the export's pipeline
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaevExportOptions:
+    """Every option of a saev export, as one value (export_saev's Args describe each)."""
+
+    protocol: str = "auto"
+    layers: Sequence[int] | None = None
+    segments: Sequence[str] | None = None
+    cls: str | bool | None = None
+    family: str | None = None
+    ckpt: str | None = None
+    dataset: str | os.PathLike | None = None
+    data: Any = None
+    patches_per_shard: int = P.DEFAULT_BUDGET
+    pixel_agg: str | None = None
+    labels: bool | None = None
+    tokens_per_example: int | None = None
+    overwrite: bool = False
+    workers: int = 2
+    batch_bytes: int = DEFAULT_BATCH_BYTES
+    fsync: bool = True
+    progress: bool = True
+
+
+def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, protocol: str = P.DEFAULT_PROTOCOL) -> ExportPlan:
+    """Validate every export option against `store`; `protocol` is the one chosen for the
+    export (options.protocol may say "auto"); see export_saev."""
+    o = options if options is not None else SaevExportOptions()
+    layers, segments, cls, family, ckpt, dataset, data = o.layers, o.segments, o.cls, o.family, o.ckpt, o.dataset, o.data
+    patches_per_shard, pixel_agg, labels, tokens_per_example = o.patches_per_shard, o.pixel_agg, o.labels, o.tokens_per_example
     if protocol not in P.PROTOCOLS:
         raise SaevOptionError(f"protocol must be one of {list(P.PROTOCOLS)}. Got {protocol!r}.")
     cfg = store.config
@@ -145,7 +161,7 @@ def make_plan(
     )
 
 
-def _token_offsets(store: Any, parts: tuple[Part, ...]) -> np.ndarray:
+def _token_offsets(store: ActStore, parts: tuple[Part, ...]) -> np.ndarray:
     """Each store example's first token in the stream of real tokens (parts in order, each
     part's tokens past its skip and within its length), and the total at the end."""
     counts = np.zeros(len(store), np.int64)
@@ -284,7 +300,7 @@ def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> s
     return value
 
 
-def _default_data(store: Any, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
+def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
     """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
     crc = 0
     for s in store.manifest.shards:

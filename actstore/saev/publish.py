@@ -13,7 +13,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from actstore.storage.fileops import fsync_dir
+from actstore.storage.durable import fsync_dir
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

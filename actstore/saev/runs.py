@@ -16,10 +16,10 @@ import os
 import uuid
 from pathlib import Path
 
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevOptionError
-from actstore.saev.reader import is_saev_dir
-from actstore.saev.schema import read_json
+from actstore.layout import saevspec as P
+from actstore.errors import SaevOptionError
+from actstore.read.saevstore import is_saev_dir
+from actstore.read.saevschema import read_json
 
 RUN_DIRS = ("checkpoint", "links", "inference")
 

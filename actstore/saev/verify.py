@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
+from actstore.layout import saevspec as P
+from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 from actstore.saev import checksums
-from actstore.saev import protocol as P
-from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
 
 _BLOCK = 16 * 2**20  # bytes per read when scanning padding or values
 

@@ -19,11 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import StoreNotFoundError
+from actstore.errors import KeyNotFound
 
-
-class KeyNotFound(StoreNotFoundError):
-    """A key with no object behind it."""
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import ActstoreError
+from actstore.errors import ReadOnlyCacheError
 from actstore.storage.base import Entry, Storage, Writeback
 from actstore.storage.cachedir import CacheDir
 
 __all__ = ["CachedStorage", "ReadOnlyCacheError"]
 
-
-class ReadOnlyCacheError(ActstoreError, PermissionError):
-    """A write through a CachedStorage (a cache reads a finalized store, never writes it)."""
 
 
 class CachedStorage(Storage):

@@ -24,7 +24,7 @@ from typing import Any
 
 from actstore.errors import UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
-from actstore.storage.fileops import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
+from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular

@@ -1,5 +1,5 @@
 """Writing a store: the commit protocol of one writer shard (ShardWriter), its layouts,
-and the store's identity claim. finalize (the manifest) lives in actstore.manifest."""
+and the store's identity claim. finalize (the manifest) lives in actstore.write.finalize."""
 
 from actstore.write.identity import claim_store
 from actstore.write.protocol import ShardWriter

@@ -19,16 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from actstore import catalog, zarrio
+from actstore import catalog
+from actstore.write import arrays
 from actstore._version import __version__
 from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError
 from actstore.layout import keys, records, spec
-from actstore.layout.config import make_config
+from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, stats_key
 from actstore.storage import open_storage
 from actstore.write import batch as batches
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease
+from actstore.write.options import CONFIG_KEYWORDS, OPTION_KEYWORDS, WriterOptions, store_config, writer_options
 from actstore.write.pipeline import IOStats
 from actstore.write.setup import ShardSetup, _set_rows
 
@@ -42,9 +44,15 @@ class ShardWriter(ShardSetup):
     Use as a context manager; leaving the block normally closes (completes) the shard,
     leaving it with an exception commits what was appended so a resumed writer continues.
 
+    The store's configuration and the writer's options are values: pass `config=` (a
+    StoreConfig, from actstore.layout.config.make_config) and `options=` (a WriterOptions,
+    actstore.write.options) whole, or the keywords below that build them (not both).
+
     Args:
         path: the store's root: a folder (created if needed) or an object-store URL.
         shard: this writer's shard number (0..99999), unique per writer.
+        config: the store's configuration, instead of layers ... attrs.
+        options: the writer's options, instead of resume ... io_bytes.
         layers: the model layer numbers recorded, in the order of the batch's L axis.
         d_model: activation width D.
         tokens: T for a store with one fixed-length segment (ViT: patches + CLS).
@@ -85,69 +93,58 @@ class ShardWriter(ShardSetup):
         path: Any,
         *,
         shard: int = 0,
-        layers: Sequence[int],
-        d_model: int,
+        config: StoreConfig | None = None,
+        options: WriterOptions | None = None,
+        layers: Sequence[int] | None = None,
+        d_model: int | None = None,
         tokens: int | None = None,
         segments: Mapping[str, int] | None = None,
-        dtype: Any = spec.DEFAULT_DTYPE,
+        dtype: Any = None,
         t_chunk: int | Mapping[str, int] | None = None,
-        zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
+        zarr_format: int | None = None,
         shard_examples: int | None = None,
         fields: Mapping[str, Any] | None = None,
-        texts: Sequence[str] = (),
-        token_labels: bool = False,
-        token_ids: bool = False,
+        texts: Sequence[str] | None = None,
+        token_labels: bool | None = None,
+        token_ids: bool | None = None,
         model_id: str | None = None,
         attrs: Mapping[str, Any] | None = None,
-        resume: bool = False,
-        overwrite: bool = False,
-        commit_bytes: int = spec.DEFAULT_COMMIT_BYTES,
-        on_nonfinite: str = "count",
-        on_overflow: str = "raise",
+        resume: bool | None = None,
+        overwrite: bool | None = None,
+        commit_bytes: int | None = None,
+        on_nonfinite: str | None = None,
+        on_overflow: str | None = None,
         compressor: Any = None,
-        engine: str = "auto",
-        stats: bool = False,
-        fsync: bool = False,
+        engine: str | None = None,
+        stats: bool | None = None,
+        fsync: bool | None = None,
         world_size: int | None = None,
         io_threads: int | None = None,
         io_bytes: int | None = None,
     ):
         if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard <= spec.MAX_SHARD:
             raise ValueError(f"shard must be an int in 0..{spec.MAX_SHARD}. Got {shard!r}.")
-        if on_nonfinite not in ("count", "raise"):
-            raise ValueError(f"on_nonfinite must be one of ['count', 'raise']. Got {on_nonfinite!r}.")
-        if on_overflow not in ("raise", "clip"):
-            raise ValueError(f"on_overflow must be one of ['raise', 'clip']. Got {on_overflow!r}.")
-        if engine not in ("auto", "direct", "zarr"):
-            raise ValueError(f"engine must be one of ['auto', 'direct', 'zarr']. Got {engine!r}.")
-        cfg = make_config(
-            layers=layers, d_model=d_model, dtype=dtype, tokens=tokens, segments=segments, t_chunk=t_chunk,
-            zarr_format=zarr_format, shard_examples=shard_examples, fields=fields, texts=texts,
-            token_labels=token_labels, model_id=model_id, attrs=attrs, token_ids=token_ids,
-        )
-        if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or not shard < world_size <= spec.MAX_WORLD_SIZE):
-            raise ValueError(f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {world_size!r}.")
-        if engine == "direct" and compressor is not None:
-            raise ValueError("engine='direct' writes raw chunk files: it needs no compressor")
-        zarrio.check_compressor(compressor, cfg.zarr_format)  # before anything is written
+        given = locals()
+        opts = writer_options(options, {k: given[k] for k in OPTION_KEYWORDS})
+        cfg = store_config(config, {k: given[k] for k in CONFIG_KEYWORDS})
+        opts.check_rank(shard)
+        arrays.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
         self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
         self.shard = shard
         claim_store(self.storage, cfg)
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
         self._created = records.now()
-        self.engine = "direct" if compressor is None and engine in ("auto", "direct") else "zarr"
-        self.compressor = compressor
-        self.commit_bytes = int(commit_bytes)
-        self.on_nonfinite = on_nonfinite
-        self.on_overflow = on_overflow
-        self.fsync = fsync
-        for name, v in (("io_threads", io_threads), ("io_bytes", io_bytes)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ValueError(f"{name} must be a positive int or None. Got {v!r}.")
-        self.io_threads, self.io_bytes = io_threads, io_bytes
+        self.options = opts
+        self.engine = "direct" if opts.compressor is None and opts.engine in ("auto", "direct") else "zarr"
+        self.compressor = opts.compressor
+        self.commit_bytes = int(opts.commit_bytes)
+        self.on_nonfinite = opts.on_nonfinite
+        self.on_overflow = opts.on_overflow
+        self.fsync = opts.fsync
+        self.io_threads, self.io_bytes = opts.io_threads, opts.io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
-        self.world_size = world_size
+        self.world_size = opts.world_size
         self._closed = False
         names = [s.name for s in cfg.segments]
         self.n_committed = self.n_written = self.n_blocks = 0
@@ -158,12 +155,12 @@ class ShardWriter(ShardSetup):
         self._el_crc_file = True  # False for a resumed shard written without the crc file
         self._block_bytes = 0
         self._stats_file: str | None = None
-        self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if stats else None
+        self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if opts.stats else None
         # One writer per shard: a second writer or resumer is refused while this one lives.
         self._lease = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
         weakref.finalize(self, self._lease.release)  # a writer dropped unclosed gives it back
         try:
-            self._setup(shard, resume, overwrite)
+            self._setup(shard, opts.resume, opts.overwrite)
         except BaseException:
             self._lease.release()
             raise
@@ -345,7 +342,7 @@ class ShardWriter(ShardSetup):
         if n1 > n0:
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
-                arr = zarrio.every_chunk(self._group, name)
+                arr = arrays.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
             for seg in cfg.segments:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from actstore import catalog, zarrio
+from actstore import catalog
+from actstore.write import arrays
 from actstore.chunkio import ChunkIO, drop_chunks
 from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsError, StoreMismatchError
 from actstore.layout import jsonio, keys, records, spec
@@ -64,7 +65,7 @@ class ShardSetup:
         import zarr
 
         group = zarr.open_group(store=self.sh.zarr_store("", read_only=False), mode="a", zarr_format=self.cfg.zarr_format)
-        zarrio.create_shard_arrays(group, self.cfg, self.compressor)
+        arrays.create_shard_arrays(group, self.cfg, self.compressor)
         group.attrs.update(self._shard_attrs())
         for name in self.cfg.texts:
             self.sh.put(keys.text_file(name), b"")

@@ -16,10 +16,11 @@ import numpy as np
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
 from actstore.index import ExampleIndex, layer_position
+from actstore.read.interface import Reader
 from actstore.read.select import is_pair, select
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevFormatError
-from actstore.saev.schema import check_metadata, check_shards_json, read_json, regular_size
+from actstore.layout import saevspec as P
+from actstore.errors import SaevFormatError
+from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 
 SEGMENT = spec.DEFAULT_SEGMENT
 
@@ -48,8 +49,9 @@ class SaevSegmentView:
         return np.full(len(self._store), self.t_max, dtype=np.int32)
 
 
-class SaevStore:
-    """A saev shard directory, read-only: `store[ex, layer]` -> (T, D) float32.
+class SaevStore(Reader):
+    """A saev shard directory, read-only: `store[ex, layer]` -> (T, D) float32; a Reader
+    (actstore.read.interface).
 
     Checks metadata.json, shards.json and the shard file sizes on open (run
     `actstore verify-saev` for every rule). Picklable: only the path travels.
@@ -159,9 +161,6 @@ class SaevStore:
         self.config.segment(name)  # raises SegmentNotFoundError naming "tokens"
         return SaevSegmentView(self)
 
-    def stats(self) -> None:
-        return None
-
     def to_xarray(self, *, chunks: Any = None):
         """The directory as a lazy xarray.Dataset, as ActStore.to_xarray() (no sample keys or fields)."""
         from actstore.read.xarray import to_dataset
@@ -203,8 +202,11 @@ class SaevStore:
             out = np.zeros((len(self), self.tokens_per_example), dtype=np.uint8)
             out[:, 1:] = lab
             return out
-        allowed = [SEGMENT + spec.LEN_SUFFIX] + ([SEGMENT + spec.TOKEN_LABELS_SUFFIX] if self.config.token_labels else [])
-        raise KeyError(f"no per-sample field {name!r}; this saev directory has {allowed}")
+        raise KeyError(f"no per-sample field {name!r}; this saev directory has {list(self.field_names())}")
+
+    def field_names(self) -> tuple[str, ...]:
+        """`tokens_len`, and `tokens_token_labels` where labels.bin exists."""
+        return (SEGMENT + spec.LEN_SUFFIX,) + ((SEGMENT + spec.TOKEN_LABELS_SUFFIX,) if self.config.token_labels else ())
 
     def labels(self) -> np.memmap:
         """labels.bin as a read-only (n_examples, content tokens) uint8 memory map."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ActstoreError, DiskFullError, ExportWriteError, UnsafePathError
-from actstore.storage.fileops import fsync_dir, syncfs, tmp_name
+from actstore.storage.durable import fsync_dir, syncfs, tmp_name
 from actstore.storage.regular import open_regular
 
 __all__ = ["atomic_write_bytes", "atomic_write_json", "export_os_errors", "fsync_dir", "read_regular", "safe_child", "syncfs",

@@ -36,10 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from actstore import copyio
-from actstore.copyio import (
-    CopyError,
-    CopyVerifyError,
+from actstore.copy import transfer
+from actstore.copy.listing import ZARR_META, CopyPlan, Item, plan_copy
+from actstore.copy.transfer import (
     checksum,
     make_folders,
     parallel,
@@ -47,9 +46,10 @@ from actstore.copyio import (
 )
 from actstore.errors import (
     ActstoreError,
+    CopyError,
+    CopyVerifyError,
     CorruptStoreError,
     StoreMismatchError,
-    UnsafePathError,
     VerificationError,
 )
 from actstore.layout import jsonio, keys, records
@@ -59,7 +59,6 @@ from actstore.storage import KeyNotFound, Storage, open_storage
 __all__ = ["MARKER", "CopyError", "CopyResult", "CopyVerifyError", "copy_store"]
 
 MARKER = ".actstore-cp.json"  # at DST's root while a copy is unfinished
-_ZARR_META = frozenset({keys.ZARRAY, keys.ZATTRS, keys.ZGROUP, keys.ZMETADATA})  # begin with '.' but are not temporary
 _NAMED = 5  # keys named in a message; the rest are counted
 
 try:  # obstore's errors are not OSError: both are I/O failures to turn into CopyError
@@ -132,25 +131,6 @@ class CopyResult:
         return d
 
 
-@dataclass(frozen=True, slots=True)
-class _Item:
-    key: str
-    size: int
-    data: bool  # an activation chunk or shard file: immutable once committed, may be skipped by size
-
-
-@dataclass
-class _Plan:
-    identity: bytes
-    manifest: bytes
-    stats: _Item | None
-    commits: dict[str, bytes]  # shard name -> its commit.json, read before any data (published in step 2)
-    objects: list[_Item]  # step 1
-    n_temporary: int = 0
-    unlisted: tuple[str, ...] = ()
-    not_files: tuple[str, ...] = ()
-
-
 def copy_store(
     src: str | os.PathLike | Storage,
     dst: str | os.PathLike | Storage,
@@ -184,7 +164,7 @@ def copy_store(
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="actstore-cp") as pool:
             try:
-                plan = _plan(s, pool)
+                plan = plan_copy(s, pool)
                 copier = _Copier(s, d, plan, verify=verify, progress=progress)
                 copier.check_destination(pool)  # refuses a different store: nothing written yet
                 copier.run(pool, workers)
@@ -206,61 +186,6 @@ def copy_store(
     )
 
 
-# ---- the source: what to copy ------------------------------------------------------------
-def _plan(s: Storage, pool: ThreadPoolExecutor) -> _Plan:
-    """SRC's manifest and identity (held: published from memory), every object classified."""
-    try:
-        manifest = s.get(keys.MANIFEST)
-    except KeyNotFound:
-        from actstore import catalog
-
-        catalog.read_manifest(s)  # raises the right error: not a store, or not finalized
-        raise
-    m = records.parse_manifest(manifest, s.where(keys.MANIFEST), s.url)
-    try:
-        identity = s.get(keys.IDENTITY)
-    except KeyNotFound:
-        raise CorruptStoreError(f"{s.url} has a {keys.MANIFEST} but no {keys.IDENTITY}; the store is damaged "
-                                f"(run `actstore verify {s.url}`)") from None
-    if records.parse_identity(identity, s.where(keys.IDENTITY)) != m.config:
-        raise CorruptStoreError(f"{s.where(keys.MANIFEST)} and {s.where(keys.IDENTITY)} describe different stores; "
-                                f"rerun `actstore finalize {s.url}`")
-    listed = [e.name for e in m.shards]
-    commit_keys = [f"{keys.shard_prefix(n)}/{keys.COMMIT}" for n in listed]
-    try:  # read before anything is listed or copied: the data copied is never older than its records
-        commits = dict(zip(listed, pool.map(s.get, commit_keys)))
-    except KeyNotFound as e:
-        raise CorruptStoreError(f"{s.url} is damaged: its manifest lists a shard without a commit record ({e}); "
-                                f"run `actstore verify {s.url}`") from None
-    data_dirs = tuple(f"/{keys.acts_array(seg.name)}/" for seg in m.config.segments)
-    plan = _Plan(identity=identity, manifest=manifest, stats=None, commits=commits, objects=[])
-    unlisted, odd, temporary = set(), [], 0
-    for e in s.list(""):
-        parts = e.key.split("/")
-        if e.kind == "dir" or (e.key.endswith("/") and e.size == 0):
-            continue  # an empty folder, or an object store's folder marker
-        if any(p in ("", ".", "..") for p in parts) or e.key.startswith("/"):
-            raise UnsafePathError(f"{s.where(e.key)}: key {e.key!r} is not a path inside the store; refusing to copy it")
-        if any(keys.is_temporary(p) and p not in _ZARR_META for p in parts):
-            temporary += 1
-        elif parts[0] == keys.SHARDS and (len(parts) < 3 or parts[1] not in commits):
-            unlisted.add(parts[1] if len(parts) > 2 else e.key)
-        elif e.kind != "file":
-            odd.append(f"{e.key} ({e.kind})")
-        elif e.key in (keys.MANIFEST, keys.IDENTITY) or "/".join(parts[2:]) == keys.COMMIT:
-            continue  # held in memory, published in their own steps
-        elif m.stats is not None and e.key == m.stats:
-            plan.stats = _Item(e.key, e.size, False)
-        else:
-            data = parts[0] == keys.SHARDS and any(d in e.key for d in data_dirs) and parts[-1] not in _ZARR_META | {keys.ZARR_JSON}
-            plan.objects.append(_Item(e.key, e.size, data))
-    if m.stats is not None and plan.stats is None:
-        raise CorruptStoreError(f"{s.url} is damaged: its manifest names the statistics file {m.stats}, which does not "
-                                f"exist (run `actstore verify {s.url}`)")
-    plan.n_temporary, plan.unlisted, plan.not_files = temporary, tuple(sorted(unlisted)), tuple(sorted(odd))
-    return plan
-
-
 def _check_apart(s: Storage, d: Storage) -> None:
     """SRC and DST must not be one store, nor one inside the other."""
     if s.local_root is not None and d.local_root is not None:
@@ -279,7 +204,7 @@ def _check_apart(s: Storage, d: Storage) -> None:
 class _Copier:
     """One copy: checks DST, then publishes the plan in order with a bounded thread pool."""
 
-    def __init__(self, s: Storage, d: Storage, plan: _Plan, *, verify: bool, progress: Callable[[int, int], None] | None):
+    def __init__(self, s: Storage, d: Storage, plan: CopyPlan, *, verify: bool, progress: Callable[[int, int], None] | None):
         self.s, self.d, self.plan, self.verify, self.progress = s, d, plan, verify, progress
         self.lock = threading.Lock()
         self.n_copied = self.bytes_copied = self.n_present = self.bytes_present = 0
@@ -292,7 +217,7 @@ class _Copier:
         """Refuse a DST holding another store; decide whether sizes can be trusted on resume."""
         d, p = self.d, self.plan
         self.have = {e.key: e.size for e in d.list("") if e.kind == "file"}
-        stored = [k for k in self.have if not any(keys.is_temporary(x) and x not in _ZARR_META for x in k.split("/"))]
+        stored = [k for k in self.have if not any(keys.is_temporary(x) and x not in ZARR_META for x in k.split("/"))]
         marker = self._marker()
         ident_crc, manifest_crc = crc32c(p.identity), crc32c(p.manifest)
         if keys.IDENTITY in self.have:
@@ -365,13 +290,13 @@ class _Copier:
         d.sync()
         d.delete(MARKER)
 
-    def _copy(self, item: _Item) -> None:
+    def _copy(self, item: Item) -> None:
         """Copy one object from SRC (whole, or range by range when large) unless DST has it."""
         key, have = item.key, self.have.get(item.key)
         if have == item.size and item.data and self.trust_size:
             return self._tick(item.size, present=True)
         with self._io(key):
-            if item.size > copyio.STREAM_BYTES:
+            if item.size > transfer.STREAM_BYTES:
                 if have == item.size and checksum(self.d, key) == checksum(self.s, key):
                     return self._tick(item.size, present=True)
                 size, crc = stream(self.s, self.d, key, item.size)

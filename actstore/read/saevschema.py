@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from actstore.errors import ActstoreError
-from actstore.fsutil import read_regular
+from actstore.storage.files import read_regular
 from actstore.layout import jsonio
-from actstore.saev import protocol as P
-from actstore.saev.errors import SaevFormatError
+from actstore.layout import saevspec as P
+from actstore.errors import SaevFormatError
 from actstore.storage.regular import describe
 
 HINT = "a saev shard directory holds only regular files (run `actstore verify-saev`)"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from actstore.errors import ActstoreError, CorruptStoreError
+from actstore.errors import CopyError
 from actstore.layout.checksum import crc32c
 from actstore.storage import LocalStorage, Storage
 
@@ -20,12 +20,6 @@ STREAM_BYTES = 64 * 2**20  # larger objects are copied range by range, never who
 RANGE_BYTES = 16 * 2**20  # one range of a streamed object
 
 
-class CopyError(ActstoreError, OSError):
-    """Reading SRC or writing DST failed. What was copied stays; a rerun resumes."""
-
-
-class CopyVerifyError(CorruptStoreError):
-    """An object read back from DST differs from the bytes read from SRC."""
 
 
 def parallel(pool: ThreadPoolExecutor, workers: int, fn: Callable[[Any], None], items: Iterable[Any]) -> None:

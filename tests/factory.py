@@ -1,0 +1,141 @@
+"""The shared store factory of the tests (as zarr.testing.strategies is zarr's): stores of
+each kind a user writes, built through the public writer, with their random values drawn
+from a seed; and the layouts every feature is combined with.
+
+- `vit_store`: one fixed segment (ViT patches + CLS), token labels, several shards;
+- `text_store`: prompt/response segments of random lengths, garbage past the lengths, labels;
+- `qa_store`: two padded segments with a text field and statistics, in several shards,
+  commits every 600 bytes (resume, copy and object-storage tests);
+- `store_cases` / `writer_kwargs`: a hypothesis strategy over every store configuration
+  and layout, and the writer arguments of a drawn case;
+- `random_acts` / `expected_view`: values representable in a dtype, and what reads return.
+
+New tests build their stores here rather than with a builder of their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from hypothesis import strategies as st
+
+import actstore
+
+from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+
+# The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
+LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
+
+
+def random_acts(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Random activations already representable in `dtype` (bf16 as float32 values)."""
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    if dtype == "float16":
+        return x.astype(np.float16)
+    if dtype == "bfloat16":
+        return bf16_bits_to_f32(f32_to_bf16_bits(x))
+    return x
+
+
+def expected_view(x: np.ndarray, dtype: str) -> np.ndarray:
+    """What ActStore returns for data logged as `x` in a `dtype` store."""
+    if dtype == "float16":
+        return x.astype(np.float16)
+    return x.astype(np.float32)
+
+
+def vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16", cls=True, labels=True,
+                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1, **writer_kw):
+    """A ViT-like store (one fixed segment) with random values; cls=None records no cls_token."""
+    rng = np.random.default_rng(seed)
+    a = {"dataset": "/datasets/images"} | ({} if cls is None else {"cls_token": cls}) | dict(attrs or {})
+    per = -(-n // n_shards)
+    for shard in range(n_shards):
+        b = min(per, n - shard * per)
+        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, tokens=tokens, dtype=dtype,
+                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk, **writer_kw) as w:
+            x = (rng.standard_normal((b, len(layers), tokens, d_model)) * 3).astype(np.float32)
+            kw = {"token_labels": rng.integers(0, 20, (b, tokens)).astype(np.uint8)} if labels else {}
+            w.append(x, **kw)
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+def text_store(path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1,
+                   t_chunk=None):
+    """A prompt/response store with random lengths, garbage past the lengths, and labels."""
+    rng = np.random.default_rng(seed)
+    with actstore.ShardWriter(path, layers=list(layers), d_model=d_model, segments={"prompt": p_max, "response": r_max},
+                              dtype=dtype, token_labels=labels, model_id="HuggingFaceTB/SmolLM2-135M", t_chunk=t_chunk) as w:
+        L = len(layers)
+        p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
+        r = (rng.standard_normal((n, L, r_max, d_model)) * 2).astype(np.float32)
+        lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
+        kw = {}
+        if labels:
+            kw["token_labels"] = {"prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
+                                  "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8)}
+        w.append(prompt=p, response=r, lengths=lens, **kw)
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+def qa_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=8, layers=(2, 5), **kw) -> Path:
+    """A small question-answer store: two padded segments, a text field, statistics."""
+    rng = np.random.default_rng(seed)
+    for shard in shards:
+        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, segments={"prompt": 6, "response": 3},
+                                  texts=["prompt"], stats=True, commit_bytes=600, **kw) as w:
+            for _ in range(2):
+                n = 3
+                w.append(prompt=rng.standard_normal((n, 2, 6, d_model)).astype(np.float16),
+                         response=rng.standard_normal((n, 2, 3, d_model)).astype(np.float16),
+                         lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(1, 4, n)},
+                         texts={"prompt": [f"q{shard}-{i}-{rng.integers(1000)}" for i in range(n)]})
+    if finalize:
+        actstore.finalize(path)
+    return Path(path)
+
+
+@st.composite
+def store_cases(draw):
+    """A hypothesis strategy: a store's shape, dtype, segments, layout, writers and batches."""
+    n_layers = draw(st.integers(1, 3))
+    layers = sorted(draw(st.lists(st.integers(0, 40), min_size=n_layers, max_size=n_layers, unique=True)))
+    d_model = draw(st.sampled_from([1, 3, 8, 16]))
+    dtype = draw(st.sampled_from(["float16", "bfloat16", "float32"]))
+    multi = draw(st.booleans())
+    if multi:
+        segs = {"prompt": draw(st.integers(1, 9)), "response": draw(st.integers(1, 6))}
+    else:
+        segs = {"tokens": draw(st.integers(1, 12))}
+    t_chunk = draw(st.one_of(st.none(), st.integers(1, 5)))
+    storage = draw(st.sampled_from(["v2", "v2-zarr", "v3", "v3-sharded"]))
+    n_writers = draw(st.integers(1, 3))
+    writers = []
+    for _ in range(n_writers):
+        batches = draw(st.lists(st.integers(1, 4), min_size=0, max_size=3))
+        writers.append(batches)
+    commit_bytes = draw(st.sampled_from([1, 10_000, 10**9]))
+    return dict(layers=layers, d_model=d_model, dtype=dtype, multi=multi, segs=segs, t_chunk=t_chunk,
+                storage=storage, writers=writers, commit_bytes=commit_bytes, seed=draw(st.integers(0, 2**16)))
+
+
+def writer_kwargs(case):
+    """ShardWriter's keyword arguments for a case drawn from `store_cases`."""
+    kw = dict(layers=case["layers"], d_model=case["d_model"], dtype=case["dtype"], t_chunk=case["t_chunk"],
+              commit_bytes=case["commit_bytes"])
+    if case["multi"]:
+        kw["segments"] = case["segs"]
+    else:
+        kw["tokens"] = case["segs"]["tokens"]
+    s = case["storage"]
+    if s == "v2-zarr":
+        kw["engine"] = "zarr"
+    elif s == "v3":
+        kw["zarr_format"] = 3
+    elif s == "v3-sharded":
+        kw["zarr_format"] = 3
+        kw["shard_examples"] = 2
+    return kw
