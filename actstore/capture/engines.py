@@ -198,7 +198,7 @@ def _committed(store: str, shard: int) -> tuple[int, bool]:
 
 
 # ---- record(..., engine="ray") --------------------------------------------------------
-def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: Any, s: RaySettings, *, resume: bool,
+def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: str | os.PathLike, s: RaySettings, *, resume: bool,
                callback: Callable[[int, int, int], None] | None = None, **kwargs: Any) -> list[Any]:
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a

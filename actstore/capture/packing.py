@@ -20,13 +20,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from actstore.capture.data import Source
 from actstore.errors import CaptureError
 from actstore.capture.prepare import CaptureBatch
+
+if TYPE_CHECKING:
+    from actstore.read.store import ActStore
 
 MODES = ("pack", "chunk")
 RUNS_TEXT = "runs"  # the text field holding each window's (document, offset) runs
@@ -123,7 +126,7 @@ def stored_runs(runs: list[tuple[int, int, int]], kept: np.ndarray) -> list[tupl
     return [(int(doc[i]), int(at[i]), int(k)) for i, k in zip(starts, lengths)]
 
 
-def token_origins(store: Any, ex: int) -> np.ndarray:
+def token_origins(store: ActStore, ex: int) -> np.ndarray:
     """(n, 2) int64 [document index, position in the document's tokens] of each stored token
     of window `ex` of a --pack / --chunk store, in the order of `store[ex, layer]`."""
     runs = store.sample(ex).get(RUNS_TEXT)

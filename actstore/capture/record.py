@@ -413,7 +413,7 @@ class _Job:
                     self.writer.stats.add_overflow(stats_key(hp.layer, name), n)
 
 
-def _auto_token_ids(store: Any, batch: CaptureBatch) -> bool:
+def _auto_token_ids(store: str | os.PathLike, batch: CaptureBatch) -> bool:
     """Keep token ids when the batches carry input_ids, unless the store (resumed) has none."""
     storage = open_storage(store)
     if catalog.has_identity(storage):

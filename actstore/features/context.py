@@ -16,16 +16,18 @@ import numpy as np
 
 from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError, TokenizerNotFoundError
+from actstore.read.api import Reader
+from actstore.read.store import ActStore
 
 DEFAULT_WINDOW = (12, 4)  # tokens shown before and after the top token
 
 
-def load_tokenizer(store: Any, tokenizer: str | None = None) -> Any:
+def load_tokenizer(store: Reader, tokenizer: str | None = None) -> Any:
     """The tokenizer of a text store (or the one named), from its files only."""
-    name = tokenizer or (store.meta.get("model_id") if hasattr(store, "meta") else None)
+    name = tokenizer or store.meta.get("model_id")
     if not name:
         raise TokenizerNotFoundError(
-            f"{getattr(store, 'path', 'the store')} records no model id, so no tokenizer: pass --tokenizer FOLDER "
+            f"{store.path} records no model id, so no tokenizer: pass --tokenizer FOLDER "
             "(a folder with tokenizer.json or the model's tokenizer files) or a hub id in the local cache"
         )
     try:
@@ -54,17 +56,19 @@ def token_texts(tok: Any, ids: np.ndarray) -> list[str]:
     return [tok.decode([int(i)]) for i in ids]
 
 
-def _origins(store: Any, ex: int) -> np.ndarray | None:
+def _origins(store: Reader, ex: int) -> np.ndarray | None:
+    """Each stored token's (document, position) for a packed actstore store; None otherwise
+    (only an ActStore keeps the `runs` text field that maps them)."""
     try:
         from actstore.capture.packing import RUNS_TEXT, token_origins
     except ImportError:
         return None
-    if RUNS_TEXT not in getattr(getattr(store, "config", None), "texts", ()):
+    if not isinstance(store, ActStore) or RUNS_TEXT not in store.config.texts:
         return None
     return token_origins(store, ex)
 
 
-def _label_fields(store: Any) -> dict[str, np.ndarray] | None:
+def _label_fields(store: Reader) -> dict[str, np.ndarray] | None:
     """Each segment's token labels (N, T_max) when the pass's default mask applies to the store."""
     from actstore.features.topk import default_mask
     from actstore.layout import spec
@@ -74,7 +78,7 @@ def _label_fields(store: Any) -> dict[str, np.ndarray] | None:
     return {s: np.asarray(store.field(s + spec.TOKEN_LABELS_SUFFIX)) for s in store.segments}
 
 
-def _left_out(store: Any, labels: dict[str, np.ndarray] | None, ex: int, n: int) -> np.ndarray:
+def _left_out(store: Reader, labels: dict[str, np.ndarray] | None, ex: int, n: int) -> np.ndarray:
     """Which of example ex's stored tokens the default mask leaves out (label != 0)."""
     if labels is None:
         return np.zeros(n, bool)
@@ -82,13 +86,13 @@ def _left_out(store: Any, labels: dict[str, np.ndarray] | None, ex: int, n: int)
     return np.concatenate([labels[s][ex, : lengths[s]] != 0 for s in store.segments])
 
 
-def text_windows(store: Any, layer: int, encoder: Encoder, rows: dict[str, np.ndarray], tok: Any, *,
+def text_windows(store: Reader, layer: int, encoder: Encoder, rows: dict[str, np.ndarray], tok: Any, *,
                  window: tuple[int, int] = DEFAULT_WINDOW) -> list[dict[str, Any]]:
     """One record per row (feature, example, token, activation): the tokens around the
     position with each one's activation for that feature, and, for packed stores, the
     document and position each shown token came from. Each example is read and encoded once."""
-    if not getattr(getattr(store, "config", None), "token_ids", False):
-        raise FeatureError(f"{getattr(store, 'path', 'the store')} keeps no token ids: text context needs a store captured with token_ids")
+    if not store.config.token_ids:
+        raise FeatureError(f"{store.path} keeps no token ids: text context needs a store captured with token_ids")
     out: list[dict[str, Any]] = [{} for _ in range(len(rows["example"]))]
     labels = _label_fields(store)
     order = np.argsort(rows["example"], kind="stable")
@@ -116,12 +120,12 @@ def text_windows(store: Any, layer: int, encoder: Encoder, rows: dict[str, np.nd
     return out
 
 
-def patch_grid(store: Any, layer: int, encoder: Encoder, feature: int, ex: int) -> tuple[np.ndarray, dict[str, Any]]:
+def patch_grid(store: Reader, layer: int, encoder: Encoder, feature: int, ex: int) -> tuple[np.ndarray, dict[str, Any]]:
     """(grid_h, grid_w) activations of one feature over the patches of ViT example `ex`, and
     the store's image attrs (size, grid, prefix_tokens)."""
-    im = store.config.attrs.get("image") if hasattr(store, "config") else None
+    im = store.config.attrs.get("image")
     if not im:
-        raise FeatureError(f"{getattr(store, 'path', 'the store')} holds no image activations (no 'image' attrs)")
+        raise FeatureError(f"{store.path} holds no image activations (no 'image' attrs)")
     gh, gw = im["grid"]
     prefix = int(im["prefix_tokens"])
     acts = encoder.encode(np.asarray(store[ex, layer], np.float32), np.asarray([feature]))[:, 0]
@@ -130,14 +134,18 @@ def patch_grid(store: Any, layer: int, encoder: Encoder, feature: int, ex: int) 
     return acts[prefix:].reshape(gh, gw), im
 
 
-def image_pixels(store: Any, ex: int, size: int) -> np.ndarray:
-    """The (size, size, 3) uint8 image the ViT saw for example `ex` (from its sample's reference)."""
+def image_pixels(store: Reader, ex: int, size: int) -> np.ndarray:
+    """The (size, size, 3) uint8 image the ViT saw for example `ex` (from its sample's reference,
+    which only an actstore store keeps: ActStore.sample)."""
     from actstore.capture.data import load_image
     from actstore.capture.prepare import crop_pixels
 
+    if not isinstance(store, ActStore):
+        raise FeatureError(f"{store.path} is a {type(store).__name__}, which keeps no image references: "
+                           "images need the actstore store the ViT activations were captured into")
     ref = store.sample(ex).get("image")
     if not isinstance(ref, dict):
-        raise FeatureError(f"example {ex} of {getattr(store, 'path', 'the store')} has no image reference (text field 'image')")
+        raise FeatureError(f"example {ex} of {store.path} has no image reference (text field 'image')")
     return crop_pixels(load_image(ref), size)
 
 

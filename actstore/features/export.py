@@ -25,6 +25,7 @@ from actstore.features import context
 from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
 from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
+from actstore.read.api import ReaderLike
 
 SAEDASHBOARD_VERSION = "0.8.0"
 FEATURES_PER_BATCH = 128  # SAEDashboard's n_features_at_a_time default
@@ -52,18 +53,15 @@ def _contains(counts: np.ndarray, edges: np.ndarray, lo: float, hi: float) -> fl
     return round(float(counts[(centres > lo) & (centres <= hi)].sum() / total), 4) if total else 0.0
 
 
-def export_neuronpedia(src: str, out: str | os.PathLike, *, store: Any = None, encoder: Encoder | None = None, tokenizer: str | None = None,
+def export_neuronpedia(src: str, out: str | os.PathLike, *, store: ReaderLike | None = None, encoder: Encoder | None = None, tokenizer: str | None = None,
                        unembedding: str | None = None, model_id: str | None = None, sae_set: str = "actstore",
                        per_batch: int = FEATURES_PER_BATCH) -> list[Path]:
     """Write `batch-<n>.json` files of `per_batch` features each into folder `out`; returns them."""
-    from actstore.features.site import _columns, _group, encoder_from_meta
+    from actstore.features.site import _columns, _group, _open, encoder_from_meta
 
     meta = read_meta(src)
-    if store is None:
-        from actstore.opener import open as open_store
-
-        store = open_store(meta["store"]["path"])
-    if getattr(store.config, "attrs", {}).get("image"):
+    store = _open(meta, store)
+    if store.config.attrs.get("image"):
         raise FeatureError("the Neuronpedia export holds token windows: it takes text stores (use `actstore view` for a ViT store)")
     encoder = encoder or encoder_from_meta(meta, store)
     tok = context.load_tokenizer(store, tokenizer)

@@ -12,6 +12,7 @@ import numpy as np
 
 from actstore.features import context
 from actstore.features.encoders import Encoder
+from actstore.read.api import Reader
 
 SCALE = 2  # drawn at twice the model's input size
 ALPHA = 0.55  # weight of the heat colours over the image
@@ -36,7 +37,7 @@ def heatmap(rgb: np.ndarray, grid: np.ndarray, vmax: float, *, vmin: float = 0.0
     return out
 
 
-def heatmap_png(store: Any, layer: int, enc: Encoder, feature: int, ex: int, path: str | os.PathLike, *, vmax: float) -> int:
+def heatmap_png(store: Reader, layer: int, enc: Encoder, feature: int, ex: int, path: str | os.PathLike, *, vmax: float) -> int:
     """Write the heatmap of (feature, example) as a PNG; returns its width in pixels."""
     grid, im = context.patch_grid(store, layer, enc, feature, ex)
     rgb = context.image_pixels(store, ex, int(im["size"]))

@@ -14,14 +14,18 @@ from typing import Any
 
 import numpy as np
 
+from actstore.read.api import ReaderLike, as_reader
+
 W, H, PAD = 560, 200, 34
 N_BINS = 60
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
-def norm_stats(store: Any, *, layers: Any = None, max_examples: int = 1000) -> dict[int, dict[str, np.ndarray]]:
+def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 1000) -> dict[int, dict[str, np.ndarray]]:
     """Per layer: `norms` (every real token's L2 norm over the examples read), `position_mean`
-    and `position_count` (by token position in `store[ex, layer]`)."""
+    and `position_count` (by token position in `store[ex, layer]`). `store`: a Reader, or
+    a store's path or URL."""
+    store = as_reader(store)
     n = len(store)
     exs = np.unique(np.linspace(0, n - 1, num=min(n, max_examples)).round().astype(np.int64)) if n else np.zeros(0, np.int64)
     out = {}
@@ -90,8 +94,9 @@ def positions_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
     return _svg(parts)
 
 
-def write_plots(store: Any, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000) -> list[Path]:
+def write_plots(store: ReaderLike, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000) -> list[Path]:
     """norms.svg, positions.svg and plots.html (both) in folder `out`; returns their paths."""
+    store = as_reader(store)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stats = norm_stats(store, layers=layers, max_examples=max_examples)

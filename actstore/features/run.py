@@ -3,6 +3,7 @@ the tables and meta.json (everything checked before the pass starts)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,29 +11,31 @@ from actstore._version import __version__
 from actstore.features import sources
 from actstore.features.tables import store_checksum, write_tables
 from actstore.features.topk import default_mask, top_activations
+from actstore.read.api import Reader, ReaderLike, as_reader
 
 
 def run_features(
-    store_path: Any, layer: Any, out: str, *, neurons: bool = False, sae: str | None = None, saev: str | None = None,
+    store_path: ReaderLike, layer: Any, out: str, *, neurons: bool = False, sae: str | None = None, saev: str | None = None,
     dictionary: str | None = None, directions: str | None = None, bias: str | None = None, features: str | None = None,
     top_k: int = 20, segments: Sequence[str] | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
-    seed: int = 0, device: str | None = "auto", command: str | None = None, progress: bool = False, store: Any = None,
+    seed: int = 0, device: str | None = "auto", command: str | None = None, progress: bool = False, store: Reader | None = None,
 ) -> dict[str, Any]:
-    """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content."""
+    """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content.
+    `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already."""
     if store is None:
         from actstore.opener import open as open_store
 
-        store = open_store(store_path)
+        store = open_store(store_path) if isinstance(store_path, (str, os.PathLike)) else as_reader(store_path)
     enc = sources.load(neurons_d_model=int(store.d_model) if neurons else None, sae=sae, saev=saev, dictionary=dictionary,
                        directions=directions, bias=bias)
     if isinstance(layer, str) and layer.lstrip("-").isdigit():
         layer = int(layer)
-    layer_n = store.layer_number(layer) if hasattr(store, "layer_number") else int(layer)
+    layer_n = int(store.layer_number(layer))
     tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
                              n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
     labels = default_mask(store)
     meta = {
-        "store": {"path": _absolute(getattr(store, "path", store_path)), "sha256": store_checksum(store), "n_examples": len(store)},
+        "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,
         "encoder": enc.describe() | ({"bias": _absolute(bias)} if bias else {}),
         "masks": {"token_mask": "content" if labels and not keep_special else None, "keep_special": keep_special,
@@ -46,8 +49,6 @@ def run_features(
 
 def _absolute(path: Any) -> str:
     """A local path made absolute (meta.json is read from other folders); URLs as they are."""
-    import os
-
     from actstore.storage import is_url
 
     text = str(path)

@@ -6,16 +6,16 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from actstore.features import context
 from actstore.features.encoders import Encoder, neurons
 from actstore.errors import FeatureError
+from actstore.read.api import Reader
 
 
-def _values(store: Any, ex: int, layer: int, encoder: Encoder | None, feature: int | None) -> np.ndarray:
+def _values(store: Reader, ex: int, layer: int, encoder: Encoder | None, feature: int | None) -> np.ndarray:
     """Per stored token of (ex, layer): the feature's value, or the token's L2 norm when no
     feature is named."""
     x = np.asarray(store[ex, layer], np.float32)
@@ -28,13 +28,13 @@ def _values(store: Any, ex: int, layer: int, encoder: Encoder | None, feature: i
     return np.asarray(enc.encode(x, np.asarray([feature]))[:, 0])
 
 
-def text_html(store: Any, ex: int, layer: int, *, encoder: Encoder | None = None, feature: int | None = None, tokenizer: str | None = None) -> str:
+def text_html(store: Reader, ex: int, layer: int, *, encoder: Encoder | None = None, feature: int | None = None, tokenizer: str | None = None) -> str:
     """An HTML page of example `ex`'s tokens, each coloured by its value (orange positive,
     blue negative, one scale: the largest magnitude), the value on hover."""
     tok = context.load_tokenizer(store, tokenizer)
     ids = store.token_ids(ex)
     if ids is None:
-        raise FeatureError(f"{getattr(store, 'path', 'the store')} keeps no token ids: showing text needs a store captured with token_ids")
+        raise FeatureError(f"{store.path} keeps no token ids: showing text needs a store captured with token_ids")
     v = _values(store, ex, layer, encoder, feature)
     scale = float(np.abs(v).max()) or 1.0
     spans = []
@@ -49,7 +49,7 @@ def text_html(store: Any, ex: int, layer: int, *, encoder: Encoder | None = None
             '<p style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">' + "".join(spans) + "</p></body></html>\n")
 
 
-def images_png(store: Any, exs: list[int], layer: int, out: str | os.PathLike, *, encoder: Encoder | None = None, feature: int | None = None) -> Path:
+def images_png(store: Reader, exs: list[int], layer: int, out: str | os.PathLike, *, encoder: Encoder | None = None, feature: int | None = None) -> Path:
     """Several ViT examples side by side, their per-patch values (a feature, or the norm) on
     one colour scale [min, max] over all of them, with a colour bar."""
     from PIL import Image, ImageDraw
@@ -59,7 +59,7 @@ def images_png(store: Any, exs: list[int], layer: int, out: str | os.PathLike, *
 
     im = store.config.attrs.get("image")
     if not im:
-        raise FeatureError(f"{getattr(store, 'path', 'the store')} holds no image activations (no 'image' attrs)")
+        raise FeatureError(f"{store.path} holds no image activations (no 'image' attrs)")
     prefix, (gh, gw), size = int(im["prefix_tokens"]), im["grid"], int(im["size"])
     grids = [_values(store, ex, layer, encoder, feature)[prefix:].reshape(gh, gw) for ex in exs]
     lo = float(min(g.min() for g in grids))

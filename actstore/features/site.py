@@ -23,6 +23,7 @@ from actstore.features import context
 from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
 from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
+from actstore.read.api import Reader, ReaderLike, as_reader
 
 PER_PAGE = 100
 HIST_W, HIST_H = 480, 120
@@ -72,7 +73,7 @@ def _columns(table: Any) -> dict[str, np.ndarray]:
     return {n: table.column(n).to_numpy(zero_copy_only=False) for n in table.column_names}
 
 
-def build_site(src: str, out: str | os.PathLike, *, store: Any = None, encoder: Encoder | None = None, tokenizer: str | None = None,
+def build_site(src: str, out: str | os.PathLike, *, store: ReaderLike | None = None, encoder: Encoder | None = None, tokenizer: str | None = None,
                unembedding: str | None = None, window: tuple[int, int] = context.DEFAULT_WINDOW, plot_examples: int = 200,
                progress: bool = False) -> Path:
     """Render the site of feature-pass output `src` into folder `out`; returns index.html.
@@ -80,23 +81,21 @@ def build_site(src: str, out: str | os.PathLike, *, store: Any = None, encoder: 
     Args:
         src: the folder or URL that `actstore features` wrote.
         out: the site folder (created; files in it are replaced).
-        store: the store (default: the one meta.json names, opened).
+        store: the store, a Reader or its path or URL (default: the one meta.json names, opened).
         encoder: the encoder (default: reloaded from meta.json's source, checksum checked).
         tokenizer: a tokenizer folder or id overriding the store's (text stores).
         unembedding: W_U (.npy or safetensors) for logit tables of the decoder directions.
         plot_examples: examples read for the plots page (token norms; 0: no plots).
     """
     meta = read_meta(src)
-    if store is None:
-        from actstore.opener import open as open_store
-        store = open_store(meta["store"]["path"])
+    store = _open(meta, store)
     if encoder is None:
         encoder = encoder_from_meta(meta, store)
     layer = int(meta["layer"])
     top = _columns(read_table(src, TOP))
     feats = _columns(read_table(src, FEATURES))
     ivs = _columns(read_table(src, INTERVALS))
-    is_image = bool(getattr(store.config, "attrs", {}).get("image"))
+    is_image = bool(store.config.attrs.get("image"))
     tok = None if is_image else context.load_tokenizer(store, tokenizer)
     logits_of = None
     if unembedding is not None and encoder.W_dec is not None and tok is not None:
@@ -154,7 +153,7 @@ def write_index(out: Path, rows: list[list[Any]], meta: dict[str, Any], *, title
     return out / "index.html"
 
 
-def encoder_from_meta(meta: dict[str, Any], store: Any) -> Encoder:
+def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
     """The pass's encoder, reloaded from the source meta.json names (its checksum must match)."""
     from actstore.features import sources
 
@@ -169,6 +168,15 @@ def encoder_from_meta(meta: dict[str, Any], store: Any) -> Encoder:
     return enc
 
 
+def _open(meta: dict[str, Any], store: ReaderLike | None) -> Reader:
+    """`store` as a Reader, or (None) the store the pass's meta.json names, opened."""
+    if store is not None:
+        return as_reader(store)
+    from actstore.opener import open as open_store
+
+    return open_store(meta["store"]["path"])
+
+
 def _group(col: np.ndarray) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     for i, f in enumerate(col.tolist()):
@@ -176,7 +184,7 @@ def _group(col: np.ndarray) -> dict[int, list[int]]:
     return out
 
 
-def _contexts(store: Any, layer: int, enc: Encoder, rows: dict[str, np.ndarray], tok: Any, window: tuple[int, int], out: Path,
+def _contexts(store: Reader, layer: int, enc: Encoder, rows: dict[str, np.ndarray], tok: Any, window: tuple[int, int], out: Path,
               feats: dict[str, np.ndarray], tag: str) -> list[dict[str, Any]]:
     """The context record of every row: token spans (text) or a heatmap file (ViT)."""
     vmax = dict(zip(feats["feature"].tolist(), feats["max"].tolist()))

@@ -23,6 +23,8 @@ import numpy as np
 from actstore.errors import FeatureError
 from actstore.features.topk import FeatureTables
 from actstore.layout import keys
+from actstore.read.api import Reader
+from actstore.read.store import ActStore
 from actstore.storage import Storage, open_storage
 
 TOP, FEATURES, INTERVALS, META = "top.parquet", "features.parquet", "intervals.parquet", "meta.json"
@@ -38,12 +40,12 @@ def _pa() -> Any:
     return pa, pq
 
 
-def store_checksum(store: Any) -> str | None:
-    """sha256 of the store's manifest.json (names the exact finalized state read)."""
-    storage = getattr(store, "storage", None)
-    if storage is None:
+def store_checksum(store: Reader) -> str | None:
+    """sha256 of the store's manifest.json (names the exact finalized state read); None for
+    a reader with no actstore manifest (a saev shard directory: SaevStore)."""
+    if not isinstance(store, ActStore):
         return None
-    return hashlib.sha256(storage.get(keys.MANIFEST)).hexdigest()
+    return hashlib.sha256(store.storage.get(keys.MANIFEST)).hexdigest()
 
 
 def _parquet(columns: dict[str, np.ndarray]) -> bytes:

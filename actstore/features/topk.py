@@ -22,6 +22,7 @@ from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, TOKEN_BITS, Feat
 from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
+from actstore.read.api import Reader, ReaderLike, as_reader
 
 MAX_TOP_K = 10_000
 DEFAULT_BATCH_ELEMENTS = 1 << 22  # feature values per encoded batch (16 MiB of float32)
@@ -52,15 +53,14 @@ class _Seg:
     t_pad: int  # rows read_into fills: whole chunks
 
 
-def _geometry(store: Any) -> dict[str, _Seg]:
+def _geometry(store: Reader) -> dict[str, _Seg]:
     return {s.name: _Seg(s.name, -(-s.t_max // s.t_chunk) * s.t_chunk) for s in store.config.segments}
 
 
-def default_mask(store: Any) -> bool:
+def default_mask(store: Reader) -> bool:
     """Whether the loaders' `content` mask applies: a text store with token labels (0
     content, 1 special, 2 template). An image store's labels are classes, not a mask."""
-    cfg = getattr(store, "config", None)
-    return bool(getattr(cfg, "token_labels", False)) and not getattr(cfg, "attrs", {}).get("image")
+    return bool(store.config.token_labels) and not store.config.attrs.get("image")
 
 
 def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndarray | None:
@@ -85,7 +85,7 @@ def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndar
 
 
 def top_activations(
-    store: Any, layer: Any, encoder: Encoder, *, k: int = 20, features: str | Sequence[int] | None = None,
+    store: ReaderLike, layer: Any, encoder: Encoder, *, k: int = 20, features: str | Sequence[int] | None = None,
     segments: Sequence[str] | str | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
     pool: int | None = None, seed: int = 0, batch_elements: int = DEFAULT_BATCH_ELEMENTS, device: str | None = "auto",
     progress: bool | Callable[[int], Any] = False,
@@ -93,7 +93,7 @@ def top_activations(
     """Top-k activations, statistics and interval samples of many features, in one pass.
 
     Args:
-        store: an ActStore (actstore.open).
+        store: a Reader (actstore.open), or a store's path or URL (opened here).
         layer: a stored layer number or name.
         encoder: the directions (actstore.features.encoders / sources).
         k: top activations per feature (1..MAX_TOP_K).
@@ -113,12 +113,12 @@ def top_activations(
         raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
     if not (isinstance(n_intervals, int) and n_intervals >= 1 and isinstance(per_interval, int) and per_interval >= 0):
         raise FeatureError(f"intervals need n_intervals >= 1 and per_interval >= 0. Got {n_intervals!r}, {per_interval!r}.")
-    if hasattr(store, "layer_number"):
-        layer = store.layer_number(layer)
+    store = as_reader(store)
+    layer = store.layer_number(layer)
     if int(layer) not in [int(x) for x in store.layers]:
         raise LayerNotFoundError(f"layers [{layer}] are not stored; this store holds layers {list(store.layers)}")
     layer = int(layer)
-    encoder.check_input(int(store.d_model), f"layer {layer} of {getattr(store, 'path', 'the store')}")
+    encoder.check_input(int(store.d_model), f"layer {layer} of {store.path}")
     ids = parse_features(features, encoder.n_features)
     device = _pick_device(device)
     n_f = encoder.n_features if ids is None else len(ids)

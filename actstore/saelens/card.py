@@ -9,9 +9,10 @@ import json
 from typing import Any
 
 from actstore._version import __version__
+from actstore.read.api import Reader
 
 
-def dataset_card(*, store: Any, layer: int, hook: str, context_size: int, d_in: int, n_rows: int, n_tokens: int,
+def dataset_card(*, store: Reader, layer: int, hook: str, context_size: int, d_in: int, n_rows: int, n_tokens: int,
                  dtype: str, seed: int, skip_special: bool, config: dict[str, Any]) -> str:
     """README.md text for an export-saelens folder."""
     model = store.config.model_id or "unknown (the store records no model_id)"

@@ -75,17 +75,17 @@ def export_saelens(
         DiskFullError / ExportWriteError naming the file and the fix when a write fails
         (nothing is published then).
     """
-    with export_os_errors(f"exporting {getattr(store, 'path', store)} for SAELens", Path(os.path.abspath(out)),
+    store = as_reader(store)
+    with export_os_errors(f"exporting {store.path} for SAELens", Path(os.path.abspath(out)),
                           "the same export-saelens command"):
         return _export(store, out, layer=layer, hook_name=hook_name, context_size=context_size, seed=seed, dtype=dtype,
                        skip_special=skip_special, progress=progress)
 
 
-def _export(store: Any, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
+def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
             dtype: str, skip_special: bool, progress: bool) -> SaelensExport:
     from actstore.loaders import TokenStream
 
-    store = as_reader(store)
     number = store.layer_number(layer)
     layer_position(store.layers, number)  # raises LayerNotFoundError listing the stored layers
     hook = hook_name or _default_hook(store, number)
