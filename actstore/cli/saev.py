@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -68,6 +69,8 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
     """
     from actstore.saev import export_saev
 
+    if dataset is None:
+        dataset = _embedded_dataset(store, dump_to)
     res = export_saev(
         store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
@@ -84,6 +87,20 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         what = "exists, verified" if res.reused else "exported"
         click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
     click.echo(str(res.path))  # the answer, even with --quiet: dir=$(actstore export-saev ... --quiet)
+
+
+def _embedded_dataset(store, dump_to) -> str | None:
+    """For a store captured from embedded images: the folder DUMP_TO/embedded-images,
+    written with those images, as the dataset saev links to; else None (the store's own)."""
+    import actstore
+    from actstore.saev.export import default_dump_to
+
+    st = store if hasattr(store, "config") else actstore.ActStore(store)
+    if not str(st.config.attrs.get("dataset", "")).startswith("embedded:images"):
+        return None
+    from actstore.capture.embedded_files import write_embedded_images
+
+    return str(write_embedded_images(Path(dump_to or default_dump_to()) / "embedded-images"))
 
 
 @click.command("verify-saev")

@@ -13,5 +13,9 @@ class SaevExistsError(ActstoreError, FileExistsError):
     """The target <HASH> directory exists but does not verify; pass overwrite=True to rebuild it."""
 
 
+class SaevExportError(ActstoreError, RuntimeError):
+    """An export's directory did not pass verify-saev before publication (nothing was published)."""
+
+
 class SaevFormatError(CorruptStoreError):
     """A saev shard directory breaks a rule of its protocol."""

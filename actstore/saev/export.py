@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from actstore.saev import protocol as P
-from actstore.saev.errors import SaevExistsError, SaevOptionError
+from actstore.saev.errors import SaevExistsError, SaevExportError, SaevOptionError
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import ExportPlan, make_plan
 from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
@@ -149,6 +149,7 @@ def export_saev(
         counts = plan.geometry.shard_counts()
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
+        _verified(tmp, target)
         if fsync:
             fsync_dir(tmp)
         published = publish(tmp, target, replace=overwrite)
@@ -159,6 +160,13 @@ def export_saev(
         _rmtree(tmp)
         return _reuse(target, plan)
     return _result(target, plan, reused=False)
+
+
+def _verified(tmp: Path, target: Path) -> None:
+    """The invariant of every export: the directory passes our own verify-saev before it is published."""
+    problems = verify_saev(tmp, published_as=target).problems
+    if problems:
+        raise SaevExportError(f"the export does not verify ({'; '.join(problems)}); nothing was published (a bug: please report it)")
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

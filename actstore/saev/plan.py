@@ -267,7 +267,11 @@ def _dataset(dataset: str | os.PathLike | None, attrs: dict[str, Any]) -> str:
             "absolute path of the original data set (saev links it for visuals)"
         )
     if isinstance(value, str) and value.startswith("embedded:"):
-        return value  # data shipped in packages (embedded:images): named, not a folder
+        raise SaevOptionError(
+            f"the store's attrs['dataset'] is {value!r}, data shipped in packages, not a folder saev can link to; pass "
+            "dataset (--dataset) the absolute path of a folder holding those images (`actstore export-saev` writes the "
+            "embedded images to DUMP_TO/embedded-images and names that folder by itself)"
+        )
     if not isinstance(value, str) or not os.path.isabs(value):
         raise SaevOptionError(f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)")
     return value
