@@ -66,6 +66,7 @@ class WriteOptions:
     pack: bool = False  # concatenate the documents into windows of exactly `context` tokens
     chunk: bool = False  # cut each document into consecutive windows of at most `context` tokens
     context: int | None = None
+    window_bos: bool = True  # --pack / --chunk: each window starts with the tokenizer's BOS (labelled special)
     text_field: str | None = None  # the column / JSON key of each document's text
     drop: tuple[str, ...] = ()  # tokens the model sees but the store does not keep: "bos" (texts), "cls" (images)
     separator: str = "\n"  # pairs without a chat template: between prompt and response
@@ -275,7 +276,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
         raise CaptureError(f"--pack and --chunk take a language model; {lm.model_id} takes {lm.modality} input")
     if lm.max_tokens and o.context > lm.max_tokens:
         raise CaptureError(f"--context {o.context} exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
-    windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk")
+    windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk", window_bos=o.window_bos)
     start, stop = split(len(windows), world, rank)
     if start == stop:
         raise CaptureError(f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers")
@@ -284,7 +285,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
         "source": source.name, "dataset": absolute_data(o.data),
         "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "world_size": world},
         "packing": {"mode": windows.mode, "context": o.context, "documents": len(source), "tokens": windows.n_tokens,
-                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
+                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "window_bos": windows.bos, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
     }
     bar = progress
     own_bar = Progress(total=stop - first, desc=f"shard {rank}") if bar is None and o.progress else None
