@@ -137,10 +137,10 @@ def write_cmd(store: str, **kw) -> None:
 @click.command("show")
 @click.argument("store", type=STORE)
 @click.option("--ex", type=int, required=True, help="Example index.")
-@click.option("--layer", type=int, required=True, help="Stored layer number.")
+@click.option("--layer", required=True, help="Stored layer: a number, -1 for the last stored layer, or a name (blocks.8.hook_resid_post, a module path).")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="PNG to write (default exN-layerL.png).")
 @click.option("--quiet", is_flag=True, help="Do not print the PNG's path.")
-def show_cmd(store: str, ex: int, layer: int, out: str | None, quiet: bool) -> None:
+def show_cmd(store: str, ex: int, layer: str, out: str | None, quiet: bool) -> None:
     """Draw per-patch activation norms of example EX at LAYER over the image (a PNG).
 
     For stores written from a vision transformer; the image is re-read from the

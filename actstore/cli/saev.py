@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from actstore.cli.params import STORE
+from actstore.read.layers import parse_layer_list
 
 from actstore.saev import protocol as P
 
@@ -18,15 +19,6 @@ def register(main: click.Group) -> None:
     main.add_command(verify_cmd)
     main.add_command(import_cmd)
     main.add_command(link_run_cmd)
-
-
-def _ints(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(f"expected layer numbers like 6,11; got {value!r}") from None
 
 
 def _names(value: str | None) -> list[str] | None:
@@ -39,7 +31,7 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--protocol", type=click.Choice(["auto", *P.PROTOCOLS]), default="auto", show_default=True,
               help="2.1: what saev's current loaders read (needs DUMP_TO ending in saev/shards). 2.0: the seed protocol exactly. "
                    "auto: 2.1 where saev can read it (DUMP_TO .../saev/shards, the default), else 2.0.")
-@click.option("--layers", help="Layer numbers to export, e.g. 6,11 (default: all stored).")
+@click.option("--layers", help="Layers to export: numbers, -1 for the last stored, or names, e.g. 6,11 or blocks.6.hook_resid_post (default: all stored).")
 @click.option("--segments", help="Segments making up the token axis, e.g. prompt,response (default: all).")
 @click.option("--cls", "cls_mode", type=click.Choice(["keep", "drop", "none"]),
               help="Token 0 is CLS and exported (keep), is CLS and left out (drop), or there is no CLS (none). "
@@ -72,7 +64,7 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
     if dataset is None:
         dataset = _embedded_dataset(store, dump_to)
     res = export_saev(
-        store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
+        store, dump_to, protocol=protocol, layers=None if layers is None else parse_layer_list(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
         pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
         progress=not quiet, tokens_per_example=tokens_per_example,

@@ -16,13 +16,14 @@ import numpy as np
 from actstore import catalog
 from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import LayerNotFoundError, StoreNotFoundError
+from actstore.errors import StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.chunks import MappedChunk
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
+from actstore.read.layers import resolve_layer
 from actstore.storage import Storage, open_storage
 from actstore.storage.mapping import FileRegion
 
@@ -356,25 +357,18 @@ class ActStore:
         return names
 
     def layer_number(self, layer: Any) -> int:
-        """The stored layer number of `layer` (a number, or a name from layer_names())."""
-        if not isinstance(layer, str):
-            return layer
-        names = self.layer_names()
-        if layer not in names:
-            raise LayerNotFoundError(
-                f"no stored layer is named {layer!r}; this store holds layers {list(self.config.layers)}"
-                + (f", named {names}" if names else " (it keeps no layer names: index by number)")
-            )
-        return names[layer]
+        """The stored layer number of `layer`: a stored number, a negative number counting
+        from the last stored layer, or a name from layer_names() (actstore.read.layers)."""
+        return resolve_layer(layer, self.config.layers, self.layer_names())
 
     def _numbered(self, key: Any) -> Any:
-        """A key with layer names replaced by layer numbers."""
+        """A key with each layer (a name, a negative number) replaced by its layer number."""
         if isinstance(key, tuple) and len(key) == 2:
             layer = key[1]
-            if isinstance(layer, str):
-                return key[0], self.layer_number(layer)
-            if isinstance(layer, list) and any(isinstance(x, str) for x in layer):
+            if isinstance(layer, list):
                 return key[0], [self.layer_number(x) for x in layer]
+            if not isinstance(layer, (slice, np.ndarray)):
+                return key[0], self.layer_number(layer)
         return key
 
     def _where(self, ex: int, layer: Any) -> tuple[ShardReader, int, int]:

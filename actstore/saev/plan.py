@@ -81,7 +81,7 @@ def make_plan(
     n = len(store)
     if n == 0:
         raise SaevOptionError(f"store {store.path} holds no examples; there is nothing to export")
-    layers_t = _layers(layers, cfg.layers)
+    layers_t = _layers(layers, store)
     seg_names = _segments(segments, cfg)
     cls_mode = _cls_mode(cls, attrs, [cfg.segment(s) for s in seg_names])
     parts, t_total = _parts(seg_names, cfg, cls_mode)
@@ -158,14 +158,16 @@ def _token_offsets(store: Any, parts: tuple[Part, ...]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)])
 
 
-def _layers(layers: Sequence[int] | None, stored: tuple[int, ...]) -> tuple[int, ...]:
+def _layers(layers: Sequence[Any] | None, store: Any) -> tuple[int, ...]:
+    """Layer numbers, names or negative numbers (actstore.read.layers) -> stored layer numbers."""
     if layers is None:
-        return tuple(stored)
-    out = tuple(int(x) for x in layers)
+        return tuple(store.config.layers)
+    number = getattr(store, "layer_number", None)
+    out = tuple(number(x) if number else x for x in layers)  # raises LayerNotFoundError naming the stored layers
     if not out or len(set(out)) != len(out):
-        raise SaevOptionError(f"layers must be a non-empty list of distinct layer numbers. Got {list(layers)}.")
+        raise SaevOptionError(f"layers must be a non-empty list of distinct layers. Got {list(layers)}.")
     for x in out:
-        layer_position(stored, x)  # raises LayerNotFoundError naming the stored layers
+        layer_position(store.config.layers, x)
     return out
 
 
