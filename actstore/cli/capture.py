@@ -64,6 +64,10 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
 @click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")
 @click.option("--context", type=int, default=None, help="Window length in tokens for --pack / --chunk.")
+@click.option("--encoding", default="utf-8", show_default=True, help="Encoding of .txt documents (e.g. latin-1, cp1252).")
+@click.option("--errors", type=click.Choice(["strict", "replace", "skip"]), default="strict", show_default=True,
+              help="A .txt document that does not decode: fail before the model loads (strict), replace its undecodable bytes "
+                   "with U+FFFD (replace), or leave it out (skip); replace and skip print how many documents they touched.")
 @click.option("--no-window-bos", is_flag=True, help="--pack / --chunk: do not start each window with the tokenizer's BOS (by default every window "
               "starts with it, or with its EOS when it has no BOS, labelled special, followed by --context - 1 corpus tokens).")
 @click.option("--text-field", default=None, help="The JSON key or column holding each document's text (.jsonl, .parquet, .arrow, a datasets folder; default text).")
@@ -110,7 +114,7 @@ def write_cmd(store: str, **kw) -> None:
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
         rank=kw["rank"], world_size=kw["world_size"], engine=kw["engine"], cpus_per_worker=kw["cpus_per_worker"],
         gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"],
-        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], window_bos=not kw["no_window_bos"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
+        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], window_bos=not kw["no_window_bos"], encoding=kw["encoding"], errors=kw["errors"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
         writer_nice=kw["writer_nice"],
