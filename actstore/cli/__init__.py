@@ -42,3 +42,7 @@ def main() -> None:
 for _name in COMMAND_MODULES:
     if importlib.util.find_spec(f"actstore.cli.{_name}") is not None:
         importlib.import_module(f"actstore.cli.{_name}").register(main)
+
+from actstore.cli.params import bound_integers  # noqa: E402 - after every command is registered
+
+bound_integers(main)

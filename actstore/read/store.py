@@ -181,9 +181,9 @@ class ActStore:
     def token_ids(self, ex: int) -> np.ndarray | None:
         """The vocabulary ids (int32) of example `ex`'s stored tokens, in the order of
         `store[ex, layer]` (every segment, padding removed); None when the store keeps none."""
+        pos, local = self.index.locate(ex)  # (a bad index is refused, ids or not)
         if not self.config.token_ids:
             return None
-        pos, local = self.index.locate(ex)
         sh = self._shard(pos)
         parts = [sh.per_sample(keys.token_ids_field(s.name))[local, : int(sh.lengths(s)[local])] for s in self.config.segments]
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
