@@ -40,8 +40,9 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--ckpt", help="Model identifier. Default: the store's attrs['ckpt'] or model_id.")
 @click.option("--dataset", type=click.Path(), help="Root folder of the original data set. Default: attrs['dataset'].")
 @click.option("--data", help="Dataset description: a JSON object with __class__ (2.0) or a string (2.1). Default: attrs['data'] or a description of the store.")
-@click.option("--patches-per-shard", type=int, default=P.DEFAULT_BUDGET, show_default=True,
-              help="Token budget per shard (2.1: max_tokens_per_shard); examples per shard = budget // (T * layers).")
+@click.option("--patches-per-shard", type=int, default=None,
+              help=f"Token budget per shard (2.1: max_tokens_per_shard); examples per shard = budget // (T * layers). "
+                   f"Default: at most {P.DEFAULT_BUDGET:,}, fitted to the data so that the files hold data, not zero padding.")
 @click.option("--pixel-agg", type=click.Choice(P.PIXEL_AGGS), help="Protocol 2.1 only (default majority).")
 @click.option("--labels/--no-labels", default=None, help="Write labels.bin from the store's per-token labels (default: when stored).")
 @click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")

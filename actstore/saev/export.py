@@ -58,7 +58,7 @@ def export_saev(
     ckpt: str | None = None,
     dataset: str | os.PathLike | None = None,
     data: Any = None,
-    patches_per_shard: int = P.DEFAULT_BUDGET,
+    patches_per_shard: int | None = None,
     pixel_agg: str | None = None,
     labels: bool | None = None,
     overwrite: bool = False,
@@ -90,7 +90,9 @@ def export_saev(
             "none" (no CLS); default from the store's attrs["cls_token"].
         family, ckpt, dataset, data: saev metadata; default from the store's attrs
             (ckpt from its model_id; family guessed from the model id when it names one).
-        patches_per_shard: token budget per shard (2.1: max_tokens_per_shard).
+        patches_per_shard: token budget per shard (2.1: max_tokens_per_shard). Default:
+            at most P.DEFAULT_BUDGET, fitted to the data (the fewest examples per shard
+            that keep that many shards), so files hold data, not zero padding.
         pixel_agg: "majority" (default) or "prefer-fg"; protocol 2.1 only.
         labels: write labels.bin from the store's per-token labels (default: when stored).
         tokens_per_example: stores with padded (text) segments export their real tokens

@@ -68,7 +68,7 @@ def make_plan(
     ckpt: str | None = None,
     dataset: str | os.PathLike | None = None,
     data: Any = None,
-    patches_per_shard: int = P.DEFAULT_BUDGET,
+    patches_per_shard: int | None = None,
     pixel_agg: str | None = None,
     labels: bool | None = None,
     tokens_per_example: int | None = None,
@@ -105,6 +105,9 @@ def make_plan(
             f"the exported examples would hold no content tokens (segments {seg_names}, cls {cls_mode!r}); "
             "choose segments with more tokens"
         )
+    if patches_per_shard is None:  # the default: at most DEFAULT_BUDGET, fitted to the data
+        per_example = (content + int(cls_token)) * len(layers_t)
+        patches_per_shard = fitted_budget(n, per_example, P.DEFAULT_BUDGET)
     if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, int) or patches_per_shard <= 0:
         raise SaevOptionError(f"patches_per_shard must be a positive int. Got {patches_per_shard!r}.")
     geom = P.ShardGeometry(
@@ -156,6 +159,16 @@ def _token_offsets(store: Any, parts: tuple[Part, ...]) -> np.ndarray:
             lens = np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
             counts += np.clip(lens - p.skip, 0, p.count)
     return np.concatenate([[0], np.cumsum(counts)])
+
+
+def fitted_budget(n_examples: int, per_example: int, cap: int) -> int:
+    """The default token budget per shard: as many shards as `cap` gives (at least one
+    example each), then the fewest examples per shard that hold the data, so the last,
+    zero-padded shard file (saev's readers map every file at the full shape) holds less
+    than one example per shard of padding instead of up to a whole shard of zeros."""
+    most = max(1, cap // per_example)
+    shards = -(-n_examples // most)
+    return -(-n_examples // shards) * per_example
 
 
 def _layers(layers: Sequence[Any] | None, store: Any) -> tuple[int, ...]:
