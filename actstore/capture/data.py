@@ -109,6 +109,9 @@ def _embedded(which: str) -> Source:
 def _image_folder(root: Path) -> Source:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
     if not files:
+        if any(p.suffix.lower() == ".txt" for p in root.iterdir()):
+            raise EmptyDatasetError(f"--data {root}: {root} holds .txt files, not images: pass a glob such as '{root}/*.txt' "
+                                    "(quoted: a document a file)")
         raise EmptyDatasetError(f"--data {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder; nothing to capture")
     _check_headers(files)
     root_abs = root.resolve()

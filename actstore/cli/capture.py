@@ -45,7 +45,9 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.command("write")
 @click.argument("store", type=NEW_STORE)
 @click.option("--model", required=True, help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.")
-@click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
+@click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a .txt file "
+              "(a document a line), a glob of files ('corpus/*.txt': a document a file; quote it), a .parquet or .arrow file, "
+              "a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
 @click.option("--layers", required=True, help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp.")
 @click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True, help="Stored dtype.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
@@ -59,7 +61,7 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
 @click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
 @click.option("--drop", type=click.Choice(["bos", "cls"]), multiple=True, help="Tokens the model sees but the store leaves out: bos (the tokenizer's BOS tokens; texts) or cls (token 0 of a ViT). Repeatable.")
-@click.option("--separator", default="\n", show_default=repr("\n"), help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).")
+@click.option("--separator", default="\n", show_default="newline", help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).")
 @click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
 @click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
 @click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")

@@ -53,6 +53,10 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
         return report
     md, problem = read_json(root / P.METADATA_FILE)
     if problem:
+        from actstore.layout import keys
+
+        if any((root / k).exists() for k in (keys.MANIFEST, keys.IDENTITY)):
+            problem = f"{root} is an actstore store, not a saev shard directory: check it with `actstore verify {root}`"
         report.problems.append(problem)
         return report
     proto, geom, problems = check_metadata(md)
