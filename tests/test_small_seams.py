@@ -45,3 +45,23 @@ def test_verify_saev_on_an_actstore_store_points_to_actstore_verify(tmp_path):
     make_vit_store(tmp_path / "s")
     res = cli("verify-saev", tmp_path / "s")
     assert res.exit_code == 1 and "is an actstore store, not a saev shard directory: check it with `actstore verify" in res.output
+
+
+def test_cli_messages_name_flags_not_python_arguments(tmp_path):
+    from actstore.cli.wording import cli_words
+
+    assert cli_words("exists; pass overwrite=True (--overwrite) to rebuild it", None) == "exists; pass --overwrite to rebuild it"
+    assert cli_words("pass dataset (--dataset), the absolute path", None) == "pass --dataset, the absolute path"
+    assert cli_words("or pass allow_partial=True (`actstore finalize --allow-partial`) to", None).count("allow_partial") == 1
+    out = cli_words("shard 0 of x already exists; pass resume=True to continue it or overwrite=True to replace it",
+                    main.get_command(None, "write"))
+    assert out == "shard 0 of x already exists; pass --resume to continue it or overwrite=True to replace it"  # write has no --overwrite
+    store = make_vit_store(tmp_path / "s")
+    (tmp_path / "d").mkdir()
+    first = cli("export-saev", store.path, tmp_path / "d", "--quiet").output.strip().splitlines()[-1]
+    import os
+
+    os.chmod(first, 0o755)
+    os.remove(os.path.join(first, "shards.json"))  # broken: a rerun refuses, naming the flag
+    res = cli("export-saev", store.path, tmp_path / "d")
+    assert res.exit_code == 1 and "pass --overwrite to rebuild it" in res.output and "overwrite=True" not in res.output

@@ -24,7 +24,10 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except (ActstoreError, OSError, ValueError) as e:  # bad input or a failing disk: one line, no traceback
-            click.echo(f"actstore: error: {e}", err=True)
+            from actstore.cli.wording import cli_words
+
+            sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            click.echo(f"actstore: error: {cli_words(str(e), sub)}", err=True)
             sys.exit(1)
 
 
