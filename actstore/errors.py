@@ -58,6 +58,10 @@ class LayerNotFoundError(ActstoreError, KeyError):
     """A layer number that the store does not hold."""
 
 
+class LayerTypeError(LayerNotFoundError, TypeError):
+    """A layer given as something that is neither a layer number nor a name (a float, a bool)."""
+
+
 class SegmentNotFoundError(ActstoreError, KeyError):
     """A segment name that the store does not hold."""
 
@@ -152,6 +156,10 @@ class SaevExistsError(ActstoreError, FileExistsError):
     """The target <HASH> directory exists but does not verify; pass overwrite=True to rebuild it."""
 
 
+class SaevExportError(ActstoreError, RuntimeError):
+    """An export's directory did not pass verify-saev before publication (nothing was published)."""
+
+
 class SaevFormatError(CorruptStoreError):
     """A saev shard directory breaks a rule of its protocol."""
 
@@ -232,3 +240,10 @@ class ActivaultFormatError(ImportSourceError):
 
 class AlignmentError(ActstoreError, ValueError):
     """Aligned sources do not hold the same tokens (examples, lengths or token ids differ)."""
+
+
+# ---- object stores across fork ----
+
+
+class ForkedClientError(ActstoreError, RuntimeError):
+    """An object store was used in a process forked after obstore had started (it would hang)."""

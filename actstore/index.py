@@ -31,6 +31,8 @@ class ExampleIndex:
     def locate(self, ex: int) -> tuple[int, int]:
         """Return (shard position, local index) of global example `ex` (negative counts from the end)."""
         n = self.n_examples
+        if not isinstance(ex, (int, np.integer)) or isinstance(ex, (bool, np.bool_)):
+            raise ExampleIndexError(f"example index must be an int (negative counts from the end); got {ex!r}")
         if not -n <= ex < n:
             raise ExampleIndexError(f"example {ex} is out of range: this store holds {n} examples (0..{n - 1})")
         if ex < 0:

@@ -63,7 +63,7 @@ def prepare(args) -> tuple[object, list, int]:
     elif args.pack:  # a packed corpus: windows of exactly --pack tokens (actstore write --pack --context N)
         from actstore.capture.packing import plan_windows, window_batches
 
-        windows = plan_windows(src, lm.tokenizer, args.pack, "pack")
+        windows = plan_windows(src, lm.tokenizer, args.pack, "pack", window_bos=True)  # as actstore write --pack does
         batches = list(window_batches(src, windows, 0, len(windows), lm.tokenizer, args.batch_size, "cpu"))
         return lm, batches, len(windows)
     else:

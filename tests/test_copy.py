@@ -59,7 +59,7 @@ def test_local_to_s3_to_local_is_exact(tmp_path, s3_url, monkeypatch):
     up = copy_store(src, s3_url, workers=3, progress=lambda n, total: seen.append((n, total)))
     assert up.n_copied == len(expected) and up.bytes_copied == sum(map(len, expected.values())) == up.total_bytes
     assert up.unlisted_shards == ("shard-00002.zarr",) and up.n_temporary == 1
-    assert up.verified and up.deep_verified is None  # verify_store reads local folders only (for now)
+    assert up.verified and up.deep_verified is True  # deep-verified in the bucket too
     assert seen[0] == (0, up.total_bytes) and sum(n for n, _ in seen) == up.total_bytes
     assert "shard-00002.zarr" in up.summary() and "1 temporary file left out" in up.summary()
     assert store_files(s3_url) == expected

@@ -67,7 +67,7 @@ def test_names_are_captured_kept_and_read_back(tmp_path, setup):
             np.testing.assert_allclose(store[i, name].astype(np.float32), want, rtol=2e-3, atol=2e-3, err_msg=name)
         np.testing.assert_array_equal(store[i, "model.layers.0.mlp"], store[i, 2])
     assert [a.shape for a in store[0:2, "blocks.0.hook_mlp_out"]] == [store[0, 2].shape, store[1, 2].shape]
-    with pytest.raises(LayerNotFoundError, match=r"no stored layer is named 'blocks.7.hook_resid_post'; this store holds layers \[0, 1, 2, 3, 4\], named \{"):
+    with pytest.raises(LayerNotFoundError, match=r"no stored layer is named 'blocks.7.hook_resid_post'; did you mean .*This store holds layers \[0, 1, 2, 3, 4\], named \['blocks.0.hook_attn_out'"):
         store[0, "blocks.7.hook_resid_post"]
     info = cli("info", out).output
     assert "layer 2      = model.layers.0.mlp, blocks.0.hook_mlp_out" in info

@@ -243,7 +243,7 @@ def test_normalize_standardize_and_scale(tmp_path):
 
 def test_bad_arguments_have_clear_errors(tmp_path):
     store = qa_store(tmp_path / "s", stats=False)
-    with pytest.raises(KeyError, match=r"layers \[4\] are not stored; this store holds layers \[2, 5, 9\]"):
+    with pytest.raises(KeyError, match=r"layer 4 is not stored; this store holds layers \[2, 5, 9\]"):
         TokenStream(store, layers=[4])
     with pytest.raises(KeyError, match=r"segments \['answer'\] are not in this store; it has segments \['prompt', 'response'\]"):
         TokenStream(store, segments=["answer"])

@@ -74,7 +74,7 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
     data = write_jsonl(tmp_path / "c.jsonl", [{"id": f"doc{i}", "body": d} for i, d in enumerate(DOCS)])
     out = tmp_path / "packed"
     cli("write", out, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
-        "--pack", "--context", "16", "--batch-size", "3", "--quiet")
+        "--pack", "--context", "16", "--batch-size", "3", "--no-window-bos", "--quiet")
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     corpus = [doc_tokens(tok, d) for d in DOCS]
@@ -108,7 +108,7 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
     monkeypatch.setattr(run_mod, "Progress", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli("write", two, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
-        "--pack", "--context", "16", "--batch-size", "3", "--workers", "2", "--quiet")
+        "--pack", "--context", "16", "--batch-size", "3", "--workers", "2", "--no-window-bos", "--quiet")
     other = actstore.ActStore(two)
     assert len(other) == len(store) and len(other.manifest.shards) == 2 and bars == [None]
     for i in range(len(store)):
@@ -120,7 +120,7 @@ def test_chunked_documents_are_cut_not_truncated(tmp_path, llama_dir):
     txt = tmp_path / "docs.txt"
     txt.write_text("\n".join(DOCS) + "\n\n", encoding="utf-8")  # one document per line; blank lines skipped
     out = tmp_path / "chunked"
-    cli("write", out, "--model", llama_dir, "--data", txt, "--layers", "1", "--chunk", "--context", "8", "--quiet")
+    cli("write", out, "--model", llama_dir, "--data", txt, "--layers", "1", "--chunk", "--context", "8", "--no-window-bos", "--quiet")
     store = actstore.ActStore(out)
     _, tok = tiny_llama(layers=3)
     runs = list(store.texts("runs"))
@@ -229,7 +229,7 @@ def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llam
     cli("write", "s", "--model", llama_dir, "--data", "corpus/*.txt", "--layers", "1", "--pack", "--context", "8", "--quiet")
     store = actstore.ActStore(tmp_path / "s")
     assert store.config.attrs["dataset"] == str(tmp_path / "corpus" / "*.txt")
-    assert [r[0][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]
+    assert [r[1][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]  # run 0: the window's BOS
     res = cli("export-saev", "s", tmp_path / "saev" / "shards", ok=False)  # a text store names no saev family
     assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (--family, e.g. clip" in res.output
     out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()

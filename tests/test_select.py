@@ -196,7 +196,7 @@ def test_clear_errors(stores):
         store[[0.5], 2]
     with pytest.raises(TypeError, match="examples must be"):
         store[np.zeros((2, 2), int), 2]
-    with pytest.raises(TypeError, match="layers must be a layer number"):
+    with pytest.raises(TypeError, match=r"layer 2.0 is not a layer: give a stored layer number \(an int\)"):
         store[0, [2.0]]
     with pytest.raises(TypeError, match=r"index the store as store\[examples, layers\]"):
         store[0:3]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from actstore.capture import embedded
+from actstore.capture.textdecode import Decoding
 from actstore.errors import DataError, EmptyDatasetError, UnreadableImageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
@@ -50,13 +51,15 @@ class Source:
         return Source(kind=self.kind, name=self.name, n=max_examples, get=self.get)
 
 
-def load_source(spec: str, text_field: str | None = None) -> Source:
+def load_source(spec: str, text_field: str | None = None, decoding: Decoding | None = None) -> Source:
     """Open a data source; raises EmptyDatasetError when it holds nothing. `text_field`
-    names the column or JSON key holding each document's text (default "text")."""
+    names the column or JSON key holding each document's text (default "text");
+    `decoding` how .txt files decode (default: strict UTF-8), checked here, before any model loads."""
+    decoding = decoding or Decoding()
     if spec.startswith(EMBEDDED_PREFIX):
         src = _embedded(spec.removeprefix(EMBEDDED_PREFIX))
     elif any(c in spec for c in "*?["):
-        src = _glob(spec, text_field)
+        src = _glob(spec, text_field, decoding)
     else:
         p = Path(spec).expanduser()
         if not p.exists():
@@ -69,7 +72,7 @@ def load_source(spec: str, text_field: str | None = None) -> Source:
         elif p.suffix == ".jsonl":
             src = _jsonl(p, text_field)
         elif p.suffix == ".txt":
-            src = _txt_lines(p)
+            src = _txt_lines(p, decoding)
         elif p.suffix in (".parquet", ".arrow", ".feather"):
             src = _columnar(p, text_field or "text")
         else:
@@ -106,6 +109,9 @@ def _embedded(which: str) -> Source:
 def _image_folder(root: Path) -> Source:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
     if not files:
+        if any(p.suffix.lower() == ".txt" for p in root.iterdir()):
+            raise EmptyDatasetError(f"--data {root}: {root} holds .txt files, not images: pass a glob such as '{root}/*.txt' "
+                                    "(quoted: a document a file)")
         raise EmptyDatasetError(f"--data {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder; nothing to capture")
     _check_headers(files)
     root_abs = root.resolve()
@@ -192,19 +198,23 @@ def _check_regular(p: Path, spec: str) -> None:
         raise DataError(f"--data {spec}: {p} is {describe(mode)}, not a file or folder of data")
 
 
-def _txt_lines(path: Path) -> Source:
+def _read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read document {path}: {e}") from None
+
+
+def _txt_lines(path: Path, decoding: Decoding) -> Source:
     """One document a non-empty line, streamed (only each line's byte range is kept)."""
     lines = _LineIndex(path)
-    for lineno, raw in lines.scan():
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not UTF-8 text ({e})") from None
-    return Source(kind="text", name=str(path), n=len(lines),
-                  get=lambda i: {"key": f"line-{int(lines.linenos[i])}", "text": lines.read(i).decode("utf-8").rstrip("\r\n")})
+    keep = np.asarray([decoding.check(raw, f"{path}:{lineno}") for lineno, raw in lines.scan()], bool)
+    kept = np.flatnonzero(keep) if len(keep) else np.zeros(0, np.int64)
+    return Source(kind="text", name=str(path), n=len(kept),
+                  get=lambda i: {"key": f"line-{int(lines.linenos[kept[i]])}", "text": decoding.decode(lines.read(int(kept[i]))).rstrip("\r\n")})
 
 
-def _glob(spec: str, text_field: str | None) -> Source:
+def _glob(spec: str, text_field: str | None, decoding: Decoding) -> Source:
     """Files matching a glob, in sorted order: .txt files are one document each; other
     files' sources (.jsonl, .parquet, ...) are concatenated (all of one kind)."""
     import glob
@@ -215,14 +225,16 @@ def _glob(spec: str, text_field: str | None) -> Source:
     for f in files:
         _check_regular(Path(f), spec)
     if all(f.endswith(".txt") for f in files):
+        files = [f for f in files if decoding.check(_read_bytes(f), f)]  # every file decodes (or is left out) before a model loads
+
         def get_file(i: int) -> dict[str, Any]:
             try:
-                return {"key": _key(files[i]), "text": Path(files[i]).read_text(encoding="utf-8")}
+                return {"key": _key(files[i]), "text": decoding.decode(Path(files[i]).read_bytes())}
             except (OSError, UnicodeDecodeError) as e:
                 raise DataError(f"cannot read document {files[i]}: {e}") from None
 
         return Source(kind="text", name=spec, n=len(files), get=get_file)
-    parts = [load_source(f, text_field) for f in files]
+    parts = [load_source(f, text_field, decoding) for f in files]
     kinds = {p.kind for p in parts}
     if len(kinds) > 1:
         raise DataError(f"--data {spec} matches files of different kinds ({sorted(kinds)}); use one kind per run")

@@ -70,6 +70,7 @@ def check_model(o: Any, store_cfg: Any | None) -> str | None:
     if (o.pack or o.chunk) and modality == "image":
         raise CaptureError(f"--pack and --chunk take a language model; {o.model} is an image model")
     for x in o.layers:
+        _check_hook_name(x, n_blocks)
         n, what = _block_of(x, paths=modality == "text")  # (a two-tower model's paths may be in either tower)
         if n is not None and n_blocks is not None and not -n_blocks <= n < n_blocks:
             raise UnknownLayerError(
@@ -93,6 +94,19 @@ def check_data(o: Any, source: Any, modality: str | None) -> None:
         want = "image" if source.kind == "image" else "text"
         if modality != want:
             raise CaptureError(f"model {o.model} takes {modality} input but --data {source.name} holds {source.kind} examples")
+
+
+def _check_hook_name(x: int | str, n_blocks: int | None) -> None:
+    """A name that looks like a TransformerLens hook but is none: refused with the closest names."""
+    if not isinstance(x, str) or TL_NAME.match(x) or not x.startswith(("blocks.", "hook_")):
+        return
+    import difflib
+
+    m = re.match(r"^blocks\.(-?\d+)\.", x)
+    blocks = [int(m.group(1))] if m else range(n_blocks or 1)
+    close = difflib.get_close_matches(x, [f"blocks.{n}.{h}" for n in blocks for h in TL_HOOKS], n=2, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise UnknownLayerError(f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path{hint}")
 
 
 def _block_of(x: int | str, paths: bool) -> tuple[int | None, str]:

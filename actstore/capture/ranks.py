@@ -54,6 +54,11 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 def from_env(env: Mapping[str, str]) -> Rank | None:
     """The rank the environment gives, or None when no launcher variables are set."""
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" not in env:
+        raise CaptureError(
+            f"SLURM_ARRAY_TASK_ID={env['SLURM_ARRAY_TASK_ID']} is set but SLURM_ARRAY_TASK_COUNT is not (an old Slurm, or a "
+            "variable set by hand): this task cannot know its share of the data; pass --rank/--world-size"
+        )
     if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
         task, count = _int(env, "SLURM_ARRAY_TASK_ID"), _int(env, "SLURM_ARRAY_TASK_COUNT")
         first = _int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0

@@ -25,6 +25,7 @@ from actstore.capture.progress import Progress
 from actstore.capture.ranks import bar_total, split
 from actstore.errors import CaptureError
 from actstore.capture.models import LoadedModel, load_model
+from actstore.capture.textdecode import Decoding
 from actstore.capture.prepare import SPECIAL_MODES, TextPlan, image_batches, prompt_lengths, text_batches
 from actstore.capture.record import DEFAULT_WRITER_NICE, RecordResult, committed, record
 from actstore.dtypes import require_torch
@@ -76,6 +77,9 @@ class WriteOptions:
     pack: bool = False  # concatenate the documents into windows of exactly `context` tokens
     chunk: bool = False  # cut each document into consecutive windows of at most `context` tokens
     context: int | None = None
+    encoding: str = "utf-8"  # text files' encoding
+    errors: str = "strict"  # undecodable documents: strict (fail), replace (U+FFFD), skip (leave out)
+    window_bos: bool = True  # --pack / --chunk: each window starts with the tokenizer's BOS (labelled special)
     text_field: str | None = None  # the column / JSON key of each document's text
     drop: tuple[str, ...] = ()  # tokens the model sees but the store does not keep: "bos" (texts), "cls" (images)
     separator: str = "\n"  # pairs without a chat template: between prompt and response
@@ -172,7 +176,10 @@ def write(o: WriteOptions) -> dict[str, Any]:
     storage = open_storage(o.store)
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
     modality = preflight.check_model(o, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
-    source = load_source(o.data, o.text_field).limit(o.max_examples)  # empty data fails before anything is written
+    decoding = Decoding(o.encoding, o.errors)
+    source = load_source(o.data, o.text_field, decoding).limit(o.max_examples)  # empty data fails before anything is written
+    if decoding.report():  # printed even with --quiet: the data changed
+        print(decoding.report(), file=sys.stderr, flush=True)
     preflight.check_data(o, source, modality)
     world = o.workers if multi else o.world_size
     assert world is not None
@@ -234,7 +241,7 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    source = source or load_source(o.data, o.text_field).limit(o.max_examples)
+    source = source or load_source(o.data, o.text_field, Decoding(o.encoding, o.errors)).limit(o.max_examples)
     check_lease(open_storage(o.store), rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
     if complete:  # a finished shard: nothing to do, no model to load
@@ -285,7 +292,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
         raise CaptureError(f"--pack and --chunk take a language model; {lm.model_id} takes {lm.modality} input")
     if lm.max_tokens and o.context > lm.max_tokens:
         raise CaptureError(f"--context {o.context} exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
-    windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk")
+    windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk", window_bos=o.window_bos)
     start, stop = split(len(windows), world, rank)
     if start == stop:
         raise CaptureError(f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers")
@@ -294,7 +301,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
         "source": source.name, "dataset": absolute_data(o.data),
         "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "world_size": world},
         "packing": {"mode": windows.mode, "context": o.context, "documents": len(source), "tokens": windows.n_tokens,
-                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
+                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "window_bos": windows.bos, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
     }
     bar = progress
     own_bar = Progress(total=stop - first, desc=f"shard {rank}") if bar is None and o.progress else None

@@ -42,7 +42,7 @@ def patch_norms(store: object, ex: int, layer: int) -> tuple[np.ndarray, np.ndar
     return norms[prefix:].reshape(gh, gw), norms[:prefix], im
 
 
-def render(path: str | os.PathLike, ex: int, layer: int, out: str | os.PathLike | None = None) -> Path:
+def render(path: str | os.PathLike, ex: int, layer: int | str, out: str | os.PathLike | None = None) -> Path:
     """Write the picture for (ex, layer) of the store at `path`; returns the PNG's path.
 
     Left: the image as the model saw it (resized, centre-cropped). Middle: per-patch L2
@@ -55,6 +55,7 @@ def render(path: str | os.PathLike, ex: int, layer: int, out: str | os.PathLike 
     from actstore.read.store import ActStore
 
     store = ActStore(path)
+    layer = store.layer_number(layer)  # a number, -1 or a name (actstore.read.layers)
     grid, prefix_norms, im = patch_norms(store, ex, layer)
     sample = store.sample(ex)
     ref = sample.get("image")

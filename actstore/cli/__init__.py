@@ -24,7 +24,10 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except (ActstoreError, OSError, ValueError) as e:  # bad input or a failing disk: one line, no traceback
-            click.echo(f"actstore: error: {e}", err=True)
+            from actstore.cli.wording import cli_words
+
+            sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            click.echo(f"actstore: error: {cli_words(str(e), sub)}", err=True)
             sys.exit(1)
 
 
@@ -42,3 +45,7 @@ def main() -> None:
 for _name in COMMAND_MODULES:
     if importlib.util.find_spec(f"actstore.cli.{_name}") is not None:
         importlib.import_module(f"actstore.cli.{_name}").register(main)
+
+from actstore.cli.params import bound_integers  # noqa: E402 - after every command is registered
+
+bound_integers(main)

@@ -47,7 +47,9 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.command("write")
 @click.argument("store", type=NEW_STORE)
 @click.option("--model", required=True, help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.")
-@click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
+@click.option("--data", required=True, help="A folder of images, a .jsonl of texts ({\"text\"}) or pairs ({\"prompt\", \"response\"}), a .txt file "
+              "(a document a line), a glob of files ('corpus/*.txt': a document a file; quote it), a .parquet or .arrow file, "
+              "a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.")
 @click.option("--layers", required=True, help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp.")
 @click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True, help="Stored dtype.")
 @click.option("--batch-size", type=int, default=8, show_default=True)
@@ -61,11 +63,17 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--generate", type=int, default=0, show_default=True, help="Generate N response tokens per prompt (greedy) instead of reading responses.")
 @click.option("--special", type=click.Choice(["mask", "drop"]), default="mask", show_default=True, help="Special and chat-template tokens: keep them with a per-token label (mask) or do not store them (drop).")
 @click.option("--drop", type=click.Choice(["bos", "cls"]), multiple=True, help="Tokens the model sees but the store leaves out: bos (the tokenizer's BOS tokens; texts) or cls (token 0 of a ViT). Repeatable.")
-@click.option("--separator", default="\n", show_default=repr("\n"), help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).")
+@click.option("--separator", default="\n", show_default="newline", help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).")
 @click.option("--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
 @click.option("--pack", is_flag=True, help="Concatenate the documents (tokenizer's BOS/EOS between them) into windows of exactly --context tokens: every token stored once.")
 @click.option("--chunk", is_flag=True, help="Cut each document into consecutive windows of at most --context tokens (no truncation, no window spans documents).")
 @click.option("--context", type=int, default=None, help="Window length in tokens for --pack / --chunk.")
+@click.option("--encoding", default="utf-8", show_default=True, help="Encoding of .txt documents (e.g. latin-1, cp1252).")
+@click.option("--errors", type=click.Choice(["strict", "replace", "skip"]), default="strict", show_default=True,
+              help="A .txt document that does not decode: fail before the model loads (strict), replace its undecodable bytes "
+                   "with U+FFFD (replace), or leave it out (skip); replace and skip print how many documents they touched.")
+@click.option("--no-window-bos", is_flag=True, help="--pack / --chunk: do not start each window with the tokenizer's BOS (by default every window "
+              "starts with it, or with its EOS when it has no BOS, labelled special, followed by --context - 1 corpus tokens).")
 @click.option("--text-field", default=None, help="The JSON key or column holding each document's text (.jsonl, .parquet, .arrow, a datasets folder; default text).")
 @click.option("--workers", type=int, default=1, show_default=True, help="Writers actstore starts (one shard each): processes on this machine, or actors with --engine ray.")
 @click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="Where --workers run: local processes, or actors on a Ray cluster (RAY_ADDRESS / --ray-address, else a local one; pip install 'actstore[ray]').")
@@ -110,7 +118,7 @@ def write_cmd(store: str, **kw) -> None:
         generate=kw["generate"], special=kw["special"], chat_template=kw["chat_template"], workers=kw["workers"],
         rank=kw["rank"], world_size=kw["world_size"], engine=kw["engine"], cpus_per_worker=kw["cpus_per_worker"],
         gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"],
-        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
+        pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], window_bos=not kw["no_window_bos"], encoding=kw["encoding"], errors=kw["errors"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
         progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
         writer_nice=kw["writer_nice"],
@@ -137,14 +145,14 @@ def write_cmd(store: str, **kw) -> None:
 @click.command("show")
 @click.argument("store", type=STORE)
 @click.option("--ex", type=int, required=True, multiple=True, help="Example index (repeat for several ViT examples on one colour scale).")
-@click.option("--layer", type=int, required=True, help="Stored layer number.")
+@click.option("--layer", required=True, help="Stored layer: a number, -1 for the last stored layer, or a name (blocks.8.hook_resid_post, a module path).")
 @click.option("--dim", type=int, help="Colour by this stored dimension (default: the token norm).")
 @click.option("--sae", type=click.Path(exists=True), help="With --feature: an SAELens checkpoint folder whose latent colours the tokens.")
 @click.option("--feature", type=int, help="With --sae: the latent to show.")
 @click.option("--tokenizer", help="Text stores: a tokenizer folder or cached hub id instead of the recorded one.")
 @click.option("-o", "--out", type=click.Path(dir_okay=False), default=None, help="File to write (default exN-layerL.png, or .html for text stores).")
 @click.option("--quiet", is_flag=True, help="Do not print the file's path.")
-def show_cmd(store: str, ex: tuple[int, ...], layer: int, dim: int | None, sae: str | None, feature: int | None, tokenizer: str | None,
+def show_cmd(store: str, ex: tuple[int, ...], layer: str, dim: int | None, sae: str | None, feature: int | None, tokenizer: str | None,
              out: str | None, quiet: bool) -> None:
     """Draw example EX at LAYER: for a vision transformer, per-patch norms (or a dimension /
     SAE latent) over the image, several examples on one colour scale (a PNG); for a text
@@ -160,6 +168,7 @@ def show_cmd(store: str, ex: tuple[int, ...], layer: int, dim: int | None, sae: 
     if dim is not None and sae is not None:
         raise click.UsageError("give --dim or --sae/--feature, not both")
     st = open_store(store)
+    layer = st.layer_number(layer)  # a number, -1 or a name (actstore.read.layers)
     encoder, feat = None, dim
     if sae is not None:
         from actstore.features.sources import load_saelens

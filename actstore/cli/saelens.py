@@ -36,7 +36,7 @@ def export_saelens_cmd(store: str, out: str, layer: str, hook_name: str | None, 
     """
     from actstore.saelens import export_saelens
 
-    res = export_saelens(store, out, layer=int(layer) if layer.lstrip("-").isdigit() else layer, hook_name=hook_name,
+    res = export_saelens(store, out, layer=layer, hook_name=hook_name,
                          context_size=context_size, seed=seed, dtype=dtype, skip_special=skip_special, progress=not quiet)
     if as_json:
         click.echo(json.dumps({"path": str(res.path), "hook_name": res.hook_name, "rows": res.n_rows, "tokens": res.n_tokens,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
 from actstore.cli.params import STORE
+from actstore.read.layers import parse_layer_list
 
 from actstore.layout import saevspec as P
 from actstore.storage.retry import counts as network_counts
@@ -20,15 +22,6 @@ def register(main: click.Group) -> None:
     main.add_command(link_run_cmd)
 
 
-def _ints(value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(f"expected layer numbers like 6,11; got {value!r}") from None
-
-
 def _names(value: str | None) -> list[str] | None:
     return None if value is None else [x for x in value.replace(",", " ").split() if x]
 
@@ -39,7 +32,7 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--protocol", type=click.Choice(["auto", *P.PROTOCOLS]), default="auto", show_default=True,
               help="2.1: what saev's current loaders read (needs DUMP_TO ending in saev/shards). 2.0: the seed protocol exactly. "
                    "auto: 2.1 where saev can read it (DUMP_TO .../saev/shards, the default), else 2.0.")
-@click.option("--layers", help="Layer numbers to export, e.g. 6,11 (default: all stored).")
+@click.option("--layers", help="Layers to export: numbers, -1 for the last stored, or names, e.g. 6,11 or blocks.6.hook_resid_post (default: all stored).")
 @click.option("--segments", help="Segments making up the token axis, e.g. prompt,response (default: all).")
 @click.option("--cls", "cls_mode", type=click.Choice(["keep", "drop", "none"]),
               help="Token 0 is CLS and exported (keep), is CLS and left out (drop), or there is no CLS (none). "
@@ -48,8 +41,9 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--ckpt", help="Model identifier. Default: the store's attrs['ckpt'] or model_id.")
 @click.option("--dataset", type=click.Path(), help="Root folder of the original data set. Default: attrs['dataset'].")
 @click.option("--data", help="Dataset description: a JSON object with __class__ (2.0) or a string (2.1). Default: attrs['data'] or a description of the store.")
-@click.option("--patches-per-shard", type=int, default=P.DEFAULT_BUDGET, show_default=True,
-              help="Token budget per shard (2.1: max_tokens_per_shard); examples per shard = budget // (T * layers).")
+@click.option("--patches-per-shard", type=int, default=None,
+              help=f"Token budget per shard (2.1: max_tokens_per_shard); examples per shard = budget // (T * layers). "
+                   f"Default: at most {P.DEFAULT_BUDGET:,}, fitted to the data so that the files hold data, not zero padding.")
 @click.option("--pixel-agg", type=click.Choice(P.PIXEL_AGGS), help="Protocol 2.1 only (default majority).")
 @click.option("--labels/--no-labels", default=None, help="Write labels.bin from the store's per-token labels (default: when stored).")
 @click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")
@@ -69,8 +63,10 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
     """
     from actstore.saev import export_saev
 
+    if dataset is None:
+        dataset = _embedded_dataset(store, dump_to)
     res = export_saev(
-        store, dump_to, protocol=protocol, layers=_ints(layers), segments=_names(segments), cls=cls_mode,
+        store, dump_to, protocol=protocol, layers=None if layers is None else parse_layer_list(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
         pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
         progress=not quiet, tokens_per_example=tokens_per_example,
@@ -85,6 +81,20 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         what = "exists, verified" if res.reused else "exported"
         click.echo(f"{what}: {res.n_examples} examples in {res.n_shards} shards (protocol {res.protocol})", err=True)
     click.echo(str(res.path))  # the answer, even with --quiet: dir=$(actstore export-saev ... --quiet)
+
+
+def _embedded_dataset(store, dump_to) -> str | None:
+    """For a store captured from embedded images: the folder DUMP_TO/embedded-images,
+    written with those images, as the dataset saev links to; else None (the store's own)."""
+    import actstore
+    from actstore.saev.export import default_dump_to
+
+    st = store if hasattr(store, "config") else actstore.ActStore(store)
+    if not str(st.config.attrs.get("dataset", "")).startswith("embedded:images"):
+        return None
+    from actstore.capture.embedded_files import write_embedded_images
+
+    return str(write_embedded_images(Path(dump_to or default_dump_to()) / "embedded-images"))
 
 
 @click.command("verify-saev")

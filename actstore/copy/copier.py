@@ -13,8 +13,8 @@ ever deleted. A DST holding a different store is refused before anything is writ
 Verification: the crc32c of every object is computed from the bytes read from SRC; with
 verify=True each copied object is then read back from DST and its size and crc32c
 compared (a size check cannot see same-size damage: a wrong range, a flipped bit, an
-object replaced meanwhile). A mismatch deletes the object at DST and fails. At the end a
-local DST is also checked by `verify_store(deep=True)`: the copy against the checksums
+object replaced meanwhile). A mismatch deletes the object at DST and fails. At the end
+DST (a local folder or an object store) is also checked by `verify_store(deep=True)`: the copy against the checksums
 its writers recorded, so a source damaged before the copy is reported too.
 
 Resume: while a copy runs, DST holds MARKER (a temporary name, so never part of the
@@ -83,8 +83,7 @@ class CopyResult:
             does not list, left out.
         not_files: SRC entries that are not regular files (links, FIFOs), left out.
         verified: every copied object was read back and compared.
-        deep_verified: `verify_store(deep=True)` passed on DST; None when not run (verify
-            off, or DST in object storage: see docs/remote.md).
+        deep_verified: `verify_store(deep=True)` passed on DST; None when not run (verify=False).
         seconds: wall time of the copy (read-backs included).
         verify_seconds: wall time of the final deep verification.
     """
@@ -118,7 +117,7 @@ class CopyResult:
     def summary(self) -> str:
         rate = self.bytes_copied / self.seconds / 2**20 if self.seconds > 0 else 0.0
         checks = "not verified" if not self.verified else "read back and compared, " + (
-            "verify --deep passed" if self.deep_verified else "verify --deep not run (DST is not a local folder)")
+            "verify --deep passed" if self.deep_verified else "verify --deep not run")
         line = (f"copied {self.src} to {self.dst}: {_plural(self.n_copied, 'object')} ({_size(self.bytes_copied)}) "
                 f"in {self.seconds:.1f} s ({rate:.1f} MiB/s), {self.n_present} already there; {checks}")
         extra = self.warnings + ([f"{_plural(self.n_temporary, 'temporary file')} left out"] if self.n_temporary else [])
@@ -176,7 +175,7 @@ def copy_store(
     except _IO_ERRORS as e:
         raise CopyError(f"copying {s.url} to {d.url} failed: {_err(e)}; rerun the same command to resume") from e
     seconds = time.monotonic() - t0
-    deep = _deep_verify(s, d) if verify and d.local_root is not None else None
+    deep = _deep_verify(s, d) if verify else None
     c = copier
     return CopyResult(
         src=s.url, dst=d.url, n_objects=c.n_copied + c.n_present, total_bytes=c.total, n_copied=c.n_copied,
@@ -351,10 +350,10 @@ class _Copier:
 
 
 def _deep_verify(s: Storage, d: Storage) -> bool:
-    """verify_store(deep=True) on a local DST (verify_store reads local folders only for now)."""
+    """verify_store(deep=True) on DST, a local folder or an object store."""
     from actstore.verify import verify_store
 
-    report = verify_store(d.local_root, deep=True)
+    report = verify_store(d.local_root if d.local_root is not None else d.url, deep=True)
     if not report.ok:
         first = report.errors[0]
         raise VerificationError(

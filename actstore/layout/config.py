@@ -161,9 +161,12 @@ def parse_segment_name(value: Any) -> str:
 
 def parse_layers(value: Any) -> tuple[int, ...]:
     try:
-        layers = tuple(int(x) for x in value)
+        items = list(value)
     except TypeError:
         raise ValueError(f"layers must be a list of model layer numbers (ints). Got {value!r}.") from None
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in items):
+        raise ValueError(f"layers must be a list of model layer numbers (ints), never truncated. Got {value!r}.")
+    layers = tuple(int(x) for x in items)
     if not layers or any(x < 0 for x in layers) or len(set(layers)) != len(layers):
         raise ValueError(f"layers must be a non-empty list of distinct non-negative ints. Got {value!r}.")
     return layers

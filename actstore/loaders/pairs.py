@@ -28,6 +28,7 @@ from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, requ
                                      stored_numpy_dtype)
 from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
+from actstore.storage.forksafe import worker_context
 
 
 class PairIndex(NamedTuple):
@@ -175,10 +176,16 @@ class PairDataset(Dataset):
 
     def loader(self, *, batch_size: int = 256, k: int = 2, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                rank: int | None = None, world_size: int | None = None, **dataloader_kwargs: Any) -> DataLoader:
-        """A DataLoader yielding batch dicts; extra keyword arguments go to DataLoader."""
+        """A DataLoader yielding batch dicts; extra keyword arguments go to DataLoader (for a
+        store in object storage, workers start by "forkserver" unless told otherwise, and
+        "fork" is refused: obstore's client does not survive fork)."""
         smp = self.sampler(batch_size=batch_size, k=k, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
         if not dataloader_kwargs.get("num_workers"):
-            dataloader_kwargs.pop("multiprocessing_context", None)  # DataLoader refuses it without workers
+            dataloader_kwargs.pop("multiprocessing_context", None)  # DataLoader refuses these two without workers
+            dataloader_kwargs.pop("timeout", None)
+        else:
+            dataloader_kwargs["multiprocessing_context"] = worker_context(
+                getattr(self.store, "storage", None), dataloader_kwargs["num_workers"], dataloader_kwargs.get("multiprocessing_context"))
         return DataLoader(self, sampler=smp, batch_size=None, **dataloader_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import numpy as np
 from actstore.layout import spec
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskError
 from actstore.read.interface import Reader
+from actstore.read.layers import resolve_layer
 
 
 CONTENT = "content"  # token_mask shortcut: token label 0 (capture's content tokens)
@@ -54,12 +55,14 @@ def stored_numpy_dtype(store: Reader) -> np.dtype:
     return np.dtype(spec.ACT_DTYPES[store.dtype])
 
 
-def pick_layers(store: Reader, layers: Sequence[int] | int | None) -> tuple[int, ...]:
-    """The model layer numbers asked for, checked against the store's."""
+def pick_layers(store: Reader, layers: Sequence[Any] | int | str | None) -> tuple[int, ...]:
+    """The model layer numbers asked for (numbers, -1, names: actstore.read.layers), checked against the store's."""
     have = tuple(int(x) for x in store.layers)
     if layers is None:
         return have
-    picked = (int(layers),) if isinstance(layers, (int, np.integer)) else tuple(int(x) for x in layers)
+    one = isinstance(layers, (int, np.integer, str))
+    names = store.layer_names() if hasattr(store, "layer_names") else {}
+    picked = tuple(resolve_layer(x, have, names) for x in ((layers,) if one else layers))
     if not picked:
         raise ValueError(f"layers must name at least one of the store's layers {list(have)}")
     missing = [x for x in picked if x not in have]

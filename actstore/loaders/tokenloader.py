@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from actstore.loaders.state import StreamState
+from actstore.storage.forksafe import worker_context
 
 
 class TokenLoader:
@@ -26,7 +27,9 @@ class TokenLoader:
             stream's own background threads).
         pin_memory: copy batches into pinned memory (needs an accelerator).
         prefetch_factor: batches each worker prepares ahead (DataLoader's option).
-        multiprocessing_context: e.g. "fork" or "spawn" (DataLoader's option).
+        multiprocessing_context: e.g. "fork" or "spawn" (DataLoader's option). For a store in
+            object storage the default is "forkserver" and "fork" is refused: obstore's
+            client does not survive fork.
         timeout: seconds to wait for a worker's batch (0: forever).
     """
 
@@ -54,7 +57,7 @@ class TokenLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
-        self.multiprocessing_context = multiprocessing_context
+        self.multiprocessing_context = worker_context(getattr(stream.store, "storage", None), num_workers, multiprocessing_context)
         self.timeout = timeout
         stream._num_workers = num_workers
 

@@ -107,7 +107,7 @@ def format_info(info: dict[str, Any]) -> str:
         )
     if info["statistics"]:
         lines.append("statistics (per layer/segment):")
-        lines.append(f"  {'key':<22}{'count':>12}{'mean |x|':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}")
+        lines.append(f"  {'key':<22}{'count':>12}{'mean L2':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}")
         for key, st in info["statistics"].items():
             lines.append(
                 f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}{st.get('overflow', 0):>10}"

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from actstore.errors import LayerNotFoundError
 from actstore.layout.config import StoreConfig
+from actstore.read.layers import resolve_layer
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -100,16 +100,9 @@ class Reader(Protocol):
         return {}
 
     def layer_number(self, layer: Any) -> int:
-        """The stored layer number of `layer` (a number, or a name from layer_names())."""
-        if not isinstance(layer, str):
-            return layer
-        names = self.layer_names()
-        if layer not in names:
-            raise LayerNotFoundError(
-                f"no stored layer is named {layer!r}; this store holds layers {list(self.layers)}"
-                + (f", named {names}" if names else " (it keeps no layer names: index by number)")
-            )
-        return names[layer]
+        """The stored layer number of `layer`: a stored number, a negative number counting
+        from the last stored layer, or a name from layer_names() (actstore.read.layers)."""
+        return resolve_layer(layer, self.layers, self.layer_names())
 
     def segment(self, name: str) -> SegmentReader:
         """One segment (SegmentNotFoundError naming the store's segments when absent)."""

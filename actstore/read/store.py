@@ -24,6 +24,7 @@ from actstore.read.batched import MappedChunk
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
+from actstore.read.layers import resolve_layer
 from actstore.storage import Storage, open_storage
 from actstore.storage.mapping import FileRegion
 
@@ -181,9 +182,9 @@ class ActStore(Reader):
     def token_ids(self, ex: int) -> np.ndarray | None:
         """The vocabulary ids (int32) of example `ex`'s stored tokens, in the order of
         `store[ex, layer]` (every segment, padding removed); None when the store keeps none."""
+        pos, local = self.index.locate(ex)  # (a bad index is refused, ids or not)
         if not self.config.token_ids:
             return None
-        pos, local = self.index.locate(ex)
         sh = self._shard(pos)
         parts = [sh.per_sample(keys.token_ids_field(s.name))[local, : int(sh.lengths(s)[local])] for s in self.config.segments]
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
@@ -366,14 +367,19 @@ class ActStore(Reader):
                         names[name] = int(n)
         return names
 
+    def layer_number(self, layer: Any) -> int:
+        """The stored layer number of `layer`: a stored number, a negative number counting
+        from the last stored layer, or a name from layer_names() (actstore.read.layers)."""
+        return resolve_layer(layer, self.config.layers, self.layer_names())
+
     def _numbered(self, key: Any) -> Any:
-        """A key with layer names replaced by layer numbers."""
+        """A key with each layer (a name, a negative number) replaced by its layer number."""
         if isinstance(key, tuple) and len(key) == 2:
             layer = key[1]
-            if isinstance(layer, str):
-                return key[0], self.layer_number(layer)
-            if isinstance(layer, list) and any(isinstance(x, str) for x in layer):
+            if isinstance(layer, list):
                 return key[0], [self.layer_number(x) for x in layer]
+            if not isinstance(layer, (slice, np.ndarray)):
+                return key[0], self.layer_number(layer)
         return key
 
     def _where(self, ex: int, layer: Any) -> tuple[ShardReader, int, int]:

@@ -3,7 +3,7 @@
 See docs/export.md. The protocol constants live in actstore.layout.saevspec.
 """
 
-from actstore.errors import SaevExistsError, SaevFormatError, SaevOptionError
+from actstore.errors import SaevExistsError, SaevExportError, SaevFormatError, SaevOptionError
 from actstore.saev.export import SaevExport, default_dump_to, export_saev
 from actstore.saev.plan import SaevExportOptions
 from actstore.saev.importer import import_saev
@@ -12,6 +12,6 @@ from actstore.saev.runs import link_run
 from actstore.saev.verify import SaevReport, verify_saev
 
 __all__ = [
-    "SaevExistsError", "SaevExport", "SaevExportOptions", "SaevFormatError", "SaevOptionError", "SaevReport", "SaevStore",
+    "SaevExistsError", "SaevExport", "SaevExportError", "SaevExportOptions", "SaevFormatError", "SaevOptionError", "SaevReport", "SaevStore",
     "default_dump_to", "export_saev", "import_saev", "is_saev_dir", "link_run", "verify_saev",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import SaevExistsError, SaevOptionError
+from actstore.errors import SaevExistsError, SaevExportError, SaevOptionError
 from actstore.layout import saevspec as P
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.store import ActStore
@@ -61,7 +61,7 @@ def export_saev(
     ckpt: str | None = None,
     dataset: str | os.PathLike | None = None,
     data: Any = None,
-    patches_per_shard: int = P.DEFAULT_BUDGET,
+    patches_per_shard: int | None = None,
     pixel_agg: str | None = None,
     labels: bool | None = None,
     overwrite: bool = False,
@@ -94,7 +94,9 @@ def export_saev(
             "none" (no CLS); default from the store's attrs["cls_token"].
         family, ckpt, dataset, data: saev metadata; default from the store's attrs
             (ckpt from its model_id; family guessed from the model id when it names one).
-        patches_per_shard: token budget per shard (2.1: max_tokens_per_shard).
+        patches_per_shard: token budget per shard (2.1: max_tokens_per_shard). Default:
+            at most P.DEFAULT_BUDGET, fitted to the data (the fewest examples per shard
+            that keep that many shards), so files hold data, not zero padding.
         pixel_agg: "majority" (default) or "prefer-fg"; protocol 2.1 only.
         labels: write labels.bin from the store's per-token labels (default: when stored).
         tokens_per_example: stores with padded (text) segments export their real tokens
@@ -167,6 +169,7 @@ def _build(store: ActStore, plan: ExportPlan, root: Path, target: Path, *, overw
         counts = plan.geometry.shard_counts()
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
+        _verified(tmp, target)
         if fsync:
             fsync_dir(tmp)
         published = publish(tmp, target, replace=overwrite)
@@ -192,6 +195,13 @@ def _options(options: SaevExportOptions | None, given: dict[str, Any]) -> SaevEx
     if changed:
         raise SaevOptionError(f"pass options= or the export's keywords, not both: got options= and {changed}")
     return options
+
+
+def _verified(tmp: Path, target: Path) -> None:
+    """The invariant of every export: the directory passes our own verify-saev before it is published."""
+    problems = verify_saev(tmp, published_as=target).problems
+    if problems:
+        raise SaevExportError(f"the export does not verify ({'; '.join(problems)}); nothing was published (a bug: please report it)")
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:

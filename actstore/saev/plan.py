@@ -73,7 +73,7 @@ class SaevExportOptions:
     ckpt: str | None = None
     dataset: str | os.PathLike | None = None
     data: Any = None
-    patches_per_shard: int = P.DEFAULT_BUDGET
+    patches_per_shard: int | None = None  # None: at most DEFAULT_BUDGET, fitted to the data
     pixel_agg: str | None = None
     labels: bool | None = None
     tokens_per_example: int | None = None
@@ -97,7 +97,7 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     n = len(store)
     if n == 0:
         raise SaevOptionError(f"store {store.path} holds no examples; there is nothing to export")
-    layers_t = _layers(layers, cfg.layers)
+    layers_t = _layers(layers, store)
     seg_names = _segments(segments, cfg)
     cls_mode = _cls_mode(cls, attrs, [cfg.segment(s) for s in seg_names])
     parts, t_total = _parts(seg_names, cfg, cls_mode)
@@ -121,6 +121,9 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
             f"the exported examples would hold no content tokens (segments {seg_names}, cls {cls_mode!r}); "
             "choose segments with more tokens"
         )
+    if patches_per_shard is None:  # the default: at most DEFAULT_BUDGET, fitted to the data
+        per_example = (content + int(cls_token)) * len(layers_t)
+        patches_per_shard = fitted_budget(n, per_example, P.DEFAULT_BUDGET)
     if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, int) or patches_per_shard <= 0:
         raise SaevOptionError(f"patches_per_shard must be a positive int. Got {patches_per_shard!r}.")
     geom = P.ShardGeometry(
@@ -174,14 +177,26 @@ def _token_offsets(store: ActStore, parts: tuple[Part, ...]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)])
 
 
-def _layers(layers: Sequence[int] | None, stored: tuple[int, ...]) -> tuple[int, ...]:
+def fitted_budget(n_examples: int, per_example: int, cap: int) -> int:
+    """The default token budget per shard: as many shards as `cap` gives (at least one
+    example each), then the fewest examples per shard that hold the data, so the last,
+    zero-padded shard file (saev's readers map every file at the full shape) holds less
+    than one example per shard of padding instead of up to a whole shard of zeros."""
+    most = max(1, cap // per_example)
+    shards = -(-n_examples // most)
+    return -(-n_examples // shards) * per_example
+
+
+def _layers(layers: Sequence[Any] | None, store: Any) -> tuple[int, ...]:
+    """Layer numbers, names or negative numbers (actstore.read.layers) -> stored layer numbers."""
     if layers is None:
-        return tuple(stored)
-    out = tuple(int(x) for x in layers)
+        return tuple(store.config.layers)
+    number = getattr(store, "layer_number", None)
+    out = tuple(number(x) if number else x for x in layers)  # raises LayerNotFoundError naming the stored layers
     if not out or len(set(out)) != len(out):
-        raise SaevOptionError(f"layers must be a non-empty list of distinct layer numbers. Got {list(layers)}.")
+        raise SaevOptionError(f"layers must be a non-empty list of distinct layers. Got {list(layers)}.")
     for x in out:
-        layer_position(stored, x)  # raises LayerNotFoundError naming the stored layers
+        layer_position(store.config.layers, x)
     return out
 
 
@@ -283,7 +298,11 @@ def _dataset(dataset: str | os.PathLike | None, attrs: dict[str, Any]) -> str:
             "absolute path of the original data set (saev links it for visuals)"
         )
     if isinstance(value, str) and value.startswith("embedded:"):
-        return value  # data shipped in packages (embedded:images): named, not a folder
+        raise SaevOptionError(
+            f"the store's attrs['dataset'] is {value!r}, data shipped in packages, not a folder saev can link to; pass "
+            "dataset (--dataset) the absolute path of a folder holding those images (`actstore export-saev` writes the "
+            "embedded images to DUMP_TO/embedded-images and names that folder by itself)"
+        )
     if not isinstance(value, str) or not os.path.isabs(value):
         raise SaevOptionError(f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)")
     return value

@@ -30,7 +30,8 @@ class SaevReport:
         return not self.problems
 
 
-def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool = False) -> SaevReport:
+def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool = False,
+                published_as: str | os.PathLike | None = None) -> SaevReport:
     """Check a saev shard directory; every violation is listed, none raised.
 
     Rules: metadata fields, types and order (2.1); the directory name equals the metadata
@@ -43,14 +44,21 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
         path: the `<HASH>` directory.
         values: also read every activation and check that it is finite (slow: reads all).
         progress: show a progress bar while reading values.
+        published_as: the `<HASH>` path a directory still being built will be published
+            as (its name and location are checked as that path's).
     """
     root = Path(path)
+    named = Path(published_as) if published_as is not None else root
     report = SaevReport(path=root)
     if not root.is_dir():
         report.problems.append(f"{root}: not a directory")
         return report
     md, problem = read_json(root / P.METADATA_FILE)
     if problem:
+        from actstore.layout import keys
+
+        if any((root / k).exists() for k in (keys.MANIFEST, keys.IDENTITY)):
+            problem = f"{root} is an actstore store, not a saev shard directory: check it with `actstore verify {root}`"
         report.problems.append(problem)
         return report
     proto, geom, problems = check_metadata(md)
@@ -60,12 +68,12 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
         return report
     if not problems:
         want = P.metadata_hash(md, proto)
-        if root.name != want:
+        if named.name != want:
             report.problems.append(
-                f"directory name {root.name!r} is not the metadata hash {want!r} ({P.HASH_RULE[proto]}): "
+                f"directory name {named.name!r} is not the metadata hash {want!r} ({P.HASH_RULE[proto]}): "
                 "metadata.json was edited or the directory renamed"
             )
-    if proto == "2.1" and Path(os.path.abspath(root)).parts[-3:-1] != P.SHARDS_ROOT_PARTS:
+    if proto == "2.1" and Path(os.path.abspath(named)).parts[-3:-1] != P.SHARDS_ROOT_PARTS:
         report.problems.append(
             f"location: protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); this one is {root}"
         )

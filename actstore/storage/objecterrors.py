@@ -49,10 +49,14 @@ def cause(e: BaseException, url: str) -> str:
     if k is not None and retry.root_of(url) in retry.reached():  # it answered before: not the configuration
         return (f"the connection failed ({retry.ONE[k]}: {retry.last_cause(e)}) although the endpoint answered "
                 "before: the network or the server failed, not the configuration; try again")
+    if "builder error" in text and endpoint and endpoint.startswith("http://") and os.environ.get("AWS_ALLOW_HTTP", "").lower() != "true":
+        return (f"the endpoint {endpoint} is plain http, which obstore refuses unless AWS_ALLOW_HTTP=true is set "
+                "(nothing was sent or retried): export AWS_ALLOW_HTTP=true, or use an https:// endpoint")
     if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
         where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
         return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"
-    return f"the request failed after retries: {first_line(e)}"
+    retried = "after " in text and " retries" in text
+    return f"the request failed{' after retries' if retried else ''}: {first_line(e)}"
 
 
 def _is_store_error(e: BaseException) -> bool:

@@ -13,10 +13,12 @@ records and checksums).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from actstore.errors import StorageAccessError
+from actstore.storage import forksafe
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.objecterrors import cause as _cause
 from actstore.storage.objecterrors import first_line as _first_line
@@ -30,12 +32,9 @@ MULTIPART_CONCURRENCY = 8  # parts of one object in flight at once
 SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "azure://", "abfs://", "abfss://")
 
 
-def _obstore():
-    try:
-        import obstore
-    except ImportError:  # pragma: no cover - obstore is a declared dependency
-        raise ImportError("stores in object storage need obstore: pip install obstore") from None
-    return obstore
+def _obstore(url: str = "an object store"):
+    """obstore, refused (ForkedClientError) in a child forked after this process used it."""
+    return forksafe.obstore_for(url)
 
 
 class ObjectStorage(Storage):
@@ -53,12 +52,14 @@ class ObjectStorage(Storage):
         self.local_root = None
         self._options = {k: v for k, v in {"client_options": client_options, "retry_config": retry_config}.items() if v}
         self._store = None
+        self._pid = os.getpid()
 
     @property
     def store(self) -> Any:
         """The obstore store rooted at this URL (built on first use; not pickled)."""
-        if self._store is None:
-            self._store = _obstore().store.from_url(self.url, **self._options)
+        obs = _obstore(self.url)
+        if self._store is None or self._pid != os.getpid():  # a fresh client in each process
+            self._store, self._pid = obs.store.from_url(self.url, **self._options), os.getpid()
         return self._store
 
     def __getstate__(self) -> dict:
@@ -84,7 +85,7 @@ class ObjectStorage(Storage):
     @translated("read")
     @retried("read")
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        obs = _obstore()
+        obs = _obstore(self.url)
         try:
             res = obs.get(self.store, key)
         except Exception as e:
@@ -104,7 +105,7 @@ class ObjectStorage(Storage):
         """`length` bytes from `start` (fewer at the end of the object), as obstore's buffer."""
         if length <= 0:
             return b""
-        obs = _obstore()
+        obs = _obstore(self.url)
         try:
             return obs.get_range(self.store, key, start=start, length=length)
         except FileNotFoundError:
@@ -134,7 +135,7 @@ class ObjectStorage(Storage):
         10 requests at once; a failure raises, after obstore's retries."""
         if len(ranges) < 2:
             return [self.read_into(key, dest, offset) for offset, dest in ranges]
-        obs = _obstore()
+        obs = _obstore(self.url)
         try:
             parts = obs.get_ranges(self.store, key, starts=[o for o, _ in ranges], lengths=[len(d) for _, d in ranges],
                                    coalesce=self.coalesce_bytes)
@@ -153,7 +154,7 @@ class ObjectStorage(Storage):
     @retried("read")
     def read_object(self, key: str, *, max_bytes: int) -> memoryview | None:
         try:
-            res = _obstore().get(self.store, key)
+            res = _obstore(self.url).get(self.store, key)
             if res.meta["size"] > max_bytes:
                 raise ValueError(f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} expected")
             return memoryview(res.bytes())  # obstore's buffer: no copy
@@ -168,7 +169,7 @@ class ObjectStorage(Storage):
     @retried("read")
     def read_object_into(self, key: str, dest: memoryview) -> int | None:
         try:
-            res = _obstore().get(self.store, key)
+            res = _obstore(self.url).get(self.store, key)
             data = res.bytes()
         except Exception as e:
             if self._missing(e, key):
@@ -182,7 +183,7 @@ class ObjectStorage(Storage):
     @retried("read")
     def size(self, key: str) -> int | None:
         try:
-            return int(_obstore().head(self.store, key)["size"])
+            return int(_obstore(self.url).head(self.store, key)["size"])
         except Exception as e:
             if self._missing(e, key):
                 return None
@@ -196,13 +197,13 @@ class ObjectStorage(Storage):
     def _list(self, prefix: str) -> list[Entry]:
         full = prefix.strip("/")
         return [Entry(meta["path"], int(meta["size"]), "file")
-                for batch in _obstore().list(self.store, (full + "/") if full else None) for meta in batch]
+                for batch in _obstore(self.url).list(self.store, (full + "/") if full else None) for meta in batch]
 
     @translated("list")
     @retried("list")
     def list_dir(self, prefix: str = "") -> list[str]:
         full = prefix.strip("/")
-        res = _obstore().list_with_delimiter(self.store, (full + "/") if full else None)
+        res = _obstore(self.url).list_with_delimiter(self.store, (full + "/") if full else None)
         names = {p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"]}
         names.update(m["path"].rsplit("/", 1)[-1] for m in res["objects"])
         return sorted(names)
@@ -219,14 +220,14 @@ class ObjectStorage(Storage):
         views = [memoryview(p).cast("B") for p in parts]
         total = sum(v.nbytes for v in views)
         if total > MULTIPART_BYTES:
-            _obstore().put(self.store, key, views, chunk_size=MULTIPART_BYTES, max_concurrency=MULTIPART_CONCURRENCY)
+            _obstore(self.url).put(self.store, key, views, chunk_size=MULTIPART_BYTES, max_concurrency=MULTIPART_CONCURRENCY)
         else:
-            _obstore().put(self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False)
+            _obstore(self.url).put(self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False)
 
     @translated("write")
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
         """A multipart upload: the object appears only when every part is in."""
-        _obstore().put(self.store, key, parts, max_concurrency=2)
+        _obstore(self.url).put(self.store, key, parts, max_concurrency=2)
 
     @translated("write")
     @retried("write")
@@ -234,7 +235,7 @@ class ObjectStorage(Storage):
         """A conditional put (If-None-Match: *). When a retried create finds the object,
         the first try may have succeeded with its answer lost: the object then holds
         exactly `data` and the call succeeds (callers make `data` unique: a writer id)."""
-        obs = _obstore()
+        obs = _obstore(self.url)
         try:
             obs.put(self.store, key, data, mode="create")
             return True
@@ -262,7 +263,7 @@ class ObjectStorage(Storage):
     @retried("delete")
     def delete(self, key: str) -> None:
         try:
-            _obstore().delete(self.store, key)
+            _obstore(self.url).delete(self.store, key)
         except Exception as e:
             if not self._missing(e, key):
                 raise
@@ -272,7 +273,7 @@ class ObjectStorage(Storage):
     def delete_prefix(self, prefix: str) -> None:
         keys = [e.key for e in self.list(prefix)]
         for i in range(0, len(keys), 1000):
-            _obstore().delete(self.store, keys[i : i + 1000])
+            _obstore(self.url).delete(self.store, keys[i : i + 1000])
 
     def sync(self, prefix: str = "") -> None:
         """A finished put is durable in an object store: nothing to do."""
@@ -286,7 +287,7 @@ class ObjectStorage(Storage):
         import uuid
         from datetime import timedelta
 
-        obs = _obstore()
+        obs = _obstore(self.url)
         quick = {"max_retries": 2, "retry_timeout": timedelta(seconds=10), "init_backoff": timedelta(milliseconds=100),
                  "max_backoff": timedelta(seconds=2), "backoff_base": 2.0}
         try:

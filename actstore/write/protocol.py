@@ -22,7 +22,7 @@ import numpy as np
 from actstore import catalog
 from actstore.write import arrays
 from actstore._version import __version__
-from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError
+from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError, StoreNotFoundError
 from actstore.layout import keys, records, spec
 from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, stats_key
@@ -131,6 +131,8 @@ class ShardWriter(ShardSetup):
         arrays.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
         self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
+        if self.storage.local_root is not None and self.storage.local_root.exists() and not self.storage.local_root.is_dir():
+            raise StoreNotFoundError(f"{self.root} is a file, not a store folder: choose another path (nothing was written)")
         self.shard = shard
         claim_store(self.storage, cfg)
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
