@@ -86,3 +86,24 @@ def test_shard_killed_between_claim_and_arrays_is_created_again_on_resume(tmp_pa
     store = ActStore(root)
     assert len(store) == 6 and all(np.array_equal(store[i, 3], x[i, 1]) for i in range(6))
     assert verify_store(root, deep=True).problems == []
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_claim_killed_mid_put_leaves_nothing_once_the_shard_is_claimed_again(tmp_path, layout):
+    """A writer killed inside the claim's create-only put leaves only the temporary file of
+    its commit record (the shard is not claimed); the next writer of the shard, holding its
+    lease, claims it and removes that file, so verify finds nothing to warn about."""
+    from actstore.layout import keys
+
+    root = tmp_path / "s.store"
+    meta = root / keys.shard_prefix(0) / keys.META_DIR
+    meta.mkdir(parents=True)
+    dead = meta / ".commit.json.tmp-999999-0badc0de"
+    dead.write_bytes(b'{"format": "actstore-commit"')  # cut mid-write
+    x = _acts_bltd(3)
+    with _writer(root, **LAYOUTS[layout]) as w:
+        w.append(x, sample_keys=["a", "b", "c"], fields={"label": np.arange(3)}, texts={"caption": ["x", "y", "z"]})
+    finalize(root)
+    assert not dead.exists()
+    assert verify_store(root, deep=True).problems == []
+    assert np.array_equal(ActStore(root)[2, 3], x[2, 1])

@@ -59,6 +59,9 @@ class ShardSetup:
                 f"shard {self.shard} of {self.root} was created by another writer at the same time; "
                 "give each writer its own shard number"
             )
+        # Claimed under this writer's lease: a temporary file left here is a dead writer's
+        # (one killed inside its own claim leaves its commit record's): drop it.
+        self._drop_temporary()
         self._create_arrays()
 
     def _create_arrays(self) -> None:
