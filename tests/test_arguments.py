@@ -12,12 +12,12 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.errors import ActstoreError, ExampleIndexError
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    return make_vit_store(tmp_path_factory.mktemp("a") / "s")
+    return vit_store(tmp_path_factory.mktemp("a") / "s")
 
 
 @pytest.mark.parametrize("layers", [[0, 1.5], [0, 2.0], [True, 1], ["1", 2]])

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from actstore.saev import export_saev, verify_saev
 from actstore.layout import saevspec as P
 from actstore.saev.plan import fitted_budget
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 def test_a_small_store_exports_files_the_size_of_its_data(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=13, tokens=5, layers=(2, 5), d_model=8)
+    store = vit_store(tmp_path / "s", n=13, tokens=5, layers=(2, 5), d_model=8)
     res = export_saev(store, tmp_path / "d", progress=False)
     files = sorted(res.path.glob("acts*.bin"))
     example_bytes = 2 * 5 * 8 * 4  # layers x tokens x d_model x float32

@@ -18,12 +18,12 @@ from actstore.cli import main
 from actstore.saev import SaevFormatError, export_saev, import_saev, verify_saev
 from actstore.layout import saevspec as P
 from actstore.saev.checksums import file_crc
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 @pytest.fixture
 def exported(tmp_path):
-    store = make_vit_store(tmp_path / "s", n=7)  # 3 examples per shard: 3, 3, 1 (the last padded)
+    store = vit_store(tmp_path / "s", n=7)  # 3 examples per shard: 3, 3, 1 (the last padded)
     res = export_saev(store, tmp_path / "d" / "saev" / "shards", patches_per_shard=3 * 2 * 5, progress=False)
     for p in [res.path, *res.path.iterdir()]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
@@ -80,7 +80,7 @@ def test_the_sidecar_changes_nothing_a_saev_reader_opens(tmp_path):
     labels.bin, under a directory named by the metadata's hash (docs/export.md): all of
     these are byte for byte what they were before the sidecar existed, so saev ignores
     the extra file as it ignores example_offsets.bin."""
-    store = make_vit_store(tmp_path / "s", n=7)
+    store = vit_store(tmp_path / "s", n=7)
     res = export_saev(store, tmp_path / "d" / "saev" / "shards", patches_per_shard=3 * 2 * 5, progress=False)
     files = sorted(p.name for p in res.path.iterdir())
     assert files == ["acts000000.bin", "acts000001.bin", "acts000002.bin", P.CHECKSUMS_FILE, "labels.bin", "metadata.json", "shards.json"]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.saev import export_saev, verify_saev
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 def cli(*args, ok=True):
@@ -25,7 +25,7 @@ def cli(*args, ok=True):
 
 
 def test_export_of_an_embedded_images_store_needs_no_options_and_verifies(tmp_path):
-    store = make_vit_store(tmp_path / "s", model_id="embedded:dinov2-s14", attrs={"dataset": "embedded:images"})
+    store = vit_store(tmp_path / "s", model_id="embedded:dinov2-s14", attrs={"dataset": "embedded:images"})
     out = tmp_path / "saev" / "shards"
     target = Path(cli("export-saev", store.path, out, "--quiet").output.strip().splitlines()[-1])
     md = verify_saev(target).metadata
@@ -44,7 +44,7 @@ def test_export_of_an_embedded_images_store_needs_no_options_and_verifies(tmp_pa
 
 
 def test_the_library_names_the_fix_for_an_embedded_dataset(tmp_path):
-    store = make_vit_store(tmp_path / "s", attrs={"dataset": "embedded:images"})
+    store = vit_store(tmp_path / "s", attrs={"dataset": "embedded:images"})
     with pytest.raises(ValueError, match=r"attrs\['dataset'\] is 'embedded:images', data shipped in packages, not a folder saev can "
                                          r"link to; pass dataset \(--dataset\) .*`actstore export-saev` writes the embedded images"):
         export_saev(store, tmp_path / "d", progress=False)
@@ -53,7 +53,7 @@ def test_the_library_names_the_fix_for_an_embedded_dataset(tmp_path):
 def test_an_export_that_does_not_verify_is_never_published(tmp_path, monkeypatch):
     from actstore.saev import export as ex
 
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     monkeypatch.setattr(ex.P, "shards_bytes", lambda counts, protocol: b"[]")  # a broken shards.json
     with pytest.raises(ex.SaevExportError, match=r"the export does not verify \(shards.json.*\); nothing was published"):
         export_saev(store, tmp_path / "d", progress=False)

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from actstore.capture import ranks
 from actstore.errors import CaptureError
 from actstore.cli import main
-from test_saev_common import make_vit_store
+from factory import vit_store
 
 
 def cli(*args):
@@ -31,7 +31,7 @@ def test_a_folder_of_txt_files_is_pointed_to_a_glob(tmp_path):
 
 
 def test_info_names_the_mean_l2_norm(tmp_path):
-    make_vit_store(tmp_path / "s", stats=True)
+    vit_store(tmp_path / "s", stats=True)
     out = cli("info", tmp_path / "s").output
     assert "mean |x|" not in out and "mean L2" in out
 
@@ -42,7 +42,7 @@ def test_an_array_task_id_without_a_count_is_refused():
 
 
 def test_verify_saev_on_an_actstore_store_points_to_actstore_verify(tmp_path):
-    make_vit_store(tmp_path / "s")
+    vit_store(tmp_path / "s")
     res = cli("verify-saev", tmp_path / "s")
     assert res.exit_code == 1 and "is an actstore store, not a saev shard directory: check it with `actstore verify" in res.output
 
@@ -56,7 +56,7 @@ def test_cli_messages_name_flags_not_python_arguments(tmp_path):
     out = cli_words("shard 0 of x already exists; pass resume=True to continue it or overwrite=True to replace it",
                     main.get_command(None, "write"))
     assert out == "shard 0 of x already exists; pass --resume to continue it or overwrite=True to replace it"  # write has no --overwrite
-    store = make_vit_store(tmp_path / "s")
+    store = vit_store(tmp_path / "s")
     (tmp_path / "d").mkdir()
     first = cli("export-saev", store.path, tmp_path / "d", "--quiet").output.strip().splitlines()[-1]
     import os
