@@ -186,7 +186,11 @@ class ShardReader:
                 )
 
     def lengths(self, seg: SegmentSpec) -> np.ndarray:
+        """The segment's length of each example of the shard; of a fixed segment, its t_max,
+        known without a read (the writer refuses other lengths; deep verify checks the array)."""
         arr = self._lengths.get(seg.name)
+        if arr is None and seg.fixed:
+            arr = self._lengths[seg.name] = np.full(self.entry.n_examples, seg.t_max, np.int32)
         if arr is None:
             arr = self.per_sample(keys.len_field(seg.name))
             if arr.size and (arr.min() < 0 or arr.max() > seg.t_max):
