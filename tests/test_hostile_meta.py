@@ -87,7 +87,7 @@ PER_SAMPLE_LIES = [
     ("label", "dtype", "<i4", "dtype <i4; the store config says <i8 (the byte order and width decide every value read)"),
     ("label", "dtype", ">i8", "dtype >i8; the store config says <i8 (the byte order and width decide every value read)"),
     ("prompt_len", "dtype", ">i4", "dtype >i4; the store config says <i4 (the byte order and width decide every value read)"),
-    ("label", "chunks", [2], "chunk shape [2]; the format's is [65536]"),
+    ("label", "chunks", [2], "chunk shape [2]; the format's is [8192]"),
     ("label", "fill_value", 7, "fill value 7; the format's is 0 (missing chunks read as it)"),
     ("label", "order", "F", "order 'F'; actstore writes C order"),
     ("label", "filters", [{"id": "delta", "dtype": "<i8"}], "filters [{'id': 'delta', 'dtype': '<i8'}]; actstore writes none (a filter changes every value read)"),

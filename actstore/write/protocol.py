@@ -27,6 +27,8 @@ from actstore.layout.config import make_config
 from actstore.stats import RunningStats, stats_key
 from actstore.storage import open_storage
 from actstore.write import batch as batches
+from actstore.layout.checksum import per_sample_crc32c
+from actstore.write.appendfiles import AppendFiles
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease
 from actstore.write.pipeline import IOStats
@@ -147,6 +149,7 @@ class ShardWriter(ShardSetup):
                 raise ValueError(f"{name} must be a positive int or None. Got {v!r}.")
         self.io_threads, self.io_bytes = io_threads, io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
+        self._records = AppendFiles(self.sh)
         self.world_size = world_size
         self._closed = False
         names = [s.name for s in cfg.segments]
@@ -343,21 +346,23 @@ class ShardWriter(ShardSetup):
         if n1 == n0 and not complete:
             return
         if n1 > n0:
+            ps_crc = {}
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
                 arr = zarrio.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
+                ps_crc[keys.basename(name)] = per_sample_crc32c(vals, str(arr.dtype))
             for seg in cfg.segments:
                 _set_rows(self._group[keys.acts_array(seg.name)], n1)
             for name, lines in self._pending_text.items():
-                self.text_bytes[name] = sh.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
+                self.text_bytes[name] = self._records.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
                 del lines[: n1 - n0]
             block_crc, el_esl = self._layout.take_checksums(n1 - n0)
-            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes())
+            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes(), per_sample_crc32c=ps_crc)
             if self._el_crc_file:
-                sh.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
-            sh.append(keys.BLOCKS, records.dump_block(block))
+                self._records.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
+            self._records.append(keys.BLOCKS, records.dump_block(block))
             self.n_blocks += 1
         old_stats = self._stats_file
         if self.stats is not None:
@@ -365,7 +370,9 @@ class ShardWriter(ShardSetup):
             sh.put(self._stats_file, self.stats.to_bytes())
         if complete:
             self._group.attrs.update(self._shard_attrs(n1))
-            _write_consolidated(sh)
+            _write_consolidated(self._meta)
+        self._meta.flush()  # the arrays' new shapes and attributes, each document once
+        self._records.write_created()
         if self.fsync:
             sh.sync()
         self._lease.check()  # a writer whose shard was taken over commits nothing more
@@ -440,12 +447,13 @@ class ShardWriter(ShardSetup):
         return self.n_written
 
 
-def _write_consolidated(shard: Any) -> None:
-    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3)."""
+def _write_consolidated(store: Any) -> None:
+    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3),
+    into the shard's zarr store (its buffered metadata, written out by the commit)."""
     import warnings
 
     import zarr
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(shard.zarr_store("", read_only=False))
+        zarr.consolidate_metadata(store)
