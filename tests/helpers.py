@@ -7,7 +7,7 @@ import numpy as np
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
-LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
+LAYOUTS = {"v2": {"zarr_format": 2}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
 
 
 def random_acts(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:

@@ -28,6 +28,7 @@ D = 8
 def make_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=D, **kw) -> Path:
     """A small question-answer store: two padded segments, a text field, statistics."""
     rng = np.random.default_rng(seed)
+    kw.setdefault("zarr_format", 2)  # the chunk-file layout, unless a test names another
     for shard in shards:
         with actstore.ShardWriter(path, shard=shard, layers=LAYERS, d_model=d_model, segments={"prompt": 6, "response": 3},
                                   texts=["prompt"], stats=True, commit_bytes=600, **kw) as w:

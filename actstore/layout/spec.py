@@ -78,7 +78,15 @@ LEGACY_PER_SAMPLE_CHUNK_BYTES = 4 * 2**20
 EVERY_CHUNK_ATTR = "actstore_every_chunk"
 FILL_VALUE = 0
 ZARR_FORMATS = (2, 3)
-DEFAULT_ZARR_FORMAT = 2
+# The default layout: Zarr format 3 with sharding, each Zarr shard file holding the
+# examples that fill about DEFAULT_SHARD_BYTES (SHARD_EXAMPLES_AUTO); the chunk-file layout
+# (one object per chunk) is zarr_format=2.
+DEFAULT_ZARR_FORMAT = 3
+DEFAULT_SHARD_BYTES = 256 * 2**20
+# ... and at most this many examples, so that a shard file's index (16 bytes per inner
+# chunk, written whole even for a partly filled file) stays small for tiny examples.
+MAX_AUTO_SHARD_EXAMPLES = 4096
+SHARD_EXAMPLES_AUTO = "auto"
 
 # Commit blocks: a writer commits after this many bytes of activations (or at close).
 DEFAULT_COMMIT_BYTES = 256 * 2**20

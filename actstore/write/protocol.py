@@ -54,10 +54,13 @@ class ShardWriter(ShardSetup):
             {"prompt": 256, "response": 64}; lengths are passed with each batch.
         dtype: "float16" (default), "bfloat16" or "float32".
         t_chunk: token chunk length (int, or {segment: int}); default keeps chunks <= 4 MiB.
-        zarr_format: 2 (default) or 3.
+        zarr_format: 3 (default) or 2 (the chunk-file layout: one file or object per
+            (example, layer, token chunk)).
         shard_examples: with zarr_format=3, examples per Zarr shard file (sharding codec);
-            batches are staged per shard file (up to 3 buffers of one shard file each,
-            per segment) and a background thread writes each full one.
+            "auto" (default): those that fill about 256 MiB (spec.DEFAULT_SHARD_BYTES);
+            None: no sharding (one object per chunk). Batches are staged per shard file
+            (up to 3 buffers of one shard file each, per segment) and a background thread
+            writes each full one.
         fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
         texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
         token_labels: store a uint8 label per token (saev labels.bin).
@@ -94,7 +97,7 @@ class ShardWriter(ShardSetup):
         dtype: Any = spec.DEFAULT_DTYPE,
         t_chunk: int | Mapping[str, int] | None = None,
         zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
-        shard_examples: int | None = None,
+        shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO,
         fields: Mapping[str, Any] | None = None,
         texts: Sequence[str] = (),
         token_labels: bool = False,
