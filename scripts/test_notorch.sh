@@ -5,7 +5,7 @@
 # not need torch (a test of the main suite checks that none is forgotten). Left out: files
 # that import torch at the top (loaders, capture, ...), test_loaders_exit.py (its script streams batches with torch), test_benchmarks_run.py (the benchmarks capture and stream with torch), test_capture_resume.py, test_distributed.py and test_preflight.py (use a
 # torch model), test_capture_support.py (helpers, no tests), and test_copy.py,
-# test_storage.py, test_storage_cache.py, test_remote.py and test_remote_access.py, whose S3
+# test_storage.py, test_storage_cache.py, test_remote.py, test_remote_access.py and test_scale_requests.py, whose S3
 # cases need moto's server (the main suite has it); test_mutations.py (2,200 mutations, about 2 minutes: the main suite
 # runs them; the paths they exercise have no torch branch) and test_docs_blocks.py (capture
 # commands of docs/ need torch).
@@ -37,6 +37,6 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_select.py tests/test_shard_claim.py tests/test_sharded_writes.py tests/test_store_golden.py tests/test_verify.py \
   tests/test_verify_hostile.py tests/test_verify_entries.py tests/test_write_pipeline.py tests/test_xarray.py tests/test_zarr_compat.py \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
-  tests/test_per_sample_chunks.py \
+  tests/test_per_sample_chunks.py tests/test_per_sample_checksums.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes

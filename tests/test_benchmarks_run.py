@@ -94,3 +94,16 @@ def test_bench_export(tmp_path):
                              "--dir", str(tmp_path)], tmp_path)
     assert d["n_examples"] > 0 and d["budget"] == 100 and d["workers"] == 1
     assert positive(d["ratio"], *d["plain_write_gbps"], *d["export_gbps"])
+
+
+def test_bench_scale(tmp_path):
+    d = run_bench("scale", ["--shards", "1,3", "--shard-size", "2", "--examples", "40", "--s3-shards", "1,2", "--dir", str(tmp_path),
+                            "--plot", str(tmp_path / "scale.png")], tmp_path)
+    assert [r["shards"] for r in d["shard_rows"]] == [1, 3] and [r["examples"] for r in d["example_rows"]] == [40]
+    ops = {"finalize", "open", "info", "verify", "verify_deep", "cp", "saev_plan", "token_plan", "token_first_batch"}
+    assert all(set(r["seconds"]) == ops and positive(*r["seconds"].values()) for r in d["shard_rows"] + d["example_rows"])
+    assert set(d["growth_per_shard"]) == ops and positive(*d["growth_per_shard"].values())
+    req = d["requests"]
+    assert 0 < req["writer_one_commit"]["total"] and [s["shards"] for s in req["stores"]] == [1, 2]
+    assert all(s["open"]["total"] == 1 for s in req["stores"])  # the manifest alone
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
