@@ -27,6 +27,7 @@ from actstore.layout.config import make_config
 from actstore.stats import RunningStats, stats_key
 from actstore.storage import open_storage
 from actstore.write import batch as batches
+from actstore.layout.arrays import shard_arrays
 from actstore.layout.checksum import per_sample_crc32c
 from actstore.write.appendfiles import AppendFiles
 from actstore.write.identity import claim_store
@@ -350,12 +351,13 @@ class ShardWriter(ShardSetup):
             return
         if n1 > n0:
             ps_crc = {}
+            dtypes = {a.key: a.dtype for a in shard_arrays(cfg)}  # as deep verify checks them
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
                 arr = zarrio.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
-                ps_crc[keys.basename(name)] = per_sample_crc32c(vals, str(arr.dtype))
+                ps_crc[keys.basename(name)] = per_sample_crc32c(vals, dtypes[name])
             for seg in cfg.segments:
                 _set_rows(self._group[keys.acts_array(seg.name)], n1)
             for name, lines in self._pending_text.items():
