@@ -97,7 +97,7 @@ def read_blocks(shard: Storage, n_blocks: int) -> list[records.Block]:
     return records.parse_blocks(data, n_blocks, shard.where(keys.BLOCKS))
 
 
-def rows_on_disk(shard: Storage) -> int:
+def rows_on_disk(shard: Storage, zarr_format: int | None = None) -> int:
     """An upper bound on a shard's examples from the chunk files its sample_key array holds.
 
     Checked before per-sample arrays are read, so that metadata claiming more examples than
@@ -107,7 +107,7 @@ def rows_on_disk(shard: Storage) -> int:
     """
     rel = keys.field_array(spec.SAMPLE_KEY)
     try:
-        meta = array_meta(shard, rel)
+        meta = array_meta(shard, rel, zarr_format)
         chunks = meta["chunks"] if meta.get("zarr_format") == 2 else meta["chunk_grid"]["configuration"]["chunk_shape"]
         rows = int(chunks[0])
         heads = [n.split(".")[0] for n in shard.list_dir(rel + "/c" if meta.get("zarr_format") == 3 else rel)]
@@ -117,29 +117,46 @@ def rows_on_disk(shard: Storage) -> int:
     return (top + 1) * rows
 
 
-def consolidated_arrays(shard: Storage) -> dict[str, Any] | None:
-    """Array metadata keyed by path from a shard's consolidated metadata, when it has it."""
-    if shard.kind(keys.ZMETADATA) is not None:
-        doc = jsonio.loads(shard.get(keys.ZMETADATA), shard.where(keys.ZMETADATA), what="consolidated metadata")
-        return {k[: -len("/" + keys.ZARRAY)]: v for k, v in doc["metadata"].items() if k.endswith("/" + keys.ZARRAY)}
-    try:
-        root = jsonio.loads(shard.get(keys.ZARR_JSON), shard.where(keys.ZARR_JSON), what="group metadata")
-    except KeyNotFound:
+def consolidated_arrays(shard: Storage, zarr_format: int | None = None) -> dict[str, Any] | None:
+    """Array metadata keyed by path from a shard's consolidated metadata, when it has it.
+
+    Each document is fetched by one GET, a missing one answered by its KeyNotFound (no
+    existence check first: on an object store that would be a request more); the store's
+    `zarr_format`, when given, says which to try first."""
+    v2 = _get_json(shard, keys.ZMETADATA, "consolidated metadata") if zarr_format != 3 else None
+    if v2 is not None:
+        return {k[: -len("/" + keys.ZARRAY)]: v for k, v in v2["metadata"].items() if k.endswith("/" + keys.ZARRAY)}
+    root = _get_json(shard, keys.ZARR_JSON, "group metadata")
+    if root is None:
         return None
     cm = (root.get("consolidated_metadata") or {}).get("metadata")
     return {k: v for k, v in cm.items() if v.get("node_type") == "array"} if cm else None
 
 
-def array_meta(shard: Storage, rel: str) -> dict[str, Any]:
-    """The Zarr metadata document of array `rel` (format 2 or 3); whatever stands there
-    instead of a file raises (Storage.get names it)."""
-    for name in (keys.ZARRAY, keys.ZARR_JSON):
+def _get_json(shard: Storage, key: str, what: str) -> Any:
+    """The JSON document at `key`, or None where there is none."""
+    try:
+        data = shard.get(key)
+    except KeyNotFound:
+        return None
+    return jsonio.loads(data, shard.where(key), what=what)
+
+
+def array_meta(shard: Storage, rel: str, zarr_format: int | None = None) -> dict[str, Any]:
+    """The Zarr metadata document of array `rel` (format 2 or 3; the store's `zarr_format`,
+    when given, is looked for first); whatever stands there instead of a file raises
+    (Storage.get names it). One GET a name tried: no existence check first."""
+    names = (keys.ZARR_JSON, keys.ZARRAY) if zarr_format == 3 else (keys.ZARRAY, keys.ZARR_JSON)
+    for name in names:
         key = f"{rel}/{name}"
-        if shard.kind(key) is not None:
-            doc = jsonio.loads(shard.get(key), shard.where(key), what="array metadata")
-            if not isinstance(doc, dict):
-                raise CorruptStoreError(f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}")
-            return doc
+        try:
+            data = shard.get(key)
+        except KeyNotFound:
+            continue
+        doc = jsonio.loads(data, shard.where(key), what="array metadata")
+        if not isinstance(doc, dict):
+            raise CorruptStoreError(f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}")
+        return doc
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")
 
 

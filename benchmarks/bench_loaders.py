@@ -58,7 +58,8 @@ def build(root: Path, n: int, n_layers: int, tokens: int, d_model: int) -> tuple
     rng = np.random.default_rng(0)
     pool = [rng.standard_normal((50, n_layers, tokens, d_model), dtype=np.float32).astype(np.float16) for _ in range(8)]
     raw = root / "raw.bin"
-    with actstore.ShardWriter(root / "store", layers=list(range(n_layers)), d_model=d_model, tokens=tokens) as w, \
+    # The chunk-file layout: the benchmark drops and reads its chunk files by name.
+    with actstore.ShardWriter(root / "store", layers=list(range(n_layers)), d_model=d_model, tokens=tokens, zarr_format=2) as w, \
             open(raw, "wb") as f:
         for i in range(0, n, 50):
             b = pool[(i // 50) % len(pool)][: n - i]

@@ -32,7 +32,7 @@ import actstore  # noqa: E402
 from actstore.storage.files import syncfs  # noqa: E402
 
 
-LAYOUTS = {"v2": {}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}, "v3-sharded-256": {"zarr_format": 3, "shard_examples": 256}}
+LAYOUTS = {"v2": {"zarr_format": 2}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}, "v3-sharded-256": {"zarr_format": 3, "shard_examples": 256}}
 
 
 def raw_write(path: Path, batches: list[np.ndarray], repeats: int) -> float:

@@ -5,7 +5,7 @@
 # not need torch (a test of the main suite checks that none is forgotten). Left out: files
 # that import torch at the top (loaders, capture, ...), test_loaders_exit.py (its script streams batches with torch), test_benchmarks_run.py (the benchmarks capture and stream with torch), test_capture_resume.py, test_distributed.py and test_preflight.py (use a
 # torch model), test_capture_support.py (helpers, no tests), and test_copy.py,
-# test_storage.py, test_storage_cache.py, test_remote.py, test_remote_access.py and test_retry.py, whose S3
+# test_storage.py, test_storage_cache.py, test_remote.py, test_remote_access.py, test_retry.py and test_scale_requests.py, whose S3
 # cases need moto's server (the main suite has it); test_saelens_check.py and test_export_oserrors.py
 # (export-saelens streams through torch's TokenStream); test_mutations.py (2,200 mutations, about 2 minutes: the main suite
 # runs them; the paths they exercise have no torch branch) and test_docs_blocks.py (capture
@@ -43,7 +43,7 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_verify_hostile.py tests/test_verify_entries.py tests/test_write_pipeline.py tests/test_xarray.py tests/test_zarr_compat.py \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
   tests/test_per_sample_chunks.py tests/test_import_dictionary_learning.py tests/test_features_topk.py tests/test_saev_checksums.py \
-  tests/test_writer_options.py \
+  tests/test_writer_options.py tests/test_per_sample_checksums.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes \
   --deselect tests/test_features_topk.py::test_s3_store_matches_the_oracle

@@ -25,7 +25,7 @@ import actstore
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
-LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
+LAYOUTS = {"v2": {"zarr_format": 2}, "v3": {"zarr_format": 3, "shard_examples": None}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
 
 
 def random_acts(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -84,6 +84,7 @@ def text_store(path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="
 def qa_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=8, layers=(2, 5), **kw) -> Path:
     """A small question-answer store: two padded segments, a text field, statistics."""
     rng = np.random.default_rng(seed)
+    kw.setdefault("zarr_format", 2)  # the chunk-file layout, unless a test names another
     for shard in shards:
         with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, segments={"prompt": 6, "response": 3},
                                   texts=["prompt"], stats=True, commit_bytes=600, **kw) as w:

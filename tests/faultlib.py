@@ -57,6 +57,7 @@ def expected(shard: int, k: int, layer: int) -> np.ndarray:
 def writer(path, shard: int, **kw):
     from actstore import ShardWriter
 
+    kw = {"zarr_format": 2, **kw}  # the chunk-file layout: the fault tests name its files
     return ShardWriter(
         path, shard=shard, layers=LAYERS, d_model=D, segments=SEGMENTS, t_chunk=T_CHUNK,
         texts=["prompt"], fields={"label": "int64"}, stats=True, commit_bytes=COMMIT_BYTES, **kw,

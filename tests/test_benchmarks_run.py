@@ -104,6 +104,7 @@ def test_bench_features(tmp_path):
     assert d["tokens"] == 320 and d["features_sae"] == 32 and len(d["runs"]) == 1
     assert positive(d["neurons_ratio_median"], d["sae_ratio_median"], d["peak_bytes"]["half"], d["peak_bytes"]["full"])
 
+
 def test_bench_spec(tmp_path):
     """The spec's matrix at --quick size: one row per measurement, every cell's parameters."""
     d = run_bench("spec", ["--quick", "--r-max", "8,16", "--t-chunk", "8,16", "--workers", "0,2", "--writers", "1,2", "--queries", "30",
@@ -157,3 +158,16 @@ def test_bench_import(tmp_path):
     assert d["activault"]["tokens"] == d["saelens"]["tokens"] == 2 * 4 * 16
     assert d["aligned"]["layers"] == 3 and d["aligned"]["vectors"] == 8 * 8 * 3
     assert positive(d["activault"]["ratio"], d["saelens"]["ratio"], d["aligned"]["ratio"])
+
+
+def test_bench_scale(tmp_path):
+    d = run_bench("scale", ["--shards", "1,3", "--shard-size", "2", "--examples", "40", "--s3-shards", "1,2", "--dir", str(tmp_path),
+                            "--plot", str(tmp_path / "scale.png")], tmp_path)
+    assert [r["shards"] for r in d["shard_rows"]] == [1, 3] and [r["examples"] for r in d["example_rows"]] == [40]
+    ops = {"finalize", "open", "info", "verify", "verify_deep", "cp", "saev_plan", "token_plan", "token_first_batch"}
+    assert all(set(r["seconds"]) == ops and positive(*r["seconds"].values()) for r in d["shard_rows"] + d["example_rows"])
+    assert set(d["growth_per_shard"]) == ops and positive(*d["growth_per_shard"].values())
+    req = d["requests"]
+    assert 0 < req["writer_one_commit"]["total"] and [s["shards"] for s in req["stores"]] == [1, 2]
+    assert all(s["open"]["total"] == 1 for s in req["stores"])  # the manifest alone
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -368,7 +368,7 @@ def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_d
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 2)
     common = ["--model", llama_dir, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
     sharded = ["--zarr-format", "3", "--shard-examples", "3"]
-    cli("write", tmp_path / "v2", *common)
+    cli("write", tmp_path / "v2", *common, "--zarr-format", "2")
     cli("write", tmp_path / "v3", *common, *sharded, "--workers", "2")
     one, other = actstore.ActStore(tmp_path / "v2"), actstore.ActStore(tmp_path / "v3")
     assert other.config.zarr_format == 3 and other.config.shard_examples == 3 and one.config.zarr_format == 2
@@ -384,9 +384,9 @@ def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_d
     np.testing.assert_array_equal(z[4, 1, : other.lengths(9)["prompt"]], other.segment("prompt")[9, 2])
     assert cli("verify", tmp_path / "v3", "--deep").exit_code == 0
     assert "wrote 0 examples" in cli("write", tmp_path / "v3", *common, *sharded, "--workers", "2", "--resume").output
-    # Another writer of the same store must use its layout: the default one is refused.
+    # Another writer of the same store must use its layout: another one is refused.
     cli("write", tmp_path / "r", *common, *sharded, "--rank", "1", "--world-size", "2")
-    res = cli("write", tmp_path / "r", *common, "--rank", "0", "--world-size", "2", ok=False)
+    res = cli("write", tmp_path / "r", *common, "--zarr-format", "2", "--rank", "0", "--world-size", "2", ok=False)
     assert res.exit_code == 1 and "already holds a different actstore store" in res.output and "zarr_format" in res.output
     cli("write", tmp_path / "r", *common, *sharded, "--rank", "0", "--world-size", "2")
     cli("finalize", tmp_path / "r")
@@ -397,7 +397,7 @@ def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_d
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--shard-examples", "4"], "--shard-examples (Zarr sharding) needs --zarr-format 3"),
+    (["--zarr-format", "2", "--shard-examples", "4"], "--shard-examples (Zarr sharding) needs --zarr-format 3"),
     (["--zarr-format", "3", "--shard-examples", "0"], "--shard-examples must be a positive int. Got 0."),
 ])
 def test_bad_layout_options_are_refused_before_anything_is_written(tmp_path, dino_dir, images, args, message):

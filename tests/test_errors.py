@@ -175,7 +175,7 @@ def test_bad_writer_arguments(store_path):
     with pytest.raises(ValueError, match=re.escape("layers must be a non-empty list of distinct non-negative ints. Got [1, 1].")):
         ShardWriter(store_path, shard=0, layers=[1, 1], d_model=4, tokens=3)
     with pytest.raises(ValueError, match="shard_examples \\(Zarr sharding\\) needs zarr_format=3"):
-        ShardWriter(store_path, shard=0, layers=[1], d_model=4, tokens=3, shard_examples=8)
+        ShardWriter(store_path, shard=0, layers=[1], d_model=4, tokens=3, zarr_format=2, shard_examples=8)
     assert not store_path.exists()  # arguments are checked before anything is created
 
 

@@ -72,8 +72,8 @@ def test_written_documents_have_exactly_the_documented_fields(store_path):
     assert list(commit) == _table_fields("commit.json:")
     assert list(manifest) == _table_fields("## 6. The manifest")
     assert list(manifest["shards"][0]) == _table_fields("Each entry of `shards`")
-    documented_block = re.search(r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\"\}`", DOC)
-    assert documented_block and list(block) == ["start", "stop", "crc32c", "nbytes"]
+    documented_block = re.search(r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\", \"per_sample_crc32c\": \{array: crc\}\}`", DOC)
+    assert documented_block and list(block) == ["start", "stop", "crc32c", "nbytes", "per_sample_crc32c"]
 
 
 def test_the_layout_package_matches_the_document():
@@ -85,7 +85,7 @@ def test_the_layout_package_matches_the_document():
     names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
     assert sorted(names(records.Commit)) == sorted(_table_fields("commit.json:"))
     assert names(records.ShardEntry) == _table_fields("Each entry of `shards`")
-    assert names(records.Block) == ["start", "stop", "crc32c", "nbytes"]
+    assert names(records.Block) == ["start", "stop", "crc32c", "nbytes", "per_sample_crc32c"]
     manifest_doc = set(_table_fields("## 6. The manifest"))
     assert set(names(records.Manifest)) <= manifest_doc  # format/order/config fields are implied
     for n in ("IDENTITY", "MANIFEST", "SHARDS", "COMMIT", "BLOCKS", "EL_CRC", "META_DIR", "TEXT_DIR", "ARRAYS"):

@@ -87,7 +87,7 @@ PER_SAMPLE_LIES = [
     ("label", "dtype", "<i4", "dtype <i4; the store config says <i8 (the byte order and width decide every value read)"),
     ("label", "dtype", ">i8", "dtype >i8; the store config says <i8 (the byte order and width decide every value read)"),
     ("prompt_len", "dtype", ">i4", "dtype >i4; the store config says <i4 (the byte order and width decide every value read)"),
-    ("label", "chunks", [2], "chunk shape [2]; the format's is [65536]"),
+    ("label", "chunks", [2], "chunk shape [2]; the format's is [8192]"),
     ("label", "fill_value", 7, "fill value 7; the format's is 0 (missing chunks read as it)"),
     ("label", "order", "F", "order 'F'; actstore writes C order"),
     ("label", "filters", [{"id": "delta", "dtype": "<i8"}], "filters [{'id': 'delta', 'dtype': '<i8'}]; actstore writes none (a filter changes every value read)"),
@@ -175,7 +175,7 @@ def test_consistent_lie_about_token_counts_allocates_nothing(fault_store):
 
 
 def test_nan_in_a_text_is_refused(tmp_path):
-    w = actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, texts=["meta"])
+    w = actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, texts=["meta"])
     with pytest.raises(AppendError) as ei:
         w.append(np.zeros((2, 1, 2, 4), np.float16), texts={"meta": [{"score": float("nan")}, {"score": 1.0}]})
     assert str(ei.value).startswith("text 'meta' holds a value that standard JSON cannot hold: Out of range float values are not JSON compliant")
@@ -192,7 +192,7 @@ def test_nan_in_a_text_is_refused(tmp_path):
     ("float16", [1e6, 0.0], "field 'f' holds np.float64(1000000.0), beyond the range of its dtype float16"),
 ])
 def test_field_values_are_range_checked(tmp_path, dtype, values, message):
-    w = actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, fields={"f": dtype})
+    w = actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, fields={"f": dtype})
     with pytest.raises(AppendError) as ei:
         w.append(np.zeros((2, 1, 2, 4), np.float16), fields={"f": np.array(values)})
     assert str(ei.value) == message
@@ -207,7 +207,7 @@ def test_compressor_of_the_other_zarr_format_is_refused_before_writing(tmp_path)
     import zarr
 
     with pytest.raises(ValueError) as ei:
-        actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, compressor=zarr.codecs.ZstdCodec())
+        actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, compressor=zarr.codecs.ZstdCodec())
     assert str(ei.value).startswith("compressor ZstdCodec(level=0, checksum=False) is not a numcodecs codec; a Zarr format 2 store takes one")
     with pytest.raises(ValueError, match="is not a Zarr v3 bytes-to-bytes codec"):
         actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, zarr_format=3, compressor=numcodecs.Zstd())
@@ -258,7 +258,7 @@ def test_statistics_file_claiming_huge_arrays_allocates_nothing(fault_store):
 def test_consistent_lie_about_token_counts_in_per_sample_rows(tmp_path):
     """Token labels of a segment claiming 2**34 tokens: zarr would allocate (n, 2**34) rows."""
     root = tmp_path / "s"
-    with actstore.ShardWriter(root, layers=[0], d_model=4, tokens=4, token_labels=True) as w:
+    with actstore.ShardWriter(root, zarr_format=2, layers=[0], d_model=4, tokens=4, token_labels=True) as w:
         w.append(np.ones((3, 1, 4, 4), np.float16), token_labels=np.ones((3, 4), np.uint8))
     actstore.finalize(root)
     T = 2**34

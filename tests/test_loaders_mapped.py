@@ -192,7 +192,7 @@ def test_a_deleted_chunk_file_of_data_is_an_error_and_one_of_zeros_streams_as_ze
         epoch(ActStore(tmp_path / "s"), batch_size=4, mmap=mmap)
     x = np.random.default_rng(1).standard_normal((6, 2, 5, 6)).astype(np.float16)
     x[3, 0] = 0
-    with ShardWriter(tmp_path / "z", shard=0, layers=[0, 1], d_model=6, tokens=5) as w:
+    with ShardWriter(tmp_path / "z", zarr_format=2, shard=0, layers=[0, 1], d_model=6, tokens=5) as w:
         w.append(x)
     actstore.finalize(tmp_path / "z")
     io = ActStore(tmp_path / "z")._shard(0).io["tokens"]

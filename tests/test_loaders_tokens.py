@@ -35,6 +35,7 @@ def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **la
 
 def vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1, stats=True, **layout):
     rng = np.random.default_rng(seed)
+    layout = {"zarr_format": 2, **layout}  # the chunk-file layout unless a test names another
     with ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=stats, **layout) as w:
         w.append(rng.standard_normal((n, len(layers), t, d)).astype(np.float16))
     actstore.finalize(path)

@@ -18,7 +18,7 @@ from actstore.saev import SaevOptionError, SaevStore, export_saev
 
 @pytest.fixture
 def pair(tmp_path):
-    store = vit_store(tmp_path / "store", n=6, dtype="float16")
+    store = vit_store(tmp_path / "store", n=6, dtype="float16", zarr_format=2)  # a test names its chunk files
     res = export_saev(store, tmp_path / "dump", protocol="2.0", patches_per_shard=20, progress=False)
     return tmp_path / "store", res.path
 

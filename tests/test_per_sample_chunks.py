@@ -102,14 +102,14 @@ def test_an_array_without_the_attribute_reads_an_omitted_chunk_as_zeros(tmp_path
 
 def test_a_resumed_shard_keeps_writing_every_chunk(tmp_path):
     root = tmp_path / "s"
-    w = ShardWriter(root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"})
+    w = ShardWriter(root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"}, zarr_format=2)
     w.append(np.ones((2, 1, 3, 4), np.float16), fields={"label": np.array([0, 0])})
     w.commit()
     w._close_files()  # as a writer that died after its commit
-    with ShardWriter(root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"}, resume=True) as w:
+    with ShardWriter(root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"}, zarr_format=2, resume=True) as w:
         w.append(np.ones((3, 1, 3, 4), np.float16), fields={"label": np.array([0, 0, 0])})
     finalize(root)
-    assert (root / SH0 / "arrays/label/0").read_bytes() == bytes(spec.PER_SAMPLE_CHUNK * 8)
+    assert (root / SH0 / "arrays/label/0").read_bytes() == bytes(spec.PER_SAMPLE_CHUNK_BYTES)  # 8192 int64 rows
     assert np.array_equal(actstore.ActStore(root).field("label"), np.zeros(5, np.int64))
 
 

@@ -18,6 +18,7 @@ from actstore.torch import TokenStream
 
 def make(root, **kw) -> ActStore:
     rng = np.random.default_rng(0)
+    kw = {"zarr_format": 2, **kw}  # the chunk-file layout unless a test names another
     with ShardWriter(root, shard=0, layers=[2, 5], d_model=512, tokens=16, **kw) as w:
         w.append(rng.standard_normal((9, 2, 16, 512)).astype(np.float16))
     finalize(root)

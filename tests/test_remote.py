@@ -215,7 +215,7 @@ def test_a_local_cache_serves_the_second_epoch(s3_url, tmp_path, monkeypatch):
 
 def test_a_deleted_per_sample_object_is_named_not_read_as_zeros(s3_url):
     x = np.ones((5, 2, 5, 8), np.float16)
-    _write(s3_url, x)
+    _write(s3_url, x, zarr_format=2)
     storage = open_storage(s3_url)
     key = "shards/shard-00000.zarr/arrays/tokens_len/0"
     assert storage.size(key) is not None  # lengths 5: not zeros, but every chunk is written anyway

@@ -150,7 +150,7 @@ def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path,
 
 @pytest.mark.parametrize("kw", [
     dict(zarr_format=3, shard_examples=4),
-    dict(compressor=numcodecs.Zstd()),
+    dict(zarr_format=2, compressor=numcodecs.Zstd()),
     dict(zarr_format=3, shard_examples=4, compressor=zarr.codecs.ZstdCodec()),
 ], ids=["sharded-direct", "zarr-v2-zstd", "zarr-v3-sharded-zstd"])
 def test_buffered_writes_copy_a_reused_caller_buffer(tmp_path, kw):

@@ -12,7 +12,9 @@ temporary folder and checks that
   one (after the generator's normalisation of `created`, `updated` and `actstore_version`).
 
 tests/golden/before-every-chunk/ keeps the same stores as written before per-sample arrays
-carried `actstore_every_chunk` (format.md, section 3): today's reader reads them exactly too.
+carried `actstore_every_chunk` (format.md, section 3), and tests/golden/before-per-sample-checksums/
+as written before block records carried `per_sample_crc32c` and per-sample chunks were sized
+to PER_SAMPLE_CHUNK_BYTES (they were up to 4 MiB): today's reader reads them exactly too.
 
 Regenerate (only after a deliberate format change, and say so in the commit) with one command:
     .venv/bin/python tests/golden/make_store_golden.py
@@ -56,7 +58,8 @@ def expected(name: str):
     return gen.expected(name)
 
 
-ERAS = {"today": GOLDEN, "before-every-chunk": GOLDEN / "before-every-chunk"}
+ERAS = {"today": GOLDEN, "before-per-sample-checksums": GOLDEN / "before-per-sample-checksums",
+        "before-every-chunk": GOLDEN / "before-every-chunk"}
 
 
 def _golden(tmp_path: Path, name: str, era: str = "today") -> Path:
@@ -82,7 +85,10 @@ def test_golden_reads_exactly(tmp_path, name, era):
     root = _golden(tmp_path, name, era)
     arrays = zarr.open_group(str(root / "shards/shard-00000.zarr/arrays"), mode="r")
     promised = {k: a.attrs.get("actstore_every_chunk") for k, a in arrays.arrays() if not k.endswith("_activations")}
-    assert promised and set(promised.values()) == ({True} if era == "today" else {None}), promised
+    assert promised and set(promised.values()) == ({None} if era == "before-every-chunk" else {True}), promised
+    blocks = [json.loads(line) for line in (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()]
+    per_sample = {a.split("/")[-1] for a in promised}
+    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [per_sample if era == "today" else set()] * len(blocks)
     exp = expected(name)
     store = actstore.ActStore(root)
     segs = list(exp.segments)

@@ -260,7 +260,7 @@ def test_symlinked_chunk_is_refused(store, tmp_path):
 
 def test_zarr_engine_missing_zero_chunk_is_cleared_by_deep(tmp_path):
     root = tmp_path / "z"
-    with actstore.ShardWriter(root, shard=0, layers=[0], d_model=4, tokens=3, engine="zarr") as w:
+    with actstore.ShardWriter(root, zarr_format=2, shard=0, layers=[0], d_model=4, tokens=3, engine="zarr") as w:
         w.append(np.stack([np.ones((1, 3, 4)), np.zeros((1, 3, 4)), np.ones((1, 3, 4))]).astype(np.float16))
     actstore.finalize(root)
     assert not (root / SH0 / "arrays/tokens_activations/1.0.0.0").exists()  # zarr skipped the zero chunk
@@ -276,7 +276,7 @@ def test_zarr_engine_missing_zero_chunk_is_cleared_by_deep(tmp_path):
 def test_compressed_and_zarr_sharded_stores(tmp_path):
     import numcodecs
 
-    for name, kw in (("zstd", dict(compressor=numcodecs.Zstd())), ("sharded", dict(zarr_format=3, shard_examples=4))):
+    for name, kw in (("zstd", dict(zarr_format=2, compressor=numcodecs.Zstd())), ("sharded", dict(zarr_format=3, shard_examples=4))):
         root = tmp_path / name
         with actstore.ShardWriter(root, shard=0, layers=[0, 1], d_model=8, tokens=6, commit_bytes=500, **kw) as w:
             w.append(np.random.default_rng(0).standard_normal((10, 2, 6, 8)).astype(np.float16))

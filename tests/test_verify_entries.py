@@ -107,7 +107,7 @@ def test_compressed_array_metadata_is_checked_too(tmp_path):
     import numcodecs
 
     root = tmp_path / "zstd"
-    with actstore.ShardWriter(root, shard=0, layers=[0], d_model=8, tokens=6, compressor=numcodecs.Zstd()) as w:
+    with actstore.ShardWriter(root, zarr_format=2, shard=0, layers=[0], d_model=8, tokens=6, compressor=numcodecs.Zstd()) as w:
         w.append(np.ones((3, 1, 6, 8), np.float16))
     actstore.finalize(root)
     assert verify_store(root, deep=True).problems == []

@@ -202,7 +202,7 @@ def test_damaged_block_records_and_commit_types(store):
     with pytest.raises(CorruptStoreError) as ei:
         finalize(store)
     assert str(ei.value) == (
-        f'{blocks}: block record 0 must be {{"start": int, "stop": int > start, "crc32c": {{segment: uint32}}, "nbytes": int}}, '
+        f'{blocks}: block record 0 must be {{"start": int, "stop": int > start, "crc32c": {{segment: uint32}}, "nbytes": int[, "per_sample_crc32c": {{array: uint32}}]}}, '
         "got {'start': 0, 'stop': '2', 'crc32c': {}, 'nbytes': 1}"
     )
     commit = store / "shards/shard-00001.zarr" / spec.COMMIT_FILE

@@ -30,12 +30,13 @@ def _write(path, rng, n=7, **kw):
 @pytest.mark.parametrize(
     "kw,chunk_files",
     [
-        ({}, "flat"),
-        ({"t_chunk": 4}, "flat"),
-        ({"zarr_format": 3}, "nested"),
+        ({"zarr_format": 2}, "flat"),
+        ({"zarr_format": 2, "t_chunk": 4}, "flat"),
+        ({"zarr_format": 3, "shard_examples": None}, "nested"),
         ({"zarr_format": 3, "shard_examples": 4}, "sharded"),
-        ({"dtype": "float32"}, "flat"),
-        ({"dtype": "bfloat16"}, "flat"),
+        ({"zarr_format": 2, "dtype": "float32"}, "flat"),
+        ({"zarr_format": 2, "dtype": "bfloat16"}, "flat"),
+        ({}, "sharded"),  # the default layout
     ],
 )
 def test_zarr_python_reads_what_actstore_wrote(tmp_path, rng, kw, chunk_files):
@@ -56,7 +57,7 @@ def test_zarr_python_reads_what_actstore_wrote(tmp_path, rng, kw, chunk_files):
         got = (got.astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(got, data)
     # The consolidated metadata opens too.
-    zc = zarr.open_consolidated(str(shard), mode="r", zarr_format=kw.get("zarr_format", 2))
+    zc = zarr.open_consolidated(str(shard), mode="r", zarr_format=kw.get("zarr_format", 3))
     assert zc["arrays/tokens_activations"].shape == (7, 2, 10, 12)
     assert list(zc["arrays/tokens_len"][:]) == [10] * 7
     files = sorted(str(p.relative_to(shard / "arrays/tokens_activations")) for p in (shard / "arrays/tokens_activations").rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != "zarr.json")
@@ -66,8 +67,8 @@ def test_zarr_python_reads_what_actstore_wrote(tmp_path, rng, kw, chunk_files):
         assert size == t_chunk * 12 * np.dtype(kw.get("dtype", "float16").replace("bfloat16", "uint16")).itemsize
     elif chunk_files == "nested":
         assert "c/0/0/0/0" in files and "c/6/1/0/0" in files
-    else:
-        assert files == ["c/0/0/0/0", "c/1/0/0/0"]
+    else:  # Zarr shard files: of 4 examples, or (the default) one of about 256 MiB
+        assert files == (["c/0/0/0/0", "c/1/0/0/0"] if kw else ["c/0/0/0/0"])
 
 
 def _zarr_written_store(tmp_path, rng, fmt: int, sharded: bool):
@@ -107,7 +108,7 @@ def test_actstore_reads_what_zarr_python_wrote(tmp_path, rng, fmt, sharded):
 def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
     path = tmp_path / "s"
     data = random_acts(rng, (5, 2, 10, 12), "float16")
-    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, zarr_format=3, compressor=ZstdCodec(level=3)) as w:
+    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, zarr_format=3, shard_examples=None, compressor=ZstdCodec(level=3)) as w:
         w.append(data)
     actstore.finalize(path)
     meta = json.loads((path / "shards/shard-00000.zarr/arrays/tokens_activations/zarr.json").read_text())
@@ -135,7 +136,7 @@ def test_missing_chunk_reads_as_fill_value_only_where_zeros_were_written(tmp_pat
     path = tmp_path / "s"
     data = random_acts(rng, (4, 2, 10, 12), "float16")
     data[2, 1] = 0
-    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10) as w:
+    with ShardWriter(path, zarr_format=2, shard=0, layers=LAYERS, d_model=12, tokens=10) as w:
         w.append(data)
     actstore.finalize(path)
     adir = path / "shards/shard-00000.zarr/arrays/tokens_activations"
@@ -148,7 +149,7 @@ def test_missing_chunk_reads_as_fill_value_only_where_zeros_were_written(tmp_pat
         store[3, 7]
 
 
-@pytest.mark.parametrize("kw", [{}, {"t_chunk": 3}, {"zarr_format": 3}])
+@pytest.mark.parametrize("kw", [{"zarr_format": 2}, {"zarr_format": 2, "t_chunk": 3}, {"zarr_format": 3, "shard_examples": None}])
 def test_a_read_touches_only_the_asked_chunks(tmp_path, rng, kw):
     """Every other chunk file is replaced by a damaged one: reads that touched them would raise."""
     from actstore.errors import CorruptChunkError

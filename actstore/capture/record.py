@@ -102,7 +102,7 @@ def record(
     progress: Callable[[int, int, int], None] | None = None,
     io_progress: Callable[[IOStats], None] | None = None,
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
-    shard_examples: int | None = None,
+    shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO,
     writer_nice: int = DEFAULT_WRITER_NICE,
     world_size: int | None = None,
     token_ids: bool | None = None,
@@ -141,9 +141,9 @@ def record(
         progress: called with (examples, tokens, bytes) after each batch is written.
         io_progress: called with the writer's IOStats (bytes queued for and written or
             uploaded by its write pipeline) after each batch is written.
-        zarr_format, shard_examples: the store's layout, as in ShardWriter: Zarr format 2
-            (one file per chunk, the default) or 3; with 3, `shard_examples` examples per
-            Zarr shard file (for stores of millions of chunks: far fewer files).
+        zarr_format, shard_examples: the store's layout, as in ShardWriter: Zarr format 3
+            with Zarr shard files of `shard_examples` examples ("auto", the default: about
+            256 MiB each), or format 2 (one file per chunk).
         writer_nice: lower the writer thread's priority by this much (0..19; Linux nice,
             per thread) so that it yields the cores to the model and runs in its gaps;
             0 keeps the normal priority. Not permitted or not supported: ignored.
@@ -265,7 +265,7 @@ class _Job:
     progress: Callable[[int, int, int], None] | None
     io_progress: Callable[[IOStats], None] | None = None
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
-    shard_examples: int | None = None
+    shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO
     world_size: int | None = None
     token_ids: bool | None = None
     drop_cls: bool = False

@@ -92,7 +92,7 @@ class WriteOptions:
     progress: bool = True
     threads: int | None = None
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT
-    shard_examples: int | None = None
+    shard_examples: int | str = spec.SHARD_EXAMPLES_AUTO  # with format 3: about 256 MiB a Zarr shard file
     writer_nice: int = DEFAULT_WRITER_NICE
 
 
@@ -146,8 +146,8 @@ def check_options(o: WriteOptions) -> None:
         raise CaptureError(f"--writer-nice must be an int in 0..19. Got {o.writer_nice}.")
     if o.zarr_format not in spec.ZARR_FORMATS:
         raise CaptureError(f"--zarr-format must be one of {list(spec.ZARR_FORMATS)}. Got {o.zarr_format}.")
-    if o.shard_examples is not None:
-        if o.shard_examples < 1:
+    if o.shard_examples != spec.SHARD_EXAMPLES_AUTO:
+        if not isinstance(o.shard_examples, int) or o.shard_examples < 1:
             raise CaptureError(f"--shard-examples must be a positive int. Got {o.shard_examples}.")
         if o.zarr_format != 3:
             raise CaptureError("--shard-examples (Zarr sharding) needs --zarr-format 3")

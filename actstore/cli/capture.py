@@ -89,8 +89,10 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 @click.option("--queue-size", type=int, default=4, show_default=True, help="Batches the writer thread may lag behind the model.")
 @click.option("--no-stats", is_flag=True, help="Do not keep running statistics.")
 @click.option("--writer-nice", type=click.IntRange(0, 19), default=DEFAULT_WRITER_NICE, show_default=True, help="Lower the writer thread's priority by N (Linux nice, per thread) so that it runs in the model's gaps; 0: normal priority.")
-@click.option("--zarr-format", type=click.Choice(["2", "3"]), default=str(spec.DEFAULT_ZARR_FORMAT), show_default=True, help="Zarr format of the store's arrays (2: one file per chunk).")
-@click.option("--shard-examples", type=int, default=None, help="With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples; for stores of millions of chunks).")
+@click.option("--zarr-format", type=click.Choice(["2", "3"]), default=str(spec.DEFAULT_ZARR_FORMAT), show_default=True,
+              help="Zarr format of the store's arrays: 3, Zarr shard files of many examples (scales to billions of tokens and object storage); 2, the chunk-file layout (one file per example and layer).")
+@click.option("--shard-examples", type=int, default=None,
+              help="With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples). Default: those that fill about 256 MiB.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
 def write_cmd(store: str, **kw) -> None:
@@ -120,7 +122,7 @@ def write_cmd(store: str, **kw) -> None:
         gpus_per_worker=kw["gpus_per_worker"], ray_address=kw["ray_address"], resume=kw["resume"],
         pack=kw["pack"], chunk=kw["chunk"], context=kw["context"], window_bos=not kw["no_window_bos"], encoding=kw["encoding"], errors=kw["errors"], text_field=kw["text_field"], drop=tuple(kw["drop"]), separator=kw["separator"], finalize=not kw["no_finalize"],
         commit_mb=kw["commit_mb"], on_overflow=kw["on_overflow"], queue_size=kw["queue_size"], stats=not kw["no_stats"],
-        progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"],
+        progress=not kw["quiet"], zarr_format=int(kw["zarr_format"]), shard_examples=kw["shard_examples"] if kw["shard_examples"] is not None else spec.SHARD_EXAMPLES_AUTO,
         writer_nice=kw["writer_nice"],
     )
     s = write(opts)

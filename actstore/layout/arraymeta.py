@@ -105,7 +105,7 @@ def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list
         return [f"chunks of {have} of {np.dtype(dtype).name}; the store config says {want.chunks[2]} tokens of {want_dtype}"]
     if dtype != want_dtype:
         return [f"dtype {dtype}; the store config says {want_dtype} (the byte order and width decide every value read)"]
-    if chunks != list(want.chunks):
+    if chunks != list(want.chunks) and (want.legacy_chunks is None or chunks != list(want.legacy_chunks)):
         return [f"chunk shape {chunks}; the format's is {list(want.chunks)}"]
     want_shards = list(want.shards) if want.shards is not None else None
     if shards != want_shards:
@@ -114,6 +114,12 @@ def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list
     if not _fill_ok(fill, want):
         return [f"fill value {fill!r}; the format's is {want.fill_value!r} (missing chunks read as it)"]
     return _codec_problems(meta, want)
+
+
+def chunk_rows(meta: dict[str, Any], want: ArraySpec) -> int:
+    """Rows of a per-sample array's chunks as its metadata declare them (checked by
+    array_problems: the format's, or an older writer's)."""
+    return int(_chunk_shapes(meta, want)[0][0])
 
 
 def _chunk_shapes(meta: dict[str, Any], want: ArraySpec) -> tuple[Any, Any]:

@@ -27,6 +27,7 @@ class ArraySpec:
     shards: tuple[int, ...] | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     activations: bool = False  # takes the writer's compressor (per-sample arrays never do)
+    legacy_chunks: tuple[int, ...] | None = None  # the chunks older writers gave this array, read as well
 
 
 def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
@@ -62,12 +63,17 @@ def array_specs(cfg: StoreConfig) -> dict[str, ArraySpec]:
 
 
 def per_sample(key: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...]) -> ArraySpec:
-    """A per-sample array: chunked along examples, up to PER_SAMPLE_CHUNK rows of at most 4 MiB."""
+    """A per-sample array: chunked along examples, up to PER_SAMPLE_CHUNK rows of about
+    PER_SAMPLE_CHUNK_BYTES (stores written before: of at most LEGACY_PER_SAMPLE_CHUNK_BYTES)."""
     row_bytes = max(1, int(np.prod(tail or (1,))) * np.dtype(dtype).itemsize)
-    rows = max(1, min(spec.PER_SAMPLE_CHUNK, (4 * 2**20) // row_bytes))
+
+    def rows(target: int) -> int:
+        return max(1, min(spec.PER_SAMPLE_CHUNK, target // row_bytes))
+
     fill = b"" if np.dtype(dtype).kind == "S" else 0
-    return ArraySpec(key=key, shape=(0, *tail), chunks=(rows, *tail), dtype=dtype, dims=dims, fill_value=fill,
-                     attrs={spec.EVERY_CHUNK_ATTR: True})
+    return ArraySpec(key=key, shape=(0, *tail), chunks=(rows(spec.PER_SAMPLE_CHUNK_BYTES), *tail), dtype=dtype, dims=dims,
+                     fill_value=fill, attrs={spec.EVERY_CHUNK_ATTR: True},
+                     legacy_chunks=(rows(spec.LEGACY_PER_SAMPLE_CHUNK_BYTES), *tail))
 
 
 def every_chunk(attrs: dict[str, Any]) -> bool:

@@ -70,3 +70,14 @@ def combine_all(crc: int, crcs: Iterable[int], length: int) -> int:
     for c in crcs:
         crc = _times(op, crc) ^ int(c)
     return crc
+
+
+def per_sample_crc32c(values: Any, dtype: str) -> int:
+    """crc32c of per-sample rows as an array of `dtype` stores them: C order, little endian
+    (the bytes of its chunks, without their padding), whatever type they were given in."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    if dt.itemsize > 1 and dt.kind in "iuf":
+        dt = dt.newbyteorder("<")
+    return crc32c(np.ascontiguousarray(values, dtype=dt).tobytes())  # a copy: per-sample rows are small

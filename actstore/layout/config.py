@@ -178,6 +178,13 @@ def default_t_chunk(t_max: int, d_model: int, itemsize: int) -> int:
     return -(-t_max // max(n, 1))
 
 
+def default_shard_examples(segments: Sequence[SegmentSpec], d_model: int, itemsize: int, n_layers: int) -> int:
+    """Examples per Zarr shard file when the writer chooses: those that fill about
+    DEFAULT_SHARD_BYTES (at least one, at most MAX_AUTO_SHARD_EXAMPLES)."""
+    example = sum(s.n_chunks * s.t_chunk for s in segments) * d_model * itemsize * n_layers
+    return max(1, min(spec.MAX_AUTO_SHARD_EXAMPLES, spec.DEFAULT_SHARD_BYTES // max(example, 1)))
+
+
 def make_config(
     *,
     layers: Sequence[int],
@@ -188,7 +195,7 @@ def make_config(
     segments_specs: tuple[SegmentSpec, ...] | None = None,
     t_chunk: int | Mapping[str, int] | None = None,
     zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
-    shard_examples: int | None = None,
+    shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO,
     fields: Mapping[str, Any] | None = None,
     texts: Sequence[str] = (),
     token_labels: bool = False,
@@ -219,6 +226,8 @@ def make_config(
         segments_specs = tuple(specs)
     if zarr_format not in spec.ZARR_FORMATS:
         raise ValueError(f"zarr_format must be one of {list(spec.ZARR_FORMATS)}. Got {zarr_format!r}.")
+    if isinstance(shard_examples, str) and shard_examples == spec.SHARD_EXAMPLES_AUTO:
+        shard_examples = default_shard_examples(segments_specs, d_model, itemsize, len(layers_t)) if zarr_format == 3 else None
     if shard_examples is not None:
         shard_examples = parse_positive_int("shard_examples", shard_examples)
         if zarr_format != 3:

@@ -125,10 +125,20 @@ class Block:
     stop: int
     crc32c: dict[str, int]
     nbytes: int
+    # crc32c of the block's rows of each per-sample array (by array name), as stored: C
+    # order, little endian (checksum.per_sample_crc32c). None in blocks of older writers.
+    per_sample_crc32c: dict[str, int] | None = None
 
 
 def dump_block(b: Block) -> bytes:
-    return jsonio.dump_line({"start": b.start, "stop": b.stop, "crc32c": dict(b.crc32c), "nbytes": b.nbytes})
+    rec: dict[str, Any] = {"start": b.start, "stop": b.stop, "crc32c": dict(b.crc32c), "nbytes": b.nbytes}
+    if b.per_sample_crc32c is not None:
+        rec["per_sample_crc32c"] = dict(b.per_sample_crc32c)
+    return jsonio.dump_line(rec)
+
+
+def _crc_table(t: Any) -> bool:
+    return isinstance(t, dict) and all(isinstance(k, str) and is_count(v) and v < 2**32 for k, v in t.items())
 
 
 def parse_blocks(data: bytes, n_blocks: int, where: str) -> list[Block]:
@@ -141,16 +151,16 @@ def parse_blocks(data: bytes, n_blocks: int, where: str) -> list[Block]:
         b = jsonio.loads(line, f"{where} (block record {i})", what="block record")
         ok = (
             isinstance(b, dict)
-            and set(b) == {"start", "stop", "crc32c", "nbytes"}
+            and set(b) - {"per_sample_crc32c"} == {"start", "stop", "crc32c", "nbytes"}
             and all(is_count(b.get(k)) for k in ("start", "stop", "nbytes"))
             and b["start"] < b["stop"]
-            and isinstance(b.get("crc32c"), dict)
-            and all(isinstance(k, str) and is_count(v) and v < 2**32 for k, v in b["crc32c"].items())
+            and _crc_table(b.get("crc32c"))
+            and ("per_sample_crc32c" not in b or _crc_table(b["per_sample_crc32c"]))
         )
         if not ok:
             raise CorruptStoreError(
                 f"{where}: block record {i} must be {{\"start\": int, \"stop\": int > start, \"crc32c\": "
-                f"{{segment: uint32}}, \"nbytes\": int}}, got {str(b)[:200]}"
+                f"{{segment: uint32}}, \"nbytes\": int[, \"per_sample_crc32c\": {{array: uint32}}]}}, got {str(b)[:200]}"
             )
         out.append(Block(**b))
     return out

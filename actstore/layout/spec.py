@@ -66,7 +66,11 @@ FLOAT16_MAX = 65504.0
 # Chunking: one chunk is (1, 1, T_chunk, D). By default T_chunk = T_max unless a chunk
 # would exceed MAX_CHUNK_BYTES; then the token axis is split into equal chunks.
 MAX_CHUNK_BYTES = 4 * 2**20
-PER_SAMPLE_CHUNK = 65_536
+PER_SAMPLE_CHUNK = 65_536  # rows of a per-sample chunk, at most
+# A per-sample chunk holds about this many bytes (at least one row), so a small store is not
+# mostly zero padding; stores written before chunked them at LEGACY_PER_SAMPLE_CHUNK_BYTES.
+PER_SAMPLE_CHUNK_BYTES = 64 * 2**10
+LEGACY_PER_SAMPLE_CHUNK_BYTES = 4 * 2**20
 # A per-sample array with this attribute true has every chunk that holds a published row
 # on disk, zeros included (the writer sets Zarr's write_empty_chunks): a missing chunk is
 # damage, not zeros. Arrays without it (written before the attribute existed) may omit chunks of
@@ -74,7 +78,15 @@ PER_SAMPLE_CHUNK = 65_536
 EVERY_CHUNK_ATTR = "actstore_every_chunk"
 FILL_VALUE = 0
 ZARR_FORMATS = (2, 3)
-DEFAULT_ZARR_FORMAT = 2
+# The default layout: Zarr format 3 with sharding, each Zarr shard file holding the
+# examples that fill about DEFAULT_SHARD_BYTES (SHARD_EXAMPLES_AUTO); the chunk-file layout
+# (one object per chunk) is zarr_format=2.
+DEFAULT_ZARR_FORMAT = 3
+DEFAULT_SHARD_BYTES = 256 * 2**20
+# ... and at most this many examples, so that a shard file's index (16 bytes per inner
+# chunk, written whole even for a partly filled file) stays small for tiny examples.
+MAX_AUTO_SHARD_EXAMPLES = 4096
+SHARD_EXAMPLES_AUTO = "auto"
 
 # Commit blocks: a writer commits after this many bytes of activations (or at close).
 DEFAULT_COMMIT_BYTES = 256 * 2**20

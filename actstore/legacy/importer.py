@@ -272,9 +272,10 @@ def _existing_shard(root: Path, i: int, info: LegacyShardInfo, md_sha: str) -> s
         return "new"
     sh = catalog.shard_storage(storage, i)
     rec = catalog.read_commit(sh)
-    key = records.group_attrs_key(2)
+    fmt = catalog.read_identity(storage).zarr_format  # the layout the import was written in
+    key = records.group_attrs_key(fmt)
     try:
-        cfg = records.shard_attrs_config(sh.get(key), 2, sh.where(key))
+        cfg = records.shard_attrs_config(sh.get(key), fmt, sh.where(key))
         src_sha = (cfg.attrs.get("legacy_pkl") or {}).get("metadata_sha256")
     except (KeyNotFound, CorruptStoreError, AttributeError):
         src_sha = None

@@ -98,6 +98,7 @@ class SaevStore(Reader):
         self.config: StoreConfig = make_config(
             layers=md["layers"], d_model=geom.d_model, dtype="float32", tokens=geom.tokens_per_example,
             token_labels=regular_size(self.path / P.LABELS_FILE) is not None, model_id=md["ckpt"], attrs=self._attrs(),
+            zarr_format=2,  # a description of the saev files (read directly), not a layout written
         )
 
     def _attrs(self) -> dict[str, Any]:

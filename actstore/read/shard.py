@@ -16,7 +16,7 @@ from actstore.layout import spec
 from actstore.chunkio import ChunkIO, crc32c
 from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
 from actstore.layout import jsonio, keys, records, texts
-from actstore.layout.arraymeta import array_problems
+from actstore.layout.arraymeta import array_problems, chunk_rows
 from actstore.layout.arrays import array_specs, every_chunk
 from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme, row_chunk_key
 from actstore.layout.config import SegmentSpec, StoreConfig
@@ -45,12 +45,16 @@ class ShardReader:
         self.where = self.storage.url
         self.entry = entry
         self.cfg = cfg
-        if not self.storage.exists(keys.COMMIT) and self.storage.kind(keys.COMMIT) is None and not self.storage.list_dir():
-            raise StoreNotFoundError(
-                f"shard {entry.name} listed in the manifest of {storage.url} is missing (holds examples "
-                f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: {[keys.shard_name(n) for n in catalog.shard_numbers(storage)]}"
-            )
-        self.commit = catalog.read_commit(self.storage)
+        try:  # one GET: on an object store, an existence check first would be a request more
+            self.commit = catalog.read_commit(self.storage)
+        except CorruptStoreError:
+            if self.storage.kind(keys.COMMIT) is None and not self.storage.list_dir():
+                raise StoreNotFoundError(
+                    f"shard {entry.name} listed in the manifest of {storage.url} is missing (holds examples "
+                    f"{entry.start}..{entry.start + entry.n_examples - 1}); shards present: "
+                    f"{[keys.shard_name(n) for n in catalog.shard_numbers(storage)]}"
+                ) from None
+            raise
         committed = self.commit.n_committed  # counts are checked before anything is allocated
         if committed < entry.n_examples:
             raise CorruptStoreError(
@@ -67,7 +71,7 @@ class ShardReader:
         self._backed: set[str] = set()
         self._zkeys: dict[str, tuple[int, str, list[int] | None]] = {}  # zarr-read arrays: how chunks are named
         try:
-            consolidated = catalog.consolidated_arrays(self.storage)
+            consolidated = catalog.consolidated_arrays(self.storage, cfg.zarr_format)
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # untrusted JSON: any shape
             raise CorruptStoreError(f"shard {self.where} has damaged consolidated metadata ({e!r})") from None
         for seg in cfg.segments:
@@ -115,7 +119,7 @@ class ShardReader:
         import zarr
 
         try:
-            return zarr.open_array(store=self.storage.zarr_store(rel, read_only=True), mode="r")
+            return zarr.open_array(store=self.storage.zarr_store(rel, read_only=True), mode="r", zarr_format=self.cfg.zarr_format)
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise CorruptStoreError(f"array {self.storage.where(rel)} cannot be opened ({e!r})") from None
 
@@ -125,7 +129,7 @@ class ShardReader:
         if arr is None:
             rel = keys.field_array(name)
             try:
-                meta = catalog.array_meta(self.storage, rel)
+                meta = catalog.array_meta(self.storage, rel, self.cfg.zarr_format)
                 self._check_meta(rel, meta)
             except KeyNotFound:
                 raise CorruptStoreError(f"shard {self.where} has no array {rel}") from None
@@ -134,7 +138,7 @@ class ShardReader:
             if z.shape[0] < n:
                 raise CorruptStoreError(f"array {self.storage.where(rel)} holds {z.shape[0]} values; the manifest says {n}")
             if not self._rows_checked:
-                rows = catalog.rows_on_disk(self.storage)
+                rows = catalog.rows_on_disk(self.storage, self.cfg.zarr_format)
                 if rows < n:
                     raise CorruptStoreError(
                         f"shard {self.where}: its {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples but the "
@@ -163,7 +167,7 @@ class ShardReader:
         if not (dense or big):
             return
         fmt, sep = key_scheme(meta)
-        rows = want.chunks[0]
+        rows = chunk_rows(meta, want)
         for c in range(-(-n // rows)):
             key = row_chunk_key(rel, fmt, sep, len(want.shape), c)
             size = self.storage.size(key)

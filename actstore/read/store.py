@@ -51,7 +51,10 @@ class SegmentView:
         return self._store._read_segment(self.spec, ex, layer, pad=True)
 
     def lengths(self) -> np.ndarray:
-        """Lengths of this segment for every example, in global order."""
+        """Lengths of this segment for every example, in global order (of a fixed segment,
+        its t_max: nothing is read, so planning over many shards costs no request a shard)."""
+        if self.spec.fixed:
+            return np.full(len(self._store), self.t_max, np.int32)
         return self._store._global_per_sample(self.name + spec.LEN_SUFFIX)
 
 

@@ -3,6 +3,7 @@ the shard being checked."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,35 +21,46 @@ MAX_LISTED = 50  # problems of one kind listed per shard; the rest are counted i
 
 
 class Listing:
-    """Every key of the store, listed once (kinds: file, dir, link, other)."""
+    """Every key of the store, listed once (kinds: file, dir, link, other), sorted, so that
+    the keys below a folder are one contiguous range found by bisection: a query costs
+    O(log n + its answer), and checking every shard of a store stays linear in its keys."""
 
     def __init__(self, storage: Storage):
         self.entries: dict[str, Entry] = {e.key: e for e in storage.list()}
+        self._keys = sorted(self.entries)
 
     def kind(self, key: str) -> str | None:
         e = self.entries.get(key)
         if e is not None:
             return e.kind
-        return "dir" if self.under(key) else None
+        lo, hi = self._range(key)
+        return "dir" if lo < hi else None
 
     def size(self, key: str) -> int | None:
         e = self.entries.get(key)
         return e.size if e is not None and e.kind == "file" else None
 
+    def _range(self, prefix: str) -> tuple[int, int]:
+        """The index range of the sorted keys below the folder `prefix`."""
+        if not prefix:
+            return 0, len(self._keys)
+        head = prefix.rstrip("/") + "/"
+        # every key that starts with head sorts between head and head + U+10FFFF
+        return bisect_left(self._keys, head), bisect_left(self._keys, head + "\U0010ffff")
+
     def under(self, prefix: str) -> list[Entry]:
-        """Entries below the folder `prefix` (recursively)."""
-        head = prefix.rstrip("/") + "/" if prefix else ""
-        return [e for k, e in self.entries.items() if k.startswith(head)]
+        """Entries below the folder `prefix` (recursively), in key order."""
+        lo, hi = self._range(prefix)
+        return [self.entries[k] for k in self._keys[lo:hi]]
 
     def children(self, prefix: str) -> dict[str, str]:
         """{name: kind} directly under the folder `prefix` (a sub-folder is "dir")."""
         head = prefix.rstrip("/") + "/" if prefix else ""
+        lo, hi = self._range(prefix)
         out: dict[str, str] = {}
-        for k, e in self.entries.items():
-            if k.startswith(head):
-                rest = k[len(head):]
-                name, sep, _ = rest.partition("/")
-                out[name] = "dir" if sep else e.kind
+        for k in self._keys[lo:hi]:
+            name, sep, _ = k[len(head):].partition("/")
+            out[name] = "dir" if sep else self.entries[k].kind
         return out
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from actstore.chunkio import crc32c
 from actstore.errors import ActstoreError, CorruptChunkError
 from actstore.layout import keys, texts
+from actstore.layout.checksum import per_sample_crc32c
 from actstore.layout.records import Block
 from actstore.verify.acts import ActsCheck
 from actstore.verify.check import Checker, ShardCtx
@@ -112,8 +113,10 @@ def _read_example(a: ActsCheck, zarr_arr: Any, local: int, shape: tuple[int, int
     return out
 
 
-def per_sample_values(v: Checker, ctx: ShardCtx, array: str) -> None:
-    """Read a per-sample array's published values; segment lengths must lie in 0..t_max."""
+def per_sample_values(v: Checker, ctx: ShardCtx, array: str, blocks: list[Block], dtype: str) -> None:
+    """Read a per-sample array's published values; each block's rows must match the crc32c
+    its writer recorded (blocks of older writers record none); segment lengths must lie in
+    0..t_max."""
     import zarr
 
     name, key = keys.basename(array), ctx.key(array)
@@ -122,6 +125,16 @@ def per_sample_values(v: Checker, ctx: ShardCtx, array: str) -> None:
     except Exception as e:  # noqa: BLE001 - any decoding failure of untrusted bytes is damage
         v.add(ERROR, "per-sample", f"per-sample array {name} cannot be read ({e!r})", key, shard=ctx.shard)
         return
+    for b in blocks:
+        want = (b.per_sample_crc32c or {}).get(name)
+        if want is None or b.start >= ctx.n:
+            continue
+        rows = values[b.start : min(b.stop, ctx.n)]
+        if b.stop <= ctx.n and per_sample_crc32c(rows, dtype) != want:
+            first, last = ctx.example_name(b.start), ctx.example_name(b.stop - 1)
+            v.add(ERROR, "per-sample-checksum",
+                  f"per-sample array {name}: the values of examples {first}..{last} do not match the crc32c their writer "
+                  "recorded (a value was changed on disk)", key, shard=ctx.shard, local=b.start, example=ctx.global_index(b.start))
     for seg in v.cfg.segments:
         if array == keys.len_array(seg.name) and values.size and (values.min() < 0 or values.max() > seg.t_max):
             bad = int(np.flatnonzero((values < 0) | (values > seg.t_max))[0])

@@ -9,7 +9,7 @@ import numpy as np
 from actstore import catalog
 from actstore.errors import ActstoreError, FormatVersionError, UnsafePathError
 from actstore.layout import keys, records, spec
-from actstore.layout.arraymeta import array_problems
+from actstore.layout.arraymeta import array_problems, chunk_rows
 from actstore.layout.arrays import ArraySpec, array_specs, every_chunk
 from actstore.layout.chunks import array_shape, key_scheme, row_chunk_key
 from actstore.layout.config import StoreConfig
@@ -62,7 +62,7 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
             if deep and acts.deep_ok:
                 deep_checks.checksums(acts, blocks, el)
             acts.report_missing()
-    _check_per_sample(v, ctx, deep)
+    _check_per_sample(v, ctx, deep, blocks or [])
     _check_texts(v, ctx, deep)
     if rec is not None and rec.stats_file and n:
         key = ctx.key(rec.stats_file)
@@ -209,7 +209,7 @@ def _array_keys(cfg: StoreConfig) -> list[str]:
     return names + [keys.field_array(spec.SAMPLE_KEY)] + [keys.field_array(f) for f in cfg.fields]
 
 
-def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
+def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool, blocks: list[Block]) -> None:
     specs = array_specs(v.cfg)
     acts = {keys.acts_array(s.name) for s in v.cfg.segments}
     for array in _array_keys(v.cfg):
@@ -240,7 +240,7 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool) -> None:
             v.add(ERROR, "array-meta", f"per-sample array {name}: {attrs}", key, **where)
         dense = not attrs and every_chunk(catalog.array_attrs(ctx.storage, array, meta))
         if _walk_per_sample(v, ctx, array, meta, specs[array], dense) and deep:
-            deep_checks.per_sample_values(v, ctx, array)
+            deep_checks.per_sample_values(v, ctx, array, blocks, specs[array].dtype)
 
 
 def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: ArraySpec, dense: bool) -> bool:
@@ -248,8 +248,8 @@ def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: Ar
     file's size (per-sample arrays are never compressed) and, when the array promises every
     chunk (`dense`), the chunks missing; False when a chunk cannot be read."""
     fmt, sep = key_scheme(meta)
-    nbytes = int(np.prod(want.chunks)) * np.dtype(want.dtype).itemsize
-    rows, name = want.chunks[0], keys.basename(array)
+    rows, name = chunk_rows(meta, want), keys.basename(array)
+    nbytes = rows * int(np.prod(want.chunks[1:], dtype=np.int64)) * np.dtype(want.dtype).itemsize
     ok, present = True, set()
     for rel, key, entry in array_entries(v.listing, ctx.key(array), fmt, sep, len(want.shape)):
         if key is not None and not any(key[1:]):

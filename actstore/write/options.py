@@ -64,8 +64,10 @@ OPTION_KEYWORDS = tuple(f.name for f in fields(WriterOptions))
 
 def store_config(config: StoreConfig | None, given: Mapping[str, Any]) -> StoreConfig:
     """`config`, or the StoreConfig that the keywords `given` (those not None) describe;
-    never both."""
-    given = {k: v for k, v in given.items() if v is not None}
+    never both. `shard_examples` is given unless it is "auto" (its default): None there
+    asks for no Zarr sharding."""
+    given = {k: v for k, v in given.items()
+             if (v is not None or k == "shard_examples") and not (k == "shard_examples" and v == spec.SHARD_EXAMPLES_AUTO)}
     if config is not None:
         if given:
             raise TypeError(f"pass config= or the store's keywords, not both: got config= and {sorted(given)}")

@@ -28,6 +28,9 @@ from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, stats_key
 from actstore.storage import open_storage
 from actstore.write import batch as batches
+from actstore.layout.arrays import shard_arrays
+from actstore.layout.checksum import per_sample_crc32c
+from actstore.write.appendfiles import AppendFiles
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease
 from actstore.write.options import CONFIG_KEYWORDS, OPTION_KEYWORDS, WriterOptions, store_config, writer_options
@@ -60,10 +63,13 @@ class ShardWriter(ShardSetup):
             {"prompt": 256, "response": 64}; lengths are passed with each batch.
         dtype: "float16" (default), "bfloat16" or "float32".
         t_chunk: token chunk length (int, or {segment: int}); default keeps chunks <= 4 MiB.
-        zarr_format: 2 (default) or 3.
+        zarr_format: 3 (default) or 2 (the chunk-file layout: one file or object per
+            (example, layer, token chunk)).
         shard_examples: with zarr_format=3, examples per Zarr shard file (sharding codec);
-            batches are staged per shard file (up to 3 buffers of one shard file each,
-            per segment) and a background thread writes each full one.
+            "auto" (default): those that fill about 256 MiB (spec.DEFAULT_SHARD_BYTES);
+            None: no sharding (one object per chunk). Batches are staged per shard file
+            (up to 3 buffers of one shard file each, per segment) and a background thread
+            writes each full one.
         fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
         texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
         token_labels: store a uint8 label per token (saev labels.bin).
@@ -102,7 +108,7 @@ class ShardWriter(ShardSetup):
         dtype: Any = None,
         t_chunk: int | Mapping[str, int] | None = None,
         zarr_format: int | None = None,
-        shard_examples: int | None = None,
+        shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO,
         fields: Mapping[str, Any] | None = None,
         texts: Sequence[str] | None = None,
         token_labels: bool | None = None,
@@ -146,6 +152,7 @@ class ShardWriter(ShardSetup):
         self.fsync = opts.fsync
         self.io_threads, self.io_bytes = opts.io_threads, opts.io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
+        self._records = AppendFiles(self.sh)
         self.world_size = opts.world_size
         self._closed = False
         names = [s.name for s in cfg.segments]
@@ -342,21 +349,24 @@ class ShardWriter(ShardSetup):
         if n1 == n0 and not complete:
             return
         if n1 > n0:
+            ps_crc = {}
+            dtypes = {a.key: a.dtype for a in shard_arrays(cfg)}  # as deep verify checks them
             for name in self._per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
                 arr = arrays.every_chunk(self._group, name)
                 _set_rows(arr, n1)
                 arr[n0:n1] = vals
+                ps_crc[keys.basename(name)] = per_sample_crc32c(vals, dtypes[name])
             for seg in cfg.segments:
                 _set_rows(self._group[keys.acts_array(seg.name)], n1)
             for name, lines in self._pending_text.items():
-                self.text_bytes[name] = sh.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
+                self.text_bytes[name] = self._records.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
                 del lines[: n1 - n0]
             block_crc, el_esl = self._layout.take_checksums(n1 - n0)
-            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes())
+            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes(), per_sample_crc32c=ps_crc)
             if self._el_crc_file:
-                sh.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
-            sh.append(keys.BLOCKS, records.dump_block(block))
+                self._records.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
+            self._records.append(keys.BLOCKS, records.dump_block(block))
             self.n_blocks += 1
         old_stats = self._stats_file
         if self.stats is not None:
@@ -364,7 +374,9 @@ class ShardWriter(ShardSetup):
             sh.put(self._stats_file, self.stats.to_bytes())
         if complete:
             self._group.attrs.update(self._shard_attrs(n1))
-            _write_consolidated(sh)
+            _write_consolidated(self._meta)
+        self._meta.flush()  # the arrays' new shapes and attributes, each document once
+        self._records.write_created()
         if self.fsync:
             sh.sync()
         self._lease.check()  # a writer whose shard was taken over commits nothing more
@@ -439,12 +451,13 @@ class ShardWriter(ShardSetup):
         return self.n_written
 
 
-def _write_consolidated(shard: Any) -> None:
-    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3)."""
+def _write_consolidated(store: Any) -> None:
+    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3),
+    into the shard's zarr store (its buffered metadata, written out by the commit)."""
     import warnings
 
     import zarr
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(shard.zarr_store("", read_only=False))
+        zarr.consolidate_metadata(store)

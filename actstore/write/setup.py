@@ -19,6 +19,7 @@ from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.chunks import array_meta_key, geometry_from_metadata
 from actstore.stats import read_stats
 from actstore.write.layouts import ChunkFiles, Layout, ZarrArrays
+from actstore.write.metabuffer import MetaBufferStore
 from actstore.write.pipeline import MAX_BYTES, WritePipeline
 from actstore.write.shardfiles import ShardFiles
 
@@ -67,13 +68,18 @@ class ShardSetup:
     def _create_arrays(self) -> None:
         import zarr
 
-        group = zarr.open_group(store=self.sh.zarr_store("", read_only=False), mode="a", zarr_format=self.cfg.zarr_format)
+        # The shard was just claimed (or emptied): it holds no Zarr metadata to read.
+        self._meta = MetaBufferStore(self.sh.zarr_store("", read_only=False), self.sh, empty=True)
+        group = zarr.open_group(store=self._meta, mode="a", zarr_format=self.cfg.zarr_format)
         arrays.create_shard_arrays(group, self.cfg, self.compressor)
         group.attrs.update(self._shard_attrs())
+        self._group = group
+        # Written by the first commit, each document once (zarr-python alone re-puts the
+        # groups' documents per array); until then the shard is claimed, with 0 examples.
         for name in self.cfg.texts:
-            self.sh.put(keys.text_file(name), b"")
-        self.sh.put(keys.BLOCKS, b"")
-        self.sh.put(keys.EL_CRC, b"")
+            self._records.create(keys.text_file(name))
+        self._records.create(keys.BLOCKS)
+        self._records.create(keys.EL_CRC)
 
     def _arrays_complete(self) -> bool:
         names = [keys.acts_array(s.name) for s in self.cfg.segments] + self._per_sample_names()
@@ -114,6 +120,7 @@ class ShardSetup:
             drop_chunks(self.sh, keys.acts_array(seg.name), first)
         self._group = self._open_group()
         self._resize_all(n)
+        self._meta.flush()
         self._truncate_records(rec)
         if self.stats is not None:
             if rec.stats_file:
@@ -151,7 +158,8 @@ class ShardSetup:
     def _open_group(self) -> Any:
         import zarr
 
-        return zarr.open_group(store=self.sh.zarr_store("", read_only=False), mode="r+")
+        self._meta = MetaBufferStore(self.sh.zarr_store("", read_only=False), self.sh, empty=False)
+        return zarr.open_group(store=self._meta, mode="r+")
 
     def _open_layout(self) -> None:
         if not hasattr(self, "_group"):
@@ -164,7 +172,7 @@ class ShardSetup:
         io = {}
         for s in cfg.segments:
             rel = keys.acts_array(s.name)
-            meta = jsonio.loads(self.sh.get(array_meta_key(rel, cfg.zarr_format)), self.sh.where(rel), what="array metadata")
+            meta = jsonio.loads(self._meta.read(array_meta_key(rel, cfg.zarr_format)), self.sh.where(rel), what="array metadata")
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
             assert geo is not None
             io[s.name] = ChunkIO(self.sh, geo)

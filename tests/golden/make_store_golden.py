@@ -116,7 +116,7 @@ def _qa_v2(path: Path) -> Expected:
     # (shard, [(start, stop, prompt tokens in the batch, response tokens in the batch)], commit after batches)
     plan = [(0, [(0, 3, 5, 3), (3, 5, 4, 2), (5, 7, 5, 3)], {0, 1}), (1, [(7, 11, 5, 3)], set())]
     kw = dict(layers=layers, d_model=D, segments={"prompt": P, "response": R}, t_chunk={"response": 2},
-              fields={"label": "int16"}, texts=["prompt"], token_labels=True, stats=True,
+              fields={"label": "int16"}, texts=["prompt"], token_labels=True, stats=True, zarr_format=2,
               model_id="golden/qa-llm", attrs={"dataset": "golden-qa", "family": "llm"})
     for shard, batches, commits in plan:
         with actstore.ShardWriter(path, shard=shard, **kw) as w:
