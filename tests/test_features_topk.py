@@ -166,7 +166,7 @@ def test_bad_inputs_are_refused_before_the_pass(tmp_path):
             top_activations(store, 0, neurons(D), k=k)
     with pytest.raises(EncoderError, match="takes d_in=9 but layer 0 .* has d_model=8"):
         top_activations(store, 0, neurons(9))
-    with pytest.raises(LayerNotFoundError, match=r"layers \[5\] are not stored"):
+    with pytest.raises(LayerNotFoundError, match=r"layer 5 is not stored; this store holds layers \[0, 2\]"):
         top_activations(store, 5, neurons(D))
     with pytest.raises(FeatureError, match="features must be ids in 0..7"):
         top_activations(store, 0, neurons(D), features="3-8")

@@ -106,3 +106,22 @@ def test_a_dead_worker_fails_the_loader():
     with within(GUARD_S, "a loader whose worker died"):
         with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid.*(is killed by signal|exited unexpectedly)"):
             list(dl)
+
+
+def test_a_store_unpickled_where_the_environment_lacks_the_endpoint_reads_the_same(s3_store, tmp_path):
+    """A forkserver keeps the environment of when it started, so a DataLoader worker may not
+    know the endpoint the training script set later: a pickled store in object storage
+    carries the provider settings it was opened with, and reads the same there."""
+    import pickle
+    import subprocess
+    import sys
+
+    st = ActStore(s3_store)
+    (tmp_path / "store.pkl").write_bytes(pickle.dumps(st))
+    np.save(tmp_path / "want.npy", np.asarray(st[3, 1]))
+    code = ("import pickle, sys, numpy as np; st = pickle.load(open(sys.argv[1], 'rb')); "
+            "assert np.array_equal(np.asarray(st[3, 1]), np.load(sys.argv[2])); print('same', len(st))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # no endpoint, no credentials
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store.pkl"), str(tmp_path / "want.npy")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "same 12", r.stderr[-2000:]

@@ -67,10 +67,11 @@ def test_verify_modes_on_a_saev_directory(pair):
     with open(acts, "r+b") as f:  # a NaN in place of the first float32: sizes still right
         f.write(np.array([np.nan], "<f4").tobytes())
     assert len(actstore.open(saev_dir, verify="fast")) == 6
-    with pytest.raises(VerificationError, match=r"failed verification \(deep\): 1 problem, the first: .*"
-                       r"Run `actstore verify-saev .* --values` for the full list") as e:
+    with pytest.raises(VerificationError, match=r"failed verification \(deep\): 2 problems, the first: acts000000.bin: 1 non-finite "
+                       r"values .*Run `actstore verify-saev .* --values` for the full list") as e:
         actstore.open(saev_dir, verify="deep")
-    assert e.value.report.problems  # the SaevReport travels with the error
+    # the SaevReport travels with the error: the NaN, and the changed bytes against the export's checksum sidecar
+    assert len(e.value.report.problems) == 2 and "crc32c" in str(e.value.report.problems[1])
     (saev_dir / "notes.txt").write_text("x")
     with pytest.raises(VerificationError, match=r"failed verification \(fast\): 1 problem, the first: stray file 'notes.txt'"):
         actstore.open(saev_dir, verify="fast")

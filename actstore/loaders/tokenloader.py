@@ -57,7 +57,9 @@ class TokenLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
-        self.multiprocessing_context = worker_context(getattr(stream.store, "storage", None), num_workers, multiprocessing_context)
+        for source in getattr(stream, "streams", [stream]):  # an AlignedTokenStream streams several sources
+            multiprocessing_context = worker_context(getattr(source.store, "storage", None), num_workers, multiprocessing_context)
+        self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
         stream._num_workers = num_workers
 

@@ -88,7 +88,7 @@ class ActStore(Reader):
         self._open()
 
     def _open(self) -> None:
-        self.storage = open_storage(self._location)
+        self.storage = self._storage_opened = open_storage(self._location)
         local = self.storage.local_root
         # The store's location: a Path for a local folder, the URL string otherwise.
         self.path: Path | str = local if local is not None else self.storage.url
@@ -113,7 +113,10 @@ class ActStore(Reader):
 
     # ---- pickling: only the location travels ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self._location, "verify": None, "cache": self._cache}
+        # A store in object storage travels as its Storage, which carries the provider
+        # settings of this process's environment to the worker that unpickles it.
+        remote = self._storage_opened if self._storage_opened.local_root is None else self._location
+        return {"path": remote, "verify": None, "cache": self._cache}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._location = state["path"]

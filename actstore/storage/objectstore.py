@@ -37,6 +37,9 @@ def _obstore(url: str = "an object store"):
     return forksafe.obstore_for(url)
 
 
+PROVIDER_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "AZURITE_")
+
+
 class ObjectStorage(Storage):
     """A store at an object-store URL (`s3://bucket/prefix`, `gs://...`, `az://...`).
 
@@ -53,6 +56,10 @@ class ObjectStorage(Storage):
         self._options = {k: v for k, v in {"client_options": client_options, "retry_config": retry_config}.items() if v}
         self._store = None
         self._pid = os.getpid()
+        # The provider settings obstore reads from the environment, as this process sees them:
+        # a worker started by spawn or forkserver (whose server keeps the environment of when
+        # it started) builds its client with the same ones (__setstate__).
+        self._env = {k: v for k, v in os.environ.items() if k.startswith(PROVIDER_ENV_PREFIXES)}
 
     @property
     def store(self) -> Any:
@@ -66,6 +73,11 @@ class ObjectStorage(Storage):
         state = self.__dict__.copy()
         state["_store"] = None
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for k, v in state.get("_env", {}).items():  # what the worker's own environment does not say
+            os.environ.setdefault(k, v)
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"

@@ -61,8 +61,10 @@ class ShardSetup:
                 "give each writer its own shard number"
             )
         # Claimed under this writer's lease: a temporary file left here is a dead writer's
-        # (one killed inside its own claim leaves its commit record's): drop it.
-        self._drop_temporary()
+        # (one killed inside its own claim leaves its commit record's): drop it. Only local
+        # writes go through temporary files (an object-store put is atomic).
+        if self.storage.local_root is not None:
+            self._drop_temporary()
         self._create_arrays()
 
     def _create_arrays(self) -> None:
