@@ -60,6 +60,18 @@ class StoreConfig:
     def t_total(self) -> int:
         return sum(s.t_max for s in self.segments)
 
+    @property
+    def labels_mark_kinds(self) -> bool:
+        """Whether the per-token labels mark token kinds (0 content, 1 special token, 2 chat
+        template: a text store's), so that "label 0" is the content mask that every reader
+        applies by default (actstore.read.masks). False without labels, and for an image
+        store, whose labels are classes (a saev labels.bin), not a mask: one with attrs
+        ["image"], or whose segments are all fixed-length, unless its attrs["token_labels"]
+        records the kinds' meaning (as capture writes it)."""
+        if not self.token_labels or self.attrs.get("image"):
+            return False
+        return isinstance(self.attrs.get("token_labels"), Mapping) or any(not s.fixed for s in self.segments)
+
     def segment(self, name: str) -> SegmentSpec:
         for s in self.segments:
             if s.name == name:
