@@ -41,7 +41,6 @@ def packed(tmp_path_factory):
     cli("write", root / "s", "--model", model, "--data", corpus, "--layers", "0,2", "--pack", "--context", "8", "--quiet")
     store = actstore.ActStore(root / "s")
     labels = store.field("tokens_token_labels")
-    lens = store.field("tokens_len")
     assert all(labels[i, 0] == 1 for i in range(len(store)))  # the window BOS, special
     return store
 
