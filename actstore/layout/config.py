@@ -65,12 +65,9 @@ class StoreConfig:
         """Whether the per-token labels mark token kinds (0 content, 1 special token, 2 chat
         template: a text store's), so that "label 0" is the content mask that every reader
         applies by default (actstore.read.masks). False without labels, and for an image
-        store, whose labels are classes (a saev labels.bin), not a mask: one with attrs
-        ["image"], or whose segments are all fixed-length, unless its attrs["token_labels"]
-        records the kinds' meaning (as capture writes it)."""
-        if not self.token_labels or self.attrs.get("image"):
-            return False
-        return isinstance(self.attrs.get("token_labels"), Mapping) or any(not s.fixed for s in self.segments)
+        store, whose labels are classes (a saev labels.bin), not a mask: one whose attrs
+        describe images (IMAGE_ATTRS: "image", "cls_token", "saev_protocol")."""
+        return bool(self.token_labels) and not any(k in self.attrs for k in spec.IMAGE_ATTRS)
 
     def segment(self, name: str) -> SegmentSpec:
         for s in self.segments:
