@@ -1,6 +1,8 @@
 """Running activation statistics: exact per-batch moments merged with Chan's formula.
 
-One accumulator keeps, for each (layer, segment) key, over every stored token vector:
+One accumulator keeps, for each (layer, segment) key, over the token vectors it is given
+(ShardWriter gives the real tokens that the readers' default mask keeps: only content
+tokens, label 0, of a text store whose labels mark token kinds; actstore.read.masks):
 count, per-dimension mean and M2 (sum of squared deviations; variance = M2 / count),
 the sum of L2 norms, the min and max element, the count of vectors that held a
 non-finite value (those are left out of the moments), and the count of values that

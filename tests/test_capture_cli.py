@@ -188,7 +188,7 @@ def test_workers_and_ranks_equal_a_single_writer(tmp_path, llama_dir):
         st = other.stats()
         for layer in (0, 2):
             for seg in ("prompt", "response"):
-                v = all_vectors(other, layer, seg)
+                v = all_vectors(other, layer, seg, content=True)  # statistics cover content tokens (label 0)
                 k = st.keys.index(f"layer{layer}/{seg}")
                 np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-10, atol=1e-12)
                 np.testing.assert_allclose(st.m2[k] / st.count[k], v.var(0), rtol=1e-9, atol=1e-12)

@@ -142,8 +142,12 @@ def reference_pixels(path_or_rgb, size: int) -> np.ndarray:
     return ((a - mean) / std).transpose(2, 0, 1)
 
 
-def all_vectors(store, layer: int, segment: str | None = None) -> np.ndarray:
-    """Every stored vector of `layer` (within lengths), float64, from the reader."""
+def all_vectors(store, layer: int, segment: str | None = None, content: bool = False) -> np.ndarray:
+    """Every stored vector of `layer` (within lengths), float64, from the reader; `content`:
+    only those whose token label is 0 (what the statistics of a text store with labels cover)."""
     view = store.segment(segment) if segment else store
     parts = [np.asarray(view[i, layer], np.float64) for i in range(len(store))]
+    if content:
+        labels = store.field(f"{segment}_token_labels")
+        parts = [p[labels[i, : len(p)] == 0] for i, p in enumerate(parts)]
     return np.concatenate(parts, axis=0)

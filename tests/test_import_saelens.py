@@ -91,7 +91,7 @@ def test_export_codes_become_token_labels(tmp_path):
         w.append(rng.standard_normal((6, 1, 5, 4)), token_labels=rng.integers(0, 3, (6, 5)).astype(np.uint8))
     actstore.finalize(tmp_path / "src")
     src = ActStore(tmp_path / "src")
-    export_saelens(src, tmp_path / "exp", layer=2, context_size=4, progress=False)
+    export_saelens(src, tmp_path / "exp", layer=2, context_size=4, skip_special=False, progress=False)  # every token: all three codes
     import_saelens(tmp_path / "exp", tmp_path / "back", progress=False)
     back = ActStore(tmp_path / "back")
     assert back.config.token_labels and not back.config.token_ids

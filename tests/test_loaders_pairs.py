@@ -36,7 +36,10 @@ def check_batch(store, ds, batch):
                 # Past the length: the padding exactly as stored.
                 np.testing.assert_array_equal(got, np.asarray(store.segment(seg.name).padded(ex, layer), dtype=np.float32))
         if "mask" in batch:
-            want_mask = np.concatenate([np.arange(s.t_max) < lens[s.name] for s in ds.segments])
+            # The default mask: real tokens, and of those content only (label 0) where the labels mark token kinds.
+            kinds = store.config.labels_mark_kinds
+            want_mask = np.concatenate([(np.arange(s.t_max) < lens[s.name]) & ((store.field(f"{s.name}_token_labels")[ex] == 0) if kinds else True)
+                                        for s in ds.segments])
             assert batch["mask"][i].tolist() == want_mask.tolist()
 
 

@@ -55,6 +55,11 @@ def expected_rows(store, layers=None, segments=None, keep=None):
     return out
 
 
+def content(store):
+    """The default mask of a store whose labels mark token kinds: label 0 (content) only."""
+    return {name: store.field(f"{name}_token_labels") == 0 for name in store.segments}
+
+
 def rows_of(batches):
     return [(int(e), int(l), int(s), int(t)) for b in batches for e, l, s, t in
             zip(b["example"], b["layer"], b["segment"], b["token"])]
@@ -84,8 +89,8 @@ def test_epoch_yields_every_token_once_with_store_values(tmp_path):
     assert ts.window_batches == 3
     batches = list(ts)
     rows = rows_of(batches)
-    assert sorted(rows) == sorted(expected_rows(store))
-    assert len(rows) == ts.n_tokens and len(batches) == len(ts) == -(-ts.n_tokens // 7)
+    assert sorted(rows) == sorted(expected_rows(store, keep=content(store)))  # the default mask: content tokens
+    assert len(rows) == ts.n_tokens < len(expected_rows(store)) and len(batches) == len(ts) == -(-ts.n_tokens // 7)
     assert all(len(b["acts"]) == 7 for b in batches[:-1]) and batches[0]["acts"].dtype == torch.float16
     check_values(store, ts, batches)
     assert ts.epoch == 1 and ts.state_dict()["batches_done"] == 0
@@ -100,7 +105,7 @@ def test_layers_segments_and_stored_dtype(tmp_path):
     ts = TokenStream(store, batch_size=5, layers=[9], segments="response", dtype=None, return_index=True, buffer_bytes=1)
     batches = list(ts)
     assert batches[0]["acts"].dtype == torch.bfloat16 and ts.window_batches == 1
-    assert sorted(rows_of(batches)) == sorted(expected_rows(store, layers=[9], segments=["response"]))
+    assert sorted(rows_of(batches)) == sorted(expected_rows(store, layers=[9], segments=["response"], keep=content(store)))
     for b in batches:
         for i in range(len(b["acts"])):
             ref = store.segment("response")[int(b["example"][i]), 9][int(b["token"][i])]
@@ -160,7 +165,7 @@ def test_ranks_and_workers_are_disjoint_and_complete(tmp_path):
     everything = Counter()
     counts = []
     for rank in range(3):
-        ts = TokenStream(store, batch_size=5, rank=rank, world_size=3, return_index=True, buffer_bytes=5 * 16 * 2)
+        ts = TokenStream(store, batch_size=5, rank=rank, world_size=3, return_index=True, buffer_bytes=5 * 16 * 2, token_mask="all")
         batches = list(ts.loader(num_workers=2, multiprocessing_context="fork"))
         counts.append(len(batches))
         assert len(batches) == len(ts)

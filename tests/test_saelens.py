@@ -53,7 +53,8 @@ def _sorted(x, ids):
 def test_saelens_reads_exactly_the_real_tokens(store, tmp_path):
     from sae_lens.training.activations_store import ActivationsStore
 
-    res = export_saelens(store, tmp_path / "out", layer="blocks.3.hook_resid_post", context_size=16, seed=3, progress=False)
+    res = export_saelens(store, tmp_path / "out", layer="blocks.3.hook_resid_post", context_size=16, seed=3, skip_special=False,
+                         progress=False)  # every real token, special and template ones included
     cfg = json.loads((tmp_path / "out" / "saelens_config.json").read_text())
     assert cfg == res.config and cfg["hook_name"] == "blocks.3.hook_resid_post" and cfg["d_in"] == 8
     assert res.n_rows % cfg["store_batch_size_prompts"] == 0  # SAELens reads every row
@@ -123,7 +124,11 @@ def test_cli_and_errors(store, tmp_path):
     res = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3", "--json", "--quiet"])
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
-    assert s["tokens"] == len(_real(store, 3)[1]) and s["config"]["hook_name"] == "blocks.3.hook_resid_post"
+    content = sum(int((store.field(f"{g}_token_labels")[i, : store.lengths(i)[g]] == 0).sum()) for i in range(len(store)) for g in store.segments)
+    assert s["tokens"] == content < len(_real(store, 3)[1])  # by default the labels' special and template tokens are left out
+    assert s["config"]["hook_name"] == "blocks.3.hook_resid_post"
+    every = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "k"), "--layer", "3", "--json", "--quiet", "--keep-special"])
+    assert every.exit_code == 0 and json.loads(every.stdout)["tokens"] == len(_real(store, 3)[1])
     quiet = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"])
     assert (quiet.exit_code, quiet.output) == (0, "") and (tmp_path / "q" / "saelens_config.json").exists()
     again = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3"])

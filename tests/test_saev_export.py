@@ -27,11 +27,14 @@ CASES = [
     ("vit", "float16", "2.0", {"patches_per_shard": 50}, {"cls": True, "zarr_format": 3, "shard_examples": 4}),
 ]
 # Stores with padded (text) segments: real tokens only, packed tokens_per_example (default 1) to an example.
+# keep_special: every real token (text_store's labels 1..8 would leave none under the default content mask;
+# tests/test_default_mask.py covers that default).
 LLM_CASES = [
-    ("float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text"}, {}),
-    ("float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"], "tokens_per_example": 3}, {"t_chunk": 3}),
+    ("float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text", "keep_special": True}, {}),
+    ("float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"], "tokens_per_example": 3,
+                        "keep_special": True}, {"t_chunk": 3}),
     ("bfloat16", "2.0", {"patches_per_shard": 60, "family": "siglip", "dataset": "/d", "segments": ["response", "prompt"], "layers": [3],
-                         "tokens_per_example": 4}, {}),
+                         "tokens_per_example": 4, "keep_special": True}, {}),
 ]
 
 
@@ -174,7 +177,7 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
 
 def test_small_batches_and_one_worker_give_the_same_bytes(tmp_path):
     store = text_store(tmp_path / "s", dtype="float16", t_chunk=4)
-    kw = dict(patches_per_shard=50, family="clip", dataset="/d", progress=False)
+    kw = dict(patches_per_shard=50, family="clip", dataset="/d", keep_special=True, progress=False)
     a = export_saev(store, tmp_path / "a", **kw)
     b = export_saev(store, tmp_path / "b", workers=1, batch_bytes=1, **kw)
     assert a.hash == b.hash

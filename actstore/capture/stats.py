@@ -22,7 +22,9 @@ class Normalization:
 
 
 def normalization(store: object, layer: int, segment: str | None = None) -> Normalization:
-    """Statistics of `layer` (and `segment`; the only one by default) for normalising inputs.
+    """Statistics of `layer` (and `segment`; the only one by default) for normalising inputs:
+    over the tokens the loaders' default mask keeps (content tokens only for a text store
+    whose labels mark token kinds: actstore.read.masks).
 
     Args:
         store: an ActStore or the path of a finalized store written with statistics.

@@ -23,14 +23,17 @@ def register(main: click.Group) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token-level shuffle.")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
               help="Column dtype (float16: exact for float16 stores, half the disk).")
-@click.option("--skip-special", is_flag=True, help="Leave out tokens labelled special or chat template.")
+@click.option("--skip-special/--keep-special", default=None,
+              help="Leave out (default for a text store whose labels mark token kinds) or keep the tokens labelled special "
+                   "or chat template, such as the BOS that starts every --pack/--chunk window.")
 @click.option("--quiet", is_flag=True, help="No progress bar, no config printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the SAELens config) on stdout.")
 def export_saelens_cmd(store: str, out: str, layer: str, hook_name: str | None, context_size: int, seed: int, dtype: str,
-                       skip_special: bool, quiet: bool, as_json: bool) -> None:
+                       skip_special: bool | None, quiet: bool, as_json: bool) -> None:
     """Write LAYER of STORE to OUT as the dataset SAELens trains from with use_cached_activations.
 
-    Real tokens only (no padding), shuffled at token level with SEED, packed into rows of
+    Real tokens only (no padding; for a text store with token labels, no special or
+    chat-template tokens unless --keep-special), shuffled at token level with SEED, packed into rows of
     CONTEXT_SIZE tokens, with token ids. Prints the SAELens config to use (also written to
     OUT/saelens_config.json).
     """

@@ -53,8 +53,12 @@ def _names(value: str | None) -> list[str] | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the directory.")
 @click.option("--tokens-per-example", type=int, default=None,
               help="Stores with padded (text) segments: real tokens packed this many to an exported example (default 1).")
+@click.option("--keep-special", is_flag=True,
+              help="Text stores with token labels: also export BOS, special and chat-template tokens (left out by default, "
+                   "as by the loaders; every --pack/--chunk window starts with a BOS).")
 def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckpt, dataset, data,
-               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet, as_json, tokens_per_example) -> None:
+               patches_per_shard, pixel_agg, labels, overwrite, workers, no_fsync, quiet, as_json, tokens_per_example,
+               keep_special) -> None:
     """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
 
     Float32 shards in the store's example order; the directory is built beside its target
@@ -69,7 +73,7 @@ def export_cmd(store, dump_to, protocol, layers, segments, cls_mode, family, ckp
         store, dump_to, protocol=protocol, layers=None if layers is None else parse_layer_list(layers), segments=_names(segments), cls=cls_mode,
         family=family, ckpt=ckpt, dataset=dataset, data=data, patches_per_shard=patches_per_shard,
         pixel_agg=pixel_agg, labels=labels, overwrite=overwrite, workers=workers, fsync=not no_fsync,
-        progress=not quiet, tokens_per_example=tokens_per_example,
+        progress=not quiet, tokens_per_example=tokens_per_example, keep_special=keep_special,
     )
     if as_json:
         import json

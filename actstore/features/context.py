@@ -70,10 +70,10 @@ def _origins(store: Reader, ex: int) -> np.ndarray | None:
 
 def _label_fields(store: Reader) -> dict[str, np.ndarray] | None:
     """Each segment's token labels (N, T_max) when the pass's default mask applies to the store."""
-    from actstore.features.topk import default_mask
     from actstore.layout import spec
+    from actstore.read.masks import leaves_out_special
 
-    if not default_mask(store):
+    if not leaves_out_special(store):
         return None
     return {s: np.asarray(store.field(s + spec.TOKEN_LABELS_SUFFIX)) for s in store.segments}
 

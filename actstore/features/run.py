@@ -10,7 +10,8 @@ from typing import Any
 from actstore._version import __version__
 from actstore.features import sources
 from actstore.features.tables import store_checksum, write_tables
-from actstore.features.topk import default_mask, top_activations
+from actstore.features.topk import top_activations
+from actstore.read.masks import leaves_out_special
 from actstore.read.api import Reader, ReaderLike, as_reader
 
 
@@ -33,7 +34,7 @@ def run_features(
     layer_n = int(store.layer_number(layer))
     tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
                              n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
-    labels = default_mask(store)
+    labels = leaves_out_special(store)
     meta = {
         "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,

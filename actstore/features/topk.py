@@ -23,6 +23,7 @@ from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.masks import leaves_out_special
 
 MAX_TOP_K = 10_000
 DEFAULT_BATCH_ELEMENTS = 1 << 22  # feature values per encoded batch (16 MiB of float32)
@@ -55,12 +56,6 @@ class _Seg:
 
 def _geometry(store: Reader) -> dict[str, _Seg]:
     return {s.name: _Seg(s.name, -(-s.t_max // s.t_chunk) * s.t_chunk) for s in store.config.segments}
-
-
-def default_mask(store: Reader) -> bool:
-    """Whether the loaders' `content` mask applies: a text store with token labels (0
-    content, 1 special, 2 template). An image store's labels are classes, not a mask."""
-    return bool(store.config.token_labels) and not store.config.attrs.get("image")
 
 
 def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndarray | None:
@@ -131,7 +126,7 @@ def top_activations(
         raise SegmentNotFoundError(f"segments {unknown or names} are not in this store; it has segments {list(all_geo)}")
     segs = [g for x, g in all_geo.items() if x in names]  # store order: order keys increase along the pass
     # the loaders' "content" mask: keep token label 0 (text stores with labels), unless keep_special
-    use_mask = default_mask(store) and not keep_special
+    use_mask = leaves_out_special(store) and not keep_special
     masks = [np.asarray(store.field(s.name + spec.TOKEN_LABELS_SUFFIX)) == 0 if use_mask else None for s in segs]
     lens = {name: np.asarray(store.field(name + spec.LEN_SUFFIX), np.int64) for name in all_geo}
     names = list(all_geo)

@@ -60,6 +60,15 @@ class StoreConfig:
     def t_total(self) -> int:
         return sum(s.t_max for s in self.segments)
 
+    @property
+    def labels_mark_kinds(self) -> bool:
+        """Whether the per-token labels mark token kinds (0 content, 1 special token, 2 chat
+        template: a text store's), so that "label 0" is the content mask that every reader
+        applies by default (actstore.read.masks). False without labels, and for an image
+        store, whose labels are classes (a saev labels.bin), not a mask: one whose attrs
+        describe images (IMAGE_ATTRS: "image", "cls_token", "saev_protocol")."""
+        return bool(self.token_labels) and not any(k in self.attrs for k in spec.IMAGE_ATTRS)
+
     def segment(self, name: str) -> SegmentSpec:
         for s in self.segments:
             if s.name == name:

@@ -33,6 +33,9 @@ STATS_FILE_FORMAT = "meta/stats-{:012d}.npz"
 ACTS_SUFFIX = "_activations"
 LEN_SUFFIX = "_len"
 TOKEN_LABELS_SUFFIX = "_token_labels"
+# attrs that mark an image store (a ViT capture, a saev directory or its import): its token
+# labels are classes; any other store's labels mark token kinds (0 content, 1 special, 2 template).
+IMAGE_ATTRS = ("image", "cls_token", "saev_protocol")
 TOKEN_IDS_SUFFIX = "_token_ids"  # per token: the model's vocabulary id (int32; padding 0)
 TOKEN_ID_DTYPE = "<i4"
 SAMPLE_KEY = "sample_key"

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
+from actstore.read.masks import DEFAULT
 from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, request_objects, resolve_mask, segment_lengths,
                                      stored_numpy_dtype)
 from actstore.loaders.tokens import dist_rank_world
@@ -130,7 +131,9 @@ class PairDataset(Dataset):
         threads: reader threads per process.
         n_buffers: reused output buffers in the main process.
         pin_memory: allocate those buffers in pinned memory (needs an accelerator).
-        token_mask: per-token keep mask for "mask" (see actstore.loaders.source).
+        token_mask: per-token keep mask for "mask" (see actstore.loaders.source); the
+            default leaves out BOS, special and chat-template tokens of a text store whose
+            labels mark token kinds (actstore.read.masks), "all" keeps every token.
         return_mask: add the (b, T) mask.
     """
 
@@ -143,7 +146,7 @@ class PairDataset(Dataset):
         threads: int = 8,
         n_buffers: int = 2,
         pin_memory: bool = False,
-        token_mask: TokenMask = None,
+        token_mask: TokenMask = DEFAULT,
         return_mask: bool = False,
     ):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0:

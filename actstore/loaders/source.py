@@ -5,7 +5,11 @@ directory from actstore.open): `len`, `layers`, `d_model`, `dtype`, `config.segm
 
 Per-token masks (the option hook): `token_mask` selects which tokens inside each
 example's length are kept. It is one of
-- None: keep every token up to the length (only padding is skipped);
+- "default" (every loader's default; actstore.read.masks): "content" for a text store
+  whose labels mark token kinds (BOS, special and chat-template tokens left out: every
+  --pack/--chunk window's BOS is an attention-sink outlier), every token otherwise (image
+  stores, stores without labels);
+- "all" or None: keep every token up to the length (only padding is skipped);
 - "content": keep tokens whose stored token label is 0. `actstore write` with special
   tokens masked stores labels 0 = content, 1 = special token, 2 = chat template;
 - another str NAME: the per-token array `store.field(f"{segment}_{NAME}")`, shape
@@ -28,9 +32,8 @@ from actstore.layout import spec
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskError
 from actstore.read.interface import Reader
 from actstore.read.layers import resolve_layer
+from actstore.read.masks import CONTENT, effective_token_mask
 
-
-CONTENT = "content"  # token_mask shortcut: token label 0 (capture's content tokens)
 TokenMask = None | str | Mapping[str, Any] | Callable[[str], Any]
 
 
@@ -95,6 +98,7 @@ def segment_lengths(store: Reader, seg: SegmentGeometry) -> np.ndarray:
 
 def resolve_mask(store: Reader, seg: SegmentGeometry, token_mask: TokenMask) -> np.ndarray | None:
     """The (N, t_max) bool keep-mask of one segment, or None (keep all)."""
+    token_mask = effective_token_mask(store, token_mask)
     if token_mask is None:
         return None
     if isinstance(token_mask, str):
@@ -106,7 +110,7 @@ def resolve_mask(store: Reader, seg: SegmentGeometry, token_mask: TokenMask) -> 
             raise TokenMaskError(
                 f"token_mask={token_mask!r} reads the per-token array {name!r}, which this store lacks "
                 f"({e.args[0] if e.args else e}); "
-                "pass token_mask=None, another name, or {segment: array (N, T_max)}"
+                "pass token_mask='all', another name, or {segment: array (N, T_max)}"
             ) from None
         if content:
             arr = np.asarray(arr) == 0
@@ -119,7 +123,7 @@ def resolve_mask(store: Reader, seg: SegmentGeometry, token_mask: TokenMask) -> 
         arr = token_mask(seg.name)
     else:
         raise TypeError(
-            f"token_mask must be None, a per-token field name, a mapping {{segment: array}} or a callable. Got {type(token_mask).__name__}."
+            f"token_mask must be 'default', 'all' (or None), 'content', a per-token field name, a mapping {{segment: array}} or a callable. Got {type(token_mask).__name__}."
         )
     if arr is None:
         return None

@@ -21,6 +21,7 @@ from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
+from actstore.read.masks import DEFAULT
 from actstore.loaders.source import TokenMask, TokenUnits, pick_layers, pick_segments, stats_tables, stored_numpy_dtype
 
 if TYPE_CHECKING:
@@ -92,7 +93,9 @@ class TokenStream(IterableDataset):
             systems); 0 (default) shuffles every unit on its own.
         drop_last: drop the last partial batch and give every rank the same number of batches.
         rank, world_size: this process's share; default from torch.distributed when initialised.
-        token_mask: which tokens inside each length to keep (see actstore.loaders.source).
+        token_mask: which tokens inside each length to keep (see actstore.loaders.source);
+            the default leaves out BOS, special and chat-template tokens of a text store
+            whose labels mark token kinds (actstore.read.masks), "all" keeps every token.
         normalize: None, "standardize" ((x - mean) / std per dimension) or "scale"
             (x * sqrt(D) / mean L2 norm), with the store's statistics per (layer, segment).
         dtype: output dtype; None (default) keeps the stored dtype (float16 for most
@@ -140,7 +143,7 @@ class TokenStream(IterableDataset):
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        token_mask: TokenMask = None,
+        token_mask: TokenMask = DEFAULT,
         normalize: str | None = None,
         dtype: torch.dtype | None = None,
         return_index: bool = False,

@@ -14,7 +14,7 @@ from actstore.read.api import ReaderLike, as_reader
 
 
 def saelens_data_provider(
-    store: ReaderLike, *, layer: Any, batch_size: int = 4096, seed: int = 0, token_mask: Any = None, device: str | None = None,
+    store: ReaderLike, *, layer: Any, batch_size: int = 4096, seed: int = 0, token_mask: Any = "default", device: str | None = None,
     **stream_kwargs: Any,
 ) -> Iterator[Any]:
     """An endless iterator of float32 (batch_size, d_model) tensors of layer `layer` (a number

@@ -31,6 +31,7 @@ import numpy as np
 from actstore.errors import SaelensExportError
 from actstore.index import layer_position
 from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read import masks
 from actstore.saelens.card import dataset_card
 from actstore.saelens.check import file_record
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, sync_file_range
@@ -57,7 +58,7 @@ class SaelensExport:
 
 def export_saelens(
     store: ReaderLike, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
-    seed: int = 0, dtype: str = "float32", skip_special: bool = False, progress: bool = True,
+    seed: int = 0, dtype: str = "float32", skip_special: bool | None = None, progress: bool = True,
 ) -> SaelensExport:
     """Write layer `layer` of `store` (an ActStore, a path or a URL) to `out` for SAELens.
 
@@ -69,7 +70,10 @@ def export_saelens(
         context_size: tokens per row (SAELens's `context_size`).
         seed: the token-level shuffle's seed.
         dtype: "float32" (exact for every store dtype) or "float16" (exact for float16 stores).
-        skip_special: leave out tokens labelled special or chat template.
+        skip_special: leave out tokens labelled special or chat template (BOS: every
+            --pack/--chunk window starts with one). Default (None): as the loaders'
+            default mask (actstore.read.masks), True for a text store whose labels mark
+            token kinds, False otherwise; False keeps every token.
 
     Raises:
         DiskFullError / ExportWriteError naming the file and the fix when a write fails
@@ -83,7 +87,7 @@ def export_saelens(
 
 
 def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
-            dtype: str, skip_special: bool, progress: bool) -> SaelensExport:
+            dtype: str, skip_special: bool | None, progress: bool) -> SaelensExport:
     from actstore.loaders import TokenStream
 
     number = store.layer_number(layer)
@@ -95,6 +99,8 @@ def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str
         raise SaelensExportError(f"dtype must be 'float32' or 'float16' (Arrow has no bfloat16). Got {dtype!r}.")
     if dtype == "float16" and store.dtype != "float16":
         raise SaelensExportError(f"dtype float16 would round this {store.dtype} store; export float32")
+    if skip_special is None:
+        skip_special = masks.leaves_out_special(store)
     if skip_special and not store.config.token_labels:
         raise SaelensExportError("skip_special needs per-token labels; this store has none")
     out = Path(os.path.abspath(out))
@@ -107,7 +113,7 @@ def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str
     np_dtype = np.dtype(dtype)
     # The stream's threads convert to the column dtype; its batches are whole rows but the last.
     ts = TokenStream(store, batch_size=max(C, BATCH_BYTES // (D * 4) // C * C), layers=[number], seed=seed, shuffle=True,
-                     return_index=True, token_mask="content" if skip_special else None, threads=2,
+                     return_index=True, token_mask=masks.CONTENT if skip_special else masks.ALL, threads=2,
                      dtype=torch.float32 if dtype == "float32" else torch.float16)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)

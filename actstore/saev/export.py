@@ -70,6 +70,7 @@ def export_saev(
     fsync: bool = True,
     progress: bool = True,
     tokens_per_example: int | None = None,
+    keep_special: bool = False,
     options: SaevExportOptions | None = None,
 ) -> SaevExport:
     """Export a finalized store as a saev shard directory `<dump_to>/<HASH>`.
@@ -103,6 +104,9 @@ def export_saev(
             only, packed this many to an exported example (default 1: every token exactly
             once; a tail shorter than one example is left out, with a warning), with
             example_offsets.bin mapping each back to (store example, position).
+        keep_special: a text store whose labels mark token kinds exports its content
+            tokens only by default (BOS, special and chat-template tokens left out, as the
+            loaders' default mask does: actstore.read.masks); True exports every real token.
         overwrite: rebuild and replace an existing <HASH> directory.
         workers: reader/converter threads.
         batch_bytes: float32 bytes per work unit (memory is about (workers + 2) units).

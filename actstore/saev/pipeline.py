@@ -195,11 +195,11 @@ class ShardPipeline:
                 k = first
                 for part in plan.parts:
                     sc = scratch[part.segment][0]
-                    n = store.read_into(ex, layer, part.segment, sc)
-                    n = part.count if part.fixed else min(max(n - part.skip, 0), part.count)
+                    rows_read = plan.rows(part, ex, store.read_into(ex, layer, part.segment, sc))
+                    n = len(rows_read)
                     t0, t1 = max(k, lo), min(k + n, hi)  # the part's tokens inside this unit
                     if t1 > t0:
-                        src = sc[part.skip + t0 - k : part.skip + t1 - k]
+                        src = sc[rows_read[t0 - k : t1 - k]]  # a copy (fancy index) of the exported rows
                         idx = np.arange(t0, t1) - lo
                         rows, pos = (idx // T) * L + lp, idx % T
                         if plan.stored_dtype == "bfloat16":
@@ -277,10 +277,10 @@ def write_labels(store: ActStore, plan: ExportPlan, path: Path, fsync: bool) -> 
         g = plan.geometry
         per_part = []
         for part in plan.parts:
-            lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))[:, part.skip : part.skip + part.count]
-            lens = np.full(len(lab), part.count) if part.fixed else np.clip(np.asarray(store.field(part.segment + spec.LEN_SUFFIX)) - part.skip, 0, part.count)
-            per_part.append((lab, lens))
-        stream = np.concatenate([lab[e, :n] for e in range(len(store)) for lab, lens in per_part for n in (int(lens[e]),)])
+            lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))
+            lens = np.full(len(lab), part.count + part.skip) if part.fixed else np.asarray(store.field(part.segment + spec.LEN_SUFFIX))
+            per_part.append((part, lab, lens))
+        stream = np.concatenate([lab[e, plan.rows(part, e, int(lens[e]))] for e in range(len(store)) for part, lab, lens in per_part])
         _write_labels(stream[: g.n_examples * g.tokens_per_example].astype(np.uint8), path, fsync)
         return
     cols = []

@@ -20,8 +20,9 @@ import numpy as np
 
 from actstore.chunkio import crc32c
 from actstore.layout import jsonio
-from actstore.layout.spec import LEN_SUFFIX
+from actstore.layout.spec import LEN_SUFFIX, TOKEN_LABELS_SUFFIX
 from actstore.index import layer_position
+from actstore.read.masks import leaves_out_special
 from actstore.read.store import ActStore
 from actstore.layout import saevspec as P
 from actstore.errors import SaevOptionError
@@ -56,6 +57,18 @@ class ExportPlan:
     # example; offsets[e] is store example e's first token in that stream (None: unpacked).
     offsets: np.ndarray | None = None
     dropped_tokens: int = 0  # the stream's tail shorter than one exported example
+    # Packed exports of a text store whose labels mark token kinds: {segment: (N, T_max)
+    # bool}, the tokens exported (content, label 0; actstore.read.masks); None: every real token.
+    keep: dict[str, np.ndarray] | None = None
+
+    def rows(self, part: Part, ex: int, n_read: int) -> np.ndarray:
+        """The rows of a segment's padded read (`n_read` real tokens) that example `ex`
+        contributes to a packed export's stream, in order."""
+        n = part.count if part.fixed else min(max(n_read - part.skip, 0), part.count)
+        rows = np.arange(part.skip, part.skip + n)
+        if self.keep is not None and part.segment in self.keep:
+            rows = rows[self.keep[part.segment][ex, part.skip : part.skip + n]]
+        return rows
 
 
 DEFAULT_BATCH_BYTES = 32 * 2**20  # float32 bytes per work unit of the export's pipeline
@@ -77,6 +90,7 @@ class SaevExportOptions:
     pixel_agg: str | None = None
     labels: bool | None = None
     tokens_per_example: int | None = None
+    keep_special: bool = False
     overwrite: bool = False
     workers: int = 2
     batch_bytes: int = DEFAULT_BATCH_BYTES
@@ -103,11 +117,12 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     parts, t_total = _parts(seg_names, cfg, cls_mode)
     cls_token = cls_mode == "keep"
     content = t_total - int(cls_token)
-    offsets, dropped = None, 0
+    offsets, dropped, keep = None, 0, None
     if any(not p.fixed for p in parts):  # padding is never exported: pack the real tokens
         if cls_token:
             raise SaevOptionError("an export of padded (text) segments packs real tokens, with no per-example CLS token; pass cls='drop' or 'none'")
-        offsets = _token_offsets(store, parts)
+        keep = None if o.keep_special else _content(store, parts)
+        offsets = _token_offsets(store, parts, keep)
         content = 1 if tokens_per_example is None else int(tokens_per_example)
         if content < 1:
             raise SaevOptionError(f"tokens_per_example must be a positive int. Got {tokens_per_example!r}.")
@@ -146,7 +161,7 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
         "d_model": cfg.d_model,
         P.N_KEY[protocol]: n,
         P.BUDGET_KEY[protocol]: patches_per_shard,
-        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode, packed=offsets is not None)),
+        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode, packed=offsets is not None, content=keep is not None)),
         "dataset": _dataset(dataset, attrs),
         "pixel_agg": _pixel_agg(pixel_agg, attrs, protocol),
         "dtype": P.DTYPE,
@@ -160,19 +175,30 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     return ExportPlan(
         protocol=protocol, metadata=metadata, hash=digest, geometry=geom,
         layers=layers_t, parts=parts, cls=cls_mode, labels=want_labels, stored_dtype=cfg.dtype,
-        offsets=offsets, dropped_tokens=dropped,
+        offsets=offsets, dropped_tokens=dropped, keep=keep,
     )
 
 
-def _token_offsets(store: ActStore, parts: tuple[Part, ...]) -> np.ndarray:
-    """Each store example's first token in the stream of real tokens (parts in order, each
-    part's tokens past its skip and within its length), and the total at the end."""
+def _content(store: ActStore, parts: tuple[Part, ...]) -> dict[str, np.ndarray] | None:
+    """{segment: (N, T_max) bool content tokens} where the readers' default mask leaves out
+    special and chat-template tokens (a text store whose labels mark token kinds), else None."""
+    if not leaves_out_special(store):
+        return None
+    return {p.segment: np.asarray(store.field(p.segment + TOKEN_LABELS_SUFFIX)) == 0 for p in parts}
+
+
+def _token_offsets(store: ActStore, parts: tuple[Part, ...], keep: dict[str, np.ndarray] | None = None) -> np.ndarray:
+    """Each store example's first token in the stream of exported tokens (parts in order,
+    each part's tokens past its skip and within its length, and in `keep` where given), and
+    the total at the end."""
     counts = np.zeros(len(store), np.int64)
     for p in parts:
-        if p.fixed:
-            counts += p.count
+        lens = np.full(len(store), p.count + p.skip, np.int64) if p.fixed else np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
+        if keep is not None and p.segment in keep:
+            window = keep[p.segment][:, p.skip : p.skip + p.count]
+            within = np.arange(p.skip, p.skip + window.shape[1])[None, :] < lens[:, None]
+            counts += (window & within).sum(axis=1)
         else:
-            lens = np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
             counts += np.clip(lens - p.skip, 0, p.count)
     return np.concatenate([[0], np.cumsum(counts)])
 
@@ -319,7 +345,7 @@ def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> s
     return value
 
 
-def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False) -> dict[str, Any]:
+def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False, content: bool = False) -> dict[str, Any]:
     """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
     crc = 0
     for s in store.manifest.shards:
@@ -331,6 +357,7 @@ def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: 
         "cls": cls_mode,
         "content_crc32c": f"{crc:08x}",
         **({"tokens": f"real tokens only, packed; {P.OFFSETS_FILE} maps them to (store example, position)"} if packed else {}),
+        **({"special_tokens": "left out (content tokens only, token label 0)"} if content else {}),
     }
 
 

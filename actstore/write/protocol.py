@@ -83,7 +83,10 @@ class ShardWriter(ShardSetup):
         compressor: a compressor for the activations: numcodecs.Zstd() (zarr_format=2) or
             zarr.codecs.ZstdCodec() (zarr_format=3); disables the raw fast path.
         engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
-        stats: keep running statistics per (layer, segment) of the stored vectors.
+        stats: keep running statistics per (layer, segment) of the stored vectors that
+            the readers' default mask keeps (actstore.read.masks): every real token, and
+            only the content tokens (label 0) of a text store whose labels mark token kinds
+            (so BOS, special and chat-template tokens never shift `normalize=`).
         fsync: durable against power loss, not only crashes: each Zarr shard file is
             synced on its I/O thread as it is written (beside the next writes), and the
             storage (syncfs) before each commit record (which covers small chunk files).
@@ -263,7 +266,8 @@ class ShardWriter(ShardSetup):
             self.overflow[seg.name] += batch.overflow[seg.name]
             self.truncated[seg.name] += batch.truncated[seg.name]
             if self.stats is not None and batch_stats is None:
-                self._update_stats(seg, batch.acts[seg.name], batch.lengths[seg.name])
+                labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.labels_mark_kinds else None
+                self._update_stats(seg, batch.acts[seg.name], batch.lengths[seg.name], labels)
         if batch_stats is not None and self.stats is not None:
             self.stats.merge(batch_stats)
         for name, values in batch.per_sample.items():
@@ -280,7 +284,9 @@ class ShardWriter(ShardSetup):
             self.commit()
         return range(n0, n0 + b)
 
-    def _update_stats(self, seg: Any, arr: np.ndarray, lens: np.ndarray) -> None:
+    def _update_stats(self, seg: Any, arr: np.ndarray, lens: np.ndarray, labels: np.ndarray | None = None) -> None:
+        """Statistics over the tokens the readers' default mask keeps (actstore.read.masks):
+        real tokens, and of those only content (label 0) where `labels` mark token kinds."""
         x = arr[:, :, : seg.t_max]
         if self.cfg.dtype == "bfloat16":
             from actstore.dtypes import bf16_bits_to_f32
@@ -288,10 +294,12 @@ class ShardWriter(ShardSetup):
             x = bf16_bits_to_f32(x)
         for lp, layer in enumerate(self.cfg.layers):
             xl = x[:, lp]
-            if (lens == seg.t_max).all():
+            if labels is None and (lens == seg.t_max).all():
                 v = xl.reshape(-1, self.cfg.d_model)
             else:
                 mask = np.arange(seg.t_max)[None, :] < lens[:, None]
+                if labels is not None:
+                    mask &= labels[:, : seg.t_max] == 0
                 v = xl[mask]
             self.stats.update(stats_key(layer, seg.name), v)
 
