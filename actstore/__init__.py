@@ -8,6 +8,7 @@ from actstore.read.store import ActStore  # noqa: E402
 from actstore.write import ShardWriter  # noqa: E402
 from actstore.capture.record import record  # noqa: E402  (imports torch only when called)
 from actstore.saev import export_saev, import_saev, verify_saev  # noqa: E402
+
 # actstore.open: an actstore store or a saev directory. Left out of __all__ so that
 # `from actstore import *` does not shadow the builtin open.
 from actstore.opener import open as open  # noqa: E402,A004  (a re-export)

@@ -29,7 +29,9 @@ def check_folder(storage: Storage) -> None:
     """A local store path that is a file (or anything but a folder) is no store."""
     root = storage.local_root
     if root is not None and root.exists() and not root.is_dir():
-        raise StoreNotFoundError(f"{storage.url} is a file, not an actstore store (a store is a folder holding {keys.MANIFEST})")
+        raise StoreNotFoundError(
+            f"{storage.url} is a file, not an actstore store (a store is a folder holding {keys.MANIFEST})"
+        )
 
 
 def has_identity(storage: Storage) -> bool:
@@ -93,7 +95,9 @@ def read_blocks(shard: Storage, n_blocks: int) -> list[records.Block]:
     except KeyNotFound:
         if n_blocks == 0:
             return []
-        raise CorruptStoreError(f"{shard.url} has no {keys.BLOCKS} but its commit record says {n_blocks} blocks") from None
+        raise CorruptStoreError(
+            f"{shard.url} has no {keys.BLOCKS} but its commit record says {n_blocks} blocks"
+        ) from None
     return records.parse_blocks(data, n_blocks, shard.where(keys.BLOCKS))
 
 
@@ -155,7 +159,9 @@ def array_meta(shard: Storage, rel: str, zarr_format: int | None = None) -> dict
             continue
         doc = jsonio.loads(data, shard.where(key), what="array metadata")
         if not isinstance(doc, dict):
-            raise CorruptStoreError(f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}")
+            raise CorruptStoreError(
+                f"{shard.where(key)}: array metadata must be a JSON object, got {type(doc).__name__}"
+            )
         return doc
     raise KeyNotFound(f"{shard.where(rel)} holds no Zarr array metadata ({keys.ZARRAY} or {keys.ZARR_JSON})")
 

@@ -133,8 +133,10 @@ class ChunkIO:
         return f"shard file {self.where(key)} is truncated: chunk at byte {offset} is cut short"
 
     def wrong_size(self, key: str, size: int) -> str:
-        return (f"chunk file {self.where(key)} has {size} bytes, expected {self.geo.chunk_nbytes}: "
-                "the file is damaged (truncated or overwritten); run `actstore verify --deep`")
+        return (
+            f"chunk file {self.where(key)} has {size} bytes, expected {self.geo.chunk_nbytes}: "
+            "the file is damaged (truncated or overwritten); run `actstore verify --deep`"
+        )
 
     def shard_index(self, key: str) -> np.ndarray | None:
         """The (checked) index of a shard file, or None when the file does not exist."""
@@ -187,7 +189,9 @@ class ChunkIO:
                 self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False)
                 k += 1
 
-    def write_shards(self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False) -> None:
+    def write_shards(
+        self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False
+    ) -> None:
         """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
 
         `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
@@ -201,8 +205,13 @@ class ChunkIO:
         for start in range(0, acts_eltd.shape[0], S):
             part = np.ascontiguousarray(acts_eltd[start : start + S])
             key = g.shard_key(first_ex + start)
-            self.storage.put(key, memoryview(part.reshape(-1).view(np.uint8)), g.encode_index(part.shape[0]),
-                             writeback=writeback, durable=durable)
+            self.storage.put(
+                key,
+                memoryview(part.reshape(-1).view(np.uint8)),
+                g.encode_index(part.shape[0]),
+                writeback=writeback,
+                durable=durable,
+            )
             self._index_cache.pop(key, None)
 
     def delete_example(self, ex: int) -> None:

@@ -140,7 +140,9 @@ def require_torch(what: str, extra: str = "torch") -> Any:
     capture) needs torch, which the core (writer, reader, exports) does not."""
     torch = _torch()
     if torch is None:
-        raise ModuleNotFoundError(f"{what} needs torch, which is not installed: pip install 'actstore[{extra}]'", name="torch")
+        raise ModuleNotFoundError(
+            f"{what} needs torch, which is not installed: pip install 'actstore[{extra}]'", name="torch"
+        )
     return torch
 
 

@@ -45,9 +45,7 @@ class ExampleIndex:
         exs = np.asarray(exs, dtype=np.int64)
         if exs.size and (exs.min() < 0 or exs.max() >= self.n_examples):
             bad = exs[(exs < 0) | (exs >= self.n_examples)][0]
-            raise ExampleIndexError(
-                f"example {int(bad)} is out of range: this store holds {self.n_examples} examples"
-            )
+            raise ExampleIndexError(f"example {int(bad)} is out of range: this store holds {self.n_examples} examples")
         pos = np.searchsorted(self.starts, exs, side="right") - 1
         return pos, exs - self.starts[pos]
 
@@ -67,4 +65,3 @@ def layer_position(layers: Sequence[int], layer: int) -> int:
             f"layer {layer} is not stored; this store holds layers {list(layers)} "
             "(layer numbers are the model's block indices)"
         ) from None
-

@@ -65,7 +65,9 @@ class RunningStats:
         m2 = np.einsum("nd,nd->d", x, x)
         self._merge_one(k, n, mean, m2, float(np.sqrt(sq).sum()), lo, hi)
 
-    def _merge_one(self, k: int, n: int, mean: np.ndarray, m2: np.ndarray, norm_sum: float, lo: float, hi: float) -> None:
+    def _merge_one(
+        self, k: int, n: int, mean: np.ndarray, m2: np.ndarray, norm_sum: float, lo: float, hi: float
+    ) -> None:
         na = int(self.count[k])
         total = na + n
         delta = mean - self.mean[k]
@@ -84,7 +86,9 @@ class RunningStats:
             self.nonfinite[k] += other.nonfinite[k]
             self.overflow[k] += other.overflow[k]
             if other.count[k]:
-                self._merge_one(k, int(other.count[k]), other.mean[k], other.m2[k], other.norm_sum[k], other.min[k], other.max[k])
+                self._merge_one(
+                    k, int(other.count[k]), other.mean[k], other.m2[k], other.norm_sum[k], other.min[k], other.max[k]
+                )
 
     def add_overflow(self, key: str, n: int) -> None:
         """Count `n` values under `key` that overflowed the stored dtype (and were clipped)."""
@@ -124,7 +128,16 @@ class RunningStats:
         try:
             _check_npz(data)
             return cls.load(io.BytesIO(data))
-        except (zipfile.BadZipFile, NotImplementedError, RuntimeError, EOFError, OSError, KeyError, TypeError, IndexError) as e:
+        except (
+            zipfile.BadZipFile,
+            NotImplementedError,
+            RuntimeError,
+            EOFError,
+            OSError,
+            KeyError,
+            TypeError,
+            IndexError,
+        ) as e:
             raise ValueError(f"not a readable statistics file ({type(e).__name__}: {e})") from None
 
     @classmethod
@@ -153,7 +166,9 @@ def _check_npz(data: bytes) -> None:
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         for info in zf.infolist():
             if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(data):
-                raise ValueError(f"member {info.filename} is compressed or larger than the file; np.savez writes neither")
+                raise ValueError(
+                    f"member {info.filename} is compressed or larger than the file; np.savez writes neither"
+                )
             with zf.open(info) as f:
                 version = np.lib.format.read_magic(f)
                 if version not in ((1, 0), (2, 0), (3, 0)):
@@ -161,7 +176,9 @@ def _check_npz(data: bytes) -> None:
                 read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
                 shape, _, dtype = read(f)
                 if dtype.hasobject or int(np.prod(shape, dtype=object)) * dtype.itemsize > info.file_size:
-                    raise ValueError(f"member {info.filename} claims {shape} values of {dtype}, more than its {info.file_size} bytes")
+                    raise ValueError(
+                        f"member {info.filename} claims {shape} values of {dtype}, more than its {info.file_size} bytes"
+                    )
 
 
 def stats_key(layer: int, segment: str) -> str:

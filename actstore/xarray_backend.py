@@ -33,7 +33,9 @@ class ActstoreBackendEntrypoint(BackendEntrypoint):
     ) -> xr.Dataset:
         ds = to_dataset(open_store(os.fspath(filename_or_obj), verify=verify))
         if drop_variables is not None:
-            ds = ds.drop_vars([drop_variables] if isinstance(drop_variables, str) else list(drop_variables), errors="ignore")
+            ds = ds.drop_vars(
+                [drop_variables] if isinstance(drop_variables, str) else list(drop_variables), errors="ignore"
+            )
         return ds
 
     def guess_can_open(self, filename_or_obj: Any) -> bool:

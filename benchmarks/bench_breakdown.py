@@ -65,6 +65,7 @@ def main() -> None:
     rows = [stored[i, lp] for i in range(n) for lp in range(L)]
     row_crcs = [crc32c(r) for r in rows]
     try:
+
         def write_files() -> None:
             for i in range(n):
                 storage.put(f"c/{i}", memoryview(stored[i].reshape(-1).view(np.uint8)), atomic=False)
@@ -79,11 +80,19 @@ def main() -> None:
                 os.fsync(f.fileno())
 
         stages = {
-            "cast float32 -> float16 (with overflow count)": timed(lambda: convert(x, "float32", "float16"), args.repeats),
-            "non-finite screen of float16 input (count_nonfinite_16)": timed(lambda: count_nonfinite_16(stored), args.repeats),
+            "cast float32 -> float16 (with overflow count)": timed(
+                lambda: convert(x, "float32", "float16"), args.repeats
+            ),
+            "non-finite screen of float16 input (count_nonfinite_16)": timed(
+                lambda: count_nonfinite_16(stored), args.repeats
+            ),
             "per-row crc32c (one per example and layer)": timed(lambda: [crc32c(r) for r in rows], args.repeats),
-            "block crc32c as a second pass (before session 5)": timed(lambda: crc32c(memoryview(stored.reshape(-1).view(np.uint8))), args.repeats),
-            "block crc32c derived from the rows' (combine)": timed(lambda: combine_all(0, row_crcs, rows[0].nbytes), args.repeats),
+            "block crc32c as a second pass (before session 5)": timed(
+                lambda: crc32c(memoryview(stored.reshape(-1).view(np.uint8))), args.repeats
+            ),
+            "block crc32c derived from the rows' (combine)": timed(
+                lambda: combine_all(0, row_crcs, rows[0].nbytes), args.repeats
+            ),
             "copy into a contiguous staging array": timed(lambda: np.copyto(staging, stored), args.repeats),
             "file writes (page cache, one file per example)": timed(write_files, args.repeats),
         }
@@ -100,16 +109,22 @@ def main() -> None:
     io = ns["file writes (page cache, one file per example)"] + ns["writeback wait (syncfs after the writes)"]
     pipelined = max(max(ns[k] for k in cpu_stages), io)
     disk_ns = disk / nbytes * 1e9
-    print(f"write-path breakdown: {nbytes / 2**20:.0f} MiB stored (float16), {n} examples x {L} layers x {T} x {D}, "
-          f"{os.cpu_count()} CPUs, median of {args.repeats}")
+    print(
+        f"write-path breakdown: {nbytes / 2**20:.0f} MiB stored (float16), {n} examples x {L} layers x {T} x {D}, "
+        f"{os.cpu_count()} CPUs, median of {args.repeats}"
+    )
     print(f"{'stage':<52}{'ns/B':>8}{'MB/s alone':>12}")
     for k, v in ns_all.items():
         print(f"{k:<52}{v:>8.3f}{1e3 / v if v else float('inf'):>12.0f}")
     print(f"{'raw sequential write + fsync (the disk)':<52}{disk_ns:>8.3f}{1e3 / disk_ns:>12.0f}")
     print(f"ceiling, every stage on one thread:   {1e3 / serial:6.0f} MB/s = {disk_ns / serial:.2f}x the disk")
-    print(f"ceiling, CPU stages beside the I/O:   {1e3 / pipelined:6.0f} MB/s = {min(1.0, disk_ns / pipelined):.2f}x the disk "
-          f"(bound: {'the I/O' if pipelined == io else max(cpu_stages, key=ns.get)})")
-    print(f"results: {save('breakdown', {'bytes': nbytes, 'ns_per_byte': ns_all, 'disk_ns_per_byte': disk_ns, 'serial_ratio': disk_ns / serial, 'pipelined_ratio': min(1.0, disk_ns / pipelined)})}")
+    print(
+        f"ceiling, CPU stages beside the I/O:   {1e3 / pipelined:6.0f} MB/s = {min(1.0, disk_ns / pipelined):.2f}x the disk "
+        f"(bound: {'the I/O' if pipelined == io else max(cpu_stages, key=ns.get)})"
+    )
+    print(
+        f"results: {save('breakdown', {'bytes': nbytes, 'ns_per_byte': ns_all, 'disk_ns_per_byte': disk_ns, 'serial_ratio': disk_ns / serial, 'pipelined_ratio': min(1.0, disk_ns / pipelined)})}"
+    )
 
 
 if __name__ == "__main__":

@@ -135,13 +135,25 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--layers", default="0-11")
     ap.add_argument("--p-max", type=int, default=128, help="token budget for text models")
-    ap.add_argument("--pack", type=int, default=None, metavar="N", help="text models: capture the data packed into windows of N tokens (as --pack --context N)")
+    ap.add_argument(
+        "--pack",
+        type=int,
+        default=None,
+        metavar="N",
+        help="text models: capture the data packed into windows of N tokens (as --pack --context N)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dir", default=None, help="where to put the temporary stores (default: a temp dir)")
-    ap.add_argument("--zarr-format", type=int, default=2, help="the stores' Zarr format (as actstore write --zarr-format)")
-    ap.add_argument("--shard-examples", type=int, default=None, help="with --zarr-format 3: examples per Zarr shard file")
-    ap.add_argument("--s3", action="store_true", help="capture to s3:// on moto's S3 server (its own process, 127.0.0.1)")
+    ap.add_argument(
+        "--zarr-format", type=int, default=2, help="the stores' Zarr format (as actstore write --zarr-format)"
+    )
+    ap.add_argument(
+        "--shard-examples", type=int, default=None, help="with --zarr-format 3: examples per Zarr shard file"
+    )
+    ap.add_argument(
+        "--s3", action="store_true", help="capture to s3:// on moto's S3 server (its own process, 127.0.0.1)"
+    )
     args = ap.parse_args()
     if args.s3:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -241,8 +253,12 @@ def run(args, url: str | None) -> None:
         f"{result['writer_busy_ms_per_batch']:.0f} ms per batch ({result['writer_cpu_ms_per_batch']:.0f} ms of CPU) vs forward {result['forward_ms_per_batch']:.0f} ms per batch\n"
         f"  bytes {nbytes / 1e6:.1f} MB: needed {result['write_rate_needed_MBps']:.1f} MB/s, raw disk write {result['raw_sequential_write_MBps']:.0f} MB/s\n"
         f"  early stop (layers {half[0]}-{half[-1]}): ratio {result['early_stop_ratio_over_forward']:.3f}\n"
-        + (f"  forward without the head {statistics.median(trk):7.2f} s: capture / it, median of pairs "
-           f"{result['ratio_median_of_pairs_over_trunk']:.3f}\n" if trk else "")
+        + (
+            f"  forward without the head {statistics.median(trk):7.2f} s: capture / it, median of pairs "
+            f"{result['ratio_median_of_pairs_over_trunk']:.3f}\n"
+            if trk
+            else ""
+        )
         + f"  -> {path}"
     )
 

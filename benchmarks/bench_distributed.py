@@ -32,8 +32,14 @@ def make_model(folder: Path, d_model: int, layers: int) -> Path:
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(0)
-    cfg = Dinov2Config(hidden_size=d_model, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=2 * d_model,
-                       image_size=56, patch_size=14)
+    cfg = Dinov2Config(
+        hidden_size=d_model,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * d_model,
+        image_size=56,
+        patch_size=14,
+    )
     Dinov2Model(cfg).eval().save_pretrained(folder)
     (folder / "preprocessor_config.json").write_text(
         '{"image_processor_type": "BitImageProcessor", "do_resize": true, "size": {"shortest_edge": 56}, '
@@ -75,11 +81,25 @@ def main() -> None:
         for rep in range(args.repeats):
             for k in counts:
                 out = scratch / f"s-{k}-{rep}.store"
-                s = write(WriteOptions(store=str(out), model=str(model), data=str(data), layers=tuple(range(args.model_layers)),
-                                       batch_size=16, workers=k, engine=args.engine, progress=False, threads=max(1, (os.cpu_count() or 1) // k)))
+                s = write(
+                    WriteOptions(
+                        store=str(out),
+                        model=str(model),
+                        data=str(data),
+                        layers=tuple(range(args.model_layers)),
+                        batch_size=16,
+                        workers=k,
+                        engine=args.engine,
+                        progress=False,
+                        threads=max(1, (os.cpu_count() or 1) // k),
+                    )
+                )
                 runs[k].append({"capture_s": s["capture_seconds"], "wall_s": s["seconds"], "bytes": s["bytes"]})
-                print(f"  {k} writer(s), run {rep}: {s['written'] / s['capture_seconds']:.0f} ex/s capturing, "
-                      f"{s['written'] / s['seconds']:.0f} ex/s wall", flush=True)
+                print(
+                    f"  {k} writer(s), run {rep}: {s['written'] / s['capture_seconds']:.0f} ex/s capturing, "
+                    f"{s['written'] / s['seconds']:.0f} ex/s wall",
+                    flush=True,
+                )
                 shutil.rmtree(out)
         n = args.examples
         one = statistics.median(n / r["capture_s"] for r in runs[counts[0]])
@@ -87,14 +107,26 @@ def main() -> None:
         for k in counts:
             rate = statistics.median(n / r["capture_s"] for r in runs[k])
             wall = statistics.median(n / r["wall_s"] for r in runs[k])
-            rows.append({"writers": k, "examples_per_s": rate, "examples_per_s_wall": wall, "per_writer_vs_one": rate / k / one,
-                         "speedup_vs_one": rate / one, "mb_per_s": rate * runs[k][0]["bytes"] / n / 2**20})
-        print(f"\ndistributed capture ({args.engine}), {n} examples, d_model {args.d_model}, {args.model_layers} layers stored, "
-              f"{os.cpu_count()} CPUs:")
+            rows.append(
+                {
+                    "writers": k,
+                    "examples_per_s": rate,
+                    "examples_per_s_wall": wall,
+                    "per_writer_vs_one": rate / k / one,
+                    "speedup_vs_one": rate / one,
+                    "mb_per_s": rate * runs[k][0]["bytes"] / n / 2**20,
+                }
+            )
+        print(
+            f"\ndistributed capture ({args.engine}), {n} examples, d_model {args.d_model}, {args.model_layers} layers stored, "
+            f"{os.cpu_count()} CPUs:"
+        )
         print(f"{'writers':>8}{'ex/s':>10}{'ex/s wall':>11}{'MB/s':>8}{'speedup':>9}{'per writer':>12}")
         for r in rows:
-            print(f"{r['writers']:>8}{r['examples_per_s']:>10.0f}{r['examples_per_s_wall']:>11.0f}{r['mb_per_s']:>8.1f}"
-                  f"{r['speedup_vs_one']:>8.2f}x{r['per_writer_vs_one']:>11.2f}x")
+            print(
+                f"{r['writers']:>8}{r['examples_per_s']:>10.0f}{r['examples_per_s_wall']:>11.0f}{r['mb_per_s']:>8.1f}"
+                f"{r['speedup_vs_one']:>8.2f}x{r['per_writer_vs_one']:>11.2f}x"
+            )
         print(f"results: {save('distributed', {'engine': args.engine, 'examples': n, 'rows': rows, 'runs': runs})}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -58,8 +58,14 @@ def build_store(path: Path, gb: float, tokens: int, d_model: int, layers: int) -
     batch = 64
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, layers, tokens, d_model), dtype=np.float32).astype(np.float16)
-    with actstore.ShardWriter(path, layers=list(range(6, 6 + layers)), d_model=d_model, tokens=tokens,
-                              model_id="facebook/dinov2-base", attrs={"cls_token": True, "dataset": "/datasets/bench"}) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=list(range(6, 6 + layers)),
+        d_model=d_model,
+        tokens=tokens,
+        model_id="facebook/dinov2-base",
+        attrs={"cls_token": True, "dataset": "/datasets/bench"},
+    ) as w:
         with tqdm(total=n, unit="ex", desc="build store") as bar:
             done = 0
             while done < n:
@@ -93,8 +99,13 @@ def plain_write(path: Path, nbytes: int, *, fsync: bool = True) -> tuple[float, 
 def export_once(store: Path, dump: Path, budget: int, workers: int, *, fsync: bool = True) -> dict:
     os.sync()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(store), str(dump), str(budget), str(workers), str(int(fsync))],
-                         env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(store), str(dump), str(budget), str(workers), str(int(fsync))],
+        env=env,
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    ).stdout
     res = json.loads(out.strip().splitlines()[-1])
     shutil.rmtree(dump)
     return res
@@ -131,26 +142,43 @@ def main() -> None:
         ratio = statistics.median(exp_rates) / statistics.median(plain)
         peak = max(e["peak_rss"] for e in exports + exports_nf)
         result = {
-            "store_gb": round(n * args.layers * args.tokens * args.d_model * 2 / 1e9, 2), "n_examples": n,
-            "export_gb": round(nbytes / 1e9, 2), "n_shards": exports[0]["n_shards"], "budget": args.budget,
-            "plain_write_gbps": [round(r / 1e9, 3) for r in plain], "export_gbps": [round(r / 1e9, 3) for r in exp_rates],
+            "store_gb": round(n * args.layers * args.tokens * args.d_model * 2 / 1e9, 2),
+            "n_examples": n,
+            "export_gb": round(nbytes / 1e9, 2),
+            "n_shards": exports[0]["n_shards"],
+            "budget": args.budget,
+            "plain_write_gbps": [round(r / 1e9, 3) for r in plain],
+            "export_gbps": [round(r / 1e9, 3) for r in exp_rates],
             "plain_write_no_fsync_gbps": [round(r / 1e9, 3) for r in cached],
             "export_no_fsync_gbps": [round(r / 1e9, 3) for r in nf_rates],
-            "ratio": round(ratio, 3), "ratio_no_fsync": round(statistics.median(nf_rates) / statistics.median(cached), 3),
+            "ratio": round(ratio, 3),
+            "ratio_no_fsync": round(statistics.median(nf_rates) / statistics.median(cached), 3),
             "plain_cpu_s_per_gb": round(statistics.median(plain_cpu) / (nbytes / 1e9), 3),
             "export_cpu_s_per_gb": round(statistics.median(e["cpu"] for e in exports + exports_nf) / (nbytes / 1e9), 3),
-            "load_average": os.getloadavg()[0], "peak_rss_mib": round(peak / 2**20, 1), "workers": args.workers,
+            "load_average": os.getloadavg()[0],
+            "peak_rss_mib": round(peak / 2**20, 1),
+            "workers": args.workers,
         }
         print("| measure | value |\n|---|---|")
-        print(f"| store (float16) | {result['store_gb']} GB, {n} examples x {args.layers} layers x {args.tokens} tokens x {args.d_model} |")
-        print(f"| export (float32) | {result['export_gb']} GB in {result['n_shards']} shards (patches_per_shard {args.budget}) |")
+        print(
+            f"| store (float16) | {result['store_gb']} GB, {n} examples x {args.layers} layers x {args.tokens} tokens x {args.d_model} |"
+        )
+        print(
+            f"| export (float32) | {result['export_gb']} GB in {result['n_shards']} shards (patches_per_shard {args.budget}) |"
+        )
         print(f"| plain sequential write + fsync | {', '.join(f'{r:.3f}' for r in result['plain_write_gbps'])} GB/s |")
-        print(f"| export_saev (read + convert + write + fsync) | {', '.join(f'{r:.3f}' for r in result['export_gbps'])} GB/s |")
+        print(
+            f"| export_saev (read + convert + write + fsync) | {', '.join(f'{r:.3f}' for r in result['export_gbps'])} GB/s |"
+        )
         print(f"| export / plain write, both with fsync (medians) | {result['ratio']:.2f}x |")
-        print(f"| plain sequential write, no fsync | {', '.join(f'{r:.3f}' for r in result['plain_write_no_fsync_gbps'])} GB/s |")
+        print(
+            f"| plain sequential write, no fsync | {', '.join(f'{r:.3f}' for r in result['plain_write_no_fsync_gbps'])} GB/s |"
+        )
         print(f"| export_saev --no-fsync | {', '.join(f'{r:.3f}' for r in result['export_no_fsync_gbps'])} GB/s |")
         print(f"| export / plain write, both without fsync (medians) | {result['ratio_no_fsync']:.2f}x |")
-        print(f"| CPU seconds per GB written: plain write / export (medians) | {result['plain_cpu_s_per_gb']} / {result['export_cpu_s_per_gb']} |")
+        print(
+            f"| CPU seconds per GB written: plain write / export (medians) | {result['plain_cpu_s_per_gb']} / {result['export_cpu_s_per_gb']} |"
+        )
         print(f"| export peak RSS | {result['peak_rss_mib']} MiB |")
         print(f"| load average at the end | {result['load_average']:.1f} |")
         print(json.dumps(result))

@@ -89,11 +89,23 @@ def dashboard_speedup(root: Path, windows: int, t: int, F: int, k: int) -> dict:
     d = lm.model.config.hidden_size
     store = make_store(root / "dash", windows, t, d)
     rng = np.random.default_rng(2)
-    sae = Encoder(kind="directions", d_in=d, n_features=F, W=(rng.standard_normal((d, F)) / np.sqrt(d)).astype(np.float32),
-                  b=np.full(F, -2.0, np.float32), activation="relu")
+    sae = Encoder(
+        kind="directions",
+        d_in=d,
+        n_features=F,
+        W=(rng.standard_normal((d, F)) / np.sqrt(d)).astype(np.float32),
+        b=np.full(F, -2.0, np.float32),
+        activation="relu",
+    )
     t_pass = timed(lambda: top_activations(store, 6, sae, k=k))
-    return {"features": F, "tokens": windows * t, "forward_s": fwd, "recompute_s": fwd * F / 128, "pass_s": t_pass,
-            "speedup": fwd * F / 128 / t_pass}
+    return {
+        "features": F,
+        "tokens": windows * t,
+        "forward_s": fwd,
+        "recompute_s": fwd * F / 128,
+        "pass_s": t_pass,
+        "speedup": fwd * F / 128 / t_pass,
+    }
 
 
 def main() -> None:
@@ -105,9 +117,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--smollm2", action="store_true", help="also measure the SAEDashboard-style recompute on the embedded SmolLM2")
+    ap.add_argument(
+        "--smollm2", action="store_true", help="also measure the SAEDashboard-style recompute on the embedded SmolLM2"
+    )
     ap.add_argument("--dash-features", type=int, default=4096)
-    ap.add_argument("--dash-windows", type=int, default=32, help="windows of --tokens tokens for the SmolLM2 comparison")
+    ap.add_argument(
+        "--dash-windows", type=int, default=32, help="windows of --tokens tokens for the SmolLM2 comparison"
+    )
     args = ap.parse_args()
     import torch
 
@@ -135,24 +151,42 @@ def main() -> None:
         peaks = {"half": peak_bytes(small, args.top_k), "full": peak_bytes(store, args.top_k)}
         tokens = args.examples * args.tokens
         result = {
-            "tokens": tokens, "d_model": d, "features_sae": F, "top_k": args.top_k, "runs": rows,
-            "neurons_ratio_median": statistics.median(neuron_ratios), "sae_ratio_median": statistics.median(sae_ratios),
+            "tokens": tokens,
+            "d_model": d,
+            "features_sae": F,
+            "top_k": args.top_k,
+            "runs": rows,
+            "neurons_ratio_median": statistics.median(neuron_ratios),
+            "sae_ratio_median": statistics.median(sae_ratios),
             "neurons_tokens_per_s": tokens / statistics.median(r["neurons_pass_s"] for r in rows),
             "sae_tokens_per_s": tokens / statistics.median(r["sae_pass_s"] for r in rows),
-            "sae_density": float(top_activations(small, 6, sae, k=1).features["density"].mean()), "peak_bytes": peaks, "peak_growth_2x_tokens": peaks["full"] / peaks["half"], "machine": machine(),
+            "sae_density": float(top_activations(small, 6, sae, k=1).features["density"].mean()),
+            "peak_bytes": peaks,
+            "peak_growth_2x_tokens": peaks["full"] / peaks["half"],
+            "machine": machine(),
         }
         if args.smollm2:
-            result["saedashboard"] = dashboard_speedup(root, args.dash_windows, args.tokens, args.dash_features, args.top_k)
+            result["saedashboard"] = dashboard_speedup(
+                root, args.dash_windows, args.tokens, args.dash_features, args.top_k
+            )
         path = save("features", result)
-        print(f"neurons pass / TokenStream epoch: {result['neurons_ratio_median']:.2f}x "
-              f"({result['neurons_tokens_per_s'] / 1e6:.2f} M tokens/s, d_model {d})")
-        print(f"SAE F={F} (density {result['sae_density']:.3f}) pass / (epoch + matmul): {result['sae_ratio_median']:.2f}x "
-              f"({result['sae_tokens_per_s'] / 1e6:.3f} M tokens/s)")
-        print(f"peak traced memory: {peaks['half'] / 2**20:.1f} MiB at {tokens // 2} tokens, {peaks['full'] / 2**20:.1f} MiB at {tokens} "
-              f"({result['peak_growth_2x_tokens']:.2f}x for 2x tokens); {path}")
+        print(
+            f"neurons pass / TokenStream epoch: {result['neurons_ratio_median']:.2f}x "
+            f"({result['neurons_tokens_per_s'] / 1e6:.2f} M tokens/s, d_model {d})"
+        )
+        print(
+            f"SAE F={F} (density {result['sae_density']:.3f}) pass / (epoch + matmul): {result['sae_ratio_median']:.2f}x "
+            f"({result['sae_tokens_per_s'] / 1e6:.3f} M tokens/s)"
+        )
+        print(
+            f"peak traced memory: {peaks['half'] / 2**20:.1f} MiB at {tokens // 2} tokens, {peaks['full'] / 2**20:.1f} MiB at {tokens} "
+            f"({result['peak_growth_2x_tokens']:.2f}x for 2x tokens); {path}"
+        )
         if args.smollm2:
             dd = result["saedashboard"]
-            print(f"SAEDashboard-style recompute, F={dd['features']}: {dd['recompute_s']:.1f} s vs pass {dd['pass_s']:.2f} s: {dd['speedup']:.0f}x")
+            print(
+                f"SAEDashboard-style recompute, F={dd['features']}: {dd['recompute_s']:.1f} s vs pass {dd['pass_s']:.2f} s: {dd['speedup']:.0f}x"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

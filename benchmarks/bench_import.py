@@ -50,9 +50,20 @@ def write_activault(hook: Path, files: int, seqs: int, T: int, d: int) -> int:
         torch.save({"states": states, "input_ids": ids, "tensor_bytes": states.numel() * 2 + ids.numel() * 8}, buf)
         (hook / f"{k:08x}-0000--{k + 1}_0.saved.pt").write_bytes(buf.getvalue())
         size = len(buf.getvalue())
-    (hook / "metadata.json").write_text(json.dumps({
-        "batch_size": seqs, "sequence_length": T, "dtype": "torch.bfloat16", "d_in": d, "batches_per_file": 1,
-        "shape": [seqs, T, d], "input_ids_shape": [seqs, T], "bytes_per_file": size}))
+    (hook / "metadata.json").write_text(
+        json.dumps(
+            {
+                "batch_size": seqs,
+                "sequence_length": T,
+                "dtype": "torch.bfloat16",
+                "d_in": d,
+                "batches_per_file": 1,
+                "shape": [seqs, T, d],
+                "input_ids_shape": [seqs, T],
+                "bytes_per_file": size,
+            }
+        )
+    )
     return files * seqs * T
 
 
@@ -84,8 +95,9 @@ def pairs(root: Path, repeats: int, a, b) -> tuple[list[float], list[float]]:
         t0 = time.perf_counter()
         fn(r)
         acc.append(time.perf_counter() - t0)
+
     for r in range(repeats):
-        for fn, acc in (((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta))):
+        for fn, acc in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
             timed(fn, acc, r)
     return ta, tb
 
@@ -108,27 +120,47 @@ def main() -> None:
         n_tok = write_activault(hook, args.files, args.seqs, args.seq_len, args.d_model)
         import_activault(hook, root / "warm.store", progress=False)  # imports, first-touch
         shutil.rmtree(root / "warm.store")
-        imp, base = pairs(root, args.repeats, lambda r: import_activault(hook, root / f"a{r}.store", progress=False),
-                          lambda r: baseline_activault(hook, root / f"raw{r}.bin"))
-        res["activault"] = {"tokens": n_tok, "import_s": imp, "baseline_s": base,
-                            "ratio": statistics.median(b / i for i, b in zip(imp, base))}
+        imp, base = pairs(
+            root,
+            args.repeats,
+            lambda r: import_activault(hook, root / f"a{r}.store", progress=False),
+            lambda r: baseline_activault(hook, root / f"raw{r}.bin"),
+        )
+        res["activault"] = {
+            "tokens": n_tok,
+            "import_s": imp,
+            "baseline_s": base,
+            "ratio": statistics.median(b / i for i, b in zip(imp, base)),
+        }
         # ---- SAELens ----
         st = actstore.ActStore(root / "a0.store")
         export_saelens(st, root / "sl", layer=4, context_size=args.seq_len, progress=False)
         import_saelens(root / "sl", root / "warm2.store", progress=False)
         shutil.rmtree(root / "warm2.store")
         hook_name = json.loads((root / "sl" / "saelens_config.json").read_text())["hook_name"]
-        imp, base = pairs(root, args.repeats, lambda r: import_saelens(root / "sl", root / f"s{r}.store", progress=False),
-                          lambda r: baseline_saelens(root / "sl", root / f"sraw{r}.bin", hook_name))
-        res["saelens"] = {"tokens": n_tok, "import_s": imp, "baseline_s": base,
-                          "ratio": statistics.median(b / i for i, b in zip(imp, base))}
+        imp, base = pairs(
+            root,
+            args.repeats,
+            lambda r: import_saelens(root / "sl", root / f"s{r}.store", progress=False),
+            lambda r: baseline_saelens(root / "sl", root / f"sraw{r}.bin", hook_name),
+        )
+        res["saelens"] = {
+            "tokens": n_tok,
+            "import_s": imp,
+            "baseline_s": base,
+            "ratio": statistics.median(b / i for i, b in zip(imp, base)),
+        }
         # ---- aligned stream ----
         k = args.layers
         rng = np.random.default_rng(0)
         n_ex = max(8, n_tok // args.seq_len)
-        with actstore.ShardWriter(root / "k.store", layers=list(range(k)), d_model=args.d_model, tokens=args.seq_len // 2) as w:
+        with actstore.ShardWriter(
+            root / "k.store", layers=list(range(k)), d_model=args.d_model, tokens=args.seq_len // 2
+        ) as w:
             for s in range(0, n_ex, 16):
-                w.append(rng.standard_normal((min(16, n_ex - s), k, args.seq_len // 2, args.d_model)).astype(np.float16))
+                w.append(
+                    rng.standard_normal((min(16, n_ex - s), k, args.seq_len // 2, args.d_model)).astype(np.float16)
+                )
         actstore.finalize(root / "k.store")
         ks = actstore.ActStore(root / "k.store")
 
@@ -140,17 +172,27 @@ def main() -> None:
             for layer in range(k):
                 for _ in TokenStream(ks, layers=[layer], batch_size=4096, seed=0, threads=4):
                     pass
+
         aligned(0)  # warm page cache
         ta, ti = pairs(root, args.repeats, aligned, independent)
-        res["aligned"] = {"layers": k, "vectors": len(ks) * (args.seq_len // 2) * k,
-                          "aligned_s": ta, "independent_s": ti, "ratio": statistics.median(i / a for a, i in zip(ta, ti))}
+        res["aligned"] = {
+            "layers": k,
+            "vectors": len(ks) * (args.seq_len // 2) * k,
+            "aligned_s": ta,
+            "independent_s": ti,
+            "ratio": statistics.median(i / a for a, i in zip(ta, ti)),
+        }
         for name in ("activault", "saelens"):
             r = res[name]
-            print(f"import-{name}: {r['tokens']:,} tokens x {args.d_model}: import {statistics.median(r['import_s']):.2f} s, "
-                  f"baseline {statistics.median(r['baseline_s']):.2f} s, ratio (baseline / import) {r['ratio']:.2f}x")
+            print(
+                f"import-{name}: {r['tokens']:,} tokens x {args.d_model}: import {statistics.median(r['import_s']):.2f} s, "
+                f"baseline {statistics.median(r['baseline_s']):.2f} s, ratio (baseline / import) {r['ratio']:.2f}x"
+            )
         r = res["aligned"]
-        print(f"aligned stream of {k} layers: {statistics.median(r['aligned_s']):.2f} s, {k} independent streams "
-              f"{statistics.median(r['independent_s']):.2f} s, ratio (independent / aligned) {r['ratio']:.2f}x")
+        print(
+            f"aligned stream of {k} layers: {statistics.median(r['aligned_s']):.2f} s, {k} independent streams "
+            f"{statistics.median(r['independent_s']):.2f} s, ratio (independent / aligned) {r['ratio']:.2f}x"
+        )
         print(f"results: {save('import', res)}")
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -59,8 +59,12 @@ def build(root: Path, n: int, n_layers: int, tokens: int, d_model: int) -> tuple
     pool = [rng.standard_normal((50, n_layers, tokens, d_model), dtype=np.float32).astype(np.float16) for _ in range(8)]
     raw = root / "raw.bin"
     # The chunk-file layout: the benchmark drops and reads its chunk files by name.
-    with actstore.ShardWriter(root / "store", layers=list(range(n_layers)), d_model=d_model, tokens=tokens, zarr_format=2) as w, \
-            open(raw, "wb") as f:
+    with (
+        actstore.ShardWriter(
+            root / "store", layers=list(range(n_layers)), d_model=d_model, tokens=tokens, zarr_format=2
+        ) as w,
+        open(raw, "wb") as f,
+    ):
         for i in range(0, n, 50):
             b = pool[(i // 50) % len(pool)][: n - i]
             w.append(b)
@@ -78,7 +82,7 @@ def drop_all(*paths: Path) -> None:
 def warm(*paths: Path) -> None:
     buf = bytearray(BLOCK)
     for p in paths:
-        for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+        for f in [p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file()):
             with open(f, "rb", buffering=0) as fh:
                 while fh.readinto(buf):
                     pass
@@ -138,8 +142,11 @@ def bench_pairs(store, raw_path, root, n, n_layers, tokens, d_model, b, k, threa
         paths = chunk_paths(store, i.examples, i.layers)
         # A fresh memmap each time: pages mapped into this process cannot be dropped.
         fresh = lambda: np.memmap(raw_path, dtype=np.float16, mode="r", shape=(n, n_layers, tokens, d_model))  # noqa: E731
-        for name, fn in (("pread_cold", lambda: pread_batch(pool, paths, out[: len(i.examples)], threads)), ("pairs_cold", lambda: ds[i]),
-                         ("memmap_cold", lambda: fresh()[i.examples[:, None], i.layers])):
+        for name, fn in (
+            ("pread_cold", lambda: pread_batch(pool, paths, out[: len(i.examples)], threads)),
+            ("pairs_cold", lambda: ds[i]),
+            ("memmap_cold", lambda: fresh()[i.examples[:, None], i.layers]),
+        ):
             drop_all(root / "store", raw_path)
             t0 = time.perf_counter()
             x = fn()
@@ -149,7 +156,10 @@ def bench_pairs(store, raw_path, root, n, n_layers, tokens, d_model, b, k, threa
     med = {name: statistics.median(v) for name, v in t.items()}
     nbytes = b * k * tokens * d_model * 2
     return {
-        "batch": [b, k, tokens, d_model], "bytes": nbytes, "batches": len(idx), "threads": threads,
+        "batch": [b, k, tokens, d_model],
+        "bytes": nbytes,
+        "batches": len(idx),
+        "threads": threads,
         "median_ms": {name: round(1e3 * v, 1) for name, v in med.items()},
         "warm_vs_memmap": med["pairs_warm"] / med["memmap_warm"],
         "cold_vs_pread": med["pairs_cold"] / med["pread_cold"],
@@ -330,8 +340,14 @@ def _saev_manager(shards_dir, shard_shape, counts, layer_i, reservoir, n_threads
     for _ in range(n_threads):
         work.put(None)
     tstop = threading.Event()
-    threads = [threading.Thread(target=_saev_io_thread, args=(shards_dir, shard_shape, counts, layer_i, work, reservoir, chunk, tstop), daemon=True)
-               for _ in range(n_threads)]
+    threads = [
+        threading.Thread(
+            target=_saev_io_thread,
+            args=(shards_dir, shard_shape, counts, layer_i, work, reservoir, chunk, tstop),
+            daemon=True,
+        )
+        for _ in range(n_threads)
+    ]
     for t in threads:
         t.start()
     while any(t.is_alive() for t in threads) and not stop.is_set():
@@ -339,7 +355,9 @@ def _saev_manager(shards_dir, shard_shape, counts, layer_i, reservoir, n_threads
     tstop.set()
 
 
-def bench_saev_design(saev_dir: Path, layer_i: int, batch_size: int, buffer_batches: int, n_threads: int, batches: int) -> dict:
+def bench_saev_design(
+    saev_dir: Path, layer_i: int, batch_size: int, buffer_batches: int, n_threads: int, batches: int
+) -> dict:
     store = actstore.open(saev_dir)
     g = store.geometry
     counts = [int(c) for c in g.shard_counts()]
@@ -348,7 +366,11 @@ def bench_saev_design(saev_dir: Path, layer_i: int, batch_size: int, buffer_batc
     t_start = time.perf_counter()
     reservoir = Reservoir(buffer_batches * batch_size, g.d_model, seed=0)
     stop = ctx.Event()
-    proc = ctx.Process(target=_saev_manager, args=(str(saev_dir), g.shard_shape, counts, layer_i, reservoir, n_threads, chunk, 0, stop), daemon=True)
+    proc = ctx.Process(
+        target=_saev_manager,
+        args=(str(saev_dir), g.shard_shape, counts, layer_i, reservoir, n_threads, chunk, 0, stop),
+        daemon=True,
+    )
     proc.start()
     try:
         x, _ = reservoir.get(batch_size)
@@ -362,8 +384,14 @@ def bench_saev_design(saev_dir: Path, layer_i: int, batch_size: int, buffer_batc
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
-    return {"tokens_per_s": batches * batch_size / dt, "first_batch_s": first, "batch_size": batch_size,
-            "reservoir_tokens": buffer_batches * batch_size, "threads": n_threads, "batches_timed": batches}
+    return {
+        "tokens_per_s": batches * batch_size / dt,
+        "first_batch_s": first,
+        "batch_size": batch_size,
+        "reservoir_tokens": buffer_batches * batch_size,
+        "threads": n_threads,
+        "batches_timed": batches,
+    }
 
 
 # ---- 3. the shuffle knob -----------------------------------------------------------------
@@ -380,10 +408,18 @@ def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, pro
     rows = []
     t_max = store.config.segments[0].t_max
     rng = np.random.default_rng(0)
-    ideal = statistics.mean(inverse_simpson(rng.choice(len(store) * t_max, batch_size, replace=False) // t_max) for _ in range(20))
+    ideal = statistics.mean(
+        inverse_simpson(rng.choice(len(store) * t_max, batch_size, replace=False) // t_max) for _ in range(20)
+    )
     for mb in sizes_mb:
         for run_bytes in (0, 4 * 2**20):
-            kw = dict(layers=[layer], batch_size=batch_size, buffer_bytes=int(mb * 2**20), threads=threads, run_bytes=run_bytes)
+            kw = dict(
+                layers=[layer],
+                batch_size=batch_size,
+                buffer_bytes=int(mb * 2**20),
+                threads=threads,
+                run_bytes=run_bytes,
+            )
             ts = TokenStream(store, **kw)
             epoch_rate(ts)  # first epoch: allocates its buffers
             ts.release()  # cold: no window read ahead, no mapped pages (which could not be dropped)
@@ -397,12 +433,19 @@ def bench_knob(store, store_dir: Path, layer, batch_size, sizes_mb, threads, pro
                 if i + 1 == probe_batches:
                     break
             win_tokens = ts.window_batches * batch_size
-            rows.append({
-                "buffer_mb": mb, "run_units": ts.run, "window_tokens": win_tokens, "examples_per_window": win_tokens / t_max,
-                "window_memory_mb": round((ts.prefetch + 2) * win_tokens * store.d_model * 2 / 2**20, 1),
-                "tokens_per_s_cold": cold, "tokens_per_s_warm": warm_rate,
-                "examples_mixed_per_batch": statistics.mean(mix), "perfect_shuffle": ideal,
-            })
+            rows.append(
+                {
+                    "buffer_mb": mb,
+                    "run_units": ts.run,
+                    "window_tokens": win_tokens,
+                    "examples_per_window": win_tokens / t_max,
+                    "window_memory_mb": round((ts.prefetch + 2) * win_tokens * store.d_model * 2 / 2**20, 1),
+                    "tokens_per_s_cold": cold,
+                    "tokens_per_s_warm": warm_rate,
+                    "examples_mixed_per_batch": statistics.mean(mix),
+                    "perfect_shuffle": ideal,
+                }
+            )
     return rows
 
 
@@ -413,13 +456,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--token-batch", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=5, help="PairDataset batches timed (median) and epochs per TokenStream figure")
+    ap.add_argument(
+        "--repeats", type=int, default=5, help="PairDataset batches timed (median) and epochs per TokenStream figure"
+    )
     ap.add_argument("--saev-batch", type=int, default=16384)
     ap.add_argument("--saev-buffer", type=int, default=16, help="reservoir size in batches (saev's default is 64)")
     ap.add_argument("--saev-batches", type=int, default=6)
     ap.add_argument("--knob-mb", default="8,32,128,512")
     ap.add_argument("--dir", default=None, help="where to put the temporary data (default: a temp dir)")
-    ap.add_argument("--only", choices=["tokens"], default=None, help="run only the TokenStream figures and the stage breakdown")
+    ap.add_argument(
+        "--only", choices=["tokens"], default=None, help="run only the TokenStream figures and the stage breakdown"
+    )
     a = ap.parse_args()
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-loaders-"))
     res: dict = {}
@@ -429,35 +476,62 @@ def main() -> None:
         store, raw = build(root, n, L, T, D)
         from actstore.saev import export_saev
 
-        saev_dir = None if a.only else export_saev(store, root / "saev", protocol="2.0", family="dinov2", ckpt="bench/random",
-                                                   dataset="/bench", cls="none", fsync=False, progress=False).path
+        saev_dir = (
+            None
+            if a.only
+            else export_saev(
+                store,
+                root / "saev",
+                protocol="2.0",
+                family="dinov2",
+                ckpt="bench/random",
+                dataset="/bench",
+                cls="none",
+                fsync=False,
+                progress=False,
+            ).path
+        )
         os.sync()
         nbytes = n * L * T * D * 2
-        print(f"data: {n} examples x {L} layers x {T} tokens x {D} (fp16 {nbytes / 1e9:.2f} GB; saev float32 "
-              f"{2 * nbytes / 1e9:.2f} GB), built in {time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"data: {n} examples x {L} layers x {T} tokens x {D} (fp16 {nbytes / 1e9:.2f} GB; saev float32 "
+            f"{2 * nbytes / 1e9:.2f} GB), built in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         res["shape"] = [n, L, T, D]
 
         if a.only is None:
             res["pairs"] = p = bench_pairs(store, raw, root, n, L, T, D, a.pair_batch, a.k, a.threads, a.repeats)
-            print(f"PairDataset {a.pair_batch}x{a.k} ({p['bytes'] / 1e6:.0f} MB), median ms: {p['median_ms']}; "
-                  f"warm {p['warm_vs_memmap']:.2f}x memmap, cold {p['cold_vs_pread']:.2f}x pread", flush=True)
-            res["pair_workers_batches_per_s"] = pw = bench_pair_workers(store, a.pair_batch, a.k, a.threads, 2 * a.repeats)
+            print(
+                f"PairDataset {a.pair_batch}x{a.k} ({p['bytes'] / 1e6:.0f} MB), median ms: {p['median_ms']}; "
+                f"warm {p['warm_vs_memmap']:.2f}x memmap, cold {p['cold_vs_pread']:.2f}x pread",
+                flush=True,
+            )
+            res["pair_workers_batches_per_s"] = pw = bench_pair_workers(
+                store, a.pair_batch, a.k, a.threads, 2 * a.repeats
+            )
             print(f"PairDataset through a DataLoader, warm batches/s by workers: {pw}", flush=True)
 
         res["tokens"] = tok = bench_tokens(store, root, raw, n * L * T, a.token_batch, a.threads, a.repeats)
         for c in ("cold", "warm"):
             d = tok[c]
-            print(f"TokenStream {c} (load {os.getloadavg()[0]:.1f}), tokens/s: sequential read {d['seq'] / 1e6:.2f}M; "
-                  f"stream float16 {d['f16'] / 1e6:.2f}M ({d['f16_vs_seq']:.2f}x, pairs {d['f16_pairs']}), "
-                  f"read path (mmap=False) {d['f16_read'] / 1e6:.2f}M ({d['f16_read_vs_seq']:.2f}x), "
-                  f"float32 {d['f32'] / 1e6:.2f}M ({d['f32_vs_seq']:.2f}x), "
-                  f"2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
-                  f"runs of 4 MiB {d['f16_runs'] / 1e6:.2f}M ({d['f16_runs_vs_seq']:.2f}x)", flush=True)
+            print(
+                f"TokenStream {c} (load {os.getloadavg()[0]:.1f}), tokens/s: sequential read {d['seq'] / 1e6:.2f}M; "
+                f"stream float16 {d['f16'] / 1e6:.2f}M ({d['f16_vs_seq']:.2f}x, pairs {d['f16_pairs']}), "
+                f"read path (mmap=False) {d['f16_read'] / 1e6:.2f}M ({d['f16_read_vs_seq']:.2f}x), "
+                f"float32 {d['f32'] / 1e6:.2f}M ({d['f32_vs_seq']:.2f}x), "
+                f"2 DataLoader workers {d['f16_w2'] / 1e6:.2f}M ({d['f16_w2_vs_seq']:.2f}x), "
+                f"runs of 4 MiB {d['f16_runs'] / 1e6:.2f}M ({d['f16_runs_vs_seq']:.2f}x)",
+                flush=True,
+            )
         warm(root / "store", raw)
         res["token_stages"] = st = stage_costs(store, raw, a.token_batch, a.repeats, sequential_read)
-        print(f"TokenStream warm, CPU ns per token of each stage alone (load {os.getloadavg()[0]:.1f}): {st['ns_per_token']}; "
-              f"ceiling on {st['cores']} cores vs the sequential read: mapped {st['ceiling_vs_seq']['mapped']:.2f}x, "
-              f"read {st['ceiling_vs_seq']['read']:.2f}x", flush=True)
+        print(
+            f"TokenStream warm, CPU ns per token of each stage alone (load {os.getloadavg()[0]:.1f}): {st['ns_per_token']}; "
+            f"ceiling on {st['cores']} cores vs the sequential read: mapped {st['ceiling_vs_seq']['mapped']:.2f}x, "
+            f"read {st['ceiling_vs_seq']['read']:.2f}x",
+            flush=True,
+        )
         if a.only is not None:
             print(f"results: {save('loaders', res)}")
             return
@@ -475,19 +549,24 @@ def main() -> None:
         sv["stream_one_layer_float32"] = one
         sv["stream_vs_saev"] = {c: one[c] / sv["tokens_per_s"] for c in one}
         res["saev_design"] = sv
-        print(f"saev shuffled-loader design (layer {layer}, batch {a.saev_batch}): {sv['tokens_per_s'] / 1e3:.1f}K tok/s "
-              f"(first batch after {sv['first_batch_s']:.1f} s); TokenStream same layer float32: cold "
-              f"{one['cold'] / 1e6:.2f}M ({sv['stream_vs_saev']['cold']:.0f}x), warm {one['warm'] / 1e6:.2f}M "
-              f"({sv['stream_vs_saev']['warm']:.0f}x)", flush=True)
+        print(
+            f"saev shuffled-loader design (layer {layer}, batch {a.saev_batch}): {sv['tokens_per_s'] / 1e3:.1f}K tok/s "
+            f"(first batch after {sv['first_batch_s']:.1f} s); TokenStream same layer float32: cold "
+            f"{one['cold'] / 1e6:.2f}M ({sv['stream_vs_saev']['cold']:.0f}x), warm {one['warm'] / 1e6:.2f}M "
+            f"({sv['stream_vs_saev']['warm']:.0f}x)",
+            flush=True,
+        )
 
         sizes = [float(x) for x in a.knob_mb.split(",")]
         res["knob"] = knob = bench_knob(store, root / "store", layer, a.token_batch, sizes, a.threads, 20)
         for r in knob:
-            print(f"buffer {r['buffer_mb']:g} MiB, runs of {r['run_units']} units: window {r['window_tokens']} tokens "
-                  f"({r['examples_per_window']:.0f} examples), memory {r['window_memory_mb']} MiB, "
-                  f"{r['tokens_per_s_cold'] / 1e6:.2f}M tok/s cold, {r['tokens_per_s_warm'] / 1e6:.2f}M warm, "
-                  f"examples mixed per batch {r['examples_mixed_per_batch']:.0f} (perfect shuffle {r['perfect_shuffle']:.0f})",
-                  flush=True)
+            print(
+                f"buffer {r['buffer_mb']:g} MiB, runs of {r['run_units']} units: window {r['window_tokens']} tokens "
+                f"({r['examples_per_window']:.0f} examples), memory {r['window_memory_mb']} MiB, "
+                f"{r['tokens_per_s_cold'] / 1e6:.2f}M tok/s cold, {r['tokens_per_s_warm'] / 1e6:.2f}M warm, "
+                f"examples mixed per batch {r['examples_mixed_per_batch']:.0f} (perfect shuffle {r['perfect_shuffle']:.0f})",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"results: {save('loaders', res)}")

@@ -38,8 +38,14 @@ def _write_store(url: str, a: argparse.Namespace) -> float:
     rng = np.random.default_rng(0)
     batch = rng.standard_normal((a.batch, a.layers, a.tokens, a.d_model)).astype(np.float16)
     t0 = time.perf_counter()
-    with actstore.ShardWriter(url, layers=list(range(a.layers)), d_model=a.d_model, tokens=a.tokens, zarr_format=3,
-                              shard_examples=a.shard_examples) as w:
+    with actstore.ShardWriter(
+        url,
+        layers=list(range(a.layers)),
+        d_model=a.d_model,
+        tokens=a.tokens,
+        zarr_format=3,
+        shard_examples=a.shard_examples,
+    ) as w:
         for _ in range(a.examples // a.batch):
             w.append(batch)
     actstore.finalize(url)
@@ -139,8 +145,15 @@ def main() -> None:
     ap.add_argument("--shard-examples", type=int, default=64)
     ap.add_argument("--queries", type=int, default=300)
     ap.add_argument("--upload-repeats", type=int, default=5, help="interleaved (ShardWriter, plain put) upload pairs")
-    ap.add_argument("--threads", type=int, default=32, help="TokenStream reader threads (object stores want many requests in flight)")
-    ap.add_argument("--repeats", type=int, default=3, help="TokenStream runs (each a fresh process beside its own plain GET)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=32,
+        help="TokenStream reader threads (object stores want many requests in flight)",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="TokenStream runs (each a fresh process beside its own plain GET)"
+    )
     a = ap.parse_args()
     with s3server.moto_server() as endpoint:
         s3server.apply_env(s3server.s3_env(endpoint))
@@ -161,27 +174,42 @@ def main() -> None:
         t_write, t_put = pairs[len(pairs) // 2]
         reads = _child(_random_reads, url, a)
         file_bytes = a.shard_examples * a.layers * a.tokens * a.d_model * 2  # one shard file's units: one run
-        streams = {name: [_child(_stream, url, a, run) for _ in range(a.repeats)] for name, run in (("default", 0), ("runs", file_bytes))}
+        streams = {
+            name: [_child(_stream, url, a, run) for _ in range(a.repeats)]
+            for name, run in (("default", 0), ("runs", file_bytes))
+        }
     total = sum(sizes)
     res = {
         "store_bytes": total,
-        "upload": {"actstore_s": t_write, "plain_put_s": t_put, "ratio": t_put / t_write,
-                   "pair_ratios": [round(p / w, 3) for w, p in zip(writes, puts)]},
+        "upload": {
+            "actstore_s": t_write,
+            "plain_put_s": t_put,
+            "ratio": t_put / t_write,
+            "pair_ratios": [round(p / w, 3) for w, p in zip(writes, puts)],
+        },
         "random_read": {**reads, "ratio": reads["store_p50_ms"] / reads["plain_p50_ms"]},
         "token_stream": {name: _stream_ratios(runs) for name, runs in streams.items()},
         "load_average": os.getloadavg()[0],
     }
-    print(f"store on moto S3: {a.examples} examples x {a.layers} layers x {a.tokens} x {a.d_model} fp16 ({total / 1e6:.0f} MB), "
-          f"Zarr shard files of {a.shard_examples} examples")
-    print(f"upload (median of {a.upload_repeats} pairs {res['upload']['pair_ratios']}): actstore {total / t_write / 1e6:.0f} MB/s, "
-          f"plain obstore put {total / t_put / 1e6:.0f} MB/s -> {res['upload']['ratio']:.2f}x (target >= 0.8x)")
-    print(f"random (ex, layer) read p50: actstore {reads['store_p50_ms']:.2f} ms, plain range GET {reads['plain_p50_ms']:.2f} ms "
-          f"-> {res['random_read']['ratio']:.2f}x (target <= 1.5x)")
+    print(
+        f"store on moto S3: {a.examples} examples x {a.layers} layers x {a.tokens} x {a.d_model} fp16 ({total / 1e6:.0f} MB), "
+        f"Zarr shard files of {a.shard_examples} examples"
+    )
+    print(
+        f"upload (median of {a.upload_repeats} pairs {res['upload']['pair_ratios']}): actstore {total / t_write / 1e6:.0f} MB/s, "
+        f"plain obstore put {total / t_put / 1e6:.0f} MB/s -> {res['upload']['ratio']:.2f}x (target >= 0.8x)"
+    )
+    print(
+        f"random (ex, layer) read p50: actstore {reads['store_p50_ms']:.2f} ms, plain range GET {reads['plain_p50_ms']:.2f} ms "
+        f"-> {res['random_read']['ratio']:.2f}x (target <= 1.5x)"
+    )
     for name, d in res["token_stream"].items():
         what = "default order (run_bytes=0)" if name == "default" else "runs of one shard file (run_bytes)"
-        print(f"TokenStream over the URL, {what}: first epoch of a process {d['first_epoch_tokens_per_s'] / 1e6:.3f}M tokens/s "
-              f"({d['first_epoch_ratio']:.2f}x), next epoch {d['next_epoch_ratio']:.2f}x a plain sequential GET at "
-              f"{d['plain_mb_per_s']:.0f} MB/s (medians of {a.repeats} interleaved pairs; target >= 0.7x)")
+        print(
+            f"TokenStream over the URL, {what}: first epoch of a process {d['first_epoch_tokens_per_s'] / 1e6:.3f}M tokens/s "
+            f"({d['first_epoch_ratio']:.2f}x), next epoch {d['next_epoch_ratio']:.2f}x a plain sequential GET at "
+            f"{d['plain_mb_per_s']:.0f} MB/s (medians of {a.repeats} interleaved pairs; target >= 0.7x)"
+        )
     print("results:", save("remote", res))
 
 

@@ -34,13 +34,17 @@ def make_store(path: Path, tokens: int, d: int, **layout) -> actstore.ActStore:
     rng = np.random.default_rng(0)
     P, R = 96, 32
     n = tokens // ((P + R) * 3 // 4)  # lengths average about 3/4 of the segments
-    with actstore.ShardWriter(path, layers=[8], d_model=d, segments={"prompt": P, "response": R}, token_ids=True,
-                             **layout) as w:
+    with actstore.ShardWriter(
+        path, layers=[8], d_model=d, segments={"prompt": P, "response": R}, token_ids=True, **layout
+    ) as w:
         for s in range(0, n, 64):
             b = min(64, n - s)
-            w.append(prompt=rng.standard_normal((b, 1, P, d)).astype(np.float16), response=rng.standard_normal((b, 1, R, d)).astype(np.float16),
-                     lengths={"prompt": rng.integers(P // 2, P + 1, b), "response": rng.integers(R // 2, R + 1, b)},
-                     token_ids={"prompt": rng.integers(0, 49152, (b, P)), "response": rng.integers(0, 49152, (b, R))})
+            w.append(
+                prompt=rng.standard_normal((b, 1, P, d)).astype(np.float16),
+                response=rng.standard_normal((b, 1, R, d)).astype(np.float16),
+                lengths={"prompt": rng.integers(P // 2, P + 1, b), "response": rng.integers(R // 2, R + 1, b)},
+                token_ids={"prompt": rng.integers(0, 49152, (b, P)), "response": rng.integers(0, 49152, (b, R))},
+            )
     actstore.finalize(path)
     return actstore.ActStore(path)
 
@@ -52,8 +56,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--settle", type=float, default=3.0, help="seconds of rest (after a syncfs) before each timed step: this VM's disk takes a burst of about 1 GB fast, then slows until it has drained")
-    ap.add_argument("--shard-examples", type=int, default=None, help="store the data in Zarr format 3 shard files of S examples (default: format 2 chunk files)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        help="seconds of rest (after a syncfs) before each timed step: this VM's disk takes a burst of about 1 GB fast, then slows until it has drained",
+    )
+    ap.add_argument(
+        "--shard-examples",
+        type=int,
+        default=None,
+        help="store the data in Zarr format 3 shard files of S examples (default: format 2 chunk files)",
+    )
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-saelens-", dir=args.dir))
     try:
@@ -89,15 +103,21 @@ def main() -> None:
             (root / "raw.bin").unlink()
 
         for r in range(args.repeats):  # interleaved pairs, the order alternating
-            for step in ((timed_export, timed_raw) if r % 2 == 0 else (timed_raw, timed_export)):
+            for step in (timed_export, timed_raw) if r % 2 == 0 else (timed_raw, timed_export):
                 step(r)
         ratio = statistics.median(r / e for e, r in zip(exp, raw))
-        print(f"export-saelens: {n_tok:,} tokens x {args.d_model} (float32 rows of {args.context}), {nbytes / 2**20:.0f} MiB, "
-              f"store {'shard files of %d examples' % args.shard_examples if args.shard_examples else 'chunk files (format 2)'}")
-        print(f"  export {statistics.median(exp):.2f} s ({n_tok / statistics.median(exp) / 1e6:.2f} M tokens/s), "
-              f"raw write + fsync {statistics.median(raw):.2f} s")
+        print(
+            f"export-saelens: {n_tok:,} tokens x {args.d_model} (float32 rows of {args.context}), {nbytes / 2**20:.0f} MiB, "
+            f"store {'shard files of %d examples' % args.shard_examples if args.shard_examples else 'chunk files (format 2)'}"
+        )
+        print(
+            f"  export {statistics.median(exp):.2f} s ({n_tok / statistics.median(exp) / 1e6:.2f} M tokens/s), "
+            f"raw write + fsync {statistics.median(raw):.2f} s"
+        )
         print(f"  ratio (raw time / export time, median of pairs): {ratio:.2f}x")
-        print(f"results: {save('saelens', {'tokens': n_tok, 'bytes': nbytes, 'export_s': exp, 'raw_s': raw, 'ratio': ratio})}")
+        print(
+            f"results: {save('saelens', {'tokens': n_tok, 'bytes': nbytes, 'export_s': exp, 'raw_s': raw, 'ratio': ratio})}"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

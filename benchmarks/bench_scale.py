@@ -45,8 +45,14 @@ OPS = ("finalize", "open", "info", "verify", "verify_deep", "cp", "saev_plan", "
 
 
 def _writer_kw(a: argparse.Namespace, examples: int) -> dict:
-    kw = {"layers": LAYERS, "d_model": D_MODEL, "tokens": TOKENS, "model_id": "bench/tiny", "attrs": {"dataset": "/bench/data", "cls_token": False, "family": "dinov2"},
-          "fields": {"label": "int64"}}
+    kw = {
+        "layers": LAYERS,
+        "d_model": D_MODEL,
+        "tokens": TOKENS,
+        "model_id": "bench/tiny",
+        "attrs": {"dataset": "/bench/data", "cls_token": False, "family": "dinov2"},
+        "fields": {"label": "int64"},
+    }
     if a.zarr_format == 3:
         kw.update(zarr_format=3, shard_examples=min(examples, a.shard_examples))
     elif a.zarr_format == 2:
@@ -63,7 +69,10 @@ def write_shard(path: str, shard: int, n: int, a: argparse.Namespace, batch: int
     with actstore.ShardWriter(path, shard=shard, **_writer_kw(a, n)) as w:
         for i in range(0, n, batch):
             b = min(batch, n - i)
-            w.append(rng.standard_normal((b, len(LAYERS), TOKENS, D_MODEL)).astype(np.float16), fields={"label": np.arange(i, i + b)})
+            w.append(
+                rng.standard_normal((b, len(LAYERS), TOKENS, D_MODEL)).astype(np.float16),
+                fields={"label": np.arange(i, i + b)},
+            )
     return time.perf_counter() - t0
 
 
@@ -177,7 +186,10 @@ def example_scaling(a: argparse.Namespace, work: Path) -> list[dict]:
         write_s = write_shard(str(root), 0, n, a)
         times = time_ops(str(root), str(work), a.ops, a.repeats)
         rows.append({"examples": n, "write_s": write_s, "seconds": times})
-        print(f"{n:>9} examples: write {write_s:.2f} s  " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()), flush=True)
+        print(
+            f"{n:>9} examples: write {write_s:.2f} s  " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
+            flush=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
     return rows
 
@@ -221,7 +233,11 @@ def request_counts(a: argparse.Namespace, work: Path) -> dict:
                     fns[name]()
                     row[name] = _count(proxy, n0)
                 out["stores"].append(row)
-                print(f"{n:>6} shards on S3, requests: " + "  ".join(f"{k} {row[k]['total']}" for k in ("upload", *a.ops)), flush=True)
+                print(
+                    f"{n:>6} shards on S3, requests: "
+                    + "  ".join(f"{k} {row[k]['total']}" for k in ("upload", *a.ops)),
+                    flush=True,
+                )
                 shutil.rmtree(root, ignore_errors=True)
         finally:
             s3server.restore_env(old)
@@ -244,7 +260,10 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, key, unit, label in ((axes[0], "shard_rows", "shards", "writer shards"), (axes[1], "example_rows", "examples", "examples")):
+    for ax, key, unit, label in (
+        (axes[0], "shard_rows", "shards", "writer shards"),
+        (axes[1], "example_rows", "examples", "examples"),
+    ):
         rows = result.get(key) or []
         if not rows:
             continue
@@ -268,20 +287,33 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=4, help="examples per writer shard in the shard-scaling stores")
     ap.add_argument("--examples", type=ints, default=[10_000, 100_000, 1_000_000])
     ap.add_argument("--s3-shards", type=ints, default=[1, 10, 100])
-    ap.add_argument("--zarr-format", type=int, choices=(2, 3), default=None, help="the layout (default: the writer's default)")
-    ap.add_argument("--shard-examples", type=int, default=65536, help="examples per Zarr shard file with --zarr-format 3")
-    ap.add_argument("--ops", type=lambda s: tuple(x for x in s.split(",") if x), default=OPS, help=f"operations timed, of {','.join(OPS)}")
+    ap.add_argument(
+        "--zarr-format", type=int, choices=(2, 3), default=None, help="the layout (default: the writer's default)"
+    )
+    ap.add_argument(
+        "--shard-examples", type=int, default=65536, help="examples per Zarr shard file with --zarr-format 3"
+    )
+    ap.add_argument(
+        "--ops",
+        type=lambda s: tuple(x for x in s.split(",") if x),
+        default=OPS,
+        help=f"operations timed, of {','.join(OPS)}",
+    )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where stores are built (default: a temporary folder)")
     ap.add_argument("--plot", default=None, help="write a log-log plot (PNG) here")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir))
     try:
-        result: dict = {"shape": {"layers": len(LAYERS), "tokens": TOKENS, "d_model": D_MODEL, "shard_size": a.shard_size},
-                        "zarr_format": a.zarr_format}
+        result: dict = {
+            "shape": {"layers": len(LAYERS), "tokens": TOKENS, "d_model": D_MODEL, "shard_size": a.shard_size},
+            "zarr_format": a.zarr_format,
+        }
         result["shard_rows"] = shard_scaling(a, work) if a.shards else []
         result["example_rows"] = example_scaling(a, work) if a.examples else []
-        result["growth_per_shard"] = growth(result["shard_rows"], "shards", 100 if 100 in a.shards else min(a.shards or [1]))
+        result["growth_per_shard"] = growth(
+            result["shard_rows"], "shards", 100 if 100 in a.shards else min(a.shards or [1])
+        )
         result["growth_per_example"] = growth(result["example_rows"], "examples", min(a.examples or [1]))
         result["requests"] = request_counts(a, work) if a.s3_shards else {}
         for k in ("growth_per_shard", "growth_per_example"):

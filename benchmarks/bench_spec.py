@@ -52,10 +52,32 @@ from actstore.layout import keys  # noqa: E402
 
 warnings.filterwarnings("ignore", message="This DataLoader will create")  # 8 workers on a small machine, on purpose
 LAYOUTS = ("v2", "v3-sharded")
-QUICK = {"d_model": "32", "layers": 2, "examples": 16, "r_max": "8,16", "t_chunk": "8,16", "p_max": 32, "queries": 200,
-         "workers": "0,2", "writers": "1,2", "batch": 4, "shard_examples": 4}
-FULL = {"d_model": "2048", "layers": 4, "examples": 256, "r_max": "32,64,128", "t_chunk": "64,128,256", "p_max": 256,
-        "queries": 10000, "workers": "0,4,8", "writers": "1,2,4", "batch": 16, "shard_examples": 64}
+QUICK = {
+    "d_model": "32",
+    "layers": 2,
+    "examples": 16,
+    "r_max": "8,16",
+    "t_chunk": "8,16",
+    "p_max": 32,
+    "queries": 200,
+    "workers": "0,2",
+    "writers": "1,2",
+    "batch": 4,
+    "shard_examples": 4,
+}
+FULL = {
+    "d_model": "2048",
+    "layers": 4,
+    "examples": 256,
+    "r_max": "32,64,128",
+    "t_chunk": "64,128,256",
+    "p_max": 256,
+    "queries": 10000,
+    "workers": "0,4,8",
+    "writers": "1,2,4",
+    "batch": 16,
+    "shard_examples": 64,
+}
 
 
 def ints(s: str) -> list[int]:
@@ -63,7 +85,12 @@ def ints(s: str) -> list[int]:
 
 
 def stats_us(ts: list[float]) -> dict:
-    return {"mean_us": 1e6 * sum(ts) / len(ts), "p50_us": percentile_us(ts, 50), "p95_us": percentile_us(ts, 95), "n": len(ts)}
+    return {
+        "mean_us": 1e6 * sum(ts) / len(ts),
+        "p50_us": percentile_us(ts, 50),
+        "p95_us": percentile_us(ts, 95),
+        "n": len(ts),
+    }
 
 
 # ---- data -----------------------------------------------------------------------------
@@ -89,8 +116,8 @@ def make_arrays(n: int, n_layers: int, p_max: int, r_max: int, d: int, plen: np.
     for e in range(n):
         p[e] = base[e % 8, :, :p_max]
         r[e] = base[e % 8, :, p_max:]
-        p[e, :, plen[e]:] = 0
-        r[e, :, rlen[e]:] = 0
+        p[e, :, plen[e] :] = 0
+        r[e, :, rlen[e] :] = 0
         p[e, :, 0, 0] = r[e, :, 0, 0] = e % 2048  # exact in fp16: each example differs
     return p, r
 
@@ -108,7 +135,10 @@ def _write_store(w: int, n_w: int, store: str, kw: dict, p, r, plen, rlen, b: in
 def _write_raw(w: int, n_w: int, folder: str, p, r, b: int, sync: bool, barrier) -> None:
     lo, hi = w * len(p) // n_w, (w + 1) * len(p) // n_w
     barrier.wait()
-    with open(f"{folder}/prompt-{w}.bin", "wb", buffering=0) as fp, open(f"{folder}/response-{w}.bin", "wb", buffering=0) as fr:
+    with (
+        open(f"{folder}/prompt-{w}.bin", "wb", buffering=0) as fp,
+        open(f"{folder}/response-{w}.bin", "wb", buffering=0) as fr,
+    ):
         for i in range(lo, hi, b):
             j = min(i + b, hi)
             fp.write(memoryview(p[i:j]).cast("B"))
@@ -153,8 +183,17 @@ def bench_writes(root: Path, kw: dict, p, r, plen, rlen, a) -> list[dict]:
         else:
             shutil.rmtree(store)
             shutil.rmtree(raw)
-        rows.append({"metric": "write", "writers": n_w, "bytes": nbytes, "MBps": nbytes / t_store / 1e6, "limit": "raw files, W processes",
-                     "limit_MBps": nbytes / t_raw / 1e6, "ratio": t_raw / t_store})
+        rows.append(
+            {
+                "metric": "write",
+                "writers": n_w,
+                "bytes": nbytes,
+                "MBps": nbytes / t_store / 1e6,
+                "limit": "raw files, W processes",
+                "limit_MBps": nbytes / t_raw / 1e6,
+                "ratio": t_raw / t_store,
+            }
+        )
     return rows
 
 
@@ -178,16 +217,31 @@ def bench_reads(store, raws: dict, lens: dict, zpaths: dict, queries: list[tuple
         for i, l in queries[:50]:  # correctness: the store returns the bytes written
             if not np.array_equal(view[i, l], raw[i, l, : ln[i]]):
                 raise RuntimeError(f"{seg}[{i}, {l}] read back differs from the raw file")
-        fns = {"actstore": lambda i, l: view[i, l], "memmap": lambda i, l: np.array(raw[i, l, : ln[i]]),
-               "zarr": lambda i, l: z[i, l, : ln[i]]}
+        fns = {
+            "actstore": lambda i, l: view[i, l],
+            "memmap": lambda i, l: np.array(raw[i, l, : ln[i]]),
+            "zarr": lambda i, l: z[i, l, : ln[i]],
+        }
         for fn in (fns["actstore"], fns["memmap"]):
             timed(fn, queries)  # warm every page the timed loops touch
-        got = {name: stats_us(timed(fn, queries if name != "zarr" else queries[: max(20, len(queries) // 10)])) for name, fn in fns.items()}
+        got = {
+            name: stats_us(timed(fn, queries if name != "zarr" else queries[: max(20, len(queries) // 10)]))
+            for name, fn in fns.items()
+        }
         lim = got["memmap"]
-        rows.append({"metric": f"read_{seg}", **got["actstore"], "limit": "np.memmap of a raw file",
-                     "limit_mean_us": lim["mean_us"], "limit_p50_us": lim["p50_us"], "limit_p95_us": lim["p95_us"],
-                     "ratio_p50": got["actstore"]["p50_us"] / lim["p50_us"], "zarr_python_p50_us": got["zarr"]["p50_us"],
-                     "zarr_python_mean_us": got["zarr"]["mean_us"]})
+        rows.append(
+            {
+                "metric": f"read_{seg}",
+                **got["actstore"],
+                "limit": "np.memmap of a raw file",
+                "limit_mean_us": lim["mean_us"],
+                "limit_p50_us": lim["p50_us"],
+                "limit_p95_us": lim["p95_us"],
+                "ratio_p50": got["actstore"]["p50_us"] / lim["p50_us"],
+                "zarr_python_p50_us": got["zarr"]["p50_us"],
+                "zarr_python_mean_us": got["zarr"]["mean_us"],
+            }
+        )
     return rows
 
 
@@ -203,13 +257,21 @@ def bench_batches(store, raws: dict, a, seed: int) -> list[dict]:
         x = [raws[s][i.examples[:, None], i.layers] for s in ("prompt", "response")]  # fancy indexing copies
         lim.append(time.perf_counter() - t0)
         del x
-    lim = stats_us(lim[len(idx):])
+    lim = stats_us(lim[len(idx) :])
     for n_workers in ints(a.workers):
         ds = PairDataset(store)
         ts = []
         for rep in range(a.epochs):
-            it = iter(ds.loader(batch_size=a.batch, k=2, seed=seed + rep, num_workers=n_workers,
-                                multiprocessing_context="fork" if n_workers else None, persistent_workers=False))
+            it = iter(
+                ds.loader(
+                    batch_size=a.batch,
+                    k=2,
+                    seed=seed + rep,
+                    num_workers=n_workers,
+                    multiprocessing_context="fork" if n_workers else None,
+                    persistent_workers=False,
+                )
+            )
             next(it)  # workers started and the first batch read
             t0 = time.perf_counter()
             for x in it:
@@ -221,9 +283,20 @@ def bench_batches(store, raws: dict, a, seed: int) -> list[dict]:
         if not ts:
             raise RuntimeError(f"--examples {len(store)} / --batch {a.batch}: give at least 2 batches an epoch")
         s = stats_us(ts)
-        rows.append({"metric": "batch", "workers": n_workers, "batch": [a.batch, 2], **s, "batches_per_s": 1e6 / s["mean_us"],
-                     "limit": "np.memmap fancy indexing, one process", "limit_mean_us": lim["mean_us"], "limit_p50_us": lim["p50_us"],
-                     "limit_p95_us": lim["p95_us"], "ratio_mean": s["mean_us"] / lim["mean_us"]})
+        rows.append(
+            {
+                "metric": "batch",
+                "workers": n_workers,
+                "batch": [a.batch, 2],
+                **s,
+                "batches_per_s": 1e6 / s["mean_us"],
+                "limit": "np.memmap fancy indexing, one process",
+                "limit_mean_us": lim["mean_us"],
+                "limit_p50_us": lim["p50_us"],
+                "limit_p95_us": lim["p95_us"],
+                "ratio_mean": s["mean_us"] / lim["mean_us"],
+            }
+        )
     return rows
 
 
@@ -232,12 +305,26 @@ def run_cell(root: Path, a, d: int, layout: str, r_max: int, t_chunk: int, seed:
     rng = np.random.default_rng(seed)
     plen, rlen = draw_lengths(a, a.examples, r_max, rng)
     p, r = make_arrays(a.examples, a.layers, a.p_max, r_max, d, plen, rlen, seed)
-    kw = {"fsync": a.durability == "fsync", "layers": list(range(a.layers)), "d_model": d, "segments": {"prompt": a.p_max, "response": r_max},
-          "t_chunk": {"prompt": t_chunk, "response": r_max}}
+    kw = {
+        "fsync": a.durability == "fsync",
+        "layers": list(range(a.layers)),
+        "d_model": d,
+        "segments": {"prompt": a.p_max, "response": r_max},
+        "t_chunk": {"prompt": t_chunk, "response": r_max},
+    }
     if layout == "v3-sharded":
         kw.update(zarr_format=3, shard_examples=min(a.shard_examples, a.examples))
-    cell = {"d_model": d, "layers": a.layers, "examples": a.examples, "layout": layout, "r_max": r_max, "t_chunk": t_chunk, "p_max": a.p_max,
-            "prompt_chunk_bytes": t_chunk * d * 2, "response_chunk_bytes": r_max * d * 2}
+    cell = {
+        "d_model": d,
+        "layers": a.layers,
+        "examples": a.examples,
+        "layout": layout,
+        "r_max": r_max,
+        "t_chunk": t_chunk,
+        "p_max": a.p_max,
+        "prompt_chunk_bytes": t_chunk * d * 2,
+        "response_chunk_bytes": r_max * d * 2,
+    }
     rows = bench_writes(root, kw, p, r, plen, rlen, a)
     if a.parts == "write":
         shutil.rmtree(root / "store-1")
@@ -259,8 +346,12 @@ def run_cell(root: Path, a, d: int, layout: str, r_max: int, t_chunk: int, seed:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="A tiny matrix (CI's benchmark run test); other options still apply.")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="A tiny matrix (CI's benchmark run test); other options still apply."
+    )
     ap.add_argument("--d-model", help=f"H values, comma-separated (default {FULL['d_model']}).")
     ap.add_argument("--layers", type=int, help=f"L (default {FULL['layers']}).")
     ap.add_argument("--examples", type=int, help=f"N per store (default {FULL['examples']}).")
@@ -271,11 +362,19 @@ def main() -> None:
     ap.add_argument("--workers", help=f"DataLoader workers (default {FULL['workers']}).")
     ap.add_argument("--writers", help=f"writer processes (default {FULL['writers']}).")
     ap.add_argument("--batch", type=int, help=f"b, examples per training batch (default {FULL['batch']}).")
-    ap.add_argument("--shard-examples", type=int, help=f"examples per Zarr shard file, v3-sharded (default {FULL['shard_examples']}).")
+    ap.add_argument(
+        "--shard-examples",
+        type=int,
+        help=f"examples per Zarr shard file, v3-sharded (default {FULL['shard_examples']}).",
+    )
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="v2 (a file per chunk) and/or v3-sharded.")
     ap.add_argument("--epochs", type=int, default=2, help="DataLoader epochs timed per worker count.")
-    ap.add_argument("--durability", choices=["fsync", "none"], default="fsync",
-                    help="fsync: ShardWriter(fsync=True) against raw writes + fsync; none: both left in the page cache.")
+    ap.add_argument(
+        "--durability",
+        choices=["fsync", "none"],
+        default="fsync",
+        help="fsync: ShardWriter(fsync=True) against raw writes + fsync; none: both left in the page cache.",
+    )
     ap.add_argument("--parts", choices=["all", "write"], default="all", help="write: the write scaling alone.")
     ap.add_argument("--write-batch", type=int, default=16, help="examples per append.")
     ap.add_argument("--lengths", default=None, help="spec_data.py results: draw token lengths from that data set.")
@@ -305,19 +404,63 @@ def main() -> None:
                         load.append(os.getloadavg())
                         by = {x["metric"] + str(x.get("workers", x.get("writers", ""))): x for x in cell}
                         if a.parts == "write":
-                            print(f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: " + ", ".join(
-                                f"W={x['writers']} {x['MBps']:.0f} MB/s, raw {x['limit_MBps']:.0f} ({x['ratio']:.2f}x)" for x in cell), flush=True)
+                            print(
+                                f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: "
+                                + ", ".join(
+                                    f"W={x['writers']} {x['MBps']:.0f} MB/s, raw {x['limit_MBps']:.0f} ({x['ratio']:.2f}x)"
+                                    for x in cell
+                                ),
+                                flush=True,
+                            )
                             continue
-                        print(f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: prompt p50 {by['read_prompt']['p50_us']:.0f} us "
-                              f"({by['read_prompt']['ratio_p50']:.2f}x memmap), response p50 {by['read_response']['p50_us']:.0f} us "
-                              f"({by['read_response']['ratio_p50']:.2f}x), batch w0 {by['batch0']['p50_us'] / 1e3:.1f} ms, "
-                              f"write " + ", ".join(f"W={x['writers']} {x['MBps']:.0f} MB/s ({x['ratio']:.2f}x raw)" for x in cell if x["metric"] == "write"),
-                              flush=True)
+                        print(
+                            f"H={d} {layout} R_max={r_max} T_chunk={t_chunk}: prompt p50 {by['read_prompt']['p50_us']:.0f} us "
+                            f"({by['read_prompt']['ratio_p50']:.2f}x memmap), response p50 {by['read_response']['p50_us']:.0f} us "
+                            f"({by['read_response']['ratio_p50']:.2f}x), batch w0 {by['batch0']['p50_us'] / 1e3:.1f} ms, "
+                            f"write "
+                            + ", ".join(
+                                f"W={x['writers']} {x['MBps']:.0f} MB/s ({x['ratio']:.2f}x raw)"
+                                for x in cell
+                                if x["metric"] == "write"
+                            ),
+                            flush=True,
+                        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    params = {k: getattr(a, k) for k in ("quick", "d_model", "layers", "examples", "r_max", "t_chunk", "p_max", "queries", "workers", "writers",
-                                          "batch", "shard_examples", "layouts", "epochs", "write_batch", "durability", "parts", "lengths", "seed")}
-    path = save("spec", {"params": params, "command": " ".join(sys.argv), "seconds": time.time() - t_start, "load_average": load, "rows": rows})
+    params = {
+        k: getattr(a, k)
+        for k in (
+            "quick",
+            "d_model",
+            "layers",
+            "examples",
+            "r_max",
+            "t_chunk",
+            "p_max",
+            "queries",
+            "workers",
+            "writers",
+            "batch",
+            "shard_examples",
+            "layouts",
+            "epochs",
+            "write_batch",
+            "durability",
+            "parts",
+            "lengths",
+            "seed",
+        )
+    }
+    path = save(
+        "spec",
+        {
+            "params": params,
+            "command": " ".join(sys.argv),
+            "seconds": time.time() - t_start,
+            "load_average": load,
+            "rows": rows,
+        },
+    )
     print(f"results: {path}")
     if not a.no_plot and a.parts == "all":
         from spec_plot import plot

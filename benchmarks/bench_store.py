@@ -32,7 +32,11 @@ import actstore  # noqa: E402
 from actstore.storage.files import syncfs  # noqa: E402
 
 
-LAYOUTS = {"v2": {"zarr_format": 2}, "v3-sharded": {"zarr_format": 3, "shard_examples": 64}, "v3-sharded-256": {"zarr_format": 3, "shard_examples": 256}}
+LAYOUTS = {
+    "v2": {"zarr_format": 2},
+    "v3-sharded": {"zarr_format": 3, "shard_examples": 64},
+    "v3-sharded-256": {"zarr_format": 3, "shard_examples": 256},
+}
 
 
 def raw_write(path: Path, batches: list[np.ndarray], repeats: int) -> float:
@@ -81,8 +85,17 @@ def files_write(d: Path, batches: list[np.ndarray], repeats: int, layout: str) -
     return t
 
 
-def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: int, d_model: int, repeats: int, layout: str,
-                durability: str = "writer", io_threads: int | None = None) -> dict:
+def bench_write(
+    root: Path,
+    batches: list[np.ndarray],
+    n_layers: int,
+    tokens: int,
+    d_model: int,
+    repeats: int,
+    layout: str,
+    durability: str = "writer",
+    io_threads: int | None = None,
+) -> dict:
     """Durable writes: actstore against a raw write (+ fsync) of the same bytes, the raw
     write timed right before and right after, the ratio taken against their mean.
     durability "writer": ShardWriter(fsync=True) (each file synced on its I/O thread, the
@@ -93,8 +106,16 @@ def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: in
     store = root / f"store-{layout}"
     syncfs(root)
     t0 = time.perf_counter()
-    with actstore.ShardWriter(store, shard=0, layers=list(range(n_layers)), d_model=d_model, tokens=tokens,
-                              fsync=durability == "writer", io_threads=io_threads, **LAYOUTS[layout]) as w:
+    with actstore.ShardWriter(
+        store,
+        shard=0,
+        layers=list(range(n_layers)),
+        d_model=d_model,
+        tokens=tokens,
+        fsync=durability == "writer",
+        io_threads=io_threads,
+        **LAYOUTS[layout],
+    ) as w:
         for _ in range(repeats):
             for b in batches:
                 w.append(b)
@@ -120,7 +141,9 @@ def bench_write(root: Path, batches: list[np.ndarray], n_layers: int, tokens: in
 
 def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layout: str) -> dict:
     store = actstore.ActStore(root / f"store-{layout}")
-    raw = np.memmap(root / "raw.bin", dtype=np.float16, mode="r", shape=(n, n_layers, store.config.segments[0].t_max, store.d_model))
+    raw = np.memmap(
+        root / "raw.bin", dtype=np.float16, mode="r", shape=(n, n_layers, store.config.segments[0].t_max, store.d_model)
+    )
     z = zarr.open_array(str(root / f"store-{layout}/shards/shard-00000.zarr/arrays/tokens_activations"), mode="r")
     rng = np.random.default_rng(seed)
     pairs = list(zip(rng.integers(0, n, queries).tolist(), rng.integers(0, n_layers, queries).tolist()))
@@ -146,7 +169,12 @@ def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layou
         ("zarr", lambda e, l: z[e, l], pairs[: max(200, queries // 10)]),
     ):
         ts = timed(fn, qs)
-        res[name] = {"p50_us": percentile_us(ts, 50), "p95_us": percentile_us(ts, 95), "mean_us": 1e6 * sum(ts) / len(ts), "queries": len(qs)}
+        res[name] = {
+            "p50_us": percentile_us(ts, 50),
+            "p95_us": percentile_us(ts, 95),
+            "mean_us": 1e6 * sum(ts) / len(ts),
+            "queries": len(qs),
+        }
     res["actstore_p50_vs_memmap"] = res["actstore"]["p50_us"] / res["memmap"]["p50_us"]
     res["zarr_p50_vs_actstore"] = res["zarr"]["p50_us"] / res["actstore"]["p50_us"]
     return res
@@ -161,20 +189,34 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write-repeats", type=int, default=5, help="write runs per layout (median ratio reported)")
     ap.add_argument("--layout", nargs="+", choices=sorted(LAYOUTS), default=["v2", "v3-sharded"])
-    ap.add_argument("--durability", choices=["writer", "syncfs"], default="writer",
-                    help="writer: ShardWriter(fsync=True); syncfs: a plain writer, then syncfs (sessions 2-5)")
+    ap.add_argument(
+        "--durability",
+        choices=["writer", "syncfs"],
+        default="writer",
+        help="writer: ShardWriter(fsync=True); syncfs: a plain writer, then syncfs (sessions 2-5)",
+    )
     ap.add_argument("--io-threads", type=int, default=None, help="the writer's I/O threads (default: its own)")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     pool = 8  # distinct batches, cycled: generating random numbers is not what we measure
-    batches = [rng.standard_normal((a.batch, a.layers, a.tokens, a.d_model), dtype=np.float32).astype(np.float16) for _ in range(pool)]
+    batches = [
+        rng.standard_normal((a.batch, a.layers, a.tokens, a.d_model), dtype=np.float32).astype(np.float16)
+        for _ in range(pool)
+    ]
     repeats = max(1, a.examples // (a.batch * pool))
     n = repeats * pool * a.batch
     root = Path(tempfile.mkdtemp(dir=a.dir, prefix="actstore-bench-"))
-    result = {"shape": [n, a.layers, a.tokens, a.d_model], "dtype": "float16", "durability": a.durability, "layouts": {},
-              "load_average": os.getloadavg()}
-    print(f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} "
-          f"(fp16, {n * a.layers * a.tokens * a.d_model * 2 / 1e9:.2f} GB)")
+    result = {
+        "shape": [n, a.layers, a.tokens, a.d_model],
+        "dtype": "float16",
+        "durability": a.durability,
+        "layouts": {},
+        "load_average": os.getloadavg(),
+    }
+    print(
+        f"store of {n} examples x {a.layers} layers x {a.tokens} tokens x {a.d_model} "
+        f"(fp16, {n * a.layers * a.tokens * a.d_model * 2 / 1e9:.2f} GB)"
+    )
     try:
         for layout in a.layout:
             runs = []
@@ -185,7 +227,11 @@ def main() -> None:
                     shutil.rmtree(root / f"store-{layout}")
                     syncfs(root)
                     time.sleep(2)
-                runs.append(bench_write(root, batches, a.layers, a.tokens, a.d_model, repeats, layout, a.durability, a.io_threads))
+                runs.append(
+                    bench_write(
+                        root, batches, a.layers, a.tokens, a.d_model, repeats, layout, a.durability, a.io_threads
+                    )
+                )
             # The disk's speed drifts between runs: the ratio of each adjacent (raw, actstore)
             # pair shares the drift; the headline is the median pair.
             w = sorted(runs, key=lambda x: x["ratio_vs_raw"])[len(runs) // 2]
@@ -196,13 +242,19 @@ def main() -> None:
             r = bench_read(root, n, a.layers, a.queries, a.seed, layout)
             shutil.rmtree(root / f"store-{layout}")
             result["layouts"][layout] = {"write": w, "read": r}
-            print(f"[{layout}] durable write (median of {len(runs)} runs {w['ratios_all_runs']}): raw {w['raw_MBps']:.0f} MB/s, "
-                  f"actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw")
-            print(f"[{layout}] the layout's own files written plainly: {w['layout_files_vs_raw_all_runs']} of raw; "
-                  f"actstore / those files: {w['ratio_vs_layout_files_all_runs']} (median {w['ratio_vs_layout_files_median']:.2f})")
-            print(f"[{layout}] warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
-                  f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
-                  f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)")
+            print(
+                f"[{layout}] durable write (median of {len(runs)} runs {w['ratios_all_runs']}): raw {w['raw_MBps']:.0f} MB/s, "
+                f"actstore {w['actstore_MBps']:.0f} MB/s -> {w['ratio_vs_raw']:.2f}x of raw"
+            )
+            print(
+                f"[{layout}] the layout's own files written plainly: {w['layout_files_vs_raw_all_runs']} of raw; "
+                f"actstore / those files: {w['ratio_vs_layout_files_all_runs']} (median {w['ratio_vs_layout_files_median']:.2f})"
+            )
+            print(
+                f"[{layout}] warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
+                f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
+                f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"results: {save('store', result)}")

@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
 
 SHORT = "What does the Python `{topic}` topic cover? Answer briefly."
-ABOUT = ("Here is a passage from the Python language reference:\n\n{para}\n\n"
-         "In one or two sentences, what does it say?")
+ABOUT = "Here is a passage from the Python language reference:\n\n{para}\n\nIn one or two sentences, what does it say?"
 FIXED_P = (64, 128, 256, 512)
 FIXED_R = (32, 64, 128)
 QUANTILES = (0.9, 0.95, 0.99, 1.0)
@@ -59,15 +58,28 @@ def build_prompts(n: int, seed: int = 0) -> list[dict]:
 
 
 def quantiles(x: np.ndarray) -> dict:
-    return {"n": int(len(x)), "min": int(x.min()), "mean": float(x.mean()), "p50": float(np.quantile(x, 0.5)),
-            "p90": float(np.quantile(x, 0.9)), "p95": float(np.quantile(x, 0.95)), "p99": float(np.quantile(x, 0.99)), "max": int(x.max())}
+    return {
+        "n": int(len(x)),
+        "min": int(x.min()),
+        "mean": float(x.mean()),
+        "p50": float(np.quantile(x, 0.5)),
+        "p90": float(np.quantile(x, 0.9)),
+        "p95": float(np.quantile(x, 0.95)),
+        "p99": float(np.quantile(x, 0.99)),
+        "max": int(x.max()),
+    }
 
 
 def policy(x: np.ndarray, budget: int) -> dict:
     """What a budget of `budget` tokens keeps, loses and pads on lengths x."""
     kept = np.minimum(x, budget)
-    return {"budget": int(budget), "truncated_examples": int((x > budget).sum()), "truncated_fraction": float((x > budget).mean()),
-            "lost_tokens_fraction": float(1 - kept.sum() / x.sum()), "padding_fraction": float(1 - kept.sum() / (budget * len(x)))}
+    return {
+        "budget": int(budget),
+        "truncated_examples": int((x > budget).sum()),
+        "truncated_fraction": float((x > budget).mean()),
+        "lost_tokens_fraction": float(1 - kept.sum() / x.sum()),
+        "padding_fraction": float(1 - kept.sum() / (budget * len(x))),
+    }
 
 
 def policies(x: np.ndarray, fixed: tuple[int, ...]) -> list[dict]:
@@ -96,12 +108,20 @@ def analyse(store_path: Path, generate: int) -> dict:
     # The prompt budget was the longest prompt, so no prompt was cut; a response of exactly
     # `generate` tokens without EOS was cut by generation (its true length is unknown).
     return {
-        "n_examples": len(store), "model_id": store.meta["model_id"], "d_model": store.d_model,
-        "p_max_stored": seg["prompt"]["t_max"], "r_max_stored": seg["response"]["t_max"], "generate": generate,
+        "n_examples": len(store),
+        "model_id": store.meta["model_id"],
+        "d_model": store.d_model,
+        "p_max_stored": seg["prompt"]["t_max"],
+        "r_max_stored": seg["response"]["t_max"],
+        "generate": generate,
         "responses_at_generation_cap": int(capped.sum()) if generate else None,
-        "capped_responses_looping": int((capped & looping).sum()), "other_responses_looping": int((~capped & looping).sum()),
-        "prompt_len": quantiles(p), "response_len": quantiles(r), "total_len": quantiles(p + r),
-        "prompt_policies": policies(p, FIXED_P), "response_policies": policies(r, FIXED_R),
+        "capped_responses_looping": int((capped & looping).sum()),
+        "other_responses_looping": int((~capped & looping).sum()),
+        "prompt_len": quantiles(p),
+        "response_len": quantiles(r),
+        "total_len": quantiles(p + r),
+        "prompt_policies": policies(p, FIXED_P),
+        "response_policies": policies(r, FIXED_R),
         "lengths": {"prompt": p.tolist(), "response": r.tolist()},
     }
 
@@ -130,15 +150,34 @@ def main() -> None:
         data.write_text("".join(json.dumps(r) + "\n" for r in prompts))
         out = Path(a.keep) if a.keep else scratch / "qa.store"
         t0 = time.perf_counter()
-        s = write(WriteOptions(store=str(out), model=a.model, data=str(data), layers=tuple(int(x) for x in a.layers.split(",")),
-                               batch_size=a.batch_size, chat_template=True, generate=a.generate, p_quantile=1.0, r_max=a.generate))
+        s = write(
+            WriteOptions(
+                store=str(out),
+                model=a.model,
+                data=str(data),
+                layers=tuple(int(x) for x in a.layers.split(",")),
+                batch_size=a.batch_size,
+                chat_template=True,
+                generate=a.generate,
+                p_quantile=1.0,
+                r_max=a.generate,
+            )
+        )
         res = analyse(out, a.generate)
-        res.update({"capture_seconds": time.perf_counter() - t0, "prompt_source": "pydoc_data.topics (short questions + paragraph questions)",
-                    "write_summary": {k: v for k, v in s.items() if isinstance(v, (int, float, str))}, "load_average": os.getloadavg()})
+        res.update(
+            {
+                "capture_seconds": time.perf_counter() - t0,
+                "prompt_source": "pydoc_data.topics (short questions + paragraph questions)",
+                "write_summary": {k: v for k, v in s.items() if isinstance(v, (int, float, str))},
+                "load_average": os.getloadavg(),
+            }
+        )
         pl, rl = res["prompt_len"], res["response_len"]
-        print(f"{res['n_examples']} examples in {res['capture_seconds']:.0f} s; prompt tokens p50 {pl['p50']:.0f} p95 {pl['p95']:.0f} "
-              f"p99 {pl['p99']:.0f} max {pl['max']}; response p50 {rl['p50']:.0f} p95 {rl['p95']:.0f} p99 {rl['p99']:.0f} max {rl['max']} "
-              f"({res['responses_at_generation_cap']} at the cap of {a.generate})")
+        print(
+            f"{res['n_examples']} examples in {res['capture_seconds']:.0f} s; prompt tokens p50 {pl['p50']:.0f} p95 {pl['p95']:.0f} "
+            f"p99 {pl['p99']:.0f} max {pl['max']}; response p50 {rl['p50']:.0f} p95 {rl['p95']:.0f} p99 {rl['p99']:.0f} max {rl['max']} "
+            f"({res['responses_at_generation_cap']} at the cap of {a.generate})"
+        )
         print(f"results: {save('spec-data', res)}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

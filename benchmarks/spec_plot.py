@@ -32,8 +32,11 @@ def plot(rows: list[dict], out: Path) -> Path:
     groups = sorted({(x["d_model"], x["layout"]) for x in rows})
     r_maxes = sorted({x["r_max"] for x in rows})
     t_chunks = sorted({x["t_chunk"] for x in rows})
-    panels = (("read_prompt", "p50_us", "ratio_p50", "prompt read p50 (us)"), ("read_response", "p50_us", "ratio_p50", "response read p50 (us)"),
-              ("batch", "p50_us", "ratio_mean", "batch b x 2 layers, 0 workers, p50 (ms)"))
+    panels = (
+        ("read_prompt", "p50_us", "ratio_p50", "prompt read p50 (us)"),
+        ("read_response", "p50_us", "ratio_p50", "response read p50 (us)"),
+        ("batch", "p50_us", "ratio_mean", "batch b x 2 layers, 0 workers, p50 (ms)"),
+    )
     fig, axes = plt.subplots(len(groups), 4, figsize=(18, 3.6 * len(groups)), squeeze=False)
     for gi, (d, layout) in enumerate(groups):
         sub = [x for x in rows if x["d_model"] == d and x["layout"] == layout]
@@ -46,7 +49,15 @@ def plot(rows: list[dict], out: Path) -> Path:
             for i in range(len(r_maxes)):
                 for j in range(len(t_chunks)):
                     if not np.isnan(g[i, j]):
-                        ax.text(j, i, f"{g[i, j] * scale:.3g}\n{rg[i, j]:.2f}x", ha="center", va="center", color="w", fontsize=9)
+                        ax.text(
+                            j,
+                            i,
+                            f"{g[i, j] * scale:.3g}\n{rg[i, j]:.2f}x",
+                            ha="center",
+                            va="center",
+                            color="w",
+                            fontsize=9,
+                        )
             ax.set_xticks(range(len(t_chunks)), [str(t) for t in t_chunks])
             ax.set_yticks(range(len(r_maxes)), [str(r) for r in r_maxes])
             ax.set_xlabel("T_chunk_prompt")
@@ -77,23 +88,36 @@ def tables(rows: list[dict]) -> str:
     out = []
     for d, layout in sorted({(x["d_model"], x["layout"]) for x in rows}):
         sub = [x for x in rows if x["d_model"] == d and x["layout"] == layout]
-        out.append(f"\n**H={d}, {layout}**\n\n| read | param | mean us | p50 us | p95 us | memmap p50 us | x memmap p50 | zarr-python p50 us |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+        out.append(
+            f"\n**H={d}, {layout}**\n\n| read | param | mean us | p50 us | p95 us | memmap p50 us | x memmap p50 | zarr-python p50 us |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+        )
         for metric, key in (("read_prompt", "t_chunk"), ("read_response", "r_max")):
             for v in sorted({x[key] for x in sub}):
                 c = [x for x in sub if x["metric"] == metric and x[key] == v]
-                out.append(f"| {metric[5:]} | {key}={v} | {med([x['mean_us'] for x in c]):.0f} | {med([x['p50_us'] for x in c]):.0f} | "
-                           f"{med([x['p95_us'] for x in c]):.0f} | {med([x['limit_p50_us'] for x in c]):.0f} | {med([x['ratio_p50'] for x in c]):.2f} | "
-                           f"{med([x['zarr_python_p50_us'] for x in c]):.0f} |")
-        out.append("\n| batch b x 2 layers | mean ms | p50 ms | p95 ms | batches/s | memmap, 1 process, mean ms |\n| --- | --- | --- | --- | --- | --- |")
+                out.append(
+                    f"| {metric[5:]} | {key}={v} | {med([x['mean_us'] for x in c]):.0f} | {med([x['p50_us'] for x in c]):.0f} | "
+                    f"{med([x['p95_us'] for x in c]):.0f} | {med([x['limit_p50_us'] for x in c]):.0f} | {med([x['ratio_p50'] for x in c]):.2f} | "
+                    f"{med([x['zarr_python_p50_us'] for x in c]):.0f} |"
+                )
+        out.append(
+            "\n| batch b x 2 layers | mean ms | p50 ms | p95 ms | batches/s | memmap, 1 process, mean ms |\n| --- | --- | --- | --- | --- | --- |"
+        )
         for w in sorted({x["workers"] for x in sub if x["metric"] == "batch"}):
             c = [x for x in sub if x["metric"] == "batch" and x["workers"] == w]
-            out.append(f"| {w} workers | {med([x['mean_us'] for x in c]) / 1e3:.2f} | {med([x['p50_us'] for x in c]) / 1e3:.2f} | "
-                       f"{med([x['p95_us'] for x in c]) / 1e3:.2f} | {med([x['batches_per_s'] for x in c]):.0f} | {med([x['limit_mean_us'] for x in c]) / 1e3:.2f} |")
-        out.append("\n| writers W | actstore MB/s | raw MB/s | ratio (median of cells) | ratios per cell |\n| --- | --- | --- | --- | --- |")
+            out.append(
+                f"| {w} workers | {med([x['mean_us'] for x in c]) / 1e3:.2f} | {med([x['p50_us'] for x in c]) / 1e3:.2f} | "
+                f"{med([x['p95_us'] for x in c]) / 1e3:.2f} | {med([x['batches_per_s'] for x in c]):.0f} | {med([x['limit_mean_us'] for x in c]) / 1e3:.2f} |"
+            )
+        out.append(
+            "\n| writers W | actstore MB/s | raw MB/s | ratio (median of cells) | ratios per cell |\n| --- | --- | --- | --- | --- |"
+        )
         for w in sorted({x["writers"] for x in sub if x["metric"] == "write"}):
             c = [x for x in sub if x["metric"] == "write" and x["writers"] == w]
-            out.append(f"| {w} | {med([x['MBps'] for x in c]):.0f} | {med([x['limit_MBps'] for x in c]):.0f} | {med([x['ratio'] for x in c]):.2f} | "
-                       + ", ".join(f"{x['ratio']:.2f}" for x in c) + " |")
+            out.append(
+                f"| {w} | {med([x['MBps'] for x in c]):.0f} | {med([x['limit_MBps'] for x in c]):.0f} | {med([x['ratio'] for x in c]):.2f} | "
+                + ", ".join(f"{x['ratio']:.2f}" for x in c)
+                + " |"
+            )
     return "\n".join(out)
 
 

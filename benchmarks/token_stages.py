@@ -26,6 +26,7 @@ from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.torch import TokenStream
 
+
 def _parts(ts: TokenStream) -> TokenPipeline:
     """A stream's pipeline parts (no window of its own to read)."""
     for _ in ts:  # an epoch first: mappings and buffers as in a warm run
@@ -71,7 +72,9 @@ def stage_costs(store, raw: Path, batch: int, repeats: int, sequential_read: Cal
     mapped = TokenStream(store, batch_size=batch)
     read = TokenStream(store, batch_size=batch, mmap=False)
     n = mapped.n_tokens
-    runs: dict[str, list[float]] = {k: [] for k in ("seq_read", "map_fill", "gather", "gather_2", "read_copy", "window_gather")}
+    runs: dict[str, list[float]] = {
+        k: [] for k in ("seq_read", "map_fill", "gather", "gather_2", "read_copy", "window_gather")
+    }
     for _ in range(repeats):
         runs["seq_read"].append(sequential_read(raw))
         f, g, g2 = _path_costs(mapped, lambda p, w, s: p.mapped.fill(w, s))
@@ -87,6 +90,9 @@ def stage_costs(store, raw: Path, batch: int, repeats: int, sequential_read: Cal
     return {
         "ns_per_token": {k: round(v, 1) for k, v in ns.items()},
         "cores": cores,
-        "ceiling_vs_seq": {"mapped": round(ns["seq_read"] * cores / one_copy, 3), "read": round(ns["seq_read"] * cores / two_copies, 3)},
+        "ceiling_vs_seq": {
+            "mapped": round(ns["seq_read"] * cores / one_copy, 3),
+            "read": round(ns["seq_read"] * cores / two_copies, 3),
+        },
         "ceiling_tokens_per_s": {"mapped": cores * 1e9 / one_copy, "read": cores * 1e9 / two_copies},
     }

@@ -15,8 +15,15 @@ layers, d_model = [2, 6, 11], 64
 
 # An LLM question-answer store: prompt and response segments, zero-padded, with lengths.
 with actstore.ShardWriter(
-    path, shard=0, layers=layers, d_model=d_model, segments={"prompt": 32, "response": 16},
-    texts=["prompt", "response"], fields={"label": "int8"}, model_id="demo/random", overwrite=True,
+    path,
+    shard=0,
+    layers=layers,
+    d_model=d_model,
+    segments={"prompt": 32, "response": 16},
+    texts=["prompt", "response"],
+    fields={"label": "int8"},
+    model_id="demo/random",
+    overwrite=True,
 ) as writer:
     for step in range(10):
         b = 8
@@ -25,10 +32,14 @@ with actstore.ShardWriter(
         prompt = rng.standard_normal((b, len(layers), 32, d_model)).astype(np.float16)
         response = rng.standard_normal((b, len(layers), 16, d_model)).astype(np.float16)
         writer.append(
-            prompt=prompt, response=response,
+            prompt=prompt,
+            response=response,
             lengths={"prompt": np.minimum(p_len, 32), "response": r_len},
             source_lengths={"prompt": p_len},
-            texts={"prompt": [f"question {step}-{i}" for i in range(b)], "response": [f"answer {step}-{i}" for i in range(b)]},
+            texts={
+                "prompt": [f"question {step}-{i}" for i in range(b)],
+                "response": [f"answer {step}-{i}" for i in range(b)],
+            },
             fields={"label": rng.integers(0, 2, size=b)},
         )
 

@@ -25,7 +25,9 @@ import actstore
 from actstore.torch import TokenStream
 
 
-def make_stores(a: Path, b: Path, *, n: int = 256, tokens: int = 24, widths=(32, 48), n_feats: int = 96, active: int = 4) -> None:
+def make_stores(
+    a: Path, b: Path, *, n: int = 256, tokens: int = 24, widths=(32, 48), n_feats: int = 96, active: int = 4
+) -> None:
     rng = np.random.default_rng(0)
     feats = rng.integers(0, n_feats, (n, tokens, active))
     coef = rng.exponential(2.0, (n, tokens, active)).astype(np.float32)
@@ -34,8 +36,16 @@ def make_stores(a: Path, b: Path, *, n: int = 256, tokens: int = 24, widths=(32,
         dirs = rng.standard_normal((n_feats, d)).astype(np.float32)
         dirs /= np.linalg.norm(dirs, axis=-1, keepdims=True)
         acts = np.einsum("ntk,ntkd->ntd", coef, dirs[feats])[:, None] + 0.01 * rng.standard_normal((n, 1, tokens, d))
-        with actstore.ShardWriter(path, layers=[6], d_model=d, tokens=tokens, token_ids=True, stats=True, overwrite=True,
-                                  model_id=f"synthetic/model-d{d}") as w:
+        with actstore.ShardWriter(
+            path,
+            layers=[6],
+            d_model=d,
+            tokens=tokens,
+            token_ids=True,
+            stats=True,
+            overwrite=True,
+            model_id=f"synthetic/model-d{d}",
+        ) as w:
             w.append(acts.astype(np.float32), token_ids=ids)
         actstore.finalize(path)
 
@@ -75,8 +85,15 @@ def main() -> None:
         if not (pa / "manifest.json").exists():
             make_stores(pa, pb)
         a, b = actstore.ActStore(pa), actstore.ActStore(pb)
-    stream = TokenStream([a, b], layers=[args.layer], aligned=True, batch_size=args.batch_size, seed=0,
-                         normalize="standardize", drop_last=True)
+    stream = TokenStream(
+        [a, b],
+        layers=[args.layer],
+        aligned=True,
+        batch_size=args.batch_size,
+        seed=0,
+        normalize="standardize",
+        drop_last=True,
+    )
     torch.manual_seed(0)
     model = CrossCoder([a.d_model, b.d_model], 128, k=8)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -91,7 +108,9 @@ def main() -> None:
     while step < args.steps:
         for xs in stream:  # a tuple: one tensor per store, row i the same token
             outs = model(xs)
-            loss = sum(((o - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean()) for o, x in zip(outs, xs)) / len(xs)
+            loss = sum(
+                ((o - x).pow(2).sum(-1).mean() / (x - x.mean(0)).pow(2).sum(-1).mean()) for o, x in zip(outs, xs)
+            ) / len(xs)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -103,8 +122,10 @@ def main() -> None:
         if step == args.stop_after:
             break
     if args.checkpoint:
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "stream": stream.state_dict(), "step": step},
-                   args.checkpoint)
+        torch.save(
+            {"model": model.state_dict(), "opt": opt.state_dict(), "stream": stream.state_dict(), "step": step},
+            args.checkpoint,
+        )
         print(f"saved {args.checkpoint} at step {step}")
     print(f"final loss {loss.item():.6f}")
 

@@ -21,13 +21,23 @@ import actstore
 from actstore.torch import TokenStream
 
 
-def make_store(path: Path, *, n: int = 384, tokens: int = 33, d_model: int = 64, n_atoms: int = 256, active: int = 6) -> None:
+def make_store(
+    path: Path, *, n: int = 384, tokens: int = 33, d_model: int = 64, n_atoms: int = 256, active: int = 6
+) -> None:
     """A ViT-like store (fixed tokens, layers 3 and 7) of sparse combinations of atoms."""
     rng = np.random.default_rng(0)
     atoms = rng.standard_normal((2, n_atoms, d_model)).astype(np.float32)
     atoms /= np.linalg.norm(atoms, axis=-1, keepdims=True)
-    with actstore.ShardWriter(path, shard=0, layers=[3, 7], d_model=d_model, tokens=tokens, stats=True, overwrite=True,
-                              model_id="synthetic/sparse-atoms") as w:
+    with actstore.ShardWriter(
+        path,
+        shard=0,
+        layers=[3, 7],
+        d_model=d_model,
+        tokens=tokens,
+        stats=True,
+        overwrite=True,
+        model_id="synthetic/sparse-atoms",
+    ) as w:
         for start in range(0, n, 64):
             b = min(64, n - start)
             acts = np.zeros((b, 2, tokens, d_model), np.float32)
@@ -76,10 +86,14 @@ def main() -> None:
     store = actstore.ActStore(path)
     layer = store.layers[0] if args.layer is None else args.layer
     normalize = "standardize" if store.stats() is not None else None
-    stream = TokenStream(store, layers=[layer], batch_size=args.batch_size, seed=0, normalize=normalize, dtype=torch.float32)
+    stream = TokenStream(
+        store, layers=[layer], batch_size=args.batch_size, seed=0, normalize=normalize, dtype=torch.float32
+    )
     loader = stream.loader(num_workers=args.workers)
-    print(f"{store}\ntraining on layer {layer}: {stream.n_tokens} token vectors, {len(stream)} batches per epoch, "
-          f"normalize={normalize}")
+    print(
+        f"{store}\ntraining on layer {layer}: {stream.n_tokens} token vectors, {len(stream)} batches per epoch, "
+        f"normalize={normalize}"
+    )
 
     torch.manual_seed(0)
     sae = TopKSAE(store.d_model, args.expansion * store.d_model, args.k)
@@ -99,7 +113,9 @@ def main() -> None:
             seen += len(x)
             if step == 1 or step % 25 == 0 or step == args.steps:
                 rate = seen / (time.perf_counter() - t0)
-                print(f"step {step:5d}  epoch {stream.epoch}  loss {loss.item():.4f}  ({rate:,.0f} tokens/s)", flush=True)
+                print(
+                    f"step {step:5d}  epoch {stream.epoch}  loss {loss.item():.4f}  ({rate:,.0f} tokens/s)", flush=True
+                )
             if step == args.steps:
                 break
     if args.checkpoint:

@@ -24,12 +24,15 @@ from actstore.torch import TokenStream
 
 def build(root: Path) -> actstore.ActStore:
     rng = np.random.default_rng(0)
-    with actstore.ShardWriter(root, shard=0, layers=[3, 7], d_model=256, segments={"prompt": 40, "response": 24},
-                              stats=True) as w:
+    with actstore.ShardWriter(
+        root, shard=0, layers=[3, 7], d_model=256, segments={"prompt": 40, "response": 24}, stats=True
+    ) as w:
         for _ in range(4):
-            w.append(prompt=rng.standard_normal((50, 2, 40, 256)).astype(np.float32),
-                     response=rng.standard_normal((50, 2, 24, 256)).astype(np.float32),
-                     lengths={"prompt": rng.integers(0, 41, 50), "response": rng.integers(1, 25, 50)})
+            w.append(
+                prompt=rng.standard_normal((50, 2, 40, 256)).astype(np.float32),
+                response=rng.standard_normal((50, 2, 24, 256)).astype(np.float32),
+                lengths={"prompt": rng.integers(0, 41, 50), "response": rng.integers(1, 25, 50)},
+            )
     actstore.finalize(root)
     return actstore.ActStore(root)
 
@@ -62,8 +65,13 @@ def main() -> None:
         compare(store, batch_size=512, seed=2, normalize="standardize")  # per (layer, segment) keys on the device
         compare(store, batch_size=512, seed=3, normalize="scale", return_index=True, mmap=False)
         compare(store, batch_size=256, seed=4, slow=True, buffer_bytes=256 * 256 * 2 * 2)
-        dl = TokenStream(store, batch_size=512, seed=1, device="cuda").loader(num_workers=2, multiprocessing_context="spawn")
-        cpu = [b.clone() for b in TokenStream(store, batch_size=512, seed=1).loader(num_workers=2, multiprocessing_context="spawn")]
+        dl = TokenStream(store, batch_size=512, seed=1, device="cuda").loader(
+            num_workers=2, multiprocessing_context="spawn"
+        )
+        cpu = [
+            b.clone()
+            for b in TokenStream(store, batch_size=512, seed=1).loader(num_workers=2, multiprocessing_context="spawn")
+        ]
         got = list(dl)
         assert len(got) == len(cpu) and all(g.is_cuda and torch.equal(g.cpu(), c) for g, c in zip(got, cpu))
         ts = TokenStream(store, batch_size=4096, seed=0, device="cuda")
@@ -72,7 +80,9 @@ def main() -> None:
         t0 = time.perf_counter()
         tokens = sum(len(b) for b in ts)
         torch.cuda.synchronize()
-        print(f"cuda_check: OK ({n} batches compared per case); warm epoch to the GPU {tokens / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s")
+        print(
+            f"cuda_check: OK ({n} batches compared per case); warm epoch to the GPU {tokens / (time.perf_counter() - t0) / 1e6:.2f}M tokens/s"
+        )
 
 
 if __name__ == "__main__":

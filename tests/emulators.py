@@ -34,7 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 AZURITE = ROOT / ".emulators" / "node_modules" / ".bin" / "azurite-blob"
 AZ_ACCOUNT = "devstoreaccount1"
-AZ_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # Azurite's public key
+AZ_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="  # Azurite's public key
+)
 
 
 def _free_port() -> int:
@@ -82,8 +84,20 @@ def azurite() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     work = tempfile.mkdtemp(prefix="azurite-")
     try:
-        with _process([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-                       "--skipApiVersionCheck", "--silent"], url, "Azurite"):
+        with _process(
+            [
+                str(AZURITE),
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--inMemoryPersistence",
+                "--skipApiVersionCheck",
+                "--silent",
+            ],
+            url,
+            "Azurite",
+        ):
             yield url
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -91,17 +105,33 @@ def azurite() -> Iterator[str]:
 
 def az_env(endpoint: str) -> dict[str, str]:
     """The environment that points obstore's Azure client at Azurite."""
-    return {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": endpoint, "NO_PROXY": "127.0.0.1,localhost"}
+    return {
+        "AZURE_STORAGE_USE_EMULATOR": "true",
+        "AZURITE_BLOB_STORAGE_URL": endpoint,
+        "NO_PROXY": "127.0.0.1,localhost",
+    }
 
 
 def az_container(endpoint: str, name: str) -> str:
     """Create container `name` (a SharedKey-signed PUT); returns its az:// URL."""
     date = email.utils.formatdate(usegmt=True)
     version = "2021-08-06"
-    to_sign = "PUT\n" + "\n" * 11 + f"x-ms-date:{date}\nx-ms-version:{version}\n/{AZ_ACCOUNT}/{AZ_ACCOUNT}/{name}\nrestype:container"
+    to_sign = (
+        "PUT\n"
+        + "\n" * 11
+        + f"x-ms-date:{date}\nx-ms-version:{version}\n/{AZ_ACCOUNT}/{AZ_ACCOUNT}/{name}\nrestype:container"
+    )
     sig = base64.b64encode(hmac.new(base64.b64decode(AZ_KEY), to_sign.encode(), hashlib.sha256).digest()).decode()
-    req = urllib.request.Request(f"{endpoint}/{AZ_ACCOUNT}/{name}?restype=container", method="PUT", headers={
-        "x-ms-date": date, "x-ms-version": version, "Authorization": f"SharedKey {AZ_ACCOUNT}:{sig}", "Content-Length": "0"})
+    req = urllib.request.Request(
+        f"{endpoint}/{AZ_ACCOUNT}/{name}?restype=container",
+        method="PUT",
+        headers={
+            "x-ms-date": date,
+            "x-ms-version": version,
+            "Authorization": f"SharedKey {AZ_ACCOUNT}:{sig}",
+            "Content-Length": "0",
+        },
+    )
     urllib.request.urlopen(req).read()
     return f"az://{name}"
 
@@ -118,8 +148,27 @@ def fake_gcs() -> Iterator[str]:
     """fake-gcs-server (in memory, http) on a free loopback port; yields its endpoint."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with _process([str(_fake_gcs_binary()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
-                   "-public-host", f"127.0.0.1:{port}", "-external-url", url, "-log-level", "error"], url + "/storage/v1/b", "fake-gcs-server"):
+    with _process(
+        [
+            str(_fake_gcs_binary()),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(port),
+            "-public-host",
+            f"127.0.0.1:{port}",
+            "-external-url",
+            url,
+            "-log-level",
+            "error",
+        ],
+        url + "/storage/v1/b",
+        "fake-gcs-server",
+    ):
         yield url
 
 
@@ -131,8 +180,11 @@ def gcs_env(endpoint: str) -> dict[str, str]:
 
 def gcs_bucket(endpoint: str, name: str) -> str:
     body = json.dumps({"name": name}).encode()
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/storage/v1/b", data=body, method="POST",
-                                                  headers={"Content-Type": "application/json"})).read()
+    urllib.request.urlopen(
+        urllib.request.Request(
+            f"{endpoint}/storage/v1/b", data=body, method="POST", headers={"Content-Type": "application/json"}
+        )
+    ).read()
     return f"gs://{name}"
 
 
@@ -141,8 +193,14 @@ def gcs_upload_tree(endpoint: str, bucket: str, folder: Path, prefix: str) -> No
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         name = f"{prefix}/{path.relative_to(folder).as_posix()}"
         q = urllib.parse.urlencode({"uploadType": "media", "name": name})
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/upload/storage/v1/b/{bucket}/o?{q}", data=path.read_bytes(),
-                                                      method="POST", headers={"Content-Type": "application/octet-stream"})).read()
+        urllib.request.urlopen(
+            urllib.request.Request(
+                f"{endpoint}/upload/storage/v1/b/{bucket}/o?{q}",
+                data=path.read_bytes(),
+                method="POST",
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        ).read()
 
 
 def apply_env(env: dict[str, str]) -> dict[str, str | None]:

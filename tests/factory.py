@@ -25,7 +25,11 @@ import actstore
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
-LAYOUTS = {"v2": {"zarr_format": 2}, "v3": {"zarr_format": 3, "shard_examples": None}, "v3-sharded": {"zarr_format": 3, "shard_examples": 4}}
+LAYOUTS = {
+    "v2": {"zarr_format": 2},
+    "v3": {"zarr_format": 3, "shard_examples": None},
+    "v3-sharded": {"zarr_format": 3, "shard_examples": 4},
+}
 
 
 def random_acts(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -45,16 +49,42 @@ def expected_view(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.astype(np.float32)
 
 
-def vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16", cls=True, labels=True,
-                   seed=0, t_chunk=None, model_id="facebook/dinov2-small", attrs=None, n_shards=1, **writer_kw):
+def vit_store(
+    path,
+    *,
+    n=13,
+    layers=(2, 5),
+    tokens=5,
+    d_model=8,
+    dtype="float16",
+    cls=True,
+    labels=True,
+    seed=0,
+    t_chunk=None,
+    model_id="facebook/dinov2-small",
+    attrs=None,
+    n_shards=1,
+    **writer_kw,
+):
     """A ViT-like store (one fixed segment) with random values; cls=None records no cls_token."""
     rng = np.random.default_rng(seed)
     a = {"dataset": "/datasets/images"} | ({} if cls is None else {"cls_token": cls}) | dict(attrs or {})
     per = -(-n // n_shards)
     for shard in range(n_shards):
         b = min(per, n - shard * per)
-        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, tokens=tokens, dtype=dtype,
-                                  token_labels=labels, model_id=model_id, attrs=a, t_chunk=t_chunk, **writer_kw) as w:
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=list(layers),
+            d_model=d_model,
+            tokens=tokens,
+            dtype=dtype,
+            token_labels=labels,
+            model_id=model_id,
+            attrs=a,
+            t_chunk=t_chunk,
+            **writer_kw,
+        ) as w:
             x = (rng.standard_normal((b, len(layers), tokens, d_model)) * 3).astype(np.float32)
             kw = {"token_labels": rng.integers(0, 20, (b, tokens)).astype(np.uint8)} if labels else {}
             w.append(x, **kw)
@@ -62,20 +92,31 @@ def vit_store(path, *, n=13, layers=(2, 5), tokens=5, d_model=8, dtype="float16"
     return actstore.ActStore(path)
 
 
-def text_store(path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1,
-                   t_chunk=None):
+def text_store(
+    path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1, t_chunk=None
+):
     """A prompt/response store with random lengths, garbage past the lengths, and labels."""
     rng = np.random.default_rng(seed)
-    with actstore.ShardWriter(path, layers=list(layers), d_model=d_model, segments={"prompt": p_max, "response": r_max},
-                              dtype=dtype, token_labels=labels, model_id="HuggingFaceTB/SmolLM2-135M", t_chunk=t_chunk) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=list(layers),
+        d_model=d_model,
+        segments={"prompt": p_max, "response": r_max},
+        dtype=dtype,
+        token_labels=labels,
+        model_id="HuggingFaceTB/SmolLM2-135M",
+        t_chunk=t_chunk,
+    ) as w:
         L = len(layers)
         p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
         r = (rng.standard_normal((n, L, r_max, d_model)) * 2).astype(np.float32)
         lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
         kw = {}
         if labels:
-            kw["token_labels"] = {"prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
-                                  "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8)}
+            kw["token_labels"] = {
+                "prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
+                "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8),
+            }
         w.append(prompt=p, response=r, lengths=lens, **kw)
     actstore.finalize(path)
     return actstore.ActStore(path)
@@ -86,14 +127,25 @@ def qa_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=8, layers=(2
     rng = np.random.default_rng(seed)
     kw.setdefault("zarr_format", 2)  # the chunk-file layout, unless a test names another
     for shard in shards:
-        with actstore.ShardWriter(path, shard=shard, layers=list(layers), d_model=d_model, segments={"prompt": 6, "response": 3},
-                                  texts=["prompt"], stats=True, commit_bytes=600, **kw) as w:
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=list(layers),
+            d_model=d_model,
+            segments={"prompt": 6, "response": 3},
+            texts=["prompt"],
+            stats=True,
+            commit_bytes=600,
+            **kw,
+        ) as w:
             for _ in range(2):
                 n = 3
-                w.append(prompt=rng.standard_normal((n, 2, 6, d_model)).astype(np.float16),
-                         response=rng.standard_normal((n, 2, 3, d_model)).astype(np.float16),
-                         lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(1, 4, n)},
-                         texts={"prompt": [f"q{shard}-{i}-{rng.integers(1000)}" for i in range(n)]})
+                w.append(
+                    prompt=rng.standard_normal((n, 2, 6, d_model)).astype(np.float16),
+                    response=rng.standard_normal((n, 2, 3, d_model)).astype(np.float16),
+                    lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(1, 4, n)},
+                    texts={"prompt": [f"q{shard}-{i}-{rng.integers(1000)}" for i in range(n)]},
+                )
     if finalize:
         actstore.finalize(path)
     return Path(path)
@@ -119,14 +171,29 @@ def store_cases(draw):
         batches = draw(st.lists(st.integers(1, 4), min_size=0, max_size=3))
         writers.append(batches)
     commit_bytes = draw(st.sampled_from([1, 10_000, 10**9]))
-    return dict(layers=layers, d_model=d_model, dtype=dtype, multi=multi, segs=segs, t_chunk=t_chunk,
-                storage=storage, writers=writers, commit_bytes=commit_bytes, seed=draw(st.integers(0, 2**16)))
+    return dict(
+        layers=layers,
+        d_model=d_model,
+        dtype=dtype,
+        multi=multi,
+        segs=segs,
+        t_chunk=t_chunk,
+        storage=storage,
+        writers=writers,
+        commit_bytes=commit_bytes,
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def writer_kwargs(case):
     """ShardWriter's keyword arguments for a case drawn from `store_cases`."""
-    kw = dict(layers=case["layers"], d_model=case["d_model"], dtype=case["dtype"], t_chunk=case["t_chunk"],
-              commit_bytes=case["commit_bytes"])
+    kw = dict(
+        layers=case["layers"],
+        d_model=case["d_model"],
+        dtype=case["dtype"],
+        t_chunk=case["t_chunk"],
+        commit_bytes=case["commit_bytes"],
+    )
     if case["multi"]:
         kw["segments"] = case["segs"]
     else:

@@ -42,7 +42,7 @@ def example_acts(shard: int, k: int) -> dict[str, np.ndarray]:
     out = {}
     for seg, t in SEGMENTS.items():
         x = rng.standard_normal((len(LAYERS), t, D)).astype(np.float16)
-        x[:, lengths(shard, k)[seg]:] = 0
+        x[:, lengths(shard, k)[seg] :] = 0
         out[seg] = x
     return out
 
@@ -59,8 +59,17 @@ def writer(path, shard: int, **kw):
 
     kw = {"zarr_format": 2, **kw}  # the chunk-file layout: the fault tests name its files
     return ShardWriter(
-        path, shard=shard, layers=LAYERS, d_model=D, segments=SEGMENTS, t_chunk=T_CHUNK,
-        texts=["prompt"], fields={"label": "int64"}, stats=True, commit_bytes=COMMIT_BYTES, **kw,
+        path,
+        shard=shard,
+        layers=LAYERS,
+        d_model=D,
+        segments=SEGMENTS,
+        t_chunk=T_CHUNK,
+        texts=["prompt"],
+        fields={"label": "int64"},
+        stats=True,
+        commit_bytes=COMMIT_BYTES,
+        **kw,
     )
 
 
@@ -71,9 +80,11 @@ def append_range(w, shard: int, first: int, stop: int, sleep: float = 0.0) -> No
         ks = list(range(k, min(k + BATCH, stop)))
         acts = [example_acts(shard, i) for i in ks]
         w.append(
-            prompt=np.stack([a["prompt"] for a in acts]), response=np.stack([a["response"] for a in acts]),
+            prompt=np.stack([a["prompt"] for a in acts]),
+            response=np.stack([a["response"] for a in acts]),
             lengths={s: np.array([lengths(shard, i)[s] for i in ks]) for s in SEGMENTS},
-            sample_keys=[f"{shard}-{i}" for i in ks], fields={"label": np.array(ks)},
+            sample_keys=[f"{shard}-{i}" for i in ks],
+            fields={"label": np.array(ks)},
             texts={"prompt": [f"text {shard}-{i}" for i in ks]},
         )
         k = ks[-1] + 1
@@ -115,7 +126,9 @@ def check_store_values(path, counts: dict[int, int]) -> int:
 
 
 def saev_kwargs() -> dict:
-    return dict(cls="none", family="clip", ckpt="test/vit", dataset="/tmp", patches_per_shard=17 * 2 * 8, progress=False)
+    return dict(
+        cls="none", family="clip", ckpt="test/vit", dataset="/tmp", patches_per_shard=17 * 2 * 8, progress=False
+    )
 
 
 # ---- damage -----------------------------------------------------------------------------
@@ -138,8 +151,12 @@ def flip_bit(path: Path, byte: int, bit: int = 0) -> None:
 def spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(
-        [sys.executable, str(HERE / "faultlib.py"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env, cwd=str(REPO),
+        [sys.executable, str(HERE / "faultlib.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=str(REPO),
     )
 
 

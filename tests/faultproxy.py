@@ -57,9 +57,19 @@ class FaultProxy:
         seed: the random generator's seed.
     """
 
-    def __init__(self, upstream: str, *, fail: float = 0.05, drop_request: float = 0.03,
-                 drop_response: float = 0.02, reset: float = 0.0, cut: float = 0.0, cut_chunks: float = 0.0,
-                 keepalive: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        fail: float = 0.05,
+        drop_request: float = 0.03,
+        drop_response: float = 0.02,
+        reset: float = 0.0,
+        cut: float = 0.0,
+        cut_chunks: float = 0.0,
+        keepalive: bool = True,
+        seed: int = 0,
+    ):
         u = urlsplit(upstream)
         self.host, self.port = u.hostname, u.port
         self.p = (fail, drop_request, drop_response)
@@ -67,8 +77,16 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.accept_rng = random.Random(seed + 1_000_003)  # its own stream: resets do not shift the requests' fates
         self.lock = threading.Lock()
-        self.counts = {"forwarded": 0, "failed": 0, "dropped_request": 0, "dropped_response": 0,
-                       "connections": 0, "reset": 0, "cut": 0, "upstream_error": 0}
+        self.counts = {
+            "forwarded": 0,
+            "failed": 0,
+            "dropped_request": 0,
+            "dropped_response": 0,
+            "connections": 0,
+            "reset": 0,
+            "cut": 0,
+            "upstream_error": 0,
+        }
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         proxy = self
 
@@ -113,8 +131,11 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
-                if (fate == "cut" or (fate == "cut_chunk" and _CHUNK.search(self.path))) and self.command != "HEAD" \
-                        and len(data) >= 2:
+                if (
+                    (fate == "cut" or (fate == "cut_chunk" and _CHUNK.search(self.path)))
+                    and self.command != "HEAD"
+                    and len(data) >= 2
+                ):
                     with proxy.lock:
                         proxy.counts["cut"] += 1
                     self.send_response(resp.status)
@@ -165,8 +186,15 @@ class FaultProxy:
         with self.lock:
             r = self.rng.random()
             fail, dreq, dresp = self.p
-            fate = ("failed" if r < fail else "dropped_request" if r < fail + dreq
-                    else "dropped_response" if r < fail + dreq + dresp else "forwarded")
+            fate = (
+                "failed"
+                if r < fail
+                else "dropped_request"
+                if r < fail + dreq
+                else "dropped_response"
+                if r < fail + dreq + dresp
+                else "forwarded"
+            )
             if fate == "forwarded" and (self.cut or self.cut_chunks):  # a draw of its own: none when both are 0
                 c = self.rng.random()
                 fate = "cut" if c < self.cut else "cut_chunk" if c < self.cut + self.cut_chunks else fate

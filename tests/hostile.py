@@ -58,9 +58,15 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     for k, x in a.items():
         y = b[k]
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype and x.shape == y.shape
-                    and np.array_equal(x.view(np.uint8) if x.dtype.kind == "f" else x,
-                                       y.view(np.uint8) if y.dtype.kind == "f" else y)):
+            if not (
+                isinstance(x, np.ndarray)
+                and isinstance(y, np.ndarray)
+                and x.dtype == y.dtype
+                and x.shape == y.shape
+                and np.array_equal(
+                    x.view(np.uint8) if x.dtype.kind == "f" else x, y.view(np.uint8) if y.dtype.kind == "f" else y
+                )
+            ):
                 return False
         elif k == "stats":
             if repr(x) != repr(y):

@@ -68,7 +68,9 @@ def moto_process() -> Iterator[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
-    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -105,9 +107,15 @@ def create_bucket(endpoint: str, name: str | None = None) -> str:
     import boto3
 
     name = name or f"actstore-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **{
-        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-    }).create_bucket(Bucket=name)
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        **{
+            "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        },
+    ).create_bucket(Bucket=name)
     return name
 
 

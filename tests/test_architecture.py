@@ -23,8 +23,17 @@ LAYERS: list[list[str]] = [
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.catalog", "actstore.chunkio"],
     ["actstore.verify", "actstore.write"],
     ["actstore.read"],
-    ["actstore.saev", "actstore.legacy", "actstore.copy", "actstore.loaders", "actstore.saelens", "actstore.capture",
-     "actstore.torch", "actstore.importers", "actstore.trainers"],
+    [
+        "actstore.saev",
+        "actstore.legacy",
+        "actstore.copy",
+        "actstore.loaders",
+        "actstore.saelens",
+        "actstore.capture",
+        "actstore.torch",
+        "actstore.importers",
+        "actstore.trainers",
+    ],
     ["actstore.opener", "actstore.xarray_backend", "actstore.features", "actstore"],
     ["actstore.cli"],
 ]
@@ -116,7 +125,7 @@ def test_no_import_circles():
         stack.append(m)
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                cycle = stack[stack.index(t):] + [t]
+                cycle = stack[stack.index(t) :] + [t]
                 pytest.fail("import circle: " + " -> ".join(cycle))
             if t not in state:
                 visit(t)
@@ -160,8 +169,13 @@ def test_ruff_finds_nothing():
 
     ruff = Path(sys.executable).with_name("ruff")
     assert ruff.exists(), f"ruff is a dev dependency: install it in {Path(sys.executable).parent.parent}"
-    res = subprocess.run([str(ruff), "check", "actstore", "tests", "benchmarks", "examples"], cwd=ROOT,
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [str(ruff), "check", "actstore", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -182,6 +196,13 @@ def test_ruff_format_is_applied():
     import sys
 
     ruff = Path(sys.executable).with_name("ruff")
-    res = subprocess.run([str(ruff), "format", "--check", "actstore", "tests", "benchmarks", "examples"], cwd=ROOT,
-                         capture_output=True, text=True, check=False)
-    assert res.returncode == 0, "run `ruff format actstore tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr
+    res = subprocess.run(
+        [str(ruff), "format", "--check", "actstore", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, (
+        "run `ruff format actstore tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr
+    )

@@ -42,13 +42,25 @@ def test_a_store_path_that_is_a_regular_file(tmp_path):
     assert f.read_text() == "x"  # nothing written over it
 
 
-@pytest.mark.parametrize("args,message", [
-    (["export-saev", "{s}", "{d}", "--patches-per-shard", str(10**30)], "--patches-per-shard: 1000000000000000000000000000000 is too large"),
-    (["export-saev", "{s}", "{d}", "--workers", str(10**30)], "--workers: 1000000000000000000000000000000 is too large (at most 256)"),
-    (["export-saev", "{s}", "{d}", "--workers", "100000"], "--workers: 100000 is too large (at most 256)"),
-    (["export-saelens", "{s}", "{d}", "--layer", "2", "--context-size", str(2**70)], "--context-size: 1180591620717411303424 is too large"),
-    (["show", "{s}", "--ex", str(10**30), "--layer", "2"], "--ex: 1000000000000000000000000000000 is too large"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["export-saev", "{s}", "{d}", "--patches-per-shard", str(10**30)],
+            "--patches-per-shard: 1000000000000000000000000000000 is too large",
+        ),
+        (
+            ["export-saev", "{s}", "{d}", "--workers", str(10**30)],
+            "--workers: 1000000000000000000000000000000 is too large (at most 256)",
+        ),
+        (["export-saev", "{s}", "{d}", "--workers", "100000"], "--workers: 100000 is too large (at most 256)"),
+        (
+            ["export-saelens", "{s}", "{d}", "--layer", "2", "--context-size", str(2**70)],
+            "--context-size: 1180591620717411303424 is too large",
+        ),
+        (["show", "{s}", "--ex", str(10**30), "--layer", "2"], "--ex: 1000000000000000000000000000000 is too large"),
+    ],
+)
 def test_huge_integers_on_the_command_line_are_one_line_errors(store, tmp_path, args, message):
     res = CliRunner().invoke(main, [a.format(s=store.path, d=tmp_path / "d") for a in args])
     assert res.exit_code == 2 and message in res.output, res.output

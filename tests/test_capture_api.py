@@ -69,7 +69,9 @@ def test_padded_text_segment_keeps_only_attended_tokens(tmp_path):
     model, _ = tiny_llama(layers=3)
     ids = torch.randint(4, model.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(4))
     mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3, [1] * 2 + [0] * 6])
-    actstore.record(model, [{"input_ids": ids, "attention_mask": mask}], tmp_path / "s", layers=[1], segments={"tokens": 6})
+    actstore.record(
+        model, [{"input_ids": ids, "attention_mask": mask}], tmp_path / "s", layers=[1], segments={"tokens": 6}
+    )
     actstore.finalize(tmp_path / "s")
     store = actstore.ActStore(tmp_path / "s")
     assert [store.lengths(i)["tokens"] for i in range(3)] == [6, 5, 2]
@@ -102,7 +104,9 @@ def test_module_path_hooks_record_mlp_outputs(tmp_path):
     ids = torch.randint(4, 50, (2, 5), generator=torch.Generator().manual_seed(5))
     seen = {}
     model.model.layers[1].mlp.register_forward_hook(lambda m, a, o: seen.setdefault("mlp1", o.detach().clone()))
-    actstore.record(model, [ids], tmp_path / "s", layers=["model.layers.1.mlp", "model.layers.2.self_attn"], dtype="float32")
+    actstore.record(
+        model, [ids], tmp_path / "s", layers=["model.layers.1.mlp", "model.layers.2.self_attn"], dtype="float32"
+    )
     actstore.finalize(tmp_path / "s")
     store = actstore.ActStore(tmp_path / "s")
     assert store.layers == (1, 2)
@@ -113,7 +117,13 @@ def test_module_path_hooks_record_mlp_outputs(tmp_path):
 def test_statistics_equal_numpy_over_stored_vectors(tmp_path):
     model, _ = tiny_llama(layers=3)
     g = torch.Generator().manual_seed(6)
-    batches = [{"input_ids": torch.randint(4, 100, (4, 10), generator=g), "attention_mask": (torch.rand(4, 10, generator=g) > 0.3).long().cumprod(1)} for _ in range(3)]
+    batches = [
+        {
+            "input_ids": torch.randint(4, 100, (4, 10), generator=g),
+            "attention_mask": (torch.rand(4, 10, generator=g) > 0.3).long().cumprod(1),
+        }
+        for _ in range(3)
+    ]
     for b in batches:
         b["attention_mask"][:, 0] = 1
     actstore.record(model, batches, tmp_path / "s", layers=[0, 2], segments={"tokens": 10}, commit_bytes=1)
@@ -146,16 +156,24 @@ def test_bfloat16_and_float32_stores(tmp_path):
 
 def test_unknown_layer_names_the_layers_that_exist(tmp_path):
     model, _ = tiny_llama(layers=4)
-    with pytest.raises(UnknownLayerError, match=r"layer 7 does not exist: LlamaForCausalLM has 4 blocks at model.layers, so layers 0..3 \(or -4..-1\) exist; names: blocks.N.hook_resid_pre"):
+    with pytest.raises(
+        UnknownLayerError,
+        match=r"layer 7 does not exist: LlamaForCausalLM has 4 blocks at model.layers, so layers 0..3 \(or -4..-1\) exist; names: blocks.N.hook_resid_pre",
+    ):
         actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=[1, 7])
-    with pytest.raises(UnknownLayerError, match=r"no module 'model.layers.1.mlpx'.*children \['gate_proj', 'up_proj', 'down_proj', 'act_fn'\]|children .*mlp"):
+    with pytest.raises(
+        UnknownLayerError,
+        match=r"no module 'model.layers.1.mlpx'.*children \['gate_proj', 'up_proj', 'down_proj', 'act_fn'\]|children .*mlp",
+    ):
         actstore.record(model, [torch.zeros(1, 3, dtype=torch.long)], tmp_path / "s", layers=["model.layers.1.mlpx"])
     assert not (tmp_path / "s").exists()
 
 
 def test_model_without_blocks_is_refused(tmp_path):
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
-    with pytest.raises(NoBlocksError, match=r"Sequential has no recognised transformer blocks .*record modules by path"):
+    with pytest.raises(
+        NoBlocksError, match=r"Sequential has no recognised transformer blocks .*record modules by path"
+    ):
         actstore.record(mlp, [torch.zeros(1, 2, 4)], tmp_path / "s", layers=[0])
     assert not (tmp_path / "s").exists()
     # by module path it works: the last Linear's output, stored under the path's number
@@ -180,7 +198,9 @@ def test_fp16_overflow_is_refused_then_clipped_and_counted(tmp_path):
         hs = model(ids, output_hidden_states=True).hidden_states
     n_over = int((hs[1].abs() > 65504).sum())
     assert n_over > 0
-    with pytest.raises(actstore.Float16OverflowError, match=r"beyond the range of float16 .*dtype='float32' or 'bfloat16'"):
+    with pytest.raises(
+        actstore.Float16OverflowError, match=r"beyond the range of float16 .*dtype='float32' or 'bfloat16'"
+    ):
         actstore.record(model, [ids], tmp_path / "s", layers=[0])
     with pytest.raises(actstore.NotFinalizedError):
         actstore.ActStore(tmp_path / "s")  # nothing visible to readers
@@ -198,7 +218,9 @@ def _family(name: str):
     torch.manual_seed(0)
     small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
     if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)), "ids"
+        return tf.GPT2LMHeadModel(
+            tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0, eos_token_id=0)
+        ), "ids"
     if name == "bert":
         return tf.BertModel(tf.BertConfig(vocab_size=64, **small)), "ids"
     if name == "qwen2":
@@ -244,7 +266,9 @@ def test_writer_thread_runs_at_writer_nice_and_bad_values_are_refused(tmp_path):
         return lambda *_: seen.setdefault(nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     for nice in (0, 4, 10):
-        actstore.record(model, [ids], tmp_path / f"s{nice}", layers=[0], writer_nice=nice, progress=on_writer_thread(nice))
+        actstore.record(
+            model, [ids], tmp_path / f"s{nice}", layers=[0], writer_nice=nice, progress=on_writer_thread(nice)
+        )
     assert seen == {n: min(19, base + n) for n in (0, 4, 10)}
     for bad in (-1, 20, 2.5, True):
         with pytest.raises(ValueError, match=re.escape(f"writer_nice must be an int in 0..19. Got {bad!r}.")):

@@ -16,7 +16,16 @@ import actstore
 from actstore.cli import main
 from actstore.read.info import store_info
 from test_capture_support import (
-    PAIRS, SENTENCES, all_vectors, make_images, reference_pixels, save_dinov2, save_llama, tiny_dinov2, tiny_llama, write_jsonl,
+    PAIRS,
+    SENTENCES,
+    all_vectors,
+    make_images,
+    reference_pixels,
+    save_dinov2,
+    save_llama,
+    tiny_dinov2,
+    tiny_llama,
+    write_jsonl,
 )
 
 
@@ -62,7 +71,10 @@ def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, im
     files = sorted(images.glob("*.png"))
     px = torch.from_numpy(np.stack([reference_pixels(f, 28) for f in files]))
     with torch.inference_mode():
-        hs = [model(px[:4], output_hidden_states=True).hidden_states, model(px[4:], output_hidden_states=True).hidden_states]
+        hs = [
+            model(px[:4], output_hidden_states=True).hidden_states,
+            model(px[4:], output_hidden_states=True).hidden_states,
+        ]
     for i in range(6):
         for layer in (0, 2):
             assert_f16_close(store[i, layer], hs[i // 4][layer + 1][i % 4].numpy())
@@ -80,12 +92,29 @@ def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, im
 def test_text_store_truncates_masks_and_equals_hidden_states(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
     out = tmp_path / "s"
-    res = cli("write", out, "--model", llama_dir, "--data", data, "--layers", "0,1", "--p-max", "7", "--batch-size", "4", "--quiet")
+    res = cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "0,1",
+        "--p-max",
+        "7",
+        "--batch-size",
+        "4",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     full = [tok(s)["input_ids"] for s in SENTENCES]
     cut, total = sum(max(len(f) - 7, 0) for f in full), sum(len(f) for f in full)
-    assert f"truncated: {cut:,} of the data's {total:,} tokens ({100 * cut / total:.1f}%) exceeded the token budgets" in res.output
+    assert (
+        f"truncated: {cut:,} of the data's {total:,} tokens ({100 * cut / total:.1f}%) exceeded the token budgets"
+        in res.output
+    )
     assert store.manifest.truncation["tokens"]["count"] == sum(len(f) > 7 for f in full) > 0
     assert list(store.texts("text")) == SENTENCES
     labels = store.field("tokens_token_labels")
@@ -103,13 +132,28 @@ def test_text_store_truncates_masks_and_equals_hidden_states(tmp_path, llama_dir
 def test_pairs_with_chat_template_label_template_tokens(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS)
     out = tmp_path / "s"
-    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--chat-template", "--r-max", "4", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--chat-template",
+        "--r-max",
+        "4",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     assert store.segments == ("prompt", "response")
     model, tok = tiny_llama(layers=3)
     lab_p = store.field("prompt_token_labels")
     for i, pair in enumerate(PAIRS):
-        rendered = tok.apply_chat_template([{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
         p_ids = tok(rendered, add_special_tokens=False)["input_ids"]
         r_ids = tok(pair["response"], add_special_tokens=False)["input_ids"][:4]
         assert store.lengths(i) == {"prompt": len(p_ids), "response": len(r_ids)}
@@ -129,7 +173,21 @@ def test_pairs_with_chat_template_label_template_tokens(tmp_path, llama_dir):
 def test_special_tokens_dropped_and_quantile_budget(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "t.jsonl", SENTENCES)  # plain JSON strings
     out = tmp_path / "s"
-    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--special", "drop", "--p-quantile", "0.5", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--special",
+        "drop",
+        "--p-quantile",
+        "0.5",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     lens = [len(tok(s)["input_ids"]) - 1 for s in SENTENCES]  # the budget counts stored tokens: not the dropped <s>
@@ -147,7 +205,21 @@ def test_special_tokens_dropped_and_quantile_budget(tmp_path, llama_dir):
 def test_generate_responses(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "t.jsonl", [{"prompt": p["prompt"]} for p in PAIRS[:3]])
     out = tmp_path / "s"
-    cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--generate", "3", "--batch-size", "2", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--generate",
+        "3",
+        "--batch-size",
+        "2",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     from actstore.capture.prepare import separator_tokens
@@ -157,7 +229,9 @@ def test_generate_responses(tmp_path, llama_dir):
     for i, pair in enumerate(PAIRS[:3]):
         p_ids = tok(pair["prompt"])["input_ids"] + sep  # the explicit separator ends the prompt
         with torch.inference_mode():
-            gen = model.generate(torch.tensor([p_ids]), max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p_ids) :].tolist()
+            gen = model.generate(
+                torch.tensor([p_ids]), max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0, len(p_ids) :].tolist()
         if tok.eos_token_id in gen:
             gen = gen[: gen.index(tok.eos_token_id) + 1]
         assert store.lengths(i) == {"prompt": len(p_ids), "response": len(gen)}
@@ -208,7 +282,10 @@ def test_info_shows_statistics(tmp_path, dino_dir, images):
         ("empty_folder", r"actstore: error: --data .*: no images \(.jpg.*\) in this folder; nothing to capture"),
         ("empty_jsonl", r"actstore: error: --data .*empty.jsonl holds no examples; nothing to capture"),
         ("bad_image", r"actstore: error: cannot read image .*broken.png: .*; remove or replace the file"),
-        ("truncated_image", r"actstore: error: cannot read image .*img00.png: .*truncated.*; remove or replace the file"),
+        (
+            "truncated_image",
+            r"actstore: error: cannot read image .*img00.png: .*truncated.*; remove or replace the file",
+        ),
         ("modality", r"actstore: error: model .* takes image input but --data .* holds text examples"),
         ("bad_json", r"actstore: error: .*bad.jsonl:2: not valid JSON"),
     ],
@@ -253,7 +330,9 @@ def test_fp16_overflow_via_cli(tmp_path):
     data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:3])
     res = cli("write", tmp_path / "s", "--model", folder, "--data", data, "--layers", "0", "--quiet", ok=False)
     assert res.exit_code == 1
-    assert re.search(r"actstore: error: segment 'tokens': \d+ finite float32 values lie beyond the range of float16", res.output), res.output
+    assert re.search(
+        r"actstore: error: segment 'tokens': \d+ finite float32 values lie beyond the range of float16", res.output
+    ), res.output
     assert not (tmp_path / "s").exists()
     cli("write", tmp_path / "c", "--model", folder, "--data", data, "--layers", "0", "--on-overflow", "clip", "--quiet")
     store = actstore.ActStore(tmp_path / "c")
@@ -273,7 +352,9 @@ def test_datasets_folder(tmp_path, llama_dir):
     assert list(store.field("sample_key")) == ["row-0", "row-1", "row-2", "row-3"]
     model, tok = tiny_llama(layers=3)
     with torch.inference_mode():
-        hs = model(torch.tensor([tok(SENTENCES[2])["input_ids"]]), output_hidden_states=True).hidden_states[2][0].numpy()
+        hs = (
+            model(torch.tensor([tok(SENTENCES[2])["input_ids"]]), output_hidden_states=True).hidden_states[2][0].numpy()
+        )
     assert_f16_close(store[2, 1], hs)
 
 
@@ -299,7 +380,9 @@ def test_show_colours_a_text_stores_tokens(tmp_path, llama_dir):
 def test_max_examples_and_json_records(tmp_path, llama_dir):
     rows = [{"id": f"doc{i}", "text": s} for i, s in enumerate(SENTENCES)]
     data = write_jsonl(tmp_path / "t.jsonl", rows)
-    cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--max-examples", "3", "--quiet")
+    cli(
+        "write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--max-examples", "3", "--quiet"
+    )
     store = actstore.ActStore(tmp_path / "s")
     assert list(store.field("sample_key")) == ["doc0", "doc1", "doc2"]
     assert json.loads((tmp_path / "s" / "manifest.json").read_text())["n_examples"] == 3
@@ -307,7 +390,9 @@ def test_max_examples_and_json_records(tmp_path, llama_dir):
 
 def test_workers_report_a_shared_error_once_and_leave_nothing(tmp_path, dino_dir, images):
     out = tmp_path / "s"
-    res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0,9", "--workers", "2", "--quiet", ok=False)
+    res = cli(
+        "write", out, "--model", dino_dir, "--data", images, "--layers", "0,9", "--workers", "2", "--quiet", ok=False
+    )
     assert res.exit_code == 1
     assert res.output.strip() == (  # found from the model's config before any writer starts
         f"actstore: error: layer 9 does not exist: {dino_dir} has 3 blocks, so layers 0..2 (or -3..-1) "
@@ -318,7 +403,19 @@ def test_workers_report_a_shared_error_once_and_leave_nothing(tmp_path, dino_dir
 
 def test_chat_template_needs_prompts(tmp_path, llama_dir):
     data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:2])
-    res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "0", "--chat-template", "--quiet", ok=False)
+    res = cli(
+        "write",
+        tmp_path / "s",
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "0",
+        "--chat-template",
+        "--quiet",
+        ok=False,
+    )
     assert res.exit_code == 1 and "--chat-template wraps prompts" in res.output
     assert not (tmp_path / "s").exists()
 
@@ -342,7 +439,10 @@ def test_writing_over_an_existing_store_needs_resume(tmp_path, dino_dir, images)
     before = actstore.ActStore(out)[2, 0].copy()
     res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False)
     assert res.exit_code == 1
-    assert res.output.strip() == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
+    assert (
+        res.output.strip()
+        == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
+    )
     np.testing.assert_array_equal(actstore.ActStore(out)[2, 0], before)
 
 
@@ -387,7 +487,9 @@ def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_d
     # Another writer of the same store must use its layout: another one is refused.
     cli("write", tmp_path / "r", *common, *sharded, "--rank", "1", "--world-size", "2")
     res = cli("write", tmp_path / "r", *common, "--zarr-format", "2", "--rank", "0", "--world-size", "2", ok=False)
-    assert res.exit_code == 1 and "already holds a different actstore store" in res.output and "zarr_format" in res.output
+    assert (
+        res.exit_code == 1 and "already holds a different actstore store" in res.output and "zarr_format" in res.output
+    )
     cli("write", tmp_path / "r", *common, *sharded, "--rank", "0", "--world-size", "2")
     cli("finalize", tmp_path / "r")
     ranks = actstore.ActStore(tmp_path / "r")
@@ -396,10 +498,13 @@ def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_d
         np.testing.assert_array_equal(ranks[i, 2], one[i, 2])
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--zarr-format", "2", "--shard-examples", "4"], "--shard-examples (Zarr sharding) needs --zarr-format 3"),
-    (["--zarr-format", "3", "--shard-examples", "0"], "--shard-examples must be a positive int. Got 0."),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--zarr-format", "2", "--shard-examples", "4"], "--shard-examples (Zarr sharding) needs --zarr-format 3"),
+        (["--zarr-format", "3", "--shard-examples", "0"], "--shard-examples must be a positive int. Got 0."),
+    ],
+)
 def test_bad_layout_options_are_refused_before_anything_is_written(tmp_path, dino_dir, images, args, message):
     out = tmp_path / "s"
     res = cli("write", out, "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", *args, ok=False)
@@ -428,8 +533,34 @@ def test_writer_nice_option_reaches_the_capture_and_is_range_checked(tmp_path, m
 
 @pytest.mark.slow
 def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images):
-    cli("write", tmp_path / "local", "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--quiet")
-    cli("write", s3_url, "--model", dino_dir, "--data", images, "--layers", "0,2", "--batch-size", "4", "--workers", "2", "--quiet")
+    cli(
+        "write",
+        tmp_path / "local",
+        "--model",
+        dino_dir,
+        "--data",
+        images,
+        "--layers",
+        "0,2",
+        "--batch-size",
+        "4",
+        "--quiet",
+    )
+    cli(
+        "write",
+        s3_url,
+        "--model",
+        dino_dir,
+        "--data",
+        images,
+        "--layers",
+        "0,2",
+        "--batch-size",
+        "4",
+        "--workers",
+        "2",
+        "--quiet",
+    )
     local, remote = actstore.ActStore(tmp_path / "local"), actstore.ActStore(s3_url)
     assert len(local) == len(remote) == 6
     for ex in range(6):
@@ -446,9 +577,13 @@ def test_capture_to_a_missing_bucket_fails_before_the_model_loads(s3_endpoint, d
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(run_mod, "load_model", no_model)
-    res = cli("write", "s3://no-such-bucket/acts", "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False)
+    res = cli(
+        "write", "s3://no-such-bucket/acts", "--model", dino_dir, "--data", images, "--layers", "0", "--quiet", ok=False
+    )
     assert res.exit_code == 1
-    assert res.output.startswith("actstore: error: cannot list s3://no-such-bucket/acts: the bucket 'no-such-bucket' does not exist")
+    assert res.output.startswith(
+        "actstore: error: cannot list s3://no-such-bucket/acts: the bucket 'no-such-bucket' does not exist"
+    )
 
 
 def test_default_budgets_come_from_the_measured_lengths(tmp_path, llama_dir):
@@ -462,7 +597,10 @@ def test_default_budgets_come_from_the_measured_lengths(tmp_path, llama_dir):
     plan = TextPlan(kind="pair", p_max=1, r_max=0, special="mask", chat_template=False, generate=0)
     p_lens = [len(prompt_tokens(tok, plan, p["prompt"])[0]) for p in PAIRS * 3]
     r_lens = [len(response_tokens(tok, p["response"])[0]) for p in PAIRS * 3]
-    want = {"prompt": int(np.quantile(p_lens, 0.99, method="higher")), "response": int(np.quantile(r_lens, 0.99, method="higher"))}
+    want = {
+        "prompt": int(np.quantile(p_lens, 0.99, method="higher")),
+        "response": int(np.quantile(r_lens, 0.99, method="higher")),
+    }
     assert {s.name: s.t_max for s in store.config.segments} == want and want["prompt"] < 64
     info = store_info(out)
     stored = sum(store.lengths(i)["prompt"] for i in range(len(store)))
@@ -498,19 +636,46 @@ def test_budgets_and_truncation_count_stored_tokens_only(tmp_path, llama_dir):
     _, tok = tiny_llama(layers=3)
     content = []
     for pair in PAIRS:
-        rendered = tok.apply_chat_template([{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": pair["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
         enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         at = rendered.rfind(pair["prompt"])
-        content.append([t for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
-                        if a < at + len(pair["prompt"]) and b > at and t not in tok.all_special_ids])
-    r_ids = [[t for t in tok(p["response"], add_special_tokens=False)["input_ids"] if t not in tok.all_special_ids] for p in PAIRS]
-    common = ["--model", llama_dir, "--data", data, "--layers", "1", "--chat-template", "--special", "drop", "--quiet", "--json"]
+        content.append(
+            [
+                t
+                for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])
+                if a < at + len(pair["prompt"]) and b > at and t not in tok.all_special_ids
+            ]
+        )
+    r_ids = [
+        [t for t in tok(p["response"], add_special_tokens=False)["input_ids"] if t not in tok.all_special_ids]
+        for p in PAIRS
+    ]
+    common = [
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--chat-template",
+        "--special",
+        "drop",
+        "--quiet",
+        "--json",
+    ]
     s = json.loads(cli("write", tmp_path / "full", *common, "--p-quantile", "1", "--r-quantile", "1").stdout)
     store = actstore.ActStore(tmp_path / "full")
-    assert {x.name: x.t_max for x in store.config.segments} == {"prompt": max(map(len, content)), "response": max(map(len, r_ids))}
+    assert {x.name: x.t_max for x in store.config.segments} == {
+        "prompt": max(map(len, content)),
+        "response": max(map(len, r_ids)),
+    }
     assert [store.token_ids(i).tolist() for i in range(len(PAIRS))] == [c + r for c, r in zip(content, r_ids)]
     assert s["truncated_tokens"] == 0 and s["source_tokens"] == sum(map(len, content)) + sum(map(len, r_ids))
     s = json.loads(cli("write", tmp_path / "cut", *common, "--p-max", "2", "--r-max", "2").stdout)
     cut = actstore.ActStore(tmp_path / "cut")
     assert [cut.token_ids(i).tolist() for i in range(len(PAIRS))] == [c[-2:] + r[:2] for c, r in zip(content, r_ids)]
-    assert s["truncated_tokens"] == sum(max(len(c) - 2, 0) for c in content) + sum(max(len(r) - 2, 0) for r in r_ids) > 0
+    assert (
+        s["truncated_tokens"] == sum(max(len(c) - 2, 0) for c in content) + sum(max(len(r) - 2, 0) for r in r_ids) > 0
+    )

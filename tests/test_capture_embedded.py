@@ -43,16 +43,34 @@ def _close(got, ref):
 
 def test_embedded_vit_store_equals_hidden_states_and_show(tmp_path):
     out = tmp_path / "vit"
-    text = _cli("write", out, "--model", "embedded:dinov2-s14", "--data", "embedded:images", "--layers", "4,11",
-                "--max-examples", "3", "--batch-size", "2", "--quiet")
+    text = _cli(
+        "write",
+        out,
+        "--model",
+        "embedded:dinov2-s14",
+        "--data",
+        "embedded:images",
+        "--layers",
+        "4,11",
+        "--max-examples",
+        "3",
+        "--batch-size",
+        "2",
+        "--quiet",
+    )
     assert "wrote 3 examples" in text
     store = actstore.ActStore(out)
     assert (store.d_model, store.config.segments[0].t_max) == (384, 257)  # CLS + 16x16 patches of 14 px
     assert list(store.field("sample_key")) == ["skimage:astronaut", "skimage:chelsea", "skimage:coffee"]
     model = load_model("embedded:dinov2-s14").model  # the same weights the write used (cached)
-    px = torch.from_numpy(np.stack([reference_pixels(getattr(skimage.data, n)(), 224) for n in ("astronaut", "chelsea", "coffee")]))
+    px = torch.from_numpy(
+        np.stack([reference_pixels(getattr(skimage.data, n)(), 224) for n in ("astronaut", "chelsea", "coffee")])
+    )
     with torch.inference_mode():
-        hs = [model(px[:2], output_hidden_states=True).hidden_states, model(px[2:], output_hidden_states=True).hidden_states]
+        hs = [
+            model(px[:2], output_hidden_states=True).hidden_states,
+            model(px[2:], output_hidden_states=True).hidden_states,
+        ]
     for i in range(3):
         for layer in (4, 11):
             _close(store[i, layer], hs[i // 2][layer + 1][i % 2].numpy())
@@ -65,7 +83,12 @@ def test_embedded_vit_store_equals_hidden_states_and_show(tmp_path):
     # exported to saev with no options beyond the destination (family, CLS and dataset from the capture)
     path = _cli("export-saev", out, tmp_path / "saev", "--quiet").strip().splitlines()[-1]
     md = json.loads((Path(path) / "metadata.json").read_text())
-    assert (md["family"], md["dataset"], md["cls_token"], md["patches_per_ex"]) == ("dinov2", str(tmp_path / "saev" / "embedded-images"), True, 256)
+    assert (md["family"], md["dataset"], md["cls_token"], md["patches_per_ex"]) == (
+        "dinov2",
+        str(tmp_path / "saev" / "embedded-images"),
+        True,
+        256,
+    )
     _cli("verify-saev", path)
     assert verify_saev(path).problems == []
 
@@ -74,16 +97,32 @@ def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):
     prompt = "What is the capital of France?"
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": prompt}])
     out = tmp_path / "llm"
-    _cli("write", out, "--model", "embedded:smollm2-135m", "--data", data, "--layers", "3,15", "--chat-template",
-         "--generate", "8", "--quiet")
+    _cli(
+        "write",
+        out,
+        "--model",
+        "embedded:smollm2-135m",
+        "--data",
+        data,
+        "--layers",
+        "3,15",
+        "--chat-template",
+        "--generate",
+        "8",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     assert "Paris" in store.sample(0)["response"]
     lm = load_model("embedded:smollm2-135m")
     tok = lm.tokenizer
-    rendered = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     p_ids = tok(rendered, add_special_tokens=False)["input_ids"]
     with torch.inference_mode():
-        gen = lm.model.generate(torch.tensor([p_ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p_ids) :].tolist()
+        gen = lm.model.generate(
+            torch.tensor([p_ids]), max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id
+        )[0, len(p_ids) :].tolist()
         hs = lm.model(torch.tensor([p_ids + gen]), output_hidden_states=True).hidden_states
     assert store.lengths(0) == {"prompt": len(p_ids), "response": len(gen)}
     labels = store.field("prompt_token_labels")[0, : len(p_ids)]
@@ -96,8 +135,21 @@ def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):
 
 def test_embedded_minilm_over_pydoc_topics(tmp_path):
     out = tmp_path / "bert"
-    _cli("write", out, "--model", "embedded:minilm-l6", "--data", "embedded:pydoc-topics", "--layers", "1,5",
-         "--max-examples", "3", "--p-max", "64", "--quiet")
+    _cli(
+        "write",
+        out,
+        "--model",
+        "embedded:minilm-l6",
+        "--data",
+        "embedded:pydoc-topics",
+        "--layers",
+        "1,5",
+        "--max-examples",
+        "3",
+        "--p-max",
+        "64",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     lm = load_model("embedded:minilm-l6")
     from pydoc_data import topics
@@ -120,8 +172,13 @@ def test_capture_example_runs(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "examples/capture_record.py", str(tmp_path / "ex")], cwd=root,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "examples/capture_record.py", str(tmp_path / "ex")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     tok = load_model("embedded:minilm-l6").tokenizer
     texts = ["The cat sat on the mat.", "Activations are stored as float16.", "Paris is the capital of France."]

@@ -32,12 +32,28 @@ def test_sigkill_halfway_then_resume_equals_uninterrupted(tmp_path):
     model = save_llama(tmp_path / "llama", layers=3)
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES * 3])  # 27 examples
     n = 27
-    common = ["--model", model, "--data", data, "--layers", "0,2", "--batch-size", "1", "--commit-mb", "0.000001", "--quiet"]
+    common = [
+        "--model",
+        model,
+        "--data",
+        data,
+        "--layers",
+        "0,2",
+        "--batch-size",
+        "1",
+        "--commit-mb",
+        "0.000001",
+        "--quiet",
+    ]
     killed = tmp_path / "killed"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     code = "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; main()"
-    proc = subprocess.Popen([sys.executable, "-c", code, "write", str(killed), *map(str, common)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "write", str(killed), *map(str, common)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while committed(killed, 0)[0] < 8:
         assert proc.poll() is None, proc.stderr.read().decode()

@@ -39,7 +39,9 @@ def make_tokenizer():
     tok.normalizer = normalizers.Lowercase()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", vocab["<s>"])])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -51,8 +53,15 @@ def tiny_llama(layers: int = 4, seed: int = 0, scale: float | None = None):
     tok = make_tokenizer()
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
     model = LlamaForCausalLM(cfg).eval()
@@ -67,7 +76,14 @@ def tiny_dinov2(layers: int = 3, seed: int = 0, image_size: int = 28):
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(seed)
-    cfg = Dinov2Config(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=64, image_size=image_size, patch_size=14)
+    cfg = Dinov2Config(
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=image_size,
+        patch_size=14,
+    )
     return Dinov2Model(cfg).eval()
 
 

@@ -15,15 +15,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "actstore.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "actstore.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_finalize_then_info_json_and_text(store_path, rng):
     for shard, n in ((0, 3), (1, 2)):
-        with ShardWriter(store_path, shard=shard, layers=[4, 9], d_model=8, segments={"prompt": 5, "response": 2}, stats=True) as w:
-            w.append(prompt=rng.standard_normal((n, 2, 5, 8)).astype(np.float16),
-                     response=rng.standard_normal((n, 2, 2, 8)).astype(np.float16),
-                     lengths={"prompt": [5] * n, "response": [1] * n}, source_lengths={"prompt": [9] + [5] * (n - 1)})
+        with ShardWriter(
+            store_path, shard=shard, layers=[4, 9], d_model=8, segments={"prompt": 5, "response": 2}, stats=True
+        ) as w:
+            w.append(
+                prompt=rng.standard_normal((n, 2, 5, 8)).astype(np.float16),
+                response=rng.standard_normal((n, 2, 2, 8)).astype(np.float16),
+                lengths={"prompt": [5] * n, "response": [1] * n},
+                source_lengths={"prompt": [9] + [5] * (n - 1)},
+            )
     r = _cli("info", str(store_path))
     assert r.returncode == 1 and r.stderr.startswith("actstore: error: ") and "never finalized" in r.stderr
     assert "Traceback" not in r.stderr

@@ -42,11 +42,31 @@ def test_finalize_and_export_saev_print_one_json_summary(tmp_path):
     r = CliRunner()
     res = r.invoke(main, ["finalize", str(path), "--allow-partial", "--json"])
     assert res.exit_code == 0
-    assert json.loads(res.stdout) == {"store": str(path), "examples": 5, "shards": [0], "world_size": 2,
-                                      "partial": {"missing_ranks": [1], "incomplete_shards": []}}
+    assert json.loads(res.stdout) == {
+        "store": str(path),
+        "examples": 5,
+        "shards": [0],
+        "world_size": 2,
+        "partial": {"missing_ranks": [1], "incomplete_shards": []},
+    }
     assert r.invoke(main, ["finalize", str(path), "--allow-partial", "--quiet"]).output == ""
-    res = r.invoke(main, ["export-saev", str(path), str(tmp_path / "dump"), "--cls", "none", "--family", "clip",
-                          "--dataset", "/data", "--ckpt", "tiny", "--json"])
+    res = r.invoke(
+        main,
+        [
+            "export-saev",
+            str(path),
+            str(tmp_path / "dump"),
+            "--cls",
+            "none",
+            "--family",
+            "clip",
+            "--dataset",
+            "/data",
+            "--ckpt",
+            "tiny",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout)
     assert summary["examples"] == 5 and summary["protocol"] == "2.0" and not summary["reused"]
@@ -59,13 +79,25 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
     from actstore.cli import bench
 
     path = tmp_path / "s"
-    with actstore.ShardWriter(path, layers=[0], d_model=4, tokens=3, model_id="tiny", attrs={"cls_token": False, "family": "clip", "dataset": "/d"}) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=[0],
+        d_model=4,
+        tokens=3,
+        model_id="tiny",
+        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
+    ) as w:
         w.append(np.ones((4, 1, 3, 4), np.float16))
     r = CliRunner()
     saev_root = tmp_path / "saev" / "shards"
     runs = [
-        ["finalize", path], ["info", path], ["verify", path], ["verify", "--deep", path],
-        ["cp", path, tmp_path / "copy"], ["export-pkl", path, tmp_path / "pkl"], ["import-pkl", tmp_path / "pkl", tmp_path / "from-pkl"],
+        ["finalize", path],
+        ["info", path],
+        ["verify", path],
+        ["verify", "--deep", path],
+        ["cp", path, tmp_path / "copy"],
+        ["export-pkl", path, tmp_path / "pkl"],
+        ["import-pkl", tmp_path / "pkl", tmp_path / "from-pkl"],
     ]  # (export-saelens, which needs torch: tests/test_saelens.py)
     for args in runs:
         res = r.invoke(main, [*map(str, args), "--quiet"])
@@ -73,8 +105,11 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
     res = r.invoke(main, ["export-saev", str(path), str(saev_root), "--quiet"])
     assert res.exit_code == 0 and res.output == f"{saev_root / res.output.strip().rsplit('/', 1)[-1]}\n"
     directory = res.output.strip()
-    for args in (["verify-saev", directory], ["import-saev", directory, tmp_path / "imported"],
-                 ["link-run", "--run", tmp_path / "runs" / "saev" / "runs" / "r", "--train-shards", directory]):
+    for args in (
+        ["verify-saev", directory],
+        ["import-saev", directory, tmp_path / "imported"],
+        ["link-run", "--run", tmp_path / "runs" / "saev" / "runs" / "r", "--train-shards", directory],
+    ):
         res = r.invoke(main, [*map(str, args), "--quiet"])
         assert (res.exit_code, res.output) == (0, ""), (args, res.output)
     (path / "stray.tmp").write_bytes(b"x")  # a warning: --quiet --strict still says why it fails
@@ -86,7 +121,9 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
 def test_io_errors_are_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     res = CliRunner().invoke(main, ["export-pkl", str(_tiny_store(tmp_path / "s")), str(tmp_path / "file" / "out")])
-    assert res.exit_code == 1 and res.output.startswith("actstore: error: ") and len(res.output.strip().splitlines()) == 1, res.output
+    assert (
+        res.exit_code == 1 and res.output.startswith("actstore: error: ") and len(res.output.strip().splitlines()) == 1
+    ), res.output
 
 
 def _tiny_store(path):

@@ -29,8 +29,14 @@ D = 8
 def store_files(location) -> dict[str, bytes]:
     """Every object of a store location but temporary ones, by key (local or S3 alike)."""
     st = open_storage(location)
-    return {e.key: st.get(e.key) for e in st.list("") if e.kind == "file"
-            and not any(p.startswith(".") and p not in (".zarray", ".zattrs", ".zgroup", ".zmetadata") for p in e.key.split("/"))}
+    return {
+        e.key: st.get(e.key)
+        for e in st.list("")
+        if e.kind == "file"
+        and not any(
+            p.startswith(".") and p not in (".zarray", ".zattrs", ".zgroup", ".zmetadata") for p in e.key.split("/")
+        )
+    }
 
 
 def assert_same_reads(a, b) -> None:
@@ -122,7 +128,9 @@ def test_publication_order(src, tmp_path):
 
 def test_source_must_be_finalized(tmp_path):
     qa_store(tmp_path / "raw.store", finalize=False)
-    with pytest.raises(NotFinalizedError, match=r"raw\.store has writer shards but was never finalized .*run `actstore finalize"):
+    with pytest.raises(
+        NotFinalizedError, match=r"raw\.store has writer shards but was never finalized .*run `actstore finalize"
+    ):
         copy_store(tmp_path / "raw.store", tmp_path / "dst")
     with pytest.raises(StoreNotFoundError, match=r"nothing is not an actstore store \(no manifest.json\)"):
         copy_store(tmp_path / "nothing", tmp_path / "dst")
@@ -134,13 +142,17 @@ def test_source_must_be_finalized(tmp_path):
 def test_different_stores_are_refused_before_writing(src, tmp_path, s3_url):
     other = qa_store(tmp_path / "other.store", d_model=16)
     before = store_files(other)
-    with pytest.raises(StoreMismatchError, match=r"already holds a different store \(its actstore.json differs in d_model\)"):
+    with pytest.raises(
+        StoreMismatchError, match=r"already holds a different store \(its actstore.json differs in d_model\)"
+    ):
         copy_store(src, other)
     assert store_files(other) == before and not (other / MARKER).exists()
 
     twin = qa_store(tmp_path / "twin.store", seed=99)  # same configuration, other data
     before = store_files(twin)
-    with pytest.raises(StoreMismatchError, match="a different store with the same configuration: the block records of its shard-0000"):
+    with pytest.raises(
+        StoreMismatchError, match="a different store with the same configuration: the block records of its shard-0000"
+    ):
         copy_store(src, twin)
     assert store_files(twin) == before
 
@@ -167,7 +179,9 @@ def test_resume_after_sigkill(src, tmp_path, s3_url):
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "copy_store(sys.argv[1], sys.argv[2], progress=progress, workers=2)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(src), s3_url], check=False, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(src), s3_url], check=False, capture_output=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     partial = store_files(s3_url)
     assert 20 <= len(partial) < len(store_files(src)) and "manifest.json" not in partial
@@ -182,7 +196,9 @@ def test_resume_after_sigkill(src, tmp_path, s3_url):
 def test_resume_after_failed_puts(src, tmp_path):
     dst = tmp_path / "dst.store"
     twin = qa_store(tmp_path / "twin.store", seed=99)  # same configuration (same actstore.json), other data
-    with pytest.raises(CopyError, match=r"failed: ConnectionResetError: connection reset by peer \(injected\); rerun the same command"):
+    with pytest.raises(
+        CopyError, match=r"failed: ConnectionResetError: connection reset by peer \(injected\); rerun the same command"
+    ):
         copy_store(twin, Recording(dst, fail=lambda key, n: n == 40), workers=1)
     # an interrupted copy of another source: its objects are compared by content, not trusted by size
     with pytest.raises(CopyError):
@@ -202,7 +218,9 @@ def test_resume_after_failed_puts(src, tmp_path):
 
 def test_read_back_catches_damage(src, tmp_path):
     key = "shards/shard-00001.zarr/meta/blocks.jsonl"
-    with pytest.raises(CopyVerifyError, match=r"blocks.jsonl read back as \d+ bytes with crc32c [0-9a-f]{8}, but .* it was deleted"):
+    with pytest.raises(
+        CopyVerifyError, match=r"blocks.jsonl read back as \d+ bytes with crc32c [0-9a-f]{8}, but .* it was deleted"
+    ):
         copy_store(src, Recording(tmp_path / "dst", corrupt=key), workers=1)
     assert not (tmp_path / "dst" / key).exists() and not (tmp_path / "dst" / "manifest.json").exists()
     assert copy_store(src, tmp_path / "dst").n_copied >= 1
@@ -225,10 +243,18 @@ def test_cli(src, tmp_path):
     res = runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--json", "--workers", "2"])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert doc["n_copied"] == len(store_files(src)) and doc["verified"] and doc["deep_verified"] and doc["warnings"] == []
+    assert (
+        doc["n_copied"] == len(store_files(src)) and doc["verified"] and doc["deep_verified"] and doc["warnings"] == []
+    )
     res = runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--no-verify"])
-    assert res.exit_code == 0 and res.stdout.startswith(f"copied {src} to {tmp_path / 'a'}: 0 objects") and "not verified" in res.stdout
-    assert runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--quiet", "--no-verify"]).output == ""  # --quiet: nothing
+    assert (
+        res.exit_code == 0
+        and res.stdout.startswith(f"copied {src} to {tmp_path / 'a'}: 0 objects")
+        and "not verified" in res.stdout
+    )
+    assert (
+        runner.invoke(main, ["cp", str(src), str(tmp_path / "a"), "--quiet", "--no-verify"]).output == ""
+    )  # --quiet: nothing
     qa_store(tmp_path / "raw", finalize=False)
     res = runner.invoke(main, ["cp", str(tmp_path / "raw"), str(tmp_path / "b")])
     assert res.exit_code == 1 and res.stderr.count("\n") == 1

@@ -38,7 +38,20 @@ def packed(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")
     model = save_llama(root / "llama", layers=3)
     corpus = write_jsonl(root / "c.jsonl", [{"text": d} for d in DOCS])
-    cli("write", root / "s", "--model", model, "--data", corpus, "--layers", "0,2", "--pack", "--context", "8", "--quiet")
+    cli(
+        "write",
+        root / "s",
+        "--model",
+        model,
+        "--data",
+        corpus,
+        "--layers",
+        "0,2",
+        "--pack",
+        "--context",
+        "8",
+        "--quiet",
+    )
     store = actstore.ActStore(root / "s")
     labels = store.field("tokens_token_labels")
     assert all(labels[i, 0] == 1 for i in range(len(store)))  # the window BOS, special
@@ -76,7 +89,9 @@ def test_token_stream_epoch_leaves_out_window_bos(packed):
     np.testing.assert_array_equal(torch.cat([b["acts"] for b in got]).float().numpy(), x[content])
     every = list(TokenStream(packed, batch_size=5, layers=[0], shuffle=False, return_index=True, token_mask="all"))
     assert torch.cat([b["token"] for b in every]).numpy().tolist() == pos.tolist()
-    assert len(TokenStream(packed, batch_size=5, token_mask=None)) == len(TokenStream(packed, batch_size=5, token_mask="all"))
+    assert len(TokenStream(packed, batch_size=5, token_mask=None)) == len(
+        TokenStream(packed, batch_size=5, token_mask="all")
+    )
     shuffled = torch.cat(list(TokenStream(packed, batch_size=4, layers=[0], seed=1)))
     assert _rows(shuffled.float().numpy()) == _rows(x[content])  # the outliers never reach training
 
@@ -110,15 +125,23 @@ def test_statistics_and_standardize_cover_content_tokens(packed):
         k = st.keys.index(f"layer{layer}/tokens")
         assert int(st.count[k]) == int(content.sum())
         np.testing.assert_allclose(st.mean[k], x[content].astype(np.float64).mean(axis=0), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(st.norm_sum[k], np.linalg.norm(x[content].astype(np.float64), axis=1).sum(), rtol=1e-5)
-    z = torch.cat(list(TokenStream(packed, batch_size=8, layers=[0], normalize="standardize"))).numpy().astype(np.float64)
+        np.testing.assert_allclose(
+            st.norm_sum[k], np.linalg.norm(x[content].astype(np.float64), axis=1).sum(), rtol=1e-5
+        )
+    z = (
+        torch.cat(list(TokenStream(packed, batch_size=8, layers=[0], normalize="standardize")))
+        .numpy()
+        .astype(np.float64)
+    )
     np.testing.assert_allclose(z.mean(axis=0), 0, atol=1e-3)  # the statistics match what the stream serves
     np.testing.assert_allclose(z.std(axis=0), 1, atol=1e-2)
 
 
 def test_export_saev_leaves_out_window_bos(packed, tmp_path):
     x, content, pos, ex = _real(packed, 0)
-    out = cli("export-saev", packed.path, tmp_path / "a" / "saev" / "shards", "--family", "clip", "--layers", "0", "--quiet").output.split()[-1]
+    out = cli(
+        "export-saev", packed.path, tmp_path / "a" / "saev" / "shards", "--family", "clip", "--layers", "0", "--quiet"
+    ).output.split()[-1]
     cli("verify-saev", out)
     sv = actstore.open(out)
     assert len(sv) == int(content.sum())
@@ -126,13 +149,24 @@ def test_export_saev_leaves_out_window_bos(packed, tmp_path):
     assert "special_tokens" in str(json.loads((sv.path / "metadata.json").read_text())["data"])  # and in the hash
     offsets = np.fromfile(sv.path / "example_offsets.bin", "<i8")
     assert np.diff(offsets).tolist() == np.bincount(ex[content], minlength=len(packed)).tolist()
-    out2 = cli("export-saev", packed.path, tmp_path / "b" / "saev" / "shards", "--family", "clip", "--layers", "0",
-               "--keep-special", "--quiet").output.split()[-1]
+    out2 = cli(
+        "export-saev",
+        packed.path,
+        tmp_path / "b" / "saev" / "shards",
+        "--family",
+        "clip",
+        "--layers",
+        "0",
+        "--keep-special",
+        "--quiet",
+    ).output.split()[-1]
     cli("verify-saev", out2)
     sv2 = actstore.open(out2)
     assert len(sv2) == len(x) and sv2.path.name != sv.path.name
     np.testing.assert_array_equal(np.concatenate([sv2[i, 0] for i in range(len(sv2))]), x)
-    np.testing.assert_array_equal(np.fromfile(sv2.path / "labels.bin", np.uint8), packed.field("tokens_token_labels")[ex, pos])
+    np.testing.assert_array_equal(
+        np.fromfile(sv2.path / "labels.bin", np.uint8), packed.field("tokens_token_labels")[ex, pos]
+    )
 
 
 def test_export_saelens_leaves_out_window_bos(packed, tmp_path):
@@ -152,7 +186,17 @@ def test_export_saelens_leaves_out_window_bos(packed, tmp_path):
     ids, acts = read(tmp_path / "lens")
     assert bos not in ids.tolist() and int((ids >= 0).sum()) == int(content.sum())
     assert _rows(acts) == _rows(x[content])
-    cli("export-saelens", packed.path, tmp_path / "all", "--layer", hook, "--context-size", "4", "--keep-special", "--quiet")
+    cli(
+        "export-saelens",
+        packed.path,
+        tmp_path / "all",
+        "--layer",
+        hook,
+        "--context-size",
+        "4",
+        "--keep-special",
+        "--quiet",
+    )
     ids, acts = read(tmp_path / "all")
     assert ids.tolist().count(bos) == len(packed) and int((ids >= 0).sum()) == len(x)
     assert _rows(acts) == _rows(x)
@@ -165,4 +209,6 @@ def test_vit_stores_are_read_whole(tmp_path):
     mask = PairDataset(store, return_mask=True)[PairIndex(np.arange(4), np.full((4, 1), 2))]["mask"].numpy()
     assert mask.all()
     out = cli("export-saev", store.path, tmp_path / "saev" / "shards", "--quiet").output.split()[-1]
-    assert len(actstore.open(out)) == 4 and "special_tokens" not in str(json.loads((actstore.open(out).path / "metadata.json").read_text())["data"])
+    assert len(actstore.open(out)) == 4 and "special_tokens" not in str(
+        json.loads((actstore.open(out).path / "metadata.json").read_text())["data"]
+    )

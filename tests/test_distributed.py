@@ -67,8 +67,16 @@ def assert_same_store(path, one) -> None:
 
 # ---- ranks from the launcher's environment -------------------------------------------
 def test_rank_precedence_and_errors():
-    env = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "2", "SLURM_ARRAY_TASK_STEP": "1",
-           "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    env = {
+        "SLURM_ARRAY_TASK_ID": "5",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+        "SLURM_ARRAY_TASK_MIN": "2",
+        "SLURM_ARRAY_TASK_STEP": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "1",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+    }
     assert ranks.from_env(env) == ranks.Rank(3, 4, "SLURM_ARRAY_TASK_ID/SLURM_ARRAY_TASK_COUNT")
     del env["SLURM_ARRAY_TASK_ID"]
     assert ranks.from_env(env) == ranks.Rank(0, 1, "SLURM_PROCID/SLURM_NTASKS")
@@ -77,7 +85,9 @@ def test_rank_precedence_and_errors():
     assert ranks.from_env({}) is None
     assert ranks.resolve(None, None, {}) == ranks.Rank(0, 1, "default (one writer)")
     assert ranks.resolve(2, 3, env) == ranks.Rank(2, 3, "--rank/--world-size")  # flags win over the environment
-    with pytest.raises(CaptureError, match=r"rank must be in 0\.\.1 for a world size of 2 \(from RANK/WORLD_SIZE\)\. Got 2"):
+    with pytest.raises(
+        CaptureError, match=r"rank must be in 0\.\.1 for a world size of 2 \(from RANK/WORLD_SIZE\)\. Got 2"
+    ):
         ranks.from_env({"RANK": "2", "WORLD_SIZE": "2"})
     with pytest.raises(CaptureError, match=r"SLURM_ARRAY_TASK_ID=3 is not on the array's grid \(min 0, step 2\)"):
         ranks.from_env({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_STEP": "2"})
@@ -107,9 +117,24 @@ def test_torchrun_launches_two_ranks(job):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
     port = _free_port()
     res = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python",
-         str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"])],
-        env=env, capture_output=True, text=True, timeout=300,
+        [
+            str(torchrun),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "--no-python",
+            str(Path(sys.executable).parent / "actstore"),
+            "write",
+            str(path),
+            *map(str, job["common"]),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "rank 0 of 2 (from RANK/WORLD_SIZE)" in res.stderr and "rank 1 of 2 (from RANK/WORLD_SIZE)" in res.stderr
@@ -129,7 +154,10 @@ def test_write_refuses_a_shard_another_writer_holds_before_the_model_loads(job, 
     monkeypatch.setattr(run_mod, "load_model", no_model)
     res = cli("write", path, *job["common"], "--rank", "0", "--world-size", "2", "--resume", ok=False)
     assert res.exit_code == 1
-    assert f"shard 0 of {path} is being written by another writer: pid {os.getpid()} on host {socket.gethostname()}" in res.output
+    assert (
+        f"shard 0 of {path} is being written by another writer: pid {os.getpid()} on host {socket.gethostname()}"
+        in res.output
+    )
     w._close_files()
 
 
@@ -142,8 +170,18 @@ def _free_port() -> int:
 # ---- Ray ---------------------------------------------------------------------------
 def test_ray_address_that_does_not_answer_fails_fast(job):
     start = time.monotonic()
-    res = cli("write", job["dir"] / "none.store", *job["common"], "--engine", "ray", "--workers", "2",
-              "--ray-address", f"127.0.0.1:{_free_port()}", ok=False)
+    res = cli(
+        "write",
+        job["dir"] / "none.store",
+        *job["common"],
+        "--engine",
+        "ray",
+        "--workers",
+        "2",
+        "--ray-address",
+        f"127.0.0.1:{_free_port()}",
+        ok=False,
+    )
     assert res.exit_code == 1 and "no Ray cluster answers at 127.0.0.1:" in res.output
     assert time.monotonic() - start < 30
     assert not (job["dir"] / "none.store").exists()
@@ -188,12 +226,26 @@ def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, 
 
     t = threading.Thread(target=killer)
     t.start()
-    res = cli("write", killed, *job["common"], "--engine", "ray", "--workers", "2", "--batch-size", "1", "--commit-mb", "0.001")
+    res = cli(
+        "write",
+        killed,
+        *job["common"],
+        "--engine",
+        "ray",
+        "--workers",
+        "2",
+        "--batch-size",
+        "1",
+        "--commit-mb",
+        "0.001",
+    )
     t.join()
     assert pids, "writer 1 was never seen holding its shard"
     assert "finalized" in res.output
     assert_same_store(killed, job["one"])
-    assert not list((killed / keys.LEASES).iterdir())  # the restarted writer took the dead one's lease over and gave it back
+    assert not list(
+        (killed / keys.LEASES).iterdir()
+    )  # the restarted writer took the dead one's lease over and gave it back
 
 
 @pytest.fixture
@@ -205,9 +257,28 @@ def ray_cluster(tmp_path_factory):
     ray_bin = str(Path(sys.executable).parent / "ray")
     # A session of its own: every process of the cluster (agents rename their command
     # lines) carries the session id of `ray start`.
-    start = subprocess.Popen([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", "2",
-                              "--include-dashboard", "false", "--temp-dir", str(temp), "--disable-usage-stats"],
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    start = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--include-dashboard",
+            "false",
+            "--temp-dir",
+            str(temp),
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         _, err = start.communicate(timeout=120)
         assert start.returncode == 0, err[-2000:]
@@ -220,6 +291,7 @@ def ray_cluster(tmp_path_factory):
 def _end_processes_of(temp: Path, session: int) -> None:
     """SIGTERM, then SIGKILL, every process of the cluster's session or naming its temp dir
     (`ray stop` would end other runs' clusters too)."""
+
     def ours() -> list[int]:
         found = []
         for p in Path("/proc").iterdir():
@@ -247,8 +319,22 @@ def _end_processes_of(temp: Path, session: int) -> None:
 def test_ray_cluster_from_ray_address(job, ray_cluster):
     path = job["dir"] / "cluster.store"
     env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster}
-    res = subprocess.run([str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"]),
-                          "--engine", "ray", "--workers", "2"], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "actstore"),
+            "write",
+            str(path),
+            *map(str, job["common"]),
+            "--engine",
+            "ray",
+            "--workers",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert_same_store(path, job["one"])
 
@@ -259,7 +345,10 @@ def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
     cli("write", s3_url, *job["common"], "--engine", "ray", "--workers", "2")
     assert_same_store(s3_url, job["one"])
     w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
-    with pytest.raises(actstore.errors.ShardBusyError, match=rf"shard 0 of {s3_url}2 is being written by another writer: pid {os.getpid()}"):
+    with pytest.raises(
+        actstore.errors.ShardBusyError,
+        match=rf"shard 0 of {s3_url}2 is being written by another writer: pid {os.getpid()}",
+    ):
         actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True)
     w._close_files()
     with actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True) as w2:
@@ -282,13 +371,19 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
     for b in range(0, 10, 2):
         ids = [e["input_ids"] for e in enc[b : b + 2]]
         t = max(map(len, ids))
-        batches.append({"input_ids": torch.tensor([x + [0] * (t - len(x)) for x in ids]),
-                        "attention_mask": torch.tensor([[1] * len(x) + [0] * (t - len(x)) for x in ids])})
+        batches.append(
+            {
+                "input_ids": torch.tensor([x + [0] * (t - len(x)) for x in ids]),
+                "attention_mask": torch.tensor([[1] * len(x) + [0] * (t - len(x)) for x in ids]),
+            }
+        )
     model_dir = job["dir"] / "llama"
     common = {"layers": [0, 2], "segments": {"tokens": max(len(e["input_ids"]) for e in enc)}}
     record(tiny_llama(layers=3)[0], batches, tmp_path / "one", **common)
     seen = []
-    results = record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, progress=lambda *a: seen.append(a), **common)
+    results = record(
+        str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, progress=lambda *a: seen.append(a), **common
+    )
     assert [(r.shard, r.n_written) for r in results] == [(0, 4), (1, 6)] and sum(a[0] for a in seen) == 10
     actstore.finalize(tmp_path / "ray")
     actstore.finalize(tmp_path / "one")
@@ -299,7 +394,10 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
         for layer in (0, 2):
             np.testing.assert_array_equal(two[i, layer], one[i, layer])
     again = record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, resume=True, **common)
-    assert [(r.n_before, r.n_written) for r in again] == [(4, 0), (6, 0)]  # finished shards: nothing loaded, nothing written
+    assert [(r.n_before, r.n_written) for r in again] == [
+        (4, 0),
+        (6, 0),
+    ]  # finished shards: nothing loaded, nothing written
     with pytest.raises(CaptureError, match="already holds shard 0; pass resume=True"):
         record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, **common)
     with pytest.raises(CaptureError, match="pass a list of batches, not a generator"):
@@ -330,7 +428,9 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
 
     res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar())
     assert (res.n_before, res.n_written, Bar.n) == (4, 4, 4)
-    assert _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar()) == 8  # complete: its count, no model loaded
+    assert (
+        _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar()) == 8
+    )  # complete: its count, no model loaded
     record(model, batches, tmp_path / "one", layers=[1])
     for p in ("s", "one"):
         actstore.finalize(tmp_path / p)
@@ -340,7 +440,9 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
         np.testing.assert_array_equal(a[i, 1], b[i, 1])
     _partial(tmp_path / "t", model, [torch.randint(4, 60, (4, 5))])
     with pytest.raises(CaptureError, match="holds 4 committed examples, which do not end on a batch of its slice"):
-        _record_rank(record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, {"layers": [1]}, Bar())
+        _record_rank(
+            record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, {"layers": [1]}, Bar()
+        )
 
 
 def _partial(path, model, batches) -> None:

@@ -65,8 +65,16 @@ def blocks(doc: Path) -> list[Block]:
         before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         mark = MARK.search(before)
         line = doc.read_text().count("\n", 0, doc.read_text().find(m.group(0))) + 1
-        out.append(Block(doc.name, line, m.group(1), m.group(2), mark and mark.group(2),
-                         [int(c) for c in mark.group(3).split()] if mark and mark.group(3) else None))
+        out.append(
+            Block(
+                doc.name,
+                line,
+                m.group(1),
+                m.group(2),
+                mark and mark.group(2),
+                [int(c) for c in mark.group(3).split()] if mark and mark.group(3) else None,
+            )
+        )
     return out
 
 
@@ -76,7 +84,9 @@ def test_every_block_runs_or_is_marked_with_a_known_reason():
     assert not unknown, f"blocks marked with reasons not in REASONS: {unknown}"
     n = sum(len(blocks(d)) for d in DOCS)
     print(f"\n{n} python/bash blocks in docs/: {n - len(marked)} run, {len(marked)} not run: {marked}")
-    assert len(marked) <= 17  # a new exclusion needs a reason above and a place in this budget (17th: the Hub push of export.md)
+    assert (
+        len(marked) <= 17
+    )  # a new exclusion needs a reason above and a place in this budget (17th: the Hub push of export.md)
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -91,22 +101,34 @@ def _env(tmp: Path) -> dict[str, str]:
 def _run_bash(b: Block, tmp: Path) -> None:
     env = _env(tmp)
     if b.exit_codes is None:
-        r = subprocess.run(["bash", "-e", "-c", b.code], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S)
+        r = subprocess.run(
+            ["bash", "-e", "-c", b.code], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S
+        )
         assert r.returncode == 0, f"{b} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         return
     commands = [c for c in b.code.replace("\\\n", " ").splitlines() if c.strip() and not c.lstrip().startswith("#")]
     assert len(commands) == len(b.exit_codes), f"{b}: {len(commands)} commands, {len(b.exit_codes)} exit codes marked"
     for command, want in zip(commands, b.exit_codes):
-        r = subprocess.run(["bash", "-c", command], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S)
-        assert r.returncode == want, f"{b}: `{command}` exited {r.returncode}, the doc says {want}:\n{r.stdout}\n{r.stderr}"
+        r = subprocess.run(
+            ["bash", "-c", command], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S
+        )
+        assert r.returncode == want, (
+            f"{b}: `{command}` exited {r.returncode}, the doc says {want}:\n{r.stdout}\n{r.stderr}"
+        )
         assert "Traceback" not in r.stderr, f"{b}: `{command}` printed a traceback:\n{r.stderr}"
 
 
 SLOW_DOCS = {"capture.md", "export.md"}  # they run real captures and exports: marked slow
 
 
-@pytest.mark.parametrize("doc", [pytest.param(d.name, marks=[pytest.mark.slow] if d.name in SLOW_DOCS else [])
-                                 for d in DOCS if any(not b.not_run for b in blocks(d))])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        pytest.param(d.name, marks=[pytest.mark.slow] if d.name in SLOW_DOCS else [])
+        for d in DOCS
+        if any(not b.not_run for b in blocks(d))
+    ],
+)
 def test_blocks_of_each_document_run(doc, tmp_path, monkeypatch, request):
     path = ROOT / "docs" / doc
     setup = SETUP.search(path.read_text())

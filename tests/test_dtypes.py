@@ -64,7 +64,15 @@ def test_nonfinite_screen_is_exact_for_every_float16_and_bfloat16_pattern():
         assert count_nonfinite_16(one) == int(not np.isfinite(bf16_bits_to_f32(one)[0]))
 
 
-@given(arrays(np.float32, st.integers(0, 64), elements=st.floats(-3.0000000054977558e+38, 3.0000000054977558e+38, width=32, allow_nan=False, allow_subnormal=False)))
+@given(
+    arrays(
+        np.float32,
+        st.integers(0, 64),
+        elements=st.floats(
+            -3.0000000054977558e38, 3.0000000054977558e38, width=32, allow_nan=False, allow_subnormal=False
+        ),
+    )
+)
 def test_bfloat16_rounding_is_nearest_even_like_torch(x):
     bits = f32_to_bf16_bits(x)
     assert np.array_equal(bits, _round16_reference(x, "bfloat16"))
@@ -91,9 +99,31 @@ def _float16_edges() -> np.ndarray:
     v = np.unique(f16[np.isfinite(f16)].astype(np.float64))
     mid = ((v[:-1] + v[1:]) / 2).astype(np.float32)  # exact: 12 significant bits
     edge = np.float32(65520.0)
-    specials = np.array([np.inf, -np.inf, np.nan, -0.0, 0.0, 1e-45, -1e-45, 3e38, -3e38, edge, -edge,
-                         np.nextafter(edge, np.float32(0)), np.nextafter(-edge, np.float32(0))], np.float32)
-    parts = [v.astype(np.float32), mid, np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf)), specials]
+    specials = np.array(
+        [
+            np.inf,
+            -np.inf,
+            np.nan,
+            -0.0,
+            0.0,
+            1e-45,
+            -1e-45,
+            3e38,
+            -3e38,
+            edge,
+            -edge,
+            np.nextafter(edge, np.float32(0)),
+            np.nextafter(-edge, np.float32(0)),
+        ],
+        np.float32,
+    )
+    parts = [
+        v.astype(np.float32),
+        mid,
+        np.nextafter(mid, np.float32(np.inf)),
+        np.nextafter(mid, np.float32(-np.inf)),
+        specials,
+    ]
     return np.concatenate(parts)
 
 
@@ -109,7 +139,12 @@ def test_float32_to_float16_casts_round_to_nearest_even_bit_for_bit(cast):
     ref = _round16_reference(x, "float16")
     ro = x.copy()
     ro.flags.writeable = False  # read-only (a np.memmap opened "r"): the numpy path, no torch warning
-    for arr in (x, x[::-1][: x.size // 7 * 7].reshape(-1, 7)[:, :5].copy(), x.reshape(1, -1)[:, ::3], ro):  # contiguous, 2-D, strided
+    for arr in (
+        x,
+        x[::-1][: x.size // 7 * 7].reshape(-1, 7)[:, :5].copy(),
+        x.reshape(1, -1)[:, ::3],
+        ro,
+    ):  # contiguous, 2-D, strided
         with np.errstate(over="ignore", invalid="ignore"), warnings.catch_warnings():
             warnings.simplefilter("error")  # torch.from_numpy would warn on the read-only one
             got, want = cast(arr), arr.astype(np.float16)
@@ -118,7 +153,9 @@ def test_float32_to_float16_casts_round_to_nearest_even_bit_for_bit(cast):
         assert np.array_equal(np.isnan(got), nan)
         assert np.array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
         assert np.array_equal(got.view(np.uint16)[~nan], _round16_reference(arr, "float16")[~nan])
-    assert np.count_nonzero(ref == 0x7C00) > 0 and np.count_nonzero((ref & 0x7C00) == 0) > 0  # overflow and subnormals were tried
+    assert (
+        np.count_nonzero(ref == 0x7C00) > 0 and np.count_nonzero((ref & 0x7C00) == 0) > 0
+    )  # overflow and subnormals were tried
 
 
 @pytest.mark.parametrize("cast", [to_f64, _numpy_f64], ids=["fast", "numpy-fallback"])
@@ -138,7 +175,13 @@ def test_float16_to_float64_is_exact_for_every_pattern(cast):
     assert np.array_equal(got.view(np.uint64)[~nan], want.view(np.uint64)[~nan])
 
 
-@given(arrays(np.float32, st.integers(0, 40000), elements=st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)))
+@given(
+    arrays(
+        np.float32,
+        st.integers(0, 40000),
+        elements=st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    )
+)
 def test_float16_conversion_counts_every_nonfinite_and_overflow(x):
     out, nonfinite, over = convert(x, "float32", "float16")
     with np.errstate(over="ignore", invalid="ignore"):

@@ -40,7 +40,9 @@ def _store(path, rng, n=4, shard=0, **kw):
 
 def test_append_wrong_shape_dtype_layers(store_path, rng):
     with ShardWriter(store_path, shard=0, **KW) as w:
-        with pytest.raises(AppendError, match=re.escape("expected a batch of shape (b, L=2, T, D=8), got shape (2, 6, 8)")):
+        with pytest.raises(
+            AppendError, match=re.escape("expected a batch of shape (b, L=2, T, D=8), got shape (2, 6, 8)")
+        ):
             w.append(np.zeros((2, 6, 8), np.float16))
         with pytest.raises(AppendError, match=re.escape("batch has 3 layers, the store records 2 (layers [2, 5])")):
             w.append(np.zeros((2, 3, 6, 8), np.float16))
@@ -60,13 +62,21 @@ def test_lengths_beyond_t_max(store_path, rng):
     with ShardWriter(store_path, shard=0, layers=[0], d_model=4, segments={"prompt": 5, "response": 3}) as w:
         p = np.ones((2, 1, 5, 4), np.float16)
         r = np.ones((2, 1, 3, 4), np.float16)
-        with pytest.raises(AppendError, match=re.escape("segment 'prompt': length 7 is beyond the batch's 5 tokens (T_max 5)")):
+        with pytest.raises(
+            AppendError, match=re.escape("segment 'prompt': length 7 is beyond the batch's 5 tokens (T_max 5)")
+        ):
             w.append(prompt=p, response=r, lengths={"prompt": [7, 2], "response": [1, 1]})
-        with pytest.raises(AppendError, match=re.escape("batch has 6 tokens but the store holds at most 5; truncate it to 5")):
+        with pytest.raises(
+            AppendError, match=re.escape("batch has 6 tokens but the store holds at most 5; truncate it to 5")
+        ):
             w.append(prompt=np.ones((2, 1, 6, 4), np.float16), response=r)
-        with pytest.raises(AppendError, match=re.escape("append needs activations for segments ['prompt', 'response']; got ['prompt']")):
+        with pytest.raises(
+            AppendError, match=re.escape("append needs activations for segments ['prompt', 'response']; got ['prompt']")
+        ):
             w.append(prompt=p)
-        w.append(prompt=p, response=r, lengths={"prompt": [5, 2], "response": [0, 3]}, source_lengths={"prompt": [9, 2]})
+        w.append(
+            prompt=p, response=r, lengths={"prompt": [5, 2], "response": [0, 3]}, source_lengths={"prompt": [9, 2]}
+        )
     actstore.finalize(store_path)
     s = ActStore(store_path)
     assert s.lengths(0) == {"prompt": 5, "response": 0} and s[0, 0].shape == (5, 4)
@@ -75,22 +85,32 @@ def test_lengths_beyond_t_max(store_path, rng):
 
 def test_path_holding_a_different_store(store_path, rng):
     _store(store_path, rng)
-    with pytest.raises(StoreMismatchError, match=re.escape("already holds a different actstore store (d_model: store has 8, asked for 16)")):
+    with pytest.raises(
+        StoreMismatchError,
+        match=re.escape("already holds a different actstore store (d_model: store has 8, asked for 16)"),
+    ):
         ShardWriter(store_path, shard=1, layers=[2, 5], d_model=16, tokens=6)
-    with pytest.raises(StoreMismatchError, match=re.escape("layers: store has [2, 5], asked for [2, 6]; dtype: store has 'float16', asked for 'float32'")):
+    with pytest.raises(
+        StoreMismatchError,
+        match=re.escape("layers: store has [2, 5], asked for [2, 6]; dtype: store has 'float16', asked for 'float32'"),
+    ):
         ShardWriter(store_path, shard=1, layers=[2, 6], d_model=8, tokens=6, dtype="float32")
 
 
 def test_path_holding_foreign_files(tmp_path, rng):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(StoreMismatchError, match=re.escape("already holds files that are not an actstore store (notes.txt)")):
+    with pytest.raises(
+        StoreMismatchError, match=re.escape("already holds files that are not an actstore store (notes.txt)")
+    ):
         ShardWriter(tmp_path, shard=0, **KW)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_existing_shard_needs_resume_or_overwrite(store_path, rng):
     _store(store_path, rng)
-    with pytest.raises(ShardExistsError, match="shard 0 of .* already exists \\(4 committed examples\\); pass resume=True"):
+    with pytest.raises(
+        ShardExistsError, match="shard 0 of .* already exists \\(4 committed examples\\); pass resume=True"
+    ):
         ShardWriter(store_path, shard=0, **KW)
     with pytest.raises(ShardCompleteError, match="is complete with 4 examples; nothing to resume"):
         ShardWriter(store_path, shard=0, resume=True, **KW)
@@ -104,7 +124,9 @@ def test_nonfinite_counted_and_reported_or_refused(store_path, rng):
     x[1, 0, 2, 3] = np.nan
     x[2, 1, 0, 0] = np.inf
     with ShardWriter(store_path, shard=0, on_nonfinite="raise", **KW) as w:
-        with pytest.raises(NonFiniteError, match="the batch holds 2 NaN or infinite values; nothing of this batch was written"):
+        with pytest.raises(
+            NonFiniteError, match="the batch holds 2 NaN or infinite values; nothing of this batch was written"
+        ):
             w.append(x)
         assert w.n_written == 0
     with ShardWriter(store_path, shard=1, stats=True, **KW) as w:
@@ -124,7 +146,12 @@ def test_float32_overflowing_float16_is_never_stored_as_inf(store_path, rng, src
     x[1, 0, 0, 0] = -1e6
     batch = torch.from_numpy(x) if src == "torch" else x
     with ShardWriter(store_path, shard=0, **KW) as w:
-        with pytest.raises(Float16OverflowError, match=re.escape("2 finite float32 values lie beyond the range of float16 (|x| > 65504) and would be stored as inf; nothing of this batch was written")):
+        with pytest.raises(
+            Float16OverflowError,
+            match=re.escape(
+                "2 finite float32 values lie beyond the range of float16 (|x| > 65504) and would be stored as inf; nothing of this batch was written"
+            ),
+        ):
             w.append(batch)
         assert w.n_written == 0
     with ShardWriter(store_path, shard=1, on_overflow="clip", **KW) as w:
@@ -143,16 +170,25 @@ def test_read_errors_say_what_exists(store_path, rng):
     s = ActStore(store_path)
     with pytest.raises(LayerNotFoundError, match=re.escape("layer 3 is not stored; this store holds layers [2, 5]")):
         s[0, 3]
-    with pytest.raises(ExampleIndexError, match=re.escape("example 7 is out of range: this store holds 7 examples (0..6)")):
+    with pytest.raises(
+        ExampleIndexError, match=re.escape("example 7 is out of range: this store holds 7 examples (0..6)")
+    ):
         s[7, 2]
-    with pytest.raises(SegmentNotFoundError, match=re.escape("segment 'prompt' is not in this store; it has segments ['tokens']")):
+    with pytest.raises(
+        SegmentNotFoundError, match=re.escape("segment 'prompt' is not in this store; it has segments ['tokens']")
+    ):
         s.segment("prompt")
     assert s[-1, 2].shape == (6, 8)
     import shutil
 
     shutil.rmtree(store_path / "shards" / "shard-00001.zarr")
     s = ActStore(store_path)
-    with pytest.raises(StoreNotFoundError, match=re.escape("shard shard-00001.zarr listed in the manifest of") + ".*" + re.escape("is missing (holds examples 4..6); shards present: ['shard-00000.zarr']")):
+    with pytest.raises(
+        StoreNotFoundError,
+        match=re.escape("shard shard-00001.zarr listed in the manifest of")
+        + ".*"
+        + re.escape("is missing (holds examples 4..6); shards present: ['shard-00000.zarr']"),
+    ):
         s[5, 2]
 
 
@@ -168,11 +204,15 @@ def test_never_finalized_and_missing_stores(store_path, tmp_path, rng):
 
 
 def test_bad_writer_arguments(store_path):
-    with pytest.raises(ValueError, match=re.escape("dtype must be one of ['float16', 'float32', 'bfloat16']. Got 'int8'.")):
+    with pytest.raises(
+        ValueError, match=re.escape("dtype must be one of ['float16', 'float32', 'bfloat16']. Got 'int8'.")
+    ):
         ShardWriter(store_path, shard=0, layers=[1], d_model=4, tokens=3, dtype="int8")
     with pytest.raises(ValueError, match="give exactly one of tokens=T"):
         ShardWriter(store_path, shard=0, layers=[1], d_model=4)
-    with pytest.raises(ValueError, match=re.escape("layers must be a non-empty list of distinct non-negative ints. Got [1, 1].")):
+    with pytest.raises(
+        ValueError, match=re.escape("layers must be a non-empty list of distinct non-negative ints. Got [1, 1].")
+    ):
         ShardWriter(store_path, shard=0, layers=[1, 1], d_model=4, tokens=3)
     with pytest.raises(ValueError, match="shard_examples \\(Zarr sharding\\) needs zarr_format=3"):
         ShardWriter(store_path, shard=0, layers=[1], d_model=4, tokens=3, zarr_format=2, shard_examples=8)
@@ -199,7 +239,9 @@ def test_torch_inputs_bit_exact(store_path):
 
 
 def test_refused_batch_leaves_counters_untouched(store_path):
-    with ShardWriter(store_path, shard=0, layers=[0], d_model=4, segments={"prompt": 5, "response": 3}, on_overflow="clip") as w:
+    with ShardWriter(
+        store_path, shard=0, layers=[0], d_model=4, segments={"prompt": 5, "response": 3}, on_overflow="clip"
+    ) as w:
         p = np.ones((2, 1, 5, 4), np.float32)
         p[0, 0, 0, 0] = 1e6  # clipped overflow in the first segment, counted...
         bad_r = np.ones((2, 1, 3, 5), np.float32)  # ...then the second segment is refused

@@ -30,8 +30,14 @@ LIMIT = 64 * 1024  # bytes a file of the exporting process may reach
 def store(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("oserr") / "s.store"
     rng = np.random.default_rng(0)
-    with actstore.ShardWriter(path, layers=[0, 1], d_model=32, tokens=17, model_id="facebook/dinov2-small",
-                              attrs={"cls_token": True, "dataset": "/d"}) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=[0, 1],
+        d_model=32,
+        tokens=17,
+        model_id="facebook/dinov2-small",
+        attrs={"cls_token": True, "dataset": "/d"},
+    ) as w:
         w.append(rng.standard_normal((40, 2, 17, 32)).astype(np.float16))  # 40 x 2 x 17 x 32 x 4 = 170 KB in float32
     actstore.finalize(path)
     return path
@@ -39,12 +45,22 @@ def store(tmp_path_factory) -> Path:
 
 def _cli_limited(*args) -> subprocess.CompletedProcess:
     """`actstore ARGS` in a process whose files may not grow past LIMIT bytes."""
+
     def limit():
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1")
-    return subprocess.run([sys.executable, "-m", "actstore.cli", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=str(REPO), preexec_fn=limit, timeout=300)
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "actstore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+        preexec_fn=limit,
+        timeout=300,
+    )
 
 
 def test_export_saev_past_a_file_size_limit_names_the_file_and_the_fix(store, tmp_path):
@@ -56,8 +72,13 @@ def test_export_saev_past_a_file_size_limit_names_the_file_and_the_fix(store, tm
     line = r.stderr.strip()
     assert line.startswith(f"actstore: error: exporting {store} to saev: File too large writing {dump}/."), line
     assert "/acts000000.bin: a file-size limit (ulimit -f) was reached. Nothing was published to " in line
-    assert line.endswith("and the partial files were removed; free space there (or export elsewhere), then rerun "
-                         "the same export-saev command") and len(r.stderr.splitlines()) == 1
+    assert (
+        line.endswith(
+            "and the partial files were removed; free space there (or export elsewhere), then rerun "
+            "the same export-saev command"
+        )
+        and len(r.stderr.splitlines()) == 1
+    )
 
 
 def test_export_saelens_past_a_file_size_limit_names_the_file_and_the_fix(store, tmp_path):
@@ -65,10 +86,14 @@ def test_export_saelens_past_a_file_size_limit_names_the_file_and_the_fix(store,
     r = _cli_limited("export-saelens", store, out, "--layer", "1", "--context-size", "16", "--quiet")
     assert r.returncode == 1 and not out.exists() and list(tmp_path.iterdir()) == []
     line = r.stderr.strip()
-    assert line.startswith(f"actstore: error: exporting {store} for SAELens: File too large writing {tmp_path}/.sl.tmp-"), line
-    assert line.endswith(f"/part-00000.arrow: a file-size limit (ulimit -f) was reached. Nothing was published to {out} and "
-                         "the partial files were removed; free space there (or export elsewhere), then rerun the same "
-                         "export-saelens command")
+    assert line.startswith(
+        f"actstore: error: exporting {store} for SAELens: File too large writing {tmp_path}/.sl.tmp-"
+    ), line
+    assert line.endswith(
+        f"/part-00000.arrow: a file-size limit (ulimit -f) was reached. Nothing was published to {out} and "
+        "the partial files were removed; free space there (or export elsewhere), then rerun the same "
+        "export-saelens command"
+    )
 
 
 def test_export_pkl_past_a_file_size_limit_names_the_file_and_what_is_left(store, tmp_path):
@@ -76,10 +101,14 @@ def test_export_pkl_past_a_file_size_limit_names_the_file_and_what_is_left(store
     r = _cli_limited("export-pkl", store, out, "--no-compress", "--quiet")
     assert r.returncode == 1 and not (out / "metadata.json").exists()
     line = r.stderr.strip()
-    assert line.startswith(f"actstore: error: exporting {store} to pkl: File too large writing {out}/shard_0001.pkl"), line
-    assert line.endswith(f": a file-size limit (ulimit -f) was reached. {out} holds an unfinished export (no metadata.json), "
-                         "which no reader takes for a complete one; free space there (or export elsewhere), then rerun the "
-                         "same export-pkl command (it replaces the unfinished export)")
+    assert line.startswith(f"actstore: error: exporting {store} to pkl: File too large writing {out}/shard_0001.pkl"), (
+        line
+    )
+    assert line.endswith(
+        f": a file-size limit (ulimit -f) was reached. {out} holds an unfinished export (no metadata.json), "
+        "which no reader takes for a complete one; free space there (or export elsewhere), then rerun the "
+        "same export-pkl command (it replaces the unfinished export)"
+    )
 
 
 def _failing_os(err: int, after: int) -> types.SimpleNamespace:
@@ -95,10 +124,17 @@ def _failing_os(err: int, after: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(**{**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")}, "write": write})
 
 
-@pytest.mark.parametrize(("err", "kind", "says"), [
-    (errno.ENOSPC, DiskFullError, ": the disk or quota is full. Nothing was published to "),
-    (errno.EIO, ExportWriteError, "; the disk reported an I/O error: check the device (dmesg, its health), then export again"),
-])
+@pytest.mark.parametrize(
+    ("err", "kind", "says"),
+    [
+        (errno.ENOSPC, DiskFullError, ": the disk or quota is full. Nothing was published to "),
+        (
+            errno.EIO,
+            ExportWriteError,
+            "; the disk reported an I/O error: check the device (dmesg, its health), then export again",
+        ),
+    ],
+)
 def test_export_saev_on_a_full_or_failing_disk(store, tmp_path, monkeypatch, err, kind, says):
     monkeypatch.setattr(saev_pipeline, "os", _failing_os(err, after=1))
     with pytest.raises(kind) as e:

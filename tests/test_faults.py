@@ -67,12 +67,16 @@ def _errors(root) -> list:
 
 
 def test_sigkill_during_write(base, tmp_path, capsys):
-    duration = _median(F.run_to_end("write", str(F.copy_store(base, tmp_path / f"calib{i}")), "1", str(N1)) for i in range(3))
+    duration = _median(
+        F.run_to_end("write", str(F.copy_store(base, tmp_path / f"calib{i}")), "1", str(N1)) for i in range(3)
+    )
     rng = random.Random(SEED)
     outcomes, prefixes = Counter(), []
     for t in range(TRIALS):
         root = F.copy_store(base, tmp_path / f"w{t}")
-        outcomes["killed mid-work"] += F.kill_after(F.spawn("write", str(root), "1", str(N1)), rng.uniform(0, 1.1 * duration))
+        outcomes["killed mid-work"] += F.kill_after(
+            F.spawn("write", str(root), "1", str(N1)), rng.uniform(0, 1.1 * duration)
+        )
         st = ActStore(root)  # readers see the old manifest: shard 0 only, intact
         assert len(st) == N0
         np.testing.assert_array_equal(st[N0 - 1, 7], F.expected(0, N0 - 1, 7))
@@ -97,7 +101,10 @@ def test_sigkill_during_write(base, tmp_path, capsys):
         assert _errors(root) == []
         outcomes["reruns completed"] += 1
         shutil.rmtree(root)
-    _say(capsys, f"write: {TRIALS} SIGKILL trials (work {duration:.3f}s): {dict(outcomes)}; committed prefixes seen {sorted(set(prefixes))}")
+    _say(
+        capsys,
+        f"write: {TRIALS} SIGKILL trials (work {duration:.3f}s): {dict(outcomes)}; committed prefixes seen {sorted(set(prefixes))}",
+    )
     assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 4
 
 
@@ -138,7 +145,9 @@ def test_sigkill_during_export_saev(base_plus, tmp_path, capsys):
     outcomes = Counter()
     for t in range(TRIALS):
         dump = tmp_path / f"d{t}"
-        outcomes["killed mid-work"] += F.kill_after(F.spawn("export-saev", str(store), str(dump)), rng.uniform(0, 1.2 * duration))
+        outcomes["killed mid-work"] += F.kill_after(
+            F.spawn("export-saev", str(store), str(dump)), rng.uniform(0, 1.2 * duration)
+        )
         visible = [p for p in dump.iterdir() if not p.name.startswith(".")] if dump.exists() else []
         if visible:  # published: complete and identical, never a partial directory
             assert [p.name for p in visible] == [ref.name]
@@ -156,12 +165,23 @@ def test_sigkill_during_export_saev(base_plus, tmp_path, capsys):
     assert outcomes["reruns completed"] == TRIALS >= 20 and outcomes["killed mid-work"] >= TRIALS // 4
 
 
-@pytest.mark.parametrize("limit, doing, then", [
-    (100, "writing chunk files of shard 0", "this batch of 4 examples was not added; the shard keeps its last commit (8 examples). "
-     "Free space, then append again, or reopen with ShardWriter(..., shard=0, resume=True)"),
-    (1000, "committing shard 0", "the shard keeps its last commit (8 examples); the 4 examples appended since were not committed. "
-     "Free space, then continue with ShardWriter(..., shard=0, resume=True)"),
-])
+@pytest.mark.parametrize(
+    "limit, doing, then",
+    [
+        (
+            100,
+            "writing chunk files of shard 0",
+            "this batch of 4 examples was not added; the shard keeps its last commit (8 examples). "
+            "Free space, then append again, or reopen with ShardWriter(..., shard=0, resume=True)",
+        ),
+        (
+            1000,
+            "committing shard 0",
+            "the shard keeps its last commit (8 examples); the 4 examples appended since were not committed. "
+            "Free space, then continue with ShardWriter(..., shard=0, resume=True)",
+        ),
+    ],
+)
 def test_full_disk_during_write_is_clear_and_resumable(tmp_path, limit, doing, then):
     """RLIMIT_FSIZE in a subprocess: the kernel refuses writes past `limit` bytes (EFBIG)."""
     root = tmp_path / "s"
@@ -236,7 +256,9 @@ def test_enospc_at_commit_closes_the_writer_and_resume_continues(tmp_path, monke
     monkeypatch.setattr(LocalStorage, "put", full)
     with pytest.raises(DiskFullError) as ei:
         F.append_range(w, 0, 4, 8)
-    assert str(ei.value).startswith(f"out of disk space while committing shard 0 of {root} (No space left on device: {root}/")
+    assert str(ei.value).startswith(
+        f"out of disk space while committing shard 0 of {root} (No space left on device: {root}/"
+    )
     assert str(ei.value).endswith(
         "); the shard keeps its last commit (4 examples); the 4 examples appended since were not committed. "
         "Free space, then continue with ShardWriter(..., shard=0, resume=True)"
@@ -255,7 +277,9 @@ def test_damaged_chunk_files_are_found_by_deep_verify(base, tmp_path, damage):
     rng = random.Random(f"{SEED}-{damage}")
     root = F.copy_store(base, tmp_path / "s")
     # chunk files holding data (a padding-only chunk is all zeros already)
-    chunks = sorted(p for p in (root / "shards/shard-00000.zarr/arrays").glob("*_activations/*.*.*.0") if any(p.read_bytes()))
+    chunks = sorted(
+        p for p in (root / "shards/shard-00000.zarr/arrays").glob("*_activations/*.*.*.0") if any(p.read_bytes())
+    )
     for target in rng.sample(chunks, 3):
         size = target.stat().st_size
         if damage == "truncated":
@@ -301,8 +325,9 @@ def test_dataloader_readers_never_see_a_shard_before_finalize(base, tmp_path):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
     committed_before = json.loads(commit.read_text())["n_committed"]
-    loader = DataLoader(_Reads(root, N0), batch_size=1, num_workers=8, collate_fn=lambda b: b[0],
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        _Reads(root, N0), batch_size=1, num_workers=8, collate_fn=lambda b: b[0], multiprocessing_context="fork"
+    )
     seen = []
     for _epoch in range(2):
         for i, n, ok, key in loader:

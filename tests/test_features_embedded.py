@@ -30,11 +30,37 @@ def test_minilm_store_features_and_site(tmp_path):
     from actstore.capture.embedded import minilm_folder
 
     out = tmp_path / "bert"
-    _cli("write", out, "--model", "embedded:minilm-l6", "--data", "embedded:pydoc-topics", "--layers", "5", "--max-examples", "4",
-         "--p-max", "48", "--quiet")
+    _cli(
+        "write",
+        out,
+        "--model",
+        "embedded:minilm-l6",
+        "--data",
+        "embedded:pydoc-topics",
+        "--layers",
+        "5",
+        "--max-examples",
+        "4",
+        "--p-max",
+        "48",
+        "--quiet",
+    )
     store = actstore.open(out)
     assert store.token_ids(0) is not None and store.meta["model_id"].startswith("embedded:minilm-l6")
-    _cli("features", out, "--layer", "5", "--neurons", "--features", "0-31", "--top-k", "3", "--out", tmp_path / "feats", "--no-progress")
+    _cli(
+        "features",
+        out,
+        "--layer",
+        "5",
+        "--neurons",
+        "--features",
+        "0-31",
+        "--top-k",
+        "3",
+        "--out",
+        tmp_path / "feats",
+        "--no-progress",
+    )
     top = pd.read_parquet(tmp_path / "feats" / "top.parquet")
     labels = store.field("tokens_token_labels")
     assert (labels[top.example, top.token] == 0).all()  # [CLS] / [SEP] are left out by default
@@ -43,7 +69,10 @@ def test_minilm_store_features_and_site(tmp_path):
     row = top[(top.feature == 7) & (top["rank"] == 0)].iloc[0]
     word = tok.decode([int(store.token_ids(int(row.example))[int(row.token)])])
     page = (tmp_path / "site" / "f" / "7.html").read_text()
-    assert f'class="top" style="background: rgba(255,110,0,1.00)" title="{float(row.activation):.4g}">{html.escape(word)}</span>' in page
+    assert (
+        f'class="top" style="background: rgba(255,110,0,1.00)" title="{float(row.activation):.4g}">{html.escape(word)}</span>'
+        in page
+    )
 
 
 def test_smollm2_tokenizer_from_its_gguf():

@@ -29,7 +29,11 @@ def _randomize(sae, gen):
 def _saelens(kind, tmp_path, **cfg):
     import sae_lens
 
-    classes = {"standard": ("StandardSAE", "StandardSAEConfig"), "jumprelu": ("JumpReLUSAE", "JumpReLUSAEConfig"), "topk": ("TopKSAE", "TopKSAEConfig")}
+    classes = {
+        "standard": ("StandardSAE", "StandardSAEConfig"),
+        "jumprelu": ("JumpReLUSAE", "JumpReLUSAEConfig"),
+        "topk": ("TopKSAE", "TopKSAEConfig"),
+    }
     sae_cls, cfg_cls = (getattr(sae_lens, n) for n in classes[kind])
     sae = sae_cls(cfg_cls(d_in=D_IN, d_sae=D_SAE, dtype="float32", device="cpu", **cfg))
     _randomize(sae, torch.Generator().manual_seed(len(tmp_path.name)))
@@ -39,16 +43,19 @@ def _saelens(kind, tmp_path, **cfg):
 
 
 @pytest.mark.parametrize("device", [None, "cpu"])  # numpy, and torch
-@pytest.mark.parametrize("kind,cfg", [
-    ("standard", {}),
-    ("standard", {"apply_b_dec_to_input": False}),
-    ("standard", {"normalize_activations": "constant_norm_rescale"}),
-    ("standard", {"normalize_activations": "layer_norm"}),
-    ("jumprelu", {}),
-    ("jumprelu", {"apply_b_dec_to_input": False}),
-    ("topk", {"k": 5}),
-    ("topk", {"k": 3, "rescale_acts_by_decoder_norm": True}),
-])
+@pytest.mark.parametrize(
+    "kind,cfg",
+    [
+        ("standard", {}),
+        ("standard", {"apply_b_dec_to_input": False}),
+        ("standard", {"normalize_activations": "constant_norm_rescale"}),
+        ("standard", {"normalize_activations": "layer_norm"}),
+        ("jumprelu", {}),
+        ("jumprelu", {"apply_b_dec_to_input": False}),
+        ("topk", {"k": 5}),
+        ("topk", {"k": 3, "rescale_acts_by_decoder_norm": True}),
+    ],
+)
 def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
     sae, folder = _saelens(kind, tmp_path, **cfg)
     enc = load_saelens(folder)
@@ -63,20 +70,31 @@ def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
     # a subset of features gives those columns (TopK still selects over all latents)
     cols = np.array([1, 7, 30])
     np.testing.assert_allclose(enc.encode(x, cols, device=device), want[:, cols], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(enc.encode(x, cols, device=device, feature_major=True), want[:, cols].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        enc.encode(x, cols, device=device, feature_major=True), want[:, cols].T, rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(enc.W_dec, sae.W_dec.detach().numpy())
 
 
 def _saev_file(path, activation, state):
-    header = {"schema": 5, "cfg": {"d_model": D_IN, "d_sae": D_SAE, "activation": activation, "normalize_w_dec": True}, "commit": "x", "lib": "test"}
+    header = {
+        "schema": 5,
+        "cfg": {"d_model": D_IN, "d_sae": D_SAE, "activation": activation, "normalize_w_dec": True},
+        "commit": "x",
+        "lib": "test",
+    }
     with open(path, "wb") as f:
         f.write(json.dumps(header).encode() + b"\n")
         torch.save(state, f)
 
 
 def _sae_state(gen, **extra):
-    s = {"W_enc": torch.randn(D_IN, D_SAE, generator=gen), "b_enc": torch.randn(D_SAE, generator=gen) * 0.3,
-         "W_dec": torch.randn(D_SAE, D_IN, generator=gen), "b_dec": torch.randn(D_IN, generator=gen)}
+    s = {
+        "W_enc": torch.randn(D_IN, D_SAE, generator=gen),
+        "b_enc": torch.randn(D_SAE, generator=gen) * 0.3,
+        "W_dec": torch.randn(D_SAE, D_IN, generator=gen),
+        "b_dec": torch.randn(D_IN, generator=gen),
+    }
     return s | extra
 
 
@@ -115,7 +133,13 @@ def test_dictionary_learning_checkpoints(tmp_path, dict_class, device):
     b = torch.randn(D_SAE, generator=gen) * 0.3
     bd = torch.randn(D_IN, generator=gen)
     if dict_class == "JumpReluAutoEncoder":
-        state = {"W_enc": W.T.contiguous(), "b_enc": b, "W_dec": torch.randn(D_SAE, D_IN, generator=gen), "b_dec": bd, "threshold": torch.rand(D_SAE, generator=gen)}
+        state = {
+            "W_enc": W.T.contiguous(),
+            "b_enc": b,
+            "W_dec": torch.randn(D_SAE, D_IN, generator=gen),
+            "b_dec": bd,
+            "threshold": torch.rand(D_SAE, generator=gen),
+        }
     else:
         state = {"encoder.weight": W, "encoder.bias": b, "decoder.weight": torch.randn(D_IN, D_SAE, generator=gen)}
         state["bias" if dict_class == "AutoEncoder" else "b_dec"] = bd
@@ -124,7 +148,9 @@ def test_dictionary_learning_checkpoints(tmp_path, dict_class, device):
     folder = tmp_path / "trainer_0"
     folder.mkdir()
     torch.save(state, folder / "ae.pt")
-    (folder / "config.json").write_text(json.dumps({"trainer": {"dict_class": dict_class, "activation_dim": D_IN, "dict_size": D_SAE}}))
+    (folder / "config.json").write_text(
+        json.dumps({"trainer": {"dict_class": dict_class, "activation_dim": D_IN, "dict_size": D_SAE}})
+    )
     enc = load_dictionary_learning(folder)
     x = torch.randn(200, D_IN, generator=gen)
     # dictionary_learning's encode (dictionary.py, trainers/top_k.py, trainers/batch_top_k.py at 60ec6bf)
@@ -154,7 +180,11 @@ def test_directions_npy_and_safetensors(tmp_path):
     np.save(tmp_path / "b.npy", b)
     save_file({"W": W, "b": b}, str(tmp_path / "w.safetensors"))
     x = rng.standard_normal((50, D_IN)).astype(np.float32)
-    for enc in (load_directions(tmp_path / "w.npy", tmp_path / "b.npy"), load_directions(tmp_path / "w.safetensors"), load(directions=tmp_path / "w.safetensors")):
+    for enc in (
+        load_directions(tmp_path / "w.npy", tmp_path / "b.npy"),
+        load_directions(tmp_path / "w.safetensors"),
+        load(directions=tmp_path / "w.safetensors"),
+    ):
         np.testing.assert_allclose(enc.encode(x), x @ W + b, rtol=1e-5, atol=1e-5)
         assert (enc.encode(x) < 0).any()  # probes are signed
     assert load_directions(tmp_path / "w.npy").b is None
@@ -166,10 +196,14 @@ def test_bad_direction_sources(tmp_path):
     (folder / "sae_weights.safetensors").write_bytes(raw[: len(raw) // 2])
     with pytest.raises(EncoderError, match="is not a readable safetensors file .*re-save it"):
         load_saelens(folder)
-    with pytest.raises(EncoderError, match="is not an SAELens checkpoint: it needs cfg.json and sae_weights.safetensors"):
+    with pytest.raises(
+        EncoderError, match="is not an SAELens checkpoint: it needs cfg.json and sae_weights.safetensors"
+    ):
         load_saelens(tmp_path)
     np.save(tmp_path / "w3.npy", np.zeros((2, 3, 4), np.float32))
-    with pytest.raises(EncoderError, match=r"holds an array of shape \(2, 3, 4\): directions must be a \(d_model, F\) matrix"):
+    with pytest.raises(
+        EncoderError, match=r"holds an array of shape \(2, 3, 4\): directions must be a \(d_model, F\) matrix"
+    ):
         load_directions(tmp_path / "w3.npy")
     np.save(tmp_path / "w.npy", np.zeros((4, 3), np.float32))
     np.save(tmp_path / "b.npy", np.zeros(4, np.float32))
@@ -208,11 +242,19 @@ def test_dictionary_learning_package_own_encode(tmp_path, dict_class):
     from dictionary_learning.trainers import batch_top_k, top_k
 
     gen = torch.Generator().manual_seed(7)
-    ae = {"AutoEncoder": lambda: dictionary.AutoEncoder(D_IN, D_SAE), "JumpReluAutoEncoder": lambda: dictionary.JumpReluAutoEncoder(D_IN, D_SAE),
-          "AutoEncoderTopK": lambda: top_k.AutoEncoderTopK(D_IN, D_SAE, k=4), "BatchTopKSAE": lambda: batch_top_k.BatchTopKSAE(D_IN, D_SAE, k=4)}[dict_class]()
+    ae = {
+        "AutoEncoder": lambda: dictionary.AutoEncoder(D_IN, D_SAE),
+        "JumpReluAutoEncoder": lambda: dictionary.JumpReluAutoEncoder(D_IN, D_SAE),
+        "AutoEncoderTopK": lambda: top_k.AutoEncoderTopK(D_IN, D_SAE, k=4),
+        "BatchTopKSAE": lambda: batch_top_k.BatchTopKSAE(D_IN, D_SAE, k=4),
+    }[dict_class]()
     with torch.no_grad():
         for name, p in ae.named_parameters():
-            p.copy_(torch.rand(p.shape, generator=gen) * 0.3 if name == "threshold" else torch.randn(p.shape, generator=gen) * 0.5)
+            p.copy_(
+                torch.rand(p.shape, generator=gen) * 0.3
+                if name == "threshold"
+                else torch.randn(p.shape, generator=gen) * 0.5
+            )
         if dict_class == "BatchTopKSAE":
             ae.threshold.fill_(0.2)
     folder = tmp_path / "trainer_0"

@@ -21,7 +21,24 @@ from actstore.features import FeatureError, TokenizerNotFoundError
 from actstore.features.context import load_tokenizer, text_windows
 from actstore.features.site import build_site
 
-WORDS = ["<bos>", "the", "cat", "sat", "on", "mat", "dog", "ran", "far", "away", "red", "blue", "green", "sun", "moon", "zebra"]
+WORDS = [
+    "<bos>",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "dog",
+    "ran",
+    "far",
+    "away",
+    "red",
+    "blue",
+    "green",
+    "sun",
+    "moon",
+    "zebra",
+]
 D = 6
 
 
@@ -51,8 +68,18 @@ def text_store(tmp_path_factory):
         x[:, 0, :, 0] = (ids == len(WORDS) - 1) * (5.0 + shard) + 0.01 * (ids % 3)
         x[:, 0, 0, :] = 50.0  # a huge BOS: left out by the default mask
         labels = (ids == 0).astype(np.uint8)
-        with actstore.ShardWriter(path, shard=shard, layers=[4], d_model=D, tokens=9, token_ids=True, token_labels=True, model_id=str(tok),
-                                  world_size=2, zarr_format=3) as w:
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=[4],
+            d_model=D,
+            tokens=9,
+            token_ids=True,
+            token_labels=True,
+            model_id=str(tok),
+            world_size=2,
+            zarr_format=3,
+        ) as w:
             w.append(x.astype(np.float16), token_ids=ids, token_labels=labels)
     actstore.finalize(path)
     return path, tok
@@ -61,7 +88,9 @@ def text_store(tmp_path_factory):
 def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     path, _ = text_store
     out = tmp_path / "feat"
-    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"])
+    res = CliRunner().invoke(
+        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]
+    )
     assert res.exit_code == 0, res.output
     top = pd.read_parquet(out / "top.parquet")
     assert [str(t) for t in top.dtypes] == ["int32", "int32", "int64", "int32", "float32"]
@@ -77,7 +106,9 @@ def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     assert meta["layer"] == 4 and meta["encoder"]["kind"] == "neurons" and meta["masks"]["token_mask"] == "content"
     assert len(meta["store"]["sha256"]) == 64 and meta["command"].startswith("actstore features")
     first = (out / "top.parquet").read_bytes()
-    CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"])
+    CliRunner().invoke(
+        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]
+    )
     assert (out / "top.parquet").read_bytes() == first  # the same command gives the same files
 
 
@@ -87,8 +118,19 @@ def test_context_windows_decode_the_stored_ids(text_store):
     tok = load_tokenizer(store)
     from actstore.features import neurons
 
-    recs = text_windows(store, 4, neurons(D), {"feature": np.array([0]), "example": np.array([2]), "token": np.array([5]),
-                                               "activation": np.array([5.0], np.float32)}, tok, window=(3, 1))
+    recs = text_windows(
+        store,
+        4,
+        neurons(D),
+        {
+            "feature": np.array([0]),
+            "example": np.array([2]),
+            "token": np.array([5]),
+            "activation": np.array([5.0], np.float32),
+        },
+        tok,
+        window=(3, 1),
+    )
     r = recs[0]
     ids = store.token_ids(2)
     assert r["tokens"] == [WORDS[i] for i in ids[2:7]] and r["tokens"][r["center"]] == "zebra"
@@ -117,8 +159,13 @@ def _chromium():
 
 
 def _browser(exe, *args, url):
-    res = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(args[0]), *args[1:], url],
-                         capture_output=True, text=True, timeout=120, check=False)
+    res = subprocess.run(
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(args[0]), *args[1:], url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout
 
@@ -127,7 +174,15 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     exe = _chromium()
     path, _ = text_store
     out = tmp_path / "feat"
-    assert CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(
+            main,
+            ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"],
+        )
+        .exit_code
+        == 0
+    )
     res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--no-progress"])
     assert res.exit_code == 0, res.output
     site = tmp_path / "site"
@@ -143,7 +198,9 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     for w in [WORDS[i] for i in ids[1:6]]:
         assert f">{w}</span>" in text
     assert 'class="top" style="background: rgba(255,110,0,1.00)" title="6">zebra<' in text
-    assert 'class="off" style="background: rgba(255,110,0,0.00)" title="50 (left out)">&lt;bos&gt;</span>' in text  # BOS: greyed
+    assert (
+        'class="off" style="background: rgba(255,110,0,0.00)" title="50 (left out)">&lt;bos&gt;</span>' in text
+    )  # BOS: greyed
     shots = request.config.rootpath / "test-output"
     shots.mkdir(exist_ok=True)
     shot = shots / "features-page.png"
@@ -168,8 +225,15 @@ def vit_store(tmp_path_factory):
     x[1, 0, 1 + 5, 1] = 9.0  # example 1, patch (1, 2)
     x[4, 0, 1 + 0, 0] = 7.0  # example 4 (the embedded image), patch (0, 0)
     path = root / "store"
-    with actstore.ShardWriter(path, layers=[11], d_model=D, tokens=10, texts=("image",), model_id="a-vit",
-                              attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}}) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=[11],
+        d_model=D,
+        tokens=10,
+        texts=("image",),
+        model_id="a-vit",
+        attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}},
+    ) as w:
         w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(5)])
     actstore.finalize(path)
     return path
@@ -196,7 +260,9 @@ def test_vit_site_shows_heatmaps(vit_store, tmp_path):
     page0 = (index.parent / "f" / "0.html").read_text()  # feature 0's top example is the embedded camera image
     first = page0.split('src="../', 1)[1].split('"', 1)[0]
     cam = np.asarray(Image.open(index.parent / first).convert("RGB"))
-    assert "<td>7</td>" in page0 and cam.shape == (56, 56, 3) and (cam[1, 5] == [0, 255, 0]).all()  # patch (0, 0) outlined
+    assert (
+        "<td>7</td>" in page0 and cam.shape == (56, 56, 3) and (cam[1, 5] == [0, 255, 0]).all()
+    )  # patch (0, 0) outlined
 
 
 def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
@@ -227,9 +293,30 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
         W_U[i, 10 + i] = 1.0  # dimension i raises token 10 + i ("red" for 0)
     np.save(tmp_path / "wu.npy", W_U)
     out = tmp_path / "feat"
-    assert CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "dirs.npy"), "--top-k", "2",
-                                     "--out", str(out), "--no-progress"]).exit_code == 0
-    res = CliRunner().invoke(main, ["export-neuronpedia", str(out), "--out", str(tmp_path / "np"), "--unembedding", str(tmp_path / "wu.npy")])
+    assert (
+        CliRunner()
+        .invoke(
+            main,
+            [
+                "features",
+                str(path),
+                "--layer",
+                "4",
+                "--directions",
+                str(tmp_path / "dirs.npy"),
+                "--top-k",
+                "2",
+                "--out",
+                str(out),
+                "--no-progress",
+            ],
+        )
+        .exit_code
+        == 0
+    )
+    res = CliRunner().invoke(
+        main, ["export-neuronpedia", str(out), "--out", str(tmp_path / "np"), "--unembedding", str(tmp_path / "wu.npy")]
+    )
     assert res.exit_code == 0, res.output
     data = json.loads((tmp_path / "np" / "batch-0.json").read_text())
     assert NeuronpediaDashboardBatch(**data).to_dict() == data
@@ -237,11 +324,18 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
     assert f0["feature_index"] == 0 and f0["pos_str"][0] == "red" and f0["pos_values"][0] == 1.0
     assert f0["neuron_alignment_indices"] == [0, 1, 2] and f0["neuron_alignment_values"][0] == 1.0
     top = f0["activations"][0]
-    assert top["bin_min"] == -1 and top["tokens"][top["qualifying_token_index"]] == "zebra" and top["values"][top["qualifying_token_index"]] == 6.0
+    assert (
+        top["bin_min"] == -1
+        and top["tokens"][top["qualifying_token_index"]] == "zebra"
+        and top["values"][top["qualifying_token_index"]] == 6.0
+    )
     feats = pd.read_parquet(out / "features.parquet")
     assert f0["frac_nonzero"] == feats.density[0] and sum(f0["freq_hist_data_bar_heights"]) == feats.n_active[0]
     # the site's logit table: the decoder direction of feature 0 raises "red" most
-    res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--unembedding", str(tmp_path / "wu.npy"), "--no-progress"])
+    res = CliRunner().invoke(
+        main,
+        ["view", str(out), "--out", str(tmp_path / "site"), "--unembedding", str(tmp_path / "wu.npy"), "--no-progress"],
+    )
     assert res.exit_code == 0, res.output
     page = (tmp_path / "site" / "f" / "0.html").read_text()
     logits = page.split("Logits of the decoder direction", 1)[1].split("Top activations", 1)[0]
@@ -254,7 +348,23 @@ def test_several_images_share_one_colour_scale(vit_store, tmp_path):
     from actstore.features.context import image_pixels
     from actstore.features.images import heatmap
 
-    res = CliRunner().invoke(main, ["show", str(vit_store), "--ex", "0", "--ex", "1", "--layer", "11", "--dim", "1", "-o", str(tmp_path / "two.png")])
+    res = CliRunner().invoke(
+        main,
+        [
+            "show",
+            str(vit_store),
+            "--ex",
+            "0",
+            "--ex",
+            "1",
+            "--layer",
+            "11",
+            "--dim",
+            "1",
+            "-o",
+            str(tmp_path / "two.png"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     canvas = np.asarray(Image.open(tmp_path / "two.png").convert("RGB"))
     store = actstore.open(vit_store)
@@ -277,7 +387,9 @@ def test_info_plots_show_the_window_start_outlier(text_store, tmp_path):
     assert f"plots: {tmp_path / 'plots'}/plots.html" in res.output
     svg = (tmp_path / "plots" / "positions.svg").read_text()
     pts = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
-    assert len(pts) == 9 and pts[0][1] == 22.0 and all(y > 150 for _, y in pts[1:])  # token 0 (BOS, norm ~122) at the top
+    assert (
+        len(pts) == 9 and pts[0][1] == 22.0 and all(y > 150 for _, y in pts[1:])
+    )  # token 0 (BOS, norm ~122) at the top
     norms = (tmp_path / "plots" / "norms.svg").read_text()
     assert norms.count("<polyline") == 1 and "layer 4" in norms
     assert 'src="norms.svg"' in (tmp_path / "plots" / "plots.html").read_text()
@@ -292,8 +404,14 @@ def test_index_of_16384_features_draws_one_page(tmp_path):
     exe = _chromium()
     rng = np.random.default_rng(0)
     rows = [[f, float(rng.random() * 10), float(rng.random()), 1.0, f"tok{f}"] for f in range(16384)]
-    meta = {"store": {"path": "x", "sha256": "0" * 64}, "layer": 3, "encoder": {"kind": "saelens", "path": "sae"}, "n_features": 16384,
-            "n_tokens": 10**6, "options": {"k": 20}}
+    meta = {
+        "store": {"path": "x", "sha256": "0" * 64},
+        "layer": 3,
+        "encoder": {"kind": "saelens", "path": "sae"},
+        "n_features": 16384,
+        "n_tokens": 10**6,
+        "options": {"k": 20},
+    }
     index = write_index(tmp_path / "site", rows, meta, title="t")
     assert (index.parent / "data" / "index.js").stat().st_size < 2**21
     dom = _browser(exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=index.as_uri())
@@ -314,12 +432,25 @@ def test_packed_windows_map_to_documents(tmp_path):
     runs = [[[0, "doc-a", 5, 3], [1, "doc-b", 0, 3]], [[1, "doc-b", 3, 2], [2, "doc-c", 0, 4]]]
     x = np.zeros((2, 1, 6, D), np.float32)
     x[0, 0, 4, 2] = 3.0  # window 0, token 4: document 1, its token 1
-    with actstore.ShardWriter(path, layers=[0], d_model=D, segments={"tokens": 6}, token_ids=True, texts=("runs",), model_id=str(tok_dir)) as w:
+    with actstore.ShardWriter(
+        path, layers=[0], d_model=D, segments={"tokens": 6}, token_ids=True, texts=("runs",), model_id=str(tok_dir)
+    ) as w:
         w.append(tokens=x.astype(np.float16), lengths=np.array([6, 6]), token_ids=ids, texts={"runs": runs})
     actstore.finalize(path)
     store = actstore.open(path)
-    rec = text_windows(store, 0, neurons(D), {"feature": np.array([2]), "example": np.array([0]), "token": np.array([4]),
-                                              "activation": np.array([3.0], np.float32)}, load_tokenizer(store), window=(2, 1))[0]
+    rec = text_windows(
+        store,
+        0,
+        neurons(D),
+        {
+            "feature": np.array([2]),
+            "example": np.array([0]),
+            "token": np.array([4]),
+            "activation": np.array([3.0], np.float32),
+        },
+        load_tokenizer(store),
+        window=(2, 1),
+    )[0]
     assert (rec["document"], rec["doc_token"]) == (1, 1)
     assert rec["tokens"] == [WORDS[i] for i in ids[0, 2:6]] and rec["acts"][rec["center"]] == 3.0
 
@@ -328,15 +459,25 @@ def test_bad_direction_source_writes_nothing(text_store, tmp_path):
     path, _ = text_store
     np.save(tmp_path / "wrong.npy", np.zeros((7, 3), np.float32))
     out = tmp_path / "feat"
-    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "wrong.npy"), "--out", str(out)])
-    assert res.exit_code == 1 and "the directions encoder takes d_in=7 but layer 4 of" in res.output and "has d_model=6" in res.output
+    res = CliRunner().invoke(
+        main, ["features", str(path), "--layer", "4", "--directions", str(tmp_path / "wrong.npy"), "--out", str(out)]
+    )
+    assert (
+        res.exit_code == 1
+        and "the directions encoder takes d_in=7 but layer 4 of" in res.output
+        and "has d_model=6" in res.output
+    )
     assert not out.exists()
     from sae_lens import StandardSAE, StandardSAEConfig
 
     StandardSAE(StandardSAEConfig(d_in=5, d_sae=8, dtype="float32", device="cpu")).save_model(tmp_path / "sae5")
-    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--sae", str(tmp_path / "sae5"), "--out", str(out)])
+    res = CliRunner().invoke(
+        main, ["features", str(path), "--layer", "4", "--sae", str(tmp_path / "sae5"), "--out", str(out)]
+    )
     assert res.exit_code == 1 and "the saelens encoder takes d_in=5 but layer 4 of" in res.output and not out.exists()
     res = CliRunner().invoke(main, ["features", str(path), "--layer", "9", "--neurons", "--out", str(out)])
     assert res.exit_code == 1 and "this store holds layers [4]" in res.output and not out.exists()
-    res = CliRunner().invoke(main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "0", "--out", str(out)])
+    res = CliRunner().invoke(
+        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "0", "--out", str(out)]
+    )
     assert res.exit_code == 1 and "--top-k must be an int in 1..10000. Got 0." in res.output and not out.exists()

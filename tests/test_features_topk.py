@@ -21,16 +21,32 @@ def make_store(path, *, zarr_format=2, n_shards=3, per_shard=7, dtype="float16",
     """Two padded segments of random lengths, token labels (0 content, 1 special), layers 0 and 2."""
     rng = np.random.default_rng(seed)
     for shard in range(n_shards):
-        with actstore.ShardWriter(path, shard=shard, layers=[0, 2], d_model=D, segments={"prompt": 5, "response": 3}, dtype=dtype,
-                                  token_labels=True, zarr_format=zarr_format, world_size=n_shards, t_chunk={"prompt": 2, "response": 3}) as w:
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=[0, 2],
+            d_model=D,
+            segments={"prompt": 5, "response": 3},
+            dtype=dtype,
+            token_labels=True,
+            zarr_format=zarr_format,
+            world_size=n_shards,
+            t_chunk={"prompt": 2, "response": 3},
+        ) as w:
             n = per_shard
             p = rng.standard_normal((n, 2, 5, D)).astype(np.float32)
             r = rng.standard_normal((n, 2, 3, D)).astype(np.float32)
             if ties:  # many equal values: the tie-break must decide
                 p, r = np.round(p), np.round(r)
-            w.append(prompt=p.astype(dtype) if dtype != "bfloat16" else p, response=r.astype(dtype) if dtype != "bfloat16" else r,
-                     lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
-                     token_labels={"prompt": (rng.random((n, 5)) < 0.3).astype(np.uint8), "response": np.zeros((n, 3), np.uint8)})
+            w.append(
+                prompt=p.astype(dtype) if dtype != "bfloat16" else p,
+                response=r.astype(dtype) if dtype != "bfloat16" else r,
+                lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
+                token_labels={
+                    "prompt": (rng.random((n, 5)) < 0.3).astype(np.uint8),
+                    "response": np.zeros((n, 3), np.uint8),
+                },
+            )
     actstore.finalize(path)
     return actstore.open(path)
 
@@ -79,7 +95,9 @@ def check_against_oracle(store, layer, enc, k, **kw):
     np.testing.assert_allclose(f["mean_active"], pos_mean, rtol=1e-5)
     for j in range(A.shape[1]):
         v = A[:, j][A[:, j] > 0]
-        np.testing.assert_array_equal(f["histogram"][j], np.bincount(np.searchsorted(HIST_EDGES, v, side="right"), minlength=N_BINS))
+        np.testing.assert_array_equal(
+            f["histogram"][j], np.bincount(np.searchsorted(HIST_EDGES, v, side="right"), minlength=N_BINS)
+        )
     assert f["n_tokens"][0] == len(ex)
     return t, (ex, tok, A)
 
@@ -103,8 +121,13 @@ def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device):
     store = make_store(tmp_path / "s", seed=5)
     rng = np.random.default_rng(1)
     # small integer weights: float16 inputs give exact sums in any order, so batching cannot change a value
-    enc = Encoder(kind="directions", d_in=D, n_features=11, W=rng.integers(-2, 3, (D, 11)).astype(np.float32),
-                  b=(rng.integers(-4, 5, 11) / 4).astype(np.float32))
+    enc = Encoder(
+        kind="directions",
+        d_in=D,
+        n_features=11,
+        W=rng.integers(-2, 3, (D, 11)).astype(np.float32),
+        b=(rng.integers(-4, 5, 11) / 4).astype(np.float32),
+    )
     check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64, device=device)
     check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000, device=device)
     a = top_activations(store, 0, enc, k=3, segments=["response", "prompt"], device=device)  # any order: the store's

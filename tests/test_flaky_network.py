@@ -38,7 +38,12 @@ RATES = dict(fail=0.0, drop_request=0.0, drop_response=0.0, reset=0.10, cut=0.03
 RETRY_SECONDS = 30.0  # a request's deadline in these tests (the default is 120 s)
 RUN_LIMIT_S = 300  # the watchdog: one run of one job
 SOAK_RUNS = 10
-VIT = dict(zarr_format=3, shard_examples=4, model_id="facebook/dinov2-small", attrs={"cls_token": True, "dataset": "/data/imgs"})
+VIT = dict(
+    zarr_format=3,
+    shard_examples=4,
+    model_id="facebook/dinov2-small",
+    attrs={"cls_token": True, "dataset": "/data/imgs"},
+)
 
 
 @contextlib.contextmanager
@@ -71,7 +76,9 @@ def _clone(batches) -> list[dict]:
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) > 0 and all(sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) > 0 and all(
+        sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -114,7 +121,11 @@ def job_verify_deep(s3_endpoint, url, tmp, seed):
         before = retry.counts()
         report = json.loads(cli("verify", "--deep", "--json", url))
     assert report["ok"] is True and report["problems"] == [] and report["n_examples"] == 18
-    assert report["network"]["reset"] - before["reset"] >= 0 and set(report["network"]) == {"retried", "recovered", *retry.LABELS}
+    assert report["network"]["reset"] - before["reset"] >= 0 and set(report["network"]) == {
+        "retried",
+        "recovered",
+        *retry.LABELS,
+    }
     return proxy
 
 
@@ -164,8 +175,14 @@ def job_capture(s3_endpoint, url, tmp, seed, *, dino=None, images=None):
     return proxy
 
 
-JOBS = {"token_stream": job_token_stream, "pair_dataset": job_pair_dataset, "verify_deep": job_verify_deep,
-        "cp": job_cp, "export_saev": job_export_saev, "capture": job_capture}
+JOBS = {
+    "token_stream": job_token_stream,
+    "pair_dataset": job_pair_dataset,
+    "verify_deep": job_verify_deep,
+    "cp": job_cp,
+    "export_saev": job_export_saev,
+    "capture": job_capture,
+}
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
@@ -193,7 +210,9 @@ def test_soak_a_job_over_a_flaky_network(job, s3_endpoint, tmp_path, capsys):
     for run in range(SOAK_RUNS):
         run_dir = tmp_path / f"run{run}"
         run_dir.mkdir()
-        proxy = JOBS[job](s3_endpoint, f"s3://{s3server.create_bucket(s3_endpoint)}/store", run_dir, seed=100 + run, **fixed)
+        proxy = JOBS[job](
+            s3_endpoint, f"s3://{s3server.create_bucket(s3_endpoint)}/store", run_dir, seed=100 + run, **fixed
+        )
         for k in seen:
             seen[k] += proxy.counts[k]
     with capsys.disabled():

@@ -67,12 +67,17 @@ def test_written_documents_have_exactly_the_documented_fields(store_path):
     block = json.loads((store_path / "shards/shard-00000.zarr" / spec.BLOCKS_FILE).read_text().splitlines()[0])
     assert list(ident) == _table_fields("### 1.1 actstore.json")
     assert list(ident["config"]) == list(spec.CONFIG_FIELDS)  # token_ids (optional) is absent when false
-    assert [f for f in _table_fields("### 1.2 The configuration object") if f not in spec.CONFIG_OPTIONAL_FIELDS] == list(spec.CONFIG_FIELDS)
+    assert [
+        f for f in _table_fields("### 1.2 The configuration object") if f not in spec.CONFIG_OPTIONAL_FIELDS
+    ] == list(spec.CONFIG_FIELDS)
     assert sorted(ident["config"]["segments"][0]) == sorted(_table_fields("Each entry of `segments`"))
     assert list(commit) == _table_fields("commit.json:")
     assert list(manifest) == _table_fields("## 6. The manifest")
     assert list(manifest["shards"][0]) == _table_fields("Each entry of `shards`")
-    documented_block = re.search(r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\", \"per_sample_crc32c\": \{array: crc\}\}`", DOC)
+    documented_block = re.search(
+        r"`\{\"start\", \"stop\", \"crc32c\": \{segment: crc\}, \"nbytes\", \"per_sample_crc32c\": \{array: crc\}\}`",
+        DOC,
+    )
     assert documented_block and list(block) == ["start", "stop", "crc32c", "nbytes", "per_sample_crc32c"]
 
 

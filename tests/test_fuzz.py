@@ -31,18 +31,29 @@ from actstore.verify import verify_store
 
 import faultlib as F
 
-SETTINGS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 STORE_ERRORS = (CorruptStoreError, FormatVersionError)
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats(allow_nan=True)
-    | st.text(max_size=12) | st.sampled_from(["../x", "/etc/passwd", "shard-00000.zarr", "stats.npz", "prompt", "tokens", "1.0"]),
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["../x", "/etc/passwd", "shard-00000.zarr", "stats.npz", "prompt", "tokens", "1.0"]),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=12,
 )
 # values of every JSON type, hostile ones first: most bugs are a field of an unexpected type
-hostile_values = st.sampled_from([None, True, -1, 0, 2**64, 1.5, float("nan"), "", "x", "../x", "/abs", [], [1], ["a"], {}, {"a": 1}, [[1]]]).map(copy.deepcopy)
+hostile_values = st.sampled_from(
+    [None, True, -1, 0, 2**64, 1.5, float("nan"), "", "x", "../x", "/abs", [], [1], ["a"], {}, {"a": 1}, [[1]]]
+).map(copy.deepcopy)
 any_value = hostile_values | json_values
 
 
@@ -143,14 +154,26 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
         pass
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_fuzz_verify_never_crashes(store, tmp_path_factory, data):
     root = F.copy_store(store, tmp_path_factory.mktemp("v") / "s")
-    target = data.draw(st.sampled_from([spec.MANIFEST_FILE, "shards/shard-00000.zarr/meta/commit.json",
-                                        "shards/shard-00000.zarr/arrays/prompt_activations/.zarray",
-                                        "shards/shard-00000.zarr/.zmetadata"]))
+    target = data.draw(
+        st.sampled_from(
+            [
+                spec.MANIFEST_FILE,
+                "shards/shard-00000.zarr/meta/commit.json",
+                "shards/shard-00000.zarr/arrays/prompt_activations/.zarray",
+                "shards/shard-00000.zarr/.zmetadata",
+            ]
+        )
+    )
     doc = json.loads((root / target).read_text())
     (root / target).write_text(json.dumps(_mutate(doc, data)))
     try:
@@ -166,11 +189,27 @@ def test_fuzz_verify_never_crashes(store, tmp_path_factory, data):
 
 
 legacy_doc = {
-    "version": "1.0", "created_at": "2025-01-09T12:00:00Z",
-    "extraction_config": {"model_name": "m", "model_params": {"hidden_size": 4}, "layers_extracted": [1, 2], "max_seq_length": 8},
+    "version": "1.0",
+    "created_at": "2025-01-09T12:00:00Z",
+    "extraction_config": {
+        "model_name": "m",
+        "model_params": {"hidden_size": 4},
+        "layers_extracted": [1, 2],
+        "max_seq_length": 8,
+    },
     "distributed_config": {"machine_id": 0},
-    "shards": [{"shard_id": 1, "filename": "shard_0001.pkl.gz", "size_bytes": 10, "num_samples": 2, "layers": [1, 2],
-                "sample_id_range": [0, 1], "compressed": True, "checksum": "sha256:" + "ab" * 32}],
+    "shards": [
+        {
+            "shard_id": 1,
+            "filename": "shard_0001.pkl.gz",
+            "size_bytes": 10,
+            "num_samples": 2,
+            "layers": [1, 2],
+            "sample_id_range": [0, 1],
+            "compressed": True,
+            "checksum": "sha256:" + "ab" * 32,
+        }
+    ],
     "statistics": {"total_shards": 1},
 }
 
@@ -186,7 +225,9 @@ def test_fuzz_legacy_metadata(data):
 
 
 _valid_pickles = [
-    pickle.dumps({"layer_1": [{"sample_idx": 0, "activation": np.ones((2, 3), np.float32), "shape": (2, 3)}]}, protocol=p)
+    pickle.dumps(
+        {"layer_1": [{"sample_idx": 0, "activation": np.ones((2, 3), np.float32), "shape": (2, 3)}]}, protocol=p
+    )
     for p in (2, 4, 5)
 ]
 

@@ -34,6 +34,7 @@ def _reference(ids: list[int]) -> dict[str, np.ndarray]:
     model, _ = tiny_llama(layers=3)
     got: dict[str, np.ndarray] = {}
     block0 = model.model.layers[0]
+
     def keep(name, value):
         got.setdefault(name, value.numpy().copy())  # (a hook must return None: a value would replace the output)
 
@@ -55,7 +56,17 @@ def _reference(ids: list[int]) -> dict[str, np.ndarray]:
 def test_names_are_captured_kept_and_read_back(tmp_path, setup):
     model_dir, data = setup
     out = tmp_path / "s"
-    cli("write", out, "--model", model_dir, "--data", data, "--layers", ",".join(NAMES + ["blocks.2.hook_resid_pre"]), "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        model_dir,
+        "--data",
+        data,
+        "--layers",
+        ",".join(NAMES + ["blocks.2.hook_resid_pre"]),
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     names = store.layer_names()
     assert {n: names[n] for n in NAMES} == {n: i for i, n in enumerate(NAMES)}  # two share block 1: numbered in order
@@ -67,7 +78,10 @@ def test_names_are_captured_kept_and_read_back(tmp_path, setup):
             np.testing.assert_allclose(store[i, name].astype(np.float32), want, rtol=2e-3, atol=2e-3, err_msg=name)
         np.testing.assert_array_equal(store[i, "model.layers.0.mlp"], store[i, 2])
     assert [a.shape for a in store[0:2, "blocks.0.hook_mlp_out"]] == [store[0, 2].shape, store[1, 2].shape]
-    with pytest.raises(LayerNotFoundError, match=r"no stored layer is named 'blocks.7.hook_resid_post'; did you mean .*This store holds layers \[0, 1, 2, 3, 4\], named \['blocks.0.hook_attn_out'"):
+    with pytest.raises(
+        LayerNotFoundError,
+        match=r"no stored layer is named 'blocks.7.hook_resid_post'; did you mean .*This store holds layers \[0, 1, 2, 3, 4\], named \['blocks.0.hook_attn_out'",
+    ):
         store[0, "blocks.7.hook_resid_post"]
     info = cli("info", out).output
     assert "layer 2      = model.layers.0.mlp, blocks.0.hook_mlp_out" in info
@@ -87,12 +101,20 @@ def test_block_numbers_negative_and_their_names(tmp_path, setup):
 def test_unknown_names_say_what_is_valid(tmp_path, setup):
     model_dir, data = setup
     for layers, message in (
-        ("blocks.3.hook_resid_post", f"blocks.3.hook_resid_post does not exist: {model_dir} has 3 blocks, so layers 0..2 (or -3..-1) exist"),
+        (
+            "blocks.3.hook_resid_post",
+            f"blocks.3.hook_resid_post does not exist: {model_dir} has 3 blocks, so layers 0..2 (or -3..-1) exist",
+        ),
         ("-4", "layer -4 does not exist"),
-        ("blocks.0.hook_z", "'blocks.0.hook_z' is not a hook name this capture knows; use blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out"),
+        (
+            "blocks.0.hook_z",
+            "'blocks.0.hook_z' is not a hook name this capture knows; use blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out",
+        ),
         ("model.layers.0.nope", "no module 'model.layers.0.nope'"),
         ("1,blocks.1.hook_resid_post", "layers must be distinct"),
     ):
-        res = cli("write", tmp_path / "s", "--model", model_dir, "--data", data, "--layers", layers, "--quiet", ok=False)
+        res = cli(
+            "write", tmp_path / "s", "--model", model_dir, "--data", data, "--layers", layers, "--quiet", ok=False
+        )
         assert res.exit_code == 1 and message in res.output, (layers, res.output)
         assert not (tmp_path / "s").exists()

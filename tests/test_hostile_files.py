@@ -22,7 +22,6 @@ from hostile import everything, outcome, run_cli, same
 SH0 = "shards/shard-00000.zarr"
 
 
-
 def _stats_file(store: Path) -> str:
     return json.loads((store / "manifest.json").read_text())["stats"]
 
@@ -94,8 +93,15 @@ def test_special_file_where_a_file_belongs(fault_store, fault_original, rel, kin
     _replace(path, kind)
     read, errors = _check_all(fault_store, built[1])
     assert errors, f"verify found nothing wrong with {kind} at {rel}"
-    if rel not in ("actstore.json", f"{SH0}/meta/STATS", f"{SH0}/meta/blocks.jsonl", f"{SH0}/meta/example_layer_crc32c.u32", f"{SH0}/.zattrs",
-                   f"{SH0}/arrays/prompt_activations/.zarray", f"{SH0}/.zmetadata"):
+    if rel not in (
+        "actstore.json",
+        f"{SH0}/meta/STATS",
+        f"{SH0}/meta/blocks.jsonl",
+        f"{SH0}/meta/example_layer_crc32c.u32",
+        f"{SH0}/.zattrs",
+        f"{SH0}/arrays/prompt_activations/.zarray",
+        f"{SH0}/.zmetadata",
+    ):
         assert read == "error"  # readers need these files (the others: readers never open them)
 
 
@@ -105,7 +111,9 @@ def test_fifo_chunk_read_names_the_file(fault_store):
     _replace(chunk, "fifo")
     kind, e = outcome(lambda: actstore.ActStore(fault_store)[0, 7])
     assert kind == "error" and isinstance(e, CorruptStoreError)
-    assert str(e) == f"{chunk} is a FIFO (named pipe) where a file belongs; the store is damaged (run `actstore verify`)"
+    assert (
+        str(e) == f"{chunk} is a FIFO (named pipe) where a file belongs; the store is damaged (run `actstore verify`)"
+    )
 
 
 def test_folder_at_a_chunk_key_is_named_by_verify(fault_store):
@@ -114,10 +122,18 @@ def test_folder_at_a_chunk_key_is_named_by_verify(fault_store):
     _replace(chunk, "dir")
     rep = verify_store(fault_store)
     msgs = [(p.kind, p.message) for p in rep.errors]
-    assert msgs == [("not-a-file", f"{SH0}/arrays/prompt_activations/2.1.0.0 is a folder where the array has a chunk file (readers refuse it)")]
+    assert msgs == [
+        (
+            "not-a-file",
+            f"{SH0}/arrays/prompt_activations/2.1.0.0 is a folder where the array has a chunk file (readers refuse it)",
+        )
+    ]
     assert rep.damaged() == [(2, 7, f"{SH0}/arrays/prompt_activations/2.1.0.0")]
     kind, e = outcome(lambda: actstore.ActStore(fault_store)[2, 7])
-    assert kind == "error" and str(e) == f"{chunk} is a folder where a file belongs; the store is damaged (run `actstore verify`)"
+    assert (
+        kind == "error"
+        and str(e) == f"{chunk} is a folder where a file belongs; the store is damaged (run `actstore verify`)"
+    )
 
 
 def test_folder_at_a_per_sample_chunk_is_not_read_as_zeros(fault_store):
@@ -149,8 +165,10 @@ def test_a_file_where_the_store_has_a_folder(fault_store):
     (store / SH0 / "text").write_text("x")
     kind, e = outcome(lambda: actstore.ActStore(fault_store).sample(0))
     assert kind == "error"
-    assert str(e) == (f"{store / SH0 / 'text'} is a file where a folder belongs (it holds {store / SH0 / 'text/prompt.jsonl'}); "
-                      "the store is damaged (run `actstore verify`)")
+    assert str(e) == (
+        f"{store / SH0 / 'text'} is a file where a folder belongs (it holds {store / SH0 / 'text/prompt.jsonl'}); "
+        "the store is damaged (run `actstore verify`)"
+    )
 
 
 def test_writes_never_follow_a_link_inside_the_store(fault_store, tmp_path):

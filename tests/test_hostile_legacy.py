@@ -97,18 +97,27 @@ def test_special_files_in_a_legacy_directory(tmp_path, target, kind):
     what = "a FIFO (named pipe)" if kind == "fifo" else "a folder"
     k, e = outcome(import_pkl, src, tmp_path / "s")
     assert k == "error" and isinstance(e, LegacyFormatError)
-    assert str(e) == f"{src / target} is {what} where a file belongs; a legacy directory holds only metadata.json and its shard files"
+    assert (
+        str(e)
+        == f"{src / target} is {what} where a file belongs; a legacy directory holds only metadata.json and its shard files"
+    )
 
 
 def test_nested_metadata_json_and_pickled_metadata(tmp_path):
     src = write_legacy(tmp_path / "src", [legacy_records(0, 2, np.random.default_rng(0))])
     (src / "metadata.json").write_text("[" * 100_000 + "]" * 100_000)
     k, e = outcome(import_pkl, src, tmp_path / "s")
-    assert k == "error" and str(e) == f"{src / 'metadata.json'} is not valid JSON (nested deeper than JSON parsing allows)"
+    assert (
+        k == "error" and str(e) == f"{src / 'metadata.json'} is not valid JSON (nested deeper than JSON parsing allows)"
+    )
     doc = legacy_records(0, 2, np.random.default_rng(0))
     doc[f"layer_{LAYERS[0]}"][0]["metadata"] = json.loads("[" * 200 + "]" * 200)  # deeper than MAX_JSON_DEPTH
     k, e = outcome(import_pkl, write_legacy(tmp_path / "deep", [doc]), tmp_path / "s2")
-    assert k == "error" and "metadata is not standard JSON (kept as a text of the store) (ValueError: nested deeper than 64 levels)" in str(e)
+    assert (
+        k == "error"
+        and "metadata is not standard JSON (kept as a text of the store) (ValueError: nested deeper than 64 levels)"
+        in str(e)
+    )
     doc[f"layer_{LAYERS[0]}"][0]["metadata"] = {"score": float("nan")}
     k, e = outcome(import_pkl, write_legacy(tmp_path / "nan", [doc]), tmp_path / "s3")
     assert k == "error" and "metadata is not standard JSON" in str(e)

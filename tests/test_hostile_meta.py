@@ -23,7 +23,6 @@ from hostile import everything, outcome, run_cli, same
 SH0 = "shards/shard-00000.zarr"
 
 
-
 def edit(path: Path, fn) -> None:
     doc = json.loads(path.read_text())
     fn(doc)
@@ -39,11 +38,20 @@ def edit_array(store: Path, array: str, fn) -> None:
 NESTED = "[" * 100_000 + "]" * 100_000
 
 
-@pytest.mark.parametrize("rel", [
-    "manifest.json", "actstore.json", f"{SH0}/meta/commit.json", f"{SH0}/.zmetadata", f"{SH0}/.zattrs",
-    f"{SH0}/arrays/prompt_activations/.zarray", f"{SH0}/arrays/label/.zarray", f"{SH0}/arrays/label/.zattrs",
-    f"{SH0}/arrays/prompt_len/.zarray",
-])
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "manifest.json",
+        "actstore.json",
+        f"{SH0}/meta/commit.json",
+        f"{SH0}/.zmetadata",
+        f"{SH0}/.zattrs",
+        f"{SH0}/arrays/prompt_activations/.zarray",
+        f"{SH0}/arrays/label/.zarray",
+        f"{SH0}/arrays/label/.zattrs",
+        f"{SH0}/arrays/prompt_len/.zarray",
+    ],
+)
 def test_deeply_nested_json_is_refused(fault_store, fault_original, rel):
     store = fault_store
     built = fault_original
@@ -62,8 +70,10 @@ def test_per_sample_array_metadata_nested_deeply_gives_the_projects_error(fault_
     (store / SH0 / "arrays/label/.zarray").write_text(NESTED)
     kind, e = outcome(lambda: actstore.ActStore(fault_store).field("label"))
     assert kind == "error" and isinstance(e, CorruptStoreError)
-    assert str(e) == (f"{store / SH0 / 'arrays/label/.zarray'} is not valid JSON (nested deeper than JSON parsing allows); "
-                      "the array metadata is damaged")
+    assert str(e) == (
+        f"{store / SH0 / 'arrays/label/.zarray'} is not valid JSON (nested deeper than JSON parsing allows); "
+        "the array metadata is damaged"
+    )
 
 
 def test_byte_order_edit_is_refused_by_readers_and_fast_verify(fault_store):
@@ -83,15 +93,45 @@ def test_byte_order_edit_is_refused_by_readers_and_fast_verify(fault_store):
 
 PER_SAMPLE_LIES = [
     ("label", "shape", [3], "3 examples; 6 are published"),
-    ("label", "compressor", {"id": "zlib", "level": 1}, "compressor {'id': 'zlib', 'level': 1}; actstore never compresses per-sample arrays"),
-    ("label", "dtype", "<i4", "dtype <i4; the store config says <i8 (the byte order and width decide every value read)"),
-    ("label", "dtype", ">i8", "dtype >i8; the store config says <i8 (the byte order and width decide every value read)"),
-    ("prompt_len", "dtype", ">i4", "dtype >i4; the store config says <i4 (the byte order and width decide every value read)"),
+    (
+        "label",
+        "compressor",
+        {"id": "zlib", "level": 1},
+        "compressor {'id': 'zlib', 'level': 1}; actstore never compresses per-sample arrays",
+    ),
+    (
+        "label",
+        "dtype",
+        "<i4",
+        "dtype <i4; the store config says <i8 (the byte order and width decide every value read)",
+    ),
+    (
+        "label",
+        "dtype",
+        ">i8",
+        "dtype >i8; the store config says <i8 (the byte order and width decide every value read)",
+    ),
+    (
+        "prompt_len",
+        "dtype",
+        ">i4",
+        "dtype >i4; the store config says <i4 (the byte order and width decide every value read)",
+    ),
     ("label", "chunks", [2], "chunk shape [2]; the format's is [8192]"),
     ("label", "fill_value", 7, "fill value 7; the format's is 0 (missing chunks read as it)"),
     ("label", "order", "F", "order 'F'; actstore writes C order"),
-    ("label", "filters", [{"id": "delta", "dtype": "<i8"}], "filters [{'id': 'delta', 'dtype': '<i8'}]; actstore writes none (a filter changes every value read)"),
-    ("sample_key", "dtype", "|S32", "dtype |S32; the store config says |S64 (the byte order and width decide every value read)"),
+    (
+        "label",
+        "filters",
+        [{"id": "delta", "dtype": "<i8"}],
+        "filters [{'id': 'delta', 'dtype': '<i8'}]; actstore writes none (a filter changes every value read)",
+    ),
+    (
+        "sample_key",
+        "dtype",
+        "|S32",
+        "dtype |S32; the store config says |S64 (the byte order and width decide every value read)",
+    ),
     ("label", "zarr_format", 2.0, "zarr_format 2.0; the store config says 2"),
 ]
 
@@ -102,7 +142,10 @@ def test_per_sample_metadata_that_lies(fault_store, fault_original, array, field
     edit_array(fault_store, array, lambda d: d.__setitem__(field, value))
     kind, got = outcome(everything, store)
     assert kind == "error"
-    assert str(got) == f"array {store / SH0 / 'arrays' / array} has {problem}; its metadata was altered (run `actstore verify`)"
+    assert (
+        str(got)
+        == f"array {store / SH0 / 'arrays' / array} has {problem}; its metadata was altered (run `actstore verify`)"
+    )
     rep = verify_store(fault_store)
     if field == "shape":
         problem = "holds 3 values; 6 examples are published"
@@ -115,6 +158,7 @@ def test_per_sample_metadata_that_lies(fault_store, fault_original, array, field
 @pytest.mark.parametrize("rel", ["manifest.json", "actstore.json", f"{SH0}/meta/commit.json", f"{SH0}/.zattrs"])
 def test_format_version_must_be_exactly_1(fault_store, rel, value):
     store = fault_store
+
     def put(d):
         (d["actstore"] if rel.endswith(".zattrs") else d)["format_version"] = value
 
@@ -178,21 +222,28 @@ def test_nan_in_a_text_is_refused(tmp_path):
     w = actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, texts=["meta"])
     with pytest.raises(AppendError) as ei:
         w.append(np.zeros((2, 1, 2, 4), np.float16), texts={"meta": [{"score": float("nan")}, {"score": 1.0}]})
-    assert str(ei.value).startswith("text 'meta' holds a value that standard JSON cannot hold: Out of range float values are not JSON compliant")
+    assert str(ei.value).startswith(
+        "text 'meta' holds a value that standard JSON cannot hold: Out of range float values are not JSON compliant"
+    )
     w.append(np.zeros((2, 1, 2, 4), np.float16), texts={"meta": [{"score": 0.5}, {"score": 1.0}]})
     w.close()
     actstore.finalize(tmp_path / "s")
     assert list(actstore.ActStore(tmp_path / "s").texts("meta")) == [{"score": 0.5}, {"score": 1.0}]
 
 
-@pytest.mark.parametrize("dtype, values, message", [
-    ("int8", [300, 1], "field 'f' holds values 1..300; its dtype int8 holds -128..127"),
-    ("uint8", np.array([300, 1], np.uint16), "field 'f' holds values 1..300; its dtype uint8 holds 0..255"),
-    ("int32", [2**40, 0], "field 'f' holds values 0..1099511627776; its dtype int32 holds -2147483648..2147483647"),
-    ("float16", [1e6, 0.0], "field 'f' holds np.float64(1000000.0), beyond the range of its dtype float16"),
-])
+@pytest.mark.parametrize(
+    "dtype, values, message",
+    [
+        ("int8", [300, 1], "field 'f' holds values 1..300; its dtype int8 holds -128..127"),
+        ("uint8", np.array([300, 1], np.uint16), "field 'f' holds values 1..300; its dtype uint8 holds 0..255"),
+        ("int32", [2**40, 0], "field 'f' holds values 0..1099511627776; its dtype int32 holds -2147483648..2147483647"),
+        ("float16", [1e6, 0.0], "field 'f' holds np.float64(1000000.0), beyond the range of its dtype float16"),
+    ],
+)
 def test_field_values_are_range_checked(tmp_path, dtype, values, message):
-    w = actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, fields={"f": dtype})
+    w = actstore.ShardWriter(
+        tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, fields={"f": dtype}
+    )
     with pytest.raises(AppendError) as ei:
         w.append(np.zeros((2, 1, 2, 4), np.float16), fields={"f": np.array(values)})
     assert str(ei.value) == message
@@ -207,18 +258,33 @@ def test_compressor_of_the_other_zarr_format_is_refused_before_writing(tmp_path)
     import zarr
 
     with pytest.raises(ValueError) as ei:
-        actstore.ShardWriter(tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, compressor=zarr.codecs.ZstdCodec())
-    assert str(ei.value).startswith("compressor ZstdCodec(level=0, checksum=False) is not a numcodecs codec; a Zarr format 2 store takes one")
+        actstore.ShardWriter(
+            tmp_path / "s", zarr_format=2, shard=0, layers=[0], d_model=4, tokens=2, compressor=zarr.codecs.ZstdCodec()
+        )
+    assert str(ei.value).startswith(
+        "compressor ZstdCodec(level=0, checksum=False) is not a numcodecs codec; a Zarr format 2 store takes one"
+    )
     with pytest.raises(ValueError, match="is not a Zarr v3 bytes-to-bytes codec"):
-        actstore.ShardWriter(tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, zarr_format=3, compressor=numcodecs.Zstd())
+        actstore.ShardWriter(
+            tmp_path / "s", shard=0, layers=[0], d_model=4, tokens=2, zarr_format=3, compressor=numcodecs.Zstd()
+        )
     assert not (tmp_path / "s").exists()
 
 
 def test_lease_with_an_endless_lifetime_is_refused():
     from actstore.layout.leases import parse_lease
 
-    doc = {"shard": 0, "generation": 0, "token": "t", "host": "h", "pid": 1, "pid_start": None, "started": "",
-           "renewed": 0.0, "ttl": float("inf")}
+    doc = {
+        "shard": 0,
+        "generation": 0,
+        "token": "t",
+        "host": "h",
+        "pid": 1,
+        "pid_start": None,
+        "started": "",
+        "renewed": 0.0,
+        "ttl": float("inf"),
+    }
     with pytest.raises(CorruptStoreError, match="a lease field has the wrong type"):
         parse_lease(json.dumps(doc).encode(), "lease.json")
 
@@ -251,7 +317,9 @@ def test_statistics_file_claiming_huge_arrays_allocates_nothing(fault_store):
     rep = outcome(verify_store, store, deep=True)[1]
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert kind == "error" and str(e).startswith(f"statistics file {store / name} is unreadable (member keys.npy claims")
+    assert kind == "error" and str(e).startswith(
+        f"statistics file {store / name} is unreadable (member keys.npy claims"
+    )
     assert [p.kind for p in rep.errors] == ["stats"] and peak < 16 * 2**20
 
 
@@ -296,7 +364,9 @@ def test_damaged_statistics_files_raise_only_value_error():
 
     data = RunningStats(["layer2/prompt", "layer2/response"], 16).to_bytes()
     damaged = [data[:n] for n in range(0, len(data), 16)]
-    damaged += [data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1:] for i in range(0, len(data), 5) for bit in (0, 5, 6, 7)]
+    damaged += [
+        data[:i] + bytes([data[i] ^ (1 << bit)]) + data[i + 1 :] for i in range(0, len(data), 5) for bit in (0, 5, 6, 7)
+    ]
     refused = 0
     for d in damaged:
         try:

@@ -71,7 +71,10 @@ def test_fifo_shard_file_is_named(saev_dir):
     kind, e = outcome(actstore.open, saev_dir)
     assert kind == "error"
     assert str(e) == f"{path} is a FIFO (named pipe) where a shard file belongs; run `actstore verify-saev {saev_dir}`"
-    assert "acts000001.bin: a FIFO (named pipe) where a shard file belongs (readers refuse it)" in verify_saev(saev_dir).problems
+    assert (
+        "acts000001.bin: a FIFO (named pipe) where a shard file belongs (readers refuse it)"
+        in verify_saev(saev_dir).problems
+    )
 
 
 @pytest.mark.parametrize("name", ["metadata.json", "shards.json"])

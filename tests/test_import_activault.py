@@ -25,30 +25,50 @@ from actstore.storage import open_storage
 HOOK = "models.layers.3.mlp.post"
 
 
-def write_hook(root, *, n_files=3, batch_size=2, batches_per_file=2, seq=5, d=8, dtype=torch.bfloat16, seed=0, hook=HOOK):
+def write_hook(
+    root, *, n_files=3, batch_size=2, batches_per_file=2, seq=5, d=8, dtype=torch.bfloat16, seed=0, hook=HOOK
+):
     """A run folder {root}/run/{hook}/ as HookUploader leaves it; returns (states, ids) per file name."""
     g = torch.Generator().manual_seed(seed)
     storage = open_storage(f"{root}/run/{hook}" if "://" in str(root) else root / "run" / hook)
     files, metadata = {}, None
     for k in range(n_files):
         group_uuid = str(uuid.UUID(int=seed * 1000 + k + 1))
-        batches = [{"states": torch.randn(batch_size, seq, d, generator=g).to(dtype),
-                    "input_ids": torch.randint(0, 50_000, (batch_size, seq), generator=g)} for _ in range(batches_per_file)]
+        batches = [
+            {
+                "states": torch.randn(batch_size, seq, d, generator=g).to(dtype),
+                "input_ids": torch.randint(0, 50_000, (batch_size, seq), generator=g),
+            }
+            for _ in range(batches_per_file)
+        ]
         states = torch.cat([b["states"] for b in batches])
         ids = torch.cat([b["input_ids"] for b in batches])
-        combined = {"states": states, "input_ids": ids,
-                    "tensor_bytes": states.numel() * states.element_size() + ids.numel() * ids.element_size()}
+        combined = {
+            "states": states,
+            "input_ids": ids,
+            "tensor_bytes": states.numel() * states.element_size() + ids.numel() * ids.element_size(),
+        }
         buf = io.BytesIO()
         torch.save(combined, buf)
         name = f"{group_uuid}--{k + 1}_0.saved.pt"
         storage.put(name, buf.getvalue())
-        metadata = {"batch_size": batch_size, "sequence_length": seq, "dtype": str(dtype), "d_in": d,
-                    "batches_per_file": batches_per_file, "shape": [batch_size, seq, d], "input_ids_shape": [batch_size, seq],
-                    "bytes_per_file": len(buf.getvalue())}
+        metadata = {
+            "batch_size": batch_size,
+            "sequence_length": seq,
+            "dtype": str(dtype),
+            "d_in": d,
+            "batches_per_file": batches_per_file,
+            "shape": [batch_size, seq, d],
+            "input_ids_shape": [batch_size, seq],
+            "bytes_per_file": len(buf.getvalue()),
+        }
         files[name] = (states, ids)
     storage.put("metadata.json", json.dumps(metadata).encode())
     mean = torch.zeros(d)
-    storage.put("statistics.json", json.dumps({"mean": mean.tolist(), "std": (mean + 1).tolist(), "norm": 2.5, "M2": mean.tolist()}).encode())
+    storage.put(
+        "statistics.json",
+        json.dumps({"mean": mean.tolist(), "std": (mean + 1).tolist(), "norm": 2.5, "M2": mean.tolist()}).encode(),
+    )
     return files
 
 
@@ -59,7 +79,9 @@ def check_store(store, files, layer=3):
         states, ids = files[name]
         for i in range(len(states)):
             got = np.asarray(st[ex, layer])
-            assert np.array_equal(got.astype(np.float32), states[i].float().numpy())  # exact (bfloat16 is widened on read)
+            assert np.array_equal(
+                got.astype(np.float32), states[i].float().numpy()
+            )  # exact (bfloat16 is widened on read)
             assert st.token_ids(ex).tolist() == ids[i].tolist()
             ex += 1
     assert len(st) == ex
@@ -80,13 +102,29 @@ def test_local_hook_folder_exact_and_metadata_kept(tmp_path):
 def test_run_folder_with_hook_and_other_dtypes_via_cli(tmp_path, dtype):
     files = write_hook(tmp_path, dtype=dtype, n_files=2)
     write_hook(tmp_path, hook="models.layers.7.attn", n_files=1, seed=3)
-    res = CliRunner().invoke(main, ["import-activault", str(tmp_path / "run"), str(tmp_path / "s"), "--hook", HOOK,
-                                    "--quiet", "--zarr-format", "3", "--layer", "11"])
+    res = CliRunner().invoke(
+        main,
+        [
+            "import-activault",
+            str(tmp_path / "run"),
+            str(tmp_path / "s"),
+            "--hook",
+            HOOK,
+            "--quiet",
+            "--zarr-format",
+            "3",
+            "--layer",
+            "11",
+        ],
+    )
     assert res.exit_code == 0, res.output
     check_store(tmp_path / "s", files, layer=11)
     res = CliRunner().invoke(main, ["import-activault", str(tmp_path / "run"), str(tmp_path / "t"), "--quiet"])
     assert res.exit_code == 1
-    assert "has no metadata.json: it is a run folder: pass --hook NAME, one of ['models.layers.3.mlp.post', 'models.layers.7.attn']" in res.output
+    assert (
+        "has no metadata.json: it is a run folder: pass --hook NAME, one of ['models.layers.3.mlp.post', 'models.layers.7.attn']"
+        in res.output
+    )
 
 
 def test_from_s3(tmp_path, s3_url):
@@ -107,12 +145,17 @@ def test_resumes_after_a_failure_mid_part_and_continues_exactly(tmp_path, monkey
             if part.key == sorted(files)[1] and k == 5:
                 raise KeyboardInterrupt("killed")
             yield b
+
     monkeypatch.setattr(ActivaultSource, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         import_activault(tmp_path / "run" / HOOK, tmp_path / "s", progress=False, workers=1, commit_bytes=1)
     monkeypatch.setattr(ActivaultSource, "read", real)
     starts = []
-    monkeypatch.setattr(ActivaultSource, "read", lambda self, part, start: (starts.append((part.key, start)), real(self, part, start))[1])
+    monkeypatch.setattr(
+        ActivaultSource,
+        "read",
+        lambda self, part, start: (starts.append((part.key, start)), real(self, part, start))[1],
+    )
     rep = import_activault(tmp_path / "run" / HOOK, tmp_path / "s", progress=False, workers=2)
     assert (rep.n_skipped, rep.n_resumed, rep.n_written) == (1, 1, 1)
     assert sorted(starts) == sorted([(sorted(files)[1], 5), (sorted(files)[2], 0)])
@@ -123,7 +166,9 @@ def test_a_store_of_another_source_is_refused(tmp_path):
     write_hook(tmp_path, n_files=1)
     import_activault(tmp_path / "run" / HOOK, tmp_path / "s", progress=False)
     write_hook(tmp_path / "other", n_files=1, seed=4)
-    with pytest.raises(StoreMismatchError, match="already holds shard 0, not imported from .* import into a new store path"):
+    with pytest.raises(
+        StoreMismatchError, match="already holds shard 0, not imported from .* import into a new store path"
+    ):
         import_activault(tmp_path / "other" / "run" / HOOK, tmp_path / "s", progress=False)
 
 
@@ -139,7 +184,9 @@ def test_truncated_megabatch_named_before_reading(tmp_path):
     with pytest.raises(ActivaultFormatError) as e:
         import_activault(d, tmp_path / "s", progress=False)
     size = p.stat().st_size
-    assert str(e.value) == f"{p} has {size} bytes; metadata.json says bytes_per_file {size + 100} (truncated or replaced?)"
+    assert (
+        str(e.value) == f"{p} has {size} bytes; metadata.json says bytes_per_file {size + 100} (truncated or replaced?)"
+    )
     assert not (tmp_path / "s").exists()  # refused before anything was written
 
 
@@ -157,7 +204,10 @@ def test_truncated_megabatch_without_bytes_per_file_fails_in_torch_load_naming_t
 def test_shapes_that_disagree_with_metadata(tmp_path):
     d, names = _hook_dir(tmp_path)
     md = json.loads((d / "metadata.json").read_text())
-    with pytest.raises(ActivaultFormatError, match=r"metadata.json: shape \[2, 5, 9\] disagrees with batch_size, sequence_length, d_in = \[2, 5, 8\]"):
+    with pytest.raises(
+        ActivaultFormatError,
+        match=r"metadata.json: shape \[2, 5, 9\] disagrees with batch_size, sequence_length, d_in = \[2, 5, 8\]",
+    ):
         (d / "metadata.json").write_text(json.dumps({**md, "shape": [2, 5, 9]}))
         import_activault(d, tmp_path / "s", progress=False)
     # metadata says d_in 100000: the files are far too small for it, refused before any is loaded
@@ -166,11 +216,16 @@ def test_shapes_that_disagree_with_metadata(tmp_path):
     size = (d / names[0]).stat().st_size
     with pytest.raises(ActivaultFormatError) as e:
         import_activault(d, tmp_path / "s", progress=False)
-    assert str(e.value) == (f"{d / names[0]} has {size} bytes; metadata.json's shapes (4 x 5 x 100000 torch.bfloat16) need "
-                            f"4000080..{4_000_160 + 2**20}: the file is truncated or not of this hook")
+    assert str(e.value) == (
+        f"{d / names[0]} has {size} bytes; metadata.json's shapes (4 x 5 x 100000 torch.bfloat16) need "
+        f"4000080..{4_000_160 + 2**20}: the file is truncated or not of this hook"
+    )
     # metadata says d_in 4: within the size slack, so the megabatch is mapped and its shape refused
     (d / "metadata.json").write_text(json.dumps({**md, "d_in": 4, "shape": [2, 5, 4]}))
-    with pytest.raises(ActivaultFormatError, match=r"states is torch.bfloat16 \(4, 5, 8\); metadata.json says torch.bfloat16 \(4, 5, 4\)"):
+    with pytest.raises(
+        ActivaultFormatError,
+        match=r"states is torch.bfloat16 \(4, 5, 8\); metadata.json says torch.bfloat16 \(4, 5, 4\)",
+    ):
         import_activault(d, tmp_path / "s", progress=False)
 
 
@@ -178,9 +233,14 @@ def test_megabatch_of_other_shape_than_metadata(tmp_path):
     d, names = _hook_dir(tmp_path)
     md = json.loads((d / "metadata.json").read_text())
     del md["bytes_per_file"]
-    (d / "metadata.json").write_text(json.dumps({**md, "sequence_length": 4, "shape": [2, 4, 8], "input_ids_shape": [2, 4]}))
+    (d / "metadata.json").write_text(
+        json.dumps({**md, "sequence_length": 4, "shape": [2, 4, 8], "input_ids_shape": [2, 4]})
+    )
     # 4 x 4 x 8 bf16 = 256 bytes of states: the 5-token files are within the slack, so torch.load runs and the shape check refuses
-    with pytest.raises(ActivaultFormatError, match=r"states is torch.bfloat16 \(4, 5, 8\); metadata.json says torch.bfloat16 \(4, 4, 8\)"):
+    with pytest.raises(
+        ActivaultFormatError,
+        match=r"states is torch.bfloat16 \(4, 5, 8\); metadata.json says torch.bfloat16 \(4, 4, 8\)",
+    ):
         import_activault(d, tmp_path / "s", progress=False)
 
 
@@ -197,7 +257,10 @@ def test_a_pickle_that_is_not_weights_only_is_refused(tmp_path):
     md = json.loads((d / "metadata.json").read_text())
     (d / names[0]).write_bytes(buf.getvalue())
     (d / "metadata.json").write_text(json.dumps({**md, "bytes_per_file": len(buf.getvalue())}))
-    with pytest.raises(ActivaultFormatError, match=rf"^{d / names[0]} is not a weights-only torch file: its pickle builds objects other than tensors"):
+    with pytest.raises(
+        ActivaultFormatError,
+        match=rf"^{d / names[0]} is not a weights-only torch file: its pickle builds objects other than tensors",
+    ):
         import_activault(d, tmp_path / "s", progress=False)
 
 
@@ -214,7 +277,9 @@ def test_foreign_folder(tmp_path):
 def test_verification_catches_a_store_that_does_not_hold_the_source(tmp_path, monkeypatch):
     d, _ = _hook_dir(tmp_path, n_files=2)
     monkeypatch.setattr(driver, "_checksum", lambda *a: 12345)
-    with pytest.raises(driver.ImportVerifyError, match=r"example 0 \(the first of .*\) does not hold the bytes read from the source"):
+    with pytest.raises(
+        driver.ImportVerifyError, match=r"example 0 \(the first of .*\) does not hold the bytes read from the source"
+    ):
         import_activault(d, tmp_path / "s", progress=False)
 
 

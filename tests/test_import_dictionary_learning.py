@@ -32,8 +32,19 @@ def write_cache(root, *, sizes=(23, 17, 9), d=6, context_len=8, seed=0, name="re
             json.dump({"shape": [n, d]}, f)
         shards.append(acts)
     with open(folder / "config.json", "w") as f:
-        json.dump({"batch_size": 4, "context_len": context_len, "shard_size": 10, "d_model": d, "shuffle_shards": False,
-                   "io": "out", "total_size": sum(sizes[:-1]), "shard_count": len(sizes) - 1}, f)
+        json.dump(
+            {
+                "batch_size": 4,
+                "context_len": context_len,
+                "shard_size": 10,
+                "d_model": d,
+                "shuffle_shards": False,
+                "io": "out",
+                "total_size": sum(sizes[:-1]),
+                "shard_count": len(sizes) - 1,
+            },
+            f,
+        )
     return folder, shards
 
 
@@ -65,6 +76,7 @@ def test_resumes_exactly(tmp_path, monkeypatch):
             if k == 2:
                 raise KeyboardInterrupt
             yield b
+
     monkeypatch.setattr(DictionaryLearningSource, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         import_dictionary_learning(folder, tmp_path / "s", progress=False, workers=1, commit_bytes=1)
@@ -80,13 +92,20 @@ def test_damaged_caches(tmp_path):
     p.write_bytes(p.read_bytes()[:-8])
     with pytest.raises(DictionaryLearningCacheError) as e:
         import_dictionary_learning(folder, tmp_path / "s", progress=False)
-    assert str(e.value) == f"{folder}/shard_1.memmap has {17 * 24 - 8} bytes; shard_1.meta says 17 x 6 float32 = {17 * 24} bytes (truncated or replaced?)"
+    assert (
+        str(e.value)
+        == f"{folder}/shard_1.memmap has {17 * 24 - 8} bytes; shard_1.meta says 17 x 6 float32 = {17 * 24} bytes (truncated or replaced?)"
+    )
     os.remove(folder / "shard_1.memmap")
     os.remove(folder / "shard_1.meta")
-    with pytest.raises(DictionaryLearningCacheError, match=r"holds \['shard_2.memmap', 'shard_2.meta'\] but no shard_1.memmap/.meta"):
+    with pytest.raises(
+        DictionaryLearningCacheError, match=r"holds \['shard_2.memmap', 'shard_2.meta'\] but no shard_1.memmap/.meta"
+    ):
         import_dictionary_learning(folder, tmp_path / "s", progress=False)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DictionaryLearningCacheError, match=r"empty/config.json is missing: pass one submodule's folder"):
+    with pytest.raises(
+        DictionaryLearningCacheError, match=r"empty/config.json is missing: pass one submodule's folder"
+    ):
         import_dictionary_learning(tmp_path / "empty", tmp_path / "s", progress=False)
     folder2, _ = write_cache(tmp_path / "b")
     (folder2 / "shard_0.meta").write_text(json.dumps({"shape": [23, 7]}))

@@ -27,14 +27,18 @@ def saelens_cache(root, *, n_buffers=2, rows=6, C=8, D=5, dtype="float32", seed=
     from datasets import Array2D, Dataset, Features, Sequence, Value
     from sae_lens.cache_activations_runner import CacheActivationsRunner
 
-    features = Features({hook: Array2D(shape=(C, D), dtype=dtype), "token_ids": Sequence(Value(dtype="int32"), length=C)})
+    features = Features(
+        {hook: Array2D(shape=(C, D), dtype=dtype), "token_ids": Sequence(Value(dtype="int32"), length=C)}
+    )
     g = torch.Generator().manual_seed(seed)
     tmp = root / "tmp"
     all_acts, all_ids = [], []
     for i in range(n_buffers):
         acts = torch.randn(rows, C, D, generator=g).to(getattr(torch, dtype))
         ids = torch.randint(0, 30_000, (rows, C), generator=g).to(torch.int32)
-        Dataset.from_dict({hook: acts, "token_ids": ids}, features=features).save_to_disk(f"{tmp}/shard_{i:05d}", num_shards=1)
+        Dataset.from_dict({hook: acts, "token_ids": ids}, features=features).save_to_disk(
+            f"{tmp}/shard_{i:05d}", num_shards=1
+        )
         all_acts.append(acts)
         all_ids.append(ids)
     (root / "cache").mkdir()
@@ -55,10 +59,15 @@ def test_a_saelens_cache_imports_exactly_in_row_order(tmp_path):
 
 def _store_with_ids(path, n=9, d=6, dtype="float16"):
     rng = np.random.default_rng(3)
-    with ShardWriter(path, layers=[1, 4], d_model=d, segments={"prompt": 7, "response": 3}, dtype=dtype, token_ids=True) as w:
-        w.append(prompt=rng.standard_normal((n, 2, 7, d)), response=rng.standard_normal((n, 2, 3, d)),
-                 lengths={"prompt": rng.integers(0, 8, n), "response": rng.integers(0, 4, n)},
-                 token_ids={"prompt": rng.integers(0, 1000, (n, 7)), "response": rng.integers(0, 1000, (n, 3))})
+    with ShardWriter(
+        path, layers=[1, 4], d_model=d, segments={"prompt": 7, "response": 3}, dtype=dtype, token_ids=True
+    ) as w:
+        w.append(
+            prompt=rng.standard_normal((n, 2, 7, d)),
+            response=rng.standard_normal((n, 2, 3, d)),
+            lengths={"prompt": rng.integers(0, 8, n), "response": rng.integers(0, 4, n)},
+            token_ids={"prompt": rng.integers(0, 1000, (n, 7)), "response": rng.integers(0, 1000, (n, 3))},
+        )
     actstore.finalize(path)
     return ActStore(path)
 
@@ -77,7 +86,9 @@ def _pairs(st, layer):
 def test_round_trip_export_then_import_gives_the_same_tokens_ids_and_values(tmp_path, dtype):
     src = _store_with_ids(tmp_path / "src")
     export_saelens(src, tmp_path / "exp", layer=4, context_size=4, dtype=dtype, progress=False)
-    res = CliRunner().invoke(main, ["import-saelens", str(tmp_path / "exp"), str(tmp_path / "back"), "--quiet", "--zarr-format", "3"])
+    res = CliRunner().invoke(
+        main, ["import-saelens", str(tmp_path / "exp"), str(tmp_path / "back"), "--quiet", "--zarr-format", "3"]
+    )
     assert res.exit_code == 0, res.output
     back = ActStore(tmp_path / "back")
     assert list(back.layers) == [4] and back.dtype == dtype
@@ -91,13 +102,21 @@ def test_export_codes_become_token_labels(tmp_path):
         w.append(rng.standard_normal((6, 1, 5, 4)), token_labels=rng.integers(0, 3, (6, 5)).astype(np.uint8))
     actstore.finalize(tmp_path / "src")
     src = ActStore(tmp_path / "src")
-    export_saelens(src, tmp_path / "exp", layer=2, context_size=4, skip_special=False, progress=False)  # every token: all three codes
+    export_saelens(
+        src, tmp_path / "exp", layer=2, context_size=4, skip_special=False, progress=False
+    )  # every token: all three codes
     import_saelens(tmp_path / "exp", tmp_path / "back", progress=False)
     back = ActStore(tmp_path / "back")
     assert back.config.token_labels and not back.config.token_ids
+
     def labelled(st):
         labels = st.field("tokens_token_labels")
-        return Counter((int(labels[ex, t]), np.asarray(st[ex, 2])[t].tobytes()) for ex in range(len(st)) for t in range(st.lengths(ex)["tokens"]))
+        return Counter(
+            (int(labels[ex, t]), np.asarray(st[ex, 2])[t].tobytes())
+            for ex in range(len(st))
+            for t in range(st.lengths(ex)["tokens"])
+        )
+
     assert labelled(back) == labelled(src)
 
 
@@ -124,11 +143,14 @@ def test_resumes_exactly_after_a_failure_inside_a_record_batch(tmp_path, monkeyp
             if k == 2:
                 raise KeyboardInterrupt("killed inside the first record batch")
             yield b
+
     monkeypatch.setattr(SaelensSource, "read", dying)
     with pytest.raises(KeyboardInterrupt):
         import_saelens(tmp_path / "cache", tmp_path / "s", progress=False, workers=1, commit_bytes=1)
     starts = []
-    monkeypatch.setattr(SaelensSource, "read", lambda self, part, start: (starts.append(start), real(self, part, start))[1])
+    monkeypatch.setattr(
+        SaelensSource, "read", lambda self, part, start: (starts.append(start), real(self, part, start))[1]
+    )
     rep = import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)
     assert (rep.n_resumed, rep.n_written, rep.n_skipped) == (1, 2, 0) and sorted(starts) == [0, 0, 2]
     st = ActStore(tmp_path / "s")
@@ -143,8 +165,10 @@ def test_another_hook_than_asked_is_refused_naming_the_file(tmp_path):
     saelens_cache(tmp_path)
     with pytest.raises(SaelensDatasetError) as e:
         import_saelens(tmp_path / "cache", tmp_path / "s", hook_name="blocks.9.hook_resid_post", progress=False)
-    assert str(e.value) == (f"{tmp_path / 'cache'}/dataset_info.json: the dataset holds activations of ['{HOOK}'], not of "
-                            f"'blocks.9.hook_resid_post'; pass --hook-name {HOOK} (SAELens caches one hook per folder)")
+    assert str(e.value) == (
+        f"{tmp_path / 'cache'}/dataset_info.json: the dataset holds activations of ['{HOOK}'], not of "
+        f"'blocks.9.hook_resid_post'; pass --hook-name {HOOK} (SAELens caches one hook per folder)"
+    )
     assert not (tmp_path / "s").exists()
 
 
@@ -177,6 +201,8 @@ def test_shapes_that_disagree_with_dataset_info_are_named(tmp_path):
     first = sorted((tmp_path / "cache").glob("data-*.arrow"))[0]
     with pytest.raises(SaelensDatasetError) as e:
         import_saelens(tmp_path / "cache", tmp_path / "s", progress=False)
-    assert str(e.value) == (f"{first}: a record batch of 6 rows holds 240 float32 values in '{HOOK}'; "
-                            "dataset_info.json says 6 x 8 x 4 float32")
+    assert str(e.value) == (
+        f"{first}: a record batch of 6 rows holds 240 float32 values in '{HOOK}'; "
+        "dataset_info.json says 6 x 8 x 4 float32"
+    )
     assert not (tmp_path / "s").exists()

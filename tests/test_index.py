@@ -36,4 +36,7 @@ def test_layer_position_names_the_stored_layers():
     assert layer_position([0, 6, 11], 11) == 2
     with pytest.raises(LayerNotFoundError) as e:
         layer_position([0, 6, 11], 5)
-    assert str(e.value) == "layer 5 is not stored; this store holds layers [0, 6, 11] (layer numbers are the model's block indices)"
+    assert (
+        str(e.value)
+        == "layer 5 is not stored; this store holds layers [0, 6, 11] (layer numbers are the model's block indices)"
+    )

@@ -29,7 +29,17 @@ def cli(*args, ok=True):
 def vit(tmp_path_factory):
     root = tmp_path_factory.mktemp("vit")
     make_images(root / "imgs", 3)
-    cli("write", root / "s", "--model", save_dinov2(root / "dino"), "--data", root / "imgs", "--layers", "0,2", "--quiet")
+    cli(
+        "write",
+        root / "s",
+        "--model",
+        save_dinov2(root / "dino"),
+        "--data",
+        root / "imgs",
+        "--layers",
+        "0,2",
+        "--quiet",
+    )
     return actstore.ActStore(root / "s")
 
 
@@ -45,13 +55,22 @@ def test_lists_mix_names_and_numbers(vit):
     np.testing.assert_array_equal(got[1], vit[0, 2])
 
 
-@pytest.mark.parametrize("bad,message", [
-    (1.5, r"layer 1.5 is not a layer: give a stored layer number \(an int\), a negative number counting from the last stored layer, or a name"),
-    (2.0, r"layer 2.0 is not a layer: give a stored layer number \(an int\)"),
-    (True, "layer True is not a layer"),
-    (-3, r"layer -3 is not stored; this store holds layers \[0, 2\] \(-1 to -2 count back from the last\)"),
-    ("blocks.2.hook_resid_pots", r"no stored layer is named 'blocks.2.hook_resid_pots'; did you mean 'blocks.2.hook_resid_post'"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (
+            1.5,
+            r"layer 1.5 is not a layer: give a stored layer number \(an int\), a negative number counting from the last stored layer, or a name",
+        ),
+        (2.0, r"layer 2.0 is not a layer: give a stored layer number \(an int\)"),
+        (True, "layer True is not a layer"),
+        (-3, r"layer -3 is not stored; this store holds layers \[0, 2\] \(-1 to -2 count back from the last\)"),
+        (
+            "blocks.2.hook_resid_pots",
+            r"no stored layer is named 'blocks.2.hook_resid_pots'; did you mean 'blocks.2.hook_resid_post'",
+        ),
+    ],
+)
 def test_bad_layers_are_refused_never_truncated(vit, bad, message):
     with pytest.raises(LayerNotFoundError, match=message):
         vit[0, bad]
@@ -68,7 +87,11 @@ def test_show_takes_negative_numbers_and_names(vit, tmp_path):
 
 
 def test_export_saev_layers_take_names_and_negative_numbers(vit, tmp_path):
-    out = cli("export-saev", vit.path, tmp_path / "d", "--layers", "blocks.0.hook_resid_post,-1", "--quiet").output.strip().splitlines()[-1]
+    out = (
+        cli("export-saev", vit.path, tmp_path / "d", "--layers", "blocks.0.hook_resid_post,-1", "--quiet")
+        .output.strip()
+        .splitlines()[-1]
+    )
     assert json.loads((Path(out) / "metadata.json").read_text())["layers"] == [0, 2]
 
 

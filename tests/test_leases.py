@@ -28,8 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.writer_proc", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.writer_proc", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _writer(path, shard: int = 0, **kw) -> ShardWriter:
@@ -83,7 +88,9 @@ def test_a_live_writer_refuses_a_resumer_and_a_killed_ones_shard_is_taken_over(t
     for line in p.stdout:
         if line.startswith("appended") and int(line.split()[3]) >= 6:
             break
-    with pytest.raises(ShardBusyError, match=rf"being written by another writer: pid {p.pid} on host {socket.gethostname()}"):
+    with pytest.raises(
+        ShardBusyError, match=rf"being written by another writer: pid {p.pid} on host {socket.gethostname()}"
+    ):
         _writer(path, resume=True)
     assert _lease_files(path) == ["shard-00000.0.json"]
     os.kill(p.pid, signal.SIGKILL)
@@ -117,8 +124,17 @@ def test_two_open_writers_of_one_shard_in_one_process(tmp_path):
 
 
 def _foreign_lease(path, renewed: float, ttl: float = 5.0, generation: int = 0) -> None:
-    lease = Lease(shard=0, generation=generation, token="f" * 32, host="gpu-node-7.cluster", pid=4242, pid_start=None,
-                  started="2026-11-24T01:02:03Z", renewed=renewed, ttl=ttl)
+    lease = Lease(
+        shard=0,
+        generation=generation,
+        token="f" * 32,
+        host="gpu-node-7.cluster",
+        pid=4242,
+        pid_start=None,
+        started="2026-11-24T01:02:03Z",
+        renewed=renewed,
+        ttl=ttl,
+    )
     (Path(path) / keys.LEASES).mkdir(parents=True, exist_ok=True)
     (Path(path) / keys.lease_key(0, generation)).write_bytes(dump_lease(lease))
 
@@ -148,7 +164,9 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing_more(tmp_path):
     w.commit()
     _foreign_lease(path, renewed=time.time(), generation=1)  # a taker on another host
     _append(w, [2, 3])
-    with pytest.raises(LeaseLostError, match="lease on shard 0 of .* was taken over by pid 4242 on host gpu-node-7.cluster"):
+    with pytest.raises(
+        LeaseLostError, match="lease on shard 0 of .* was taken over by pid 4242 on host gpu-node-7.cluster"
+    ):
         w.commit()
     commit = json.loads((Path(path) / "shards/shard-00000.zarr/meta/commit.json").read_text())
     assert commit["n_committed"] == 2  # nothing more committed
@@ -195,7 +213,9 @@ def test_finalize_refuses_mixed_world_sizes_and_shards_beyond_the_world(tmp_path
         _append(w, [0])
     with _writer(path, shard=1, world_size=3) as w:
         _append(w, [1])
-    with pytest.raises(actstore.errors.CorruptStoreError, match=r"different world sizes \(2 ranks: shards 0; 3 ranks: shards 1\)"):
+    with pytest.raises(
+        actstore.errors.CorruptStoreError, match=r"different world sizes \(2 ranks: shards 0; 3 ranks: shards 1\)"
+    ):
         actstore.finalize(path)
     with pytest.raises(ValueError, match=r"world_size must be an int in 4\.\.100000"):
         _writer(tmp_path / "t", shard=3, world_size=3)
@@ -211,7 +231,9 @@ def test_a_resume_keeps_the_world_size(tmp_path):
     _append(w, [5])
     w.commit()
     w._close_files()
-    with pytest.raises(actstore.errors.StoreMismatchError, match="rank 1 of 2 ranks; resume it with world size 2, not 4"):
+    with pytest.raises(
+        actstore.errors.StoreMismatchError, match="rank 1 of 2 ranks; resume it with world size 2, not 4"
+    ):
         _writer(path, shard=1, world_size=4, resume=True)
     with _writer(path, shard=1, resume=True) as w2:
         assert w2.world_size == 2

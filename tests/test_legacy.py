@@ -35,15 +35,21 @@ def legacy_records(first: int, n: int, rng: np.random.Generator) -> dict:
         seq = 2 + i % (T - 1)  # 2..6 tokens
         for l in LAYERS:
             a = rng.standard_normal((seq, D)).astype(np.float32)
-            out[f"layer_{l}"].append({
-                "sample_idx": np.int64(1000 + i) if i % 2 else 1000 + i,  # numpy and plain ints both occur
-                "activation": a, "shape": a.shape, "text_preview": f"text of sample {i}",
-                "metadata": {"token_count": seq, "dataset_idx": np.int64(7 * i), "machine_id": 0},
-            })
+            out[f"layer_{l}"].append(
+                {
+                    "sample_idx": np.int64(1000 + i) if i % 2 else 1000 + i,  # numpy and plain ints both occur
+                    "activation": a,
+                    "shape": a.shape,
+                    "text_preview": f"text of sample {i}",
+                    "metadata": {"token_count": seq, "dataset_idx": np.int64(7 * i), "machine_id": 0},
+                }
+            )
     return out
 
 
-def write_legacy(root: Path, shards: list[dict], *, protocol: int = 4, raw: dict[int, bytes] | None = None, **md_extra) -> Path:
+def write_legacy(
+    root: Path, shards: list[dict], *, protocol: int = 4, raw: dict[int, bytes] | None = None, **md_extra
+) -> Path:
     """A legacy directory; `raw` replaces the bytes of shard files (checksums still listed correctly)."""
     root.mkdir(parents=True)
     infos = []
@@ -53,16 +59,29 @@ def write_legacy(root: Path, shards: list[dict], *, protocol: int = 4, raw: dict
         name = f"shard_{k + 1:04d}.pkl.gz"
         (root / name).write_bytes(data)
         n = len(doc[f"layer_{LAYERS[0]}"]) if doc else 0
-        infos.append({
-            "shard_id": k + 1, "filename": name, "size_bytes": len(data), "num_samples": n, "layers": LAYERS,
-            "sample_id_range": [1000 + first, 1000 + first + n - 1], "compressed": True,
-            "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
-        })
+        infos.append(
+            {
+                "shard_id": k + 1,
+                "filename": name,
+                "size_bytes": len(data),
+                "num_samples": n,
+                "layers": LAYERS,
+                "sample_id_range": [1000 + first, 1000 + first + n - 1],
+                "compressed": True,
+                "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
+            }
+        )
         first += n
     md = {
-        "version": "1.0", "created_at": "2025-01-09T12:00:00Z",
-        "extraction_config": {"model_name": "Qwen/Qwen2.5-7B", "model_params": {"hidden_size": D}, "layers_extracted": LAYERS,
-                              "max_seq_length": T, "batch_size": 16},
+        "version": "1.0",
+        "created_at": "2025-01-09T12:00:00Z",
+        "extraction_config": {
+            "model_name": "Qwen/Qwen2.5-7B",
+            "model_params": {"hidden_size": D},
+            "layers_extracted": LAYERS,
+            "max_seq_length": T,
+            "batch_size": 16,
+        },
         "distributed_config": {"machine_id": 0, "total_machines": 1},
         "shards": infos,
         "statistics": {"total_shards": len(shards), "total_samples": first},
@@ -84,7 +103,9 @@ def test_import_maps_layers_ids_texts_and_metadata(legacy, tmp_path):
     rep = import_pkl(src, tmp_path / "store", dtype="float32")
     assert (rep.n_shards, rep.n_imported, rep.n_skipped, rep.n_examples) == (2, 2, 0, 8)
     assert (rep.layers, rep.d_model, rep.t_max, rep.dtype, rep.warnings) == (LAYERS, D, T, "float32", [])
-    assert rep.summary().splitlines()[1] == "layers [15, 16], d_model 8, segment 'tokens' with T_max 6, stored as float32"
+    assert (
+        rep.summary().splitlines()[1] == "layers [15, 16], d_model 8, segment 'tokens' with T_max 6, stored as float32"
+    )
     st = ActStore(tmp_path / "store", verify="deep")
     assert len(st) == 8
     recs = [r for s in shards for r in zip(*(s[f"layer_{l}"] for l in LAYERS))]
@@ -96,7 +117,9 @@ def test_import_maps_layers_ids_texts_and_metadata(legacy, tmp_path):
         assert s["text_preview"] == f"text of sample {ex}"
         assert s["metadata"] == {"token_count": 2 + ex % 5, "dataset_idx": 7 * ex, "machine_id": 0}
     legacy_attrs = st.meta["legacy_pkl"]
-    assert legacy_attrs["extraction_config"]["model_name"] == "Qwen/Qwen2.5-7B" and st.config.model_id == "Qwen/Qwen2.5-7B"
+    assert (
+        legacy_attrs["extraction_config"]["model_name"] == "Qwen/Qwen2.5-7B" and st.config.model_id == "Qwen/Qwen2.5-7B"
+    )
     assert legacy_attrs["metadata_sha256"] == hashlib.sha256((src / "metadata.json").read_bytes()).hexdigest()
 
 
@@ -144,7 +167,10 @@ def test_export_of_a_native_store_and_interrupted_export(tmp_path):
     (tmp_path / "foreign/notes.txt").write_text("x")
     with pytest.raises(LegacyExportExistsError) as ei:
         export_pkl(tmp_path / "s", tmp_path / "foreign")
-    assert str(ei.value) == f"{tmp_path / 'foreign'} holds files that an export did not write (notes.txt); export to a new or empty folder"
+    assert (
+        str(ei.value)
+        == f"{tmp_path / 'foreign'} holds files that an export did not write (notes.txt); export to a new or empty folder"
+    )
 
 
 class _Evil:
@@ -158,8 +184,16 @@ class _Evil:
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_malicious_pickle_is_refused(tmp_path, protocol):
     marker = tmp_path / "pwned"
-    evil = {f"layer_{l}": [{"sample_idx": 0, "activation": np.zeros((2, D), np.float32),
-                            "metadata": _Evil(os.system, f"touch {marker}")}] for l in LAYERS}
+    evil = {
+        f"layer_{l}": [
+            {
+                "sample_idx": 0,
+                "activation": np.zeros((2, D), np.float32),
+                "metadata": _Evil(os.system, f"touch {marker}"),
+            }
+        ]
+        for l in LAYERS
+    }
     src = write_legacy(tmp_path / "legacy", [evil], protocol=protocol)
     with pytest.raises(UnsafePickleError) as ei:
         import_pkl(src, tmp_path / "store")
@@ -174,20 +208,27 @@ def test_malicious_pickle_is_refused(tmp_path, protocol):
     assert r.exit_code == 1 and r.output.startswith("actstore: error: ") and r.output.count("\n") == 1
 
 
-@pytest.mark.parametrize("fn, name", [(eval, "builtins.eval"), (subprocess.Popen, "subprocess.Popen"), (getattr, "builtins.getattr")])
+@pytest.mark.parametrize(
+    "fn, name", [(eval, "builtins.eval"), (subprocess.Popen, "subprocess.Popen"), (getattr, "builtins.getattr")]
+)
 def test_restricted_unpickler_refuses_other_callables(fn, name):
     with pytest.raises(UnsafePickleError, match=f"the pickle asks for {name}, which a legacy shard never needs"):
         restricted_loads(pickle.dumps({"x": _Evil(fn, "1")}))
 
 
 def test_restricted_unpickler_admits_numpy_of_every_protocol():
-    obj = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "i": np.int64(3), "f": np.float32(1.5), "t": (1, "x"), "b": b"\x00\xff"}
+    obj = {
+        "a": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "i": np.int64(3),
+        "f": np.float32(1.5),
+        "t": (1, "x"),
+        "b": b"\x00\xff",
+    }
     for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
         got = restricted_loads(pickle.dumps(obj, protocol=protocol))
         np.testing.assert_array_equal(got["a"], obj["a"])
         assert (got["i"], got["f"], got["t"], got["b"]) == (3, 1.5, (1, "x"), b"\x00\xff")
     with pytest.raises(UnsafePickleError, match="encoding 'rot13'; only 'latin1'"):
-
         restricted_loads(pickle.dumps(_Evil2(), protocol=2))
 
 
@@ -214,14 +255,20 @@ def test_checksum_size_and_path_problems(legacy, tmp_path):
     )
     assert (tmp_path / "s1/shards/shard-00000.zarr").exists() and not (tmp_path / "s1/shards/shard-00001.zarr").exists()
     shard.write_bytes(bytes(data[:-10]))
-    with pytest.raises(LegacyFormatError, match=f"has {len(data) - 10} bytes; metadata.json says {len(data)} \\(truncated or replaced\\?\\)"):
+    with pytest.raises(
+        LegacyFormatError,
+        match=f"has {len(data) - 10} bytes; metadata.json says {len(data)} \\(truncated or replaced\\?\\)",
+    ):
         import_pkl(src, tmp_path / "s2")
     for k, bad in enumerate(("../outside.pkl.gz", "/etc/passwd")):
         md["shards"][1]["filename"] = bad
         (src / "metadata.json").write_text(json.dumps(md))
         with pytest.raises(LegacyFormatError) as ei:
             import_pkl(src, tmp_path / f"s3-{k}")
-        assert str(ei.value) == f"{src / 'metadata.json'}: shard filename {bad!r} points outside {src}; refusing to read it"
+        assert (
+            str(ei.value)
+            == f"{src / 'metadata.json'}: shard filename {bad!r} points outside {src}; refusing to read it"
+        )
 
 
 def test_bounded_decompression_and_shape_checks(tmp_path):
@@ -246,13 +293,19 @@ def test_bounded_decompression_and_shape_checks(tmp_path):
         import_pkl(src, tmp_path / "s")
     doc = legacy_records(0, 2, rng)
     del doc["layer_16"]
-    src = write_legacy(tmp_path / "layers", [{**doc, "layer_3": copy.deepcopy(doc["layer_15"])}])  # a copy: shared records are refused
-    with pytest.raises(LegacyFormatError, match=r"holds keys \['layer_15', 'layer_3'\]; metadata.json lists layers \[15, 16\]"):
+    src = write_legacy(
+        tmp_path / "layers", [{**doc, "layer_3": copy.deepcopy(doc["layer_15"])}]
+    )  # a copy: shared records are refused
+    with pytest.raises(
+        LegacyFormatError, match=r"holds keys \['layer_15', 'layer_3'\]; metadata.json lists layers \[15, 16\]"
+    ):
         import_pkl(src, tmp_path / "s")
     doc = legacy_records(0, 2, rng)
     doc["layer_15"][1]["activation"] = np.zeros((2, D), object)
     src = write_legacy(tmp_path / "obj", [doc])
-    with pytest.raises(LegacyFormatError, match=r"activation must be a 2-D float array \[seq_len, hidden_size\]. Got object array"):
+    with pytest.raises(
+        LegacyFormatError, match=r"activation must be a 2-D float array \[seq_len, hidden_size\]. Got object array"
+    ):
         import_pkl(src, tmp_path / "s")
 
 
@@ -283,12 +336,27 @@ def test_interrupted_import_resumes(legacy, tmp_path, monkeypatch):
     "doc, message",
     [
         ([], "metadata.json must hold a JSON object. Got list."),
-        ({"version": "2.0", "extraction_config": {}, "shards": [{}]}, "metadata.json has version '2.0'; actstore imports the legacy format version 1.x"),
+        (
+            {"version": "2.0", "extraction_config": {}, "shards": [{}]},
+            "metadata.json has version '2.0'; actstore imports the legacy format version 1.x",
+        ),
         ({"version": "1.0", "extraction_config": {}, "shards": []}, "metadata.json: shards must be a non-empty list"),
-        ({"version": "1.0", "extraction_config": {}, "shards": [{"shard_id": 1, "filename": "a", "num_samples": -1, "layers": [1]}]},
-         "metadata.json: num_samples must be a non-negative int (at most 1099511627776). Got -1."),
-        ({"version": "1.0", "extraction_config": {}, "shards": [{"shard_id": 1, "filename": "a", "num_samples": 1, "layers": [1], "checksum": "md5:x"}]},
-         "metadata.json: checksum of a must be 'sha256:<64 hex digits>'. Got 'md5:x'."),
+        (
+            {
+                "version": "1.0",
+                "extraction_config": {},
+                "shards": [{"shard_id": 1, "filename": "a", "num_samples": -1, "layers": [1]}],
+            },
+            "metadata.json: num_samples must be a non-negative int (at most 1099511627776). Got -1.",
+        ),
+        (
+            {
+                "version": "1.0",
+                "extraction_config": {},
+                "shards": [{"shard_id": 1, "filename": "a", "num_samples": 1, "layers": [1], "checksum": "md5:x"}],
+            },
+            "metadata.json: checksum of a must be 'sha256:<64 hex digits>'. Got 'md5:x'.",
+        ),
     ],
 )
 def test_metadata_parser_messages(doc, message):
@@ -306,4 +374,6 @@ def test_cli_import_and_export(legacy, tmp_path):
         f"{sum((src / f).stat().st_size for f in ('shard_0001.pkl.gz', 'shard_0002.pkl.gz'))} bytes read"
     )
     r = CliRunner().invoke(main, ["export-pkl", str(tmp_path / "s"), str(tmp_path / "o"), "--examples-per-shard", "4"])
-    assert r.exit_code == 0 and r.output.startswith(f"exported {tmp_path / 's'} -> {tmp_path / 'o'}: 8 examples in 2 pkl shards")
+    assert r.exit_code == 0 and r.output.startswith(
+        f"exported {tmp_path / 's'} -> {tmp_path / 'o'}: 8 examples in 2 pkl shards"
+    )

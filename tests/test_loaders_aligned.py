@@ -29,8 +29,18 @@ def tagged_store(path, *, d=6, seed=0, shards=2, n=7, layers=LAYERS, ids_seed=No
     len_rng = np.random.default_rng(7)
     ex0 = 0
     for shard in range(shards):
-        with ShardWriter(path, shard=shard, layers=list(layers), d_model=d, segments=SEGS, t_chunk={"prompt": 4, "response": 4},
-                         dtype="float32", token_ids=True, stats=True, **layout) as w:
+        with ShardWriter(
+            path,
+            shard=shard,
+            layers=list(layers),
+            d_model=d,
+            segments=SEGS,
+            t_chunk={"prompt": 4, "response": 4},
+            dtype="float32",
+            token_ids=True,
+            stats=True,
+            **layout,
+        ) as w:
             acts, ids = {}, {}
             for si, (name, t) in enumerate(SEGS.items()):
                 tid = ids_rng.integers(0, 50_000, (n, t))
@@ -49,7 +59,9 @@ def tagged_store(path, *, d=6, seed=0, shards=2, n=7, layers=LAYERS, ids_seed=No
 
 
 def every_token(store):
-    return sorted((ex, si, t) for ex in range(len(store)) for si, name in enumerate(SEGS) for t in range(store.lengths(ex)[name]))
+    return sorted(
+        (ex, si, t) for ex in range(len(store)) for si, name in enumerate(SEGS) for t in range(store.lengths(ex)[name])
+    )
 
 
 def check_aligned(store, batches, layers, widths=None):
@@ -117,6 +129,7 @@ def test_workers_and_mid_epoch_resume_keep_alignment(tmp_path, num_workers):
 
     def make():
         return TokenStream(store, layers=LAYERS, aligned=True, batch_size=4, seed=2, buffer_bytes=4 * 3 * 24 * 2)
+
     full, end = _run(make, num_workers)
     assert end["epoch"] == 1 and end["batches_done"] == 0
     seen = check_aligned(store, full, LAYERS)
@@ -130,14 +143,28 @@ def test_workers_and_mid_epoch_resume_keep_alignment(tmp_path, num_workers):
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.integers(1, 9), window=st.integers(1, 3), cut=st.integers(0, 40), seed=st.integers(0, 9),
-       layers=st.lists(st.sampled_from(LAYERS), min_size=1, max_size=3, unique=True), workers=st.sampled_from([0, 0, 2]))
+@given(
+    batch=st.integers(1, 9),
+    window=st.integers(1, 3),
+    cut=st.integers(0, 40),
+    seed=st.integers(0, 9),
+    layers=st.lists(st.sampled_from(LAYERS), min_size=1, max_size=3, unique=True),
+    workers=st.sampled_from([0, 0, 2]),
+)
 def test_property_alignment_by_token_ids_whole_epoch_resumed(tmp_path, batch, window, cut, seed, layers, workers):
     path = tmp_path / "hyp"
     store = ActStore(path) if path.exists() else tagged_store(path)
 
     def make():
-        return TokenStream(store, layers=layers, aligned=True, batch_size=batch, seed=seed, buffer_bytes=batch * len(layers) * 24 * window)
+        return TokenStream(
+            store,
+            layers=layers,
+            aligned=True,
+            batch_size=batch,
+            seed=seed,
+            buffer_bytes=batch * len(layers) * 24 * window,
+        )
+
     full, _ = _run(make, workers)
     cut = min(cut, len(full))
     head, state = _run(make, workers, n=cut) if cut else ([], None)
@@ -165,14 +192,18 @@ def test_mismatched_token_ids_are_refused_naming_the_first(tmp_path):
     ex, t = (int(v) for v in np.argwhere((ids_a != ids_b) & within)[0])
     with pytest.raises(AlignmentError) as e:
         TokenStream([a, b], layers=[2], aligned=True)
-    assert str(e.value) == (f"example {ex}, segment 'prompt', token {t}: token id {ids_a[ex, t]} in {a.path} but "
-                            f"{ids_b[ex, t]} in {b.path}: aligned stores must be captured on the same tokens")
+    assert str(e.value) == (
+        f"example {ex}, segment 'prompt', token {t}: token id {ids_a[ex, t]} in {a.path} but "
+        f"{ids_b[ex, t]} in {b.path}: aligned stores must be captured on the same tokens"
+    )
 
 
 def test_other_lengths_or_example_counts_are_refused(tmp_path):
     a = tagged_store(tmp_path / "a")
     c = tagged_store(tmp_path / "c", shards=1)
-    with pytest.raises(AlignmentError, match=r"holds 7 examples, .* 14: aligned stores must be captured on the same inputs"):
+    with pytest.raises(
+        AlignmentError, match=r"holds 7 examples, .* 14: aligned stores must be captured on the same inputs"
+    ):
         TokenStream([a, c], layers=[2], aligned=True)
     with pytest.raises(ValueError, match="gives 1 lists for 2 stores"):
         TokenStream([a, a], layers=[[2]], aligned=True)

@@ -28,7 +28,9 @@ def test_cpu_device_yields_the_same_cpu_batches(tmp_path, device):
 def test_devices_it_cannot_serve_are_refused_up_front(tmp_path):
     store = vit_store(tmp_path / "s")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match=r"device='cuda' but torch.cuda.is_available\(\) is False: install a CUDA build"):
+        with pytest.raises(
+            ValueError, match=r"device='cuda' but torch.cuda.is_available\(\) is False: install a CUDA build"
+        ):
             TokenStream(store, device="cuda")
     with pytest.raises(ValueError, match=r"moves batches to 'cuda' devices .* move them to meta yourself"):
         TokenStream(store, device="meta")

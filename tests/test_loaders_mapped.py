@@ -23,6 +23,7 @@ from factory import LAYOUTS
 from test_loaders_tokens import qa_store
 from test_loaders_tokens import vit_store as tokens_vit_store
 
+
 def vit_store(path, layout="v2", n=12):
     return tokens_vit_store(path, n=n, stats=False, **LAYOUTS[layout])
 
@@ -44,8 +45,16 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kw", [{}, {"token_mask": "content", "return_index": True}, {"normalize": "standardize", "segments": "prompt"},
-                                {"shuffle": False, "layers": [5, 9]}], ids=["plain", "masked", "normalised", "ordered"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"token_mask": "content", "return_index": True},
+        {"normalize": "standardize", "segments": "prompt"},
+        {"shuffle": False, "layers": [5, 9]},
+    ],
+    ids=["plain", "masked", "normalised", "ordered"],
+)
 def test_mapped_batches_equal_read_batches(tmp_path, layout, kw):
     store = qa_store(tmp_path / "s", n=11, **LAYOUTS[layout])
     base = dict(batch_size=5, seed=2, buffer_bytes=5 * 8 * 2 * 3, **kw)  # windows of 3 batches
@@ -62,7 +71,9 @@ def test_warm_epochs_map_once_and_read_nothing(tmp_path, monkeypatch):
     ts = TokenStream(store, batch_size=8, seed=1)
     first = [b.clone() for b in ts]
     region = spare(ts)["region"]
-    assert region.stats()["mapped"] == 40 and region.stats()["pinned"] == 40  # the next epoch's window, read ahead, pins them
+    assert (
+        region.stats()["mapped"] == 40 and region.stats()["pinned"] == 40
+    )  # the next epoch's window, read ahead, pins them
     calls = []
     for name in ("read_into", "read_many_into", "read_cached", "map_unit"):
         real = getattr(ActStore, name)
@@ -144,7 +155,9 @@ def test_windows_fall_back_to_reads_when_slots_run_out(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s", n=12)
     ts, got = epoch(store, batch_size=6, seed=4)
     _, want = epoch(store, batch_size=6, seed=4, mmap=False)
-    assert spare(ts)["region"].n_slots == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    assert (
+        spare(ts)["region"].n_slots == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    )
 
 
 def test_chunks_not_a_whole_number_of_rows_from_the_start_are_read(tmp_path):
@@ -198,7 +211,9 @@ def test_a_deleted_chunk_file_of_data_is_an_error_and_one_of_zeros_streams_as_ze
     io = ActStore(tmp_path / "z")._shard(0).io["tokens"]
     os.unlink(io.where(io.geo.chunk_key(3, 0, 0)))  # zarr-python omits such a chunk: legal
     _, got = epoch(ActStore(tmp_path / "z"), batch_size=4, return_index=True, mmap=mmap)
-    rows = [b["acts"][i] for b in got for i in range(len(b["acts"])) if (int(b["example"][i]), int(b["layer"][i])) == (3, 0)]
+    rows = [
+        b["acts"][i] for b in got for i in range(len(b["acts"])) if (int(b["example"][i]), int(b["layer"][i])) == (3, 0)
+    ]
     assert len(rows) == 5 and not torch.stack(rows).any()
     assert sum(len(b["acts"]) for b in got) == 6 * 2 * 5
 
@@ -221,7 +236,11 @@ def test_other_stored_dtypes_stream_the_same_mapped(tmp_path, dtype):
     kw = dict(batch_size=7, seed=3, buffer_bytes=7 * 8 * 4 * 3)
     _, got = epoch(store, **kw)
     _, want = epoch(store, mmap=False, **kw)
-    assert got[0].dtype == getattr(torch, dtype) and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
+    assert (
+        got[0].dtype == getattr(torch, dtype)
+        and all(torch.equal(a, b) for a, b in zip(got, want))
+        and len(got) == len(want)
+    )
 
 
 def test_forked_workers_of_a_stream_that_mapped_in_the_main_process(tmp_path):
@@ -230,7 +249,12 @@ def test_forked_workers_of_a_stream_that_mapped_in_the_main_process(tmp_path):
     assert sum(len(b) for b in ts) == 160  # the main process mapped the files
     ts.set_epoch(0)
     got = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
-    want = [b.clone() for b in TokenStream(store, batch_size=8, seed=2, mmap=False).loader(num_workers=2, multiprocessing_context="fork")]
+    want = [
+        b.clone()
+        for b in TokenStream(store, batch_size=8, seed=2, mmap=False).loader(
+            num_workers=2, multiprocessing_context="fork"
+        )
+    ]
     assert len(got) == len(want) == 20 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 

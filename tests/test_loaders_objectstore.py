@@ -48,11 +48,15 @@ def _pairs(url, **loader_kw):
     st[0, 0]
     ds = PairDataset(st)
     with within(GUARD_S, "the pair loader"):
-        return [{k: v.clone() for k, v in b.items()} for b in ds.loader(batch_size=3, seed=2, timeout=GUARD_S, **loader_kw)]
+        return [
+            {k: v.clone() for k, v in b.items()} for b in ds.loader(batch_size=3, seed=2, timeout=GUARD_S, **loader_kw)
+        ]
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("context", [None, "spawn"])
@@ -60,7 +64,9 @@ def test_token_stream_with_two_workers_reads_a_bucket(s3_store, context):
     want = _tokens(s3_store)
     got = _tokens(s3_store, num_workers=2, multiprocessing_context=context)
     assert sum(len(b["acts"]) for b in want) == 12 * 2 * 5
-    rows = lambda bs: sorted(tuple(r) for b in bs for r in torch.stack([b["example"], b["layer"], b["token"]], 1).tolist())  # noqa: E731
+    rows = lambda bs: sorted(
+        tuple(r) for b in bs for r in torch.stack([b["example"], b["layer"], b["token"]], 1).tolist()
+    )  # noqa: E731
     assert rows(got) == rows(want)
 
 
@@ -73,8 +79,11 @@ def test_pair_dataset_with_two_workers_reads_a_bucket(s3_store, context):
 
 def test_fork_is_refused_up_front_with_the_fix(s3_store):
     st = ActStore(s3_store)
-    with pytest.raises(ValueError, match=r"multiprocessing_context='fork' cannot read s3://.*: obstore's client .* does not "
-                                         r"survive fork.*'spawn' or 'forkserver'"):
+    with pytest.raises(
+        ValueError,
+        match=r"multiprocessing_context='fork' cannot read s3://.*: obstore's client .* does not "
+        r"survive fork.*'spawn' or 'forkserver'",
+    ):
         TokenStream(st, batch_size=8).loader(num_workers=2, multiprocessing_context="fork")
     with pytest.raises(ValueError, match=r"multiprocessing_context='fork' cannot read s3://"):
         PairDataset(st).loader(batch_size=3, num_workers=2, multiprocessing_context="fork")
@@ -84,10 +93,18 @@ def test_a_worker_forked_anyway_fails_clearly_instead_of_hanging(s3_store):
     st = ActStore(s3_store)
     st[0, 0]
     ds = PairDataset(st)
-    dl = DataLoader(ds, sampler=ds.sampler(batch_size=3), batch_size=None, num_workers=2,
-                    multiprocessing_context="fork", timeout=GUARD_S)
+    dl = DataLoader(
+        ds,
+        sampler=ds.sampler(batch_size=3),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=GUARD_S,
+    )
     with within(GUARD_S, "a plain DataLoader forked after the client started"):
-        with pytest.raises(Exception, match=r"ForkedClientError.*was forked from a process that had already used obstore"):
+        with pytest.raises(
+            Exception, match=r"ForkedClientError.*was forked from a process that had already used obstore"
+        ):
             list(dl)
 
 
@@ -119,9 +136,16 @@ def test_a_store_unpickled_where_the_environment_lacks_the_endpoint_reads_the_sa
     st = ActStore(s3_store)
     (tmp_path / "store.pkl").write_bytes(pickle.dumps(st))
     np.save(tmp_path / "want.npy", np.asarray(st[3, 1]))
-    code = ("import pickle, sys, numpy as np; st = pickle.load(open(sys.argv[1], 'rb')); "
-            "assert np.array_equal(np.asarray(st[3, 1]), np.load(sys.argv[2])); print('same', len(st))")
+    code = (
+        "import pickle, sys, numpy as np; st = pickle.load(open(sys.argv[1], 'rb')); "
+        "assert np.array_equal(np.asarray(st[3, 1]), np.load(sys.argv[2])); print('same', len(st))"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # no endpoint, no credentials
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "store.pkl"), str(tmp_path / "want.npy")], env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store.pkl"), str(tmp_path / "want.npy")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "same 12", r.stderr[-2000:]

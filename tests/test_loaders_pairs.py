@@ -26,20 +26,32 @@ def check_batch(store, ds, batch):
             layer = int(batch["layers"][i, j])
             if [sg.name for sg in ds.segments] == list(store.segments):
                 # The real tokens of every segment, one after another, are ActStore[ex, layer].
-                real = [acts[i, j, int(ds.offsets[s]) : int(ds.offsets[s]) + lens[sg.name]] for s, sg in enumerate(ds.segments)]
-                np.testing.assert_array_equal(torch.cat(real).float().numpy(), np.asarray(store[ex, layer], dtype=np.float32))
+                real = [
+                    acts[i, j, int(ds.offsets[s]) : int(ds.offsets[s]) + lens[sg.name]]
+                    for s, sg in enumerate(ds.segments)
+                ]
+                np.testing.assert_array_equal(
+                    torch.cat(real).float().numpy(), np.asarray(store[ex, layer], dtype=np.float32)
+                )
             for s, seg in enumerate(ds.segments):
                 o = int(ds.offsets[s])
                 got = acts[i, j, o : o + seg.t_max].float().numpy()
                 want = np.asarray(store.segment(seg.name)[ex, layer], dtype=np.float32)
                 np.testing.assert_array_equal(got[: lens[seg.name]], want)
                 # Past the length: the padding exactly as stored.
-                np.testing.assert_array_equal(got, np.asarray(store.segment(seg.name).padded(ex, layer), dtype=np.float32))
+                np.testing.assert_array_equal(
+                    got, np.asarray(store.segment(seg.name).padded(ex, layer), dtype=np.float32)
+                )
         if "mask" in batch:
             # The default mask: real tokens, and of those content only (label 0) where the labels mark token kinds.
             kinds = store.config.labels_mark_kinds
-            want_mask = np.concatenate([(np.arange(s.t_max) < lens[s.name]) & ((store.field(f"{s.name}_token_labels")[ex] == 0) if kinds else True)
-                                        for s in ds.segments])
+            want_mask = np.concatenate(
+                [
+                    (np.arange(s.t_max) < lens[s.name])
+                    & ((store.field(f"{s.name}_token_labels")[ex] == 0) if kinds else True)
+                    for s in ds.segments
+                ]
+            )
             assert batch["mask"][i].tolist() == want_mask.tolist()
 
 
@@ -72,11 +84,15 @@ def test_sampler_epoch_is_a_permutation_with_distinct_sorted_layers():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 50), world=st.integers(1, 4), b=st.integers(1, 9), drop_last=st.booleans(), seed=st.integers(0, 99))
+@given(
+    n=st.integers(0, 50), world=st.integers(1, 4), b=st.integers(1, 9), drop_last=st.booleans(), seed=st.integers(0, 99)
+)
 def test_sampler_ranks_disjoint_and_complete(n, world, b, drop_last, seed):
     per_rank = []
     for rank in range(world):
-        smp = PairBatchSampler(n, layers=[0, 1], batch_size=b, seed=seed, rank=rank, world_size=world, drop_last=drop_last)
+        smp = PairBatchSampler(
+            n, layers=[0, 1], batch_size=b, seed=seed, rank=rank, world_size=world, drop_last=drop_last
+        )
         batches = list(smp)
         assert len(batches) == len(smp)
         per_rank.append(np.concatenate([x.examples for x in batches]).tolist() if batches else [])
@@ -116,8 +132,16 @@ def test_main_process_reuses_buffers_only_when_dropped(tmp_path):
     del second
     fourth = ds[idx[3]]["acts"]  # slot of `second`, dropped: reused
     assert fourth.data_ptr() == ptr
-    check_batch(store, ds, {"acts": fourth, "layers": torch.from_numpy(idx[3].layers), "examples": torch.tensor([3, 4]),
-                            "lengths": torch.tensor([[5], [5]])})
+    check_batch(
+        store,
+        ds,
+        {
+            "acts": fourth,
+            "layers": torch.from_numpy(idx[3].layers),
+            "examples": torch.tensor([3, 4]),
+            "lengths": torch.tensor([[5], [5]]),
+        },
+    )
 
 
 def test_token_mask_in_mask(tmp_path):

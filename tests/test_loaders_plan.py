@@ -28,16 +28,29 @@ plans = st.fixed_dictionaries(
 
 def _tokens_of_rank(p, rank, n_workers):
     """(unit, token) pairs of every batch a rank yields, per worker, in yield order."""
-    plan = EpochPlan(np.array(p["counts"], dtype=np.int64), batch_size=p["batch_size"], window_batches=p["window_batches"],
-                     seed=p["seed"], epoch=p["epoch"], rank=rank, world_size=p["world_size"], shuffle=p["shuffle"],
-                     drop_last=p["drop_last"], run=p["run"])
+    plan = EpochPlan(
+        np.array(p["counts"], dtype=np.int64),
+        batch_size=p["batch_size"],
+        window_batches=p["window_batches"],
+        seed=p["seed"],
+        epoch=p["epoch"],
+        rank=rank,
+        world_size=p["world_size"],
+        shuffle=p["shuffle"],
+        drop_last=p["drop_last"],
+        run=p["run"],
+    )
     per_worker = []
     for w in range(n_workers):
         batches = []
         for j in plan.worker_windows(w, n_workers):
             win = plan.window(j)
             owner = np.repeat(win.units, win.hi - win.lo)
-            tok = np.concatenate([np.arange(lo, hi) for lo, hi in zip(win.lo, win.hi)]) if len(win.units) else np.zeros(0, int)
+            tok = (
+                np.concatenate([np.arange(lo, hi) for lo, hi in zip(win.lo, win.hi)])
+                if len(win.units)
+                else np.zeros(0, int)
+            )
             assert (win.dest == np.concatenate([[0], np.cumsum(win.hi - win.lo)[:-1]])).all()
             perm = plan.window_permutation(win)
             assert sorted(perm.tolist()) == list(range(win.n_tokens))
@@ -92,9 +105,14 @@ def test_consumed_per_worker_matches_round_robin(worker_batches, data):
 
 def test_same_seed_same_order_other_seed_or_epoch_another():
     counts = np.arange(50) % 7
+
     def order(seed, epoch):
         plan = EpochPlan(counts, batch_size=8, window_batches=2, seed=seed, epoch=epoch)
-        return [plan.window_permutation(plan.window(j)).tolist() + plan.window(j).units.tolist() for j in range(plan.n_windows)]
+        return [
+            plan.window_permutation(plan.window(j)).tolist() + plan.window(j).units.tolist()
+            for j in range(plan.n_windows)
+        ]
+
     assert order(3, 0) == order(3, 0)
     assert order(3, 0) != order(4, 0)
     assert order(3, 0) != order(3, 1)

@@ -16,12 +16,25 @@ from tests.test_loaders_tokens import check_values, expected_rows, rows_of
 
 def _saev_dir(tmp_path, n=11, t=5, d=6):
     rng = np.random.default_rng(7)
-    with ShardWriter(tmp_path / "store", layers=[4, 8], d_model=d, tokens=t, token_labels=True, attrs={"cls_token": True}) as w:
-        w.append(rng.standard_normal((n, 2, t, d)).astype(np.float16),
-                 token_labels=rng.integers(0, 3, (n, t)).astype(np.uint8))
+    with ShardWriter(
+        tmp_path / "store", layers=[4, 8], d_model=d, tokens=t, token_labels=True, attrs={"cls_token": True}
+    ) as w:
+        w.append(
+            rng.standard_normal((n, 2, t, d)).astype(np.float16),
+            token_labels=rng.integers(0, 3, (n, t)).astype(np.uint8),
+        )
     actstore.finalize(tmp_path / "store")
-    res = export_saev(tmp_path / "store", tmp_path / "dump", protocol="2.0", patches_per_shard=4 * t * 2,
-                      family="dinov2", ckpt="facebook/dinov2-small", dataset="/d", fsync=False, progress=False)
+    res = export_saev(
+        tmp_path / "store",
+        tmp_path / "dump",
+        protocol="2.0",
+        patches_per_shard=4 * t * 2,
+        family="dinov2",
+        ckpt="facebook/dinov2-small",
+        dataset="/d",
+        fsync=False,
+        progress=False,
+    )
     return ActStore(tmp_path / "store"), actstore.open(res.path)
 
 
@@ -39,7 +52,9 @@ def test_token_stream_over_saev_dir(tmp_path):
     # Content tokens only: labels.bin gives CLS label 0, so a mask on labels drops it.
     masked = rows_of(list(TokenStream(store, batch_size=16, token_mask="token_labels", return_index=True)))
     labels = store.field("tokens_token_labels")
-    assert sorted(masked) == sorted(expected_rows(store, keep={"tokens": labels != 0})) and all(t != 0 for *_, t in masked)
+    assert sorted(masked) == sorted(expected_rows(store, keep={"tokens": labels != 0})) and all(
+        t != 0 for *_, t in masked
+    )
 
 
 def test_pair_dataset_over_saev_dir(tmp_path):

@@ -22,13 +22,27 @@ def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **la
     (`layout`: ShardWriter's zarr_format, shard_examples...)."""
     rng = np.random.default_rng(seed)
     for shard in range(shards):
-        with ShardWriter(path, shard=shard, layers=[2, 5, 9], d_model=d, segments={"prompt": 9, "response": 4},
-                         t_chunk={"prompt": 4, "response": 4}, dtype=dtype, token_labels=True, stats=stats, **layout) as w:
-            w.append(prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
-                     response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
-                     lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
-                     token_labels={"prompt": rng.integers(0, 3, (n, 9)).astype(np.uint8),
-                                   "response": rng.integers(0, 3, (n, 4)).astype(np.uint8)})
+        with ShardWriter(
+            path,
+            shard=shard,
+            layers=[2, 5, 9],
+            d_model=d,
+            segments={"prompt": 9, "response": 4},
+            t_chunk={"prompt": 4, "response": 4},
+            dtype=dtype,
+            token_labels=True,
+            stats=stats,
+            **layout,
+        ) as w:
+            w.append(
+                prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
+                response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
+                lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
+                token_labels={
+                    "prompt": rng.integers(0, 3, (n, 9)).astype(np.uint8),
+                    "response": rng.integers(0, 3, (n, 4)).astype(np.uint8),
+                },
+            )
     actstore.finalize(path)
     return ActStore(path)
 
@@ -61,8 +75,11 @@ def content(store):
 
 
 def rows_of(batches):
-    return [(int(e), int(l), int(s), int(t)) for b in batches for e, l, s, t in
-            zip(b["example"], b["layer"], b["segment"], b["token"])]
+    return [
+        (int(e), int(l), int(s), int(t))
+        for b in batches
+        for e, l, s, t in zip(b["example"], b["layer"], b["segment"], b["token"])
+    ]
 
 
 def check_values(store, ts, batches):
@@ -102,10 +119,14 @@ def test_epoch_yields_every_token_once_with_store_values(tmp_path):
 
 def test_layers_segments_and_stored_dtype(tmp_path):
     store = qa_store(tmp_path / "s", dtype="bfloat16")
-    ts = TokenStream(store, batch_size=5, layers=[9], segments="response", dtype=None, return_index=True, buffer_bytes=1)
+    ts = TokenStream(
+        store, batch_size=5, layers=[9], segments="response", dtype=None, return_index=True, buffer_bytes=1
+    )
     batches = list(ts)
     assert batches[0]["acts"].dtype == torch.bfloat16 and ts.window_batches == 1
-    assert sorted(rows_of(batches)) == sorted(expected_rows(store, layers=[9], segments=["response"], keep=content(store)))
+    assert sorted(rows_of(batches)) == sorted(
+        expected_rows(store, layers=[9], segments=["response"], keep=content(store))
+    )
     for b in batches:
         for i in range(len(b["acts"])):
             ref = store.segment("response")[int(b["example"][i]), 9][int(b["token"][i])]
@@ -147,10 +168,12 @@ def test_runs_of_units_stay_together(tmp_path):
 
 def test_same_seed_same_order_other_seed_and_epoch_another(tmp_path):
     store = qa_store(tmp_path / "s")
+
     def run(seed, epoch=0):
         ts = TokenStream(store, batch_size=8, seed=seed, return_index=True, buffer_bytes=8 * 16 * 2)
         ts.set_epoch(epoch)
         return rows_of(list(ts))
+
     a = run(1)
     assert a == run(1)
     assert a != run(2) and sorted(a) == sorted(run(2))
@@ -165,7 +188,9 @@ def test_ranks_and_workers_are_disjoint_and_complete(tmp_path):
     everything = Counter()
     counts = []
     for rank in range(3):
-        ts = TokenStream(store, batch_size=5, rank=rank, world_size=3, return_index=True, buffer_bytes=5 * 16 * 2, token_mask="all")
+        ts = TokenStream(
+            store, batch_size=5, rank=rank, world_size=3, return_index=True, buffer_bytes=5 * 16 * 2, token_mask="all"
+        )
         batches = list(ts.loader(num_workers=2, multiprocessing_context="fork"))
         counts.append(len(batches))
         assert len(batches) == len(ts)
@@ -211,13 +236,27 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, num_workers):
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(batch=st.integers(1, 9), window=st.integers(1, 3), cut=st.integers(0, 60), seed=st.integers(0, 9), run=st.integers(0, 6))
+@given(
+    batch=st.integers(1, 9),
+    window=st.integers(1, 3),
+    cut=st.integers(0, 60),
+    seed=st.integers(0, 9),
+    run=st.integers(0, 6),
+)
 def test_resume_property_in_process(tmp_path, batch, window, cut, seed, run):
     path = tmp_path / "hyp"
     store = ActStore(path) if path.exists() else qa_store(path)
+
     def make():
-        return TokenStream(store, batch_size=batch, seed=seed, buffer_bytes=batch * 16 * window, return_index=True,
-                           run_bytes=run * 8 * 16 * 13 // 2)  # units average (12 + 4) / 2 rows of 16 bytes
+        return TokenStream(
+            store,
+            batch_size=batch,
+            seed=seed,
+            buffer_bytes=batch * 16 * window,
+            return_index=True,
+            run_bytes=run * 8 * 16 * 13 // 2,
+        )  # units average (12 + 4) / 2 rows of 16 bytes
+
     full = [rows_of([b]) for b in make()]
     cut = min(cut, len(full))
     ts = make()
@@ -238,7 +277,11 @@ def test_normalize_standardize_and_scale(tmp_path):
         for i in range(len(b["acts"])):
             name = ts.segments[int(b["segment"][i])].name
             k = st_.keys.index(f"layer{int(b['layer'][i])}/{name}")
-            x = store.segment(name).padded(int(b["example"][i]), int(b["layer"][i]))[int(b["token"][i])].astype(np.float64)
+            x = (
+                store.segment(name)
+                .padded(int(b["example"][i]), int(b["layer"][i]))[int(b["token"][i])]
+                .astype(np.float64)
+            )
             want = (x - st_.mean[k]) / np.sqrt(st_.m2[k] / st_.count[k] + 1e-6)
             np.testing.assert_allclose(b["acts"][i].numpy(), want, rtol=1e-5, atol=1e-5)
     one = TokenStream(store, batch_size=1000, layers=[5], segments="prompt", normalize="scale")
@@ -251,13 +294,20 @@ def test_bad_arguments_have_clear_errors(tmp_path):
     store = qa_store(tmp_path / "s", stats=False)
     with pytest.raises(KeyError, match=r"layer 4 is not stored; this store holds layers \[2, 5, 9\]"):
         TokenStream(store, layers=[4])
-    with pytest.raises(KeyError, match=r"segments \['answer'\] are not in this store; it has segments \['prompt', 'response'\]"):
+    with pytest.raises(
+        KeyError, match=r"segments \['answer'\] are not in this store; it has segments \['prompt', 'response'\]"
+    ):
         TokenStream(store, segments=["answer"])
     with pytest.raises(ValueError, match=r"batch_size must be a positive int\. Got 0\."):
         TokenStream(store, batch_size=0)
-    with pytest.raises(ValueError, match=r"normalize='standardize' needs the store's statistics, but this store kept none"):
+    with pytest.raises(
+        ValueError, match=r"normalize='standardize' needs the store's statistics, but this store kept none"
+    ):
         TokenStream(store, normalize="standardize")
-    with pytest.raises(ValueError, match=r"token mask of segment 'prompt' must have shape \(n_examples, T_max\) = \(14, 9\); got \(14, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"token mask of segment 'prompt' must have shape \(n_examples, T_max\) = \(14, 9\); got \(14, 4\)",
+    ):
         TokenStream(store, token_mask={"prompt": np.ones((14, 4))})
     with pytest.raises(KeyError, match=r"reads the per-token array 'prompt_special', which this store lacks"):
         TokenStream(store, token_mask="special")
@@ -269,7 +319,10 @@ def test_bad_arguments_have_clear_errors(tmp_path):
         TokenStream(store, batch_size=5).load_state_dict(state)
     state.update(batches_done=3, num_workers=2)
     ts.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"saved position was taken with num_workers=2; resume with the same number of workers \(got 0\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"saved position was taken with num_workers=2; resume with the same number of workers \(got 0\)",
+    ):
         ts.loader(num_workers=0)
 
 

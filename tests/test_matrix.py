@@ -47,8 +47,17 @@ def inputs(tmp_path_factory):
     docs = [" ".join(SENTENCES[(k + j) % len(SENTENCES)] for j in range(1 + k % 3)) for k in range(6)]
     return {
         "vit": ["--model", save_dinov2(root / "dino"), "--data", root / "imgs", "--layers", "0,2"],
-        "packed": ["--model", save_llama(root / "llama", layers=3), "--data", write_jsonl(root / "c.jsonl", [{"text": d} for d in docs]),
-                   "--layers", "0,2", "--pack", "--context", "8"],
+        "packed": [
+            "--model",
+            save_llama(root / "llama", layers=3),
+            "--data",
+            write_jsonl(root / "c.jsonl", [{"text": d} for d in docs]),
+            "--layers",
+            "0,2",
+            "--pack",
+            "--context",
+            "8",
+        ],
         "pairs": ["--model", root / "llama", "--data", write_jsonl(root / "p.jsonl", PAIRS), "--layers", "0,2"],
     }
 
@@ -125,7 +134,9 @@ def _batches(loader):
 
 
 def _equal(a, b):
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("storage,layout,data", CELLS, ids=IDS)
@@ -133,7 +144,10 @@ def test_loaders_in_process(stores, storage, layout, data):
     store, ref = actstore.ActStore(stores(storage, layout, data)), actstore.ActStore(stores("local", layout, data))
     kw = dict(batch_size=8, seed=1, return_index=True, token_mask="content" if data != "vit" else None)
     assert _equal(_batches(TokenStream(store, **kw)), _batches(TokenStream(ref, **kw)))
-    assert _equal(_batches(PairDataset(store).loader(batch_size=2, seed=3)), _batches(PairDataset(ref).loader(batch_size=2, seed=3)))
+    assert _equal(
+        _batches(PairDataset(store).loader(batch_size=2, seed=3)),
+        _batches(PairDataset(ref).loader(batch_size=2, seed=3)),
+    )
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -148,11 +162,17 @@ def test_loaders_with_two_workers(stores, storage, context):
         with pytest.raises(ValueError, match=r"multiprocessing_context='fork' cannot read .*'spawn' or 'forkserver'"):
             TokenStream(store, **kw).loader(num_workers=2, multiprocessing_context="fork")
         context = None  # the loaders' own default for object storage (forkserver)
-    rows = lambda bs: sorted(map(tuple, torch.cat([torch.stack([b["example"], b["layer"], b["token"]], 1) for b in bs]).tolist()))  # noqa: E731
+    rows = lambda bs: sorted(
+        map(tuple, torch.cat([torch.stack([b["example"], b["layer"], b["token"]], 1) for b in bs]).tolist())
+    )  # noqa: E731
     got_t = _batches(TokenStream(store, **kw).loader(num_workers=2, multiprocessing_context=context, timeout=GUARD_S))
     assert rows(got_t) == rows(want_t)
     if context != "spawn":  # (spawn starts fresh interpreters: once per storage is enough, for the token stream)
-        got_p = _batches(PairDataset(store).loader(batch_size=2, seed=3, num_workers=2, multiprocessing_context=context, timeout=GUARD_S))
+        got_p = _batches(
+            PairDataset(store).loader(
+                batch_size=2, seed=3, num_workers=2, multiprocessing_context=context, timeout=GUARD_S
+            )
+        )
         assert _equal(got_p, want_p)
 
 
@@ -165,7 +185,16 @@ def test_exports(stores, storage, layout, data, tmp_path):
     out = cli("export-saev", url, tmp_path / "saev" / "shards", *family, "--quiet").output.strip().splitlines()[-1]
     cli("verify-saev", out)
     if data != "vit":
-        cli("export-saelens", url, tmp_path / "lens", "--layer", "blocks.2.hook_resid_post", "--context-size", "4", "--quiet")
+        cli(
+            "export-saelens",
+            url,
+            tmp_path / "lens",
+            "--layer",
+            "blocks.2.hook_resid_post",
+            "--context-size",
+            "4",
+            "--quiet",
+        )
         ds = datasets.load_from_disk(str(tmp_path / "lens"))
         ref = actstore.ActStore(stores("local", layout, data))
         assert len(ds) >= 1 and np.asarray(ds[0]["blocks.2.hook_resid_post"]).shape[1] == ref.d_model
@@ -184,7 +213,9 @@ def test_cp_down(stores, storage, layout, data, tmp_path):
     _same_store(actstore.ActStore(tmp_path / "down"), actstore.ActStore(stores("local", layout, data)))
 
 
-@pytest.mark.parametrize("storage", ["local", "s3", "az"])  # gs: the emulator refuses obstore's uploads (tests/emulators.py)
+@pytest.mark.parametrize(
+    "storage", ["local", "s3", "az"]
+)  # gs: the emulator refuses obstore's uploads (tests/emulators.py)
 def test_cp_up_and_two_writers(stores, storage, tmp_path):
     ref = actstore.ActStore(stores("local", "chunks", "packed"))
     dest = str(tmp_path / "up") if storage == "local" else f"{stores._bucket(storage, f'up-{storage}')}/store"

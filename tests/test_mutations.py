@@ -43,7 +43,9 @@ pytestmark = pytest.mark.slow  # every mutation of every layout, about 2 minutes
 PER_LAYOUT = {"v2": 500, "v3": 400, "v3-sharded": 400, "v2-zstd": 400, "saev": 500}  # 2,200 mutations per run
 # ACTSTORE_MUTATION_SEED=1 draws new random mutations each run (CI runs one fixed, derandomized set).
 SEED = os.environ.get("ACTSTORE_MUTATION_SEED")
-SCALE = float(os.environ.get("ACTSTORE_MUTATION_SCALE", "1"))  # e.g. 0.1 for a quick local run  # 2,050 mutations per run
+SCALE = float(
+    os.environ.get("ACTSTORE_MUTATION_SCALE", "1")
+)  # e.g. 0.1 for a quick local run  # 2,050 mutations per run
 COUNT: dict[str, Any] = {"mutations": 0, "by_kind": {}, "by_layout": {}, "t0": None}
 JSON_NAMES = (".json", ".zarray", ".zattrs", ".zgroup", ".zmetadata", ".jsonl")
 SAME_SIZE = ("flip", "zero", "json-same")  # "json-same": a JSON line rewritten to the same number of bytes
@@ -55,9 +57,13 @@ def _build(kind: str, root: Path) -> Path:
         from factory import vit_store
 
         store = vit_store(root / "vit", n=5)
-        return export_saev(store, root / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False).path
+        return export_saev(
+            store, root / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, progress=False
+        ).path
     kw: dict[str, Any] = {
-        "v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 2},
+        "v2": {},
+        "v3": {"zarr_format": 3},
+        "v3-sharded": {"zarr_format": 3, "shard_examples": 2},
         "v2-zstd": {"compressor": __import__("numcodecs").Zstd()},
     }[kind]
     path = root / "store"
@@ -213,7 +219,9 @@ def _unchecked(layout: str, rel: str, kind: str) -> str | None:
         return "data" if name.endswith(".bin") else None
     if "_activations/" in rel and not name.startswith("."):
         return "acts"
-    if name.endswith((".jsonl", ".npz", ".u32")) or ("/arrays/" in rel and not name.startswith(".") and name != "zarr.json"):
+    if name.endswith((".jsonl", ".npz", ".u32")) or (
+        "/arrays/" in rel and not name.startswith(".") and name != "zarr.json"
+    ):
         return "data"
     return None
 
@@ -263,9 +271,13 @@ def _property(layouts, layout: str, data, tmp_path_factory) -> None:
 
 
 def _settings(layout: str):
-    return settings(max_examples=max(1, int(PER_LAYOUT[layout] * SCALE)), deadline=None, derandomize=SEED is None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                           HealthCheck.data_too_large])
+    return settings(
+        max_examples=max(1, int(PER_LAYOUT[layout] * SCALE)),
+        deadline=None,
+        derandomize=SEED is None,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 def _property_test(layout: str):

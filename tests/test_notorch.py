@@ -37,7 +37,10 @@ def _acts(seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((5, len(LAYERS), T, D)) * 3).astype(np.float32)
     tie = np.float32(1 + 2**-11)  # halfway between two float16s: rounds to even (1.0)
-    edges = np.array([tie, np.nextafter(tie, np.float32(2)), np.nextafter(tie, np.float32(0)), -tie, 65504, -65504, 6e-8, 0.0, -0.0], np.float32)
+    edges = np.array(
+        [tie, np.nextafter(tie, np.float32(2)), np.nextafter(tie, np.float32(0)), -tie, 65504, -65504, 6e-8, 0.0, -0.0],
+        np.float32,
+    )
     x.reshape(-1)[: edges.size] = edges
     return x
 
@@ -95,7 +98,9 @@ def check_cli_finalize_info_verify(root: Path) -> None:
     res = run(main, ["info", "--json", str(path)])
     assert res.exit_code == 0, res.output
     info = json.loads(res.output)
-    assert info["n_examples"] == 5 and info["layers"] == LAYERS and info["statistics"]["layer7/tokens"]["count"] == 5 * T
+    assert (
+        info["n_examples"] == 5 and info["layers"] == LAYERS and info["statistics"]["layer7/tokens"]["count"] == 5 * T
+    )
     assert sys.modules.get("torch") is None
 
 
@@ -108,10 +113,16 @@ def check_torch_features_name_their_install(root: Path) -> None:
     _torch_is_gone()
     for module in ("actstore.torch", "actstore.loaders"):
         sys.modules.pop(module, None)
-        with pytest.raises(ModuleNotFoundError, match=r"needs torch, which is not installed: pip install 'actstore\[torch\]'"):
+        with pytest.raises(
+            ModuleNotFoundError, match=r"needs torch, which is not installed: pip install 'actstore\[torch\]'"
+        ):
             importlib.import_module(module)
     res = CliRunner().invoke(main, ["write", str(root / "s"), "--model", "m", "--data", "d", "--layers", "0"])
-    assert res.exit_code == 1 and "`actstore write` needs torch" in res.output and "pip install 'actstore[capture]'" in res.output
+    assert (
+        res.exit_code == 1
+        and "`actstore write` needs torch" in res.output
+        and "pip install 'actstore[capture]'" in res.output
+    )
     assert len(res.output.strip().splitlines()) == 1 and not (root / "s").exists()
 
 
@@ -130,13 +141,17 @@ def test_without_torch(check, tmp_path):
         "import test_notorch\n"
         f"test_notorch.{check.__name__}(pathlib.Path(sys.argv[1]))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], check=False, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_importing_actstore_and_its_cli_does_not_import_torch():
     code = "import actstore, actstore.cli, sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -148,7 +163,9 @@ def test_the_notorch_job_runs_every_test_file_that_does_not_import_torch():
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
     listed = set(re.findall(r"tests/(test_\w+\.py)(?!::)", code))
     left_out = set(re.findall(r"(test_\w+\.py)", comments))
-    top_torch = re.compile(r"^(import torch|from torch|from actstore\.(torch|loaders)|import transformers)", re.MULTILINE)
+    top_torch = re.compile(
+        r"^(import torch|from torch|from actstore\.(torch|loaders)|import transformers)", re.MULTILINE
+    )
     imports_torch = {p.name for p in TESTS.glob("test_*.py") if top_torch.search(p.read_text(encoding="utf-8"))}
     assert listed and not listed & imports_torch, f"listed but importing torch: {sorted(listed & imports_torch)}"
     assert not listed & left_out, sorted(listed & left_out)

@@ -35,8 +35,10 @@ def test_open_returns_the_reader_of_each_kind(pair):
 
 def test_actstore_refuses_a_saev_directory_and_points_to_open(pair):
     _, saev_dir = pair
-    want = (f"{saev_dir} is a saev shard directory, not an actstore store; open it with actstore.open('{saev_dir}'), "
-            "which returns a SaevStore with the same reading API")
+    want = (
+        f"{saev_dir} is a saev shard directory, not an actstore store; open it with actstore.open('{saev_dir}'), "
+        "which returns a SaevStore with the same reading API"
+    )
     with pytest.raises(StoreNotFoundError, match=re.escape(want)):
         ActStore(saev_dir)
     with pytest.raises(StoreNotFoundError, match="actstore.open"):
@@ -67,13 +69,18 @@ def test_verify_modes_on_a_saev_directory(pair):
     with open(acts, "r+b") as f:  # a NaN in place of the first float32: sizes still right
         f.write(np.array([np.nan], "<f4").tobytes())
     assert len(actstore.open(saev_dir, verify="fast")) == 6
-    with pytest.raises(VerificationError, match=r"failed verification \(deep\): 2 problems, the first: acts000000.bin: 1 non-finite "
-                       r"values .*Run `actstore verify-saev .* --values` for the full list") as e:
+    with pytest.raises(
+        VerificationError,
+        match=r"failed verification \(deep\): 2 problems, the first: acts000000.bin: 1 non-finite "
+        r"values .*Run `actstore verify-saev .* --values` for the full list",
+    ) as e:
         actstore.open(saev_dir, verify="deep")
     # the SaevReport travels with the error: the NaN, and the changed bytes against the export's checksum sidecar
     assert len(e.value.report.problems) == 2 and "crc32c" in str(e.value.report.problems[1])
     (saev_dir / "notes.txt").write_text("x")
-    with pytest.raises(VerificationError, match=r"failed verification \(fast\): 1 problem, the first: stray file 'notes.txt'"):
+    with pytest.raises(
+        VerificationError, match=r"failed verification \(fast\): 1 problem, the first: stray file 'notes.txt'"
+    ):
         actstore.open(saev_dir, verify="fast")
     assert len(actstore.open(saev_dir)) == 6  # without verify only what opening checks
 

@@ -23,7 +23,9 @@ from actstore.cli import main
 from actstore.verify import verify_store
 from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
 
-DOCS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 4)) for k in range(9)]  # 9 documents of varied length
+DOCS = [
+    " ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 4)) for k in range(9)
+]  # 9 documents of varied length
 
 
 def cli(*args, ok: bool = True):
@@ -52,7 +54,9 @@ class _WordTokenizer:
 @given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 17), st.sampled_from(["pack", "chunk"]))
 def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, context, mode):
     texts = [" ".join("w" * (1 + (i + j) % 5) for j in range(n)) for i, n in enumerate(words)]
-    src = actstore.capture.data.Source(kind="text", name="t", n=len(texts), get=lambda i: {"key": f"d{i}", "text": texts[i]})
+    src = actstore.capture.data.Source(
+        kind="text", name="t", n=len(texts), get=lambda i: {"key": f"d{i}", "text": texts[i]}
+    )
     tok = _WordTokenizer()
     win = plan_windows(src, tok, context, mode)
     seen = []  # (document, position) of every stored token, window by window
@@ -73,15 +77,36 @@ def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, 
 def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llama_dir, monkeypatch):
     data = write_jsonl(tmp_path / "c.jsonl", [{"id": f"doc{i}", "body": d} for i, d in enumerate(DOCS)])
     out = tmp_path / "packed"
-    cli("write", out, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
-        "--pack", "--context", "16", "--batch-size", "3", "--no-window-bos", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--text-field",
+        "body",
+        "--layers",
+        "0,1",
+        "--pack",
+        "--context",
+        "16",
+        "--batch-size",
+        "3",
+        "--no-window-bos",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
     corpus = [doc_tokens(tok, d) for d in DOCS]
     flat = [t for ids in corpus for t in ids]
     assert len(store) == -(-len(flat) // 16) and store.config.token_ids
-    assert [store.lengths(i)["tokens"] for i in range(len(store))] == [16] * (len(store) - 1) + [len(flat) - 16 * (len(store) - 1)]
-    assert np.concatenate([store.token_ids(i) for i in range(len(store))]).tolist() == flat  # a bijection, in corpus order
+    assert [store.lengths(i)["tokens"] for i in range(len(store))] == [16] * (len(store) - 1) + [
+        len(flat) - 16 * (len(store) - 1)
+    ]
+    assert (
+        np.concatenate([store.token_ids(i) for i in range(len(store))]).tolist() == flat
+    )  # a bijection, in corpus order
     assert store.config.attrs["packing"]["tokens"] == len(flat) and store.config.attrs["packing"]["mode"] == "pack"
     runs = list(store.texts("runs"))
     for i in range(len(store)):
@@ -93,7 +118,9 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
         for layer in (0, 1):  # (the last block's hidden state is after the final norm in HF)
-            np.testing.assert_allclose(store[i, layer].astype(np.float32), hs[layer + 1][0].numpy(), rtol=2e-3, atol=2e-3)
+            np.testing.assert_allclose(
+                store[i, layer].astype(np.float32), hs[layer + 1][0].numpy(), rtol=2e-3, atol=2e-3
+            )
     assert verify_store(out, deep=True).problems == []
 
     from actstore.capture import run as run_mod
@@ -107,8 +134,27 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
 
     monkeypatch.setattr(run_mod, "Progress", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
-    cli("write", two, "--model", llama_dir, "--data", data, "--text-field", "body", "--layers", "0,1",
-        "--pack", "--context", "16", "--batch-size", "3", "--workers", "2", "--no-window-bos", "--quiet")
+    cli(
+        "write",
+        two,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--text-field",
+        "body",
+        "--layers",
+        "0,1",
+        "--pack",
+        "--context",
+        "16",
+        "--batch-size",
+        "3",
+        "--workers",
+        "2",
+        "--no-window-bos",
+        "--quiet",
+    )
     other = actstore.ActStore(two)
     assert len(other) == len(store) and len(other.manifest.shards) == 2 and bars == [None]
     for i in range(len(store)):
@@ -120,7 +166,21 @@ def test_chunked_documents_are_cut_not_truncated(tmp_path, llama_dir):
     txt = tmp_path / "docs.txt"
     txt.write_text("\n".join(DOCS) + "\n\n", encoding="utf-8")  # one document per line; blank lines skipped
     out = tmp_path / "chunked"
-    cli("write", out, "--model", llama_dir, "--data", txt, "--layers", "1", "--chunk", "--context", "8", "--no-window-bos", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        llama_dir,
+        "--data",
+        txt,
+        "--layers",
+        "1",
+        "--chunk",
+        "--context",
+        "8",
+        "--no-window-bos",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     _, tok = tiny_llama(layers=3)
     runs = list(store.texts("runs"))
@@ -135,18 +195,27 @@ def test_chunked_documents_are_cut_not_truncated(tmp_path, llama_dir):
 
 def test_document_formats(tmp_path):
     rows = [f"document number {i}" for i in range(5)]
-    pq.write_table(pa.table({"content": rows, "n": list(range(5))}), tmp_path / "c.parquet", row_group_size=2)  # read a group at a time
+    pq.write_table(
+        pa.table({"content": rows, "n": list(range(5))}), tmp_path / "c.parquet", row_group_size=2
+    )  # read a group at a time
     with pa.ipc.new_file(tmp_path / "c.arrow", pa.schema([("text", pa.string())])) as w:
         w.write_table(pa.table({"text": rows}))
     for i, r in enumerate(rows):
         (tmp_path / f"doc{i}.txt").write_text(r, encoding="utf-8")
     write_jsonl(tmp_path / "a.jsonl", [{"text": r} for r in rows[:2]])
     write_jsonl(tmp_path / "b.jsonl", [{"text": r} for r in rows[2:]])
-    for spec, field in ((tmp_path / "c.parquet", "content"), (tmp_path / "c.arrow", None), (str(tmp_path / "doc*.txt"), None),
-                        (str(tmp_path / "*.jsonl"), None)):
+    for spec, field in (
+        (tmp_path / "c.parquet", "content"),
+        (tmp_path / "c.arrow", None),
+        (str(tmp_path / "doc*.txt"), None),
+        (str(tmp_path / "*.jsonl"), None),
+    ):
         src = load_source(str(spec), field)
         assert src.kind == "text" and [src.get(i)["text"] for i in range(len(src))] == rows, spec
-    with pytest.raises(actstore.capture.DataError, match=r"has no column 'body' \(columns: \['content', 'n'\]\); pass --text-field NAME"):
+    with pytest.raises(
+        actstore.capture.DataError,
+        match=r"has no column 'body' \(columns: \['content', 'n'\]\); pass --text-field NAME",
+    ):
         load_source(str(tmp_path / "c.parquet"), "body")
     with pytest.raises(actstore.capture.DataError, match=r"c\.parquet: column 'n' holds int64, not text"):
         load_source(str(tmp_path / "c.parquet"), "n")
@@ -159,14 +228,22 @@ def test_document_formats(tmp_path):
     # files (Arrow streams), memory-mapped: nothing is read into memory up front
     import datasets
 
-    datasets.Dataset.from_dict({"body": rows, "n": list(range(5)), "id": [f"d{i}" for i in range(5)]}).save_to_disk(tmp_path / "ds")
+    datasets.Dataset.from_dict({"body": rows, "n": list(range(5)), "id": [f"d{i}" for i in range(5)]}).save_to_disk(
+        tmp_path / "ds"
+    )
     src = load_source(str(tmp_path / "ds"), "body")
     assert [src.get(i) for i in (0, 4)] == [{"key": "d0", "text": rows[0]}, {"key": "d4", "text": rows[4]}]
-    with pytest.raises(actstore.capture.DataError, match=r"ds: column 'n' holds Value\('int64'\), not text; pass --text-field NAME"):
+    with pytest.raises(
+        actstore.capture.DataError, match=r"ds: column 'n' holds Value\('int64'\), not text; pass --text-field NAME"
+    ):
         load_source(str(tmp_path / "ds"), "n")
-    with pytest.raises(actstore.capture.DataError, match=r"has no column 'text' \(--text-field\); its columns: \['body', 'id', 'n'\]"):
+    with pytest.raises(
+        actstore.capture.DataError, match=r"has no column 'text' \(--text-field\); its columns: \['body', 'id', 'n'\]"
+    ):
         load_source(str(tmp_path / "ds"), "text")
-    with pytest.raises(actstore.capture.DataError, match=r"needs an 'image', 'text' or 'prompt' column \(or --text-field NAME\)"):
+    with pytest.raises(
+        actstore.capture.DataError, match=r"needs an 'image', 'text' or 'prompt' column \(or --text-field NAME\)"
+    ):
         load_source(str(tmp_path / "ds"))
     allocated = pa.total_allocated_bytes()
     src = load_source(str(tmp_path / "ds" / "data-00000-of-00001.arrow"), "body")
@@ -175,7 +252,9 @@ def test_document_formats(tmp_path):
     src = load_source(str(tmp_path / "a.jsonl"))
     raw = (tmp_path / "a.jsonl").read_bytes()
     (tmp_path / "a.jsonl").write_bytes(raw.replace(b'"text"', b'"TEXT"'))  # same ranges, other contents
-    with pytest.raises(actstore.capture.DataError, match=r"a\.jsonl record 1: the object has no \"text\" or \"prompt\" string"):
+    with pytest.raises(
+        actstore.capture.DataError, match=r"a\.jsonl record 1: the object has no \"text\" or \"prompt\" string"
+    ):
         src.get(1)
 
 
@@ -185,10 +264,15 @@ def test_packing_options_are_checked_before_the_model_loads(tmp_path, llama_dir)
         (["--pack"], "--pack and --chunk need --context N"),
         (["--pack", "--chunk", "--context", "8"], "give --pack (documents concatenated into windows) or --chunk"),
         (["--pack", "--context", "0"], "--context must be a positive int. Got 0."),
-        (["--pack", "--context", "8", "--p-max", "4"], "--p-max, --r-max, quantiles, --generate and --chat-template do not apply"),
+        (
+            ["--pack", "--context", "8", "--p-max", "4"],
+            "--p-max, --r-max, quantiles, --generate and --chat-template do not apply",
+        ),
         (["--pack", "--context", "999"], "--context 999 exceeds"),
     ):
-        res = cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", *args, "--quiet", ok=False)
+        res = cli(
+            "write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", *args, "--quiet", ok=False
+        )
         assert res.exit_code == 1 and message in res.output, (args, res.output)
         assert not (tmp_path / "s").exists()
 
@@ -205,20 +289,57 @@ def test_drop_bos_stores_every_token_but_the_tokenizers_bos(tmp_path, llama_dir)
         assert ids[0] == tok.bos_token_id and store.token_ids(i).tolist() == ids[1:]
         with torch.inference_mode():
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[2][0].numpy()
-        np.testing.assert_allclose(store[i, 1].astype(np.float32), hs[1:], rtol=2e-3, atol=2e-3)  # the model saw the BOS
+        np.testing.assert_allclose(
+            store[i, 1].astype(np.float32), hs[1:], rtol=2e-3, atol=2e-3
+        )  # the model saw the BOS
     packed = tmp_path / "packed"
-    cli("write", packed, "--model", llama_dir, "--data", data, "--layers", "1", "--pack", "--context", "16", "--drop", "bos", "--quiet")
+    cli(
+        "write",
+        packed,
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--pack",
+        "--context",
+        "16",
+        "--drop",
+        "bos",
+        "--quiet",
+    )
     ps = actstore.ActStore(packed)
     flat = [t for d in DOCS[:4] for t in doc_tokens(tok, d)]
-    assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [t for t in flat if t != tok.bos_token_id]
+    assert np.concatenate([ps.token_ids(i) for i in range(len(ps))]).tolist() == [
+        t for t in flat if t != tok.bos_token_id
+    ]
     # the runs describe the stored tokens: each maps back to its document and position
     per_doc = [doc_tokens(tok, d) for d in DOCS[:4]]
     origins = [token_origins(ps, i) for i in range(len(ps))]
     for i, o in enumerate(origins):
         assert [per_doc[d][p] for d, p in o] == ps.token_ids(i).tolist()
-    assert sorted(map(tuple, np.concatenate(origins).tolist())) == [(d, p) for d in range(4) for p in range(1, len(per_doc[d]))]
-    res = cli("write", tmp_path / "x", "--model", llama_dir, "--data", data, "--layers", "1", "--drop", "cls", "--quiet", ok=False)
-    assert res.exit_code == 1 and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output
+    assert sorted(map(tuple, np.concatenate(origins).tolist())) == [
+        (d, p) for d in range(4) for p in range(1, len(per_doc[d]))
+    ]
+    res = cli(
+        "write",
+        tmp_path / "x",
+        "--model",
+        llama_dir,
+        "--data",
+        data,
+        "--layers",
+        "1",
+        "--drop",
+        "cls",
+        "--quiet",
+        ok=False,
+    )
+    assert (
+        res.exit_code == 1
+        and "--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)" in res.output
+    )
 
 
 def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llama_dir, monkeypatch):
@@ -226,12 +347,31 @@ def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llam
     for i, d in enumerate(DOCS[:3]):
         (tmp_path / "corpus" / f"d{i}.txt").write_text(d, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    cli("write", "s", "--model", llama_dir, "--data", "corpus/*.txt", "--layers", "1", "--pack", "--context", "8", "--quiet")
+    cli(
+        "write",
+        "s",
+        "--model",
+        llama_dir,
+        "--data",
+        "corpus/*.txt",
+        "--layers",
+        "1",
+        "--pack",
+        "--context",
+        "8",
+        "--quiet",
+    )
     store = actstore.ActStore(tmp_path / "s")
     assert store.config.attrs["dataset"] == str(tmp_path / "corpus" / "*.txt")
     assert [r[1][1] for r in store.texts("runs")][:1] == ["corpus/d0.txt"]  # run 0: the window's BOS
     res = cli("export-saev", "s", tmp_path / "saev" / "shards", ok=False)  # a text store names no saev family
-    assert res.exit_code == 1 and "a text store ('" in res.output and "pass one as a label (--family, e.g. clip" in res.output
+    assert (
+        res.exit_code == 1
+        and "a text store ('" in res.output
+        and "pass one as a label (--family, e.g. clip" in res.output
+    )
     out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()
     md = json.loads((tmp_path / "saev" / "shards" / out.rsplit("/", 1)[-1] / "metadata.json").read_text())
-    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(len(store.token_ids(i)) for i in range(len(store)))
+    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(
+        len(store.token_ids(i)) for i in range(len(store))
+    )

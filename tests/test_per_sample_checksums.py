@@ -23,13 +23,26 @@ SH0 = "shards/shard-00000.zarr"
 
 def _store(root, layout: str, commits: int = 2):
     kw = LAYOUTS[layout]
-    with ShardWriter(root, layers=[0, 2], d_model=4, tokens=3, segments=None, fields={"label": "int64", "w": "float32"},
-                     token_labels=True, token_ids=True, **kw) as w:
+    with ShardWriter(
+        root,
+        layers=[0, 2],
+        d_model=4,
+        tokens=3,
+        segments=None,
+        fields={"label": "int64", "w": "float32"},
+        token_labels=True,
+        token_ids=True,
+        **kw,
+    ) as w:
         for c in range(commits):
             b = 3
-            w.append(np.ones((b, 2, 3, 4), np.float16), fields={"label": np.arange(b) + 10 * c, "w": np.full(b, 0.5, np.float32)},
-                     sample_keys=[f"k{c}-{i}" for i in range(b)], token_labels=np.full((b, 3), 1, np.uint8),
-                     token_ids=np.arange(b * 3).reshape(b, 3))
+            w.append(
+                np.ones((b, 2, 3, 4), np.float16),
+                fields={"label": np.arange(b) + 10 * c, "w": np.full(b, 0.5, np.float32)},
+                sample_keys=[f"k{c}-{i}" for i in range(b)],
+                token_labels=np.full((b, 3), 1, np.uint8),
+                token_ids=np.arange(b * 3).reshape(b, 3),
+            )
             if c < commits - 1:
                 w.commit()
     finalize(root)
@@ -56,13 +69,18 @@ def test_deep_verify_finds_a_changed_per_sample_value(tmp_path, layout, array):
     _store(root, layout)
     a = zarr.open_array(str(root / SH0 / "arrays" / array), mode="r+")
     row = a[4]
-    a[4] = (b"k1-9" if a.dtype.kind == "S" else np.where(np.asarray(row) == 0, 7, 0)) if array != "label" else 7  # label 11 -> 7
+    a[4] = (
+        (b"k1-9" if a.dtype.kind == "S" else np.where(np.asarray(row) == 0, 7, 0)) if array != "label" else 7
+    )  # label 11 -> 7
     assert verify_store(root).ok  # fast verify reads no values
     rep = verify_store(root, deep=True)
-    assert [(p.kind, p.path, p.message) for p in rep.errors] == [(
-        "per-sample-checksum", f"{SH0}/arrays/{array}",
-        f"per-sample array {array}: the values of examples 3..5 do not match the crc32c their writer recorded (a value was changed on disk)",
-    )]
+    assert [(p.kind, p.path, p.message) for p in rep.errors] == [
+        (
+            "per-sample-checksum",
+            f"{SH0}/arrays/{array}",
+            f"per-sample array {array}: the values of examples 3..5 do not match the crc32c their writer recorded (a value was changed on disk)",
+        )
+    ]
     assert rep.errors[0].example == 3
 
 
@@ -96,9 +114,21 @@ def test_per_sample_chunks_are_sized_to_the_data(tmp_path, layout):
     sizes = {}
     for name in ("tokens_len", "sample_key", "label", "tokens_token_labels"):
         meta = zarr.open_array(str(arrays / name), mode="r")
-        sizes[name] = (meta.chunks[0], sum(f.stat().st_size for f in (arrays / name).rglob("*") if f.is_file() and not f.name.startswith((".z", "zarr"))))
+        sizes[name] = (
+            meta.chunks[0],
+            sum(
+                f.stat().st_size
+                for f in (arrays / name).rglob("*")
+                if f.is_file() and not f.name.startswith((".z", "zarr"))
+            ),
+        )
     # about PER_SAMPLE_CHUNK_BYTES a chunk (it was 4 MiB: 28 MiB of store for 15.6 MiB of activations)
-    assert sizes == {"tokens_len": (16384, 65536), "sample_key": (1024, 65536), "label": (8192, 65536), "tokens_token_labels": (21845, 65535)}
+    assert sizes == {
+        "tokens_len": (16384, 65536),
+        "sample_key": (1024, 65536),
+        "label": (8192, 65536),
+        "tokens_token_labels": (21845, 65535),
+    }
     total = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     assert total < 10 * spec.PER_SAMPLE_CHUNK_BYTES, total
     assert spec.PER_SAMPLE_CHUNK_BYTES == 64 * 2**10

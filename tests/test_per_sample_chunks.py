@@ -45,7 +45,9 @@ def test_a_chunk_of_zeros_is_written_and_read_by_zarr_python_alike(tmp_path, lay
     arr = zarr.open_array(store=str(path.parent.parent if kw.get("zarr_format") == 3 else path.parent), mode="r")
     assert path.is_file() and path.read_bytes() == bytes(arr.chunks[0] * 8)  # zarr would omit it: all fill value
     assert arr.attrs[spec.EVERY_CHUNK_ATTR] is True
-    assert np.array_equal(arr[:], np.zeros(6, np.int64)) and np.array_equal(ActStore(tmp_path / "s").field("label"), arr[:])
+    assert np.array_equal(arr[:], np.zeros(6, np.int64)) and np.array_equal(
+        ActStore(tmp_path / "s").field("label"), arr[:]
+    )
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -67,13 +69,18 @@ def test_a_deleted_per_sample_chunk_is_named_by_readers_and_verify(tmp_path, lay
     assert str(e.value) == why
     rel = path.relative_to(root / SH0 / "arrays" / array).as_posix()
     rep = verify_store(root)
-    assert [(p.kind, p.path, p.message) for p in rep.errors] == [(
-        "missing-chunk", f"{SH0}/arrays/{array}/{rel}",
-        f"chunk file {rel} of per-sample array {array} (examples 0..5) is missing: its writer writes every chunk, "
-        "zeros included, so it was deleted (readers would return zeros)",
-    )]
+    assert [(p.kind, p.path, p.message) for p in rep.errors] == [
+        (
+            "missing-chunk",
+            f"{SH0}/arrays/{array}/{rel}",
+            f"chunk file {rel} of per-sample array {array} (examples 0..5) is missing: its writer writes every chunk, "
+            "zeros included, so it was deleted (readers would return zeros)",
+        )
+    ]
     r = CliRunner().invoke(main, ["verify", str(root)])
-    assert r.exit_code == 1 and f"chunk file {rel} of per-sample array {array} (examples 0..5) is missing" in r.output, r.output
+    assert (
+        r.exit_code == 1 and f"chunk file {rel} of per-sample array {array} (examples 0..5) is missing" in r.output
+    ), r.output
     if array == "label":  # the activations do not need the labels
         assert np.array_equal(ActStore(root)[2, 4], x[2, 1])
 
@@ -106,7 +113,9 @@ def test_a_resumed_shard_keeps_writing_every_chunk(tmp_path):
     w.append(np.ones((2, 1, 3, 4), np.float16), fields={"label": np.array([0, 0])})
     w.commit()
     w._close_files()  # as a writer that died after its commit
-    with ShardWriter(root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"}, zarr_format=2, resume=True) as w:
+    with ShardWriter(
+        root, shard=0, layers=[1], d_model=4, tokens=3, fields={"label": "int64"}, zarr_format=2, resume=True
+    ) as w:
         w.append(np.ones((3, 1, 3, 4), np.float16), fields={"label": np.array([0, 0, 0])})
     finalize(root)
     assert (root / SH0 / "arrays/label/0").read_bytes() == bytes(spec.PER_SAMPLE_CHUNK_BYTES)  # 8192 int64 rows

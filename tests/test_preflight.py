@@ -28,56 +28,139 @@ def env(tmp_path_factory):
     os.mkfifo(d / "fifomodel" / "config.json")  # would block a reader forever
     bad = d / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"text": broken\n', encoding="utf-8")
-    for store, layers, extra in (("s.store", "0,1", []), ("named.store", "blocks.1.hook_resid_post,model.layers.0.mlp", []),
-                                 ("packed.store", "1", ["--pack", "--context", "8"])):
+    for store, layers, extra in (
+        ("s.store", "0,1", []),
+        ("named.store", "blocks.1.hook_resid_post,model.layers.0.mlp", []),
+        ("packed.store", "1", ["--pack", "--context", "8"]),
+    ):
         src = texts if extra or store == "named.store" else data
-        res = CliRunner().invoke(main, ["write", str(d / store), "--model", str(llama), "--data", str(src), "--layers", layers, "--quiet", *extra])
+        res = CliRunner().invoke(
+            main,
+            ["write", str(d / store), "--model", str(llama), "--data", str(src), "--layers", layers, "--quiet", *extra],
+        )
         assert res.exit_code == 0, res.output
-    return {"llama": llama, "dino": dino, "imgs": d / "imgs", "data": data, "texts": texts, "bad": bad, "store": d / "s.store",
-            "named": d / "named.store", "packed": d / "packed.store", "dir": d, "fifomodel": d / "fifomodel"}
+    return {
+        "llama": llama,
+        "dino": dino,
+        "imgs": d / "imgs",
+        "data": data,
+        "texts": texts,
+        "bad": bad,
+        "store": d / "s.store",
+        "named": d / "named.store",
+        "packed": d / "packed.store",
+        "dir": d,
+        "fifomodel": d / "fifomodel",
+    }
 
 
 # (case, store it runs on (None: a new one), the arguments after STORE, the one-line message)
 CASES = [
-    ("resume_layers", "store", ["--model", "{llama}", "--data", "{data}", "--layers", "0,2", "--resume"],
-     "--resume of {store}: the store holds layers [0, 1], not [0, 2]; resume with --layers 0,1"),
-    ("resume_dtype", "store", ["--model", "{llama}", "--data", "{data}", "--layers", "0,1", "--dtype", "float32", "--resume"],
-     "--resume of {store}: the store holds float16, not float32; resume with --dtype float16"),
-    ("resume_model", "store", ["--model", "{dino}", "--data", "{imgs}", "--layers", "0,1", "--resume"],
-     "--resume of {store}: the store was captured from '{llama}', not '{dino}'; resume with --model {llama}"),
-    ("resume_names", "named", ["--model", "{llama}", "--data", "{texts}", "--layers", "blocks.1.hook_resid_post,blocks.0.hook_mlp_out", "--resume"],
-     "--resume of {named}: the store holds layers [1, 'model.layers.0.mlp'], not ['blocks.1.hook_resid_post', 'blocks.0.hook_mlp_out']; "
-     "resume with --layers 1,model.layers.0.mlp"),
-    ("resume_negative", "named", ["--model", "{llama}", "--data", "{texts}", "--layers", "-1,model.layers.0.mlp", "--resume"],
-     "--resume of {named}: the store holds layers [1, 'model.layers.0.mlp'], not [-1, 'model.layers.0.mlp']; "
-     "resume with --layers 1,model.layers.0.mlp"),
-    ("resume_packing", "packed", ["--model", "{llama}", "--data", "{texts}", "--layers", "1", "--pack", "--context", "16", "--resume"],
-     "--resume of {packed}: the store holds a corpus captured with --pack --context 8; resume with the same options"),
-    ("generate_images", None, ["--model", "{dino}", "--data", "{imgs}", "--layers", "0", "--generate", "4"],
-     "--generate makes responses for prompts; {dino} is an image model"),
-    ("pack_images", None, ["--model", "{dino}", "--data", "{imgs}", "--layers", "0", "--pack", "--context", "8"],
-     "--pack and --chunk take a language model; {dino} is an image model"),
-    ("modality", None, ["--model", "{llama}", "--data", "{imgs}", "--layers", "0,1"],
-     "model {llama} takes text input but --data {imgs} holds image examples"),
-    ("layer", None, ["--model", "{llama}", "--data", "{data}", "--layers", "0,-4"],
-     "layer -4 does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
-     "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths"),
-    ("module_path", None, ["--model", "{llama}", "--data", "{data}", "--layers", "model.layers.3.mlp"],
-     "model.layers.3.mlp does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
-     "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths"),
-    ("fifo_config", None, ["--model", "{fifomodel}", "--data", "{data}", "--layers", "0"],
-     "{fifomodel}/config.json is a FIFO (named pipe), not a file: a model folder holds its config.json as a regular file "
-     "(pass a saved model folder, a hub id or embedded:...)"),
-    ("bad_line", None, ["--model", "{llama}", "--data", "{bad}", "--layers", "0"],
-     "{bad}:3: not valid JSON (Expecting value: line 1 column 10 (char 9))"),
-    ("not_writable", "unwritable", ["--model", "{llama}", "--data", "{data}", "--layers", "0"],
-     "cannot write to {data}/x.store: {data} is a file, not a folder; give a path under a folder"),
+    (
+        "resume_layers",
+        "store",
+        ["--model", "{llama}", "--data", "{data}", "--layers", "0,2", "--resume"],
+        "--resume of {store}: the store holds layers [0, 1], not [0, 2]; resume with --layers 0,1",
+    ),
+    (
+        "resume_dtype",
+        "store",
+        ["--model", "{llama}", "--data", "{data}", "--layers", "0,1", "--dtype", "float32", "--resume"],
+        "--resume of {store}: the store holds float16, not float32; resume with --dtype float16",
+    ),
+    (
+        "resume_model",
+        "store",
+        ["--model", "{dino}", "--data", "{imgs}", "--layers", "0,1", "--resume"],
+        "--resume of {store}: the store was captured from '{llama}', not '{dino}'; resume with --model {llama}",
+    ),
+    (
+        "resume_names",
+        "named",
+        [
+            "--model",
+            "{llama}",
+            "--data",
+            "{texts}",
+            "--layers",
+            "blocks.1.hook_resid_post,blocks.0.hook_mlp_out",
+            "--resume",
+        ],
+        "--resume of {named}: the store holds layers [1, 'model.layers.0.mlp'], not ['blocks.1.hook_resid_post', 'blocks.0.hook_mlp_out']; "
+        "resume with --layers 1,model.layers.0.mlp",
+    ),
+    (
+        "resume_negative",
+        "named",
+        ["--model", "{llama}", "--data", "{texts}", "--layers", "-1,model.layers.0.mlp", "--resume"],
+        "--resume of {named}: the store holds layers [1, 'model.layers.0.mlp'], not [-1, 'model.layers.0.mlp']; "
+        "resume with --layers 1,model.layers.0.mlp",
+    ),
+    (
+        "resume_packing",
+        "packed",
+        ["--model", "{llama}", "--data", "{texts}", "--layers", "1", "--pack", "--context", "16", "--resume"],
+        "--resume of {packed}: the store holds a corpus captured with --pack --context 8; resume with the same options",
+    ),
+    (
+        "generate_images",
+        None,
+        ["--model", "{dino}", "--data", "{imgs}", "--layers", "0", "--generate", "4"],
+        "--generate makes responses for prompts; {dino} is an image model",
+    ),
+    (
+        "pack_images",
+        None,
+        ["--model", "{dino}", "--data", "{imgs}", "--layers", "0", "--pack", "--context", "8"],
+        "--pack and --chunk take a language model; {dino} is an image model",
+    ),
+    (
+        "modality",
+        None,
+        ["--model", "{llama}", "--data", "{imgs}", "--layers", "0,1"],
+        "model {llama} takes text input but --data {imgs} holds image examples",
+    ),
+    (
+        "layer",
+        None,
+        ["--model", "{llama}", "--data", "{data}", "--layers", "0,-4"],
+        "layer -4 does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
+        "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths",
+    ),
+    (
+        "module_path",
+        None,
+        ["--model", "{llama}", "--data", "{data}", "--layers", "model.layers.3.mlp"],
+        "model.layers.3.mlp does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
+        "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths",
+    ),
+    (
+        "fifo_config",
+        None,
+        ["--model", "{fifomodel}", "--data", "{data}", "--layers", "0"],
+        "{fifomodel}/config.json is a FIFO (named pipe), not a file: a model folder holds its config.json as a regular file "
+        "(pass a saved model folder, a hub id or embedded:...)",
+    ),
+    (
+        "bad_line",
+        None,
+        ["--model", "{llama}", "--data", "{bad}", "--layers", "0"],
+        "{bad}:3: not valid JSON (Expecting value: line 1 column 10 (char 9))",
+    ),
+    (
+        "not_writable",
+        "unwritable",
+        ["--model", "{llama}", "--data", "{data}", "--layers", "0"],
+        "cannot write to {data}/x.store: {data} is a file, not a folder; give a path under a folder",
+    ),
 ]
 
 
 def _args(env, store_key, args, case):
     fmt = {k: str(v) for k, v in env.items()}
-    target = {None: env["dir"] / f"new-{case}.store", "unwritable": f"{env['data']}/x.store"}.get(store_key) or env.get(store_key)
+    target = {None: env["dir"] / f"new-{case}.store", "unwritable": f"{env['data']}/x.store"}.get(store_key) or env.get(
+        store_key
+    )
     return str(target), [a.format(**fmt) for a in args]
 
 
@@ -93,7 +176,9 @@ def test_checked_before_the_model_loads(env, monkeypatch, case, store_key, args,
     res = CliRunner().invoke(main, ["write", target, *argv, "--quiet"])
     assert res.exit_code == 1
     assert res.output.strip() == "actstore: error: " + message.format(**{k: str(v) for k, v in env.items()}), res.output
-    assert sorted(p.relative_to(env["dir"]) for p in env["dir"].rglob("*")) == before  # nothing written, nothing removed
+    assert (
+        sorted(p.relative_to(env["dir"]) for p in env["dir"].rglob("*")) == before
+    )  # nothing written, nothing removed
     assert len(actstore.ActStore(store)) == len(PAIRS)
 
 
@@ -112,9 +197,32 @@ except SystemExit as e:
 def test_the_checks_run_before_torch_is_imported(env):
     for case, store_key, args, _ in CASES[::2] + [CASES[-1]]:
         target, argv = _args(env, store_key, args, case)
-        res = subprocess.run([sys.executable, "-c", PROBE, "write", target, *argv, "--quiet"], capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-c", PROBE, "write", target, *argv, "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.stdout.strip().splitlines()[-1] == "exit 1 []", (case, res.stdout, res.stderr[-2000:])
         assert res.stderr.startswith("actstore: error: "), (case, res.stderr[-2000:])
-    res = subprocess.run([sys.executable, "-c", PROBE, "write", str(env["dir"] / "x.store"), "--model", "embedded:dinov2-s14",
-                          "--data", "embedded:images", "--layers", "0", "--generate", "2"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            "write",
+            str(env["dir"] / "x.store"),
+            "--model",
+            "embedded:dinov2-s14",
+            "--data",
+            "embedded:images",
+            "--layers",
+            "0",
+            "--generate",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.stdout.strip().splitlines()[-1] == "exit 1 []", res.stdout + res.stderr[-2000:]

@@ -22,8 +22,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.writer_proc", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.writer_proc", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _check_store(path, ids: list[int]) -> None:
@@ -72,8 +77,13 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, trial):
         ActStore(path)
     with pytest.raises(NotFinalizedError, match=r"shard 0 \(\d+ examples committed\) not closed"):
         actstore.finalize(path)
-    r = subprocess.run([sys.executable, "-m", "tests.writer_proc", path, "0", "0", str(total), "--resume"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.writer_proc", path, "0", "0", str(total), "--resume"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     resumed_from = int(r.stdout.split()[1])
     assert resumed_from >= committed  # everything committed before the kill survived

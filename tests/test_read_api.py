@@ -108,7 +108,10 @@ def test_both_stores_are_readers_and_as_reader_opens_each_location(stores):
     assert as_reader(act) is act and as_reader(saev) is saev
     assert type(as_reader(LocalStorage(store_path))) is ActStore
     np.testing.assert_array_equal(saev[2, 5], act[2, 5].astype(np.float32))
-    with pytest.raises(TypeError, match=re.escape("expected a store: a path, a URL, a Storage or a Reader (ActStore, SaevStore). Got int.")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape("expected a store: a path, a URL, a Storage or a Reader (ActStore, SaevStore). Got int."),
+    ):
         as_reader(3)
 
 
@@ -125,7 +128,9 @@ def test_field_names_are_exactly_what_field_accepts(stores):
 def test_the_saev_reader_takes_the_interface_defaults(stores):
     saev = as_reader(stores[1])
     assert saev.token_ids(0) is None and saev.stats() is None and saev.layer_names() == {}
-    assert saev.read_cached(0, 5, "tokens", np.empty((saev.config.segments[0].t_max, saev.d_model), np.float32)) is False
+    assert (
+        saev.read_cached(0, 5, "tokens", np.empty((saev.config.segments[0].t_max, saev.d_model), np.float32)) is False
+    )
     outs = [np.zeros((saev.config.segments[0].t_max, saev.d_model), np.float32) for _ in range(3)]
     saev.read_many_into([(ex, 5, "tokens", out) for ex, out in zip((0, 3, 5), outs)])
     for ex, out in zip((0, 3, 5), outs):

@@ -39,7 +39,9 @@ def drop(paths) -> None:
 
 
 def chunk_files(root: Path) -> list[Path]:
-    return sorted(p for p in (root / "shards").rglob("*") if p.is_file() and p.parent.name in ("tokens_activations", "0"))
+    return sorted(
+        p for p in (root / "shards").rglob("*") if p.is_file() and p.parent.name in ("tokens_activations", "0")
+    )
 
 
 def test_the_nowait_path_is_live_here():
@@ -48,7 +50,9 @@ def test_the_nowait_path_is_live_here():
     assert LocalStorage(".").read_nowait  # Linux with RWF_NOWAIT: no silent fallback on this machine
 
 
-@pytest.mark.parametrize("kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"]
+)
 def test_cached_reads_equal_read_into_and_decline_when_evicted(tmp_path, kw):
     st = make(tmp_path / "s", **kw)
     out = np.empty((16, 512), np.float16)
@@ -69,7 +73,9 @@ def test_missing_or_damaged_chunks_are_left_to_read_into(tmp_path):
     out = np.ones((16, 512), np.float16)
     os.unlink(adir / "1.0.0.0")
     assert st.read_cached(1, 2, "tokens", out) is False
-    with pytest.raises(chunkio.CorruptChunkError, match="is missing and reads as zeros, but the writer recorded crc32c"):
+    with pytest.raises(
+        chunkio.CorruptChunkError, match="is missing and reads as zeros, but the writer recorded crc32c"
+    ):
         st.read_into(1, 2, "tokens", out)  # a deleted chunk of data, told from one of zeros by its checksum
     with open(adir / "2.1.0.0", "r+b") as f:
         f.truncate(100)
@@ -86,7 +92,9 @@ def test_token_stream_copies_cached_units_itself_and_reads_the_rest_with_threads
     calls = []
     real, real_many = ActStore.read_into, ActStore.read_many_into
     monkeypatch.setattr(ActStore, "read_into", lambda self, *a: calls.append(a[:2]) or real(self, *a))
-    monkeypatch.setattr(ActStore, "read_many_into", lambda self, items: calls.extend(i[:2] for i in items) or real_many(self, items))
+    monkeypatch.setattr(
+        ActStore, "read_many_into", lambda self, items: calls.extend(i[:2] for i in items) or real_many(self, items)
+    )
     ts.set_epoch(0)
     assert [torch_equal(a, b) for a, b in zip(ts, want)] == [True] * len(want)
     assert calls == []  # warm: every unit was a cached read

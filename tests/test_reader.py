@@ -15,18 +15,34 @@ from actstore import ActStore, ShardWriter
 def _qa_store(path, rng, shards=2, n=5):
     logged = []
     for shard in range(shards):
-        with ShardWriter(path, shard=shard, layers=[1, 3], d_model=4, segments={"prompt": 6, "response": 3},
-                         fields={"label": "int16", "split": "int8"}, texts=["prompt", "response"], token_labels=True,
-                         model_id="tiny/llama", attrs={"dataset": "unit"}) as w:
+        with ShardWriter(
+            path,
+            shard=shard,
+            layers=[1, 3],
+            d_model=4,
+            segments={"prompt": 6, "response": 3},
+            fields={"label": "int16", "split": "int8"},
+            texts=["prompt", "response"],
+            token_labels=True,
+            model_id="tiny/llama",
+            attrs={"dataset": "unit"},
+        ) as w:
             p = rng.standard_normal((n, 2, 6, 4)).astype(np.float16)
             r = rng.standard_normal((n, 2, 3, 4)).astype(np.float16)
             pl, rl = rng.integers(0, 7, n), rng.integers(0, 4, n)
-            labels = {"prompt": rng.integers(0, 5, (n, 6)).astype(np.uint8), "response": rng.integers(0, 5, (n, 3)).astype(np.uint8)}
-            w.append(prompt=p, response=r, lengths={"prompt": pl, "response": rl},
-                     sample_keys=[f"k{shard}-{i}" for i in range(n)],
-                     fields={"label": np.arange(n) + 100 * shard, "split": np.full(n, shard)},
-                     texts={"prompt": [f"q{shard}{i} é" for i in range(n)], "response": [{"a": i} for i in range(n)]},
-                     token_labels=labels)
+            labels = {
+                "prompt": rng.integers(0, 5, (n, 6)).astype(np.uint8),
+                "response": rng.integers(0, 5, (n, 3)).astype(np.uint8),
+            }
+            w.append(
+                prompt=p,
+                response=r,
+                lengths={"prompt": pl, "response": rl},
+                sample_keys=[f"k{shard}-{i}" for i in range(n)],
+                fields={"label": np.arange(n) + 100 * shard, "split": np.full(n, shard)},
+                texts={"prompt": [f"q{shard}{i} é" for i in range(n)], "response": [{"a": i} for i in range(n)]},
+                token_labels=labels,
+            )
             for i in range(n):
                 logged.append((p[i], r[i], pl[i], rl[i], labels["prompt"][i]))
     actstore.finalize(path)

@@ -15,14 +15,24 @@ LAYERS = [1, 3]
 
 def _write(path, x, **kw):
     n = x.shape[0]
-    with actstore.ShardWriter(path, layers=LAYERS, d_model=x.shape[3], tokens=x.shape[2], texts=["t"], stats=True,
-                              commit_bytes=x[:3].nbytes, **kw) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=LAYERS,
+        d_model=x.shape[3],
+        tokens=x.shape[2],
+        texts=["t"],
+        stats=True,
+        commit_bytes=x[:3].nbytes,
+        **kw,
+    ) as w:
         for i in range(0, n, 4):
             w.append(x[i : i + 4], texts={"t": [f"s{j}" for j in range(i, min(i + 4, n))]})
     return actstore.finalize(path)
 
 
-@pytest.mark.parametrize("kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"])
+@pytest.mark.parametrize(
+    "kw", [{}, {"zarr_format": 3}, {"zarr_format": 3, "shard_examples": 4}], ids=["v2", "v3", "v3-sharded"]
+)
 def test_a_store_on_s3_equals_the_same_store_on_disk(s3_url, tmp_path, kw):
     x = (np.arange(11 * 2 * 5 * 8, dtype=np.float32).reshape(11, 2, 5, 8) % 97 - 48) / 4
     _write(tmp_path / "local", x, **kw)
@@ -85,8 +95,11 @@ def test_two_writers_racing_for_one_shard_on_s3(s3_url):
         t.join()
     assert len(results) == 4 and results.count("won") == 1, results
     # A loser sees the winner's shard (created, or created at the same instant) or its lease.
-    clear = ("ShardExistsError: ", "already exists"), ("ShardExistsError: ", "created by another writer at the same time"), (
-        "ShardBusyError: ", "is being written by another writer: pid ")
+    clear = (
+        ("ShardExistsError: ", "already exists"),
+        ("ShardExistsError: ", "created by another writer at the same time"),
+        ("ShardBusyError: ", "is being written by another writer: pid "),
+    )
     assert all(any(r.startswith(k) and m in r for k, m in clear) for r in results if r != "won"), results
 
 
@@ -103,7 +116,11 @@ def test_cli_on_a_url(s3_url, tmp_path):
     r = CliRunner().invoke(main, ["info", s3_url])
     assert r.exit_code == 0 and "3" in r.output, r.output
     r = CliRunner().invoke(main, ["verify", "--deep", s3_url])
-    assert r.exit_code == 0 and r.output.startswith(f"verify (deep) {s3_url}: 3 examples in 1 shards") and ": OK" in r.output, r.output
+    assert (
+        r.exit_code == 0
+        and r.output.startswith(f"verify (deep) {s3_url}: 3 examples in 1 shards")
+        and ": OK" in r.output
+    ), r.output
     r = CliRunner().invoke(main, ["finalize", s3_url])
     assert r.exit_code == 0 and f"finalized {s3_url}: 3 examples in 1 shards" in r.output
 
@@ -169,7 +186,12 @@ def test_token_stream_and_export_over_a_url_equal_their_local_results(s3_url, tm
     from actstore.torch import TokenStream
 
     x = np.random.default_rng(2).standard_normal((10, 2, 5, 8)).astype(np.float16)
-    vit = dict(zarr_format=3, shard_examples=4, model_id="facebook/dinov2-small", attrs={"cls_token": True, "dataset": "/data/imgs"})
+    vit = dict(
+        zarr_format=3,
+        shard_examples=4,
+        model_id="facebook/dinov2-small",
+        attrs={"cls_token": True, "dataset": "/data/imgs"},
+    )
     _write(tmp_path / "local", x, **vit)
     _write(s3_url, x, **vit)
 
@@ -220,7 +242,9 @@ def test_a_deleted_per_sample_object_is_named_not_read_as_zeros(s3_url):
     key = "shards/shard-00000.zarr/arrays/tokens_len/0"
     assert storage.size(key) is not None  # lengths 5: not zeros, but every chunk is written anyway
     storage.delete(key)
-    with pytest.raises(actstore.CorruptChunkError, match=rf"chunk file {s3_url}/{key} of per-sample array tokens_len is missing"):
+    with pytest.raises(
+        actstore.CorruptChunkError, match=rf"chunk file {s3_url}/{key} of per-sample array tokens_len is missing"
+    ):
         actstore.ActStore(s3_url)[0, 1]
     rep = verify_store(s3_url)
     assert [(p.kind, p.path) for p in rep.errors] == [("missing-chunk", key)]

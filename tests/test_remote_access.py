@@ -34,7 +34,10 @@ def auth(s3_endpoint, s3_url, monkeypatch):
     iam = boto3.client("iam", endpoint_url=s3_endpoint, region_name="us-east-1")
     user = f"reader-{os.urandom(4).hex()}"
     iam.create_user(UserName=user)
-    policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+    }
     arn = iam.create_policy(PolicyName=f"{user}-ro", PolicyDocument=json.dumps(policy))["Policy"]["Arn"]
     iam.attach_user_policy(UserName=user, PolicyArn=arn)
     key = iam.create_access_key(UserName=user)["AccessKey"]
@@ -66,7 +69,9 @@ def test_a_reader_reads_and_every_write_is_refused_naming_the_object(auth, monke
     assert _cli("verify", "--deep", "--quiet", url).exit_code == 0
     res = _cli("finalize", url)
     assert res.exit_code == 1
-    assert res.output.startswith(f"actstore: error: cannot write {url}/manifest.json: {DENIED}: these credentials may not do this in")
+    assert res.output.startswith(
+        f"actstore: error: cannot write {url}/manifest.json: {DENIED}: these credentials may not do this in"
+    )
     with pytest.raises(StorageAccessError, match=rf"cannot write {url}/leases/shard-00003\.0\.json: {DENIED}"):
         actstore.ShardWriter(url, shard=3, layers=[0], d_model=4, tokens=3)
     local = tmp_path / "copy"
@@ -78,8 +83,16 @@ def test_a_reader_reads_and_every_write_is_refused_naming_the_object(auth, monke
     assert not any("leases/shard-00003" in e.key for e in open_storage(url).list())  # nothing was written
 
 
-@pytest.mark.parametrize("args", [("info", "{url}"), ("verify", "{url}"), ("finalize", "{url}"), ("export-saev", "{url}", "{tmp}/dump"),
-                                  ("cp", "{url}", "{tmp}/copy")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("info", "{url}"),
+        ("verify", "{url}"),
+        ("finalize", "{url}"),
+        ("export-saev", "{url}", "{tmp}/dump"),
+        ("cp", "{url}", "{tmp}/copy"),
+    ],
+)
 def test_refused_credentials_are_named_by_every_command(auth, monkeypatch, tmp_path, args):
     _as(monkeypatch, auth["wrong"])
     res = _cli(*[a.format(url=auth["url"], tmp=tmp_path) for a in args])

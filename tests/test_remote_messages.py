@@ -35,7 +35,10 @@ def test_http_endpoint_without_allow_http_names_the_variable(s3_url, monkeypatch
     monkeypatch.delenv("AWS_ALLOW_HTTP")
     st = open_storage(s3_url)
     for call in (lambda: st.check_access(write=False), lambda: st.get("k")):
-        with pytest.raises(StorageAccessError, match=r"the endpoint http://127.0.0.1:\d+ is plain http, which obstore refuses unless "
-                                                     r"AWS_ALLOW_HTTP=true is set \(nothing was sent or retried\)") as e:
+        with pytest.raises(
+            StorageAccessError,
+            match=r"the endpoint http://127.0.0.1:\d+ is plain http, which obstore refuses unless "
+            r"AWS_ALLOW_HTTP=true is set \(nothing was sent or retried\)",
+        ) as e:
             call()
         assert "after retries" not in str(e.value) and "builder error" not in str(e.value)

@@ -18,12 +18,15 @@ from faultproxy import FaultProxy
 from factory import LAYOUTS
 from test_loaders_tokens import qa_store
 
+
 def batches(store, **kw):
     return [{k: v.clone() for k, v in b.items()} for b in TokenStream(store, return_index=True, **kw)]
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) > 0 and all(sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) > 0 and all(
+        sorted(x) == sorted(y) and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 def chunk_gets(proxy, since: int) -> list[str]:
@@ -36,7 +39,11 @@ def test_token_stream_over_a_url_equals_local_with_masks_segments_and_runs(s3_en
     qa_store(tmp_path / "local", n=9, **LAYOUTS[layout])
     qa_store(s3_url, n=9, **LAYOUTS[layout])
     local, remote = actstore.ActStore(tmp_path / "local"), actstore.ActStore(s3_url)
-    for kw in ({"token_mask": "content"}, {"run_bytes": 3 * 9 * 8 * 2, "normalize": "standardize"}, {"shuffle": False, "segments": "response"}):
+    for kw in (
+        {"token_mask": "content"},
+        {"run_bytes": 3 * 9 * 8 * 2, "normalize": "standardize"},
+        {"shuffle": False, "segments": "response"},
+    ):
         kw = dict(batch_size=6, seed=5, buffer_bytes=6 * 8 * 2 * 4, threads=3, **kw)  # windows of 4 batches
         assert same(batches(remote, **kw), batches(local, mmap=False, **kw)), kw
         assert same(batches(remote, **kw), batches(local, **kw)), kw  # and the mapped local path
@@ -92,7 +99,9 @@ def test_a_local_cache_serves_the_next_epochs_of_a_stream(s3_endpoint, s3_url, t
         cached = actstore.ActStore(s3_url, cache_dir=tmp_path / "cache", cache_bytes=2**24)
         first = batches(cached, **kw)
         assert chunk_gets(proxy, 0)
-        again = actstore.ActStore(s3_url, cache_dir=tmp_path / "cache", cache_bytes=2**24)  # e.g. the next run, a worker
+        again = actstore.ActStore(
+            s3_url, cache_dir=tmp_path / "cache", cache_bytes=2**24
+        )  # e.g. the next run, a worker
         start = len(proxy.requests)
         second = batches(again, **kw)
         assert chunk_gets(proxy, start) == []  # every chunk and index from the local cache
@@ -106,10 +115,18 @@ def test_a_read_failing_mid_stream_raises_instead_of_yielding_garbage(s3_endpoin
     want = batches(actstore.ActStore(tmp_path / "local"), **kw)
     with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-        storage = ObjectStorage(s3_url, retry_config={"max_retries": 1, "retry_timeout": timedelta(seconds=2),
-                                                      "backoff": {"init_backoff": timedelta(milliseconds=10)}})
+        storage = ObjectStorage(
+            s3_url,
+            retry_config={
+                "max_retries": 1,
+                "retry_timeout": timedelta(seconds=2),
+                "backoff": {"init_backoff": timedelta(milliseconds=10)},
+            },
+        )
         got = []
-        with pytest.raises(actstore.errors.StorageAccessError, match=r"cannot read (the index of shard file )?s3://.*_activations/c/"):
+        with pytest.raises(
+            actstore.errors.StorageAccessError, match=r"cannot read (the index of shard file )?s3://.*_activations/c/"
+        ):
             for b in TokenStream(actstore.ActStore(storage), return_index=True, **kw):
                 got.append({k: v.clone() for k, v in b.items()})
                 if len(got) == 2:

@@ -17,7 +17,11 @@ from actstore.progress import bar, notes
 from actstore.storage import ObjectStorage, retry
 from faultproxy import FaultProxy
 
-QUICK = {"max_retries": 1, "retry_timeout": timedelta(seconds=2), "backoff": {"init_backoff": timedelta(milliseconds=10)}}
+QUICK = {
+    "max_retries": 1,
+    "retry_timeout": timedelta(seconds=2),
+    "backoff": {"init_backoff": timedelta(milliseconds=10)},
+}
 
 
 @pytest.fixture
@@ -35,7 +39,9 @@ def _storage(url: str) -> ObjectStorage:
 def test_every_read_and_listing_rides_through_resets_and_cut_answers(s3_endpoint, s3_url, monkeypatch, policy):
     data = bytes(range(256)) * 400
     _storage(s3_url).put("a/c/0/0/0/0", data)
-    with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0, reset=0.3, cut=0.3, keepalive=False, seed=4) as proxy:
+    with FaultProxy(
+        s3_endpoint, fail=0, drop_request=0, drop_response=0, reset=0.3, cut=0.3, keepalive=False, seed=4
+    ) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         st = _storage(s3_url)
         for _ in range(8):
@@ -53,7 +59,9 @@ def test_every_read_and_listing_rides_through_resets_and_cut_answers(s3_endpoint
     assert notes() == f"{sum(c[k] for k in retry.LABELS)} network retries"
 
 
-def test_after_the_deadline_the_error_says_what_happened_not_a_configuration_hint(s3_endpoint, s3_url, monkeypatch, policy):
+def test_after_the_deadline_the_error_says_what_happened_not_a_configuration_hint(
+    s3_endpoint, s3_url, monkeypatch, policy
+):
     _storage(s3_url).put("k", b"v")
     with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0, reset=1.0, seed=1) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
@@ -77,21 +85,29 @@ def test_an_endpoint_that_never_answered_fails_at_once_with_the_configuration_hi
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-    with pytest.raises(StorageAccessError, match=r"cannot read s3://.*/k: the endpoint http://127\.0\.0\.1:\d+ cannot be reached "
-                       r"\(check AWS_ENDPOINT_URL"):
+    with pytest.raises(
+        StorageAccessError,
+        match=r"cannot read s3://.*/k: the endpoint http://127\.0\.0\.1:\d+ cannot be reached "
+        r"\(check AWS_ENDPOINT_URL",
+    ):
         _storage(s3_url).get("k")
     assert retry.counts()["refused"] == 0  # not retried: nothing suggests the network, everything the configuration
 
 
-def test_an_endpoint_that_answered_before_and_then_refuses_is_retried_until_the_deadline(s3_endpoint, s3_url, monkeypatch, policy):
+def test_an_endpoint_that_answered_before_and_then_refuses_is_retried_until_the_deadline(
+    s3_endpoint, s3_url, monkeypatch, policy
+):
     _storage(s3_url).put("k", b"v")
     with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0, keepalive=False) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         st = _storage(s3_url)
         assert st.get("k") == b"v"
     # the proxy is gone: its port refuses (a server restarting)
-    with pytest.raises(StorageAccessError, match=r"cannot read s3://.*/k: \d+ connection failures in [\d.]+ s \(\d+ refused connections\); "
-                       r"the last: .*not the configuration"):
+    with pytest.raises(
+        StorageAccessError,
+        match=r"cannot read s3://.*/k: \d+ connection failures in [\d.]+ s \(\d+ refused connections\); "
+        r"the last: .*not the configuration",
+    ):
         st.get("k")
     assert retry.counts()["refused"] >= 2
 
@@ -111,16 +127,31 @@ def test_progress_bars_show_the_network_retries(s3_endpoint, s3_url, monkeypatch
     assert out.getvalue().splitlines()[-1].endswith(f"{n} network retries]")
 
 
-@pytest.mark.parametrize(("text", "kind"), [
-    ("Generic S3 error: Error performing HEAD http://h/k in 430µs - HTTP error: error sending request\n"
-     "hyper::Error(\n Canceled,\n \"connection was not ready\",\n )", "reset"),
-    ("Generic S3 error: Error getting list response body: HTTP error: request or response body error\n"
-     "Os {\n code: 104,\n kind: ConnectionReset,\n message: \"Connection reset by peer\",\n }", "reset"),
-    ("Generic S3 error: HTTP error: error decoding response body", "cut"),
-    ("Generic S3 error: Error performing GET http://h/k - HTTP error: operation timed out", "timeout"),
-    ("Generic S3 error: Error performing GET http://h/k - error sending request ... Connection refused (os error 111)", "refused"),
-    ("Generic S3 error: Error performing GET http://h/k - Server returned non-2XX status code: 503 Service Unavailable", None),
-])
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        (
+            "Generic S3 error: Error performing HEAD http://h/k in 430µs - HTTP error: error sending request\n"
+            'hyper::Error(\n Canceled,\n "connection was not ready",\n )',
+            "reset",
+        ),
+        (
+            "Generic S3 error: Error getting list response body: HTTP error: request or response body error\n"
+            'Os {\n code: 104,\n kind: ConnectionReset,\n message: "Connection reset by peer",\n }',
+            "reset",
+        ),
+        ("Generic S3 error: HTTP error: error decoding response body", "cut"),
+        ("Generic S3 error: Error performing GET http://h/k - HTTP error: operation timed out", "timeout"),
+        (
+            "Generic S3 error: Error performing GET http://h/k - error sending request ... Connection refused (os error 111)",
+            "refused",
+        ),
+        (
+            "Generic S3 error: Error performing GET http://h/k - Server returned non-2XX status code: 503 Service Unavailable",
+            None,
+        ),
+    ],
+)
 def test_which_failures_are_connection_failures(text, kind):
     from obstore.exceptions import GenericError
 
@@ -143,11 +174,15 @@ def test_a_failure_nothing_retries_after_the_endpoint_answered_is_not_blamed_on_
 
     from actstore.storage.objecterrors import cause
 
-    e = GenericError('Generic S3 error: Error performing PUT http://h/k - HTTP error: error sending request\n'
-                     'Os {\n code: 104,\n kind: ConnectionReset,\n message: "Connection reset by peer",\n }')
+    e = GenericError(
+        "Generic S3 error: Error performing PUT http://h/k - HTTP error: error sending request\n"
+        'Os {\n code: 104,\n kind: ConnectionReset,\n message: "Connection reset by peer",\n }'
+    )
     root = retry.root_of(s3_url)
     retry._reached.discard(root)  # noqa: SLF001
     assert cause(e, s3_url).startswith("the endpoint ") and "check AWS_ENDPOINT_URL" in cause(e, s3_url)
     retry._reached.add(root)  # noqa: SLF001
-    assert cause(e, s3_url) == ("the connection failed (connection reset: Connection reset by peer) although the endpoint "
-                                "answered before: the network or the server failed, not the configuration; try again")
+    assert cause(e, s3_url) == (
+        "the connection failed (connection reset: Connection reset by peer) although the endpoint "
+        "answered before: the network or the server failed, not the configuration; try again"
+    )

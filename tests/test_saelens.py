@@ -27,12 +27,26 @@ def store(tmp_path_factory):
     path = tmp_path_factory.mktemp("sl") / "s.store"
     rng = np.random.default_rng(0)
     n = 37
-    with actstore.ShardWriter(path, layers=[0, 3], d_model=8, segments={"prompt": 6, "response": 4}, token_ids=True,
-                              token_labels=True, model_id="tiny", attrs={"hook_names": {"0": "blocks.0.hook_resid_post", "3": "blocks.3.hook_resid_post"}}) as w:
-        w.append(prompt=rng.standard_normal((n, 2, 6, 8)).astype(np.float16), response=rng.standard_normal((n, 2, 4, 8)).astype(np.float16),
-                 lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(0, 5, n)},
-                 token_ids={"prompt": rng.integers(0, 1000, (n, 6)), "response": rng.integers(0, 1000, (n, 4))},
-                 token_labels={"prompt": rng.integers(0, 3, (n, 6)).astype(np.uint8), "response": np.zeros((n, 4), np.uint8)})
+    with actstore.ShardWriter(
+        path,
+        layers=[0, 3],
+        d_model=8,
+        segments={"prompt": 6, "response": 4},
+        token_ids=True,
+        token_labels=True,
+        model_id="tiny",
+        attrs={"hook_names": {"0": "blocks.0.hook_resid_post", "3": "blocks.3.hook_resid_post"}},
+    ) as w:
+        w.append(
+            prompt=rng.standard_normal((n, 2, 6, 8)).astype(np.float16),
+            response=rng.standard_normal((n, 2, 4, 8)).astype(np.float16),
+            lengths={"prompt": rng.integers(1, 7, n), "response": rng.integers(0, 5, n)},
+            token_ids={"prompt": rng.integers(0, 1000, (n, 6)), "response": rng.integers(0, 1000, (n, 4))},
+            token_labels={
+                "prompt": rng.integers(0, 3, (n, 6)).astype(np.uint8),
+                "response": np.zeros((n, 4), np.uint8),
+            },
+        )
     actstore.finalize(path)
     return actstore.ActStore(path)
 
@@ -53,16 +67,36 @@ def _sorted(x, ids):
 def test_saelens_reads_exactly_the_real_tokens(store, tmp_path):
     from sae_lens.training.activations_store import ActivationsStore
 
-    res = export_saelens(store, tmp_path / "out", layer="blocks.3.hook_resid_post", context_size=16, seed=3, skip_special=False,
-                         progress=False)  # every real token, special and template ones included
+    res = export_saelens(
+        store,
+        tmp_path / "out",
+        layer="blocks.3.hook_resid_post",
+        context_size=16,
+        seed=3,
+        skip_special=False,
+        progress=False,
+    )  # every real token, special and template ones included
     cfg = json.loads((tmp_path / "out" / "saelens_config.json").read_text())
     assert cfg == res.config and cfg["hook_name"] == "blocks.3.hook_resid_post" and cfg["d_in"] == 8
     assert res.n_rows % cfg["store_batch_size_prompts"] == 0  # SAELens reads every row
     acts = ActivationsStore(
-        model=None, dataset=None, streaming=False, hook_name=cfg["hook_name"], hook_head_index=None, context_size=16, d_in=8,
-        n_batches_in_buffer=cfg["n_batches_in_buffer"], total_training_tokens=10**6, store_batch_size_prompts=cfg["store_batch_size_prompts"],
-        train_batch_size_tokens=64, prepend_bos=False, normalize_activations="none", device=torch.device("cpu"), dtype="float32",
-        cached_activations_path=str(tmp_path / "out"), exclude_special_tokens=torch.tensor(cfg["exclude_special_tokens"]),
+        model=None,
+        dataset=None,
+        streaming=False,
+        hook_name=cfg["hook_name"],
+        hook_head_index=None,
+        context_size=16,
+        d_in=8,
+        n_batches_in_buffer=cfg["n_batches_in_buffer"],
+        total_training_tokens=10**6,
+        store_batch_size_prompts=cfg["store_batch_size_prompts"],
+        train_batch_size_tokens=64,
+        prepend_bos=False,
+        normalize_activations="none",
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=str(tmp_path / "out"),
+        exclude_special_tokens=torch.tensor(cfg["exclude_special_tokens"]),
     )
     got_x, got_ids = [], []
     with pytest.raises(StopIteration):
@@ -88,15 +122,28 @@ def test_saelens_trains_20_steps_from_the_export_without_a_model(store, tmp_path
     res = export_saelens(store, tmp_path / "out", layer=0, context_size=8, progress=False)
     c = res.config
     cfg = LanguageModelSAERunnerConfig(
-        sae=StandardTrainingSAEConfig(d_in=8, d_sae=16), model_name="tiny", hook_name=c["hook_name"], context_size=8,
-        use_cached_activations=True, cached_activations_path=c["cached_activations_path"], dataset_path="",
-        n_batches_in_buffer=c["n_batches_in_buffer"], store_batch_size_prompts=c["store_batch_size_prompts"],
-        train_batch_size_tokens=32, training_tokens=20 * 32, exclude_special_tokens=c["exclude_special_tokens"],
-        logger=LoggingConfig(log_to_wandb=False), checkpoint_path=str(tmp_path / "ckpt"), output_path=str(tmp_path / "sae"),
-        n_batches_for_norm_estimate=2, verbose=False, device="cpu",
+        sae=StandardTrainingSAEConfig(d_in=8, d_sae=16),
+        model_name="tiny",
+        hook_name=c["hook_name"],
+        context_size=8,
+        use_cached_activations=True,
+        cached_activations_path=c["cached_activations_path"],
+        dataset_path="",
+        n_batches_in_buffer=c["n_batches_in_buffer"],
+        store_batch_size_prompts=c["store_batch_size_prompts"],
+        train_batch_size_tokens=32,
+        training_tokens=20 * 32,
+        exclude_special_tokens=c["exclude_special_tokens"],
+        logger=LoggingConfig(log_to_wandb=False),
+        checkpoint_path=str(tmp_path / "ckpt"),
+        output_path=str(tmp_path / "sae"),
+        n_batches_for_norm_estimate=2,
+        verbose=False,
+        device="cpu",
     )
     runner = LanguageModelSAETrainingRunner(
-        cfg, override_model=transformer_lens.hook_points.HookedRootModule(),
+        cfg,
+        override_model=transformer_lens.hook_points.HookedRootModule(),
         override_dataset=datasets.Dataset.from_dict({"tokens": [[0] * 8]}),
     )
     sae = runner.run()
@@ -114,22 +161,40 @@ def test_the_adapter_feeds_saetrainer_from_a_tokenstream(store):
     real = {tuple(v) for v in _real(store, 0)[0].tolist()}
     assert all(tuple(v) in real for v in first.tolist())  # real vectors of the layer, no padding
     sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=8, d_sae=16))
-    trainer = SAETrainer(cfg=SAETrainerConfig(total_training_samples=10 * 32, train_batch_size_samples=32, n_batches_for_norm_estimate=2, lr_end=3e-5),
-                         sae=sae, data_provider=provider)
+    trainer = SAETrainer(
+        cfg=SAETrainerConfig(
+            total_training_samples=10 * 32, train_batch_size_samples=32, n_batches_for_norm_estimate=2, lr_end=3e-5
+        ),
+        sae=sae,
+        data_provider=provider,
+    )
     trained = trainer.fit()
     assert trainer.n_training_steps == 10 and torch.isfinite(trained.W_dec).all()
 
 
 def test_cli_and_errors(store, tmp_path):
-    res = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3", "--json", "--quiet"])
+    res = CliRunner().invoke(
+        main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3", "--json", "--quiet"]
+    )
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout)
-    content = sum(int((store.field(f"{g}_token_labels")[i, : store.lengths(i)[g]] == 0).sum()) for i in range(len(store)) for g in store.segments)
-    assert s["tokens"] == content < len(_real(store, 3)[1])  # by default the labels' special and template tokens are left out
+    content = sum(
+        int((store.field(f"{g}_token_labels")[i, : store.lengths(i)[g]] == 0).sum())
+        for i in range(len(store))
+        for g in store.segments
+    )
+    assert (
+        s["tokens"] == content < len(_real(store, 3)[1])
+    )  # by default the labels' special and template tokens are left out
     assert s["config"]["hook_name"] == "blocks.3.hook_resid_post"
-    every = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "k"), "--layer", "3", "--json", "--quiet", "--keep-special"])
+    every = CliRunner().invoke(
+        main,
+        ["export-saelens", str(store.path), str(tmp_path / "k"), "--layer", "3", "--json", "--quiet", "--keep-special"],
+    )
     assert every.exit_code == 0 and json.loads(every.stdout)["tokens"] == len(_real(store, 3)[1])
-    quiet = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"])
+    quiet = CliRunner().invoke(
+        main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"]
+    )
     assert (quiet.exit_code, quiet.output) == (0, "") and (tmp_path / "q" / "saelens_config.json").exists()
     again = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3"])
     assert again.exit_code == 1 and "exists and is not empty; export to a new folder" in again.output
@@ -144,10 +209,26 @@ def test_the_default_column_is_the_name_the_capture_kept(tmp_path):
     """A module-path layer (model.layers.6.mlp, stored as layer 6) is not block 6's residual
     stream: its column is named by the path (what SAELens's HF wrapper hooks), not blocks.6."""
     path = tmp_path / "s.store"
-    with actstore.ShardWriter(path, layers=[6, 8], d_model=4, segments={"tokens": 3}, token_ids=True,
-                              attrs={"hook_names": {"6": "model.layers.6.mlp", "8": "blocks.8.hook_resid_post"}}) as w:
-        w.append(tokens=np.ones((2, 2, 3, 4), np.float16), lengths={"tokens": [3, 2]}, token_ids={"tokens": np.ones((2, 3), np.int64)})
+    with actstore.ShardWriter(
+        path,
+        layers=[6, 8],
+        d_model=4,
+        segments={"tokens": 3},
+        token_ids=True,
+        attrs={"hook_names": {"6": "model.layers.6.mlp", "8": "blocks.8.hook_resid_post"}},
+    ) as w:
+        w.append(
+            tokens=np.ones((2, 2, 3, 4), np.float16),
+            lengths={"tokens": [3, 2]},
+            token_ids={"tokens": np.ones((2, 3), np.int64)},
+        )
     actstore.finalize(path)
-    names = {layer: export_saelens(path, tmp_path / f"o{layer}", layer=layer, context_size=2, progress=False).hook_name for layer in (6, 8)}
+    names = {
+        layer: export_saelens(path, tmp_path / f"o{layer}", layer=layer, context_size=2, progress=False).hook_name
+        for layer in (6, 8)
+    }
     assert names == {6: "model.layers.6.mlp", 8: "blocks.8.hook_resid_post"}
-    assert json.loads((tmp_path / "o6" / "dataset_info.json").read_text())["features"].keys() == {"model.layers.6.mlp", "token_ids"}
+    assert json.loads((tmp_path / "o6" / "dataset_info.json").read_text())["features"].keys() == {
+        "model.layers.6.mlp",
+        "token_ids",
+    }

@@ -64,11 +64,19 @@ def test_the_config_records_rows_and_every_files_checksum(exported):
     cfg = json.loads((exported.path / "saelens_config.json").read_text())
     files = sorted(p.name for p in exported.path.glob("data-*.arrow"))
     assert len(files) == 5 and cfg["n_rows"] == exported.n_rows == 30  # 240 tokens in rows of 8, 6 rows a file
-    assert cfg["files"] == [{"name": f, "bytes": (exported.path / f).stat().st_size,
-                             "sha256": hashlib.sha256((exported.path / f).read_bytes()).hexdigest()} for f in files]
+    assert cfg["files"] == [
+        {
+            "name": f,
+            "bytes": (exported.path / f).stat().st_size,
+            "sha256": hashlib.sha256((exported.path / f).read_bytes()).hexdigest(),
+        }
+        for f in files
+    ]
     r = _verify(exported.path)
-    assert r.exit_code == 0 and r.output == (f"verify (saelens export) {exported.path}: 30 rows in 5 data files, "
-                                             f"{sum(d['bytes'] for d in cfg['files'])} bytes read: OK\n")
+    assert r.exit_code == 0 and r.output == (
+        f"verify (saelens export) {exported.path}: 30 rows in 5 data files, "
+        f"{sum(d['bytes'] for d in cfg['files'])} bytes read: OK\n"
+    )
     rep = verify_saelens_folder(exported.path)
     assert rep.ok and rep.checksums and rep.n_rows == 30
     j = json.loads(CliRunner().invoke(main, ["verify", "--json", str(exported.path)]).stdout)
@@ -105,7 +113,9 @@ def test_a_changed_byte_a_missing_and_a_stray_file_are_named(exported, tmp_path)
     (out / "data-00003-of-00005.arrow").unlink()
     shutil.copy(out / "data-00000-of-00005.arrow", out / "data-00000-of-00005 (1).arrow")
     problems = verify_saelens_folder(out, raise_on_error=False).problems
-    assert problems[0] == "data files not in state.json: ['data-00000-of-00005 (1).arrow'] (datasets would not read them)"
+    assert (
+        problems[0] == "data files not in state.json: ['data-00000-of-00005 (1).arrow'] (datasets would not read them)"
+    )
     assert problems[1].startswith(f"{f}: sha256 ") and "differs from the export's" in problems[1]
     assert problems[2] == f"{out / 'data-00003-of-00005.arrow'} is missing (state.json lists it)"
     assert problems[3].startswith("the data files hold 24 rows; the export wrote 30") and len(problems) == 4
@@ -117,7 +127,10 @@ def test_an_export_without_checksums_is_checked_for_rows_and_says_so(exported, t
     del cfg["files"]
     (out / "saelens_config.json").write_text(json.dumps(cfg))
     r = _verify(out)
-    assert r.exit_code == 0 and "(no checksums recorded: exported before actstore recorded them; rows and files checked): OK" in r.output
+    assert (
+        r.exit_code == 0
+        and "(no checksums recorded: exported before actstore recorded them; rows and files checked): OK" in r.output
+    )
     (out / "state.json").write_text("{")
     r = _verify(out)
     assert r.exit_code == 1 and "is not a readable export-saelens folder" in r.output and "export it again" in r.output
@@ -150,5 +163,7 @@ def test_import_saelens_checks_an_export_before_importing_it(exported, tmp_path,
     remote = open_storage(s3_url + "/cut")
     for p in sorted(cut.iterdir()):
         remote.put(p.name, p.read_bytes())
-    with pytest.raises(SaelensDatasetError, match=r"data-00004-of-00005.arrow has \d+ bytes; the export wrote \d+ \(copy it again\)"):
+    with pytest.raises(
+        SaelensDatasetError, match=r"data-00004-of-00005.arrow has \d+ bytes; the export wrote \d+ \(copy it again\)"
+    ):
         import_saelens(s3_url + "/cut", tmp_path / "cut2.store", progress=False)

@@ -22,7 +22,9 @@ def test_a_small_store_exports_files_the_size_of_its_data(tmp_path):
     example_bytes = 2 * 5 * 8 * 4  # layers x tokens x d_model x float32
     assert [os.path.getsize(f) for f in files] == [13 * example_bytes]
     assert res.metadata["patches_per_shard"] == 13 * 5 * 2 and verify_saev(res.path).problems == []
-    given_budget = export_saev(store, tmp_path / "e", patches_per_shard=P.DEFAULT_BUDGET, progress=False)  # an explicit budget is kept
+    given_budget = export_saev(
+        store, tmp_path / "e", patches_per_shard=P.DEFAULT_BUDGET, progress=False
+    )  # an explicit budget is kept
     assert given_budget.metadata["patches_per_shard"] == P.DEFAULT_BUDGET
 
 

@@ -65,12 +65,18 @@ def dir_files(directory) -> dict[str, bytes]:
 
 @settings(max_examples=200, deadline=None)
 @given(
-    n=st.integers(1, 500), L=st.integers(1, 4), content=st.integers(1, 40), cls=st.booleans(),
-    D=st.integers(1, 16), extra=st.integers(0, 3000),
+    n=st.integers(1, 500),
+    L=st.integers(1, 4),
+    content=st.integers(1, 40),
+    cls=st.booleans(),
+    D=st.integers(1, 16),
+    extra=st.integers(0, 3000),
 )
 def test_geometry_tiles_examples_and_offsets_match_c_order(n, L, content, cls, D, extra):
     T = content + int(cls)
-    g = P.ShardGeometry(n_examples=n, n_layers=L, content_tokens=content, cls_token=cls, d_model=D, budget=T * L + extra)
+    g = P.ShardGeometry(
+        n_examples=n, n_layers=L, content_tokens=content, cls_token=cls, d_model=D, budget=T * L + extra
+    )
     S = g.examples_per_shard
     assert S == (T * L + extra) // (T * L) >= 1
     counts = g.shard_counts()
@@ -93,7 +99,10 @@ def test_hashes_follow_each_protocol():
     assert P.metadata_hash(md20, "2.0") == hashlib.sha256(text20.encode()).hexdigest()
     text21 = '{"b":1,"a":"é"}'  # field order kept, non-ASCII not escaped
     assert P.metadata_hash(md20, "2.1") == hashlib.sha256(text21.encode("utf-8")).hexdigest()[:8]
-    assert json.loads(P.shards_bytes([3, 1], "2.0")) == [{"name": "acts000000.bin", "n_ex": 3}, {"name": "acts000001.bin", "n_ex": 1}]
+    assert json.loads(P.shards_bytes([3, 1], "2.0")) == [
+        {"name": "acts000000.bin", "n_ex": 3},
+        {"name": "acts000001.bin", "n_ex": 1},
+    ]
     assert json.loads(P.shards_bytes([2], "2.1")) == [{"name": "acts000000.bin", "n_examples": 2}]
 
 

@@ -30,11 +30,39 @@ CASES = [
 # keep_special: every real token (text_store's labels 1..8 would leave none under the default content mask;
 # tests/test_default_mask.py covers that default).
 LLM_CASES = [
-    ("float32", "2.1", {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text", "keep_special": True}, {}),
-    ("float16", "2.0", {"patches_per_shard": 17, "family": "clip", "dataset": "/d", "segments": ["response"], "tokens_per_example": 3,
-                        "keep_special": True}, {"t_chunk": 3}),
-    ("bfloat16", "2.0", {"patches_per_shard": 60, "family": "siglip", "dataset": "/d", "segments": ["response", "prompt"], "layers": [3],
-                         "tokens_per_example": 4, "keep_special": True}, {}),
+    (
+        "float32",
+        "2.1",
+        {"patches_per_shard": 50, "family": "clip", "dataset": "/datasets/text", "keep_special": True},
+        {},
+    ),
+    (
+        "float16",
+        "2.0",
+        {
+            "patches_per_shard": 17,
+            "family": "clip",
+            "dataset": "/d",
+            "segments": ["response"],
+            "tokens_per_example": 3,
+            "keep_special": True,
+        },
+        {"t_chunk": 3},
+    ),
+    (
+        "bfloat16",
+        "2.0",
+        {
+            "patches_per_shard": 60,
+            "family": "siglip",
+            "dataset": "/d",
+            "segments": ["response", "prompt"],
+            "layers": [3],
+            "tokens_per_example": 4,
+            "keep_special": True,
+        },
+        {},
+    ),
 ]
 
 
@@ -49,8 +77,12 @@ def test_text_stores_export_real_tokens_only_packed(tmp_path, dtype, protocol, o
     layers, segments = opts.get("layers", list(store.layers)), opts.get("segments", list(store.segments))
     T = opts.get("tokens_per_example", 1)
     assert md["cls_token"] is False and md["patches_per_ex" if protocol == "2.0" else "content_tokens_per_example"] == T
-    stream = {layer: np.concatenate([np.asarray(store.segment(s)[ex, layer], np.float32) for ex in range(len(store)) for s in segments])
-              for layer in layers}
+    stream = {
+        layer: np.concatenate(
+            [np.asarray(store.segment(s)[ex, layer], np.float32) for ex in range(len(store)) for s in segments]
+        )
+        for layer in layers
+    }
     n_tokens = len(stream[layers[0]])
     n = n_tokens // T
     assert md["n_ex" if protocol == "2.0" else "n_examples"] == n
@@ -63,7 +95,9 @@ def test_text_stores_export_real_tokens_only_packed(tmp_path, dtype, protocol, o
     lengths = [sum(store.lengths(ex)[s] for s in segments) for ex in range(len(store))]
     assert offsets.tolist() == np.concatenate([[0], np.cumsum(lengths)]).tolist()
     labels = np.fromfile(res.path / "labels.bin", dtype=np.uint8).reshape(n, T)
-    lab_stream = np.concatenate([store.field(f"{s}_token_labels")[ex, : store.lengths(ex)[s]] for ex in range(len(store)) for s in segments])
+    lab_stream = np.concatenate(
+        [store.field(f"{s}_token_labels")[ex, : store.lengths(ex)[s]] for ex in range(len(store)) for s in segments]
+    )
     np.testing.assert_array_equal(labels.reshape(-1), lab_stream[: n * T])
 
 
@@ -186,16 +220,62 @@ def test_small_batches_and_one_worker_give_the_same_bytes(tmp_path):
 
 
 def test_metadata_defaults_come_from_the_store_and_options_override_them(tmp_path):
-    store = vit_store(tmp_path / "s", attrs={"family": "clip", "ckpt": "hf-hub:x/y", "data": {"__class__": "ImageFolder", "root": "/img"}})
+    store = vit_store(
+        tmp_path / "s",
+        attrs={"family": "clip", "ckpt": "hf-hub:x/y", "data": {"__class__": "ImageFolder", "root": "/img"}},
+    )
     md = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False).metadata
-    assert (md["family"], md["ckpt"], md["dataset"], md["data"]) == ("clip", "hf-hub:x/y", "/datasets/images", {"__class__": "ImageFolder", "root": "/img"})
-    md = export_saev(store, tmp_path / "d", patches_per_shard=30, family="siglip", ckpt="c", dataset="rel", data='{"__class__": "X"}', progress=False).metadata
-    assert (md["family"], md["ckpt"], md["dataset"], md["data"]) == ("siglip", "c", os.path.abspath("rel"), {"__class__": "X"})
-    md = export_saev(store, tmp_path / "x" / "saev" / "shards", protocol="2.1", patches_per_shard=30, pixel_agg="prefer-fg", progress=False).metadata
-    assert list(md) == ["family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model", "n_examples",
-                        "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol"]
+    assert (md["family"], md["ckpt"], md["dataset"], md["data"]) == (
+        "clip",
+        "hf-hub:x/y",
+        "/datasets/images",
+        {"__class__": "ImageFolder", "root": "/img"},
+    )
+    md = export_saev(
+        store,
+        tmp_path / "d",
+        patches_per_shard=30,
+        family="siglip",
+        ckpt="c",
+        dataset="rel",
+        data='{"__class__": "X"}',
+        progress=False,
+    ).metadata
+    assert (md["family"], md["ckpt"], md["dataset"], md["data"]) == (
+        "siglip",
+        "c",
+        os.path.abspath("rel"),
+        {"__class__": "X"},
+    )
+    md = export_saev(
+        store,
+        tmp_path / "x" / "saev" / "shards",
+        protocol="2.1",
+        patches_per_shard=30,
+        pixel_agg="prefer-fg",
+        progress=False,
+    ).metadata
+    assert list(md) == [
+        "family",
+        "ckpt",
+        "layers",
+        "content_tokens_per_example",
+        "cls_token",
+        "d_model",
+        "n_examples",
+        "max_tokens_per_shard",
+        "data",
+        "dataset",
+        "pixel_agg",
+        "dtype",
+        "protocol",
+    ]
     assert (md["data"], md["pixel_agg"], md["n_examples"], md["content_tokens_per_example"]) == (
-        '{"__class__":"ImageFolder","root":"/img"}', "prefer-fg", 13, 4)
+        '{"__class__":"ImageFolder","root":"/img"}',
+        "prefer-fg",
+        13,
+        4,
+    )
 
 
 def test_family_is_guessed_from_the_model_id(tmp_path):
@@ -203,19 +283,54 @@ def test_family_is_guessed_from_the_model_id(tmp_path):
     assert export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False).metadata["family"] == "dinov2"
 
 
-@pytest.mark.parametrize("kwargs,store_kw,message", [
-    ({"family": "llama"}, {}, "family 'llama' is not a saev protocol 2.0 family; saev accepts only ['clip', 'siglip', 'dinov2']: pass one with --family"),
-    ({}, {"model_id": "meta/llama-3"}, "the store does not record its model family (attrs['family']) and its model_id 'meta/llama-3' names none; pass family (--family), one of ['clip', 'siglip', 'dinov2']"),
-    ({}, {"cls": None}, "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass cls='keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)"),
-    ({"patches_per_shard": 9}, {}, "patches_per_shard 9 is smaller than one example (5 tokens x 2 layers = 10); raise it to at least 10"),
-    ({"pixel_agg": "majority"}, {}, "pixel_agg exists only in protocol 2.1; drop it or pass protocol='2.1'"),
-    ({"protocol": "2.1"}, {}, "protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); dump_to {d} does not end in saev/shards: pass e.g. {d}/saev/shards"),
-    ({"labels": True}, {"labels": False}, "the store has no per-token labels (it was written without token_labels=True); export without labels"),
-    ({}, {"attrs": {"dataset": None}}, "the store does not record its dataset root (attrs['dataset']); pass dataset (--dataset), the absolute path of the original data set (saev links it for visuals)"),
-    ({"data": {"root": "/x"}}, {}, "data must be an object with a string '__class__' field naming the dataset config class (protocol 2.0 stores dataclasses.asdict(cfg.data) plus __class__). Got {'root': '/x'}."),
-    ({"cls": "first"}, {}, "cls must be one of ['keep', 'drop', 'none']. Got 'first'."),
-    ({"protocol": "3.0"}, {}, "protocol must be one of ['2.0', '2.1']. Got '3.0'."),
-])
+@pytest.mark.parametrize(
+    "kwargs,store_kw,message",
+    [
+        (
+            {"family": "llama"},
+            {},
+            "family 'llama' is not a saev protocol 2.0 family; saev accepts only ['clip', 'siglip', 'dinov2']: pass one with --family",
+        ),
+        (
+            {},
+            {"model_id": "meta/llama-3"},
+            "the store does not record its model family (attrs['family']) and its model_id 'meta/llama-3' names none; pass family (--family), one of ['clip', 'siglip', 'dinov2']",
+        ),
+        (
+            {},
+            {"cls": None},
+            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass cls='keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)",
+        ),
+        (
+            {"patches_per_shard": 9},
+            {},
+            "patches_per_shard 9 is smaller than one example (5 tokens x 2 layers = 10); raise it to at least 10",
+        ),
+        ({"pixel_agg": "majority"}, {}, "pixel_agg exists only in protocol 2.1; drop it or pass protocol='2.1'"),
+        (
+            {"protocol": "2.1"},
+            {},
+            "protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); dump_to {d} does not end in saev/shards: pass e.g. {d}/saev/shards",
+        ),
+        (
+            {"labels": True},
+            {"labels": False},
+            "the store has no per-token labels (it was written without token_labels=True); export without labels",
+        ),
+        (
+            {},
+            {"attrs": {"dataset": None}},
+            "the store does not record its dataset root (attrs['dataset']); pass dataset (--dataset), the absolute path of the original data set (saev links it for visuals)",
+        ),
+        (
+            {"data": {"root": "/x"}},
+            {},
+            "data must be an object with a string '__class__' field naming the dataset config class (protocol 2.0 stores dataclasses.asdict(cfg.data) plus __class__). Got {'root': '/x'}.",
+        ),
+        ({"cls": "first"}, {}, "cls must be one of ['keep', 'drop', 'none']. Got 'first'."),
+        ({"protocol": "3.0"}, {}, "protocol must be one of ['2.0', '2.1']. Got '3.0'."),
+    ],
+)
 def test_bad_options_are_clear_errors(tmp_path, kwargs, store_kw, message):
     store = vit_store(tmp_path / "s", **store_kw)
     d = tmp_path / "d"
@@ -229,7 +344,9 @@ def test_unknown_layer_and_segment_name_what_exists(tmp_path):
     store = text_store(tmp_path / "s")
     with pytest.raises(LayerNotFoundError, match=r"layer 2 is not stored; this store holds layers \[1, 3\]"):
         export_saev(store, tmp_path / "d", layers=[2], family="clip", dataset="/d", progress=False)
-    with pytest.raises(SegmentNotFoundError, match=r"segment 'answer' is not in this store; it has segments \['prompt', 'response'\]"):
+    with pytest.raises(
+        SegmentNotFoundError, match=r"segment 'answer' is not in this store; it has segments \['prompt', 'response'\]"
+    ):
         export_saev(store, tmp_path / "d", segments=["answer"], family="clip", dataset="/d", progress=False)
 
 
@@ -265,14 +382,18 @@ def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypa
 def test_a_saev_directory_is_not_exported_again(tmp_path):
     store = vit_store(tmp_path / "s", n=4)
     res = export_saev(store, tmp_path / "d", patches_per_shard=30, progress=False)
-    with pytest.raises(SaevOptionError, match=r"is not an actstore store \(a saev directory cannot be exported again\)"):
+    with pytest.raises(
+        SaevOptionError, match=r"is not an actstore store \(a saev directory cannot be exported again\)"
+    ):
         export_saev(res.path, tmp_path / "e", progress=False)
 
 
 def test_the_default_protocol_is_what_saev_reads_where_it_can_read_it(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s")
     assert export_saev(store, tmp_path / "scratch" / "saev" / "shards", progress=False).protocol == "2.1"
-    assert export_saev(store, tmp_path / "elsewhere", progress=False).protocol == "2.0"  # saev's loaders need .../saev/shards
+    assert (
+        export_saev(store, tmp_path / "elsewhere", progress=False).protocol == "2.0"
+    )  # saev's loaders need .../saev/shards
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "env"))
     res = export_saev(store, progress=False)  # the default place: $SAEV_SCRATCH/saev/shards
     assert res.protocol == "2.1" and res.path.parent == tmp_path / "env" / "saev" / "shards"
@@ -288,6 +409,8 @@ def test_one_options_value_exports_what_the_keywords_export(tmp_path):
     assert by_value.path.name == by_kw.path.name and not by_value.reused
     for f in sorted(p.name for p in by_kw.path.iterdir()):
         assert (by_value.path / f).read_bytes() == (by_kw.path / f).read_bytes(), f
-    with pytest.raises(SaevOptionError, match=r"pass options= or the export's keywords, not both: got options= and \['workers'\]"):
+    with pytest.raises(
+        SaevOptionError, match=r"pass options= or the export's keywords, not both: got options= and \['workers'\]"
+    ):
         export_saev(store, tmp_path / "c", options=SaevExportOptions(**kw), workers=3)
     assert not (tmp_path / "c").exists()

@@ -27,9 +27,15 @@ def golden_store(path: Path) -> actstore.ActStore:
     n, L, T, D = 5, 2, 3, 4
     x = (np.arange(n * L * T * D, dtype=np.float32).reshape(n, L, T, D) - 60) * 0.25  # exact in float16
     labels = (np.arange(n * T, dtype=np.uint8).reshape(n, T) % 7).astype(np.uint8)
-    with actstore.ShardWriter(path, layers=[1, 4], d_model=D, tokens=T, token_labels=True,
-                              model_id="facebook/dinov2-small",
-                              attrs={"cls_token": True, "dataset": "/datasets/golden"}) as w:
+    with actstore.ShardWriter(
+        path,
+        layers=[1, 4],
+        d_model=D,
+        tokens=T,
+        token_labels=True,
+        model_id="facebook/dinov2-small",
+        attrs={"cls_token": True, "dataset": "/datasets/golden"},
+    ) as w:
         w.append(x[:3], token_labels=labels[:3], sample_keys=[f"img{i}" for i in range(3)])
         w.append(x[3:], token_labels=labels[3:], sample_keys=[f"img{i}" for i in range(3, 5)])
     actstore.finalize(path)

@@ -30,7 +30,14 @@ def test_actstore_opens_a_saev_directory_with_the_same_api(exported):
     store, res = exported
     s = actstore.open(res.path)
     assert isinstance(s, SaevStore)
-    assert (len(s), s.layers, s.d_model, s.dtype, s.segments, s.protocol) == (13, (2, 5), 8, "float32", ("tokens",), "2.1")
+    assert (len(s), s.layers, s.d_model, s.dtype, s.segments, s.protocol) == (
+        13,
+        (2, 5),
+        8,
+        "float32",
+        ("tokens",),
+        "2.1",
+    )
     for ex in range(13):
         for layer in (2, 5):
             x = s[ex, layer]
@@ -48,7 +55,12 @@ def test_actstore_opens_a_saev_directory_with_the_same_api(exported):
     assert (lab[:, 0] == 0).all()
     m = s.meta
     assert (m["model_id"], m["family"], m["cls_token"], m["saev_hash"], m["n_examples"]) == (
-        "facebook/dinov2-small", "dinov2", True, res.hash, 13)
+        "facebook/dinov2-small",
+        "dinov2",
+        True,
+        res.hash,
+        13,
+    )
     s2 = pickle.loads(pickle.dumps(s))
     np.testing.assert_array_equal(s2[7, 5], s[7, 5])
 
@@ -68,24 +80,38 @@ def test_saev_reader_errors(exported, tmp_path):
     shutil.copytree(res.path, d)
     os.chmod(d / "acts000002.bin", 0o644)
     os.truncate(d / "acts000002.bin", 10)
-    with pytest.raises(SaevFormatError, match=r"acts000002.bin has 10 bytes, expected 960 \(full-size shard\); run `actstore verify-saev"):
+    with pytest.raises(
+        SaevFormatError,
+        match=r"acts000002.bin has 10 bytes, expected 960 \(full-size shard\); run `actstore verify-saev",
+    ):
         actstore.open(d)
     os.chmod(d / "metadata.json", 0o644)
     (d / "metadata.json").write_text(json.dumps({"protocol": "1.1"}))
-    with pytest.raises(SaevFormatError, match=r"is not a valid saev shard directory: metadata.json: protocol must be one of \['2.0', '2.1'\]. Got '1.1'."):
+    with pytest.raises(
+        SaevFormatError,
+        match=r"is not a valid saev shard directory: metadata.json: protocol must be one of \['2.0', '2.1'\]. Got '1.1'.",
+    ):
         actstore.open(d)
 
 
 @pytest.mark.parametrize("protocol", ["2.0", "2.1"])
 def test_import_then_export_reproduces_the_directory(tmp_path, protocol):
-    store = vit_store(tmp_path / "s", n=11, dtype="float32", cls=True, attrs={"family": "clip", "data": {"__class__": "ImageFolder", "root": "/img"}})
+    store = vit_store(
+        tmp_path / "s",
+        n=11,
+        dtype="float32",
+        cls=True,
+        attrs={"family": "clip", "data": {"__class__": "ImageFolder", "root": "/img"}},
+    )
     root = tmp_path / "a" / "saev" / "shards"
     first = export_saev(store, root, protocol=protocol, patches_per_shard=30, progress=False)
     back = import_saev(first.path, tmp_path / "imported", progress=False)
     assert (len(back), back.layers, back.dtype) == (11, (2, 5), "float32")
     for ex in range(11):
         np.testing.assert_array_equal(back[ex, 5], store[ex, 5])
-    again = export_saev(back, tmp_path / "b" / "saev" / "shards", protocol=protocol, patches_per_shard=30, progress=False)
+    again = export_saev(
+        back, tmp_path / "b" / "saev" / "shards", protocol=protocol, patches_per_shard=30, progress=False
+    )
     assert again.hash == first.hash
     assert dir_files(again.path) == dir_files(first.path)
 
@@ -109,8 +135,13 @@ def test_link_run_creates_the_layout_and_is_idempotent(tmp_path, monkeypatch, ex
     assert out == run
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "inference", "links"]
     links = {p.name: os.readlink(p) for p in (run / "links").iterdir()}
-    assert links == {"train-shards": str(res.path), "val-shards": str(res.path), "shards": str(res.path),
-                     "train-dataset": str(data), "dataset": str(data)}
+    assert links == {
+        "train-shards": str(res.path),
+        "val-shards": str(res.path),
+        "shards": str(res.path),
+        "train-dataset": str(data),
+        "dataset": str(data),
+    }
     assert (run / "links" / "shards" / "metadata.json").is_file()
     assert link_run(run, train_shards=res.path, val_shards=res.path, dataset=data) == run  # rerun: no change
     other = tmp_path / "other"
@@ -130,8 +161,24 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     store = text_store(tmp_path / "s", n=7)
     r = CliRunner()
     dump = tmp_path / "scratch" / "saev" / "shards"
-    args = ["export-saev", str(store.path), str(dump), "--protocol", "2.1", "--family", "clip", "--dataset", "/data/text",
-            "--patches-per-shard", "40", "--layers", "3", "--segments", "response,prompt", "--quiet"]
+    args = [
+        "export-saev",
+        str(store.path),
+        str(dump),
+        "--protocol",
+        "2.1",
+        "--family",
+        "clip",
+        "--dataset",
+        "/data/text",
+        "--patches-per-shard",
+        "40",
+        "--layers",
+        "3",
+        "--segments",
+        "response,prompt",
+        "--quiet",
+    ]
     res = r.invoke(main, args)
     assert res.exit_code == 0, res.output
     path = res.stdout.strip().splitlines()[-1]
@@ -151,13 +198,17 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     assert bad.stdout.splitlines() == [f"labels.bin: 3 bytes, expected {n} (n_examples {n} x 1 content tokens, uint8)"]
     err = r.invoke(main, ["export-saev", str(store.path), str(tmp_path / "x"), "--quiet"])
     assert err.exit_code == 1
-    assert err.stderr == ("actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
-                          "only the vision families ['clip', 'siglip', 'dinov2']; pass one as a label (--family, e.g. clip: the shards "
-                          "read the same whichever is named), the model stays named in ckpt\n")
+    assert err.stderr == (
+        "actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
+        "only the vision families ['clip', 'siglip', 'dinov2']; pass one as a label (--family, e.g. clip: the shards "
+        "read the same whichever is named), the model stays named in ckpt\n"
+    )
     with open(os.path.join(path, "labels.bin"), "wb") as f:  # as exported (its checksum sidecar says so)
         f.write(labels)
     imp = r.invoke(main, ["import-saev", path, str(tmp_path / "imported")])
-    assert imp.exit_code == 0 and imp.stdout.strip() == f"imported {n} examples in {tmp_path / 'imported'}".replace(" in ", " into ")
+    assert imp.exit_code == 0 and imp.stdout.strip() == f"imported {n} examples in {tmp_path / 'imported'}".replace(
+        " in ", " into "
+    )
     monkeypatch.setenv("SAEV_NFS", str(tmp_path / "nfs"))
     lr = r.invoke(main, ["link-run", "--run", "r1", "--train-shards", path])
     assert lr.exit_code == 0 and lr.stdout.strip() == str(tmp_path / "nfs" / "saev" / "runs" / "r1")
@@ -167,7 +218,9 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
 @pytest.mark.parametrize("size", ["full", "empty"])
 def test_a_trailing_empty_shard_as_saev_writes_it_opens_imports_and_verifies(tmp_path, size):
     store = vit_store(tmp_path / "s", n=6)
-    res = export_saev(store, tmp_path / "d", patches_per_shard=3 * 2 * 5, progress=False)  # 3 examples per shard: 2 full shards
+    res = export_saev(
+        store, tmp_path / "d", patches_per_shard=3 * 2 * 5, progress=False
+    )  # 3 examples per shard: 2 full shards
     path = res.path
     entries = json.loads((path / "shards.json").read_text())
     key = "n_ex" if res.protocol == "2.0" else "n_examples"
@@ -179,7 +232,9 @@ def test_a_trailing_empty_shard_as_saev_writes_it_opens_imports_and_verifies(tmp
         f.truncate((path / "acts000000.bin").stat().st_size if size == "full" else 0)
     assert verify_saev(path, values=True).problems == []
     saev = SaevStore(path)
-    assert len(saev) == 6 and np.array_equal(saev[5, store.layers[0]], np.asarray(store[5, store.layers[0]], np.float32))
+    assert len(saev) == 6 and np.array_equal(
+        saev[5, store.layers[0]], np.asarray(store[5, store.layers[0]], np.float32)
+    )
     imported = import_saev(path, tmp_path / "imported", progress=False)
     assert len(imported) == 6
     (path / "shards.json").write_text(json.dumps([*entries, {"name": "acts000002.bin", key: 1}]))  # not empty: an error

@@ -48,26 +48,39 @@ def _truncate(d, proto):
 
 def _rename(d, proto):
     d.rename(d.with_name("deadbeef"))
-    rule = ("full sha256 of the sorted-keys compact JSON of metadata" if proto == "2.0"
-            else "first 8 hex digits of sha256 of the field-ordered compact JSON of metadata")
-    return [f"directory name 'deadbeef' is not the metadata hash {d.name!r} ({rule}): metadata.json was edited or the directory renamed"]
+    rule = (
+        "full sha256 of the sorted-keys compact JSON of metadata"
+        if proto == "2.0"
+        else "first 8 hex digits of sha256 of the field-ordered compact JSON of metadata"
+    )
+    return [
+        f"directory name 'deadbeef' is not the metadata hash {d.name!r} ({rule}): metadata.json was edited or the directory renamed"
+    ]
 
 
 def _edit_ckpt(d, proto):
     from actstore.layout.saevspec import metadata_hash
 
     md = _edit_metadata(d, proto, ckpt="someone/else")
-    rule = ("full sha256 of the sorted-keys compact JSON of metadata" if proto == "2.0"
-            else "first 8 hex digits of sha256 of the field-ordered compact JSON of metadata")
-    return [f"directory name {d.name!r} is not the metadata hash {metadata_hash(md, proto)!r} ({rule}): "
-            "metadata.json was edited or the directory renamed"]
+    rule = (
+        "full sha256 of the sorted-keys compact JSON of metadata"
+        if proto == "2.0"
+        else "first 8 hex digits of sha256 of the field-ordered compact JSON of metadata"
+    )
+    return [
+        f"directory name {d.name!r} is not the metadata hash {metadata_hash(md, proto)!r} ({rule}): "
+        "metadata.json was edited or the directory renamed"
+    ]
 
 
 def _edit_invalid(d, proto):
     n_key = "n_ex" if proto == "2.0" else "n_examples"
     _edit_metadata(d, proto, family="llama", dtype="float16", **{n_key: -1})
-    fams = "['clip', 'siglip', 'dinov2']" if proto == "2.0" else (
-        "['bird-mae', 'clip', 'dinov2', 'dinov3', 'fake-clip', 'pe-core', 'pe-spatial', 'siglip']")
+    fams = (
+        "['clip', 'siglip', 'dinov2']"
+        if proto == "2.0"
+        else ("['bird-mae', 'clip', 'dinov2', 'dinov3', 'fake-clip', 'pe-core', 'pe-spatial', 'siglip']")
+    )
     return [
         f"metadata.json: family must be one of {fams}. Got 'llama'.",
         f"metadata.json: {n_key} must be a non-negative int. Got -1.",
@@ -93,7 +106,9 @@ def _padding(d, proto):
     with open(d / "acts000004.bin", "r+b") as f:  # 13 = 4 x 3 + 1: the last shard holds 1 example
         f.seek(900)
         f.write(b"\x01")
-    return ["acts000004.bin: padding after its 1 examples holds non-zero bytes (the last shard's padding must be zeros)"]
+    return [
+        "acts000004.bin: padding after its 1 examples holds non-zero bytes (the last shard's padding must be zeros)"
+    ]
 
 
 def _shards_json(d, proto):
@@ -128,9 +143,15 @@ def _missing_and_fields(d, proto):
 
 
 DAMAGES = {
-    "truncated shard": _truncate, "wrong hash name": _rename, "edited metadata": _edit_ckpt,
-    "invalid metadata": _edit_invalid, "short labels": _short_labels, "stray file": _stray,
-    "dirty padding": _padding, "bad shards.json": _shards_json, "missing file and fields": _missing_and_fields,
+    "truncated shard": _truncate,
+    "wrong hash name": _rename,
+    "edited metadata": _edit_ckpt,
+    "invalid metadata": _edit_invalid,
+    "short labels": _short_labels,
+    "stray file": _stray,
+    "dirty padding": _padding,
+    "bad shards.json": _shards_json,
+    "missing file and fields": _missing_and_fields,
 }
 
 
@@ -167,7 +188,9 @@ def test_values_finds_non_finite(exports, tmp_path):
     assert verify_saev(d).problems == []
     probs = verify_saev(d, values=True).problems
     assert probs[0] == "acts000002.bin: 2 non-finite values (first at example 7, layer 5, token 3)"
-    assert len(probs) == 2 and probs[1].startswith("acts000002.bin: crc32c ")  # the export's checksum sidecar sees it too
+    assert len(probs) == 2 and probs[1].startswith(
+        "acts000002.bin: crc32c "
+    )  # the export's checksum sidecar sees it too
 
 
 def test_protocol_2_1_outside_saev_shards_and_other_protocols(exports, tmp_path):
@@ -180,7 +203,10 @@ def test_protocol_2_1_outside_saev_shards_and_other_protocols(exports, tmp_path)
     os.chmod(d / "metadata.json", 0o644)
     md = json.loads((d / "metadata.json").read_text())
     (d / "metadata.json").write_text(json.dumps(dict(reversed(list(md.items())))))
-    assert "metadata.json: fields are out of order; protocol 2.1 requires the order family, ckpt, layers, " in verify_saev(d).problems[0]
+    assert (
+        "metadata.json: fields are out of order; protocol 2.1 requires the order family, ckpt, layers, "
+        in verify_saev(d).problems[0]
+    )
     (d / "metadata.json").write_text(json.dumps(md | {"protocol": "1.1"}))
     assert verify_saev(d).problems == ["metadata.json: protocol must be one of ['2.0', '2.1']. Got '1.1'."]
     (d / "metadata.json").write_text("{not json")

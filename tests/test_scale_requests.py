@@ -20,7 +20,9 @@ SHARDED = {"zarr_format": 3, "shard_examples": 64}
 
 
 def _writer(url: str, shard: int = 0, commits: int = 1, **kw) -> None:
-    with actstore.ShardWriter(url, shard=shard, layers=[0, 1], d_model=8, tokens=4, fields={"label": "int64"}, **{**SHARDED, **kw}) as w:
+    with actstore.ShardWriter(
+        url, shard=shard, layers=[0, 1], d_model=8, tokens=4, fields={"label": "int64"}, **{**SHARDED, **kw}
+    ) as w:
         for c in range(commits):
             w.append(np.ones((4, 2, 4, 8), np.float16), fields={"label": np.arange(4) + c})
             if c < commits - 1:
@@ -42,7 +44,9 @@ def test_a_one_commit_shard_costs_at_most_20_requests_and_puts_each_metadata_doc
     _writer(s3_url)
     reqs = _requests(proxy, 0)
     data = [r for r in reqs if r[0] == "PUT" and re.search(r"_activations/c/", r[1])]
-    per_sample_chunks = [r for r in reqs if r[0] == "PUT" and re.search(r"/arrays/(tokens_len|sample_key|label)/c/", r[1])]
+    per_sample_chunks = [
+        r for r in reqs if r[0] == "PUT" and re.search(r"/arrays/(tokens_len|sample_key|label)/c/", r[1])
+    ]
     assert len(data) == 1 and len(per_sample_chunks) == 3  # one Zarr shard file; one chunk per per-sample array
     fixed = len(reqs) - len(data) - len(per_sample_chunks)
     assert fixed <= 20, reqs
@@ -58,7 +62,9 @@ def test_each_further_commit_costs_the_same_few_requests(s3_url, proxy):
         n0 = len(proxy.requests)
         _writer(url, commits=commits)
         counts.append(len(proxy.requests) - n0)
-    assert counts[1] - counts[0] == counts[2] - counts[1] <= 16, counts  # O(1): the same per commit, whatever came before
+    assert counts[1] - counts[0] == counts[2] - counts[1] <= 16, (
+        counts
+    )  # O(1): the same per commit, whatever came before
 
 
 def test_opening_a_store_is_one_request_and_reading_a_shard_a_fixed_few(s3_url, proxy):
@@ -113,5 +119,10 @@ def test_the_verify_listing_answers_a_folder_from_its_sorted_range():
 
     lst = Listing(Fake())
     assert [e.key for e in lst.under("a")] == ["a/x", "a/y/w", "a/y/z"]
-    assert lst.children("a") == {"x": "file", "y": "dir"} and lst.children("") == {"a": "dir", "a.b": "file", "ab": "dir", "b": "file"}
+    assert lst.children("a") == {"x": "file", "y": "dir"} and lst.children("") == {
+        "a": "dir",
+        "a.b": "file",
+        "ab": "dir",
+        "b": "file",
+    }
     assert lst.kind("a/y") == "dir" and lst.kind("a/q") is None and lst.kind("b") == "file" and lst.under("zz") == []

@@ -45,8 +45,11 @@ def test_export_of_an_embedded_images_store_needs_no_options_and_verifies(tmp_pa
 
 def test_the_library_names_the_fix_for_an_embedded_dataset(tmp_path):
     store = vit_store(tmp_path / "s", attrs={"dataset": "embedded:images"})
-    with pytest.raises(ValueError, match=r"attrs\['dataset'\] is 'embedded:images', data shipped in packages, not a folder saev can "
-                                         r"link to; pass dataset \(--dataset\) .*`actstore export-saev` writes the embedded images"):
+    with pytest.raises(
+        ValueError,
+        match=r"attrs\['dataset'\] is 'embedded:images', data shipped in packages, not a folder saev can "
+        r"link to; pass dataset \(--dataset\) .*`actstore export-saev` writes the embedded images",
+    ):
         export_saev(store, tmp_path / "d", progress=False)
 
 
@@ -55,6 +58,8 @@ def test_an_export_that_does_not_verify_is_never_published(tmp_path, monkeypatch
 
     store = vit_store(tmp_path / "s")
     monkeypatch.setattr(ex.P, "shards_bytes", lambda counts, protocol: b"[]")  # a broken shards.json
-    with pytest.raises(ex.SaevExportError, match=r"the export does not verify \(shards.json.*\); nothing was published"):
+    with pytest.raises(
+        ex.SaevExportError, match=r"the export does not verify \(shards.json.*\); nothing was published"
+    ):
         export_saev(store, tmp_path / "d", progress=False)
     assert os.listdir(tmp_path / "d") == []

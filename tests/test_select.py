@@ -21,7 +21,9 @@ def _fixed(path, dtype="float16", **kw):
     """Two shards of 4 + 3 examples, one fixed segment of 10 tokens in chunks of 4 (padded to 12)."""
     rng = np.random.default_rng(0)
     for shard, n in enumerate((4, 3)):
-        with ShardWriter(path, shard=shard, layers=list(LAYERS), d_model=5, tokens=10, t_chunk=4, dtype=dtype, **kw) as w:
+        with ShardWriter(
+            path, shard=shard, layers=list(LAYERS), d_model=5, tokens=10, t_chunk=4, dtype=dtype, **kw
+        ) as w:
             w.append(random_acts(rng, (n, 3, 10, 5), dtype))
     actstore.finalize(path)
     return ActStore(path)
@@ -31,10 +33,21 @@ def _padded(path, **kw):
     """Two shards, prompt (6 tokens in chunks of 4) then response (3), lengths 0..max."""
     rng = np.random.default_rng(1)
     for shard, n in enumerate((5, 4)):
-        with ShardWriter(path, shard=shard, layers=list(LAYERS), d_model=3, segments={"prompt": 6, "response": 3},
-                         t_chunk={"prompt": 4, "response": 3}, dtype="float32", **kw) as w:
-            w.append(prompt=random_acts(rng, (n, 3, 6, 3), "float32"), response=random_acts(rng, (n, 3, 3, 3), "float32"),
-                     lengths={"prompt": rng.integers(0, 7, n), "response": rng.integers(0, 4, n)})
+        with ShardWriter(
+            path,
+            shard=shard,
+            layers=list(LAYERS),
+            d_model=3,
+            segments={"prompt": 6, "response": 3},
+            t_chunk={"prompt": 4, "response": 3},
+            dtype="float32",
+            **kw,
+        ) as w:
+            w.append(
+                prompt=random_acts(rng, (n, 3, 6, 3), "float32"),
+                response=random_acts(rng, (n, 3, 3, 3), "float32"),
+                lengths={"prompt": rng.integers(0, 7, n), "response": rng.integers(0, 4, n)},
+            )
     actstore.finalize(path)
     return ActStore(path)
 
@@ -50,8 +63,17 @@ def stores(tmp_path_factory):
         "padded": _padded(tmp / "padded"),
         "padded-v3-zstd": _padded(tmp / "zstd", zarr_format=3, compressor=ZstdCodec(level=1)),
     }
-    res = export_saev(out["fixed"], tmp / "dump", protocol="2.0", patches_per_shard=60, cls="none", family="dinov2",
-                      ckpt="facebook/dinov2-small", dataset="/d", progress=False)
+    res = export_saev(
+        out["fixed"],
+        tmp / "dump",
+        protocol="2.0",
+        patches_per_shard=60,
+        cls="none",
+        family="dinov2",
+        ckpt="facebook/dinov2-small",
+        dataset="/d",
+        progress=False,
+    )
     out["saev"] = actstore.open(res.path)
     return out
 
@@ -182,7 +204,9 @@ def test_clear_errors(stores):
     store = stores["padded"]
     with pytest.raises(ExampleIndexError, match=r"example 9 is out of range: this store holds 9 examples \(0..8\)"):
         store[9, :]
-    with pytest.raises(ExampleIndexError, match=r"example -10 \(item 1 of the list\) is out of range: this store holds 9 examples"):
+    with pytest.raises(
+        ExampleIndexError, match=r"example -10 \(item 1 of the list\) is out of range: this store holds 9 examples"
+    ):
         store[[0, -10], 2]
     with pytest.raises(LayerNotFoundError, match=r"layer 3 is not stored; this store holds layers \[2, 5, 9\]"):
         store[0:2, [2, 3]]

@@ -23,7 +23,9 @@ LAYOUTS = {
 
 
 def _writer(root, **kw) -> ShardWriter:
-    return ShardWriter(root, shard=0, layers=[1, 3], d_model=8, tokens=5, fields={"label": "int64"}, texts=["caption"], **kw)
+    return ShardWriter(
+        root, shard=0, layers=[1, 3], d_model=8, tokens=5, fields={"label": "int64"}, texts=["caption"], **kw
+    )
 
 
 def _acts_bltd(b: int) -> np.ndarray:
@@ -53,11 +55,17 @@ def test_writers_racing_for_one_shard_number_exactly_one_wins(tmp_path, attempt)
         t.join()
     assert len(results) == 4 and results.count("won") == 1
     for r in results:
-        assert r == "won" or r.endswith(
-            "already exists (0 committed examples); pass resume=True to continue it or overwrite=True to replace it"
-        ) or r == (
-            f"shard 0 of {root} was created by another writer at the same time; give each writer its own shard number"
-        ) or r.startswith(f"shard 0 of {root} is being written by another writer: pid {os.getpid()} on host ")
+        assert (
+            r == "won"
+            or r.endswith(
+                "already exists (0 committed examples); pass resume=True to continue it or overwrite=True to replace it"
+            )
+            or r
+            == (
+                f"shard 0 of {root} was created by another writer at the same time; give each writer its own shard number"
+            )
+            or r.startswith(f"shard 0 of {root} is being written by another writer: pid {os.getpid()} on host ")
+        )
 
 
 @pytest.mark.parametrize("when", ["before the arrays", "after the arrays, before the files"])
@@ -80,8 +88,12 @@ def test_shard_killed_between_claim_and_arrays_is_created_again_on_resume(tmp_pa
         _writer(root, **LAYOUTS[layout])
     x = _acts_bltd(6)
     with _writer(root, resume=True, **LAYOUTS[layout]) as w:
-        w.append(x, sample_keys=[f"k{i}" for i in range(6)], fields={"label": np.arange(6)},
-                 texts={"caption": [f"c{i}" for i in range(6)]})
+        w.append(
+            x,
+            sample_keys=[f"k{i}" for i in range(6)],
+            fields={"label": np.arange(6)},
+            texts={"caption": [f"c{i}" for i in range(6)]},
+        )
     finalize(root)
     store = ActStore(root)
     assert len(store) == 6 and all(np.array_equal(store[i, 3], x[i, 1]) for i in range(6))

@@ -29,13 +29,15 @@ def batch(seed: int, b: int):
     for k, t in SEG.items():
         x = rng.standard_normal((b, len(LAYERS), t, D)).astype(np.float16)
         for i in range(b):
-            x[i, :, lens[k][i]:] = 0
+            x[i, :, lens[k][i] :] = 0
         acts[k] = x
     return acts, lens, src
 
 
 def writer(path, **kw) -> ShardWriter:
-    return ShardWriter(path, shard=0, layers=LAYERS, d_model=D, segments=SEG, zarr_format=3, shard_examples=8, stats=True, **kw)
+    return ShardWriter(
+        path, shard=0, layers=LAYERS, d_model=D, segments=SEG, zarr_format=3, shard_examples=8, stats=True, **kw
+    )
 
 
 def append(w: ShardWriter, seeds_sizes) -> None:
@@ -49,8 +51,14 @@ def expected(seeds_sizes) -> list[np.ndarray]:
     for seed, b in seeds_sizes:
         acts, lens, _ = batch(seed, b)
         for i in range(b):
-            out.append([np.concatenate([acts["prompt"][i, lp, : lens["prompt"][i]], acts["response"][i, lp, : lens["response"][i]]])
-                        for lp in range(len(LAYERS))])
+            out.append(
+                [
+                    np.concatenate(
+                        [acts["prompt"][i, lp, : lens["prompt"][i]], acts["response"][i, lp, : lens["response"][i]]]
+                    )
+                    for lp in range(len(LAYERS))
+                ]
+            )
     return out
 
 
@@ -93,7 +101,12 @@ def test_commit_inside_a_shard_then_resume_equals_one_run(tmp_path):
     finalize(root)
     st = check(root, PLAN)
     want = ActStore(ref)
-    assert st.meta["truncation"]["prompt"]["count"] == want.meta["truncation"]["prompt"]["count"] == _trunc(PLAN, "prompt") > 0
+    assert (
+        st.meta["truncation"]["prompt"]["count"]
+        == want.meta["truncation"]["prompt"]["count"]
+        == _trunc(PLAN, "prompt")
+        > 0
+    )
     a, b = st.stats(), want.stats()
     np.testing.assert_array_equal(a.count, b.count)
     np.testing.assert_allclose(a.mean, b.mean, rtol=1e-12)
@@ -132,7 +145,9 @@ def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path,
     with pytest.raises(DiskFullError) as ei:
         append(w, PLAN[3:4])  # 9 examples fill shard 1: its background write fails
         w.commit()
-    assert str(ei.value).startswith(f"out of disk space while writing shard files of shard 0 of {root} (No space left on device: ")
+    assert str(ei.value).startswith(
+        f"out of disk space while writing shard files of shard 0 of {root} (No space left on device: "
+    )
     assert str(ei.value).endswith(
         "); the shard keeps its last commit (10 examples); the 9 examples appended since were not committed. "
         "Free space, then continue with ShardWriter(..., shard=0, resume=True)"
@@ -148,11 +163,15 @@ def test_failed_background_write_is_a_clear_error_and_resume_continues(tmp_path,
     check(root, PLAN)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(zarr_format=3, shard_examples=4),
-    dict(zarr_format=2, compressor=numcodecs.Zstd()),
-    dict(zarr_format=3, shard_examples=4, compressor=zarr.codecs.ZstdCodec()),
-], ids=["sharded-direct", "zarr-v2-zstd", "zarr-v3-sharded-zstd"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(zarr_format=3, shard_examples=4),
+        dict(zarr_format=2, compressor=numcodecs.Zstd()),
+        dict(zarr_format=3, shard_examples=4, compressor=zarr.codecs.ZstdCodec()),
+    ],
+    ids=["sharded-direct", "zarr-v2-zstd", "zarr-v3-sharded-zstd"],
+)
 def test_buffered_writes_copy_a_reused_caller_buffer(tmp_path, kw):
     root = tmp_path / "s"
     buf = np.empty((3, 2, 5, D), np.float16)

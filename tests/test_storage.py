@@ -91,8 +91,14 @@ def test_zarr_through_the_storage(storage):
     import numpy as np
     import zarr
 
-    arr = zarr.create_array(store=storage.zarr_store("arr", read_only=False), shape=(4, 3), chunks=(2, 3), dtype="<f2",
-                            compressors=None, zarr_format=3)
+    arr = zarr.create_array(
+        store=storage.zarr_store("arr", read_only=False),
+        shape=(4, 3),
+        chunks=(2, 3),
+        dtype="<f2",
+        compressors=None,
+        zarr_format=3,
+    )
     arr[:] = np.arange(12, dtype="<f2").reshape(4, 3)
     back = zarr.open_array(store=storage.zarr_store("arr", read_only=True), mode="r")
     assert (back[:] == np.arange(12, dtype="<f2").reshape(4, 3)).all()
@@ -109,7 +115,9 @@ def test_local_refuses_links_fifos_and_folders(tmp_path):
     (tmp_path / "s" / "dir").mkdir()
     with pytest.raises(UnsafePathError, match="link is a symbolic link; actstore never writes links inside a store"):
         s.get("link")
-    with pytest.raises(CorruptStoreError, match=r"fifo is a FIFO \(named pipe\) where a file belongs; the store is damaged"):
+    with pytest.raises(
+        CorruptStoreError, match=r"fifo is a FIFO \(named pipe\) where a file belongs; the store is damaged"
+    ):
         s.get("fifo")  # never blocks
     with pytest.raises(CorruptStoreError, match="dir is a folder where a file belongs"):
         s.get("dir")
@@ -130,7 +138,10 @@ def test_large_puts_of_several_parts_are_exact(storage):
     index = rng.integers(0, 256, 4100, dtype=np.uint8).tobytes()
     storage.put("shards/c/0", memoryview(big), index)
     assert storage.get("shards/c/0") == big.tobytes() + index
-    assert storage.get_range("shards/c/0", MULTIPART_BYTES - 3, 10) == big[MULTIPART_BYTES - 3 : MULTIPART_BYTES + 7].tobytes()
+    assert (
+        storage.get_range("shards/c/0", MULTIPART_BYTES - 3, 10)
+        == big[MULTIPART_BYTES - 3 : MULTIPART_BYTES + 7].tobytes()
+    )
     storage.put("small", memoryview(big[:1000]), b"tail")
     assert storage.get("small") == big[:1000].tobytes() + b"tail"
 
@@ -142,7 +153,9 @@ def test_check_access_names_the_cause(s3_endpoint, tmp_path, monkeypatch):
     (tmp_path / "file").write_text("x")
     with pytest.raises(StorageAccessError, match="it is a file, not a folder"):
         open_storage(tmp_path / "file").check_access(write=True)
-    with pytest.raises(StorageAccessError, match=r"cannot list s3://no-such-bucket/x: the bucket 'no-such-bucket' does not exist"):
+    with pytest.raises(
+        StorageAccessError, match=r"cannot list s3://no-such-bucket/x: the bucket 'no-such-bucket' does not exist"
+    ):
         open_storage("s3://no-such-bucket/x").check_access(write=True)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
     with pytest.raises(StorageAccessError, match=r"the endpoint http://127.0.0.1:9 cannot be reached"):

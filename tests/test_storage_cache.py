@@ -102,9 +102,17 @@ def test_first_read_misses_second_hits_without_inner(inner, tmp_path):
 
     def read_all():
         buf, whole = bytearray(100), bytearray(5000)
-        out = [cache.get(key), cache.get_range(key, 10, 100), cache.get_range(key, 4990, 100),
-               cache.read_into(key, memoryview(buf), 10), bytes(buf),
-               cache.read_object_into(key, memoryview(whole)), bytes(whole), cache.size(key), cache.exists(key)]
+        out = [
+            cache.get(key),
+            cache.get_range(key, 10, 100),
+            cache.get_range(key, 4990, 100),
+            cache.read_into(key, memoryview(buf), 10),
+            bytes(buf),
+            cache.read_object_into(key, memoryview(whole)),
+            bytes(whole),
+            cache.size(key),
+            cache.exists(key),
+        ]
         return out
 
     assert not cache.read_cached(key, memoryview(bytearray(5000)), 0)
@@ -177,8 +185,9 @@ def test_the_predicate_sees_keys_from_the_store_root(tmp_path):
     inner = open_storage(tmp_path / "store")
     inner.put("shards/s0/c/0", b"abc")
     seen = []
-    cache = CachedStorage(inner, tmp_path / "cache", max_bytes=MiB, namespace="n",
-                          cacheable=lambda k: seen.append(k) or True)
+    cache = CachedStorage(
+        inner, tmp_path / "cache", max_bytes=MiB, namespace="n", cacheable=lambda k: seen.append(k) or True
+    )
     assert cache.child("shards/").child("s0").get("c/0") == b"abc"
     assert seen == ["shards/s0/c/0"]
     assert cache.get("shards/s0/c/0") == b"abc" and cache.stats()["hits"] == 1  # one entry for both
@@ -239,8 +248,9 @@ def test_an_object_larger_than_the_cache_is_read_not_cached(tmp_path):
 
 def test_a_scan_removes_only_stale_temporary_files(tmp_path):
     cache_dir = tmp_path / "cache"
-    cache = CachedStorage(open_storage(tmp_path / "store"), cache_dir, max_bytes=MiB, namespace="n",
-                          cacheable=data_only)
+    cache = CachedStorage(
+        open_storage(tmp_path / "store"), cache_dir, max_bytes=MiB, namespace="n", cacheable=data_only
+    )
     sub = cache_dir / ("ab" * 8) / "cd"
     sub.mkdir(parents=True)
     stale, fresh, foreign = sub / f".{'e' * 40}.tmp-1-0123abcd", sub / f".{'f' * 40}.tmp-2-0123abcd", sub / "notes.txt"
@@ -308,12 +318,20 @@ def test_damaged_entries_are_dropped_and_refetched(inner, tmp_path, damage):
 
 
 def test_writes_are_refused(tmp_path):
-    cache = CachedStorage(open_storage(tmp_path / "store"), tmp_path / "cache", max_bytes=MiB, namespace="n",
-                          cacheable=data_only)
-    for call in (lambda: cache.put("c/0", b"x"), lambda: cache.put_if_absent("c/0", b"x"),
-                 lambda: cache.append("c/0", b"x"), lambda: cache.truncate("c/0", 0), lambda: cache.delete("c/0"),
-                 lambda: cache.delete_prefix("c"), lambda: cache.put_stream("c/0", iter([b"x"])),
-                 lambda: cache.check_access(write=True), lambda: cache.zarr_store("a", read_only=False)):
+    cache = CachedStorage(
+        open_storage(tmp_path / "store"), tmp_path / "cache", max_bytes=MiB, namespace="n", cacheable=data_only
+    )
+    for call in (
+        lambda: cache.put("c/0", b"x"),
+        lambda: cache.put_if_absent("c/0", b"x"),
+        lambda: cache.append("c/0", b"x"),
+        lambda: cache.truncate("c/0", 0),
+        lambda: cache.delete("c/0"),
+        lambda: cache.delete_prefix("c"),
+        lambda: cache.put_stream("c/0", iter([b"x"])),
+        lambda: cache.check_access(write=True),
+        lambda: cache.zarr_store("a", read_only=False),
+    ):
         with pytest.raises(ReadOnlyCacheError, match="is a read cache .* of a finalized store; write through") as ei:
             call()
         assert isinstance(ei.value, PermissionError)
@@ -326,12 +344,15 @@ def test_writes_are_refused(tmp_path):
     assert cache.size("c/0") is None and cache.read_object_into("c/0", memoryview(bytearray(1))) is None
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"max_bytes": 0}, "max_bytes must be a positive number of bytes. Got 0."),
-    ({"max_bytes": 1.5}, "max_bytes must be a positive number of bytes. Got 1.5."),
-    ({"namespace": ""}, "namespace must be a non-empty string. Got ''."),
-    ({"cacheable": "chunks"}, "cacheable must be a callable taking a key. Got 'chunks'."),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"max_bytes": 0}, "max_bytes must be a positive number of bytes. Got 0."),
+        ({"max_bytes": 1.5}, "max_bytes must be a positive number of bytes. Got 1.5."),
+        ({"namespace": ""}, "namespace must be a non-empty string. Got ''."),
+        ({"cacheable": "chunks"}, "cacheable must be a callable taking a key. Got 'chunks'."),
+    ],
+)
 def test_arguments_are_checked(tmp_path, bad, message):
     args = {"max_bytes": MiB, "namespace": "n", "cacheable": data_only, **bad}
     with pytest.raises((ValueError, TypeError)) as ei:
@@ -342,8 +363,13 @@ def test_arguments_are_checked(tmp_path, bad, message):
 def test_zarr_reads_go_through_the_cache(inner, tmp_path):
     import zarr
 
-    z = zarr.create_array(store=inner.zarr_store("fields/sample_key", read_only=False), shape=(10,), chunks=(4,),
-                          dtype="i8", zarr_format=3)
+    z = zarr.create_array(
+        store=inner.zarr_store("fields/sample_key", read_only=False),
+        shape=(10,),
+        chunks=(4,),
+        dtype="i8",
+        zarr_format=3,
+    )
     z[:] = np.arange(10) * 3
     counting = Counting(inner)
     cache = CachedStorage(counting, tmp_path / "cache", max_bytes=MiB, namespace="n", cacheable=data_only)
@@ -378,8 +404,11 @@ def _worker(args) -> tuple[int, int, dict]:
             want = payload(i, 2000 + i)
             buf = bytearray(len(want))
             if rng.random() < 0.5:
-                got = cache.get(key) if rng.random() < 0.5 else (
-                    buf if cache.read_object_into(key, memoryview(buf)) == len(want) else None)
+                got = (
+                    cache.get(key)
+                    if rng.random() < 0.5
+                    else (buf if cache.read_object_into(key, memoryview(buf)) == len(want) else None)
+                )
             else:
                 got = buf if cache.read_cached(key, memoryview(buf)) else cache.get_range(key, 0, len(want))
             wrong += bytes(got) != want
@@ -423,8 +452,9 @@ def test_a_store_read_twice_reads_its_chunks_from_the_cache(tmp_path, layout):
         w.append(acts, sample_keys=[f"k{i}" for i in range(10)])
     actstore.finalize(path)
     counting = Counting(open_storage(path))
-    cache = CachedStorage(counting, tmp_path / "cache", max_bytes=MiB, namespace=str(path),
-                          cacheable=data_and_no_dotfiles)
+    cache = CachedStorage(
+        counting, tmp_path / "cache", max_bytes=MiB, namespace=str(path), cacheable=data_and_no_dotfiles
+    )
     data_reads = ("get_range", "read_into", "read_object_into")
     for epoch in range(2):
         before = sum(counting.calls[k] for k in data_reads)

@@ -58,8 +58,11 @@ def expected(name: str):
     return gen.expected(name)
 
 
-ERAS = {"today": GOLDEN, "before-per-sample-checksums": GOLDEN / "before-per-sample-checksums",
-        "before-every-chunk": GOLDEN / "before-every-chunk"}
+ERAS = {
+    "today": GOLDEN,
+    "before-per-sample-checksums": GOLDEN / "before-per-sample-checksums",
+    "before-every-chunk": GOLDEN / "before-every-chunk",
+}
 
 
 def _golden(tmp_path: Path, name: str, era: str = "today") -> Path:
@@ -86,9 +89,13 @@ def test_golden_reads_exactly(tmp_path, name, era):
     arrays = zarr.open_group(str(root / "shards/shard-00000.zarr/arrays"), mode="r")
     promised = {k: a.attrs.get("actstore_every_chunk") for k, a in arrays.arrays() if not k.endswith("_activations")}
     assert promised and set(promised.values()) == ({None} if era == "before-every-chunk" else {True}), promised
-    blocks = [json.loads(line) for line in (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()]
+    blocks = [
+        json.loads(line) for line in (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()
+    ]
     per_sample = {a.split("/")[-1] for a in promised}
-    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [per_sample if era == "today" else set()] * len(blocks)
+    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [per_sample if era == "today" else set()] * len(
+        blocks
+    )
     exp = expected(name)
     store = actstore.ActStore(root)
     segs = list(exp.segments)
@@ -156,7 +163,11 @@ def _check_stats(store, exp, content_only: bool = True) -> None:
     assert st is not None
     for s in exp.segments:
         mask = np.arange(exp.acts[s].shape[2])[None, :] < exp.lengths[s][:, None]  # stored (non-padding) tokens
-        if content_only and exp.token_labels and not any(k in exp.attrs for k in ("image", "cls_token", "saev_protocol")):
+        if (
+            content_only
+            and exp.token_labels
+            and not any(k in exp.attrs for k in ("image", "cls_token", "saev_protocol"))
+        ):
             mask = mask & (exp.token_labels[s] == 0)  # labels marking token kinds: statistics over content tokens only
         for lp, layer in enumerate(exp.layers):
             v = exp.acts[s][:, lp][mask].astype(np.float64)  # (count, D)

@@ -25,9 +25,23 @@ def test_dictionary_learning_trains_from_a_store(tmp_path):
     first = next(iter(DictionaryLearningSource(st, layer=5, batch_size=16, seed=1)))
     assert first.shape == (16, 6) and first.dtype == torch.float32 and torch.all(first[:, 1] == 5)
     steps = 3 * len(data.stream) + 2  # over several epochs: the source is endless
-    cfg = {"trainer": StandardTrainer, "dict_class": AutoEncoder, "activation_dim": 6, "dict_size": 12, "lr": 1e-3,
-           "l1_penalty": 1e-2, "warmup_steps": 2, "sparsity_warmup_steps": 2, "resample_steps": None, "seed": 0,
-           "device": "cpu", "layer": 5, "lm_name": "tiny", "submodule_name": "layer5", "steps": steps}
+    cfg = {
+        "trainer": StandardTrainer,
+        "dict_class": AutoEncoder,
+        "activation_dim": 6,
+        "dict_size": 12,
+        "lr": 1e-3,
+        "l1_penalty": 1e-2,
+        "warmup_steps": 2,
+        "sparsity_warmup_steps": 2,
+        "resample_steps": None,
+        "seed": 0,
+        "device": "cpu",
+        "layer": 5,
+        "lm_name": "tiny",
+        "submodule_name": "layer5",
+        "steps": steps,
+    }
     trainSAE(data, [cfg], steps=steps, save_dir=str(tmp_path / "out"), device="cpu")
     ae = torch.load(tmp_path / "out" / "trainer_0" / "ae.pt", weights_only=True)
     assert ae["encoder.weight"].shape == (12, 6) and torch.isfinite(ae["encoder.weight"]).all()
@@ -63,8 +77,16 @@ def test_sparsify_trainer_trains_from_a_store(tmp_path):
 
     st = tagged_store(tmp_path / "s", d=8, n=40)
     ds, model = sparsify_inputs(st, layers=[2, 9], tokens_per_row=8, seed=0)
-    cfg = TrainConfig(SparseCoderConfig(num_latents=16, k=4), batch_size=2, layers=[2, 9], log_to_wandb=False,
-                      save_dir=str(tmp_path / "ckpt"), save_every=10_000, lr_warmup_steps=1, optimizer="adam")
+    cfg = TrainConfig(
+        SparseCoderConfig(num_latents=16, k=4),
+        batch_size=2,
+        layers=[2, 9],
+        log_to_wandb=False,
+        save_dir=str(tmp_path / "ckpt"),
+        save_every=10_000,
+        lr_warmup_steps=1,
+        optimizer="adam",
+    )
     seen = []
     for i in (2, 9):
         model.layers[i].register_forward_hook(lambda m, inp, out, i=i: seen.append((i, out.detach().clone())))

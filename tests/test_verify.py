@@ -54,7 +54,10 @@ def test_clean_store_verifies_in_both_modes(store):
     assert deep.problems == []
     # every published chunk read: 16 examples x 2 layers x (3 x 4 + 5 tokens) x 16 x 2 bytes
     assert deep.n_bytes_read == 16 * 2 * 17 * 16 * 2
-    assert deep.summary() == f"verify (deep) {store}: 16 examples in 2 shards, 128 chunk files checked, 17408 bytes read: OK"
+    assert (
+        deep.summary()
+        == f"verify (deep) {store}: 16 examples in 2 shards, 128 chunk files checked, 17408 bytes read: OK"
+    )
     F.check_store_values(store, {0: N0, 1: N1})
 
 
@@ -134,7 +137,9 @@ def test_verify_on_open_deep_and_bad_mode(store):
     assert len(ActStore(store, verify="deep")) == 16
     F.flip_bit(store / SH0 / PROMPT / "0.0.0.0", 0)
     assert len(ActStore(store, verify="fast")) == 16  # same size: fast cannot see it
-    with pytest.raises(VerificationError, match=r"failed verification \(deep\): 1 error, the first: crc32c of \(example 0, layer 2\)"):
+    with pytest.raises(
+        VerificationError, match=r"failed verification \(deep\): 1 error, the first: crc32c of \(example 0, layer 2\)"
+    ):
         ActStore(store, verify="deep")
     with pytest.raises(ValueError, match=r"^verify must be one of \[None, 'fast', 'deep'\]. Got 'full'.$"):
         ActStore(store, verify="full")
@@ -149,12 +154,21 @@ def test_unpublished_shard_stray_and_temp_files_are_warnings(store):
     rep = verify_store(store)
     assert rep.ok and not rep.errors
     assert kinds(rep) == [
-        (WARNING, "temp-file"), (WARNING, "stray-file"), (WARNING, "temp-file"), (WARNING, "stray-file"),
+        (WARNING, "temp-file"),
+        (WARNING, "stray-file"),
+        (WARNING, "temp-file"),
+        (WARNING, "stray-file"),
         (WARNING, "unpublished-shard"),
     ]
     msgs = [p.message for p in rep.problems]
-    assert msgs[0] == ".manifest.json.tmp-123-abcd1234 is the temporary file of an interrupted write (finalize killed?); safe to delete"
-    assert msgs[2] == ".shard-00005.zarr.tmp-9-0badf00d is the folder of a writer killed while creating its shard; safe to delete when no writer runs"
+    assert (
+        msgs[0]
+        == ".manifest.json.tmp-123-abcd1234 is the temporary file of an interrupted write (finalize killed?); safe to delete"
+    )
+    assert (
+        msgs[2]
+        == ".shard-00005.zarr.tmp-9-0badf00d is the folder of a writer killed while creating its shard; safe to delete when no writer runs"
+    )
     assert msgs[3] == "junk.bin is not part of a writer shard"
     assert msgs[4] == (
         "shard shard-00002.zarr is not in the manifest (written after the last finalize, or by a writer still running); "
@@ -224,7 +238,10 @@ def test_commit_record_text_and_stats(store):
     assert msgs[0] == f"statistics file {m['stats']} named by the manifest is missing"
     assert msgs[1] == 'line 3 of prompt.jsonl is damaged (expected {"i": 2, ..., "prompt": ...})'
     assert msgs[2] == "the commit record holds 4 examples; the manifest publishes 6"
-    assert msgs[3] == "the manifest says the shard is complete with 6 examples; its commit record says complete=True with 4"
+    assert (
+        msgs[3]
+        == "the manifest says the shard is complete with 6 examples; its commit record says complete=True with 4"
+    )
     assert msgs[4] == "the commit record holds 1 blocks; the manifest publishes 2"
 
 
@@ -249,7 +266,10 @@ def test_symlinked_chunk_is_refused(store, tmp_path):
     target.symlink_to(outside)
     rep = verify_store(store)
     assert kinds(rep) == [(ERROR, "symlink"), (ERROR, "missing-chunk")]
-    assert rep.problems[0].message == f"{SH0}/{PROMPT}/1.0.0.0 is a symbolic link to {outside}, outside the store; readers refuse it"
+    assert (
+        rep.problems[0].message
+        == f"{SH0}/{PROMPT}/1.0.0.0 is a symbolic link to {outside}, outside the store; readers refuse it"
+    )
     with pytest.raises(UnsafePathError) as ei:
         ActStore(store)[1, 2]
     assert str(ei.value) == (
@@ -276,7 +296,10 @@ def test_zarr_engine_missing_zero_chunk_is_cleared_by_deep(tmp_path):
 def test_compressed_and_zarr_sharded_stores(tmp_path):
     import numcodecs
 
-    for name, kw in (("zstd", dict(zarr_format=2, compressor=numcodecs.Zstd())), ("sharded", dict(zarr_format=3, shard_examples=4))):
+    for name, kw in (
+        ("zstd", dict(zarr_format=2, compressor=numcodecs.Zstd())),
+        ("sharded", dict(zarr_format=3, shard_examples=4)),
+    ):
         root = tmp_path / name
         with actstore.ShardWriter(root, shard=0, layers=[0, 1], d_model=8, tokens=6, commit_bytes=500, **kw) as w:
             w.append(np.random.default_rng(0).standard_normal((10, 2, 6, 8)).astype(np.float16))
@@ -299,7 +322,10 @@ def test_cli_verify_table_json_and_errors(store, tmp_path):
     r = CliRunner().invoke(main, ["verify", str(store), "--quiet"])
     assert r.exit_code == 1
     lines = r.output.splitlines()
-    assert lines[0] == f"verify (fast) {store}: 16 examples in 2 shards, 128 chunk files checked, 0 bytes read: 1 error, 0 warnings"
+    assert (
+        lines[0]
+        == f"verify (fast) {store}: 16 examples in 2 shards, 128 chunk files checked, 0 bytes read: 1 error, 0 warnings"
+    )
     assert lines[1].split() == ["SEVERITY", "PROBLEM", "SHARD", "EXAMPLE", "LAYER", "SEGMENT", "FILE"]
     assert lines[2].split() == ["error", "chunk-size", "0", "4", "2", "prompt", f"{SH0}/{PROMPT}/4.0.2.0"]
     assert lines[3] == "    chunk file 4.0.2.0 has 0 bytes, expected 128 (truncated)"
@@ -345,7 +371,10 @@ def test_resume_of_a_shard_without_per_example_checksums(tmp_path):
 def test_unreadable_statistics_file(store):
     m = json.loads((store / spec.MANIFEST_FILE).read_text())
     (store / m["stats"]).write_bytes(b"PK\x03\x04 not a zip")
-    with pytest.raises(actstore.CorruptStoreError, match=r"statistics file .* is unreadable \(not a readable statistics file \(BadZipFile: File is not a zip file\)\)"):
+    with pytest.raises(
+        actstore.CorruptStoreError,
+        match=r"statistics file .* is unreadable \(not a readable statistics file \(BadZipFile: File is not a zip file\)\)",
+    ):
         ActStore(store).stats()
     rep = verify_store(store, deep=True)
     assert kinds(rep) == [(ERROR, "stats")]

@@ -89,8 +89,14 @@ def _edit_meta(store: Path, fn) -> None:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m.__setitem__("chunks", [1, 1, 4, 8]), "chunks of shape [1, 1, 4, 8] of float16; the store config says 4 tokens of <f2"),
-        (lambda m: m.__setitem__("dtype", "<f4"), "dtype <f4; the store config says <f2 (the byte order and width decide every value read)"),
+        (
+            lambda m: m.__setitem__("chunks", [1, 1, 4, 8]),
+            "chunks of shape [1, 1, 4, 8] of float16; the store config says 4 tokens of <f2",
+        ),
+        (
+            lambda m: m.__setitem__("dtype", "<f4"),
+            "dtype <f4; the store config says <f2 (the byte order and width decide every value read)",
+        ),
         (lambda m: m.__setitem__("fill_value", 1.5), "fill value 1.5; the format's is 0 (missing chunks read as it)"),
         (lambda m: m.__setitem__("zarr_format", 3), None),
     ],
@@ -107,7 +113,9 @@ def test_compressed_array_metadata_is_checked_too(tmp_path):
     import numcodecs
 
     root = tmp_path / "zstd"
-    with actstore.ShardWriter(root, zarr_format=2, shard=0, layers=[0], d_model=8, tokens=6, compressor=numcodecs.Zstd()) as w:
+    with actstore.ShardWriter(
+        root, zarr_format=2, shard=0, layers=[0], d_model=8, tokens=6, compressor=numcodecs.Zstd()
+    ) as w:
         w.append(np.ones((3, 1, 6, 8), np.float16))
     actstore.finalize(root)
     assert verify_store(root, deep=True).problems == []

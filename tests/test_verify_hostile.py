@@ -50,7 +50,12 @@ def manifest(store: Path) -> Path:
     "field, value, error, message",
     [
         ("name", "../../etc", CorruptStoreError, "shard name '../../etc' is not of the form shard-NNNNN.zarr"),
-        ("name", "/etc/shard-00000.zarr", CorruptStoreError, "shard name '/etc/shard-00000.zarr' is not of the form shard-NNNNN.zarr"),
+        (
+            "name",
+            "/etc/shard-00000.zarr",
+            CorruptStoreError,
+            "shard name '/etc/shard-00000.zarr' is not of the form shard-NNNNN.zarr",
+        ),
     ],
 )
 def test_manifest_shard_names_outside_the_store(store, field, value, error, message):
@@ -91,7 +96,9 @@ def test_symlinked_text_file_leaving_the_store(store, tmp_path):
     text.unlink()
     text.symlink_to(secret)
     st = ActStore(store)
-    with pytest.raises(UnsafePathError, match=r"text/prompt.jsonl is a symbolic link; actstore never writes links inside a store"):
+    with pytest.raises(
+        UnsafePathError, match=r"text/prompt.jsonl is a symbolic link; actstore never writes links inside a store"
+    ):
         st.sample(0)
     with pytest.raises(UnsafePathError):
         list(st.texts("prompt"))
@@ -107,15 +114,22 @@ def test_resume_refuses_commit_record_paths_outside_the_shard(store, tmp_path):
     edit_json(sdir / spec.COMMIT_FILE, lambda d: d.update(complete=False, text_bytes={"../../../victim": 0}))
     with pytest.raises(CorruptStoreError) as ei:
         F.writer(store, 1, resume=True)
-    assert str(ei.value) == f"{sdir / spec.COMMIT_FILE} names text '../../../victim'; the store declares texts ['prompt']"
+    assert (
+        str(ei.value) == f"{sdir / spec.COMMIT_FILE} names text '../../../victim'; the store declares texts ['prompt']"
+    )
     edit_json(sdir / spec.COMMIT_FILE, lambda d: d.update(text_bytes={"prompt": 0}, stats_file="../../../victim.txt"))
-    with pytest.raises(UnsafePathError, match=r"path '\.\./\.\./\.\./victim\.txt' in the store's metadata points outside"):
+    with pytest.raises(
+        UnsafePathError, match=r"path '\.\./\.\./\.\./victim\.txt' in the store's metadata points outside"
+    ):
         F.writer(store, 1, resume=True)
     assert victim.read_text() == "precious"
 
 
 def test_manifest_claiming_1e15_examples_allocates_nothing(store):
-    edit_json(manifest(store), lambda d: (d.__setitem__("n_examples", 10**15), d["shards"][0].__setitem__("n_examples", 10**15)))
+    edit_json(
+        manifest(store),
+        lambda d: (d.__setitem__("n_examples", 10**15), d["shards"][0].__setitem__("n_examples", 10**15)),
+    )
     tracemalloc.start()
     with pytest.raises(CorruptStoreError) as ei:
         ActStore(store)
@@ -151,7 +165,9 @@ def test_consistent_lie_of_1e12_examples_is_caught_before_allocating(store):
     )
     assert peak < 16 * 2**20
     assert [p.kind for p in rep.errors][:3] == ["commit", "commit", "blocks"]
-    assert f"the shard publishes {n} examples ({n * 2 * 3} chunk files) but only 36 chunk files exist" in [p.message for p in rep.errors]
+    assert f"the shard publishes {n} examples ({n * 2 * 3} chunk files) but only 36 chunk files exist" in [
+        p.message for p in rep.errors
+    ]
 
 
 def test_manifest_bytes_must_match_examples(store):
@@ -191,7 +207,9 @@ def test_damaged_array_metadata(store):
         "its metadata was altered (run `actstore verify`)"
     )
     (store / SH0 / "arrays/prompt_activations/.zarray").write_text("{not json")
-    with pytest.raises(CorruptStoreError, match=r"array metadata of .*prompt_activations is damaged \(Expecting property name"):
+    with pytest.raises(
+        CorruptStoreError, match=r"array metadata of .*prompt_activations is damaged \(Expecting property name"
+    ):
         ActStore(store)[0, 2]
 
 
@@ -214,6 +232,8 @@ def test_damaged_block_records_and_commit_types(store):
 
 def test_identity_file_with_bad_config(store):
     edit_json(store / spec.IDENTITY_FILE, lambda d: d["config"].__setitem__("fields", [1, 2]))
-    with pytest.raises(CorruptStoreError, match=r"actstore.json: bad config \(.*\); the store's identity file is damaged$"):
+    with pytest.raises(
+        CorruptStoreError, match=r"actstore.json: bad config \(.*\); the store's identity file is damaged$"
+    ):
         finalize(store)
     assert np.array_equal(ActStore(store)[0, 2], F.expected(0, 0, 2))  # readers use the manifest only

@@ -81,7 +81,20 @@ def test_every_window_starts_with_bos_labelled_special(tmp_path, models, corpus,
 def test_a_tokenizer_that_adds_bos_gets_one_per_window_not_two(tmp_path, models, corpus):
     _, tok = tiny_llama(layers=2)
     out = tmp_path / "s"
-    cli("write", out, "--model", models / "bos", "--data", corpus, "--layers", "0", "--pack", "--context", "8", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        models / "bos",
+        "--data",
+        corpus,
+        "--layers",
+        "0",
+        "--pack",
+        "--context",
+        "8",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     flat = [t for d in DOCS for t in doc_tokens(tok, d) if t != tok.bos_token_id]
     got = []
@@ -96,7 +109,21 @@ def test_no_window_bos_keeps_the_plain_stream(tmp_path, models, corpus):
     _, tok = tiny_llama(layers=2)
     tok = _no_bos(tok)
     out = tmp_path / "s"
-    cli("write", out, "--model", models / "nobos", "--data", corpus, "--layers", "0", "--pack", "--context", "8", "--no-window-bos", "--quiet")
+    cli(
+        "write",
+        out,
+        "--model",
+        models / "nobos",
+        "--data",
+        corpus,
+        "--layers",
+        "0",
+        "--pack",
+        "--context",
+        "8",
+        "--no-window-bos",
+        "--quiet",
+    )
     store = actstore.ActStore(out)
     flat = [t for d in DOCS for t in doc_tokens(tok, d)]
     assert np.concatenate([store.token_ids(i) for i in range(len(store))]).tolist() == flat
@@ -105,7 +132,9 @@ def test_no_window_bos_keeps_the_plain_stream(tmp_path, models, corpus):
 
 def test_the_window_planner_counts_the_bos_in_the_context():
     _, tok = tiny_llama(layers=2)
-    src = actstore.capture.data.Source(kind="text", name="t", n=len(DOCS), get=lambda i: {"key": f"d{i}", "text": DOCS[i]})
+    src = actstore.capture.data.Source(
+        kind="text", name="t", n=len(DOCS), get=lambda i: {"key": f"d{i}", "text": DOCS[i]}
+    )
     n = sum(len(doc_tokens(tok, d)) - 1 for d in DOCS)  # each document's own BOS gives way to the window's
     win = plan_windows(src, tok, 8, "pack", window_bos=True)
     assert len(win) == -(-n // 7) and win.n_tokens == n

@@ -109,7 +109,9 @@ def test_stores_written_with_any_thread_count_are_byte_identical(tmp_path, layou
     other = {p.relative_to(tmp_path / "got"): p.read_bytes() for p in (tmp_path / "got").rglob("*") if p.is_file()}
     assert files.keys() == other.keys()
     data = [k for k in files if not k.name.startswith(".") and not k.name.endswith(".json")]  # no timestamps in these
-    assert sum("activations" in str(k) for k in data) == (6 if layout.get("shard_examples") else 21 * 2)  # shard files or chunk files
+    assert sum("activations" in str(k) for k in data) == (
+        6 if layout.get("shard_examples") else 21 * 2
+    )  # shard files or chunk files
     for k in data:
         assert files[k] == other[k], k
     want = np.concatenate(batches).astype(np.float16)
@@ -150,7 +152,9 @@ def test_fsync_syncs_every_data_file_on_the_io_threads(tmp_path, monkeypatch, la
     x = np.arange(7 * 2 * 3 * 4, dtype=np.float16).reshape(7, 2, 3, 4)
     with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, fsync=True, **layout) as w:
         w.append(x)
-    data = [(t, p) for t, p in synced if "/tokens_activations/" in p and not os.path.isdir(p)]  # files, not their folders
+    data = [
+        (t, p) for t, p in synced if "/tokens_activations/" in p and not os.path.isdir(p)
+    ]  # files, not their folders
     assert len({p for _, p in data}) == data_files  # each once (a shard file under its temporary name)
     assert all(t.startswith("actstore-io") for t, _ in data)
     assert len(syncfs) >= 1  # before the commit record
@@ -171,7 +175,9 @@ def test_resume_ignores_the_empty_folders_a_failed_shard_file_write_left(tmp_pat
         w._closed = True  # crashed: never closed
         w._layout.close()
         w._lease.release()
-    with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, zarr_format=3, shard_examples=2, resume=True) as w:
+    with actstore.ShardWriter(
+        tmp_path / "s", layers=[0, 1], d_model=4, tokens=3, zarr_format=3, shard_examples=2, resume=True
+    ) as w:
         assert w.n_committed == 4
         w.append(x[4:])
     actstore.finalize(tmp_path / "s")

@@ -18,15 +18,20 @@ from actstore.write.options import WriterOptions
 def _write(path, **kw):
     rng = np.random.default_rng(0)
     with ShardWriter(path, **kw) as w:
-        w.append(rng.standard_normal((3, 2, 5, 8)).astype(np.float16), lengths={"prompt": [5, 2, 0]},
-                 fields={"label": np.array([1, 2, 3])})
+        w.append(
+            rng.standard_normal((3, 2, 5, 8)).astype(np.float16),
+            lengths={"prompt": [5, 2, 0]},
+            fields={"label": np.array([1, 2, 3])},
+        )
     finalize(path)
 
 
 def _files(root):
     # Every file's bytes, the times of day written into records and attributes left out.
     stamp = re.compile(rb'"(created|updated|finalized|started|renewed)": "[^"]*"')
-    return {p.relative_to(root).as_posix(): stamp.sub(rb"", p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): stamp.sub(rb"", p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_config_and_options_values_write_what_the_keywords_write(tmp_path):
@@ -41,9 +46,13 @@ def test_config_and_options_values_write_what_the_keywords_write(tmp_path):
 
 def test_mixing_values_and_keywords_is_refused_before_anything_is_written(tmp_path):
     cfg = make_config(layers=[1], d_model=4, tokens=2)
-    with pytest.raises(TypeError, match=re.escape("pass config= or the store's keywords, not both: got config= and ['d_model']")):
+    with pytest.raises(
+        TypeError, match=re.escape("pass config= or the store's keywords, not both: got config= and ['d_model']")
+    ):
         ShardWriter(tmp_path / "a", config=cfg, d_model=4)
-    with pytest.raises(TypeError, match=re.escape("pass options= or the writer's keywords, not both: got options= and ['fsync']")):
+    with pytest.raises(
+        TypeError, match=re.escape("pass options= or the writer's keywords, not both: got options= and ['fsync']")
+    ):
         ShardWriter(tmp_path / "a", config=cfg, options=WriterOptions(), fsync=True)
     with pytest.raises(TypeError, match=re.escape("ShardWriter needs d_model= (or config=, a StoreConfig)")):
         ShardWriter(tmp_path / "a", layers=[1], tokens=2)

@@ -26,22 +26,45 @@ def _qa_store(path, dtype="float32", **kw):
     """Two shards (4 + 3 examples), prompt (5 tokens in chunks of 2) + response (3), labels, a field."""
     rng = np.random.default_rng(7)
     for shard, n in enumerate((4, 3)):
-        with ShardWriter(path, shard=shard, layers=LAYERS, d_model=4, segments={"prompt": 5, "response": 3},
-                         t_chunk={"prompt": 2, "response": 3}, dtype=dtype, fields={"label": "int16"}, token_labels=True,
-                         model_id="tiny/qa", attrs={"hooks": HOOKS, "dataset": "unit", "note": None}, **kw) as w:
-            w.append(prompt=random_acts(rng, (n, 3, 5, 4), dtype), response=random_acts(rng, (n, 3, 3, 4), dtype),
-                     lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
-                     sample_keys=[f"k{shard}-{i}" for i in range(n)], fields={"label": np.arange(n) + 10 * shard},
-                     token_labels={"prompt": rng.integers(0, 3, (n, 5)).astype(np.uint8),
-                                   "response": rng.integers(0, 3, (n, 3)).astype(np.uint8)})
+        with ShardWriter(
+            path,
+            shard=shard,
+            layers=LAYERS,
+            d_model=4,
+            segments={"prompt": 5, "response": 3},
+            t_chunk={"prompt": 2, "response": 3},
+            dtype=dtype,
+            fields={"label": "int16"},
+            token_labels=True,
+            model_id="tiny/qa",
+            attrs={"hooks": HOOKS, "dataset": "unit", "note": None},
+            **kw,
+        ) as w:
+            w.append(
+                prompt=random_acts(rng, (n, 3, 5, 4), dtype),
+                response=random_acts(rng, (n, 3, 3, 4), dtype),
+                lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
+                sample_keys=[f"k{shard}-{i}" for i in range(n)],
+                fields={"label": np.arange(n) + 10 * shard},
+                token_labels={
+                    "prompt": rng.integers(0, 3, (n, 5)).astype(np.uint8),
+                    "response": rng.integers(0, 3, (n, 3)).astype(np.uint8),
+                },
+            )
     actstore.finalize(path)
     return ActStore(path)
 
 
 def _padded_all(store):
     """The eager (example, layer, token, d_model) array the Dataset stands for."""
-    return np.stack([np.stack([np.concatenate([store.segment(s).padded(ex, layer) for s in store.segments])
-                               for layer in store.layers]) for ex in range(len(store))])
+    return np.stack(
+        [
+            np.stack(
+                [np.concatenate([store.segment(s).padded(ex, layer) for s in store.segments]) for layer in store.layers]
+            )
+            for ex in range(len(store))
+        ]
+    )
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -64,7 +87,9 @@ def test_nothing_is_read_until_indexed(qa, monkeypatch):
     assert calls == [] and sub.shape == (4, 2, 8, 4)
     x = ds.activations.isel(example=3).sel(layer=5).values
     assert calls == [(3, 5, "prompt"), (3, 5, "response")]
-    np.testing.assert_array_equal(x, np.concatenate([qa.segment("prompt").padded(3, 5), qa.segment("response").padded(3, 5)]))
+    np.testing.assert_array_equal(
+        x, np.concatenate([qa.segment("prompt").padded(3, 5), qa.segment("response").padded(3, 5)])
+    )
     calls.clear()
     r = ds.activations.isel(example=6, layer=0).where(ds.segment == "response", drop=True).values
     assert calls == [(6, 2, "response")]  # only the segment whose tokens are asked for
@@ -82,16 +107,21 @@ def test_values_dims_and_coordinates(qa):
     want = _padded_all(qa)
     np.testing.assert_array_equal(a.values, want)
     # Outer and vectorised selections equal numpy's on the eager array.
-    np.testing.assert_array_equal(a.isel(example=[6, 0, 6], layer=[2, 0], token=slice(3, 7), d_model=[3, 1]).values,
-                                  want[[6, 0, 6]][:, [2, 0]][:, :, 3:7][..., [3, 1]])
+    np.testing.assert_array_equal(
+        a.isel(example=[6, 0, 6], layer=[2, 0], token=slice(3, 7), d_model=[3, 1]).values,
+        want[[6, 0, 6]][:, [2, 0]][:, :, 3:7][..., [3, 1]],
+    )
     np.testing.assert_array_equal(a[-1, 1, 4, 2].values, want[-1, 1, 4, 2])
     pts = xr.DataArray([0, 4, 5], dims="p")
-    np.testing.assert_array_equal(a.isel(example=pts, layer=xr.DataArray([2, 1, 0], dims="p")).values,
-                                  want[[0, 4, 5], [2, 1, 0]])
+    np.testing.assert_array_equal(
+        a.isel(example=pts, layer=xr.DataArray([2, 1, 0], dims="p")).values, want[[0, 4, 5], [2, 1, 0]]
+    )
     # Each example's true tokens are what store[ex, layer] returns.
     for ex in range(len(qa)):
         lens = qa.lengths(ex)
-        keep = ((ds.segment == "prompt") & (ds.position < lens["prompt"])) | ((ds.segment == "response") & (ds.position < lens["response"]))
+        keep = ((ds.segment == "prompt") & (ds.position < lens["prompt"])) | (
+            (ds.segment == "response") & (ds.position < lens["response"])
+        )
         np.testing.assert_array_equal(a.isel(example=ex).sel(layer=9).values[keep.values], qa[ex, 9])
     np.testing.assert_array_equal(ds.prompt_len.values, qa.segment("prompt").lengths())
     np.testing.assert_array_equal(ds.response_len.values, qa.segment("response").lengths())
@@ -119,13 +149,26 @@ def test_one_segment_bfloat16_and_saev(tmp_path):
     actstore.finalize(tmp_path / "bf")
     store = ActStore(tmp_path / "bf")
     ds = store.to_xarray()
-    assert ds.activations.dtype == np.float32 and "segment" not in ds.coords and list(ds.layer_name.values) == ["layer 0", "layer 3"]
+    assert (
+        ds.activations.dtype == np.float32
+        and "segment" not in ds.coords
+        and list(ds.layer_name.values) == ["layer 0", "layer 3"]
+    )
     np.testing.assert_array_equal(ds.activations.values, x)
     np.testing.assert_array_equal(ds.tokens_len.values, np.full(5, 6))
     from actstore.saev import export_saev
 
-    res = export_saev(store, tmp_path / "dump", protocol="2.0", patches_per_shard=24, cls="none", family="dinov2",
-                      ckpt="facebook/dinov2-small", dataset="/d", progress=False)
+    res = export_saev(
+        store,
+        tmp_path / "dump",
+        protocol="2.0",
+        patches_per_shard=24,
+        cls="none",
+        family="dinov2",
+        ckpt="facebook/dinov2-small",
+        dataset="/d",
+        progress=False,
+    )
     sds = actstore.open(res.path).to_xarray()
     np.testing.assert_array_equal(sds.activations.values, x)
     assert "sample_key" not in sds and sds.attrs["saev_protocol"] == "2.0"
@@ -169,6 +212,7 @@ def test_one_example_dataarray_is_unchanged(qa):
 
 
 # ---- one writer shard through xarray.open_zarr -------------------------------------------
+
 
 @pytest.mark.parametrize("consolidated", [True, False])
 def test_open_zarr_on_a_shard(qa, consolidated):

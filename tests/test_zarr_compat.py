@@ -60,7 +60,11 @@ def test_zarr_python_reads_what_actstore_wrote(tmp_path, rng, kw, chunk_files):
     zc = zarr.open_consolidated(str(shard), mode="r", zarr_format=kw.get("zarr_format", 3))
     assert zc["arrays/tokens_activations"].shape == (7, 2, 10, 12)
     assert list(zc["arrays/tokens_len"][:]) == [10] * 7
-    files = sorted(str(p.relative_to(shard / "arrays/tokens_activations")) for p in (shard / "arrays/tokens_activations").rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != "zarr.json")
+    files = sorted(
+        str(p.relative_to(shard / "arrays/tokens_activations"))
+        for p in (shard / "arrays/tokens_activations").rglob("*")
+        if p.is_file() and not p.name.startswith(".") and p.name != "zarr.json"
+    )
     if chunk_files == "flat":
         assert "0.0.0.0" in files and f"6.1.{(10 - 1) // t_chunk}.0" in files
         size = os.path.getsize(shard / "arrays/tokens_activations/0.0.0.0")
@@ -108,7 +112,16 @@ def test_actstore_reads_what_zarr_python_wrote(tmp_path, rng, fmt, sharded):
 def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
     path = tmp_path / "s"
     data = random_acts(rng, (5, 2, 10, 12), "float16")
-    with ShardWriter(path, shard=0, layers=LAYERS, d_model=12, tokens=10, zarr_format=3, shard_examples=None, compressor=ZstdCodec(level=3)) as w:
+    with ShardWriter(
+        path,
+        shard=0,
+        layers=LAYERS,
+        d_model=12,
+        tokens=10,
+        zarr_format=3,
+        shard_examples=None,
+        compressor=ZstdCodec(level=3),
+    ) as w:
         w.append(data)
     actstore.finalize(path)
     meta = json.loads((path / "shards/shard-00000.zarr/arrays/tokens_activations/zarr.json").read_text())
@@ -120,11 +133,25 @@ def test_compressed_store_falls_back_to_zarr_python(tmp_path, rng):
 
 
 def test_layout_detection_refuses_non_raw_metadata(tmp_path):
-    base = {"zarr_format": 2, "shape": [4, 2, 10, 12], "chunks": [1, 1, 10, 12], "dtype": "<f2",
-            "compressor": None, "filters": None, "order": "C", "dimension_separator": "."}
+    base = {
+        "zarr_format": 2,
+        "shape": [4, 2, 10, 12],
+        "chunks": [1, 1, 10, 12],
+        "dtype": "<f2",
+        "compressor": None,
+        "filters": None,
+        "order": "C",
+        "dimension_separator": ".",
+    }
     assert geometry_from_metadata("a", base, 2, 12) is not None
-    for change in ({"compressor": {"id": "zstd"}}, {"filters": [{"id": "delta"}]}, {"order": "F"},
-                   {"dtype": ">f2"}, {"chunks": [2, 1, 10, 12]}, {"chunks": [1, 2, 10, 12]}):
+    for change in (
+        {"compressor": {"id": "zstd"}},
+        {"filters": [{"id": "delta"}]},
+        {"order": "F"},
+        {"dtype": ">f2"},
+        {"chunks": [2, 1, 10, 12]},
+        {"chunks": [1, 2, 10, 12]},
+    ):
         assert geometry_from_metadata("a", {**base, **change}, 2, 12) is None, change
 
 
@@ -149,7 +176,9 @@ def test_missing_chunk_reads_as_fill_value_only_where_zeros_were_written(tmp_pat
         store[3, 7]
 
 
-@pytest.mark.parametrize("kw", [{"zarr_format": 2}, {"zarr_format": 2, "t_chunk": 3}, {"zarr_format": 3, "shard_examples": None}])
+@pytest.mark.parametrize(
+    "kw", [{"zarr_format": 2}, {"zarr_format": 2, "t_chunk": 3}, {"zarr_format": 3, "shard_examples": None}]
+)
 def test_a_read_touches_only_the_asked_chunks(tmp_path, rng, kw):
     """Every other chunk file is replaced by a damaged one: reads that touched them would raise."""
     from actstore.errors import CorruptChunkError

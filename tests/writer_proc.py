@@ -43,8 +43,17 @@ def main() -> None:
         Path(f"{a.start_after}.ready.{os.getpid()}").touch()  # imported: at the start line
         while not os.path.exists(a.start_after):
             time.sleep(0.002)
-    with ShardWriter(a.store, shard=a.shard, layers=LAYERS, d_model=D, tokens=T, resume=a.resume,
-                     commit_bytes=a.commit_bytes, texts=["id"], world_size=a.world_size) as w:
+    with ShardWriter(
+        a.store,
+        shard=a.shard,
+        layers=LAYERS,
+        d_model=D,
+        tokens=T,
+        resume=a.resume,
+        commit_bytes=a.commit_bytes,
+        texts=["id"],
+        world_size=a.world_size,
+    ) as w:
         done = w.n_committed
         print(f"start {done}", flush=True)
         k = done

@@ -26,7 +26,24 @@ from actstore.capture.run import WriteOptions, write
 from actstore.capture.stats import normalization
 
 __all__ = [
-    "Capture", "CaptureBatch", "CaptureError", "DataError", "EmptyDatasetError", "LoadedModel", "ModelLoadError",
-    "NoBlocksError", "RecordResult", "UnknownLayerError", "UnreadableImageError", "WriteOptions", "committed",
-    "find_blocks", "load_model", "normalization", "record", "resolve_hooks", "token_origins", "write",
+    "Capture",
+    "CaptureBatch",
+    "CaptureError",
+    "DataError",
+    "EmptyDatasetError",
+    "LoadedModel",
+    "ModelLoadError",
+    "NoBlocksError",
+    "RecordResult",
+    "UnknownLayerError",
+    "UnreadableImageError",
+    "WriteOptions",
+    "committed",
+    "find_blocks",
+    "load_model",
+    "normalization",
+    "record",
+    "resolve_hooks",
+    "token_origins",
+    "write",
 ]

@@ -98,21 +98,39 @@ def absolute_data(spec: str) -> str:
 def _embedded(which: str) -> Source:
     if which == "images":
         items = embedded.embedded_images()
-        return Source(kind="image", name="embedded:images", n=len(items), get=lambda i: {"key": items[i][0], "image": {"embedded": items[i][0]}})
+        return Source(
+            kind="image",
+            name="embedded:images",
+            n=len(items),
+            get=lambda i: {"key": items[i][0], "image": {"embedded": items[i][0]}},
+        )
     if which == "pydoc-topics":
         topics = embedded.pydoc_topics()
-        return Source(kind="text", name="embedded:pydoc-topics", n=len(topics), get=lambda i: {"key": topics[i][0], "text": topics[i][1]})
+        return Source(
+            kind="text",
+            name="embedded:pydoc-topics",
+            n=len(topics),
+            get=lambda i: {"key": topics[i][0], "text": topics[i][1]},
+        )
     raise DataError(f"no embedded data {which!r}; there are {[EMBEDDED_PREFIX + d for d in embedded.EMBEDDED_DATA]}")
 
 
 # ---- image folders ----------------------------------------------------------------
 def _image_folder(root: Path) -> Source:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith(".")
+    )
     if not files:
         if any(p.suffix.lower() == ".txt" for p in root.iterdir()):
-            raise EmptyDatasetError(f"--data {root}: {root} holds .txt files, not images: pass a glob such as '{root}/*.txt' "
-                                    "(quoted: a document a file)")
-        raise EmptyDatasetError(f"--data {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder; nothing to capture")
+            raise EmptyDatasetError(
+                f"--data {root}: {root} holds .txt files, not images: pass a glob such as '{root}/*.txt' "
+                "(quoted: a document a file)"
+            )
+        raise EmptyDatasetError(
+            f"--data {root}: no images ({', '.join(IMAGE_EXTENSIONS)}) in this folder; nothing to capture"
+        )
     _check_headers(files)
     root_abs = root.resolve()
 
@@ -210,8 +228,15 @@ def _txt_lines(path: Path, decoding: Decoding) -> Source:
     lines = _LineIndex(path)
     keep = np.asarray([decoding.check(raw, f"{path}:{lineno}") for lineno, raw in lines.scan()], bool)
     kept = np.flatnonzero(keep) if len(keep) else np.zeros(0, np.int64)
-    return Source(kind="text", name=str(path), n=len(kept),
-                  get=lambda i: {"key": f"line-{int(lines.linenos[kept[i]])}", "text": decoding.decode(lines.read(int(kept[i]))).rstrip("\r\n")})
+    return Source(
+        kind="text",
+        name=str(path),
+        n=len(kept),
+        get=lambda i: {
+            "key": f"line-{int(lines.linenos[kept[i]])}",
+            "text": decoding.decode(lines.read(int(kept[i]))).rstrip("\r\n"),
+        },
+    )
 
 
 def _glob(spec: str, text_field: str | None, decoding: Decoding) -> Source:
@@ -225,7 +250,9 @@ def _glob(spec: str, text_field: str | None, decoding: Decoding) -> Source:
     for f in files:
         _check_regular(Path(f), spec)
     if all(f.endswith(".txt") for f in files):
-        files = [f for f in files if decoding.check(_read_bytes(f), f)]  # every file decodes (or is left out) before a model loads
+        files = [
+            f for f in files if decoding.check(_read_bytes(f), f)
+        ]  # every file decodes (or is left out) before a model loads
 
         def get_file(i: int) -> dict[str, Any]:
             try:
@@ -304,7 +331,9 @@ def _jsonl(path: Path, text_field: str | None = None) -> Source:
     def record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
         if text_field is not None:
             if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise DataError(f"{where}: no string field {text_field!r} (--text-field); this line has {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}")
+                raise DataError(
+                    f"{where}: no string field {text_field!r} (--text-field); this line has {sorted(obj)[:10] if isinstance(obj, dict) else type(obj).__name__}"
+                )
             obj = {"id": obj.get("id", f"line-{i}"), "text": obj[text_field]}
         return _record(obj, where, i)
 
@@ -367,16 +396,18 @@ def _record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
     if isinstance(obj, str):
         return {"key": f"line-{i}", "text": obj}, "text"
     if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON string or an object with \"text\" or \"prompt\" (and \"response\"); got {type(obj).__name__}")
+        raise DataError(
+            f'{where}: expected a JSON string or an object with "text" or "prompt" (and "response"); got {type(obj).__name__}'
+        )
     key = _key(str(obj.get("id", f"line-{i}")))
     if "prompt" in obj:
         resp = obj.get("response")
         if not isinstance(obj["prompt"], str) or not (resp is None or isinstance(resp, str)):
-            raise DataError(f"{where}: \"prompt\" and \"response\" must be strings")
+            raise DataError(f'{where}: "prompt" and "response" must be strings')
         return {"key": key, "prompt": obj["prompt"], "response": resp}, "pair"
     if isinstance(obj.get("text"), str):
         return {"key": key, "text": obj["text"]}, "text"
-    raise DataError(f"{where}: the object has no \"text\" or \"prompt\" string (keys: {sorted(obj)[:10]})")
+    raise DataError(f'{where}: the object has no "text" or "prompt" string (keys: {sorted(obj)[:10]})')
 
 
 # ---- HF datasets ------------------------------------------------------------------
@@ -391,7 +422,9 @@ def _hf_datasets(path: Path, text_field: str | None = None) -> Source:
             raise DataError(f"{path} has no column {text_field!r} (--text-field); its columns: {sorted(cols)[:20]}")
         kind = getattr(ds.features[text_field], "dtype", None)
         if kind not in ("string", "large_string"):
-            raise DataError(f"{path}: column {text_field!r} holds {ds.features[text_field]}, not text; pass --text-field NAME")
+            raise DataError(
+                f"{path}: column {text_field!r} holds {ds.features[text_field]}, not text; pass --text-field NAME"
+            )
         text = ds.select_columns([text_field, *keys])
         return Source(kind="text", name=str(path), n=len(ds), get=lambda i: _text_row(text, i, text_field, path))
     if "image" in cols or "img" in cols:
@@ -404,20 +437,28 @@ def _hf_datasets(path: Path, text_field: str | None = None) -> Source:
     if "prompt" in cols:
         pairs = ds.select_columns(["prompt", *(["response"] if "response" in cols else []), *keys])
         return Source(
-            kind="pair", name=str(path), n=len(ds),
-            get=lambda i: (lambda r: {"key": _row_key(pairs, i, r), "prompt": r["prompt"], "response": r.get("response")})(pairs[i]),
+            kind="pair",
+            name=str(path),
+            n=len(ds),
+            get=lambda i: (
+                lambda r: {"key": _row_key(pairs, i, r), "prompt": r["prompt"], "response": r.get("response")}
+            )(pairs[i]),
         )
     if "text" in cols:
         text = ds.select_columns(["text", *keys])
         return Source(kind="text", name=str(path), n=len(ds), get=lambda i: _text_row(text, i, "text", path))
-    raise DataError(f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column (or --text-field NAME); it has {sorted(cols)}")
+    raise DataError(
+        f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column (or --text-field NAME); it has {sorted(cols)}"
+    )
 
 
 def _text_row(ds: Any, i: int, field: str, path: Path) -> dict[str, Any]:
     row = ds[i]
     value = row[field]
     if not isinstance(value, str):
-        raise DataError(f"{path} row {i}: column {field!r} holds {type(value).__name__}, not text; pass --text-field NAME")
+        raise DataError(
+            f"{path} row {i}: column {field!r} holds {type(value).__name__}, not text; pass --text-field NAME"
+        )
     return {"key": _row_key(ds, i, row), "text": value}
 
 

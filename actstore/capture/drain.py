@@ -19,7 +19,9 @@ from actstore.errors import CaptureError
 class Drain:
     """A bounded queue drained by one background thread running `work`."""
 
-    def __init__(self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0):
+    def __init__(
+        self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0
+    ):
         if maxsize < 1:
             raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
         self._q: queue.Queue[Any] = queue.Queue(maxsize)

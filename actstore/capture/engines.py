@@ -100,8 +100,14 @@ class _Writer:
         self.queue.put_nowait(("io", self.rank, stats))
 
 
-def run_actors(jobs: Sequence[Callable[..., Any]], s: RaySettings, *, total: int | None, desc: str,
-               callback: Callable[[int, int, int], None] | None = None) -> list[Any]:
+def run_actors(
+    jobs: Sequence[Callable[..., Any]],
+    s: RaySettings,
+    *,
+    total: int | None,
+    desc: str,
+    callback: Callable[[int, int, int], None] | None = None,
+) -> list[Any]:
     """Run jobs[r] (called with `progress=` an object with `update(examples, tokens, bytes)`)
     in writer actor r; returns their results in rank order, or raises naming each failed writer.
     Progress goes to one bar in the driver (s.progress) and to `callback`."""
@@ -115,8 +121,12 @@ def run_actors(jobs: Sequence[Callable[..., Any]], s: RaySettings, *, total: int
     started = _connect(s)
     try:
         queue = Queue(actor_options={"num_cpus": 0})
-        actor = ray.remote(num_cpus=s.cpus_per_worker, num_gpus=s.gpus_per_worker, max_restarts=MAX_RESTARTS,
-                           max_task_retries=MAX_RESTARTS)(_Writer)
+        actor = ray.remote(
+            num_cpus=s.cpus_per_worker,
+            num_gpus=s.gpus_per_worker,
+            max_restarts=MAX_RESTARTS,
+            max_task_retries=MAX_RESTARTS,
+        )(_Writer)
         writers = [actor.options(name=f"actstore-writer-{r}-{os.getpid()}").remote() for r in range(len(jobs))]
         pending = {w.run.remote(job, queue, r): r for r, (w, job) in enumerate(zip(writers, jobs))}
         bar = Progress(total=total, desc=desc, disable=not s.progress)
@@ -179,13 +189,24 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
 
     store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
     # The driver checked that a fresh run starts on no shard: a restarted actor resumes.
-    wo = replace(o, data=absolute_data(o.data), store=store, resume=True, progress=False,  # actors run elsewhere
-                 threads=o.threads or max(1, int(o.cpus_per_worker)))
+    wo = replace(
+        o,
+        data=absolute_data(o.data),
+        store=store,
+        resume=True,
+        progress=False,  # actors run elsewhere
+        threads=o.threads or max(1, int(o.cpus_per_worker)),
+    )
     total = bar_total(o, n)
     if o.progress:
         print(f"{o.workers} Ray writer actors (each loads {o.model}) ...", file=sys.stderr, flush=True)
-    settings = RaySettings(workers=o.workers, address=o.ray_address, cpus_per_worker=o.cpus_per_worker,
-                           gpus_per_worker=o.gpus_per_worker, progress=o.progress)
+    settings = RaySettings(
+        workers=o.workers,
+        address=o.ray_address,
+        cpus_per_worker=o.cpus_per_worker,
+        gpus_per_worker=o.gpus_per_worker,
+        progress=o.progress,
+    )
     jobs = [functools.partial(run_shard, wo, r, o.workers) for r in range(o.workers)]
     return run_actors(jobs, settings, total=total, desc=f"{o.workers} ray writers")
 
@@ -198,8 +219,17 @@ def _committed(store: str, shard: int) -> tuple[int, bool]:
 
 
 # ---- record(..., engine="ray") --------------------------------------------------------
-def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: str | os.PathLike, s: RaySettings, *, resume: bool,
-               callback: Callable[[int, int, int], None] | None = None, **kwargs: Any) -> list[Any]:
+def record_ray(
+    record: Callable[..., Any],
+    model: Any,
+    batches: Any,
+    store: str | os.PathLike,
+    s: RaySettings,
+    *,
+    resume: bool,
+    callback: Callable[[int, int, int], None] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
     hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
@@ -210,15 +240,21 @@ def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: str 
     from actstore.storage import open_storage
 
     if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
-        raise CaptureError(f"record(engine='ray') splits `batches` across writers: pass a list of batches, not a {type(batches).__name__}")
+        raise CaptureError(
+            f"record(engine='ray') splits `batches` across writers: pass a list of batches, not a {type(batches).__name__}"
+        )
     if not 1 <= s.workers <= len(batches):
-        raise CaptureError(f"record(engine='ray') needs 1..{len(batches)} workers for {len(batches)} batches. Got {s.workers}.")
+        raise CaptureError(
+            f"record(engine='ray') needs 1..{len(batches)} workers for {len(batches)} batches. Got {s.workers}."
+        )
     root = str(store) if "://" in str(store) else os.path.abspath(store)
     storage = open_storage(root)
     storage.check_access(write=True)
     for r in range(s.workers):
         if not resume and catalog.shard_exists(storage, r):
-            raise CaptureError(f"{root} already holds shard {r}; pass resume=True to continue the run, or write to a new path")
+            raise CaptureError(
+                f"{root} already holds shard {r}; pass resume=True to continue the run, or write to a new path"
+            )
     jobs = []
     for r in range(s.workers):
         a, b = split(len(batches), s.workers, r)
@@ -226,8 +262,16 @@ def record_ray(record: Callable[..., Any], model: Any, batches: Any, store: str 
     return run_actors(jobs, s, total=None, desc=f"{s.workers} ray writers", callback=callback)
 
 
-def _record_rank(record: Callable[..., Any], model: Any, batches: list[Any], store: str, rank: int, world: int,
-                 kwargs: dict[str, Any], progress: Any) -> Any:
+def _record_rank(
+    record: Callable[..., Any],
+    model: Any,
+    batches: list[Any],
+    store: str,
+    rank: int,
+    world: int,
+    kwargs: dict[str, Any],
+    progress: Any,
+) -> Any:
     """One actor's record(): the batches after the shard's committed examples (commits fall
     on batch boundaries); the shard's committed examples, loading no model, when it is complete."""
     n_done, complete = _committed(store, rank)
@@ -238,13 +282,25 @@ def _record_rank(record: Callable[..., Any], model: Any, batches: list[Any], sto
         seen += _batch_size(batches[skip])
         skip += 1
     if seen != n_done:
-        raise CaptureError(f"shard {rank} of {store} holds {n_done} committed examples, which do not end on a batch of its slice: "
-                           "resume it with the batches it was written from")
+        raise CaptureError(
+            f"shard {rank} of {store} holds {n_done} committed examples, which do not end on a batch of its slice: "
+            "resume it with the batches it was written from"
+        )
     if isinstance(model, str) or (callable(model) and not hasattr(model, "forward")):
         from actstore.capture.models import load_model
 
         model = load_model(model) if isinstance(model, str) else model()
-    return record(model, batches[skip:], store, shard=rank, world_size=world, resume=True, progress=progress.update, io_progress=getattr(progress, "io", None), **kwargs)
+    return record(
+        model,
+        batches[skip:],
+        store,
+        shard=rank,
+        world_size=world,
+        resume=True,
+        progress=progress.update,
+        io_progress=getattr(progress, "io", None),
+        **kwargs,
+    )
 
 
 def _batch_size(batch: Any) -> int:

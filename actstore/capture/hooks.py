@@ -134,8 +134,12 @@ def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
         m = TL_NAME.match(x)
         if m is None:
             if x.startswith("blocks.") or x.startswith("hook_"):
-                raise UnknownLayerError(f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path")
-            points.append((_first_int(x), HookPoint(layer=-1, path=x, module=_get_module(module, x), block=False, name=x)))
+                raise UnknownLayerError(
+                    f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path"
+                )
+            points.append(
+                (_first_int(x), HookPoint(layer=-1, path=x, module=_get_module(module, x), block=False, name=x))
+            )
             continue
         bpath, mod, k = block(int(m.group(1)), x)
         hook = m.group(2)
@@ -146,14 +150,24 @@ def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
             points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=False, pre=True, name=name)))
         else:
             child = _child(mod, _MLP_CHILDREN if hook == "mlp_out" else _ATTN_CHILDREN, f"{bpath}.{k}", x)
-            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}.{child}", module=mod.get_submodule(child), block=False, name=name)))
+            points.append(
+                (
+                    k,
+                    HookPoint(
+                        layer=k, path=f"{bpath}.{k}.{child}", module=mod.get_submodule(child), block=False, name=name
+                    ),
+                )
+            )
     names = [hp.name for _, hp in points]
     if len(set(names)) != len(names):
         raise UnknownLayerError(f"layers must be distinct, got {list(layers)}")
     nums = [n for n, _ in points]
     if None in nums or len(set(nums)) != len(nums):
         nums = list(range(len(points)))
-    return [HookPoint(layer=n, path=hp.path, module=hp.module, block=hp.block, pre=hp.pre, name=hp.name) for n, (_, hp) in zip(nums, points)]
+    return [
+        HookPoint(layer=n, path=hp.path, module=hp.module, block=hp.block, pre=hp.pre, name=hp.name)
+        for n, (_, hp) in zip(nums, points)
+    ]
 
 
 def _child(block_mod: Any, names: tuple[str, ...], path: str, what: str) -> str:
@@ -182,8 +196,7 @@ def _get_module(module: Any, path: str) -> Any:
         sub = module
     children = [n for n, _ in sub.named_children()][:20]
     raise UnknownLayerError(
-        f"no module {path!r} in {type(module).__name__}; "
-        f"{parent or 'the model'} has children {children}"
+        f"no module {path!r} in {type(module).__name__}; {parent or 'the model'} has children {children}"
     )
 
 
@@ -216,7 +229,13 @@ class Capture:
     """
 
     def __init__(
-        self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, to_host: bool = False, half: bool = False
+        self,
+        module: Any,
+        hooks: Sequence[HookPoint],
+        *,
+        stop_early: bool = True,
+        to_host: bool = False,
+        half: bool = False,
     ):
         self.module = module
         self.hooks = list(hooks)
@@ -231,8 +250,14 @@ class Capture:
         for hp in self.hooks:
             hook = self._make_hook(hp)
             if hp.pre:  # the block's input: hidden_states, positional or keyword
-                self._handles.append(hp.module.register_forward_pre_hook(
-                    lambda mod, args, kwargs, h=hook: h(mod, args, args[0] if args else kwargs.get("hidden_states")), with_kwargs=True))
+                self._handles.append(
+                    hp.module.register_forward_pre_hook(
+                        lambda mod, args, kwargs, h=hook: h(
+                            mod, args, args[0] if args else kwargs.get("hidden_states")
+                        ),
+                        with_kwargs=True,
+                    )
+                )
             else:
                 self._handles.append(hp.module.register_forward_hook(hook))
         return self
@@ -252,7 +277,9 @@ class Capture:
                 return  # a module that runs twice per forward: keep its first output
             src = _first_tensor(out)
             if src is None:
-                raise CaptureError(f"module {hp.path} returned {type(out).__name__}, not a tensor; record another module")
+                raise CaptureError(
+                    f"module {hp.path} returned {type(out).__name__}, not a tensor; record another module"
+                )
             t = src.detach()
             if self.half and t.device.type == "cpu" and t.dtype != torch.float16:
                 h = t.to(torch.float16)  # a new tensor: later in-place changes cannot reach it
@@ -289,7 +316,9 @@ class Capture:
                 event.record()
         missing = [hp.path for hp in self.hooks if hp.layer not in self._out]
         if missing:
-            raise CaptureError(f"modules {missing} never ran in the forward pass; record modules on the path of this input")
+            raise CaptureError(
+                f"modules {missing} never ran in the forward pass; record modules on the path of this input"
+            )
         out = self._out
         self._out = {}
         shapes = {tuple(t.shape) for t in out.values()}

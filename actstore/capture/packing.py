@@ -103,20 +103,28 @@ def window_bos_id(tok: Any) -> int:
     """The token each window starts with: the tokenizer's BOS, else its EOS (the stand-in)."""
     bos = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
     if bos is None:
-        raise CaptureError("the tokenizer has neither a BOS nor an EOS token to start each window with; pass --no-window-bos")
+        raise CaptureError(
+            "the tokenizer has neither a BOS nor an EOS token to start each window with; pass --no-window-bos"
+        )
     return int(bos)
 
 
-def plan_windows(source: Source, tok: Any, context: int, mode: str, batch: int = 256, window_bos: bool = False) -> Windows:
+def plan_windows(
+    source: Source, tok: Any, context: int, mode: str, batch: int = 256, window_bos: bool = False
+) -> Windows:
     """Tokenize the corpus once (lengths only) and lay out its windows (each starting with
     the tokenizer's BOS when `window_bos`)."""
     if mode not in MODES:
         raise CaptureError(f"packing mode must be one of {list(MODES)}. Got {mode!r}.")
     bos = window_bos_id(tok) if window_bos else None
     if bos is not None and context < 2:
-        raise CaptureError(f"--context {context} leaves no room after each window's BOS; use --context 2 or more, or --no-window-bos")
+        raise CaptureError(
+            f"--context {context} leaves no room after each window's BOS; use --context 2 or more, or --no-window-bos"
+        )
     if source.kind != "text":
-        raise CaptureError(f"--pack and --chunk take documents (texts); --data {source.name} holds {source.kind} examples")
+        raise CaptureError(
+            f"--pack and --chunk take documents (texts); --data {source.name} holds {source.kind} examples"
+        )
     lengths = np.zeros(len(source), np.int64)
     skip = np.zeros(len(source), np.int64)
     for b0 in range(0, len(source), batch):
@@ -136,8 +144,16 @@ def plan_windows(source: Source, tok: Any, context: int, mode: str, batch: int =
         win_offset = (np.arange(len(win_doc)) - np.repeat(first, per_doc)) * step
     else:
         win_doc = win_offset = np.zeros(0, np.int64)
-    return Windows(mode=mode, context=context, doc_lengths=lengths, doc_start=start, win_doc=win_doc, win_offset=win_offset,
-                   bos=bos, doc_skip=skip)
+    return Windows(
+        mode=mode,
+        context=context,
+        doc_lengths=lengths,
+        doc_start=start,
+        win_doc=win_doc,
+        win_offset=win_offset,
+        bos=bos,
+        doc_skip=skip,
+    )
 
 
 def stored_runs(runs: list[tuple[int, int, int]], kept: np.ndarray) -> list[tuple[int, int, int]]:
@@ -163,12 +179,21 @@ def token_origins(store: ActStore, ex: int) -> np.ndarray:
     runs = store.sample(ex).get(RUNS_TEXT)
     if runs is None:
         raise CaptureError(f"{store.path} has no {RUNS_TEXT!r} text field: it was not captured with --pack or --chunk")
-    parts = [np.stack([np.full(n, d, np.int64), np.arange(off, off + n, dtype=np.int64)], axis=1) for d, _key, off, n in runs]
+    parts = [
+        np.stack([np.full(n, d, np.int64), np.arange(off, off + n, dtype=np.int64)], axis=1) for d, _key, off, n in runs
+    ]
     return np.concatenate(parts) if parts else np.zeros((0, 2), np.int64)
 
 
 def window_batches(
-    source: Source, windows: Windows, start: int, stop: int, tok: Any, batch_size: int, device: Any, drop_bos: bool = False
+    source: Source,
+    windows: Windows,
+    start: int,
+    stop: int,
+    tok: Any,
+    batch_size: int,
+    device: Any,
+    drop_bos: bool = False,
 ) -> Iterator[CaptureBatch]:
     """CaptureBatches of windows [start, stop): input_ids padded on the right (only the last
     window of the corpus, or of a document in chunk mode, is shorter), token labels marking
@@ -183,7 +208,9 @@ def window_batches(
         if d not in cache:
             cache[d] = doc_tokens(tok, source.get(d)["text"])
             if len(cache[d]) - windows.doc_skip[d] != windows.doc_lengths[d]:
-                raise CaptureError(f"document {d} tokenized to {len(cache[d])} tokens, then {windows.doc_lengths[d]}: the tokenizer is not deterministic")
+                raise CaptureError(
+                    f"document {d} tokenized to {len(cache[d])} tokens, then {windows.doc_lengths[d]}: the tokenizer is not deterministic"
+                )
             if len(cache) > 64:
                 cache.popitem(last=False)
         return cache[d]
@@ -202,15 +229,27 @@ def window_batches(
             mask[j, : len(s)] = 1
         bos = tok.bos_token_id if drop_bos else None  # --drop bos: the model sees them; the store does not
         lead = drop_bos and windows.bos is not None  # ... nor the window's BOS (or its stand-in)
-        select = [np.asarray([k for k, x in enumerate(s) if x != bos and not (lead and k == 0)], np.int64) for s in seqs]
+        select = [
+            np.asarray([k for k, x in enumerate(s) if x != bos and not (lead and k == 0)], np.int64) for s in seqs
+        ]
         lens = np.asarray([len(s) for s in select], np.int64)
-        runs = [[[d, source.get(d)["key"] if d >= 0 else "", off, n] for d, off, n in stored_runs(rs, sel)] for rs, sel in zip(model_runs, select)]
+        runs = [
+            [[d, source.get(d)["key"] if d >= 0 else "", off, n] for d, off, n in stored_runs(rs, sel)]
+            for rs, sel in zip(model_runs, select)
+        ]
         yield CaptureBatch(
             inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
             keys=[f"window-{w}" for w in range(b0, b0 + len(seqs))],
             select={"tokens": select},
-            labels={"tokens": [np.asarray([SPECIAL if s[k] in special or (k == 0 and windows.bos is not None) else CONTENT for k in sel], np.uint8)
-                               for s, sel in zip(seqs, select)]},
+            labels={
+                "tokens": [
+                    np.asarray(
+                        [SPECIAL if s[k] in special or (k == 0 and windows.bos is not None) else CONTENT for k in sel],
+                        np.uint8,
+                    )
+                    for s, sel in zip(seqs, select)
+                ]
+            },
             source_lengths={"tokens": lens},
             texts={RUNS_TEXT: runs},
         )

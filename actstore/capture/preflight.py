@@ -26,7 +26,9 @@ from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_na
 EMBEDDED_SHAPES = {"dinov2-s14": ("image", 12), "smollm2-135m": ("text", 30), "minilm-l6": ("text", 6)}
 _VISION_KEYS = ("image_size", "patch_size", "num_channels")
 # A module path inside block N of a known block list: model.layers.9.mlp -> block 9.
-_BLOCK_PATH = re.compile(r"^(?P<list>" + "|".join(re.escape(p) for p in sorted(BLOCK_PATHS, key=len, reverse=True)) + r")\.(?P<n>\d+)(\.|$)")
+_BLOCK_PATH = re.compile(
+    r"^(?P<list>" + "|".join(re.escape(p) for p in sorted(BLOCK_PATHS, key=len, reverse=True)) + r")\.(?P<n>\d+)(\.|$)"
+)
 
 
 def model_shape(model: str) -> tuple[str | None, int | None]:
@@ -39,8 +41,10 @@ def model_shape(model: str) -> tuple[str | None, int | None]:
     except OSError:
         return None, None  # not a local folder (a hub id), or no config: load_model will say
     if not stat.S_ISREG(mode):
-        raise CaptureError(f"{cfg_file} is {describe(mode)}, not a file: a model folder holds its config.json as a "
-                           "regular file (pass a saved model folder, a hub id or embedded:...)")
+        raise CaptureError(
+            f"{cfg_file} is {describe(mode)}, not a file: a model folder holds its config.json as a "
+            "regular file (pass a saved model folder, a hub id or embedded:...)"
+        )
     try:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -85,7 +89,9 @@ def check_model(o: Any, store_cfg: Any | None) -> str | None:
 def check_data(o: Any, source: Any, modality: str | None) -> None:
     """Checks that need the data's kind (the data has parsed); `modality` from check_model."""
     if "bos" in o.drop and source.kind == "image":
-        raise CaptureError("--drop bos leaves out a tokenizer's BOS tokens; --data holds images (use --drop cls for a ViT's CLS token)")
+        raise CaptureError(
+            "--drop bos leaves out a tokenizer's BOS tokens; --data holds images (use --drop cls for a ViT's CLS token)"
+        )
     if "cls" in o.drop and source.kind != "image":
         raise CaptureError("--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)")
     if o.generate and source.kind == "image":
@@ -93,7 +99,9 @@ def check_data(o: Any, source: Any, modality: str | None) -> None:
     if modality is not None:
         want = "image" if source.kind == "image" else "text"
         if modality != want:
-            raise CaptureError(f"model {o.model} takes {modality} input but --data {source.name} holds {source.kind} examples")
+            raise CaptureError(
+                f"model {o.model} takes {modality} input but --data {source.name} holds {source.kind} examples"
+            )
 
 
 def _check_hook_name(x: int | str, n_blocks: int | None) -> None:
@@ -106,7 +114,9 @@ def _check_hook_name(x: int | str, n_blocks: int | None) -> None:
     blocks = [int(m.group(1))] if m else range(n_blocks or 1)
     close = difflib.get_close_matches(x, [f"blocks.{n}.{h}" for n in blocks for h in TL_HOOKS], n=2, cutoff=0.5)
     hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
-    raise UnknownLayerError(f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path{hint}")
+    raise UnknownLayerError(
+        f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path{hint}"
+    )
 
 
 def _block_of(x: int | str, paths: bool) -> tuple[int | None, str]:
@@ -127,9 +137,13 @@ def _check_resume(o: Any, cfg: Any, n_blocks: int | None) -> None:
         raise CaptureError(f"{where}: the store holds {cfg.dtype}, not {o.dtype}; resume with --dtype {cfg.dtype}")
     model = cfg.model_id or ""
     if model and not (model == o.model or model.startswith(o.model + " ")):
-        raise CaptureError(f"{where}: the store was captured from {model!r}, not {o.model!r}; resume with --model {model.split(' (')[0]}")
+        raise CaptureError(
+            f"{where}: the store was captured from {model!r}, not {o.model!r}; resume with --model {model.split(' (')[0]}"
+        )
     stored = _stored_names(cfg)
-    if len(o.layers) != len(cfg.layers) or not all(_same_layer(x, names, n_blocks) for x, names in zip(o.layers, stored)):
+    if len(o.layers) != len(cfg.layers) or not all(
+        _same_layer(x, names, n_blocks) for x, names in zip(o.layers, stored)
+    ):
         held = [n if names[0] == resid_post_name(n) else names[0] for n, names in zip(cfg.layers, stored)]
         raise CaptureError(
             f"{where}: the store holds layers {held}, not {list(o.layers)}; resume with --layers {','.join(map(str, held))}"
@@ -137,8 +151,10 @@ def _check_resume(o: Any, cfg: Any, n_blocks: int | None) -> None:
     packing = cfg.attrs.get("packing") if isinstance(cfg.attrs.get("packing"), dict) else None
     mode = "pack" if o.pack else "chunk" if o.chunk else None
     if packing is not None and (packing.get("mode"), packing.get("context")) != (mode, o.context):
-        raise CaptureError(f"{where}: the store holds a corpus captured with --{packing.get('mode')} --context {packing.get('context')}; "
-                           "resume with the same options")
+        raise CaptureError(
+            f"{where}: the store holds a corpus captured with --{packing.get('mode')} --context {packing.get('context')}; "
+            "resume with the same options"
+        )
     if packing is None and mode is not None:
         raise CaptureError(f"{where}: the store was not captured with --pack or --chunk; resume without them")
 
@@ -147,7 +163,11 @@ def _stored_names(cfg: Any) -> list[list[str]]:
     """Per stored layer, the names the capture kept for it (hook name first, then module path)."""
     out = []
     for n in cfg.layers:
-        names = [t[str(n)] for t in (cfg.attrs.get("hook_names"), cfg.attrs.get("hooks")) if isinstance(t, dict) and isinstance(t.get(str(n)), str)]
+        names = [
+            t[str(n)]
+            for t in (cfg.attrs.get("hook_names"), cfg.attrs.get("hooks"))
+            if isinstance(t, dict) and isinstance(t.get(str(n)), str)
+        ]
         out.append(names or [resid_post_name(n)])
     return out
 

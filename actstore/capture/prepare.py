@@ -62,7 +62,9 @@ def crop_pixels(rgb: np.ndarray, size: int) -> np.ndarray:
     return np.asarray(im.crop((left, top, left + size, top + size)))
 
 
-def image_batches(source: Source, start: int, stop: int, spec: ImageSpec, batch_size: int, device: Any) -> Iterator[CaptureBatch]:
+def image_batches(
+    source: Source, start: int, stop: int, spec: ImageSpec, batch_size: int, device: Any
+) -> Iterator[CaptureBatch]:
     import torch
 
     mean = np.asarray(spec.mean, np.float32)[:, None, None]
@@ -126,7 +128,9 @@ def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.nd
     if plan.chat_template and plan.kind == "pair":
         if not getattr(tok, "chat_template", None):
             raise CaptureError("--chat-template: this tokenizer has no chat template; drop the option")
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        rendered = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         at = rendered.rfind(text)
         lo, hi = (at, at + len(text)) if at >= 0 and text else (0, 0)
@@ -188,14 +192,21 @@ def tail(seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int) -> tuple[l
 def prompt_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
     """Stored (kept) token counts of every text or prompt, for the default budget and --p-quantile."""
     key = "text" if plan.kind == "text" else "prompt"
-    return np.asarray([len(kept(*prompt_tokens(tok, plan, source.get(i)[key]), plan, tok.bos_token_id)) for i in range(len(source))],
-                      np.int64)
+    return np.asarray(
+        [len(kept(*prompt_tokens(tok, plan, source.get(i)[key]), plan, tok.bos_token_id)) for i in range(len(source))],
+        np.int64,
+    )
 
 
 def response_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
     """Stored (kept) token counts of every response in the data (for --r-quantile)."""
-    return np.asarray([len(kept(*response_tokens(tok, source.get(i)["response"] or ""), plan, tok.bos_token_id))
-                       for i in range(len(source))], np.int64)
+    return np.asarray(
+        [
+            len(kept(*response_tokens(tok, source.get(i)["response"] or ""), plan, tok.bos_token_id))
+            for i in range(len(source))
+        ],
+        np.int64,
+    )
 
 
 def text_batches(
@@ -219,7 +230,9 @@ def text_batches(
             else:
                 missing = [r["key"] for r in recs if r.get("response") is None]
                 if missing:
-                    raise CaptureError(f"examples {missing[:3]} have no \"response\"; add responses to the data or pass --generate N")
+                    raise CaptureError(
+                        f'examples {missing[:3]} have no "response"; add responses to the data or pass --generate N'
+                    )
                 responses = [response_tokens(tok, r["response"]) for r in recs]
             keeps = [kept(ids, lab, plan, bos) for ids, lab in responses]
             src_r = np.asarray([len(k) for k in keeps], np.int64)
@@ -248,7 +261,11 @@ def text_batches(
             src = {"tokens": src_p}
         else:
             texts["prompt"] = [r["prompt"] for r in recs]
-            texts["response"] = [tok.decode(ids, skip_special_tokens=True) for ids, _ in responses] if plan.generate else [r["response"] for r in recs]
+            texts["response"] = (
+                [tok.decode(ids, skip_special_tokens=True) for ids, _ in responses]
+                if plan.generate
+                else [r["response"] for r in recs]
+            )
             src = {"prompt": src_p, "response": src_r}
         yield CaptureBatch(
             inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
@@ -260,7 +277,9 @@ def text_batches(
         )
 
 
-def generate(model: Any, tok: Any, prompts: Sequence[list[int]], n_new: int, pad_id: int, device: Any) -> list[tuple[list[int], np.ndarray]]:
+def generate(
+    model: Any, tok: Any, prompts: Sequence[list[int]], n_new: int, pad_id: int, device: Any
+) -> list[tuple[list[int], np.ndarray]]:
     """Greedy responses of up to `n_new` tokens (cut after the first EOS, which is kept)."""
     import torch
 
@@ -274,8 +293,11 @@ def generate(model: Any, tok: Any, prompts: Sequence[list[int]], n_new: int, pad
         mask[j, t - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=n_new,
-            do_sample=False, pad_token_id=pad_id,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=n_new,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
     eos = tok.eos_token_id
     special = set(tok.all_special_ids)

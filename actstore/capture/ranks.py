@@ -49,7 +49,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(v)
     except ValueError:
-        raise CaptureError(f"environment variable {name}={v!r} is not an integer; fix the launcher or pass --rank/--world-size") from None
+        raise CaptureError(
+            f"environment variable {name}={v!r} is not an integer; fix the launcher or pass --rank/--world-size"
+        ) from None
 
 
 def from_env(env: Mapping[str, str]) -> Rank | None:

@@ -35,10 +35,16 @@ DEFAULT_WRITER_NICE = 10  # the writer thread's priority drop (Linux nice, per t
 _NEVER = 2**62  # the writer never commits on its own: record() commits after stats are whole
 
 
-
 # HF model_type -> the saev family name of the vision transformer.
-_SAEV_FAMILIES = {"dinov2": "dinov2", "dinov3_vit": "dinov3", "clip": "clip", "clip_vision_model": "clip",
-                  "siglip": "siglip", "siglip_vision_model": "siglip"}
+_SAEV_FAMILIES = {
+    "dinov2": "dinov2",
+    "dinov3_vit": "dinov3",
+    "clip": "clip",
+    "clip_vision_model": "clip",
+    "siglip": "siglip",
+    "siglip_vision_model": "siglip",
+}
+
 
 @dataclass(frozen=True)
 class RecordResult:
@@ -175,16 +181,36 @@ def record(
     device = _device_of(lm.forward)
     extra = {"use_cache": False} if _accepts(lm.forward, "use_cache") else {}
     job = _Job(
-        store=store if isinstance(store, str) else Path(store), shard=shard, hooks=hooks, lm=lm, dtype=dtype, segments=dict(segments) if segments else None,
-        t_chunk=dict(t_chunk) if t_chunk else None, token_labels=token_labels, texts=tuple(texts), resume=resume, model_id=model_id or lm.model_id,
-        attrs=dict(attrs or {}), stats=stats, on_overflow=on_overflow, commit_bytes=int(commit_bytes), progress=progress,
-        io_progress=io_progress, zarr_format=zarr_format, shard_examples=shard_examples, world_size=world_size, token_ids=token_ids, drop_cls=drop_cls,
+        store=store if isinstance(store, str) else Path(store),
+        shard=shard,
+        hooks=hooks,
+        lm=lm,
+        dtype=dtype,
+        segments=dict(segments) if segments else None,
+        t_chunk=dict(t_chunk) if t_chunk else None,
+        token_labels=token_labels,
+        texts=tuple(texts),
+        resume=resume,
+        model_id=model_id or lm.model_id,
+        attrs=dict(attrs or {}),
+        stats=stats,
+        on_overflow=on_overflow,
+        commit_bytes=int(commit_bytes),
+        progress=progress,
+        io_progress=io_progress,
+        zarr_format=zarr_format,
+        shard_examples=shard_examples,
+        world_size=world_size,
+        token_ids=token_ids,
+        drop_cls=drop_cls,
     )
     t0 = time.perf_counter()
     t_fwd = 0.0
     drain: Drain | None = None
     try:
-        with Capture(lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda", half=dtype == "float16") as cap:
+        with Capture(
+            lm.forward, hooks, stop_early=stop_early, to_host=device.type == "cuda", half=dtype == "float16"
+        ) as cap:
             it = iter(batches)
             while True:
                 t1 = time.perf_counter()
@@ -206,7 +232,16 @@ def record(
                 raise EmptyDatasetError("no batches to record: the data is empty (nothing was written)")
             if not complete:
                 ShardWriter(store, shard=shard, resume=True, **job.writer_kwargs_from_store()).close()
-            return RecordResult(shard=shard, n_before=n0, n_written=0, tokens=0, nbytes=0, seconds=time.perf_counter() - t0, forward_seconds=0.0, wait_seconds=0.0)
+            return RecordResult(
+                shard=shard,
+                n_before=n0,
+                n_written=0,
+                tokens=0,
+                nbytes=0,
+                seconds=time.perf_counter() - t0,
+                forward_seconds=0.0,
+                wait_seconds=0.0,
+            )
         drain.close()
         job.writer.close()
     except BaseException:
@@ -219,10 +254,18 @@ def record(
                 pass
         raise
     return RecordResult(
-        shard=shard, n_before=job.n_before, n_written=job.n_written, tokens=job.tokens, nbytes=job.nbytes,
-        seconds=time.perf_counter() - t0, forward_seconds=t_fwd, wait_seconds=drain.wait_seconds,
-        writer_seconds=drain.busy_seconds, writer_cpu_seconds=drain.cpu_seconds,
-        source_tokens=job.source_tokens, truncated_tokens=job.truncated_tokens,
+        shard=shard,
+        n_before=job.n_before,
+        n_written=job.n_written,
+        tokens=job.tokens,
+        nbytes=job.nbytes,
+        seconds=time.perf_counter() - t0,
+        forward_seconds=t_fwd,
+        wait_seconds=drain.wait_seconds,
+        writer_seconds=drain.busy_seconds,
+        writer_cpu_seconds=drain.cpu_seconds,
+        source_tokens=job.source_tokens,
+        truncated_tokens=job.truncated_tokens,
     )
 
 
@@ -231,16 +274,49 @@ def _record_ray(args: dict[str, Any]) -> list[RecordResult]:
     from actstore.capture.engines import RaySettings, record_ray
 
     if args["shard"] != 0 or args["world_size"] is not None:
-        raise ValueError("record(engine='ray') writes shards 0..workers-1 (world size `workers`): leave shard and world_size out")
-    settings = RaySettings(workers=args["workers"], address=args["ray_address"], cpus_per_worker=args["cpus_per_worker"],
-                           gpus_per_worker=args["gpus_per_worker"], progress=False)
-    local = ("model", "batches", "store", "shard", "world_size", "resume", "progress", "io_progress", "engine", "workers", "ray_address",
-             "cpus_per_worker", "gpus_per_worker")
-    results = record_ray(record, args["model"], args["batches"], args["store"], settings, resume=args["resume"],
-                         callback=args["progress"], **{k: v for k, v in args.items() if k not in local})
-    return [res if isinstance(res, RecordResult) else RecordResult(shard=r, n_before=res, n_written=0, tokens=0, nbytes=0, seconds=0.0,
-                                                                   forward_seconds=0.0, wait_seconds=0.0)  # a complete shard
-            for r, res in enumerate(results)]
+        raise ValueError(
+            "record(engine='ray') writes shards 0..workers-1 (world size `workers`): leave shard and world_size out"
+        )
+    settings = RaySettings(
+        workers=args["workers"],
+        address=args["ray_address"],
+        cpus_per_worker=args["cpus_per_worker"],
+        gpus_per_worker=args["gpus_per_worker"],
+        progress=False,
+    )
+    local = (
+        "model",
+        "batches",
+        "store",
+        "shard",
+        "world_size",
+        "resume",
+        "progress",
+        "io_progress",
+        "engine",
+        "workers",
+        "ray_address",
+        "cpus_per_worker",
+        "gpus_per_worker",
+    )
+    results = record_ray(
+        record,
+        args["model"],
+        args["batches"],
+        args["store"],
+        settings,
+        resume=args["resume"],
+        callback=args["progress"],
+        **{k: v for k, v in args.items() if k not in local},
+    )
+    return [
+        res
+        if isinstance(res, RecordResult)
+        else RecordResult(
+            shard=r, n_before=res, n_written=0, tokens=0, nbytes=0, seconds=0.0, forward_seconds=0.0, wait_seconds=0.0
+        )  # a complete shard
+        for r, res in enumerate(results)
+    ]
 
 
 @dataclass
@@ -286,16 +362,23 @@ class _Job:
         attrs = dict(self.attrs)
         attrs["hooks"] = {str(hp.layer): hp.path for hp in self.hooks}
         attrs["hook_names"] = {str(hp.layer): hp.name for hp in self.hooks}  # readers take these names as layers
-        attrs["hook_kind"] = "block output (residual stream)" if all(hp.block for hp in self.hooks) else "named hooks (hook_names)"
+        attrs["hook_kind"] = (
+            "block output (residual stream)" if all(hp.block for hp in self.hooks) else "named hooks (hook_names)"
+        )
         if self.token_labels:
             attrs["token_labels"] = TOKEN_LABEL_MEANING
         if self.lm.image is not None:
             im = self.lm.image
             grid = im.size // im.patch_size
             attrs["image"] = {
-                "size": im.size, "patch_size": im.patch_size, "grid": [grid, grid], "prefix_tokens": t - grid * grid,
+                "size": im.size,
+                "patch_size": im.patch_size,
+                "grid": [grid, grid],
+                "prefix_tokens": t - grid * grid,
                 "dropped": ["cls"] if self.drop_cls else [],
-                "mean": list(im.mean), "std": list(im.std), "preprocess": "shorter side resized to size (bicubic), centre crop",
+                "mean": list(im.mean),
+                "std": list(im.std),
+                "preprocess": "shorter side resized to size (bicubic), centre crop",
             }
             # What saev export needs (docs/export.md): token 0 is CLS when it is the only
             # prefix token (registers would make it ambiguous: left to --cls), and the family.
@@ -309,10 +392,23 @@ class _Job:
             item = np.dtype(spec.ACT_DTYPES[self.dtype]).itemsize
             seg_kw["t_chunk"] = {k: min(v, default_t_chunk(self.segments[k], d, item)) for k, v in self.t_chunk.items()}
         self.writer = ShardWriter(
-            self.store, shard=self.shard, layers=[hp.layer for hp in self.hooks], d_model=d, dtype=self.dtype, **seg_kw,
-            texts=self.texts, token_labels=self.token_labels, model_id=self.model_id, attrs=attrs, resume=self.resume,
-            commit_bytes=_NEVER, on_overflow=self.on_overflow, stats=self.stats,
-            zarr_format=self.zarr_format, shard_examples=self.shard_examples, world_size=self.world_size,
+            self.store,
+            shard=self.shard,
+            layers=[hp.layer for hp in self.hooks],
+            d_model=d,
+            dtype=self.dtype,
+            **seg_kw,
+            texts=self.texts,
+            token_labels=self.token_labels,
+            model_id=self.model_id,
+            attrs=attrs,
+            resume=self.resume,
+            commit_bytes=_NEVER,
+            on_overflow=self.on_overflow,
+            stats=self.stats,
+            zarr_format=self.zarr_format,
+            shard_examples=self.shard_examples,
+            world_size=self.world_size,
             token_ids=bool(self.token_ids),
         )
         self.n_before = self.writer.n_committed
@@ -320,10 +416,24 @@ class _Job:
     def writer_kwargs_from_store(self) -> dict[str, Any]:
         """ShardWriter arguments equal to the store's identity (to reopen a shard to close it)."""
         cfg = catalog.read_identity(open_storage(self.store))
-        seg = {"tokens": cfg.segments[0].t_max} if cfg.segments[0].fixed else {"segments": {s.name: s.t_max for s in cfg.segments}}
+        seg = (
+            {"tokens": cfg.segments[0].t_max}
+            if cfg.segments[0].fixed
+            else {"segments": {s.name: s.t_max for s in cfg.segments}}
+        )
         return dict(
-            layers=cfg.layers, d_model=cfg.d_model, dtype=cfg.dtype, **seg, t_chunk={s.name: s.t_chunk for s in cfg.segments}, texts=cfg.texts, token_labels=cfg.token_labels, token_ids=cfg.token_ids,
-            model_id=cfg.model_id, stats=self.stats, zarr_format=cfg.zarr_format, shard_examples=cfg.shard_examples,
+            layers=cfg.layers,
+            d_model=cfg.d_model,
+            dtype=cfg.dtype,
+            **seg,
+            t_chunk={s.name: s.t_chunk for s in cfg.segments},
+            texts=cfg.texts,
+            token_labels=cfg.token_labels,
+            token_ids=cfg.token_ids,
+            model_id=cfg.model_id,
+            stats=self.stats,
+            zarr_format=cfg.zarr_format,
+            shard_examples=cfg.shard_examples,
         )
 
     def write(self, item: tuple[dict[int, Any], Any, CaptureBatch]) -> None:
@@ -355,7 +465,11 @@ class _Job:
                 sel = [s[: seg.t_max] for s in select[seg.name]]
                 seg_x[seg.name] = _gather(arrs, sel)
                 lengths[seg.name] = np.asarray([len(s) for s in sel], np.int32)
-                src[seg.name] = batch.source_lengths[seg.name] if batch.source_lengths else np.asarray([len(s) for s in select[seg.name]])
+                src[seg.name] = (
+                    batch.source_lengths[seg.name]
+                    if batch.source_lengths
+                    else np.asarray([len(s) for s in select[seg.name]])
+                )
                 if self.token_labels:
                     lab = np.zeros((b, seg_x[seg.name].shape[2]), np.uint8)
                     for j, l in enumerate(batch.labels[seg.name]):
@@ -372,7 +486,9 @@ class _Job:
                 self.source_tokens += int(src_n.sum())
                 self.truncated_tokens += int(np.clip(src_n - seg.t_max, 0, None).sum())
             before = dict(w.overflow)
-            w.append(**seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, token_ids=ids or None, **kw)
+            w.append(
+                **seg_x, lengths=lengths, source_lengths=src, token_labels=labels or None, token_ids=ids or None, **kw
+            )
         if w.stats is not None and w.overflow != before:
             self._count_overflow(seg_x)
         nbytes = b * cfg.example_bytes()
@@ -424,7 +540,9 @@ def _auto_token_ids(store: str | os.PathLike, batch: CaptureBatch) -> bool:
 def _input_ids(batch: CaptureBatch) -> np.ndarray:
     ids = batch.inputs.get("input_ids")
     if ids is None:
-        raise CaptureError("this store keeps token ids, but the batch has no input_ids: pass input_ids (or record(token_ids=False))")
+        raise CaptureError(
+            "this store keeps token ids, but the batch has no input_ids: pass input_ids (or record(token_ids=False))"
+        )
     return ids.cpu().numpy() if hasattr(ids, "cpu") else np.asarray(ids)
 
 
@@ -471,7 +589,9 @@ def _as_batch(raw: Any, module: Any) -> CaptureBatch:
         if _accepts(module, name):
             return CaptureBatch(inputs={name: raw}, keys=[])
         return CaptureBatch(inputs={}, keys=[], args=(raw,))  # a plain module: positional input
-    raise CaptureError(f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}")
+    raise CaptureError(
+        f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}"
+    )
 
 
 def _device_of(module: Any) -> Any:

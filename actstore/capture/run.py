@@ -105,22 +105,32 @@ def check_options(o: WriteOptions) -> None:
     if o.engine not in ENGINES:
         raise CaptureError(f"--engine must be one of {list(ENGINES)}. Got {o.engine!r}.")
     if (o.workers > 1 or o.engine == "ray") and (o.rank is not None or o.world_size is not None):
-        raise CaptureError("use either --workers N (writers started by actstore) or --rank/--world-size (one writer per launch), not both")
+        raise CaptureError(
+            "use either --workers N (writers started by actstore) or --rank/--world-size (one writer per launch), not both"
+        )
     if o.rank is not None or o.world_size is not None:
         ranks.resolve(o.rank, o.world_size, {})
     if o.engine != "ray" and (o.gpus_per_worker or o.ray_address):
         raise CaptureError("--gpus-per-worker and --ray-address go with --engine ray")
     if o.cpus_per_worker <= 0 or o.gpus_per_worker < 0:
-        raise CaptureError(f"--cpus-per-worker must be positive and --gpus-per-worker non-negative. Got {o.cpus_per_worker}, {o.gpus_per_worker}.")
+        raise CaptureError(
+            f"--cpus-per-worker must be positive and --gpus-per-worker non-negative. Got {o.cpus_per_worker}, {o.gpus_per_worker}."
+        )
     if o.pack and o.chunk:
-        raise CaptureError("give --pack (documents concatenated into windows) or --chunk (each document cut into windows), not both")
+        raise CaptureError(
+            "give --pack (documents concatenated into windows) or --chunk (each document cut into windows), not both"
+        )
     if (o.pack or o.chunk) != (o.context is not None):
-        raise CaptureError("--pack and --chunk need --context N (the window length in tokens), and --context needs one of them")
+        raise CaptureError(
+            "--pack and --chunk need --context N (the window length in tokens), and --context needs one of them"
+        )
     if o.context is not None and o.context < 1:
         raise CaptureError(f"--context must be a positive int. Got {o.context}.")
     if (o.pack or o.chunk) and (o.generate or o.chat_template or o.p_max or o.r_max or o.p_quantile or o.r_quantile):
-        raise CaptureError("--pack/--chunk store every token of the corpus in windows of --context tokens: "
-                           "--p-max, --r-max, quantiles, --generate and --chat-template do not apply")
+        raise CaptureError(
+            "--pack/--chunk store every token of the corpus in windows of --context tokens: "
+            "--p-max, --r-max, quantiles, --generate and --chat-template do not apply"
+        )
     unknown = [d for d in o.drop if d not in DROPPABLE]
     if unknown:
         raise CaptureError(f"--drop takes {list(DROPPABLE)}. Got {unknown}.")
@@ -139,7 +149,9 @@ def check_options(o: WriteOptions) -> None:
     if o.generate < 0:
         raise CaptureError(f"--generate must be a non-negative int. Got {o.generate}.")
     if o.generate and o.r_quantile is not None:
-        raise CaptureError("--r-quantile needs responses in the data; with --generate N the response budget is N (or --r-max)")
+        raise CaptureError(
+            "--r-quantile needs responses in the data; with --generate N the response budget is N (or --r-max)"
+        )
     if o.commit_mb <= 0:
         raise CaptureError(f"--commit-mb must be positive. Got {o.commit_mb}.")
     if not 0 <= o.writer_nice <= 19:
@@ -177,7 +189,9 @@ def write(o: WriteOptions) -> dict[str, Any]:
     storage.check_access(write=True)  # a missing bucket or refused credentials fail now, not after the model ran
     modality = preflight.check_model(o, catalog.read_identity(storage) if catalog.has_identity(storage) else None)
     decoding = Decoding(o.encoding, o.errors)
-    source = load_source(o.data, o.text_field, decoding).limit(o.max_examples)  # empty data fails before anything is written
+    source = load_source(o.data, o.text_field, decoding).limit(
+        o.max_examples
+    )  # empty data fails before anything is written
     if decoding.report():  # printed even with --quiet: the data changed
         print(decoding.report(), file=sys.stderr, flush=True)
     preflight.check_data(o, source, modality)
@@ -235,7 +249,9 @@ def write(o: WriteOptions) -> dict[str, Any]:
     return summary
 
 
-def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None = None, progress: Any = None) -> RecordResult:
+def run_shard(
+    o: WriteOptions, rank: int, world: int, *, source: Source | None = None, progress: Any = None
+) -> RecordResult:
     """Load the model and write shard `rank`'s slice of the data (one writer process)."""
     import torch
 
@@ -245,7 +261,16 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
     check_lease(open_storage(o.store), rank)
     n_done, complete = committed(o.store, rank) if o.resume else (0, False)
     if complete:  # a finished shard: nothing to do, no model to load
-        return RecordResult(shard=rank, n_before=n_done, n_written=0, tokens=0, nbytes=0, seconds=0.0, forward_seconds=0.0, wait_seconds=0.0)
+        return RecordResult(
+            shard=rank,
+            n_before=n_done,
+            n_written=0,
+            tokens=0,
+            nbytes=0,
+            seconds=0.0,
+            forward_seconds=0.0,
+            wait_seconds=0.0,
+        )
     if o.pack or o.chunk:
         return _run_windows(o, rank, world, source, progress, n_done)
     start, stop = split(len(source), world, rank)
@@ -261,20 +286,47 @@ def run_shard(o: WriteOptions, rank: int, world: int, *, source: Source | None =
         batches = image_batches(source, first, stop, lm.image, o.batch_size, lm.device)
     else:
         batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
-    attrs = {"source": source.name, "dataset": absolute_data(o.data), "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "special": o.special if plan else None,
-                                                "chat_template": o.chat_template, "generate": o.generate, "world_size": world}}
+    attrs = {
+        "source": source.name,
+        "dataset": absolute_data(o.data),
+        "capture": {
+            "batch_size": o.batch_size,
+            "model_dtype": o.model_dtype,
+            "special": o.special if plan else None,
+            "chat_template": o.chat_template,
+            "generate": o.generate,
+            "world_size": world,
+        },
+    }
     bar = progress
     own_bar = None
     if bar is None and o.progress:
         own_bar = bar = Progress(total=stop - first, desc=f"shard {rank}")
     try:
         return record(
-            lm, batches, o.store, layers=o.layers, shard=rank, dtype=o.dtype,
-            segments=plan.segments if plan else None, t_chunk=plan.t_chunks if plan else None, token_labels=bool(plan and o.special == "mask"),
-            texts=plan.texts if plan else ("image",), resume=o.resume, attrs=attrs, stats=o.stats,
-            on_overflow=o.on_overflow, commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size,
-            progress=bar.update if bar is not None else None, io_progress=getattr(bar, "io", None), zarr_format=o.zarr_format, shard_examples=o.shard_examples,
-            writer_nice=o.writer_nice, world_size=world, drop_cls="cls" in o.drop,
+            lm,
+            batches,
+            o.store,
+            layers=o.layers,
+            shard=rank,
+            dtype=o.dtype,
+            segments=plan.segments if plan else None,
+            t_chunk=plan.t_chunks if plan else None,
+            token_labels=bool(plan and o.special == "mask"),
+            texts=plan.texts if plan else ("image",),
+            resume=o.resume,
+            attrs=attrs,
+            stats=o.stats,
+            on_overflow=o.on_overflow,
+            commit_bytes=int(o.commit_mb * 2**20),
+            queue_size=o.queue_size,
+            progress=bar.update if bar is not None else None,
+            io_progress=getattr(bar, "io", None),
+            zarr_format=o.zarr_format,
+            shard_examples=o.shard_examples,
+            writer_nice=o.writer_nice,
+            world_size=world,
+            drop_cls="cls" in o.drop,
         )
     finally:
         if own_bar is not None:
@@ -295,24 +347,53 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
     windows = plan_windows(source, lm.tokenizer, o.context, "pack" if o.pack else "chunk", window_bos=o.window_bos)
     start, stop = split(len(windows), world, rank)
     if start == stop:
-        raise CaptureError(f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers")
+        raise CaptureError(
+            f"the corpus makes {len(windows)} windows of {o.context} tokens: too few for {world} writers; use fewer writers"
+        )
     first = min(start + n_done, stop)
     attrs = {
-        "source": source.name, "dataset": absolute_data(o.data),
+        "source": source.name,
+        "dataset": absolute_data(o.data),
         "capture": {"batch_size": o.batch_size, "model_dtype": o.model_dtype, "world_size": world},
-        "packing": {"mode": windows.mode, "context": o.context, "documents": len(source), "tokens": windows.n_tokens,
-                    "windows": len(windows), "separator": lm.tokenizer.eos_token, "window_bos": windows.bos, "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]"},
+        "packing": {
+            "mode": windows.mode,
+            "context": o.context,
+            "documents": len(source),
+            "tokens": windows.n_tokens,
+            "windows": len(windows),
+            "separator": lm.tokenizer.eos_token,
+            "window_bos": windows.bos,
+            "runs": f"text field {RUNS_TEXT!r}: [document, key, offset, length]",
+        },
     }
     bar = progress
     own_bar = Progress(total=stop - first, desc=f"shard {rank}") if bar is None and o.progress else None
     bar = bar or own_bar
     try:
         return record(
-            lm, window_batches(source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device, drop_bos="bos" in o.drop), o.store,
-            layers=o.layers, shard=rank, dtype=o.dtype, segments={"tokens": o.context}, token_labels=True,
-            texts=(RUNS_TEXT,), resume=o.resume, attrs=attrs, stats=o.stats, on_overflow=o.on_overflow,
-            commit_bytes=int(o.commit_mb * 2**20), queue_size=o.queue_size, progress=bar.update if bar is not None else None, io_progress=getattr(bar, "io", None),
-            zarr_format=o.zarr_format, shard_examples=o.shard_examples, writer_nice=o.writer_nice, world_size=world,
+            lm,
+            window_batches(
+                source, windows, first, stop, lm.tokenizer, o.batch_size, lm.device, drop_bos="bos" in o.drop
+            ),
+            o.store,
+            layers=o.layers,
+            shard=rank,
+            dtype=o.dtype,
+            segments={"tokens": o.context},
+            token_labels=True,
+            texts=(RUNS_TEXT,),
+            resume=o.resume,
+            attrs=attrs,
+            stats=o.stats,
+            on_overflow=o.on_overflow,
+            commit_bytes=int(o.commit_mb * 2**20),
+            queue_size=o.queue_size,
+            progress=bar.update if bar is not None else None,
+            io_progress=getattr(bar, "io", None),
+            zarr_format=o.zarr_format,
+            shard_examples=o.shard_examples,
+            writer_nice=o.writer_nice,
+            world_size=world,
         )
     finally:
         if own_bar is not None:
@@ -336,7 +417,9 @@ def check_lease(storage: Any, rank: int) -> None:
 def _check_modality(lm: LoadedModel, source: Source) -> None:
     want = "image" if source.kind == "image" else "text"
     if lm.modality != want:
-        raise CaptureError(f"model {lm.model_id} takes {lm.modality} input but --data {source.name} holds {source.kind} examples")
+        raise CaptureError(
+            f"model {lm.model_id} takes {lm.modality} input but --data {source.name} holds {source.kind} examples"
+        )
 
 
 def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
@@ -345,8 +428,16 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
         raise CaptureError("--chat-template wraps prompts: use it with prompt/response data or --generate N")
     if o.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
-    plan = TextPlan(kind=kind, p_max=o.p_max or 1, r_max=0, special=o.special, chat_template=o.chat_template, generate=o.generate,
-                    drop_bos="bos" in o.drop, separator=o.separator)
+    plan = TextPlan(
+        kind=kind,
+        p_max=o.p_max or 1,
+        r_max=0,
+        special=o.special,
+        chat_template=o.chat_template,
+        generate=o.generate,
+        drop_bos="bos" in o.drop,
+        separator=o.separator,
+    )
     stored = _stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
     if stored is not None:  # a resume keeps the store's budgets and chunks (measured on the first run)
         return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0, t_chunk=stored[2])
@@ -366,7 +457,9 @@ def _text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
         if o.p_max is not None:
-            raise CaptureError(f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens")
+            raise CaptureError(
+                f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens"
+            )
         plan = replace(plan, p_max=max(1, lm.max_tokens - plan.r_max))  # a default or quantile budget: fit the context
     if lengths is not None:  # chunks sized to the measured lengths, not to the budget
         plan = replace(plan, t_chunk=measured_t_chunk(lengths, plan.p_max))
@@ -446,7 +539,9 @@ def _run_workers(o: WriteOptions, n: int) -> list[RecordResult]:
         by_msg: dict[str, list[int]] = {}
         for r, m in sorted(errors.items()):
             by_msg.setdefault(m, []).append(r)
-        raise CaptureError("; ".join(f"writer{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items()))
+        raise CaptureError(
+            "; ".join(f"writer{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items())
+        )
     return [results[r] for r in range(o.workers)]
 
 
@@ -469,4 +564,3 @@ class _QueueProgress:
 
     def io(self, stats: Any) -> None:
         self.q.put(("io", self.rank, stats))
-

@@ -11,7 +11,16 @@ from actstore.errors import CaptureError
 
 # A perceptually ordered dark-to-bright map (inferno's anchors), interpolated to 256 steps.
 _ANCHORS = np.array(
-    [[0, 0, 4], [40, 11, 84], [101, 21, 110], [159, 42, 99], [212, 72, 66], [245, 125, 21], [250, 193, 39], [252, 255, 164]],
+    [
+        [0, 0, 4],
+        [40, 11, 84],
+        [101, 21, 110],
+        [159, 42, 99],
+        [212, 72, 66],
+        [245, 125, 21],
+        [250, 193, 39],
+        [252, 255, 164],
+    ],
     dtype=np.float64,
 )
 SCALE = 2  # the picture is drawn at twice the model's input size
@@ -81,9 +90,15 @@ def render(path: str | os.PathLike, ex: int, layer: int | str, out: str | os.Pat
     draw.text((bx + bar_w + 4, head), f"{hi:.1f}", fill=(0, 0, 0))
     draw.text((bx + bar_w + 4, head + size * SCALE - 12), f"{lo:.1f}", fill=(0, 0, 0))
     cls = f", prefix token norms {', '.join(f'{v:.1f}' for v in prefix_norms)}" if len(prefix_norms) else ""
-    draw.text((pad, 4), f"{sample['sample_key']}  example {ex}  layer {layer}  ({store.config.model_id})", fill=(0, 0, 0))
+    draw.text(
+        (pad, 4), f"{sample['sample_key']}  example {ex}  layer {layer}  ({store.config.model_id})", fill=(0, 0, 0)
+    )
     what = store.config.attrs.get("hooks", {}).get(str(layer), f"layer {layer}")
-    draw.text((pad, 18), f"per-patch L2 norm of the output of {what}, {grid.shape[0]}x{grid.shape[1]} patches{cls}", fill=(0, 0, 0))
+    draw.text(
+        (pad, 18),
+        f"per-patch L2 norm of the output of {what}, {grid.shape[0]}x{grid.shape[1]} patches{cls}",
+        fill=(0, 0, 0),
+    )
     out_path = Path(out) if out is not None else Path(f"ex{ex}-layer{layer}.png")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f".{out_path.name}.tmp")

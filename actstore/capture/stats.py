@@ -38,7 +38,9 @@ def normalization(store: object, layer: int, segment: str | None = None) -> Norm
     st_obj = store if isinstance(store, ActStore) else ActStore(os.fspath(store))  # type: ignore[arg-type]
     stats = st_obj.stats()
     if stats is None:
-        raise CaptureError(f"{st_obj.path} has no statistics; write it with statistics on (the default of actstore write)")
+        raise CaptureError(
+            f"{st_obj.path} has no statistics; write it with statistics on (the default of actstore write)"
+        )
     segs = st_obj.segments
     if segment is None:
         if len(segs) != 1:
@@ -50,5 +52,8 @@ def normalization(store: object, layer: int, segment: str | None = None) -> Norm
     k = stats.keys.index(key)
     n = int(stats.count[k])
     return Normalization(
-        mean=stats.mean[k].copy(), std=np.sqrt(stats.m2[k] / max(n, 1)), mean_norm=float(stats.norm_sum[k] / max(n, 1)), count=n,
+        mean=stats.mean[k].copy(),
+        std=np.sqrt(stats.m2[k] / max(n, 1)),
+        mean_norm=float(stats.norm_sum[k] / max(n, 1)),
+        count=n,
     )

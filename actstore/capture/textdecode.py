@@ -33,7 +33,9 @@ class Decoding:
         try:
             self.encoding = codecs.lookup(self.encoding).name
         except LookupError:
-            raise DataError(f"--encoding {self.encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, cp1252)") from None
+            raise DataError(
+                f"--encoding {self.encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, cp1252)"
+            ) from None
 
     def check(self, raw: bytes, where: str) -> bool:
         """Count one document; False when it is to be left out (skip). Strict: raises."""
@@ -59,7 +61,9 @@ class Decoding:
     def report(self) -> str | None:
         """One line saying what replace or skip did (None when nothing was touched)."""
         if self.skipped:
-            return f"--errors skip: {self.skipped} of {self.seen} documents not decodable as {self.encoding} were left out"
+            return (
+                f"--errors skip: {self.skipped} of {self.seen} documents not decodable as {self.encoding} were left out"
+            )
         if self.replaced:
             return f"--errors replace: undecodable bytes replaced (U+FFFD) in {self.replaced} of {self.seen} documents"
         return None

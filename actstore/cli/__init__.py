@@ -14,7 +14,18 @@ import click
 from actstore._version import __version__
 from actstore.errors import ActstoreError
 
-COMMAND_MODULES = ("core", "capture", "saev", "saelens", "integrity", "loaders", "bench", "remote", "importers", "features")
+COMMAND_MODULES = (
+    "core",
+    "capture",
+    "saev",
+    "saelens",
+    "integrity",
+    "loaders",
+    "bench",
+    "remote",
+    "importers",
+    "features",
+)
 
 
 class _Group(click.Group):

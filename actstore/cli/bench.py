@@ -22,8 +22,17 @@ def available() -> list[str]:
 @click.command("bench", context_settings={"ignore_unknown_options": True})
 @click.argument("names", nargs=-1)
 @click.option("--list", "list_only", is_flag=True, help="List the benchmarks and exit.")
-@click.option("--arg", "extra", multiple=True, help="Extra argument passed to every script (repeatable), e.g. --arg=--examples=500.")
-@click.option("--quiet", is_flag=True, help="Print nothing but a failed script's error output (results still go to bench-results/).")
+@click.option(
+    "--arg",
+    "extra",
+    multiple=True,
+    help="Extra argument passed to every script (repeatable), e.g. --arg=--examples=500.",
+)
+@click.option(
+    "--quiet",
+    is_flag=True,
+    help="Print nothing but a failed script's error output (results still go to bench-results/).",
+)
 def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], quiet: bool) -> None:
     """Run benchmarks (all, or NAMES such as `store export loaders capture`).
 
@@ -44,8 +53,12 @@ def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], q
     for name in names or have:
         if not quiet:
             click.echo(f"== {name} ==")
-        r = subprocess.run([sys.executable, str(BENCH_DIR / f"bench_{name}.py"), *extra], cwd=BENCH_DIR.parent,
-                           capture_output=quiet, text=True)
+        r = subprocess.run(
+            [sys.executable, str(BENCH_DIR / f"bench_{name}.py"), *extra],
+            cwd=BENCH_DIR.parent,
+            capture_output=quiet,
+            text=True,
+        )
         if r.returncode:
             failed.append(name)
             if quiet:

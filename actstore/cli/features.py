@@ -20,23 +20,70 @@ def register(main: click.Group) -> None:
 @click.argument("store", type=STORE)
 @click.option("--layer", required=True, help="A stored layer number or name (e.g. blocks.8.hook_resid_post).")
 @click.option("--neurons", is_flag=True, help="Directions: the stored dimensions themselves.")
-@click.option("--sae", type=click.Path(exists=True), help="Directions: an SAELens checkpoint folder (cfg.json + sae_weights.safetensors).")
+@click.option(
+    "--sae",
+    type=click.Path(exists=True),
+    help="Directions: an SAELens checkpoint folder (cfg.json + sae_weights.safetensors).",
+)
 @click.option("--saev", type=click.Path(exists=True), help="Directions: a saev checkpoint file.")
-@click.option("--dictionary", type=click.Path(exists=True), help="Directions: a dictionary_learning trainer folder (ae.pt + config.json).")
-@click.option("--directions", type=click.Path(exists=True), help="Directions: a (d_model, F) matrix, .npy or .safetensors (probes).")
+@click.option(
+    "--dictionary",
+    type=click.Path(exists=True),
+    help="Directions: a dictionary_learning trainer folder (ae.pt + config.json).",
+)
+@click.option(
+    "--directions",
+    type=click.Path(exists=True),
+    help="Directions: a (d_model, F) matrix, .npy or .safetensors (probes).",
+)
 @click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
 @click.option("--features", help="Feature ids and ranges, e.g. 0-4095,5000 (default all).")
 @click.option("--top-k", type=int, default=20, show_default=True, help="Top activations kept per feature.")
-@click.option("--segments", help="Comma-separated segments to read (default all); token positions stay those of store[ex, layer].")
-@click.option("--keep-special", is_flag=True, help="Include special and template tokens (token label != 0), which the loaders leave out by default.")
-@click.option("--intervals", type=int, default=5, show_default=True, help="Equal-width intervals of each feature's max to sample.")
+@click.option(
+    "--segments", help="Comma-separated segments to read (default all); token positions stay those of store[ex, layer]."
+)
+@click.option(
+    "--keep-special",
+    is_flag=True,
+    help="Include special and template tokens (token label != 0), which the loaders leave out by default.",
+)
+@click.option(
+    "--intervals", type=int, default=5, show_default=True, help="Equal-width intervals of each feature's max to sample."
+)
 @click.option("--per-interval", type=int, default=5, show_default=True, help="Samples per interval.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
-@click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).")
-@click.option("--out", required=True, help="Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).",
+)
+@click.option(
+    "--out",
+    required=True,
+    help="Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def features_cmd(store, layer, neurons, sae, saev, dictionary, directions, bias, features, top_k, segments, keep_special, intervals,
-                 per_interval, seed, device, out, progress) -> None:
+def features_cmd(
+    store,
+    layer,
+    neurons,
+    sae,
+    saev,
+    dictionary,
+    directions,
+    bias,
+    features,
+    top_k,
+    segments,
+    keep_special,
+    intervals,
+    per_interval,
+    seed,
+    device,
+    out,
+    progress,
+) -> None:
     """Top activations, statistics and interval samples of many directions over LAYER of STORE.
 
     One sequential pass over the layer's real tokens (never padding); memory grows with
@@ -44,10 +91,27 @@ def features_cmd(store, layer, neurons, sae, saev, dictionary, directions, bias,
     """
     from actstore.features.run import run_features
 
-    meta = run_features(store, layer, out, neurons=neurons, sae=sae, saev=saev, dictionary=dictionary, directions=directions, bias=bias,
-                        features=features, top_k=top_k, segments=segments.split(",") if segments else None, keep_special=keep_special,
-                        n_intervals=intervals, per_interval=per_interval, seed=seed, device=device, progress=progress,
-                        command=_command(click.get_current_context()))
+    meta = run_features(
+        store,
+        layer,
+        out,
+        neurons=neurons,
+        sae=sae,
+        saev=saev,
+        dictionary=dictionary,
+        directions=directions,
+        bias=bias,
+        features=features,
+        top_k=top_k,
+        segments=segments.split(",") if segments else None,
+        keep_special=keep_special,
+        n_intervals=intervals,
+        per_interval=per_interval,
+        seed=seed,
+        device=device,
+        progress=progress,
+        command=_command(click.get_current_context()),
+    )
     click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
 
 
@@ -67,10 +131,16 @@ def _command(ctx: click.Context) -> str:
 
 @click.command("view")
 @click.argument("src")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="The site folder to write (open OUT/index.html).")
+@click.option(
+    "--out", required=True, type=click.Path(file_okay=False), help="The site folder to write (open OUT/index.html)."
+)
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
-@click.option("--unembedding", type=click.Path(exists=True), help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.")
+@click.option(
+    "--unembedding",
+    type=click.Path(exists=True),
+    help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.",
+)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
     """A static site of the output of `actstore features` SRC: an index sortable by max and
@@ -88,10 +158,19 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
 
 @click.command("export-neuronpedia")
 @click.argument("src")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).",
+)
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
-@click.option("--unembedding", type=click.Path(exists=True), help="W_U (.npy or safetensors): logit tables and histograms of the decoder directions.")
+@click.option(
+    "--unembedding",
+    type=click.Path(exists=True),
+    help="W_U (.npy or safetensors): logit tables and histograms of the decoder directions.",
+)
 @click.option("--model-id", help="Neuronpedia's model id (default: the store's).")
 @click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's SAE set name.")
 def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_id, sae_set) -> None:
@@ -103,5 +182,7 @@ def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_i
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    files = export_neuronpedia(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set)
+    files = export_neuronpedia(
+        src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set
+    )
     click.echo(f"wrote {len(files)} batch files to {out}")

@@ -12,10 +12,19 @@ def register(main: click.Group) -> None:
 
 
 def _common(f):
-    f = click.option("--workers", type=int, default=2, show_default=True, help="Source files imported at once (one writer each).")(f)
-    f = click.option("--zarr-format", type=click.Choice(["2", "3"]), default="2", show_default=True,
-                     help="2: one file per chunk; 3: sharded (fewer, larger files).")(f)
-    f = click.option("--layer", type=int, default=None, help="The store's layer number (default: the number in the hook's name).")(f)
+    f = click.option(
+        "--workers", type=int, default=2, show_default=True, help="Source files imported at once (one writer each)."
+    )(f)
+    f = click.option(
+        "--zarr-format",
+        type=click.Choice(["2", "3"]),
+        default="2",
+        show_default=True,
+        help="2: one file per chunk; 3: sharded (fewer, larger files).",
+    )(f)
+    f = click.option(
+        "--layer", type=int, default=None, help="The store's layer number (default: the number in the hook's name)."
+    )(f)
     f = click.option("--quiet", is_flag=True, help="No progress bar, no summary.")(f)
     return f
 
@@ -25,7 +34,9 @@ def _common(f):
 @click.argument("store")
 @click.option("--hook", default=None, help="The hook folder's name, when SRC is a run folder.")
 @_common
-def import_activault_cmd(src: str, store: str, hook: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool) -> None:
+def import_activault_cmd(
+    src: str, store: str, hook: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+) -> None:
     """Import one hook of an Activault run into STORE: SRC is the hook's folder {run}/{hook}
     (local or s3://...), or the run folder with --hook NAME.
 
@@ -36,7 +47,9 @@ def import_activault_cmd(src: str, store: str, hook: str | None, workers: int, z
     """
     from actstore.importers import import_activault
 
-    rep = import_activault(src, store, hook=hook, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet)
+    rep = import_activault(
+        src, store, hook=hook, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+    )
     if not quiet:
         click.echo(rep.summary())
 
@@ -46,7 +59,9 @@ def import_activault_cmd(src: str, store: str, hook: str | None, workers: int, z
 @click.argument("store")
 @click.option("--hook-name", default=None, help="The activation column to import (default: the folder's only one).")
 @_common
-def import_saelens_cmd(src: str, store: str, hook_name: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool) -> None:
+def import_saelens_cmd(
+    src: str, store: str, hook_name: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+) -> None:
     """Import a SAELens cached-activations dataset (a datasets save_to_disk folder, local or
     an object-store URL; also what `actstore export-saelens` writes) into STORE.
 
@@ -55,7 +70,9 @@ def import_saelens_cmd(src: str, store: str, hook_name: str | None, workers: int
     """
     from actstore.importers import import_saelens
 
-    rep = import_saelens(src, store, hook_name=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet)
+    rep = import_saelens(
+        src, store, hook_name=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+    )
     if not quiet:
         click.echo(rep.summary())
 
@@ -63,10 +80,13 @@ def import_saelens_cmd(src: str, store: str, hook_name: str | None, workers: int
 @click.command("import-dictionary-learning")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("store")
-@click.option("--tokens-per-example", type=int, default=None, help="Tokens per example (default: the cache's context_len).")
+@click.option(
+    "--tokens-per-example", type=int, default=None, help="Tokens per example (default: the cache's context_len)."
+)
 @_common
-def import_dictionary_learning_cmd(src: str, store: str, tokens_per_example: int | None, workers: int, zarr_format: str,
-                                   layer: int | None, quiet: bool) -> None:
+def import_dictionary_learning_cmd(
+    src: str, store: str, tokens_per_example: int | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+) -> None:
     """Import one submodule of a dictionary_learning activation cache (SRC: the folder
     {store_dir}/{submodule}_{io} with config.json and shard_N.memmap/.meta) into STORE.
 
@@ -76,7 +96,14 @@ def import_dictionary_learning_cmd(src: str, store: str, tokens_per_example: int
     """
     from actstore.importers import import_dictionary_learning
 
-    rep = import_dictionary_learning(src, store, tokens_per_example=tokens_per_example, layer=layer, workers=workers,
-                                     zarr_format=int(zarr_format), progress=not quiet)
+    rep = import_dictionary_learning(
+        src,
+        store,
+        tokens_per_example=tokens_per_example,
+        layer=layer,
+        workers=workers,
+        zarr_format=int(zarr_format),
+        progress=not quiet,
+    )
     if not quiet:
         click.echo(rep.summary())

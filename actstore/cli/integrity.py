@@ -29,7 +29,9 @@ def _bar(total: int | None, unit: str, quiet: bool, desc: str):
 
 @click.command("verify")
 @click.argument("store", type=STORE)
-@click.option("--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store).")
+@click.option(
+    "--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")
 @click.option("--quiet", is_flag=True, help="No progress bar; print nothing unless there is a problem.")
@@ -89,15 +91,30 @@ def _verify_saelens(path: str, as_json: bool, quiet: bool) -> None:
 @click.command("import-pkl")
 @click.argument("source", type=click.Path(exists=True, file_okay=False))
 @click.argument("store", type=click.Path(file_okay=False))
-@click.option("--dtype", type=click.Choice(list(spec.ACT_DTYPES)), default=spec.DEFAULT_DTYPE, show_default=True,
-              help="Stored dtype (legacy activations are float32; float16 halves the size).")
+@click.option(
+    "--dtype",
+    type=click.Choice(list(spec.ACT_DTYPES)),
+    default=spec.DEFAULT_DTYPE,
+    show_default=True,
+    help="Stored dtype (legacy activations are float32; float16 halves the size).",
+)
 @click.option("--tokens", type=int, help="T_max when metadata.json has no extraction_config.max_seq_length.")
-@click.option("--max-shard-bytes", type=click.IntRange(min=1), help="Refuse a shard whose pickle decompresses to more bytes (default: from its metadata).")
-@click.option("--max-objects", type=click.IntRange(min=1), default=MAX_OBJECTS, show_default=True,
-              help="Refuse a shard whose pickle builds more objects.")
+@click.option(
+    "--max-shard-bytes",
+    type=click.IntRange(min=1),
+    help="Refuse a shard whose pickle decompresses to more bytes (default: from its metadata).",
+)
+@click.option(
+    "--max-objects",
+    type=click.IntRange(min=1),
+    default=MAX_OBJECTS,
+    show_default=True,
+    help="Refuse a shard whose pickle builds more objects.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, max_objects: int,
-                   quiet: bool) -> None:
+def import_pkl_cmd(
+    source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, max_objects: int, quiet: bool
+) -> None:
     """Import the legacy pkl.gz directory SOURCE (metadata.json + shard_NNNN.pkl.gz) into STORE.
 
     Shard pickles are loaded by a restricted unpickler that admits only numpy array
@@ -108,8 +125,15 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
     from actstore.legacy import import_pkl
 
     with _bar(None, "ex", quiet, "import-pkl") as bar:
-        report = import_pkl(source, store, dtype=dtype, tokens=tokens, max_shard_bytes=max_shard_bytes, max_objects=max_objects,
-                            progress=bar.update)
+        report = import_pkl(
+            source,
+            store,
+            dtype=dtype,
+            tokens=tokens,
+            max_shard_bytes=max_shard_bytes,
+            max_objects=max_objects,
+            progress=bar.update,
+        )
     if not quiet:
         click.echo(report.summary())
 
@@ -122,7 +146,9 @@ def import_pkl_cmd(source: str, store: str, dtype: str, tokens: int | None, max_
 @click.option("--overwrite", is_flag=True, help="Replace a finished export in OUT.")
 @click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
-def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool) -> None:
+def export_pkl_cmd(
+    store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool
+) -> None:
     """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT.
 
     For tools that still read that format. Activations are float32 [T_i, D] per (example,
@@ -131,8 +157,14 @@ def export_pkl_cmd(store: str, out: str, examples_per_shard: int, no_compress: b
     from actstore.legacy import export_pkl
 
     with _bar(None, "ex", quiet, "export-pkl") as bar:
-        report = export_pkl(store, out, examples_per_shard=examples_per_shard, compress=not no_compress,
-                            overwrite=overwrite, progress=bar.update)
+        report = export_pkl(
+            store,
+            out,
+            examples_per_shard=examples_per_shard,
+            compress=not no_compress,
+            overwrite=overwrite,
+            progress=bar.update,
+        )
     if as_json:
         import dataclasses
         import json

@@ -15,10 +15,18 @@ def register(main: click.Group) -> None:
 @click.command("cp")
 @click.argument("src", metavar="SRC")
 @click.argument("dst", metavar="DST")
-@click.option("--no-verify", is_flag=True,
-              help="Read nothing back: skip comparing every copied object with the source and the final verify --deep.")
-@click.option("--workers", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Objects copied at once (threads); memory holds at most this many objects.")
+@click.option(
+    "--no-verify",
+    is_flag=True,
+    help="Read nothing back: skip comparing every copied object with the source and the final verify --deep.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 256),
+    default=8,
+    show_default=True,
+    help="Objects copied at once (threads); memory holds at most this many objects.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the summary line.")
 def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_json: bool) -> None:

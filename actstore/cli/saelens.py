@@ -17,19 +17,47 @@ def register(main: click.Group) -> None:
 @click.command("export-saelens")
 @click.argument("store", type=STORE)
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--layer", required=True, help="The layer to export: a stored layer number or name (blocks.8.hook_resid_post, a module path).")
-@click.option("--hook-name", default=None, help="Column name = SAELens's hook_name (default: the name the capture kept: blocks.N.hook_resid_post, or the module path of a module-path layer).")
-@click.option("--context-size", type=int, default=128, show_default=True, help="Tokens per row (SAELens's context_size).")
+@click.option(
+    "--layer",
+    required=True,
+    help="The layer to export: a stored layer number or name (blocks.8.hook_resid_post, a module path).",
+)
+@click.option(
+    "--hook-name",
+    default=None,
+    help="Column name = SAELens's hook_name (default: the name the capture kept: blocks.N.hook_resid_post, or the module path of a module-path layer).",
+)
+@click.option(
+    "--context-size", type=int, default=128, show_default=True, help="Tokens per row (SAELens's context_size)."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token-level shuffle.")
-@click.option("--dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
-              help="Column dtype (float16: exact for float16 stores, half the disk).")
-@click.option("--skip-special/--keep-special", default=None,
-              help="Leave out (default for a text store whose labels mark token kinds) or keep the tokens labelled special "
-                   "or chat template, such as the BOS that starts every --pack/--chunk window.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="Column dtype (float16: exact for float16 stores, half the disk).",
+)
+@click.option(
+    "--skip-special/--keep-special",
+    default=None,
+    help="Leave out (default for a text store whose labels mark token kinds) or keep the tokens labelled special "
+    "or chat template, such as the BOS that starts every --pack/--chunk window.",
+)
 @click.option("--quiet", is_flag=True, help="No progress bar, no config printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the SAELens config) on stdout.")
-def export_saelens_cmd(store: str, out: str, layer: str, hook_name: str | None, context_size: int, seed: int, dtype: str,
-                       skip_special: bool | None, quiet: bool, as_json: bool) -> None:
+def export_saelens_cmd(
+    store: str,
+    out: str,
+    layer: str,
+    hook_name: str | None,
+    context_size: int,
+    seed: int,
+    dtype: str,
+    skip_special: bool | None,
+    quiet: bool,
+    as_json: bool,
+) -> None:
     """Write LAYER of STORE to OUT as the dataset SAELens trains from with use_cached_activations.
 
     Real tokens only (no padding; for a text store with token labels, no special or
@@ -39,12 +67,33 @@ def export_saelens_cmd(store: str, out: str, layer: str, hook_name: str | None, 
     """
     from actstore.saelens import export_saelens
 
-    res = export_saelens(store, out, layer=layer, hook_name=hook_name,
-                         context_size=context_size, seed=seed, dtype=dtype, skip_special=skip_special, progress=not quiet)
+    res = export_saelens(
+        store,
+        out,
+        layer=layer,
+        hook_name=hook_name,
+        context_size=context_size,
+        seed=seed,
+        dtype=dtype,
+        skip_special=skip_special,
+        progress=not quiet,
+    )
     if as_json:
-        click.echo(json.dumps({"path": str(res.path), "hook_name": res.hook_name, "rows": res.n_rows, "tokens": res.n_tokens,
-                               "config": res.config, "network": network_counts()}))
+        click.echo(
+            json.dumps(
+                {
+                    "path": str(res.path),
+                    "hook_name": res.hook_name,
+                    "rows": res.n_rows,
+                    "tokens": res.n_tokens,
+                    "config": res.config,
+                    "network": network_counts(),
+                }
+            )
+        )
     elif not quiet:
-        click.echo(f"exported {res.n_tokens:,} tokens of {res.hook_name} in {res.n_rows} rows of {res.context_size} to {res.path}")
+        click.echo(
+            f"exported {res.n_tokens:,} tokens of {res.hook_name} in {res.n_rows} rows of {res.context_size} to {res.path}"
+        )
         click.echo("SAELens config (LanguageModelSAERunnerConfig fields; also in saelens_config.json):")
         click.echo(json.dumps(res.config, indent=2))

@@ -108,19 +108,31 @@ class CopyResult:
     def warnings(self) -> list[str]:
         out = []
         if self.unlisted_shards:
-            out.append(f"left out {_plural(len(self.unlisted_shards), 'shard')} the manifest does not list: "
-                       f"{_names(self.unlisted_shards)} (finalize SRC to publish them)")
+            out.append(
+                f"left out {_plural(len(self.unlisted_shards), 'shard')} the manifest does not list: "
+                f"{_names(self.unlisted_shards)} (finalize SRC to publish them)"
+            )
         if self.not_files:
-            out.append(f"left out {_plural(len(self.not_files), 'non-file entry', 'non-file entries')}: {_names(self.not_files)}")
+            out.append(
+                f"left out {_plural(len(self.not_files), 'non-file entry', 'non-file entries')}: {_names(self.not_files)}"
+            )
         return out
 
     def summary(self) -> str:
         rate = self.bytes_copied / self.seconds / 2**20 if self.seconds > 0 else 0.0
-        checks = "not verified" if not self.verified else "read back and compared, " + (
-            "verify --deep passed" if self.deep_verified else "verify --deep not run")
-        line = (f"copied {self.src} to {self.dst}: {_plural(self.n_copied, 'object')} ({_size(self.bytes_copied)}) "
-                f"in {self.seconds:.1f} s ({rate:.1f} MiB/s), {self.n_present} already there; {checks}")
-        extra = self.warnings + ([f"{_plural(self.n_temporary, 'temporary file')} left out"] if self.n_temporary else [])
+        checks = (
+            "not verified"
+            if not self.verified
+            else "read back and compared, "
+            + ("verify --deep passed" if self.deep_verified else "verify --deep not run")
+        )
+        line = (
+            f"copied {self.src} to {self.dst}: {_plural(self.n_copied, 'object')} ({_size(self.bytes_copied)}) "
+            f"in {self.seconds:.1f} s ({rate:.1f} MiB/s), {self.n_present} already there; {checks}"
+        )
+        extra = self.warnings + (
+            [f"{_plural(self.n_temporary, 'temporary file')} left out"] if self.n_temporary else []
+        )
         return line + ("; " + "; ".join(extra) if extra else "")
 
     def to_json(self) -> dict[str, Any]:
@@ -178,10 +190,21 @@ def copy_store(
     deep = _deep_verify(s, d) if verify else None
     c = copier
     return CopyResult(
-        src=s.url, dst=d.url, n_objects=c.n_copied + c.n_present, total_bytes=c.total, n_copied=c.n_copied,
-        bytes_copied=c.bytes_copied, n_present=c.n_present, bytes_present=c.bytes_present,
-        n_temporary=plan.n_temporary, unlisted_shards=plan.unlisted, not_files=plan.not_files, verified=verify,
-        deep_verified=deep, seconds=seconds, verify_seconds=time.monotonic() - t0 - seconds,
+        src=s.url,
+        dst=d.url,
+        n_objects=c.n_copied + c.n_present,
+        total_bytes=c.total,
+        n_copied=c.n_copied,
+        bytes_copied=c.bytes_copied,
+        n_present=c.n_present,
+        bytes_present=c.bytes_present,
+        n_temporary=plan.n_temporary,
+        unlisted_shards=plan.unlisted,
+        not_files=plan.not_files,
+        verified=verify,
+        deep_verified=deep,
+        seconds=seconds,
+        verify_seconds=time.monotonic() - t0 - seconds,
     )
 
 
@@ -194,7 +217,9 @@ def _check_apart(s: Storage, d: Storage) -> None:
     else:
         return
     if a == b or b.startswith(a + "/") or a.startswith(b + "/"):
-        raise ValueError(f"cannot copy {s.url} to {d.url}: {'they are the same location' if a == b else 'one lies inside the other'}")
+        raise ValueError(
+            f"cannot copy {s.url} to {d.url}: {'they are the same location' if a == b else 'one lies inside the other'}"
+        )
     if d.local_root is not None and d.local_root.exists() and not d.local_root.is_dir():
         raise ValueError(f"cannot copy to {d.url}: it is a file, not a folder")
 
@@ -203,12 +228,16 @@ def _check_apart(s: Storage, d: Storage) -> None:
 class _Copier:
     """One copy: checks DST, then publishes the plan in order with a bounded thread pool."""
 
-    def __init__(self, s: Storage, d: Storage, plan: CopyPlan, *, verify: bool, progress: Callable[[int, int], None] | None):
+    def __init__(
+        self, s: Storage, d: Storage, plan: CopyPlan, *, verify: bool, progress: Callable[[int, int], None] | None
+    ):
         self.s, self.d, self.plan, self.verify, self.progress = s, d, plan, verify, progress
         self.lock = threading.Lock()
         self.n_copied = self.bytes_copied = self.n_present = self.bytes_present = 0
         sized = plan.objects + ([plan.stats] if plan.stats else [])
-        self.total = sum(i.size for i in sized) + len(plan.identity) + len(plan.manifest) + sum(map(len, plan.commits.values()))
+        self.total = (
+            sum(i.size for i in sized) + len(plan.identity) + len(plan.manifest) + sum(map(len, plan.commits.values()))
+        )
         self.have: dict[str, int] = {}
         self.trust_size = False
 
@@ -222,20 +251,37 @@ class _Copier:
         if keys.IDENTITY in self.have:
             theirs = d.get(keys.IDENTITY)
             if theirs != p.identity:
-                raise StoreMismatchError(f"{d.url} already holds a different store ({_identity_diff(theirs, p.identity, d)}); "
-                                         f"nothing was written. Copy into an empty location, or delete {d.url} first")
+                raise StoreMismatchError(
+                    f"{d.url} already holds a different store ({_identity_diff(theirs, p.identity, d)}); "
+                    f"nothing was written. Copy into an empty location, or delete {d.url} first"
+                )
             if keys.MANIFEST not in self.have and marker is None:
-                raise StoreMismatchError(f"{d.url} holds an unfinalized store of the same configuration (writer shards, "
-                                         f"not a copy of {self.s.url}); nothing was written. Finalize it, or copy elsewhere")
+                raise StoreMismatchError(
+                    f"{d.url} holds an unfinalized store of the same configuration (writer shards, "
+                    f"not a copy of {self.s.url}); nothing was written. Finalize it, or copy elsewhere"
+                )
         elif stored and (marker is None or marker.get("identity_crc32c") != ident_crc):
-            what = f"an unfinished copy of another store ({marker.get('source', 'unknown')})" if marker else "objects that are not an actstore store"
-            raise StoreMismatchError(f"{d.url} holds {what}: {_names(sorted(stored))}; nothing was written. "
-                                     f"Copy into an empty location, or delete {d.url} first")
+            what = (
+                f"an unfinished copy of another store ({marker.get('source', 'unknown')})"
+                if marker
+                else "objects that are not an actstore store"
+            )
+            raise StoreMismatchError(
+                f"{d.url} holds {what}: {_names(sorted(stored))}; nothing was written. "
+                f"Copy into an empty location, or delete {d.url} first"
+            )
         self._check_lineage(pool)
-        self.trust_size = not stored or (marker or {}).get("manifest_crc32c") == manifest_crc or (
-            keys.MANIFEST in self.have and d.get(keys.MANIFEST) == p.manifest)
-        doc = {"source": self.s.url, "identity_crc32c": ident_crc, "manifest_crc32c": manifest_crc if self.trust_size else None,
-               "started": records.now()}
+        self.trust_size = (
+            not stored
+            or (marker or {}).get("manifest_crc32c") == manifest_crc
+            or (keys.MANIFEST in self.have and d.get(keys.MANIFEST) == p.manifest)
+        )
+        doc = {
+            "source": self.s.url,
+            "identity_crc32c": ident_crc,
+            "manifest_crc32c": manifest_crc if self.trust_size else None,
+            "started": records.now(),
+        }
         d.put(MARKER, jsonio.dumps(doc))
 
     def _marker(self) -> dict[str, Any] | None:
@@ -252,8 +298,10 @@ class _Copier:
         names = [n for n in self.plan.commits if f"{keys.shard_prefix(n)}/{keys.COMMIT}" in self.have]
         for problem in pool.map(self._lineage, names):
             if problem:
-                raise StoreMismatchError(f"{self.d.url} holds a different store with the same configuration: {problem}; "
-                                         f"nothing was written. Copy into an empty location, or delete {self.d.url} first")
+                raise StoreMismatchError(
+                    f"{self.d.url} holds a different store with the same configuration: {problem}; "
+                    f"nothing was written. Copy into an empty location, or delete {self.d.url} first"
+                )
 
     def _lineage(self, name: str) -> str | None:
         prefix = keys.shard_prefix(name)
@@ -276,7 +324,10 @@ class _Copier:
         if self.progress is not None:
             self.progress(0, self.total)
         parallel(pool, workers, self._copy, p.objects)  # 1. data and per-shard files
-        make_folders(d, (f"{keys.shard_prefix(n)}/{sub}" for n in p.commits for sub in (keys.ARRAYS, keys.META_DIR, keys.TEXT_DIR)))
+        make_folders(
+            d,
+            (f"{keys.shard_prefix(n)}/{sub}" for n in p.commits for sub in (keys.ARRAYS, keys.META_DIR, keys.TEXT_DIR)),
+        )
         d.sync()
         commits = [(f"{keys.shard_prefix(n)}/{keys.COMMIT}", b) for n, b in sorted(p.commits.items())]
         parallel(pool, workers, lambda kb: self._publish(*kb), commits)  # 2. each shard's commit point
@@ -326,8 +377,10 @@ class _Copier:
         except ActstoreError:
             raise
         except _IO_ERRORS as e:
-            raise CopyError(f"copying {self.s.where(key)} to {self.d.where(key)} failed: {_err(e)}; "
-                            "rerun the same command to resume") from e
+            raise CopyError(
+                f"copying {self.s.where(key)} to {self.d.where(key)} failed: {_err(e)}; "
+                "rerun the same command to resume"
+            ) from e
 
     def _check(self, key: str, size: int, crc: int) -> None:
         if not self.verify:
@@ -337,7 +390,8 @@ class _Copier:
             self.d.delete(key)  # so that a rerun copies it again
             raise CopyVerifyError(
                 f"{self.d.where(key)} read back as {got[0]} bytes with crc32c {got[1]:08x}, but {size} bytes with crc32c "
-                f"{crc:08x} were copied from {self.s.where(key)}; it was deleted: rerun the same command to copy it again")
+                f"{crc:08x} were copied from {self.s.where(key)}; it was deleted: rerun the same command to copy it again"
+            )
 
     def _tick(self, n: int, *, present: bool = False) -> None:
         with self.lock:
@@ -359,7 +413,9 @@ def _deep_verify(s: Storage, d: Storage) -> bool:
         raise VerificationError(
             f"{d.url} holds every object of {s.url} byte for byte, but fails `actstore verify --deep`: "
             f"{_plural(len(report.errors), 'error')}, the first: {first.message}. Run `actstore verify --deep {s.url}`: "
-            "a source damaged before the copy fails the same way", report)
+            "a source damaged before the copy fails the same way",
+            report,
+        )
     return True
 
 

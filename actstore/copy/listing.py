@@ -49,18 +49,24 @@ def plan_copy(s: Storage, pool: ThreadPoolExecutor) -> CopyPlan:
     try:
         identity = s.get(keys.IDENTITY)
     except KeyNotFound:
-        raise CorruptStoreError(f"{s.url} has a {keys.MANIFEST} but no {keys.IDENTITY}; the store is damaged "
-                                f"(run `actstore verify {s.url}`)") from None
+        raise CorruptStoreError(
+            f"{s.url} has a {keys.MANIFEST} but no {keys.IDENTITY}; the store is damaged "
+            f"(run `actstore verify {s.url}`)"
+        ) from None
     if records.parse_identity(identity, s.where(keys.IDENTITY)) != m.config:
-        raise CorruptStoreError(f"{s.where(keys.MANIFEST)} and {s.where(keys.IDENTITY)} describe different stores; "
-                                f"rerun `actstore finalize {s.url}`")
+        raise CorruptStoreError(
+            f"{s.where(keys.MANIFEST)} and {s.where(keys.IDENTITY)} describe different stores; "
+            f"rerun `actstore finalize {s.url}`"
+        )
     listed = [e.name for e in m.shards]
     commit_keys = [f"{keys.shard_prefix(n)}/{keys.COMMIT}" for n in listed]
     try:  # read before anything is listed or copied: the data copied is never older than its records
         commits = dict(zip(listed, pool.map(s.get, commit_keys)))
     except KeyNotFound as e:
-        raise CorruptStoreError(f"{s.url} is damaged: its manifest lists a shard without a commit record ({e}); "
-                                f"run `actstore verify {s.url}`") from None
+        raise CorruptStoreError(
+            f"{s.url} is damaged: its manifest lists a shard without a commit record ({e}); "
+            f"run `actstore verify {s.url}`"
+        ) from None
     data_dirs = tuple(f"/{keys.acts_array(seg.name)}/" for seg in m.config.segments)
     plan = CopyPlan(identity=identity, manifest=manifest, stats=None, commits=commits, objects=[])
     unlisted, odd, temporary = set(), [], 0
@@ -69,7 +75,9 @@ def plan_copy(s: Storage, pool: ThreadPoolExecutor) -> CopyPlan:
         if e.kind == "dir" or (e.key.endswith("/") and e.size == 0):
             continue  # an empty folder, or an object store's folder marker
         if any(p in ("", ".", "..") for p in parts) or e.key.startswith("/"):
-            raise UnsafePathError(f"{s.where(e.key)}: key {e.key!r} is not a path inside the store; refusing to copy it")
+            raise UnsafePathError(
+                f"{s.where(e.key)}: key {e.key!r} is not a path inside the store; refusing to copy it"
+            )
         if any(keys.is_temporary(p) and p not in ZARR_META for p in parts):
             temporary += 1
         elif parts[0] == keys.SHARDS and (len(parts) < 3 or parts[1] not in commits):
@@ -81,10 +89,16 @@ def plan_copy(s: Storage, pool: ThreadPoolExecutor) -> CopyPlan:
         elif m.stats is not None and e.key == m.stats:
             plan.stats = Item(e.key, e.size, False)
         else:
-            data = parts[0] == keys.SHARDS and any(d in e.key for d in data_dirs) and parts[-1] not in ZARR_META | {keys.ZARR_JSON}
+            data = (
+                parts[0] == keys.SHARDS
+                and any(d in e.key for d in data_dirs)
+                and parts[-1] not in ZARR_META | {keys.ZARR_JSON}
+            )
             plan.objects.append(Item(e.key, e.size, data))
     if m.stats is not None and plan.stats is None:
-        raise CorruptStoreError(f"{s.url} is damaged: its manifest names the statistics file {m.stats}, which does not "
-                                f"exist (run `actstore verify {s.url}`)")
+        raise CorruptStoreError(
+            f"{s.url} is damaged: its manifest names the statistics file {m.stats}, which does not "
+            f"exist (run `actstore verify {s.url}`)"
+        )
     plan.n_temporary, plan.unlisted, plan.not_files = temporary, tuple(sorted(unlisted)), tuple(sorted(odd))
     return plan

@@ -20,8 +20,6 @@ STREAM_BYTES = 64 * 2**20  # larger objects are copied range by range, never who
 RANGE_BYTES = 16 * 2**20  # one range of a streamed object
 
 
-
-
 def parallel(pool: ThreadPoolExecutor, workers: int, fn: Callable[[Any], None], items: Iterable[Any]) -> None:
     """fn over items on the pool with at most 2 * workers submitted at a time (so a store of
     millions of objects never holds millions of futures); the first failure is raised once

@@ -9,6 +9,15 @@ from actstore.features.sources import load_dictionary_learning, load_directions,
 from actstore.features.topk import FeatureTables, top_activations
 
 __all__ = [
-    "Encoder", "EncoderError", "FeatureError", "FeatureTables", "TokenizerNotFoundError", "load_dictionary_learning",
-    "load_directions", "load_saelens", "load_saev", "neurons", "top_activations",
+    "Encoder",
+    "EncoderError",
+    "FeatureError",
+    "FeatureTables",
+    "TokenizerNotFoundError",
+    "load_dictionary_learning",
+    "load_directions",
+    "load_saelens",
+    "load_saev",
+    "neurons",
+    "top_activations",
 ]

@@ -22,7 +22,9 @@ _SHIFT = 21
 _LO_CODE = (127 - 20) << 2  # bits >> 21 of 2**-20
 _HI_CODE = (127 + 14) << 2  # bits >> 21 of 2**14
 N_BINS = _HI_CODE - _LO_CODE + 2
-HIST_EDGES = np.array([(2.0 ** ((c >> 2) - 127)) * (1 + (c & 3) / 4) for c in range(_LO_CODE, _HI_CODE + 1)], np.float32)
+HIST_EDGES = np.array(
+    [(2.0 ** ((c >> 2) - 127)) * (1 + (c & 3) / 4) for c in range(_LO_CODE, _HI_CODE + 1)], np.float32
+)
 NO_ORD = np.iinfo(np.int64).max
 NO_KEY = np.iinfo(np.uint32).max
 TOKEN_BITS = 31
@@ -58,8 +60,15 @@ def sort_code(neg: np.ndarray) -> np.ndarray:
     return np.where(bits >> 31 == 1, ~bits, bits | np.uint32(0x80000000))
 
 
-def _merge_rows(score: np.ndarray, ords: np.ndarray, vals: np.ndarray, r: np.ndarray, c_score: np.ndarray, c_ord: np.ndarray,
-                c_val: np.ndarray) -> None:
+def _merge_rows(
+    score: np.ndarray,
+    ords: np.ndarray,
+    vals: np.ndarray,
+    r: np.ndarray,
+    c_score: np.ndarray,
+    c_ord: np.ndarray,
+    c_val: np.ndarray,
+) -> None:
     """Merge candidates (row r, uint32 score, ord, value) into the per-row lists (F, m), each
     kept sorted by (score, ord) ascending, empty slots (ord NO_ORD) last: in place. The
     candidates come row by row in ord order and after every kept entry in ord, so one
@@ -128,7 +137,9 @@ class FeatureAccumulator:
         self.sum_pos += np.bincount(r, weights=v, minlength=F)
         self.hist += np.bincount(r * N_BINS + histogram_bins(v), minlength=self.hist.size).reshape(self.hist.shape)
         cand = v > self.top_val[r, -1]  # only values above the row's k-th can enter
-        if cand.sum() > 4 * F * self.k and n > self.k:  # early batches: first cut each row to the batch's own top k (and ties)
+        if (
+            cand.sum() > 4 * F * self.k and n > self.k
+        ):  # early batches: first cut each row to the batch's own top k (and ties)
             kth = np.partition(acts_ft, n - self.k, axis=1)[:, n - self.k]
             cand &= v >= kth[r]
         if cand.any():
@@ -136,8 +147,12 @@ class FeatureAccumulator:
             _merge_rows(self.top_code, self.top_ord, self.top_val, rc, sort_code(-vc), ords[c[cand]], vc)
         if self.pool:
             keys = hash_keys(ords, self.seed)[c]
-            cand = (keys < self.pool_key[r, -1]) | (self.pool_ord[r, -1] == NO_ORD)  # a key equal to the m-th has a larger ord: out
-            if cand.sum() > 4 * F * self.pool and n > self.pool:  # early batches: first cut each row to its pool-th smallest key
+            cand = (keys < self.pool_key[r, -1]) | (
+                self.pool_ord[r, -1] == NO_ORD
+            )  # a key equal to the m-th has a larger ord: out
+            if (
+                cand.sum() > 4 * F * self.pool and n > self.pool
+            ):  # early batches: first cut each row to its pool-th smallest key
                 kb = np.full(acts_ft.shape, NO_KEY, np.uint32)
                 kb[r, c] = keys
                 cut = np.partition(kb, self.pool - 1, axis=1)[:, self.pool - 1]

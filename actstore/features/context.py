@@ -38,7 +38,9 @@ def load_tokenizer(store: Reader, tokenizer: str | None = None) -> Any:
         if name.startswith("embedded:smollm2-135m"):
             from actstore.capture.embedded import SMOLLM2_GGUF, smollm2_folder
 
-            return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)  # the GGUF's tokenizer metadata only
+            return AutoTokenizer.from_pretrained(
+                smollm2_folder(), gguf_file=SMOLLM2_GGUF
+            )  # the GGUF's tokenizer metadata only
         if name.startswith("embedded:minilm-l6"):
             from actstore.capture.embedded import minilm_folder
 
@@ -86,8 +88,15 @@ def _left_out(store: Reader, labels: dict[str, np.ndarray] | None, ex: int, n: i
     return np.concatenate([labels[s][ex, : lengths[s]] != 0 for s in store.segments])
 
 
-def text_windows(store: Reader, layer: int, encoder: Encoder, rows: dict[str, np.ndarray], tok: Any, *,
-                 window: tuple[int, int] = DEFAULT_WINDOW) -> list[dict[str, Any]]:
+def text_windows(
+    store: Reader,
+    layer: int,
+    encoder: Encoder,
+    rows: dict[str, np.ndarray],
+    tok: Any,
+    *,
+    window: tuple[int, int] = DEFAULT_WINDOW,
+) -> list[dict[str, Any]]:
     """One record per row (feature, example, token, activation): the tokens around the
     position with each one's activation for that feature, and, for packed stores, the
     document and position each shown token came from. Each example is read and encoded once."""
@@ -111,9 +120,17 @@ def text_windows(store: Reader, layer: int, encoder: Encoder, rows: dict[str, np
         for i in grp:
             t, f = int(rows["token"][i]), int(np.searchsorted(feats, rows["feature"][i]))
             lo, hi = max(0, t - window[0]), min(len(texts), t + window[1] + 1)
-            rec = {"feature": int(rows["feature"][i]), "example": ex, "token": t, "activation": float(rows["activation"][i]),
-                   "tokens": texts[lo:hi], "acts": [float(a) for a in acts[lo:hi, f]], "center": t - lo, "start": lo,
-                   "left_out": [bool(m) for m in left_out[lo:hi]]}
+            rec = {
+                "feature": int(rows["feature"][i]),
+                "example": ex,
+                "token": t,
+                "activation": float(rows["activation"][i]),
+                "tokens": texts[lo:hi],
+                "acts": [float(a) for a in acts[lo:hi, f]],
+                "center": t - lo,
+                "start": lo,
+                "left_out": [bool(m) for m in left_out[lo:hi]],
+            }
             if origins is not None and len(origins) > t:
                 rec["document"], rec["doc_token"] = (int(v) for v in origins[t])
             out[i] = rec
@@ -141,15 +158,19 @@ def image_pixels(store: Reader, ex: int, size: int) -> np.ndarray:
     from actstore.capture.prepare import crop_pixels
 
     if not isinstance(store, ActStore):
-        raise FeatureError(f"{store.path} is a {type(store).__name__}, which keeps no image references: "
-                           "images need the actstore store the ViT activations were captured into")
+        raise FeatureError(
+            f"{store.path} is a {type(store).__name__}, which keeps no image references: "
+            "images need the actstore store the ViT activations were captured into"
+        )
     ref = store.sample(ex).get("image")
     if not isinstance(ref, dict):
         raise FeatureError(f"example {ex} of {store.path} has no image reference (text field 'image')")
     return crop_pixels(load_image(ref), size)
 
 
-def logit_table(direction: np.ndarray, unembed: np.ndarray, tok: Any, n: int = 10) -> dict[str, list[tuple[str, float]]]:
+def logit_table(
+    direction: np.ndarray, unembed: np.ndarray, tok: Any, n: int = 10
+) -> dict[str, list[tuple[str, float]]]:
     """The tokens whose logits a decoder direction raises and lowers most: direction @ W_U,
     with W_U (d_model, vocab)."""
     if unembed.shape[0] != direction.shape[0]:
@@ -157,8 +178,10 @@ def logit_table(direction: np.ndarray, unembed: np.ndarray, tok: Any, n: int = 1
     logits = direction.astype(np.float32) @ unembed
     top = np.argsort(-logits, kind="stable")[:n]
     bottom = np.argsort(logits, kind="stable")[:n]
-    return {"positive": [(tok.decode([int(i)]), float(logits[i])) for i in top],
-            "negative": [(tok.decode([int(i)]), float(logits[i])) for i in bottom]}
+    return {
+        "positive": [(tok.decode([int(i)]), float(logits[i])) for i in top],
+        "negative": [(tok.decode([int(i)]), float(logits[i])) for i in bottom],
+    }
 
 
 def load_unembedding(path: str, d_model: int) -> np.ndarray:
@@ -176,7 +199,14 @@ def load_unembedding(path: str, d_model: int) -> np.ndarray:
             t = load_file(str(p))
         except Exception as e:  # safetensors' own errors
             raise FeatureError(f"{p} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
-        names: Sequence[str] = ("lm_head.weight", "model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight", "wte.weight", "W_U")
+        names: Sequence[str] = (
+            "lm_head.weight",
+            "model.embed_tokens.weight",
+            "embed_tokens.weight",
+            "transformer.wte.weight",
+            "wte.weight",
+            "W_U",
+        )
         key = next((k for k in names if k in t), None)
         if key is None:
             raise FeatureError(f"{p} holds no unembedding; expected one of {list(names)}")
@@ -185,5 +215,7 @@ def load_unembedding(path: str, d_model: int) -> np.ndarray:
     if W.ndim == 2 and W.shape[0] != d_model and W.shape[1] == d_model:
         W = W.T  # (vocab, d_model) as HF stores it
     if W.ndim != 2 or W.shape[0] != d_model:
-        raise FeatureError(f"the unembedding in {p} is {W.shape}; it must be (d_model={d_model}, vocab) or (vocab, d_model)")
+        raise FeatureError(
+            f"the unembedding in {p} is {W.shape}; it must be (d_model={d_model}, vocab) or (vocab, d_model)"
+        )
     return W

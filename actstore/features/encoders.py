@@ -67,8 +67,14 @@ class Encoder:
         if self.kind != "neurons":
             if self.W is None or self.W.shape != (self.d_in, self.n_features):
                 got = None if self.W is None else self.W.shape
-                raise EncoderError(f"{self.kind} encoder: W must be (d_in, F) = ({self.d_in}, {self.n_features}), got {got}")
-        for name, v, n in (("b", self.b, self.n_features), ("b_pre", self.b_pre, self.d_in), ("post_scale", self.post_scale, self.n_features)):
+                raise EncoderError(
+                    f"{self.kind} encoder: W must be (d_in, F) = ({self.d_in}, {self.n_features}), got {got}"
+                )
+        for name, v, n in (
+            ("b", self.b, self.n_features),
+            ("b_pre", self.b_pre, self.d_in),
+            ("post_scale", self.post_scale, self.n_features),
+        ):
             if v is not None and np.shape(v) != (n,):
                 raise EncoderError(f"{self.kind} encoder: {name} must have shape ({n},), got {np.shape(v)}")
         if self.activation == "topk" and not (isinstance(self.k, int) and 0 < self.k):
@@ -76,8 +82,16 @@ class Encoder:
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description (meta.json)."""
-        return {"kind": self.kind, "d_in": self.d_in, "n_features": self.n_features, "activation": self.activation,
-                "k": self.k, "normalize": self.normalize, "b_pre": self.b_pre is not None, **self.source}
+        return {
+            "kind": self.kind,
+            "d_in": self.d_in,
+            "n_features": self.n_features,
+            "activation": self.activation,
+            "k": self.k,
+            "normalize": self.normalize,
+            "b_pre": self.b_pre is not None,
+            **self.source,
+        }
 
     def check_input(self, d_model: int, where: str = "the layer") -> None:
         """Raise before any pass when the encoder does not take vectors of width d_model."""
@@ -87,7 +101,14 @@ class Encoder:
                 "use directions trained on this layer's activations (or a store of that model)"
             )
 
-    def encode(self, x: np.ndarray, features: np.ndarray | None = None, *, feature_major: bool = False, device: str | None = None) -> np.ndarray:
+    def encode(
+        self,
+        x: np.ndarray,
+        features: np.ndarray | None = None,
+        *,
+        feature_major: bool = False,
+        device: str | None = None,
+    ) -> np.ndarray:
         """(n, d_in) float activations -> (n, F') float32 feature values, F' = len(features)
         (all F when None); with feature_major, the (F', n) C-contiguous array instead (what
         the pass consumes: one row per feature, no transpose copy). TopK selects over all F
@@ -148,7 +169,7 @@ class Encoder:
         k = min(self.k, F)
         if k == F:
             return np.maximum(h, 0, out=h) if self.topk_relu else h
-        idx = np.argpartition(h, F - k, axis=0)[F - k:]
+        idx = np.argpartition(h, F - k, axis=0)[F - k :]
         cols_n = np.arange(h.shape[1])[None, :]
         kept = h[idx, cols_n]
         out = np.zeros_like(h)

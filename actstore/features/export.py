@@ -36,8 +36,14 @@ def _round(xs: Any, nd: int = 3) -> list[float]:
 
 
 def _activation(rec: dict[str, Any], bin_min: float, bin_max: float, bin_contains: float) -> dict[str, Any]:
-    return {"bin_min": bin_min, "bin_max": bin_max, "bin_contains": bin_contains, "tokens": list(rec["tokens"]),
-            "values": _round(rec["acts"]), "qualifying_token_index": int(rec["center"])}
+    return {
+        "bin_min": bin_min,
+        "bin_max": bin_max,
+        "bin_contains": bin_contains,
+        "tokens": list(rec["tokens"]),
+        "values": _round(rec["acts"]),
+        "qualifying_token_index": int(rec["center"]),
+    }
 
 
 def _histogram(counts: np.ndarray, edges: np.ndarray) -> tuple[list[float], list[float]]:
@@ -53,16 +59,27 @@ def _contains(counts: np.ndarray, edges: np.ndarray, lo: float, hi: float) -> fl
     return round(float(counts[(centres > lo) & (centres <= hi)].sum() / total), 4) if total else 0.0
 
 
-def export_neuronpedia(src: str, out: str | os.PathLike, *, store: ReaderLike | None = None, encoder: Encoder | None = None, tokenizer: str | None = None,
-                       unembedding: str | None = None, model_id: str | None = None, sae_set: str = "actstore",
-                       per_batch: int = FEATURES_PER_BATCH) -> list[Path]:
+def export_neuronpedia(
+    src: str,
+    out: str | os.PathLike,
+    *,
+    store: ReaderLike | None = None,
+    encoder: Encoder | None = None,
+    tokenizer: str | None = None,
+    unembedding: str | None = None,
+    model_id: str | None = None,
+    sae_set: str = "actstore",
+    per_batch: int = FEATURES_PER_BATCH,
+) -> list[Path]:
     """Write `batch-<n>.json` files of `per_batch` features each into folder `out`; returns them."""
     from actstore.features.site import _columns, _group, _open, encoder_from_meta
 
     meta = read_meta(src)
     store = _open(meta, store)
     if store.config.attrs.get("image"):
-        raise FeatureError("the Neuronpedia export holds token windows: it takes text stores (use `actstore view` for a ViT store)")
+        raise FeatureError(
+            "the Neuronpedia export holds token windows: it takes text stores (use `actstore view` for a ViT store)"
+        )
     encoder = encoder or encoder_from_meta(meta, store)
     tok = context.load_tokenizer(store, tokenizer)
     layer = int(meta["layer"])
@@ -83,34 +100,70 @@ def export_neuronpedia(src: str, out: str | os.PathLike, *, store: ReaderLike | 
             counts = np.asarray(feats["histogram"][j])
             values, heights = _histogram(counts, edges)
             acts = [_activation(top_ctx[i], -1, round(float(feats["max"][j]), 3), -1) for i in by_top.get(f, [])]
-            acts += [_activation(iv_ctx[i], round(float(ivs["lo"][i]), 3), round(float(ivs["hi"][i]), 3),
-                                 _contains(counts, edges, float(ivs["lo"][i]), float(ivs["hi"][i]))) for i in by_iv.get(f, [])]
+            acts += [
+                _activation(
+                    iv_ctx[i],
+                    round(float(ivs["lo"][i]), 3),
+                    round(float(ivs["hi"][i]), 3),
+                    _contains(counts, edges, float(ivs["lo"][i]), float(ivs["hi"][i])),
+                )
+                for i in by_iv.get(f, [])
+            ]
             feature = {
-                "feature_index": f, "neuron_alignment_indices": [], "neuron_alignment_values": [], "neuron_alignment_l1": [],
-                "correlated_neurons_indices": [], "correlated_neurons_l1": [], "correlated_neurons_pearson": [],
-                "correlated_features_indices": [], "correlated_features_l1": [], "correlated_features_pearson": [],
-                "neg_str": [], "neg_values": [], "pos_str": [], "pos_values": [], "frac_nonzero": float(feats["density"][j]),
-                "freq_hist_data_bar_values": values, "freq_hist_data_bar_heights": heights,
-                "logits_hist_data_bar_heights": [], "logits_hist_data_bar_values": [],
-                "n_prompts_total": int(meta["store"]["n_examples"]), "n_tokens_in_prompt": int(n_tokens),
-                "dataset": str(store.meta.get("dataset") or store.meta.get("source") or ""), "decoder_weights_dist": [],
-                "activations": acts, "vector": [],
+                "feature_index": f,
+                "neuron_alignment_indices": [],
+                "neuron_alignment_values": [],
+                "neuron_alignment_l1": [],
+                "correlated_neurons_indices": [],
+                "correlated_neurons_l1": [],
+                "correlated_neurons_pearson": [],
+                "correlated_features_indices": [],
+                "correlated_features_l1": [],
+                "correlated_features_pearson": [],
+                "neg_str": [],
+                "neg_values": [],
+                "pos_str": [],
+                "pos_values": [],
+                "frac_nonzero": float(feats["density"][j]),
+                "freq_hist_data_bar_values": values,
+                "freq_hist_data_bar_heights": heights,
+                "logits_hist_data_bar_heights": [],
+                "logits_hist_data_bar_values": [],
+                "n_prompts_total": int(meta["store"]["n_examples"]),
+                "n_tokens_in_prompt": int(n_tokens),
+                "dataset": str(store.meta.get("dataset") or store.meta.get("source") or ""),
+                "decoder_weights_dist": [],
+                "activations": acts,
+                "vector": [],
             }
             if encoder.W_dec is not None:
                 d = encoder.W_dec[f]
                 idx = np.argsort(-np.abs(d), kind="stable")[:3]
-                feature |= {"neuron_alignment_indices": [int(i) for i in idx], "neuron_alignment_values": _round(d[idx]),
-                            "neuron_alignment_l1": _round(np.abs(d[idx]) / max(float(np.abs(d).sum()), 1e-30))}
+                feature |= {
+                    "neuron_alignment_indices": [int(i) for i in idx],
+                    "neuron_alignment_values": _round(d[idx]),
+                    "neuron_alignment_l1": _round(np.abs(d[idx]) / max(float(np.abs(d).sum()), 1e-30)),
+                }
             if W_U is not None:
                 table = context.logit_table(encoder.W_dec[f], W_U, tok)
                 logits = encoder.W_dec[f].astype(np.float32) @ W_U
                 h, e = np.histogram(logits, bins=40)
-                feature |= {"pos_str": [t for t, _ in table["positive"]], "pos_values": _round(v for _, v in table["positive"]),
-                            "neg_str": [t for t, _ in table["negative"]], "neg_values": _round(v for _, v in table["negative"]),
-                            "logits_hist_data_bar_heights": [float(x) for x in h], "logits_hist_data_bar_values": _round((e[:-1] + e[1:]) / 2)}
+                feature |= {
+                    "pos_str": [t for t, _ in table["positive"]],
+                    "pos_values": _round(v for _, v in table["positive"]),
+                    "neg_str": [t for t, _ in table["negative"]],
+                    "neg_values": _round(v for _, v in table["negative"]),
+                    "logits_hist_data_bar_heights": [float(x) for x in h],
+                    "logits_hist_data_bar_values": _round((e[:-1] + e[1:]) / 2),
+                }
             features.append(feature)
-        batch = {"model_id": model_id or str(store.meta.get("model_id") or ""), "layer": layer, "sae_set": sae_set,
-                 "sae_id_suffix": None, "features": features}
+        batch = {
+            "model_id": model_id or str(store.meta.get("model_id") or ""),
+            "layer": layer,
+            "sae_set": sae_set,
+            "sae_id_suffix": None,
+            "features": features,
+        }
         path = out / f"batch-{b0 // per_batch}.json"
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(batch), encoding="utf-8")

@@ -37,7 +37,9 @@ def heatmap(rgb: np.ndarray, grid: np.ndarray, vmax: float, *, vmin: float = 0.0
     return out
 
 
-def heatmap_png(store: Reader, layer: int, enc: Encoder, feature: int, ex: int, path: str | os.PathLike, *, vmax: float) -> int:
+def heatmap_png(
+    store: Reader, layer: int, enc: Encoder, feature: int, ex: int, path: str | os.PathLike, *, vmax: float
+) -> int:
     """Write the heatmap of (feature, example) as a PNG; returns its width in pixels."""
     grid, im = context.patch_grid(store, layer, enc, feature, ex)
     rgb = context.image_pixels(store, ex, int(im["size"]))

@@ -27,9 +27,13 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
     a store's path or URL."""
     store = as_reader(store)
     n = len(store)
-    exs = np.unique(np.linspace(0, n - 1, num=min(n, max_examples)).round().astype(np.int64)) if n else np.zeros(0, np.int64)
+    exs = (
+        np.unique(np.linspace(0, n - 1, num=min(n, max_examples)).round().astype(np.int64))
+        if n
+        else np.zeros(0, np.int64)
+    )
     out = {}
-    for layer in (store.layers if layers is None else layers):
+    for layer in store.layers if layers is None else layers:
         norms, sums, counts = [], np.zeros(0), np.zeros(0, np.int64)
         for ex in exs:
             x = np.asarray(store[int(ex), layer], np.float32)
@@ -41,23 +45,32 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
             sums[: len(v)] += v
             counts[: len(v)] += 1
         allv = np.concatenate(norms) if norms else np.zeros(0, np.float32)
-        out[int(layer)] = {"norms": allv, "position_mean": np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0),
-                           "position_count": counts}
+        out[int(layer)] = {
+            "norms": allv,
+            "position_mean": np.divide(sums, counts, out=np.zeros_like(sums), where=counts > 0),
+            "position_count": counts,
+        }
     return out
 
 
 def _axes(title: str, xlab: str, x0: float, x1: float, y1: float) -> list[str]:
-    return [f'<text x="{W / 2}" y="14" text-anchor="middle" font-size="13">{title}</text>',
-            f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 8}" y2="{H - PAD}" stroke="#333"/>',
-            f'<line x1="{PAD}" y1="{H - PAD}" x2="{PAD}" y2="22" stroke="#333"/>',
-            f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">{x0:.3g}</text>',
-            f'<text x="{W - 8}" y="{H - PAD + 14}" font-size="10" text-anchor="end">{x1:.3g}</text>',
-            f'<text x="{W / 2}" y="{H - 6}" font-size="11" text-anchor="middle">{xlab}</text>',
-            f'<text x="2" y="26" font-size="10">{y1:.3g}</text>']
+    return [
+        f'<text x="{W / 2}" y="14" text-anchor="middle" font-size="13">{title}</text>',
+        f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 8}" y2="{H - PAD}" stroke="#333"/>',
+        f'<line x1="{PAD}" y1="{H - PAD}" x2="{PAD}" y2="22" stroke="#333"/>',
+        f'<text x="{PAD}" y="{H - PAD + 14}" font-size="10">{x0:.3g}</text>',
+        f'<text x="{W - 8}" y="{H - PAD + 14}" font-size="10" text-anchor="end">{x1:.3g}</text>',
+        f'<text x="{W / 2}" y="{H - 6}" font-size="11" text-anchor="middle">{xlab}</text>',
+        f'<text x="2" y="26" font-size="10">{y1:.3g}</text>',
+    ]
 
 
 def _svg(parts: list[str]) -> str:
-    return f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif">' + "".join(parts) + "</svg>\n"
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif">'
+        + "".join(parts)
+        + "</svg>\n"
+    )
 
 
 def norms_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
@@ -74,7 +87,9 @@ def norms_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
         c = COLOURS[i % len(COLOURS)]
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}"><title>layer {layer}</title></polyline>')
-        parts.append(f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>')
+        parts.append(
+            f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>'
+        )
     return _svg(parts)
 
 
@@ -90,11 +105,15 @@ def positions_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
         c = COLOURS[i % len(COLOURS)]
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}"><title>layer {layer}</title></polyline>')
-        parts.append(f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>')
+        parts.append(
+            f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>'
+        )
     return _svg(parts)
 
 
-def write_plots(store: ReaderLike, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000) -> list[Path]:
+def write_plots(
+    store: ReaderLike, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000
+) -> list[Path]:
     """norms.svg, positions.svg and plots.html (both) in folder `out`; returns their paths."""
     store = as_reader(store)
     out = Path(out)
@@ -102,9 +121,11 @@ def write_plots(store: ReaderLike, out: str | os.PathLike, *, layers: Any = None
     stats = norm_stats(store, layers=layers, max_examples=max_examples)
     files = {"norms.svg": norms_svg(stats), "positions.svg": positions_svg(stats)}
     n_read = min(len(store), max_examples)
-    files["plots.html"] = ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>store plots</title></head><body>'
-                           f"<h1>Token norms</h1><p>{n_read} of {len(store)} examples, every real token.</p>"
-                           '<p><img src="norms.svg" alt="norms"></p><p><img src="positions.svg" alt="norm by position"></p></body></html>\n')
+    files["plots.html"] = (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>store plots</title></head><body>'
+        f"<h1>Token norms</h1><p>{n_read} of {len(store)} examples, every real token.</p>"
+        '<p><img src="norms.svg" alt="norms"></p><p><img src="positions.svg" alt="norm by position"></p></body></html>\n'
+    )
     paths = []
     for name, text in files.items():
         p = out / name

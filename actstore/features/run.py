@@ -16,10 +16,27 @@ from actstore.read.api import Reader, ReaderLike, as_reader
 
 
 def run_features(
-    store_path: ReaderLike, layer: Any, out: str, *, neurons: bool = False, sae: str | None = None, saev: str | None = None,
-    dictionary: str | None = None, directions: str | None = None, bias: str | None = None, features: str | None = None,
-    top_k: int = 20, segments: Sequence[str] | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
-    seed: int = 0, device: str | None = "auto", command: str | None = None, progress: bool = False, store: Reader | None = None,
+    store_path: ReaderLike,
+    layer: Any,
+    out: str,
+    *,
+    neurons: bool = False,
+    sae: str | None = None,
+    saev: str | None = None,
+    dictionary: str | None = None,
+    directions: str | None = None,
+    bias: str | None = None,
+    features: str | None = None,
+    top_k: int = 20,
+    segments: Sequence[str] | None = None,
+    keep_special: bool = False,
+    n_intervals: int = 5,
+    per_interval: int = 5,
+    seed: int = 0,
+    device: str | None = "auto",
+    command: str | None = None,
+    progress: bool = False,
+    store: Reader | None = None,
 ) -> dict[str, Any]:
     """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content.
     `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already."""
@@ -27,21 +44,48 @@ def run_features(
         from actstore.opener import open as open_store
 
         store = open_store(store_path) if isinstance(store_path, (str, os.PathLike)) else as_reader(store_path)
-    enc = sources.load(neurons_d_model=int(store.d_model) if neurons else None, sae=sae, saev=saev, dictionary=dictionary,
-                       directions=directions, bias=bias)
+    enc = sources.load(
+        neurons_d_model=int(store.d_model) if neurons else None,
+        sae=sae,
+        saev=saev,
+        dictionary=dictionary,
+        directions=directions,
+        bias=bias,
+    )
     if isinstance(layer, str) and layer.lstrip("-").isdigit():
         layer = int(layer)
     layer_n = int(store.layer_number(layer))
-    tables = top_activations(store, layer_n, enc, k=top_k, features=features, segments=segments, keep_special=keep_special,
-                             n_intervals=n_intervals, per_interval=per_interval, seed=seed, device=device, progress=progress)
+    tables = top_activations(
+        store,
+        layer_n,
+        enc,
+        k=top_k,
+        features=features,
+        segments=segments,
+        keep_special=keep_special,
+        n_intervals=n_intervals,
+        per_interval=per_interval,
+        seed=seed,
+        device=device,
+        progress=progress,
+    )
     labels = leaves_out_special(store)
     meta = {
         "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,
         "encoder": enc.describe() | ({"bias": _absolute(bias)} if bias else {}),
-        "masks": {"token_mask": "content" if labels and not keep_special else None, "keep_special": keep_special,
-                  "segments": list(segments) if segments else list(store.segments)},
-        "options": {"k": top_k, "features": features, "n_intervals": n_intervals, "per_interval": per_interval, "seed": seed},
+        "masks": {
+            "token_mask": "content" if labels and not keep_special else None,
+            "keep_special": keep_special,
+            "segments": list(segments) if segments else list(store.segments),
+        },
+        "options": {
+            "k": top_k,
+            "features": features,
+            "n_intervals": n_intervals,
+            "per_interval": per_interval,
+            "seed": seed,
+        },
         "command": command,
         "actstore_version": __version__,
     }

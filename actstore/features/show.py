@@ -28,7 +28,15 @@ def _values(store: Reader, ex: int, layer: int, encoder: Encoder | None, feature
     return np.asarray(enc.encode(x, np.asarray([feature]))[:, 0])
 
 
-def text_html(store: Reader, ex: int, layer: int, *, encoder: Encoder | None = None, feature: int | None = None, tokenizer: str | None = None) -> str:
+def text_html(
+    store: Reader,
+    ex: int,
+    layer: int,
+    *,
+    encoder: Encoder | None = None,
+    feature: int | None = None,
+    tokenizer: str | None = None,
+) -> str:
     """An HTML page of example `ex`'s tokens, each coloured by its value (orange positive,
     blue negative, one scale: the largest magnitude), the value on hover."""
     tok = context.load_tokenizer(store, tokenizer)
@@ -41,15 +49,29 @@ def text_html(store: Reader, ex: int, layer: int, *, encoder: Encoder | None = N
     for t, a in zip(context.token_texts(tok, ids), v):
         a = float(a)
         rgb = "255,110,0" if a >= 0 else "30,110,255"
-        spans.append(f'<span style="background: rgba({rgb},{abs(a) / scale:.2f})" title="{a:.4g}">{html.escape(t)}</span>')
+        spans.append(
+            f'<span style="background: rgba({rgb},{abs(a) / scale:.2f})" title="{a:.4g}">{html.escape(t)}</span>'
+        )
     what = "token L2 norm" if feature is None else f"{'dimension' if encoder is None else 'feature'} {feature}"
-    return ('<!doctype html><html lang="en"><head><meta charset="utf-8"><title>example {ex}</title></head>'
-            '<body style="font-family: sans-serif">'
-            f"<h1>Example {ex}, layer {layer}</h1><p>{html.escape(what)}; scale &plusmn;{scale:.4g}</p>"
-            '<p style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">' + "".join(spans) + "</p></body></html>\n")
+    return (
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>example {ex}</title></head>'
+        '<body style="font-family: sans-serif">'
+        f"<h1>Example {ex}, layer {layer}</h1><p>{html.escape(what)}; scale &plusmn;{scale:.4g}</p>"
+        '<p style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">'
+        + "".join(spans)
+        + "</p></body></html>\n"
+    )
 
 
-def images_png(store: Reader, exs: list[int], layer: int, out: str | os.PathLike, *, encoder: Encoder | None = None, feature: int | None = None) -> Path:
+def images_png(
+    store: Reader,
+    exs: list[int],
+    layer: int,
+    out: str | os.PathLike,
+    *,
+    encoder: Encoder | None = None,
+    feature: int | None = None,
+) -> Path:
     """Several ViT examples side by side, their per-patch values (a feature, or the norm) on
     one colour scale [min, max] over all of them, with a colour bar."""
     from PIL import Image, ImageDraw

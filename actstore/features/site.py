@@ -49,13 +49,18 @@ def histogram_svg(counts: np.ndarray, edges: list[float]) -> str:
     for i, v in enumerate(c):
         h = 0 if v == 0 else max(1.0, (np.log1p(v) / np.log1p(c.max())) * (HIST_H - 20))
         left = "0" if lo + i == 0 else f"{edges[lo + i - 1]:.3g}"
-        bars.append(f'<rect x="{i * w:.1f}" y="{HIST_H - 15 - h:.1f}" width="{max(w - 1, 1):.1f}" height="{h:.1f}" fill="#e8740c">'
-                    f"<title>[{left}, ...): {int(v)}</title></rect>")
+        bars.append(
+            f'<rect x="{i * w:.1f}" y="{HIST_H - 15 - h:.1f}" width="{max(w - 1, 1):.1f}" height="{h:.1f}" fill="#e8740c">'
+            f"<title>[{left}, ...): {int(v)}</title></rect>"
+        )
     first = "0" if lo == 0 else f"{edges[lo - 1]:.3g}"
     last = f"{edges[min(hi - 1, len(edges) - 1)]:.3g}"
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{HIST_W}" height="{HIST_H}" role="img" aria-label="histogram">'
-            + "".join(bars) + f'<text x="0" y="{HIST_H - 2}" font-size="10">{first}</text>'
-            f'<text x="{HIST_W}" y="{HIST_H - 2}" font-size="10" text-anchor="end">{last}</text></svg>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{HIST_W}" height="{HIST_H}" role="img" aria-label="histogram">'
+        + "".join(bars)
+        + f'<text x="0" y="{HIST_H - 2}" font-size="10">{first}</text>'
+        f'<text x="{HIST_W}" y="{HIST_H - 2}" font-size="10" text-anchor="end">{last}</text></svg>'
+    )
 
 
 def _spans(rec: dict[str, Any], vmax: float) -> list[dict[str, Any]]:
@@ -73,9 +78,18 @@ def _columns(table: Any) -> dict[str, np.ndarray]:
     return {n: table.column(n).to_numpy(zero_copy_only=False) for n in table.column_names}
 
 
-def build_site(src: str, out: str | os.PathLike, *, store: ReaderLike | None = None, encoder: Encoder | None = None, tokenizer: str | None = None,
-               unembedding: str | None = None, window: tuple[int, int] = context.DEFAULT_WINDOW, plot_examples: int = 200,
-               progress: bool = False) -> Path:
+def build_site(
+    src: str,
+    out: str | os.PathLike,
+    *,
+    store: ReaderLike | None = None,
+    encoder: Encoder | None = None,
+    tokenizer: str | None = None,
+    unembedding: str | None = None,
+    window: tuple[int, int] = context.DEFAULT_WINDOW,
+    plot_examples: int = 200,
+    progress: bool = False,
+) -> Path:
     """Render the site of feature-pass output `src` into folder `out`; returns index.html.
 
     Args:
@@ -122,13 +136,28 @@ def build_site(src: str, out: str | os.PathLike, *, store: ReaderLike | None = N
         for i in by_feature_iv.get(f, []):
             key = int(ivs["interval"][i])
             if not intervals or intervals[-1]["key"] != key:
-                intervals.append({"key": key, "lo": float(ivs["lo"][i]), "hi": float(ivs["hi"][i]), "exact": bool(ivs["exact"][i]), "rows": []})
+                intervals.append(
+                    {
+                        "key": key,
+                        "lo": float(ivs["lo"][i]),
+                        "hi": float(ivs["hi"][i]),
+                        "exact": bool(ivs["exact"][i]),
+                        "rows": [],
+                    }
+                )
             intervals[-1]["rows"].append(ctx_iv[i])
         prev_f = int(feats["feature"][j - 1]) if j else None
         next_f = int(feats["feature"][j + 1]) if j + 1 < n_f else None
-        html = page.render(title=title, f=fd, prev_f=prev_f, next_f=next_f, top=tops, intervals=intervals,
-                           histogram=histogram_svg(np.asarray(feats["histogram"][j]), meta["histogram_edges"]),
-                           logits=logits_of(f) if logits_of else None)
+        html = page.render(
+            title=title,
+            f=fd,
+            prev_f=prev_f,
+            next_f=next_f,
+            top=tops,
+            intervals=intervals,
+            histogram=histogram_svg(np.asarray(feats["histogram"][j]), meta["histogram_edges"]),
+            logits=logits_of(f) if logits_of else None,
+        )
         _put(out / "f" / f"{f}.html", html)
         first = tops[0] if tops else {}
         text = "".join(first.get("tokens", [])) if first.get("tokens") else ""
@@ -148,7 +177,11 @@ def write_index(out: Path, rows: list[list[Any]], meta: dict[str, Any], *, title
     (out / "data").mkdir(parents=True, exist_ok=True)
     _put(out / "data" / "index.js", "window.ACTSTORE_FEATURES = " + json.dumps(rows, separators=(",", ":")) + ";\n")
     _put(out / "style.css", (Path(__file__).with_name("templates") / "base.css").read_text())
-    index = _env().get_template("index.html").render(title=title, meta=meta | {"k": meta["options"]["k"]}, per_page=PER_PAGE, plots=plots)
+    index = (
+        _env()
+        .get_template("index.html")
+        .render(title=title, meta=meta | {"k": meta["options"]["k"]}, per_page=PER_PAGE, plots=plots)
+    )
     _put(out / "index.html", index)
     return out / "index.html"
 
@@ -160,11 +193,17 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
     e = meta["encoder"]
     if e["kind"] == "neurons":
         return sources.load(neurons_d_model=int(store.d_model))
-    loaders = {"saelens": sources.load_saelens, "saev": sources.load_saev, "dictionary_learning": sources.load_dictionary_learning,
-               "directions": lambda p: sources.load_directions(p, e.get("bias"))}
+    loaders = {
+        "saelens": sources.load_saelens,
+        "saev": sources.load_saev,
+        "dictionary_learning": sources.load_dictionary_learning,
+        "directions": lambda p: sources.load_directions(p, e.get("bias")),
+    }
     enc = loaders[e["kind"]](e["path"])
     if enc.source.get("sha256") != e.get("sha256"):
-        raise FeatureError(f"{e['path']} changed since the pass (sha256 {enc.source.get('sha256')}, meta.json has {e.get('sha256')}): rerun `actstore features`")
+        raise FeatureError(
+            f"{e['path']} changed since the pass (sha256 {enc.source.get('sha256')}, meta.json has {e.get('sha256')}): rerun `actstore features`"
+        )
     return enc
 
 
@@ -184,8 +223,17 @@ def _group(col: np.ndarray) -> dict[int, list[int]]:
     return out
 
 
-def _contexts(store: Reader, layer: int, enc: Encoder, rows: dict[str, np.ndarray], tok: Any, window: tuple[int, int], out: Path,
-              feats: dict[str, np.ndarray], tag: str) -> list[dict[str, Any]]:
+def _contexts(
+    store: Reader,
+    layer: int,
+    enc: Encoder,
+    rows: dict[str, np.ndarray],
+    tok: Any,
+    window: tuple[int, int],
+    out: Path,
+    feats: dict[str, np.ndarray],
+    tag: str,
+) -> list[dict[str, Any]]:
     """The context record of every row: token spans (text) or a heatmap file (ViT)."""
     vmax = dict(zip(feats["feature"].tolist(), feats["max"].tolist()))
     if tok is not None:
@@ -199,8 +247,16 @@ def _contexts(store: Reader, layer: int, enc: Encoder, rows: dict[str, np.ndarra
         f, ex = int(rows["feature"][i]), int(rows["example"][i])
         name = f"img/{tag}{f}-{i}.png"
         width = heatmap_png(store, layer, enc, f, ex, out / name, vmax=vmax[f])
-        recs.append({"feature": f, "example": ex, "token": int(rows["token"][i]), "activation": float(rows["activation"][i]),
-                     "image": name, "width": width})
+        recs.append(
+            {
+                "feature": f,
+                "example": ex,
+                "token": int(rows["token"][i]),
+                "activation": float(rows["activation"][i]),
+                "image": name,
+                "width": width,
+            }
+        )
     return recs
 
 

@@ -32,7 +32,12 @@ from actstore.features.encoders import Encoder
 from actstore.errors import EncoderError
 
 SAELENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
-SAELENS_NORMALIZE = {"none": "none", "expected_average_only_in": "none", "constant_norm_rescale": "constant_norm_rescale", "layer_norm": "layer_norm"}
+SAELENS_NORMALIZE = {
+    "none": "none",
+    "expected_average_only_in": "none",
+    "constant_norm_rescale": "constant_norm_rescale",
+    "layer_norm": "layer_norm",
+}
 DL_CLASSES = ("AutoEncoder", "JumpReluAutoEncoder", "AutoEncoderTopK", "BatchTopKSAE")
 MAX_HEADER_BYTES = 1 << 20  # a saev checkpoint's JSON header line
 
@@ -71,8 +76,12 @@ def _safetensors(path: Path) -> dict[str, np.ndarray]:
 
                 return {k: v.float().numpy() for k, v in load_torch(str(path)).items()}
             except ImportError:
-                raise EncoderError(f"{path} holds bfloat16 tensors: reading them needs torch (pip install 'actstore[torch]')") from None
-        raise EncoderError(f"{path} is not a readable safetensors file ({first}); re-save it with safetensors") from None
+                raise EncoderError(
+                    f"{path} holds bfloat16 tensors: reading them needs torch (pip install 'actstore[torch]')"
+                ) from None
+        raise EncoderError(
+            f"{path} is not a readable safetensors file ({first}); re-save it with safetensors"
+        ) from None
 
 
 def _need(d: dict[str, Any], names: tuple[str, ...], where: Path) -> None:
@@ -86,18 +95,24 @@ def load_saelens(folder: str | Path) -> Encoder:
     folder = Path(folder)
     cfg_path, w_path = folder / "cfg.json", folder / "sae_weights.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
-        raise EncoderError(f"{folder} is not an SAELens checkpoint: it needs cfg.json and sae_weights.safetensors "
-                           f"(found {sorted(p.name for p in folder.iterdir()) if folder.is_dir() else 'no folder'})")
+        raise EncoderError(
+            f"{folder} is not an SAELens checkpoint: it needs cfg.json and sae_weights.safetensors "
+            f"(found {sorted(p.name for p in folder.iterdir()) if folder.is_dir() else 'no folder'})"
+        )
     try:
         cfg = json.loads(cfg_path.read_text())
     except (ValueError, UnicodeDecodeError) as e:
         raise EncoderError(f"{cfg_path} is not JSON: {e}") from None
     arch = cfg.get("architecture", "standard")
     if arch not in SAELENS_ARCHITECTURES:
-        raise EncoderError(f"SAELens architecture must be one of {list(SAELENS_ARCHITECTURES)}. Got {arch!r} in {cfg_path}.")
+        raise EncoderError(
+            f"SAELens architecture must be one of {list(SAELENS_ARCHITECTURES)}. Got {arch!r} in {cfg_path}."
+        )
     norm = cfg.get("normalize_activations", "none")
     if norm not in SAELENS_NORMALIZE:
-        raise EncoderError(f"normalize_activations must be one of {list(SAELENS_NORMALIZE)} to encode here. Got {norm!r} in {cfg_path}.")
+        raise EncoderError(
+            f"normalize_activations must be one of {list(SAELENS_NORMALIZE)} to encode here. Got {norm!r} in {cfg_path}."
+        )
     w = _safetensors(w_path)
     _need(w, ("W_enc", "b_enc", "W_dec", "b_dec"), w_path)
     W = _f32(w["W_enc"], "W_enc")
@@ -112,17 +127,25 @@ def load_saelens(folder: str | Path) -> Encoder:
         elif "log_threshold" in w:
             thr = np.exp(_f32(w["log_threshold"], "log_threshold"))
         else:
-            raise EncoderError(f"{w_path}: a jumprelu SAE needs a threshold (or log_threshold) tensor; it holds {sorted(w)}")
+            raise EncoderError(
+                f"{w_path}: a jumprelu SAE needs a threshold (or log_threshold) tensor; it holds {sorted(w)}"
+            )
         kw = {"activation": "jumprelu", "threshold": thr}
     elif arch == "topk":
         kw = {"activation": "topk", "k": int(cfg.get("k", 0))}
         if cfg.get("rescale_acts_by_decoder_norm"):
             kw["post_scale"] = np.linalg.norm(W_dec, axis=1).astype(np.float32)
     return Encoder(
-        kind="saelens", d_in=d_in, n_features=F, W=W, b=_f32(w["b_enc"], "b_enc"),
+        kind="saelens",
+        d_in=d_in,
+        n_features=F,
+        W=W,
+        b=_f32(w["b_enc"], "b_enc"),
         b_pre=_f32(w["b_dec"], "b_dec") if cfg.get("apply_b_dec_to_input", True) else None,
-        normalize=SAELENS_NORMALIZE[norm], W_dec=W_dec,
-        source={"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, w_path), "architecture": arch}, **kw,
+        normalize=SAELENS_NORMALIZE[norm],
+        W_dec=W_dec,
+        source={"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, w_path), "architecture": arch},
+        **kw,
     )
 
 
@@ -170,8 +193,16 @@ def load_saev(path: str | Path) -> Encoder:
         kw = {"activation": "jumprelu", "threshold": np.float32(max(thr, 0.0))}
     else:
         raise EncoderError(f"saev activation must be Relu, TopK or BatchTopK. Got {name!r} in {path}.")
-    return Encoder(kind="saev", d_in=W.shape[0], n_features=W.shape[1], W=W, b=_f32(state["b_enc"], "b_enc"),
-                   W_dec=_f32(state["W_dec"], "W_dec"), source={"path": str(path.resolve()), "sha256": sha256_of(path), "architecture": name}, **kw)
+    return Encoder(
+        kind="saev",
+        d_in=W.shape[0],
+        n_features=W.shape[1],
+        W=W,
+        b=_f32(state["b_enc"], "b_enc"),
+        W_dec=_f32(state["W_dec"], "W_dec"),
+        source={"path": str(path.resolve()), "sha256": sha256_of(path), "architecture": name},
+        **kw,
+    )
 
 
 def load_dictionary_learning(path: str | Path) -> Encoder:
@@ -180,20 +211,33 @@ def load_dictionary_learning(path: str | Path) -> Encoder:
     folder = path if path.is_dir() else path.parent
     ae, cfg_path = (folder / "ae.pt", folder / "config.json") if path.is_dir() else (path, folder / "config.json")
     if not ae.is_file() or not cfg_path.is_file():
-        raise EncoderError(f"{path} is not a dictionary_learning checkpoint: it needs ae.pt and config.json in {folder}")
+        raise EncoderError(
+            f"{path} is not a dictionary_learning checkpoint: it needs ae.pt and config.json in {folder}"
+        )
     try:
         dict_class = json.loads(cfg_path.read_text())["trainer"]["dict_class"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise EncoderError(f"{cfg_path} lacks trainer.dict_class (dictionary_learning writes it)") from None
     if dict_class not in DL_CLASSES:
-        raise EncoderError(f"dictionary_learning dict_class must be one of {list(DL_CLASSES)}. Got {dict_class!r} in {cfg_path}.")
+        raise EncoderError(
+            f"dictionary_learning dict_class must be one of {list(DL_CLASSES)}. Got {dict_class!r} in {cfg_path}."
+        )
     s = _torch_state(ae)
     src = {"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, ae), "architecture": dict_class}
     if dict_class == "JumpReluAutoEncoder":
         _need(s, ("W_enc", "b_enc", "W_dec", "b_dec", "threshold"), ae)
         W = _f32(s["W_enc"], "W_enc")
-        return Encoder(kind="dictionary_learning", d_in=W.shape[0], n_features=W.shape[1], W=W, b=_f32(s["b_enc"], "b_enc"),
-                       activation="jumprelu", threshold=_f32(s["threshold"], "threshold"), W_dec=_f32(s["W_dec"], "W_dec"), source=src)
+        return Encoder(
+            kind="dictionary_learning",
+            d_in=W.shape[0],
+            n_features=W.shape[1],
+            W=W,
+            b=_f32(s["b_enc"], "b_enc"),
+            activation="jumprelu",
+            threshold=_f32(s["threshold"], "threshold"),
+            W_dec=_f32(s["W_dec"], "W_dec"),
+            source=src,
+        )
     bias = "bias" if dict_class == "AutoEncoder" else "b_dec"
     _need(s, ("encoder.weight", "encoder.bias", "decoder.weight", bias), ae)
     W = _f32(s["encoder.weight"], "encoder.weight").T.copy()  # nn.Linear keeps (F, d_in)
@@ -202,8 +246,17 @@ def load_dictionary_learning(path: str | Path) -> Encoder:
         kw = {"activation": "topk", "k": int(s["k"]) if "k" in s else 0}
     elif dict_class == "BatchTopKSAE":  # encode's default use_threshold=True
         kw = {"activation": "jumprelu", "threshold": np.float32(float(s.get("threshold", -1.0)))}
-    return Encoder(kind="dictionary_learning", d_in=W.shape[0], n_features=W.shape[1], W=W, b=_f32(s["encoder.bias"], "encoder.bias"),
-                   b_pre=_f32(s[bias], bias), W_dec=_f32(s["decoder.weight"], "decoder.weight").T.copy(), source=src, **kw)
+    return Encoder(
+        kind="dictionary_learning",
+        d_in=W.shape[0],
+        n_features=W.shape[1],
+        W=W,
+        b=_f32(s["encoder.bias"], "encoder.bias"),
+        b_pre=_f32(s[bias], bias),
+        W_dec=_f32(s["decoder.weight"], "decoder.weight").T.copy(),
+        source=src,
+        **kw,
+    )
 
 
 def load_directions(path: str | Path, bias: str | Path | None = None) -> Encoder:
@@ -234,20 +287,48 @@ def load_directions(path: str | Path, bias: str | Path | None = None) -> Encoder
     if b is not None:
         b = _f32(b, "the bias").reshape(-1)
         if b.shape != (W.shape[1],):
-            raise EncoderError(f"the bias has {b.size} values but the directions matrix {W.shape} has F={W.shape[1]} columns")
+            raise EncoderError(
+                f"the bias has {b.size} values but the directions matrix {W.shape} has F={W.shape[1]} columns"
+            )
     files = [path] + ([Path(bias)] if bias is not None else [])
-    return Encoder(kind="directions", d_in=W.shape[0], n_features=W.shape[1], W=W, b=b, W_dec=W.T.copy(),
-                   source={"path": str(path.resolve()), "sha256": sha256_of(*files)})
+    return Encoder(
+        kind="directions",
+        d_in=W.shape[0],
+        n_features=W.shape[1],
+        W=W,
+        b=b,
+        W_dec=W.T.copy(),
+        source={"path": str(path.resolve()), "sha256": sha256_of(*files)},
+    )
 
 
-def load(*, neurons_d_model: int | None = None, sae: str | Path | None = None, saev: str | Path | None = None,
-         dictionary: str | Path | None = None, directions: str | Path | None = None, bias: str | Path | None = None) -> Encoder:
+def load(
+    *,
+    neurons_d_model: int | None = None,
+    sae: str | Path | None = None,
+    saev: str | Path | None = None,
+    dictionary: str | Path | None = None,
+    directions: str | Path | None = None,
+    bias: str | Path | None = None,
+) -> Encoder:
     """The one encoder that exactly one of the keyword arguments names."""
     from actstore.features.encoders import neurons
 
-    given = [k for k, v in (("neurons", neurons_d_model), ("sae", sae), ("saev", saev), ("dictionary", dictionary), ("directions", directions)) if v is not None]
+    given = [
+        k
+        for k, v in (
+            ("neurons", neurons_d_model),
+            ("sae", sae),
+            ("saev", saev),
+            ("dictionary", dictionary),
+            ("directions", directions),
+        )
+        if v is not None
+    ]
     if len(given) != 1:
-        raise EncoderError(f"name exactly one direction source (--neurons, --sae, --saev, --dictionary or --directions); got {given or 'none'}")
+        raise EncoderError(
+            f"name exactly one direction source (--neurons, --sae, --saev, --dictionary or --directions); got {given or 'none'}"
+        )
     if neurons_d_model is not None:
         return neurons(neurons_d_model)
     if sae is not None:

@@ -54,7 +54,11 @@ def _parquet(columns: dict[str, np.ndarray]) -> bytes:
     for name, col in columns.items():
         if name == "histogram":  # (F, bins) -> list<int64> per row, from flat buffers
             flat = pa.array(np.ascontiguousarray(col).reshape(-1))
-            arrays[name] = pa.FixedSizeListArray.from_arrays(flat, col.shape[1]) if len(col) else pa.array([], pa.list_(pa.int64(), col.shape[1]))
+            arrays[name] = (
+                pa.FixedSizeListArray.from_arrays(flat, col.shape[1])
+                if len(col)
+                else pa.array([], pa.list_(pa.int64(), col.shape[1]))
+            )
         else:
             arrays[name] = pa.array(col)
     buf = io.BytesIO()
@@ -68,8 +72,13 @@ def write_tables(tables: FeatureTables, out: str | Storage, meta: dict[str, Any]
     storage.delete(META) if storage.exists(META) else None  # an old meta.json must not vouch for new tables mid-write
     for name, cols in ((TOP, tables.top), (FEATURES, tables.features), (INTERVALS, tables.intervals)):
         storage.put(name, _parquet(cols))
-    full = {"format": FORMAT, **meta, "histogram_edges": [float(x) for x in tables.hist_edges],
-            "n_features": int(len(tables.features["feature"])), "n_tokens": int(tables.features["n_tokens"][0]) if len(tables.features["n_tokens"]) else 0}
+    full = {
+        "format": FORMAT,
+        **meta,
+        "histogram_edges": [float(x) for x in tables.hist_edges],
+        "n_features": int(len(tables.features["feature"])),
+        "n_tokens": int(tables.features["n_tokens"][0]) if len(tables.features["n_tokens"]) else 0,
+    }
     storage.put(META, json.dumps(full, indent=1).encode())
     return full
 
@@ -77,7 +86,9 @@ def write_tables(tables: FeatureTables, out: str | Storage, meta: dict[str, Any]
 def read_meta(src: str | Storage) -> dict[str, Any]:
     storage = open_storage(src)
     if not storage.exists(META):
-        raise FeatureError(f"{storage.url} holds no {META}: it is not the output of `actstore features` (or that run did not finish)")
+        raise FeatureError(
+            f"{storage.url} holds no {META}: it is not the output of `actstore features` (or that run did not finish)"
+        )
     meta = json.loads(storage.get(META))
     if meta.get("format") != FORMAT:
         raise FeatureError(f"{storage.url}/{META}: format must be {FORMAT!r}. Got {meta.get('format')!r}.")

@@ -80,9 +80,20 @@ def parse_features(spec: str | Sequence[int] | None, n_features: int) -> np.ndar
 
 
 def top_activations(
-    store: ReaderLike, layer: Any, encoder: Encoder, *, k: int = 20, features: str | Sequence[int] | None = None,
-    segments: Sequence[str] | str | None = None, keep_special: bool = False, n_intervals: int = 5, per_interval: int = 5,
-    pool: int | None = None, seed: int = 0, batch_elements: int = DEFAULT_BATCH_ELEMENTS, device: str | None = "auto",
+    store: ReaderLike,
+    layer: Any,
+    encoder: Encoder,
+    *,
+    k: int = 20,
+    features: str | Sequence[int] | None = None,
+    segments: Sequence[str] | str | None = None,
+    keep_special: bool = False,
+    n_intervals: int = 5,
+    per_interval: int = 5,
+    pool: int | None = None,
+    seed: int = 0,
+    batch_elements: int = DEFAULT_BATCH_ELEMENTS,
+    device: str | None = "auto",
     progress: bool | Callable[[int], Any] = False,
 ) -> FeatureTables:
     """Top-k activations, statistics and interval samples of many features, in one pass.
@@ -107,7 +118,9 @@ def top_activations(
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
         raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
     if not (isinstance(n_intervals, int) and n_intervals >= 1 and isinstance(per_interval, int) and per_interval >= 0):
-        raise FeatureError(f"intervals need n_intervals >= 1 and per_interval >= 0. Got {n_intervals!r}, {per_interval!r}.")
+        raise FeatureError(
+            f"intervals need n_intervals >= 1 and per_interval >= 0. Got {n_intervals!r}, {per_interval!r}."
+        )
     store = as_reader(store)
     layer = store.layer_number(layer)
     if int(layer) not in [int(x) for x in store.layers]:
@@ -123,14 +136,18 @@ def top_activations(
     names = [segments] if isinstance(segments, str) else list(segments or all_geo)
     unknown = [x for x in names if x not in all_geo]
     if unknown or not names:
-        raise SegmentNotFoundError(f"segments {unknown or names} are not in this store; it has segments {list(all_geo)}")
+        raise SegmentNotFoundError(
+            f"segments {unknown or names} are not in this store; it has segments {list(all_geo)}"
+        )
     segs = [g for x, g in all_geo.items() if x in names]  # store order: order keys increase along the pass
     # the loaders' "content" mask: keep token label 0 (text stores with labels), unless keep_special
     use_mask = leaves_out_special(store) and not keep_special
     masks = [np.asarray(store.field(s.name + spec.TOKEN_LABELS_SUFFIX)) == 0 if use_mask else None for s in segs]
     lens = {name: np.asarray(store.field(name + spec.LEN_SUFFIX), np.int64) for name in all_geo}
     names = list(all_geo)
-    before = {s.name: sum((lens[o] for o in names[: names.index(s.name)]), np.zeros(len(store), np.int64)) for s in segs}  # token offset of each segment
+    before = {
+        s.name: sum((lens[o] for o in names[: names.index(s.name)]), np.zeros(len(store), np.int64)) for s in segs
+    }  # token offset of each segment
     dtype = np.dtype(spec.ACT_DTYPES[store.dtype])
     d = int(store.d_model)
     n_ex = len(store)
@@ -152,7 +169,9 @@ def top_activations(
                 keep = arange[:n] if masks[si] is None else np.flatnonzero(masks[si][e, :n])
                 if not len(keep):
                     continue
-                rows = bufs[e, s.name][:n] if masks[si] is None else bufs[e, s.name][keep]  # a view, or a copy of the kept tokens
+                rows = (
+                    bufs[e, s.name][:n] if masks[si] is None else bufs[e, s.name][keep]
+                )  # a view, or a copy of the kept tokens
                 pending_x.append(bf16_bits_to_f32(rows) if store.dtype == "bfloat16" else rows)
                 pending_o.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
                 n_pending += len(keep)
@@ -179,8 +198,15 @@ def _pick_device(device: str | None) -> str | None:
     return "cpu" if importlib.util.find_spec("torch") is not None else None
 
 
-def _flush(acc: FeatureAccumulator, encoder: Encoder, ids: np.ndarray | None, xs: list[np.ndarray], os_: list[np.ndarray], n: int,
-           device: str | None) -> int:
+def _flush(
+    acc: FeatureAccumulator,
+    encoder: Encoder,
+    ids: np.ndarray | None,
+    xs: list[np.ndarray],
+    os_: list[np.ndarray],
+    n: int,
+    device: str | None,
+) -> int:
     """Encode the first n pending tokens (all if fewer) and feed them; returns what remains."""
     x = np.concatenate(xs) if len(xs) > 1 else xs[0]
     o = np.concatenate(os_) if len(os_) > 1 else os_[0]
@@ -209,13 +235,24 @@ def _tables(acc: FeatureAccumulator, ids: np.ndarray, n_intervals: int, per_inte
     filled = acc.top_val > 0
     r, c = np.nonzero(filled)
     ex, tok = split_order(acc.top_ord[r, c])
-    top = {"feature": ids[r].astype(np.int32), "rank": c.astype(np.int32), "example": ex.astype(np.int64),
-           "token": tok, "activation": acc.top_val[r, c].astype(np.float32)}
+    top = {
+        "feature": ids[r].astype(np.int32),
+        "rank": c.astype(np.int32),
+        "example": ex.astype(np.int64),
+        "token": tok,
+        "activation": acc.top_val[r, c].astype(np.float32),
+    }
     n_tok = max(acc.n_tokens, 1)
     mean = np.divide(acc.sum_pos, acc.n_pos, out=np.zeros(len(ids)), where=acc.n_pos > 0)
-    feats = {"feature": ids.astype(np.int32), "max": np.where(np.isfinite(acc.max), acc.max, 0).astype(np.float32),
-             "density": (acc.n_pos / n_tok).astype(np.float64), "mean_active": mean.astype(np.float32),
-             "n_active": acc.n_pos.copy(), "n_tokens": np.full(len(ids), acc.n_tokens, np.int64), "histogram": acc.hist}
+    feats = {
+        "feature": ids.astype(np.int32),
+        "max": np.where(np.isfinite(acc.max), acc.max, 0).astype(np.float32),
+        "density": (acc.n_pos / n_tok).astype(np.float64),
+        "mean_active": mean.astype(np.float32),
+        "n_active": acc.n_pos.copy(),
+        "n_tokens": np.full(len(ids), acc.n_tokens, np.int64),
+        "histogram": acc.hist,
+    }
     return FeatureTables(top=top, features=feats, intervals=_intervals(acc, ids, n_intervals, per_interval))
 
 
@@ -245,7 +282,9 @@ def _intervals(acc: FeatureAccumulator, ids: np.ndarray, n_int: int, per: int) -
     m = np.where(np.isfinite(acc.max) & (acc.max > 0), acc.max, 0).astype(np.float64)
     pool_all = acc.n_pos <= M
     kth = acc.top_val[:, -1]
-    out: dict[str, list[np.ndarray]] = {n: [] for n in ("feature", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")}
+    out: dict[str, list[np.ndarray]] = {
+        n: [] for n in ("feature", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")
+    }
     for i in range(n_int):
         lo, hi = m * i / n_int, m * (i + 1) / n_int
         inside = valid & (vals > lo[:, None]) & (vals <= hi[:, None]) & (acc.n_pos > 0)[:, None]
@@ -258,11 +297,29 @@ def _intervals(acc: FeatureAccumulator, ids: np.ndarray, n_int: int, per: int) -
         r, j = np.nonzero(ok)
         cols = take[r, j]
         ex, tok = split_order(ords[r, cols])
-        for name, col in (("feature", ids[r]), ("interval", np.full(len(r), i)), ("lo", lo[r]), ("hi", hi[r]), ("sample", j), ("example", ex),
-                          ("token", tok), ("activation", vals[r, cols]), ("exact", exact[r])):
+        for name, col in (
+            ("feature", ids[r]),
+            ("interval", np.full(len(r), i)),
+            ("lo", lo[r]),
+            ("hi", hi[r]),
+            ("sample", j),
+            ("example", ex),
+            ("token", tok),
+            ("activation", vals[r, cols]),
+            ("exact", exact[r]),
+        ):
             out[name].append(col)
-    types = {"feature": np.int32, "interval": np.int32, "lo": np.float32, "hi": np.float32, "sample": np.int32, "example": np.int64,
-             "token": np.int32, "activation": np.float32, "exact": bool}
+    types = {
+        "feature": np.int32,
+        "interval": np.int32,
+        "lo": np.float32,
+        "hi": np.float32,
+        "sample": np.int32,
+        "example": np.int64,
+        "token": np.int32,
+        "activation": np.float32,
+        "exact": bool,
+    }
     cat = {n: np.concatenate(out[n]).astype(types[n]) if out[n] else np.zeros(0, types[n]) for n in out}
     order = np.lexsort((cat["sample"], cat["interval"], cat["feature"]))
     return {n: a[order] for n, a in cat.items()}

@@ -31,14 +31,22 @@ def _weights(enc: Any, dev: Any) -> dict[str, Any]:
     w = _CACHE.get(key)
     if w is None or w["enc"] is not enc:
         t = lambda a: None if a is None else torch.as_tensor(np.asarray(a, np.float32), device=dev)  # noqa: E731
-        w = {"enc": enc, "W": t(enc.W), "b": t(enc.b), "b_pre": t(enc.b_pre), "post": t(enc.post_scale),
-             "thr": t(enc.threshold) if enc.threshold is not None else None}
+        w = {
+            "enc": enc,
+            "W": t(enc.W),
+            "b": t(enc.b),
+            "b_pre": t(enc.b_pre),
+            "post": t(enc.post_scale),
+            "thr": t(enc.threshold) if enc.threshold is not None else None,
+        }
         _CACHE.clear()  # one encoder's weights on the device at a time
         _CACHE[key] = w
     return w
 
 
-def encode_torch(enc: Any, x: np.ndarray, features: np.ndarray | None, device: str, layer_norm_eps: float) -> np.ndarray:
+def encode_torch(
+    enc: Any, x: np.ndarray, features: np.ndarray | None, device: str, layer_norm_eps: float
+) -> np.ndarray:
     """(n, d_in) -> (F', n) float32 feature-major values of Encoder `enc`, computed with torch on `device`."""
     import torch
 

@@ -19,8 +19,9 @@ from actstore.importers.driver import ImportReport, ImportSourceError, ImportVer
 from actstore.importers.saelens import SaelensDatasetError, SaelensSource
 
 
-def import_activault(src: Any, store: str | os.PathLike, *, hook: str | None = None, layer: int | None = None,
-                     **kwargs: Any) -> ImportReport:
+def import_activault(
+    src: Any, store: str | os.PathLike, *, hook: str | None = None, layer: int | None = None, **kwargs: Any
+) -> ImportReport:
     """Import one hook of an Activault run (local folder or `s3://` URL) into `store`.
 
     Args:
@@ -33,8 +34,9 @@ def import_activault(src: Any, store: str | os.PathLike, *, hook: str | None = N
     return run_import(ActivaultSource(src, hook=hook, layer=layer), store, **kwargs)
 
 
-def import_saelens(src: Any, store: str | os.PathLike, *, hook_name: str | None = None, layer: int | None = None,
-                   **kwargs: Any) -> ImportReport:
+def import_saelens(
+    src: Any, store: str | os.PathLike, *, hook_name: str | None = None, layer: int | None = None, **kwargs: Any
+) -> ImportReport:
     """Import a SAELens cached-activations folder (local or an object-store URL) into `store`.
 
     Args:
@@ -47,8 +49,14 @@ def import_saelens(src: Any, store: str | os.PathLike, *, hook_name: str | None 
     return run_import(SaelensSource(src, hook_name=hook_name, layer=layer), store, **kwargs)
 
 
-def import_dictionary_learning(src: Any, store: str | os.PathLike, *, tokens_per_example: int | None = None,
-                               layer: int | None = None, **kwargs: Any) -> ImportReport:
+def import_dictionary_learning(
+    src: Any,
+    store: str | os.PathLike,
+    *,
+    tokens_per_example: int | None = None,
+    layer: int | None = None,
+    **kwargs: Any,
+) -> ImportReport:
     """Import one submodule folder of a dictionary_learning activation cache into `store`.
 
     Args:
@@ -58,9 +66,22 @@ def import_dictionary_learning(src: Any, store: str | os.PathLike, *, tokens_per
         layer: the store's layer number (default: the last number in the folder's name).
         **kwargs: run_import's options (workers, progress, commit_bytes, zarr_format).
     """
-    return run_import(DictionaryLearningSource(src, tokens_per_example=tokens_per_example, layer=layer), store, **kwargs)
+    return run_import(
+        DictionaryLearningSource(src, tokens_per_example=tokens_per_example, layer=layer), store, **kwargs
+    )
 
 
-__all__ = ["ActivaultFormatError", "ActivaultSource", "DictionaryLearningCacheError", "DictionaryLearningSource",
-           "import_dictionary_learning", "ImportReport", "ImportSourceError", "ImportVerifyError",
-           "SaelensDatasetError", "SaelensSource", "import_activault", "import_saelens"]
+__all__ = [
+    "ActivaultFormatError",
+    "ActivaultSource",
+    "DictionaryLearningCacheError",
+    "DictionaryLearningSource",
+    "import_dictionary_learning",
+    "ImportReport",
+    "ImportSourceError",
+    "ImportVerifyError",
+    "SaelensDatasetError",
+    "SaelensSource",
+    "import_activault",
+    "import_saelens",
+]

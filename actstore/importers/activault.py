@@ -45,8 +45,6 @@ SLACK_BYTES = 1 << 20  # torch.save's zip headers and pickle, beyond the tensors
 BATCH_BYTES = 64 * 2**20  # activation bytes appended per batch
 
 
-
-
 class ActivaultSource:
     """One hook folder of an Activault run (local or an object-store URL).
 
@@ -65,9 +63,18 @@ class ActivaultSource:
         self.storage, self.url = storage, storage.url.rstrip("/")
         entries = {e.key: e.size for e in storage.list("") if "/" not in e.key}
         if METADATA not in entries:
-            hooks = sorted({e.key.split("/")[0] for e in storage.list("") if e.key.endswith("/" + METADATA) and e.key.count("/") == 1})
-            hint = (f"it is a run folder: pass --hook NAME, one of {hooks}" if hooks else
-                    "pass one hook's folder {run}/{hook} (holding metadata.json and .saved.pt megabatches), or the run folder with --hook NAME")
+            hooks = sorted(
+                {
+                    e.key.split("/")[0]
+                    for e in storage.list("")
+                    if e.key.endswith("/" + METADATA) and e.key.count("/") == 1
+                }
+            )
+            hint = (
+                f"it is a run folder: pass --hook NAME, one of {hooks}"
+                if hooks
+                else "pass one hook's folder {run}/{hook} (holding metadata.json and .saved.pt megabatches), or the run folder with --hook NAME"
+            )
             raise ActivaultFormatError(f"{self.url} has no {METADATA}: {hint}")
         self.hook = self.url.rsplit("/", 1)[-1]
         self.meta = _parse_metadata(_json(storage, METADATA, self.url), f"{self.url}/{METADATA}")
@@ -82,8 +89,15 @@ class ActivaultSource:
             nums = re.findall(r"\d+", self.hook)
             layer = int(nums[-1]) if nums else 0
         self.geometry = Geometry(
-            layers=[int(layer)], d_model=D, tokens=T, dtype=dtype, token_ids=True,
-            attrs={"activault": {"hook": self.hook, "metadata": m, "statistics": stats}, "hook_names": {str(int(layer)): self.hook}},
+            layers=[int(layer)],
+            d_model=D,
+            tokens=T,
+            dtype=dtype,
+            token_ids=True,
+            attrs={
+                "activault": {"hook": self.hook, "metadata": m, "statistics": stats},
+                "hook_names": {str(int(layer)): self.hook},
+            },
         )
 
     def _part(self, key: str, size: int) -> Part:
@@ -91,7 +105,9 @@ class ActivaultSource:
         where = f"{self.url}/{key}"
         want = self.meta.get("bytes_per_file")
         if want is not None and size != want:
-            raise ActivaultFormatError(f"{where} has {size} bytes; {METADATA} says bytes_per_file {want} (truncated or replaced?)")
+            raise ActivaultFormatError(
+                f"{where} has {size} bytes; {METADATA} says bytes_per_file {want} (truncated or replaced?)"
+            )
         low = self.states_bytes + self.n_per_file * self.meta["sequence_length"] * 4  # input ids: int32 at least
         high = self.states_bytes + self.n_per_file * self.meta["sequence_length"] * 8 + SLACK_BYTES
         if not low <= size <= high:
@@ -129,7 +145,9 @@ class ActivaultSource:
         except KeyNotFound:
             raise ActivaultFormatError(f"{where} disappeared while importing") from None
         except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-            raise ActivaultFormatError(f"{where} cannot be read by torch.load: truncated or damaged ({type(e).__name__}: {e})") from None
+            raise ActivaultFormatError(
+                f"{where} cannot be read by torch.load: truncated or damaged ({type(e).__name__}: {e})"
+            ) from None
 
 
 def part_size(part: Part) -> int:
@@ -159,9 +177,13 @@ def _parse_metadata(md: Any, where: str) -> dict[str, Any]:
         raise ActivaultFormatError(f"{where}: dtype must be one of {list(DTYPES)}. Got {md.get('dtype')!r}.")
     b, t, d = md["batch_size"], md["sequence_length"], md["d_in"]
     if "shape" in md and md["shape"] != [b, t, d]:
-        raise ActivaultFormatError(f"{where}: shape {md['shape']!r} disagrees with batch_size, sequence_length, d_in = {[b, t, d]}")
+        raise ActivaultFormatError(
+            f"{where}: shape {md['shape']!r} disagrees with batch_size, sequence_length, d_in = {[b, t, d]}"
+        )
     if "input_ids_shape" in md and md["input_ids_shape"] != [b, t]:
-        raise ActivaultFormatError(f"{where}: input_ids_shape {md['input_ids_shape']!r} disagrees with batch_size, sequence_length = {[b, t]}")
+        raise ActivaultFormatError(
+            f"{where}: input_ids_shape {md['input_ids_shape']!r} disagrees with batch_size, sequence_length = {[b, t]}"
+        )
     bpf = md.get("bytes_per_file")
     if bpf is not None and (isinstance(bpf, bool) or not isinstance(bpf, int) or bpf < 1):
         raise ActivaultFormatError(f"{where}: bytes_per_file must be a positive int. Got {bpf!r}.")
@@ -178,11 +200,20 @@ def _check_megabatch(obj: Any, where: str, md: dict[str, Any], n: int) -> tuple[
     T, D = md["sequence_length"], md["d_in"]
     if not isinstance(states, torch.Tensor) or tuple(states.shape) != (n, T, D) or str(states.dtype) != md["dtype"]:
         desc = f"{states.dtype} {tuple(states.shape)}" if isinstance(states, torch.Tensor) else type(states).__name__
-        raise ActivaultFormatError(f"{where}: states is {desc}; {METADATA} says {md['dtype']} {(n, T, D)} "
-                                   "(batch_size * batches_per_file, sequence_length, d_in)")
-    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (n, T) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ActivaultFormatError(
+            f"{where}: states is {desc}; {METADATA} says {md['dtype']} {(n, T, D)} "
+            "(batch_size * batches_per_file, sequence_length, d_in)"
+        )
+    if (
+        not isinstance(ids, torch.Tensor)
+        or tuple(ids.shape) != (n, T)
+        or ids.dtype.is_floating_point
+        or ids.dtype == torch.bool
+    ):
         desc = f"{ids.dtype} {tuple(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise ActivaultFormatError(f"{where}: input_ids is {desc}; {METADATA} says integers of shape {(n, T)}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= 2**31):
-        raise ActivaultFormatError(f"{where}: input_ids hold {int(ids.min())}..{int(ids.max())}; vocabulary ids are 0..2**31-1")
+        raise ActivaultFormatError(
+            f"{where}: input_ids hold {int(ids.min())}..{int(ids.max())}; vocabulary ids are 0..2**31-1"
+        )
     return states, ids

@@ -37,8 +37,6 @@ CONFIG = "config.json"
 BATCH_TOKENS = 1 << 16  # tokens appended per batch (a window of the memory map)
 
 
-
-
 class DictionaryLearningSource:
     """One submodule folder of a dictionary_learning activation cache (a local folder).
 
@@ -53,14 +51,18 @@ class DictionaryLearningSource:
     def __init__(self, src: Any, *, tokens_per_example: int | None = None, layer: int | None = None):
         storage = open_storage(src)
         if storage.local_root is None:
-            raise DictionaryLearningCacheError(f"{storage.url}: dictionary_learning caches are memory-mapped local files; "
-                                               "copy the folder to a local disk first")
+            raise DictionaryLearningCacheError(
+                f"{storage.url}: dictionary_learning caches are memory-mapped local files; "
+                "copy the folder to a local disk first"
+            )
         self.storage, self.url, self.root = storage, storage.url.rstrip("/"), storage.local_root
         self.config = cfg = self._json(CONFIG)
         for k in ("d_model", "context_len", "shard_count", "total_size"):
             v = cfg.get(k) if isinstance(cfg, dict) else None
             if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (k in ("d_model", "context_len") and v == 0):
-                raise DictionaryLearningCacheError(f"{self.url}/{CONFIG}: {k} must be a {'positive' if k in ('d_model', 'context_len') else 'non-negative'} int. Got {v!r}.")
+                raise DictionaryLearningCacheError(
+                    f"{self.url}/{CONFIG}: {k} must be a {'positive' if k in ('d_model', 'context_len') else 'non-negative'} int. Got {v!r}."
+                )
         self.d = cfg["d_model"]
         T = tokens_per_example or cfg["context_len"]
         if isinstance(T, bool) or not isinstance(T, int) or T < 1:
@@ -74,26 +76,49 @@ class DictionaryLearningSource:
             self.shapes.append(n)
             self.parts.append(Part(key=f"shard_{i}.memmap", n_examples=-(-n // T), fingerprint=f"{n * self.d * 4}"))
             i += 1
-        strays = sorted(x for x in names if re.fullmatch(r"shard_\d+\.(memmap|meta)", x) and int(re.findall(r"\d+", x)[0]) >= i)
+        strays = sorted(
+            x for x in names if re.fullmatch(r"shard_\d+\.(memmap|meta)", x) and int(re.findall(r"\d+", x)[0]) >= i
+        )
         if strays:
-            raise DictionaryLearningCacheError(f"{self.url} holds {strays} but no shard_{i}.memmap/.meta: a shard is missing")
+            raise DictionaryLearningCacheError(
+                f"{self.url} holds {strays} but no shard_{i}.memmap/.meta: a shard is missing"
+            )
         if i < cfg["shard_count"]:
-            raise DictionaryLearningCacheError(f"{self.url}/{CONFIG} says shard_count {cfg['shard_count']}, but only {i} shards are here")
+            raise DictionaryLearningCacheError(
+                f"{self.url}/{CONFIG} says shard_count {cfg['shard_count']}, but only {i} shards are here"
+            )
         if layer is None:
             nums = re.findall(r"\d+", self.url.rsplit("/", 1)[-1])
             layer = int(nums[-1]) if nums else 0
-        self.note = (f"{i - cfg['shard_count']} shard(s) beyond config.json's shard_count (collect's last shard, never counted)"
-                     if i > cfg["shard_count"] else None)
-        self.geometry = Geometry(layers=[int(layer)], d_model=self.d, tokens=T, dtype="float32", variable=True,
-                                 attrs={"dictionary_learning": {"config": cfg, "folder": self.url.rsplit("/", 1)[-1],
-                                                                "n_shards": i, "note": self.note}})
+        self.note = (
+            f"{i - cfg['shard_count']} shard(s) beyond config.json's shard_count (collect's last shard, never counted)"
+            if i > cfg["shard_count"]
+            else None
+        )
+        self.geometry = Geometry(
+            layers=[int(layer)],
+            d_model=self.d,
+            tokens=T,
+            dtype="float32",
+            variable=True,
+            attrs={
+                "dictionary_learning": {
+                    "config": cfg,
+                    "folder": self.url.rsplit("/", 1)[-1],
+                    "n_shards": i,
+                    "note": self.note,
+                }
+            },
+        )
 
     def _json(self, key: str) -> Any:
         try:
             raw = self.storage.get(key, max_bytes=1 << 20)
         except KeyNotFound:
-            raise DictionaryLearningCacheError(f"{self.url}/{key} is missing: pass one submodule's folder "
-                                               "{store_dir}/{submodule}_{io} of a dictionary_learning activation cache") from None
+            raise DictionaryLearningCacheError(
+                f"{self.url}/{key} is missing: pass one submodule's folder "
+                "{store_dir}/{submodule}_{io} of a dictionary_learning activation cache"
+            ) from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -106,12 +131,19 @@ class DictionaryLearningSource:
             if k not in names:
                 raise DictionaryLearningCacheError(f"{self.url}/{k} is missing (its pair is here)")
         shape = (self._json(meta) or {}).get("shape") if isinstance(self._json(meta), dict) else None
-        if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(x, int) and x >= 0 for x in shape)) or shape[1] != self.d:
-            raise DictionaryLearningCacheError(f"{self.url}/{meta}: shape {shape!r}; expected [n_tokens, {self.d}] (d_model of {CONFIG})")
+        if (
+            not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(x, int) and x >= 0 for x in shape))
+            or shape[1] != self.d
+        ):
+            raise DictionaryLearningCacheError(
+                f"{self.url}/{meta}: shape {shape!r}; expected [n_tokens, {self.d}] (d_model of {CONFIG})"
+            )
         size = (self.root / data).stat().st_size
         if size != shape[0] * self.d * 4:
-            raise DictionaryLearningCacheError(f"{self.url}/{data} has {size} bytes; {meta} says {shape[0]} x {self.d} float32 = "
-                                               f"{shape[0] * self.d * 4} bytes (truncated or replaced?)")
+            raise DictionaryLearningCacheError(
+                f"{self.url}/{data} has {size} bytes; {meta} says {shape[0]} x {self.d} float32 = "
+                f"{shape[0] * self.d * 4} bytes (truncated or replaced?)"
+            )
         return shape[0]
 
     def read(self, part: Part, start: int) -> Iterator[Examples]:

@@ -31,10 +31,6 @@ SEGMENT = "tokens"
 IMPORT_ATTR = "actstore_import"  # per shard: which source part it holds
 
 
-
-
-
-
 @dataclass(frozen=True, kw_only=True)
 class Geometry:
     """The store an import writes: one segment SEGMENT of `tokens` tokens (fixed, or up to
@@ -100,13 +96,22 @@ class ImportReport:
             setattr(self, what, getattr(self, what) + 1)
 
     def summary(self) -> str:
-        return (f"imported {self.kind} {self.source} -> {self.store}: {self.n_examples:,} examples, {self.n_tokens:,} tokens "
-                f"from {self.n_parts} parts ({self.n_written} written, {self.n_resumed} resumed, {self.n_skipped} already "
-                "imported); verified")
+        return (
+            f"imported {self.kind} {self.source} -> {self.store}: {self.n_examples:,} examples, {self.n_tokens:,} tokens "
+            f"from {self.n_parts} parts ({self.n_written} written, {self.n_resumed} resumed, {self.n_skipped} already "
+            "imported); verified"
+        )
 
 
-def run_import(source: Source, store: str | os.PathLike, *, workers: int = 2, progress: bool = True,
-               commit_bytes: int | None = None, zarr_format: int = 2) -> ImportReport:
+def run_import(
+    source: Source,
+    store: str | os.PathLike,
+    *,
+    workers: int = 2,
+    progress: bool = True,
+    commit_bytes: int | None = None,
+    zarr_format: int = 2,
+) -> ImportReport:
     """Write every part of `source` into `store` (parallel, resumable), finalize and verify it.
 
     Args:
@@ -128,6 +133,7 @@ def run_import(source: Source, store: str | os.PathLike, *, workers: int = 2, pr
     total = sum(p.n_examples or 0 for p in source.parts) or None
     probes: dict[int, int] = {}
     with bar(total=total, unit="ex", desc=f"import-{source.kind}", disable=not progress) as pbar:
+
         def one(i: int) -> None:
             probes[i] = _import_part(source, store, i, report, pbar.update, commit_bytes, zarr_format)
 
@@ -143,8 +149,15 @@ def run_import(source: Source, store: str | os.PathLike, *, workers: int = 2, pr
     return report
 
 
-def _import_part(source: Source, store: Any, i: int, report: ImportReport, update: Callable[[int], Any],
-                 commit_bytes: int | None, zarr_format: int) -> int | None:
+def _import_part(
+    source: Source,
+    store: Any,
+    i: int,
+    report: ImportReport,
+    update: Callable[[int], Any],
+    commit_bytes: int | None,
+    zarr_format: int,
+) -> int | None:
     """Part i -> shard i; returns the checksum of the part's first example (None when it
     was already imported, or is empty)."""
     from actstore.write import ShardWriter
@@ -156,11 +169,26 @@ def _import_part(source: Source, store: Any, i: int, report: ImportReport, updat
         update(part.n_examples or 0)
         return None
     kw = {"commit_bytes": commit_bytes} if commit_bytes else {}
-    attrs = {**g.attrs, IMPORT_ATTR: {"kind": source.kind, "source": source.url, "part": part.key, "fingerprint": part.fingerprint}}
+    attrs = {
+        **g.attrs,
+        IMPORT_ATTR: {"kind": source.kind, "source": source.url, "part": part.key, "fingerprint": part.fingerprint},
+    }
     shape = {"segments": {SEGMENT: g.tokens}} if g.variable else {"tokens": g.tokens}
-    w = ShardWriter(store, shard=i, layers=g.layers, d_model=g.d_model, **shape, dtype=g.dtype, token_ids=g.token_ids,
-                    token_labels=g.token_labels, model_id=g.model_id, attrs=attrs, resume=state == "partial",
-                    zarr_format=zarr_format, **kw)
+    w = ShardWriter(
+        store,
+        shard=i,
+        layers=g.layers,
+        d_model=g.d_model,
+        **shape,
+        dtype=g.dtype,
+        token_ids=g.token_ids,
+        token_labels=g.token_labels,
+        model_id=g.model_id,
+        attrs=attrs,
+        resume=state == "partial",
+        zarr_format=zarr_format,
+        **kw,
+    )
     probe = None
     with w:
         start = w.n_committed
@@ -175,7 +203,9 @@ def _import_part(source: Source, store: Any, i: int, report: ImportReport, updat
             w.append(b.acts, lengths=b.lengths, token_ids=b.token_ids, token_labels=b.token_labels)
             update(len(b.acts))
         if part.n_examples is not None and w.n_written != part.n_examples:
-            raise ImportSourceError(f"{source.url}/{part.key} gave {w.n_written} examples; its metadata says {part.n_examples}")
+            raise ImportSourceError(
+                f"{source.url}/{part.key} gave {w.n_written} examples; its metadata says {part.n_examples}"
+            )
     return probe
 
 
@@ -232,7 +262,9 @@ def _verify(source: Source, store: Any, probes: dict[int, int | None], report: I
                 x = np.ascontiguousarray(st[start, layer], dtype=np.float32)
                 crc = zlib.crc32(x.tobytes(), crc)
             if crc != probe:
-                raise ImportVerifyError(f"{store}: example {start} (the first of {part.key}) does not hold the bytes read from the source")
+                raise ImportVerifyError(
+                    f"{store}: example {start} (the first of {part.key}) does not hold the bytes read from the source"
+                )
         start += counts[i]
     report.n_examples = len(st)
     report.n_tokens = int(np.asarray(st.field(f"{SEGMENT}_len"), dtype=np.int64).sum())

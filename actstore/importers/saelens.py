@@ -37,8 +37,6 @@ READ_BYTES = 8 * 2**20  # range request size for object-store files
 BATCH_BYTES = 64 * 2**20  # activation bytes appended per batch
 
 
-
-
 class SaelensSource:
     """A `save_to_disk` folder of SAELens cached activations (local or an object-store URL).
 
@@ -60,30 +58,48 @@ class SaelensSource:
         hooks = [k for k, v in features.items() if isinstance(v, dict) and v.get("_type") == "Array2D"]
         if hook_name is None:
             if len(hooks) != 1:
-                raise SaelensDatasetError(f"{self.url}/{INFO} holds Array2D columns {hooks}: pass --hook-name, one of them")
+                raise SaelensDatasetError(
+                    f"{self.url}/{INFO} holds Array2D columns {hooks}: pass --hook-name, one of them"
+                )
             hook_name = hooks[0]
         elif hook_name not in hooks:
-            raise SaelensDatasetError(f"{self.url}/{INFO}: the dataset holds activations of {hooks}, not of {hook_name!r}; "
-                                      f"pass --hook-name {hooks[0] if hooks else 'NAME'} (SAELens caches one hook per folder)")
+            raise SaelensDatasetError(
+                f"{self.url}/{INFO}: the dataset holds activations of {hooks}, not of {hook_name!r}; "
+                f"pass --hook-name {hooks[0] if hooks else 'NAME'} (SAELens caches one hook per folder)"
+            )
         feat = features[hook_name]
         shape, dtype = feat.get("shape"), feat.get("dtype")
         if not (isinstance(shape, list) and len(shape) == 2 and all(isinstance(x, int) and x > 0 for x in shape)):
-            raise SaelensDatasetError(f"{self.url}/{INFO}: column {hook_name!r} has shape {shape!r}; expected [context_size, d_in]")
+            raise SaelensDatasetError(
+                f"{self.url}/{INFO}: column {hook_name!r} has shape {shape!r}; expected [context_size, d_in]"
+            )
         if dtype not in ("float32", "float16"):
-            raise SaelensDatasetError(f"{self.url}/{INFO}: column {hook_name!r} is {dtype!r}; import-saelens reads float32 or float16")
+            raise SaelensDatasetError(
+                f"{self.url}/{INFO}: column {hook_name!r} is {dtype!r}; import-saelens reads float32 or float16"
+            )
         self.hook, (self.C, self.D), self.dtype = hook_name, shape, dtype
         self.has_ids = "token_ids" in features
         files = state.get("_data_files") if isinstance(state, dict) else None
-        if not isinstance(files, list) or not files or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files):
-            raise SaelensDatasetError(f"{self.url}/{STATE}: _data_files must list the Arrow files ({{'filename': ...}}). Got {files!r}.")
+        if (
+            not isinstance(files, list)
+            or not files
+            or not all(isinstance(f, dict) and isinstance(f.get("filename"), str) for f in files)
+        ):
+            raise SaelensDatasetError(
+                f"{self.url}/{STATE}: _data_files must list the Arrow files ({{'filename': ...}}). Got {files!r}."
+            )
         names = [f["filename"] for f in files]
         bad = [n for n in names if "/" in n or n.startswith(".")]
         if bad:
-            raise SaelensDatasetError(f"{self.url}/{STATE} lists {bad}: data files must be plain names inside the folder")
+            raise SaelensDatasetError(
+                f"{self.url}/{STATE} lists {bad}: data files must be plain names inside the folder"
+            )
         sizes = {e.key: e.size for e in storage.list("") if "/" not in e.key}
         missing = [n for n in names if n not in sizes]
         if missing:
-            raise SaelensDatasetError(f"{self.url}/{STATE} lists {missing}, which are not in the folder (it holds {sorted(sizes)})")
+            raise SaelensDatasetError(
+                f"{self.url}/{STATE} lists {missing}, which are not in the folder (it holds {sorted(sizes)})"
+            )
         self.parts = [Part(key=n, n_examples=self._count(n), fingerprint=str(sizes[n])) for n in names]
         config = self._json(CONFIG) if CONFIG in sizes else {}
         if isinstance(config, dict) and isinstance(config.get("files"), list):
@@ -95,11 +111,18 @@ class SaelensSource:
             m = re.search(r"(?:blocks|layers|layer|h)\.(\d+)", hook_name)
             layer = int(m.group(1)) if m else 0
         self.geometry = Geometry(
-            layers=[int(layer)], d_model=self.D, tokens=self.C, dtype=dtype, token_ids=self.ids_mode, token_labels=labels,
+            layers=[int(layer)],
+            d_model=self.D,
+            tokens=self.C,
+            dtype=dtype,
+            token_ids=self.ids_mode,
+            token_labels=labels,
             variable=self.has_ids,
             model_id=config.get("model_name") if isinstance(config, dict) else None,
-            attrs={"saelens": {"hook_name": hook_name, "context_size": self.C, "config": config or None},
-                   "hook_names": {str(int(layer)): hook_name}},
+            attrs={
+                "saelens": {"hook_name": hook_name, "context_size": self.C, "config": config or None},
+                "hook_names": {str(int(layer)): hook_name},
+            },
         )
 
     def _check_export(self, config: dict, names: list[str], sizes: dict[str, int]) -> None:
@@ -111,7 +134,9 @@ class SaelensSource:
         if self.storage.local_root is not None:
             rep = verify_saelens_folder(self.storage.local_root, raise_on_error=False)
             if rep.problems:
-                raise SaelensDatasetError(f"{self.url} does not match its export ({CONFIG}): " + "; ".join(rep.problems))
+                raise SaelensDatasetError(
+                    f"{self.url} does not match its export ({CONFIG}): " + "; ".join(rep.problems)
+                )
             return
         problems = []
         recorded = {r.get("name"): r.get("bytes") for r in config["files"] if isinstance(r, dict)}
@@ -127,8 +152,10 @@ class SaelensSource:
         try:
             raw = self.storage.get(key, max_bytes=MAX_JSON_BYTES)
         except KeyNotFound:
-            raise SaelensDatasetError(f"{where} is missing: {self.url} is not a datasets save_to_disk folder "
-                                      "(SAELens's cached activations hold state.json, dataset_info.json and data-*.arrow)") from None
+            raise SaelensDatasetError(
+                f"{where} is missing: {self.url} is not a datasets save_to_disk folder "
+                "(SAELens's cached activations hold state.json, dataset_info.json and data-*.arrow)"
+            ) from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -145,7 +172,9 @@ class SaelensSource:
                 src = pa.PythonFile(io.BufferedReader(_RangeFile(self.storage, key), READ_BYTES), mode="r")
             reader = pa.ipc.open_stream(src)
             if self.hook not in reader.schema.names:
-                raise SaelensDatasetError(f"{where} has columns {reader.schema.names}, not {self.hook!r}: it belongs to another dataset")
+                raise SaelensDatasetError(
+                    f"{where} has columns {reader.schema.names}, not {self.hook!r}: it belongs to another dataset"
+                )
             yield from reader
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
             if isinstance(e, SaelensDatasetError):
@@ -169,13 +198,17 @@ class SaelensSource:
         except (pa.ArrowInvalid, AttributeError) as e:
             raise SaelensDatasetError(f"{where}: column {self.hook!r} is not a list of lists of floats ({e})") from None
         if vals.size != r * C * D or vals.dtype != np.dtype(self.dtype):
-            raise SaelensDatasetError(f"{where}: a record batch of {r} rows holds {vals.size} {vals.dtype} values in {self.hook!r}; "
-                                      f"{INFO} says {r} x {C} x {D} {self.dtype}")
+            raise SaelensDatasetError(
+                f"{where}: a record batch of {r} rows holds {vals.size} {vals.dtype} values in {self.hook!r}; "
+                f"{INFO} says {r} x {C} x {D} {self.dtype}"
+            )
         ids = None
         if self.has_ids:
             ids = batch.column("token_ids").flatten().to_numpy(zero_copy_only=False)
             if ids.size != r * C:
-                raise SaelensDatasetError(f"{where}: token_ids of a {r}-row record batch hold {ids.size} values; expected {r} x {C}")
+                raise SaelensDatasetError(
+                    f"{where}: token_ids of a {r}-row record batch hold {ids.size} values; expected {r} x {C}"
+                )
             ids = ids.astype(np.int64).reshape(r, C)
         return vals.reshape(r, 1, C, D), ids
 
@@ -199,7 +232,9 @@ class SaelensSource:
             acts_all, ids_all = self._rows(b, where)
             step = max(1, BATCH_BYTES // (self.C * self.D * acts_all.itemsize))  # SAELens's record batches can be GBs
             for lo in range(max(0, start - row0), r, step):
-                yield self._examples(acts_all[lo : lo + step], None if ids_all is None else ids_all[lo : lo + step], where, row0 + lo)
+                yield self._examples(
+                    acts_all[lo : lo + step], None if ids_all is None else ids_all[lo : lo + step], where, row0 + lo
+                )
             row0 += r
 
     def _examples(self, acts: np.ndarray, ids: np.ndarray | None, where: str, first_row: int) -> Examples:
@@ -216,8 +251,10 @@ class SaelensSource:
                 bad = np.argwhere((ids < 0) & inside)
                 if len(bad):
                     i, t = (int(v) for v in bad[0])
-                    raise SaelensDatasetError(f"{where}: row {first_row + i}, token {t} has token id {int(ids[i, t])}: "
-                                              "real token ids are >= 0 (-1 only fills the end of a row)")
+                    raise SaelensDatasetError(
+                        f"{where}: row {first_row + i}, token {t} has token id {int(ids[i, t])}: "
+                        "real token ids are >= 0 (-1 only fills the end of a row)"
+                    )
                 ex.token_ids = np.where(inside, ids, 0)
             elif g.token_labels:
                 ex.token_labels = np.select([ids == SPECIAL, ids == TEMPLATE], [1, 2], 0).astype(np.uint8)

@@ -20,8 +20,18 @@ from actstore.layout.arrays import ArraySpec
 
 # The Zarr v3 data types the format uses, as numpy type codes (byte order from the codec).
 V3_TYPES = {
-    "bool": "b1", "int8": "i1", "int16": "i2", "int32": "i4", "int64": "i8", "uint8": "u1", "uint16": "u2",
-    "uint32": "u4", "uint64": "u8", "float16": "f2", "float32": "f4", "float64": "f8",
+    "bool": "b1",
+    "int8": "i1",
+    "int16": "i2",
+    "int32": "i4",
+    "int64": "i8",
+    "uint8": "u1",
+    "uint16": "u2",
+    "uint32": "u4",
+    "uint64": "u8",
+    "float16": "f2",
+    "float32": "f4",
+    "float64": "f8",
 }
 # Codecs that only transform the encoded bytes (compressors, checksums): allowed after
 # the `bytes` codec of a compressed activation array, never on per-sample arrays.
@@ -57,7 +67,12 @@ def declared_dtype(meta: dict[str, Any]) -> str:
 
 def _v3_endian(meta: dict[str, Any]) -> str:
     codecs = meta.get("codecs")
-    if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict) and codecs[0].get("name") == "sharding_indexed":
+    if (
+        isinstance(codecs, list)
+        and codecs
+        and isinstance(codecs[0], dict)
+        and codecs[0].get("name") == "sharding_indexed"
+    ):
         conf = codecs[0].get("configuration")
         codecs = conf.get("codecs") if isinstance(conf, dict) else None
     for c in codecs if isinstance(codecs, list) else []:
@@ -89,8 +104,11 @@ def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list
         return [f"shape {shape!r}; a shape is a list of non-negative ints"]
     tail = list(want.shape[1:])
     if len(shape) != 1 + len(tail) or shape[1:] != tail:
-        return [f"shape {shape}; the store config says (n, {', '.join(map(str, tail))})" if tail else
-                f"shape {shape}; the store config says (n,)"]
+        return [
+            f"shape {shape}; the store config says (n, {', '.join(map(str, tail))})"
+            if tail
+            else f"shape {shape}; the store config says (n,)"
+        ]
     if shape[0] < n:
         return [f"{shape[0]} examples; {n} are published"]
     try:
@@ -102,7 +120,9 @@ def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list
     if want.activations and chunks != list(want.chunks):
         c = chunks if isinstance(chunks, list) else []
         have = f"{c[2]} tokens" if len(c) == 4 and c[:2] == [1, 1] and c[3] == want.chunks[3] else f"shape {chunks}"
-        return [f"chunks of {have} of {np.dtype(dtype).name}; the store config says {want.chunks[2]} tokens of {want_dtype}"]
+        return [
+            f"chunks of {have} of {np.dtype(dtype).name}; the store config says {want.chunks[2]} tokens of {want_dtype}"
+        ]
     if dtype != want_dtype:
         return [f"dtype {dtype}; the store config says {want_dtype} (the byte order and width decide every value read)"]
     if chunks != list(want.chunks) and (want.legacy_chunks is None or chunks != list(want.legacy_chunks)):
@@ -130,7 +150,12 @@ def _chunk_shapes(meta: dict[str, Any], want: ArraySpec) -> tuple[Any, Any]:
     conf = grid.get("configuration") if isinstance(grid, dict) and grid.get("name") == "regular" else None
     outer = conf.get("chunk_shape") if isinstance(conf, dict) else None
     codecs = meta.get("codecs")
-    if isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict) and codecs[0].get("name") == "sharding_indexed":
+    if (
+        isinstance(codecs, list)
+        and len(codecs) == 1
+        and isinstance(codecs[0], dict)
+        and codecs[0].get("name") == "sharding_indexed"
+    ):
         sconf = codecs[0].get("configuration")
         return (sconf.get("chunk_shape") if isinstance(sconf, dict) else None), outer
     return outer, None
@@ -149,8 +174,14 @@ def _codec_problems(meta: dict[str, Any], want: ArraySpec) -> list[str]:
     storage transformers (format 3)."""
     if meta["zarr_format"] == 2:
         comp = meta.get("compressor")
-        if comp is not None and (not want.activations or not isinstance(comp, dict) or not isinstance(comp.get("id"), str)):
-            what = "actstore never compresses per-sample arrays" if not want.activations else "a compressor is an object with an id"
+        if comp is not None and (
+            not want.activations or not isinstance(comp, dict) or not isinstance(comp.get("id"), str)
+        ):
+            what = (
+                "actstore never compresses per-sample arrays"
+                if not want.activations
+                else "a compressor is an object with an id"
+            )
             return [f"compressor {comp!r}; {what}"]
         if meta.get("filters") not in (None, []):
             return [f"filters {meta.get('filters')!r}; actstore writes none (a filter changes every value read)"]
@@ -161,8 +192,14 @@ def _codec_problems(meta: dict[str, Any], want: ArraySpec) -> list[str]:
         return []
     enc = meta.get("chunk_key_encoding")
     conf = enc.get("configuration", {}) if isinstance(enc, dict) else None
-    if not isinstance(conf, dict) or enc.get("name") not in ("default", "v2") or conf.get("separator", "/") not in ("/", "."):
-        return [f"chunk_key_encoding {enc!r}; actstore writes {{'name': 'default', 'configuration': {{'separator': '/'}}}}"]
+    if (
+        not isinstance(conf, dict)
+        or enc.get("name") not in ("default", "v2")
+        or conf.get("separator", "/") not in ("/", ".")
+    ):
+        return [
+            f"chunk_key_encoding {enc!r}; actstore writes {{'name': 'default', 'configuration': {{'separator': '/'}}}}"
+        ]
     if meta.get("storage_transformers") not in (None, []):
         return [f"storage_transformers {meta.get('storage_transformers')!r}; actstore writes none"]
     codecs = meta.get("codecs")
@@ -170,15 +207,29 @@ def _codec_problems(meta: dict[str, Any], want: ArraySpec) -> list[str]:
         inner = (codecs[0].get("configuration") or {}).get("codecs") if _is_sharding(codecs) else None
         index = (codecs[0].get("configuration") or {}).get("index_codecs") if _is_sharding(codecs) else None
         if inner is None or _names(index) not in (["bytes"], ["bytes", "crc32c"]):
-            return [f"codecs {_names(codecs)}; the store config says Zarr shards (sharding_indexed, index codecs bytes + crc32c)"]
+            return [
+                f"codecs {_names(codecs)}; the store config says Zarr shards (sharding_indexed, index codecs bytes + crc32c)"
+            ]
         codecs = inner
     names = _names(codecs)
-    if not names or names[0] != "bytes" or (not want.activations and len(names) > 1) or any(n not in BYTES_CODECS for n in names[1:]):
+    if (
+        not names
+        or names[0] != "bytes"
+        or (not want.activations and len(names) > 1)
+        or any(n not in BYTES_CODECS for n in names[1:])
+    ):
         extra = " and compressors" if want.activations else ""
-        return [f"codecs {names}; actstore writes the bytes codec{extra} only (any other codec changes the values read)"]
+        return [
+            f"codecs {names}; actstore writes the bytes codec{extra} only (any other codec changes the values read)"
+        ]
     return []
 
 
 def _is_sharding(codecs: Any) -> bool:
-    return (isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict)
-            and codecs[0].get("name") == "sharding_indexed" and isinstance(codecs[0].get("configuration"), dict))
+    return (
+        isinstance(codecs, list)
+        and len(codecs) == 1
+        and isinstance(codecs[0], dict)
+        and codecs[0].get("name") == "sharding_indexed"
+        and isinstance(codecs[0].get("configuration"), dict)
+    )

@@ -36,20 +36,43 @@ def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
     out = []
     for seg in cfg.segments:
         t_pad = seg.n_chunks * seg.t_chunk
-        out.append(ArraySpec(
-            key=keys.acts_array(seg.name), shape=(0, L, seg.t_max, D), chunks=(1, 1, seg.t_chunk, D), dtype=cfg.zarr_dtype,
-            dims=(spec.EXAMPLE_DIM, spec.LAYER_DIM, spec.token_dim(seg.name), spec.D_MODEL_DIM),
-            shards=(cfg.shard_examples, L, t_pad, D) if cfg.shard_examples is not None else None,
-            attrs={"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name}, activations=True,
-        ))
+        out.append(
+            ArraySpec(
+                key=keys.acts_array(seg.name),
+                shape=(0, L, seg.t_max, D),
+                chunks=(1, 1, seg.t_chunk, D),
+                dtype=cfg.zarr_dtype,
+                dims=(spec.EXAMPLE_DIM, spec.LAYER_DIM, spec.token_dim(seg.name), spec.D_MODEL_DIM),
+                shards=(cfg.shard_examples, L, t_pad, D) if cfg.shard_examples is not None else None,
+                attrs={"actstore_dtype": cfg.dtype, "layers": list(cfg.layers), "segment": seg.name},
+                activations=True,
+            )
+        )
         out.append(per_sample(keys.len_array(seg.name), "<i4", (), (spec.EXAMPLE_DIM,)))
         if cfg.token_labels:
-            out.append(per_sample(keys.labels_array(seg.name), "|u1", (seg.t_max,), (spec.EXAMPLE_DIM, spec.token_dim(seg.name))))
+            out.append(
+                per_sample(
+                    keys.labels_array(seg.name), "|u1", (seg.t_max,), (spec.EXAMPLE_DIM, spec.token_dim(seg.name))
+                )
+            )
         if cfg.token_ids:
-            out.append(per_sample(keys.token_ids_array(seg.name), spec.TOKEN_ID_DTYPE, (seg.t_max,), (spec.EXAMPLE_DIM, spec.token_dim(seg.name))))
+            out.append(
+                per_sample(
+                    keys.token_ids_array(seg.name),
+                    spec.TOKEN_ID_DTYPE,
+                    (seg.t_max,),
+                    (spec.EXAMPLE_DIM, spec.token_dim(seg.name)),
+                )
+            )
     if cfg.zarr_format == 3:  # no stable fixed-length bytes type in Zarr v3: uint8 rows
-        out.append(per_sample(keys.field_array(spec.SAMPLE_KEY), "|u1", (spec.SAMPLE_KEY_BYTES,),
-                              (spec.EXAMPLE_DIM, spec.SAMPLE_KEY_BYTE_DIM)))
+        out.append(
+            per_sample(
+                keys.field_array(spec.SAMPLE_KEY),
+                "|u1",
+                (spec.SAMPLE_KEY_BYTES,),
+                (spec.EXAMPLE_DIM, spec.SAMPLE_KEY_BYTE_DIM),
+            )
+        )
     else:
         out.append(per_sample(keys.field_array(spec.SAMPLE_KEY), f"|S{spec.SAMPLE_KEY_BYTES}", (), (spec.EXAMPLE_DIM,)))
     for name, dt in cfg.fields.items():
@@ -71,9 +94,16 @@ def per_sample(key: str, dtype: str, tail: tuple[int, ...], dims: tuple[str, ...
         return max(1, min(spec.PER_SAMPLE_CHUNK, target // row_bytes))
 
     fill = b"" if np.dtype(dtype).kind == "S" else 0
-    return ArraySpec(key=key, shape=(0, *tail), chunks=(rows(spec.PER_SAMPLE_CHUNK_BYTES), *tail), dtype=dtype, dims=dims,
-                     fill_value=fill, attrs={spec.EVERY_CHUNK_ATTR: True},
-                     legacy_chunks=(rows(spec.LEGACY_PER_SAMPLE_CHUNK_BYTES), *tail))
+    return ArraySpec(
+        key=key,
+        shape=(0, *tail),
+        chunks=(rows(spec.PER_SAMPLE_CHUNK_BYTES), *tail),
+        dtype=dtype,
+        dims=dims,
+        fill_value=fill,
+        attrs={spec.EVERY_CHUNK_ATTR: True},
+        legacy_chunks=(rows(spec.LEGACY_PER_SAMPLE_CHUNK_BYTES), *tail),
+    )
 
 
 def every_chunk(attrs: dict[str, Any]) -> bool:
@@ -101,7 +131,9 @@ def decode_keys(arr: np.ndarray, where: str = "the sample_key array") -> list[st
     """The strings of a `sample_key` array's rows; a key that is not UTF-8 (damage) raises
     CorruptStoreError naming `where`."""
     if arr.dtype == np.uint8:
-        arr = arr.reshape(-1).view(f"S{spec.SAMPLE_KEY_BYTES}") if arr.size else np.zeros(0, f"S{spec.SAMPLE_KEY_BYTES}")
+        arr = (
+            arr.reshape(-1).view(f"S{spec.SAMPLE_KEY_BYTES}") if arr.size else np.zeros(0, f"S{spec.SAMPLE_KEY_BYTES}")
+        )
     try:
         return [k.decode("utf-8") for k in arr]
     except UnicodeDecodeError as e:

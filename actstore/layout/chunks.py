@@ -248,4 +248,8 @@ def _is_plain_bytes(codecs: list) -> bool:
 
 
 def _v3_dtype(name: Any) -> str | None:
-    return {"float16": "<f2", "float32": "<f4", "uint16": "<u2", "bfloat16": "<u2"}.get(name) if isinstance(name, str) else None
+    return (
+        {"float16": "<f2", "float32": "<f4", "uint16": "<u2", "bfloat16": "<u2"}.get(name)
+        if isinstance(name, str)
+        else None
+    )

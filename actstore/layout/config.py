@@ -107,7 +107,9 @@ class StoreConfig:
         segments = []
         for s in segs:
             if not isinstance(s, dict) or set(s) != {"name", *spec.SEGMENT_FIELDS}:
-                raise CorruptStoreError(f"bad segment entry {s!r}: expected keys name, {', '.join(spec.SEGMENT_FIELDS)}")
+                raise CorruptStoreError(
+                    f"bad segment entry {s!r}: expected keys name, {', '.join(spec.SEGMENT_FIELDS)}"
+                )
             segments.append(
                 SegmentSpec(
                     name=parse_segment_name(s["name"]),
@@ -135,7 +137,11 @@ class StoreConfig:
         """Fields (other than free-form attrs) in which two configs differ, described."""
         a, b = self.to_json(), other.to_json()
         names = [*spec.CONFIG_FIELDS, *spec.CONFIG_OPTIONAL_FIELDS]
-        return [f"{k}: store has {a.get(k, False)!r}, asked for {b.get(k, False)!r}" for k in names if k != "attrs" and a.get(k, False) != b.get(k, False)]
+        return [
+            f"{k}: store has {a.get(k, False)!r}, asked for {b.get(k, False)!r}"
+            for k in names
+            if k != "attrs" and a.get(k, False) != b.get(k, False)
+        ]
 
     def check_same_store(self, other: StoreConfig, where: str) -> None:
         diffs = self.differences(other)
@@ -231,12 +237,18 @@ def make_config(
             t_max = parse_positive_int(f"segment {name!r} length", t_max)
             tc = t_chunk.get(name) if isinstance(t_chunk, Mapping) else t_chunk
             tc = default_t_chunk(t_max, d_model, itemsize) if tc is None else parse_positive_int("t_chunk", tc)
-            specs.append(SegmentSpec(name=parse_segment_name(name), t_max=t_max, t_chunk=min(tc, t_max), fixed=tokens is not None))
+            specs.append(
+                SegmentSpec(
+                    name=parse_segment_name(name), t_max=t_max, t_chunk=min(tc, t_max), fixed=tokens is not None
+                )
+            )
         segments_specs = tuple(specs)
     if zarr_format not in spec.ZARR_FORMATS:
         raise ValueError(f"zarr_format must be one of {list(spec.ZARR_FORMATS)}. Got {zarr_format!r}.")
     if isinstance(shard_examples, str) and shard_examples == spec.SHARD_EXAMPLES_AUTO:
-        shard_examples = default_shard_examples(segments_specs, d_model, itemsize, len(layers_t)) if zarr_format == 3 else None
+        shard_examples = (
+            default_shard_examples(segments_specs, d_model, itemsize, len(layers_t)) if zarr_format == 3 else None
+        )
     if shard_examples is not None:
         shard_examples = parse_positive_int("shard_examples", shard_examples)
         if zarr_format != 3:
@@ -279,7 +291,7 @@ def _bool_field(d: dict, name: str) -> bool:
 def check_format_header(d: Any, where: str) -> None:
     """Refuse documents of another format or a newer version with a clear upgrade message."""
     if not isinstance(d, dict) or d.get("format") != spec.FORMAT_NAME:
-        raise CorruptStoreError(f"{where} is not an actstore document (missing \"format\": \"actstore\")")
+        raise CorruptStoreError(f'{where} is not an actstore document (missing "format": "actstore")')
     v = d.get("format_version")
     if type(v) is not int or v != spec.FORMAT_VERSION:  # exactly the JSON integer: not 1.0, "1" or true
         if type(v) is int and v > spec.FORMAT_VERSION:
@@ -287,4 +299,6 @@ def check_format_header(d: Any, where: str) -> None:
                 f"{where} uses actstore format version {v}, newer than this actstore reads "
                 f"(version {spec.FORMAT_VERSION}); upgrade actstore (pip install -U actstore)"
             )
-        raise FormatVersionError(f"{where} has unknown format_version {v!r}; this actstore reads version {spec.FORMAT_VERSION}")
+        raise FormatVersionError(
+            f"{where} has unknown format_version {v!r}; this actstore reads version {spec.FORMAT_VERSION}"
+        )

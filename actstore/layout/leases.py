@@ -41,11 +41,15 @@ def parse_lease(data: bytes, where: str) -> Lease:
     if not isinstance(rec, dict) or set(rec) != set(spec.LEASE_FIELDS):
         raise CorruptStoreError(f"{where}: a lease must have exactly the fields {list(spec.LEASE_FIELDS)}, got {rec!r}")
     ok = (
-        is_count(rec["shard"]) and is_count(rec["generation"]) and is_count(rec["pid"])
+        is_count(rec["shard"])
+        and is_count(rec["generation"])
+        and is_count(rec["pid"])
         and (rec["pid_start"] is None or is_count(rec["pid_start"]))
         and all(isinstance(rec[k], str) for k in ("token", "host", "started"))
-        and all(isinstance(rec[k], (int, float)) and not isinstance(rec[k], bool) and math.isfinite(rec[k]) and rec[k] >= 0
-                for k in ("renewed", "ttl"))
+        and all(
+            isinstance(rec[k], (int, float)) and not isinstance(rec[k], bool) and math.isfinite(rec[k]) and rec[k] >= 0
+            for k in ("renewed", "ttl")
+        )
     )
     if not ok:
         raise CorruptStoreError(f"{where}: a lease field has the wrong type: {rec!r}")

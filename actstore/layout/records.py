@@ -105,14 +105,18 @@ def parse_commit(data: bytes, where: str) -> Commit:
             raise CorruptStoreError(f"{where}: {k} must map names to non-negative ints, got {v!r}")
     sf = rec["stats_file"]
     if isinstance(sf, str) and (sf.startswith("/") or ".." in sf.split("/")):
-        raise UnsafePathError(f"path {sf!r} in the store's metadata points outside the shard ({where}); refusing to follow it")
+        raise UnsafePathError(
+            f"path {sf!r} in the store's metadata points outside the shard ({where}); refusing to follow it"
+        )
     if sf is not None and (not isinstance(sf, str) or not sf.startswith(spec.META_DIR + "/") or ".." in sf):
         raise CorruptStoreError(f"{where}: stats_file must be a file under {spec.META_DIR}/ or null, got {sf!r}")
     if not isinstance(rec["updated"], str):
         raise CorruptStoreError(f"{where}: updated must be a string, got {rec['updated']!r}")
     world = rec.get("world_size")
     if world is not None and not (is_count(world) and rec["shard"] < world <= spec.MAX_WORLD_SIZE):
-        raise CorruptStoreError(f"{where}: world_size must be an int in {rec['shard'] + 1}..{spec.MAX_WORLD_SIZE} (above the shard number), got {world!r}")
+        raise CorruptStoreError(
+            f"{where}: world_size must be an int in {rec['shard'] + 1}..{spec.MAX_WORLD_SIZE} (above the shard number), got {world!r}"
+        )
     return Commit(**{k: rec[k] for k in spec.COMMIT_FIELDS}, world_size=world)
 
 
@@ -159,8 +163,8 @@ def parse_blocks(data: bytes, n_blocks: int, where: str) -> list[Block]:
         )
         if not ok:
             raise CorruptStoreError(
-                f"{where}: block record {i} must be {{\"start\": int, \"stop\": int > start, \"crc32c\": "
-                f"{{segment: uint32}}, \"nbytes\": int[, \"per_sample_crc32c\": {{array: uint32}}]}}, got {str(b)[:200]}"
+                f'{where}: block record {i} must be {{"start": int, "stop": int > start, "crc32c": '
+                f'{{segment: uint32}}, "nbytes": int[, "per_sample_crc32c": {{array: uint32}}]}}, got {str(b)[:200]}'
             )
         out.append(Block(**b))
     return out
@@ -188,7 +192,9 @@ def block_problems(blocks: list[Block], n: int, cfg: StoreConfig | None = None) 
         if b.start != covered:
             return out + [(f"block record {i} starts at example {b.start}, expected {covered}", True)]
         if segments is not None and sorted(b.crc32c) != segments:
-            return out + [(f"block record {i} has checksums for segments {sorted(b.crc32c)}, expected {segments}", True)]
+            return out + [
+                (f"block record {i} has checksums for segments {sorted(b.crc32c)}, expected {segments}", True)
+            ]
         if cfg is not None and b.nbytes != (b.stop - b.start) * cfg.example_bytes():
             out.append((f"block record {i} claims {b.nbytes} bytes for {b.stop - b.start} examples", False))
         covered = b.stop
@@ -239,7 +245,9 @@ def parse_el_crcs(data: bytes, n: int, cfg: StoreConfig) -> np.ndarray | None:
 
 
 # ---- shard root attributes -------------------------------------------------------
-def shard_attrs(cfg: StoreConfig, *, shard: int, n: int, truncated: dict[str, int], created: str, version: str) -> dict[str, Any]:
+def shard_attrs(
+    cfg: StoreConfig, *, shard: int, n: int, truncated: dict[str, int], created: str, version: str
+) -> dict[str, Any]:
     """The root attributes of a writer shard's Zarr group (docs/format.md, section 4)."""
     seg_attrs = {
         s.name: {
@@ -391,32 +399,53 @@ def parse_manifest(data: bytes, where: str, root: str | None = None) -> Manifest
         if k != "truncation" and not all(is_count(c) for c in v.values()):
             raise CorruptStoreError(f"{where}: {k} must map segments to non-negative ints, got {v!r}")
     if not all(isinstance(t, dict) and is_count(t.get("count")) for t in doc["truncation"].values()):
-        raise CorruptStoreError(f"{where}: truncation must map segments to {{count, fraction}}, got {doc['truncation']!r}")
+        raise CorruptStoreError(
+            f"{where}: truncation must map segments to {{count, fraction}}, got {doc['truncation']!r}"
+        )
     if not isinstance(doc["created"], str) or not isinstance(doc["actstore_version"], str):
         raise CorruptStoreError(f"{where}: created and actstore_version must be strings")
     world = doc.get("world_size")
     if world is not None and not (is_count(world) and 0 < world <= spec.MAX_WORLD_SIZE):
         raise CorruptStoreError(f"{where}: world_size must be an int in 1..{spec.MAX_WORLD_SIZE}, got {world!r}")
     return Manifest(
-        config=cfg, n_examples=n_total, shards=tuple(entries), truncation=doc["truncation"],
-        nonfinite=doc["nonfinite"], overflow=doc["overflow"], stats=stats, created=doc["created"],
-        actstore_version=doc["actstore_version"], world_size=world, partial=_partial(doc.get("partial"), where),
+        config=cfg,
+        n_examples=n_total,
+        shards=tuple(entries),
+        truncation=doc["truncation"],
+        nonfinite=doc["nonfinite"],
+        overflow=doc["overflow"],
+        stats=stats,
+        created=doc["created"],
+        actstore_version=doc["actstore_version"],
+        world_size=world,
+        partial=_partial(doc.get("partial"), where),
     )
 
 
 def _partial(p: Any, where: str) -> Partial | None:
     if p is None:
         return None
-    if not isinstance(p, dict) or set(p) != set(spec.PARTIAL_FIELDS) or not all(
-        isinstance(v, list) and len(v) <= spec.MAX_WORLD_SIZE and all(is_count(r) and r <= spec.MAX_SHARD for r in v) for v in p.values()
+    if (
+        not isinstance(p, dict)
+        or set(p) != set(spec.PARTIAL_FIELDS)
+        or not all(
+            isinstance(v, list)
+            and len(v) <= spec.MAX_WORLD_SIZE
+            and all(is_count(r) and r <= spec.MAX_SHARD for r in v)
+            for v in p.values()
+        )
     ):
-        raise CorruptStoreError(f"{where}: partial must be {{{', '.join(spec.PARTIAL_FIELDS)}}} with lists of shard numbers, got {p!r}")
+        raise CorruptStoreError(
+            f"{where}: partial must be {{{', '.join(spec.PARTIAL_FIELDS)}}} with lists of shard numbers, got {p!r}"
+        )
     return Partial(**{k: tuple(p[k]) for k in spec.PARTIAL_FIELDS})
 
 
 def _shard_entry(s: Any, cfg: StoreConfig, where: str, start: int, seen: set[str]) -> ShardEntry:
     if not isinstance(s, dict) or set(s) != set(spec.MANIFEST_SHARD_FIELDS):
-        raise CorruptStoreError(f"{where}: shard entry {s!r} must have exactly the fields {list(spec.MANIFEST_SHARD_FIELDS)}")
+        raise CorruptStoreError(
+            f"{where}: shard entry {s!r} must have exactly the fields {list(spec.MANIFEST_SHARD_FIELDS)}"
+        )
     if not isinstance(s["name"], str) or keys.parse_shard_name(s["name"]) is None:
         raise CorruptStoreError(f"{where}: shard name {s['name']!r} is not of the form shard-NNNNN.zarr")
     for k in ("shard", "start", "n_examples", "n_blocks", "crc32c", "nbytes"):
@@ -430,6 +459,8 @@ def _shard_entry(s: Any, cfg: StoreConfig, where: str, start: int, seen: set[str
             f"{s['n_examples']} examples of this store take {s['n_examples'] * cfg.example_bytes()} bytes"
         )
     if s["start"] != start or s["name"] in seen:
-        raise CorruptStoreError(f"{where}: shard {s['name']} starts at {s['start']}, expected {start} (shards must tile the examples)")
+        raise CorruptStoreError(
+            f"{where}: shard {s['name']} starts at {s['start']}, expected {start} (shards must tile the examples)"
+        )
     seen.add(s["name"])
     return ShardEntry(**s)

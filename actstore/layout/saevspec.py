@@ -19,12 +19,13 @@ DEFAULT_PROTOCOL = "2.0"  # of make_plan; export_saev's default is "auto" (choos
 
 
 def choose_protocol(protocol: str | None, root: Any) -> str:
-    """"auto" (or None): 2.1, what saev's current loaders read, where they can read it (a
+    """ "auto" (or None): 2.1, what saev's current loaders read, where they can read it (a
     directory under .../saev/shards, the layout they require); else the seed's 2.0."""
     if protocol not in (None, "auto"):
         return protocol
     parts = tuple(str(root).rstrip("/").split("/")[-2:])
     return "2.1" if parts == SHARDS_ROOT_PARTS else "2.0"
+
 
 METADATA_FILE = "metadata.json"
 SHARDS_FILE = "shards.json"
@@ -48,12 +49,33 @@ SHARDS_ROOT_PARTS = ("saev", "shards")  # 2.1 directories must sit at .../saev/s
 # Field names in file order, per protocol.
 FIELDS = {
     "2.0": (
-        "family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model", "n_ex",
-        "patches_per_shard", "data", "dataset", "dtype", "protocol",
+        "family",
+        "ckpt",
+        "layers",
+        "patches_per_ex",
+        "cls_token",
+        "d_model",
+        "n_ex",
+        "patches_per_shard",
+        "data",
+        "dataset",
+        "dtype",
+        "protocol",
     ),
     "2.1": (
-        "family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model",
-        "n_examples", "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype", "protocol",
+        "family",
+        "ckpt",
+        "layers",
+        "content_tokens_per_example",
+        "cls_token",
+        "d_model",
+        "n_examples",
+        "max_tokens_per_shard",
+        "data",
+        "dataset",
+        "pixel_agg",
+        "dtype",
+        "protocol",
     ),
 }
 # The protocol's name for: content tokens per example, total examples, token budget per shard.

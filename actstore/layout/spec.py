@@ -59,6 +59,7 @@ def token_dim(segment: str) -> str:
     """
     return TOKEN_DIM if segment == DEFAULT_SEGMENT else f"{segment}_{TOKEN_DIM}"
 
+
 # Activation dtypes: the name users pass -> the Zarr dtype on disk.
 # bfloat16 has no numpy/Zarr v2 dtype: its 16 bits are stored as little-endian uint16
 # and the array attribute `actstore_dtype` says "bfloat16".

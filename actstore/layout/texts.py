@@ -16,7 +16,9 @@ def dump_line(i: int, sample_key: str, name: str, value: Any) -> bytes:
     """The line of text `name` of local example `i` (UTF-8, not ASCII-escaped, newline-ended,
     standard JSON). A value that is not JSON-serialisable (NaN and infinity included: they
     have no standard JSON form) raises TypeError or ValueError."""
-    return (json.dumps({INDEX: i, spec.SAMPLE_KEY: sample_key, name: value}, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+    return (
+        json.dumps({INDEX: i, spec.SAMPLE_KEY: sample_key, name: value}, ensure_ascii=False, allow_nan=False) + "\n"
+    ).encode("utf-8")
 
 
 def parse_line(line: bytes, where: str, name: str) -> tuple[Any, Any]:
@@ -25,5 +27,5 @@ def parse_line(line: bytes, where: str, name: str) -> tuple[Any, Any]:
     line's position."""
     rec = jsonio.loads(line, where, what="text line")
     if not isinstance(rec, dict) or INDEX not in rec or name not in rec:
-        raise CorruptStoreError(f"{where}: a line is not of the form {{\"{INDEX}\": int, ..., \"{name}\": value}}")
+        raise CorruptStoreError(f'{where}: a line is not of the form {{"{INDEX}": int, ..., "{name}": value}}')
     return rec[INDEX], rec[name]

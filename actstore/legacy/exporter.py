@@ -70,13 +70,19 @@ def export_pkl(
         raise ValueError(f"examples_per_shard must be a positive int. Got {examples_per_shard!r}.")
     st = ActStore(store)
     out = Path(out)
-    with export_os_errors(f"exporting {st.path} to pkl", out, "the same export-pkl command (it replaces the unfinished export)",
-                          left=f"{out} holds an unfinished export (no {METADATA_FILE}), which no reader takes for a complete one"):
+    with export_os_errors(
+        f"exporting {st.path} to pkl",
+        out,
+        "the same export-pkl command (it replaces the unfinished export)",
+        left=f"{out} holds an unfinished export (no {METADATA_FILE}), which no reader takes for a complete one",
+    ):
         _prepare_out(out, overwrite)
         return _export(st, store, out, examples_per_shard, compress, progress)
 
 
-def _export(st: Any, store: Any, out: Path, examples_per_shard: int, compress: bool, progress: Callable[[int], None] | None) -> ExportReport:
+def _export(
+    st: Any, store: Any, out: Path, examples_per_shard: int, compress: bool, progress: Callable[[int], None] | None
+) -> ExportReport:
     n, cfg = len(st), st.config
     ids = st.field("sample_idx").astype(np.int64) if "sample_idx" in cfg.fields else np.arange(n, dtype=np.int64)
     keys = st.field("sample_key") if n else []
@@ -90,8 +96,15 @@ def _export(st: Any, store: Any, out: Path, examples_per_shard: int, compress: b
             recs = []
             for ex in range(e0, e1):
                 a = np.asarray(st[ex, layer], dtype=np.float32)  # a copy in float32, as the format says
-                recs.append({"sample_idx": int(ids[ex]), "activation": a, "shape": tuple(a.shape),
-                             "text_preview": previews[ex], "metadata": metas[ex]})
+                recs.append(
+                    {
+                        "sample_idx": int(ids[ex]),
+                        "activation": a,
+                        "shape": tuple(a.shape),
+                        "text_preview": previews[ex],
+                        "metadata": metas[ex],
+                    }
+                )
             doc[f"layer_{layer}"] = recs
         data = pickle.dumps(doc, protocol=PICKLE_PROTOCOL)
         if compress:
@@ -99,11 +112,18 @@ def _export(st: Any, store: Any, out: Path, examples_per_shard: int, compress: b
         name = SHARD_NAME_FORMAT.format(k + 1) if compress else SHARD_NAME_FORMAT.format(k + 1)[: -len(".gz")]
         atomic_write_bytes(out / name, data)
         total += len(data)
-        shards.append({
-            "shard_id": k + 1, "filename": name, "size_bytes": len(data), "num_samples": e1 - e0,
-            "layers": list(cfg.layers), "sample_id_range": [int(ids[e0]), int(ids[e1 - 1])], "compressed": compress,
-            "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
-        })
+        shards.append(
+            {
+                "shard_id": k + 1,
+                "filename": name,
+                "size_bytes": len(data),
+                "num_samples": e1 - e0,
+                "layers": list(cfg.layers),
+                "sample_id_range": [int(ids[e0]), int(ids[e1 - 1])],
+                "compressed": compress,
+                "checksum": "sha256:" + hashlib.sha256(data).hexdigest(),
+            }
+        )
         if progress is not None:
             progress(e1 - e0)
     atomic_write_json(out / METADATA_FILE, _metadata_doc(st, shards, total))
@@ -116,10 +136,14 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
         return
     names = [p.name for p in out.iterdir()]
     if METADATA_FILE in names and not overwrite:
-        raise LegacyExportExistsError(f"{out} already holds a legacy export ({METADATA_FILE}); pass overwrite=True (--overwrite) to replace it")
+        raise LegacyExportExistsError(
+            f"{out} already holds a legacy export ({METADATA_FILE}); pass overwrite=True (--overwrite) to replace it"
+        )
     foreign = [x for x in names if x != METADATA_FILE and not _OUR_FILES.match(x)]
     if foreign:
-        raise LegacyExportExistsError(f"{out} holds files that an export did not write ({', '.join(sorted(foreign)[:5])}); export to a new or empty folder")
+        raise LegacyExportExistsError(
+            f"{out} holds files that an export did not write ({', '.join(sorted(foreign)[:5])}); export to a new or empty folder"
+        )
     for x in names:  # an interrupted (or replaced) export: metadata.json first, so it is never stale
         if x == METADATA_FILE:
             (out / x).unlink()
@@ -155,21 +179,31 @@ def _metadatas(st: Any, n: int, keys: Any) -> list[Any]:
 def _metadata_doc(st: Any, shards: list[dict[str, Any]], total: int) -> dict[str, Any]:
     cfg = st.config
     legacy = dict(cfg.attrs.get("legacy_pkl") or {})
-    extraction = dict(legacy.get("extraction_config") or {
-        "model_name": cfg.model_id,
-        "model_params": {"hidden_size": cfg.d_model},
-        "max_seq_length": cfg.t_total,
-    })
+    extraction = dict(
+        legacy.get("extraction_config")
+        or {
+            "model_name": cfg.model_id,
+            "model_params": {"hidden_size": cfg.d_model},
+            "max_seq_length": cfg.t_total,
+        }
+    )
     extraction["layers_extracted"] = list(cfg.layers)
     stats = dict(legacy.get("statistics") or {})
-    stats.update(total_shards=len(shards), total_samples=len(st), total_size_bytes=total, layers_extracted=list(cfg.layers))
+    stats.update(
+        total_shards=len(shards), total_samples=len(st), total_size_bytes=total, layers_extracted=list(cfg.layers)
+    )
     stats.setdefault("extraction_duration_seconds", 0.0)
     return {
         "version": "1.0",
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "extraction_config": extraction,
-        "distributed_config": legacy.get("distributed_config") or {
-            "machine_id": 0, "total_machines": 1, "multihost": False, "num_hosts": 1, "mesh_type": "1d",
+        "distributed_config": legacy.get("distributed_config")
+        or {
+            "machine_id": 0,
+            "total_machines": 1,
+            "multihost": False,
+            "num_hosts": 1,
+            "mesh_type": "1d",
         },
         "shards": shards,
         "statistics": stats,

@@ -102,7 +102,9 @@ def import_pkl(
         raise LegacyFormatError(
             f"{src / METADATA_FILE} has no extraction_config.max_seq_length; pass tokens=T (--tokens T), the longest activation"
         )
-    report = ImportReport(source=str(src), store=str(store), n_shards=len(md.shards), layers=list(md.layers), t_max=t_max, dtype=dtype)
+    report = ImportReport(
+        source=str(src), store=str(store), n_shards=len(md.shards), layers=list(md.layers), t_max=t_max, dtype=dtype
+    )
     seen: set[int] = set()
     d_model = md.hidden_size
     for i, info in enumerate(md.shards):
@@ -117,8 +119,14 @@ def import_pkl(
         if info.sha256 is None:
             report.warnings.append(f"{info.filename} lists no checksum: its integrity was not verified")
         bound = max_shard_bytes or _default_bound(info, md, t_max, d_model)
-        obj = load_shard_bytes(data, compressed=info.compressed, where=str(src / info.filename), max_bytes=bound, max_objects=max_objects,
-                               max_shares=len(md.layers) - 1)
+        obj = load_shard_bytes(
+            data,
+            compressed=info.compressed,
+            where=str(src / info.filename),
+            max_bytes=bound,
+            max_objects=max_objects,
+            max_shares=len(md.layers) - 1,
+        )
         del data
         examples = _shard_examples(obj, info, md.layers, t_max, d_model, str(src / info.filename))
         del obj
@@ -126,10 +134,14 @@ def import_pkl(
             d_model = examples[0][1].shape[2] if examples else None
         for sample_idx, _, _, _ in examples:
             if sample_idx in seen:
-                raise LegacyFormatError(f"{src / info.filename}: sample_idx {sample_idx} appears in more than one record; sample ids must be unique")
+                raise LegacyFormatError(
+                    f"{src / info.filename}: sample_idx {sample_idx} appears in more than one record; sample ids must be unique"
+                )
             seen.add(sample_idx)
         if d_model is None:
-            raise LegacyFormatError(f"{src / METADATA_FILE}: no hidden_size and the first shard is empty; cannot tell d_model")
+            raise LegacyFormatError(
+                f"{src / METADATA_FILE}: no hidden_size and the first shard is empty; cannot tell d_model"
+            )
         _write_shard(Path(store), i, examples, md, md_sha, d_model, t_max, dtype, overwrite=state == "partial")
         report.n_imported += 1
         report.n_examples += len(examples)
@@ -145,7 +157,9 @@ def _read_metadata(src: Path) -> tuple[LegacyMetadata, str]:
     try:
         raw = read_regular(path, error=LegacyFormatError, hint=_HINT, max_bytes=jsonio.MAX_JSON_BYTES)
     except FileNotFoundError:
-        raise LegacyFormatError(f"{src} has no {METADATA_FILE}: it is not a legacy pkl.gz activation directory") from None
+        raise LegacyFormatError(
+            f"{src} has no {METADATA_FILE}: it is not a legacy pkl.gz activation directory"
+        ) from None
     try:
         doc = jsonio.parse(raw)
     except ValueError as e:
@@ -165,7 +179,9 @@ def _read_shard_file(src: Path, info: LegacyShardInfo) -> bytes:
     except FileNotFoundError:
         raise LegacyFormatError(f"{path} is listed in {METADATA_FILE} but missing") from None
     if info.size_bytes is not None and len(data) != info.size_bytes:
-        raise LegacyFormatError(f"{path} has {len(data)} bytes; {METADATA_FILE} says {info.size_bytes} (truncated or replaced?)")
+        raise LegacyFormatError(
+            f"{path} has {len(data)} bytes; {METADATA_FILE} says {info.size_bytes} (truncated or replaced?)"
+        )
     if info.sha256 is not None:
         got = hashlib.sha256(data).hexdigest()
         if got != info.sha256:
@@ -181,18 +197,24 @@ def _default_bound(info: LegacyShardInfo, md: LegacyMetadata, t_max: int, d_mode
     return info.num_samples * len(md.layers) * (t_max * d * 8 + _RECORD_SLACK) + (1 << 20)
 
 
-def _shard_examples(obj: Any, info: LegacyShardInfo, layers: tuple[int, ...], t_max: int, d_model: int | None, where: str) -> list[tuple]:
+def _shard_examples(
+    obj: Any, info: LegacyShardInfo, layers: tuple[int, ...], t_max: int, d_model: int | None, where: str
+) -> list[tuple]:
     """[(sample_idx, acts (L, T_i, D), text_preview, metadata)] of one shard, validated."""
     if not isinstance(obj, dict):
         raise LegacyFormatError(f"{where} must hold a dict of layer_<idx> lists. Got {type(obj).__name__}.")
     keys = [f"layer_{l}" for l in layers]
     if set(obj) != set(keys):
-        raise LegacyFormatError(f"{where} holds keys {sorted(map(str, obj))}; metadata.json lists layers {list(layers)} ({keys})")
+        raise LegacyFormatError(
+            f"{where} holds keys {sorted(map(str, obj))}; metadata.json lists layers {list(layers)} ({keys})"
+        )
     lists = [obj[k] for k in keys]
     for k, items in zip(keys, lists):
         if not isinstance(items, list) or len(items) != info.num_samples:
             n = len(items) if isinstance(items, list) else type(items).__name__
-            raise LegacyFormatError(f"{where}: {k} holds {n} records; metadata.json says num_samples {info.num_samples}")
+            raise LegacyFormatError(
+                f"{where}: {k} holds {n} records; metadata.json says num_samples {info.num_samples}"
+            )
     out = []
     for j in range(info.num_samples):
         recs = [_record(items[j], f"{where}: {k}[{j}]", t_max, d_model) for k, items in zip(keys, lists)]
@@ -207,7 +229,9 @@ def _shard_examples(obj: Any, info: LegacyShardInfo, layers: tuple[int, ...], t_
     if info.sample_id_range is not None and out:
         ids = [e[0] for e in out]
         if (min(ids), max(ids)) != info.sample_id_range:
-            raise LegacyFormatError(f"{where}: sample ids span {min(ids)}..{max(ids)}; metadata.json says {list(info.sample_id_range)}")
+            raise LegacyFormatError(
+                f"{where}: sample ids span {min(ids)}..{max(ids)}; metadata.json says {list(info.sample_id_range)}"
+            )
     return out
 
 
@@ -224,7 +248,9 @@ def _record(r: Any, where: str, t_max: int, d_model: int | None) -> tuple[int, n
     if d_model is not None and a.shape[1] != d_model:
         raise LegacyFormatError(f"{where}: activation has hidden size {a.shape[1]}; metadata.json says {d_model}")
     if a.shape[0] > t_max:
-        raise LegacyFormatError(f"{where}: activation has {a.shape[0]} tokens, more than max_seq_length {t_max}; pass tokens=T (--tokens)")
+        raise LegacyFormatError(
+            f"{where}: activation has {a.shape[0]} tokens, more than max_seq_length {t_max}; pass tokens=T (--tokens)"
+        )
     shape = r.get("shape")
     if shape is not None and (not isinstance(shape, (tuple, list)) or tuple(shape) != a.shape):
         raise LegacyFormatError(f"{where}: shape field {shape!r} does not match the activation's shape {a.shape}")
@@ -234,7 +260,9 @@ def _record(r: Any, where: str, t_max: int, d_model: int | None) -> tuple[int, n
     try:
         meta = jsonio.parse(json.dumps(r.get("metadata"), default=_jsonable, allow_nan=False))
     except (TypeError, ValueError, RecursionError) as e:
-        raise LegacyFormatError(f"{where}: metadata is not standard JSON (kept as a text of the store) ({type(e).__name__}: {e})") from None
+        raise LegacyFormatError(
+            f"{where}: metadata is not standard JSON (kept as a text of the store) ({type(e).__name__}: {e})"
+        ) from None
     return int(idx), a, text, meta
 
 
@@ -301,13 +329,31 @@ def _imported_ids(root: Path, i: int, n: int) -> list[int]:
     return [int(x) for x in arr[:n]]
 
 
-def _write_shard(root: Path, i: int, examples: list[tuple], md: LegacyMetadata, md_sha: str, d_model: int,
-                 t_max: int, dtype: str, *, overwrite: bool) -> None:
+def _write_shard(
+    root: Path,
+    i: int,
+    examples: list[tuple],
+    md: LegacyMetadata,
+    md_sha: str,
+    d_model: int,
+    t_max: int,
+    dtype: str,
+    *,
+    overwrite: bool,
+) -> None:
     from actstore.write import ShardWriter
 
     with ShardWriter(
-        root, shard=i, layers=list(md.layers), d_model=d_model, segments={SEGMENT: t_max}, dtype=dtype,
-        fields={"sample_idx": "int64"}, texts=list(TEXTS), model_id=md.model_name, attrs=_store_attrs(md, md_sha),
+        root,
+        shard=i,
+        layers=list(md.layers),
+        d_model=d_model,
+        segments={SEGMENT: t_max},
+        dtype=dtype,
+        fields={"sample_idx": "int64"},
+        texts=list(TEXTS),
+        model_id=md.model_name,
+        attrs=_store_attrs(md, md_sha),
         overwrite=overwrite,
     ) as w:
         for b0 in range(0, len(examples), BATCH):
@@ -319,6 +365,9 @@ def _write_shard(root: Path, i: int, examples: list[tuple], md: LegacyMetadata, 
                 acts[k, :, : e[1].shape[1]] = e[1]
             ids = [e[0] for e in batch]
             w.append(
-                acts, lengths=lens, sample_keys=[str(x) for x in ids], fields={"sample_idx": np.array(ids, np.int64)},
+                acts,
+                lengths=lens,
+                sample_keys=[str(x) for x in ids],
+                fields={"sample_idx": np.array(ids, np.int64)},
                 texts={"text_preview": [e[2] for e in batch], "metadata": [e[3] for e in batch]},
             )

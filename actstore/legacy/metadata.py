@@ -104,10 +104,14 @@ def parse_metadata(doc: Any, where: str = METADATA_FILE) -> LegacyMetadata:
         raise LegacyFormatError(f"{where} must hold a JSON object. Got {type(doc).__name__}.")
     missing = [k for k in ("version", "extraction_config", "shards") if k not in doc]
     if missing:
-        raise LegacyFormatError(f"{where} lacks required fields {missing}; is this a legacy pkl.gz activation directory?")
+        raise LegacyFormatError(
+            f"{where} lacks required fields {missing}; is this a legacy pkl.gz activation directory?"
+        )
     version = doc["version"]
     if not isinstance(version, str) or version.split(".")[0] != SUPPORTED_MAJOR:
-        raise LegacyFormatError(f"{where} has version {version!r}; actstore imports the legacy format version {SUPPORTED_MAJOR}.x")
+        raise LegacyFormatError(
+            f"{where} has version {version!r}; actstore imports the legacy format version {SUPPORTED_MAJOR}.x"
+        )
     cfg = doc["extraction_config"]
     if not isinstance(cfg, dict):
         raise LegacyFormatError(f"{where}: extraction_config must be an object. Got {cfg!r}.")

@@ -33,7 +33,9 @@ except ImportError:  # numpy < 2
 def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
     """`_codecs.encode` as protocol-2 pickles use it for bytes (latin-1 only)."""
     if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
-        raise UnsafePickleError(f"the pickle calls _codecs.encode with encoding {encoding!r}; only 'latin1' (bytes in protocol 2) is admitted")
+        raise UnsafePickleError(
+            f"the pickle calls _codecs.encode with encoding {encoding!r}; only 'latin1' (bytes in protocol 2) is admitted"
+        )
     return text.encode("latin1")
 
 
@@ -50,7 +52,9 @@ for _mod in ("numpy.core", "numpy._core"):
 
 
 MAX_OBJECTS = 10_000_000  # pickle operations (objects built) of one shard, by default
-MAX_SHARED_BYTES = 64  # an object this small (numbers, short strings, tuples of them) may be referenced any number of times
+MAX_SHARED_BYTES = (
+    64  # an object this small (numbers, short strings, tuples of them) may be referenced any number of times
+)
 _MEMO_GETS = {pickle.GET[0], pickle.BINGET[0], pickle.LONG_BINGET[0], pickle.DUP[0]}
 _SCAN = 1_000_000  # items scanned for an array inside one shared object
 
@@ -100,7 +104,11 @@ class RestrictedUnpickler(pickle._Unpickler):  # the Python unpickler: its opera
             holds = self._arrays[key] = _holds_array(obj)
         n = self._shares.get(key, 0) + 1
         if holds or n > self.max_shares:
-            what = "an array" if isinstance(obj, np.ndarray) else f"a {type(obj).__name__}" + (" holding an array" if holds else "")
+            what = (
+                "an array"
+                if isinstance(obj, np.ndarray)
+                else f"a {type(obj).__name__}" + (" holding an array" if holds else "")
+            )
             raise LegacyFormatError(
                 f"{self.where}: the pickle refers to {what} more than once (a shared reference; at most {self.max_shares} "
                 f"more times for larger objects, never for arrays): its records would be copied once per reference "
@@ -119,7 +127,9 @@ class RestrictedUnpickler(pickle._Unpickler):  # the Python unpickler: its opera
         return obj
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError(f"{self.where}: the pickle uses persistent ids ({str(pid)[:50]!r}); refusing to load it")
+        raise UnsafePickleError(
+            f"{self.where}: the pickle uses persistent ids ({str(pid)[:50]!r}); refusing to load it"
+        )
 
 
 class _BoundedReader(io.RawIOBase):
@@ -176,8 +186,9 @@ def _holds_array(obj: Any) -> bool:
     return False
 
 
-def load_shard_bytes(data: bytes, *, compressed: bool, where: str, max_bytes: int, max_objects: int = MAX_OBJECTS,
-                     max_shares: int = 0) -> Any:
+def load_shard_bytes(
+    data: bytes, *, compressed: bool, where: str, max_bytes: int, max_objects: int = MAX_OBJECTS, max_shares: int = 0
+) -> Any:
     """Unpickle one legacy shard file's bytes with the restricted unpickler.
 
     Args:
@@ -195,12 +206,29 @@ def load_shard_bytes(data: bytes, *, compressed: bool, where: str, max_bytes: in
     except LegacyFormatError:
         raise
     except MemoryError:
-        raise LegacyFormatError(f"{where}: the pickle asks for more memory than is available (a damaged or hostile file?)") from None
-    except (pickle.UnpicklingError, EOFError, gzip.BadGzipFile, zlib.error, OSError, ValueError, TypeError, KeyError,
-            IndexError, AttributeError, UnicodeDecodeError, RecursionError, struct.error) as e:
+        raise LegacyFormatError(
+            f"{where}: the pickle asks for more memory than is available (a damaged or hostile file?)"
+        ) from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        gzip.BadGzipFile,
+        zlib.error,
+        OSError,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        AttributeError,
+        UnicodeDecodeError,
+        RecursionError,
+        struct.error,
+    ) as e:
         raise LegacyFormatError(f"{where} is not a readable legacy shard pickle ({type(e).__name__}: {e})") from None
     except (SystemError, RuntimeError) as e:  # numpy refusing a forged dtype or array state from inside its C code
-        raise LegacyFormatError(f"{where} is not a readable legacy shard pickle (numpy rejected its contents: {e})") from None
+        raise LegacyFormatError(
+            f"{where} is not a readable legacy shard pickle (numpy rejected its contents: {e})"
+        ) from None
 
 
 def restricted_loads(data: bytes, where: str = "<bytes>", max_bytes: int = 2**34) -> Any:

@@ -6,7 +6,9 @@
 
 from actstore.dtypes import require_torch
 
-require_torch("actstore.loaders (the training loaders behind actstore.torch)")  # a clear error, not "No module named 'torch'"
+require_torch(
+    "actstore.loaders (the training loaders behind actstore.torch)"
+)  # a clear error, not "No module named 'torch'"
 
 from actstore.loaders.pairs import PairBatchSampler, PairDataset, PairIndex  # noqa: E402
 from actstore.loaders.tokenloader import TokenLoader  # noqa: E402

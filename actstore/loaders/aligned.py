@@ -31,8 +31,6 @@ STATE_VERSION = 1
 _END = object()
 
 
-
-
 class AlignedTokenStream(IterableDataset):
     """Batches of k aligned sources: a tuple of k tensors (batch, D_source), row i the same
     token in each, or one (batch, k, D) tensor with `stack=True`.
@@ -53,9 +51,19 @@ class AlignedTokenStream(IterableDataset):
         **kwargs: TokenStream's options (batch_size, seed, shuffle, buffer_bytes, ...).
     """
 
-    def __init__(self, stores: Any, *, make_stream: Callable[..., Any], layers: Any = None, stack: bool = False,
-                 check_token_ids: bool = True, buffer_bytes: int, run_bytes: int = 0,
-                 threads: int = 8, **kwargs: Any):
+    def __init__(
+        self,
+        stores: Any,
+        *,
+        make_stream: Callable[..., Any],
+        layers: Any = None,
+        stack: bool = False,
+        check_token_ids: bool = True,
+        buffer_bytes: int,
+        run_bytes: int = 0,
+        threads: int = 8,
+        **kwargs: Any,
+    ):
         stores = list(stores) if isinstance(stores, (list, tuple)) else [stores]
         if not stores:
             raise ValueError("aligned=True needs at least one store")
@@ -66,7 +74,9 @@ class AlignedTokenStream(IterableDataset):
         n_src = sum(len(x) for x in per_store)
         child_threads = max(2, int(threads) // n_src)
         self.sources: list[tuple[int, int]] = [(si, int(layer)) for si, ls in enumerate(per_store) for layer in ls]
-        self.streams = [make_stream(stores[si], layers=[layer], threads=child_threads, **kwargs) for si, layer in self.sources]
+        self.streams = [
+            make_stream(stores[si], layers=[layer], threads=child_threads, **kwargs) for si, layer in self.sources
+        ]
         for si in range(1, len(stores)):
             check_same_tokens(stores[0], stores[si], self.streams[0], self.streams[self._first_of(si)], check_token_ids)
         first = self.streams[0]
@@ -79,9 +89,16 @@ class AlignedTokenStream(IterableDataset):
             s.window_batches, s.run = window_batches, run
             s.buffer_bytes = window_batches * first.batch_size * s.d_model * s.stored_dtype.itemsize
         if self.stack and len({(s.d_model, s.dtype) for s in self.streams}) > 1:
-            raise ValueError("stack=True needs sources of one width and dtype; these have "
-                             f"{sorted({(s.d_model, str(s.dtype)) for s in self.streams})}: leave stack=False for a tuple")
-        self.batch_size, self.rank, self.world_size, self.seed = first.batch_size, first.rank, first.world_size, first.seed
+            raise ValueError(
+                "stack=True needs sources of one width and dtype; these have "
+                f"{sorted({(s.d_model, str(s.dtype)) for s in self.streams})}: leave stack=False for a tuple"
+            )
+        self.batch_size, self.rank, self.world_size, self.seed = (
+            first.batch_size,
+            first.rank,
+            first.world_size,
+            first.seed,
+        )
         self.drop_last, self.n_tokens, self.device = first.drop_last, first.n_tokens, first.device
         self._epoch = 0
         self._batches_done = 0
@@ -108,15 +125,23 @@ class AlignedTokenStream(IterableDataset):
         """The position after the last consumed batch (JSON-serialisable)."""
         self._push()
         inner = self.streams[0].state_dict()
-        return {**inner, "format": STATE_FORMAT, "version": STATE_VERSION,
-                "sources": [[str(getattr(self.stores[si], "path", si)), layer] for si, layer in self.sources]}
+        return {
+            **inner,
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "sources": [[str(getattr(self.stores[si], "path", si)), layer] for si, layer in self.sources],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a position saved by state_dict() of an identically configured stream."""
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise ValueError("not an aligned TokenStream state (expected a dict from state_dict() of a stream made with aligned=True)")
+            raise ValueError(
+                "not an aligned TokenStream state (expected a dict from state_dict() of a stream made with aligned=True)"
+            )
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"aligned TokenStream state version {state.get('version')!r}; this actstore reads version {STATE_VERSION}")
+            raise ValueError(
+                f"aligned TokenStream state version {state.get('version')!r}; this actstore reads version {STATE_VERSION}"
+            )
         want = [layer for _, layer in self.sources]
         got = [s[1] for s in state.get("sources", [])]
         if got != want:
@@ -125,7 +150,12 @@ class AlignedTokenStream(IterableDataset):
             mine = s.state_dict()
             s.load_state_dict({**state, "format": mine["format"], "version": mine["version"]})
         s0 = self.streams[0]
-        self._epoch, self._batches_done, self._num_workers, self.seed = s0._epoch, s0._batches_done, s0._num_workers, s0.seed
+        self._epoch, self._batches_done, self._num_workers, self.seed = (
+            s0._epoch,
+            s0._batches_done,
+            s0._num_workers,
+            s0.seed,
+        )
 
     def release(self) -> None:
         """Give back every source's buffers and mappings (TokenStream.release)."""
@@ -175,11 +205,17 @@ class AlignedTokenStream(IterableDataset):
         head = parts[0]
         for p in parts[1:]:
             if not (torch.equal(p["example"], head["example"]) and torch.equal(p["token"], head["token"])):
-                raise AlignmentError("aligned sources yielded different tokens in one batch (internal error): report this")
+                raise AlignmentError(
+                    "aligned sources yielded different tokens in one batch (internal error): report this"
+                )
         acts = [p["acts"] for p in parts]
-        return {"acts": torch.stack(acts, dim=1) if self.stack else tuple(acts), "example": head["example"],
-                "segment": head["segment"], "token": head["token"],
-                "layer": torch.tensor([layer for _, layer in self.sources], dtype=torch.int64)}
+        return {
+            "acts": torch.stack(acts, dim=1) if self.stack else tuple(acts),
+            "example": head["example"],
+            "segment": head["segment"],
+            "token": head["token"],
+            "layer": torch.tensor([layer for _, layer in self.sources], dtype=torch.int64),
+        }
 
 
 def _layers_per_store(stores: list[Any], layers: Any) -> list[list[int]]:
@@ -191,7 +227,9 @@ def _layers_per_store(stores: list[Any], layers: Any) -> list[list[int]]:
     layers = list(layers)
     if layers and all(isinstance(x, (list, tuple)) for x in layers):
         if len(layers) != len(stores):
-            raise ValueError(f"layers gives {len(layers)} lists for {len(stores)} stores: give one list per store, or one list for all")
+            raise ValueError(
+                f"layers gives {len(layers)} lists for {len(stores)} stores: give one list per store, or one list for all"
+            )
         return [[int(v) for v in x] for x in layers]
     return [[int(v) for v in layers] for _ in stores]
 
@@ -200,26 +238,36 @@ def check_same_tokens(a: Any, b: Any, sa: Any, sb: Any, token_ids: bool) -> None
     """Refuse two stores that do not hold the same tokens, naming the first difference."""
     name_a, name_b = str(getattr(a, "path", "store 0")), str(getattr(b, "path", "store 1"))
     if len(a) != len(b):
-        raise AlignmentError(f"{name_b} holds {len(b)} examples, {name_a} {len(a)}: aligned stores must be captured on the same inputs")
+        raise AlignmentError(
+            f"{name_b} holds {len(b)} examples, {name_a} {len(a)}: aligned stores must be captured on the same inputs"
+        )
     segs_a, segs_b = [s.name for s in sa.segments], [s.name for s in sb.segments]
     if segs_a != segs_b:
-        raise AlignmentError(f"{name_b} streams segments {segs_b}, {name_a} {segs_a}: pass segments= naming the same ones")
+        raise AlignmentError(
+            f"{name_b} streams segments {segs_b}, {name_a} {segs_a}: pass segments= naming the same ones"
+        )
     for si, seg in enumerate(segs_a):
         la, lb = sa.units.lengths[:, si], sb.units.lengths[:, si]
         bad = np.flatnonzero(la != lb)
         if len(bad):
             ex = int(bad[0])
-            raise AlignmentError(f"example {ex}, segment {seg!r}: {name_a} holds {int(la[ex])} tokens, {name_b} {int(lb[ex])}: "
-                                 "aligned stores must be captured on the same tokens")
+            raise AlignmentError(
+                f"example {ex}, segment {seg!r}: {name_a} holds {int(la[ex])} tokens, {name_b} {int(lb[ex])}: "
+                "aligned stores must be captured on the same tokens"
+            )
     if not np.array_equal(sa.units.counts, sb.units.counts):
         ex = int(np.flatnonzero(sa.units.kept_ex.reshape(-1) != sb.units.kept_ex.reshape(-1))[0]) // len(segs_a)
-        raise AlignmentError(f"example {ex}: the token masks keep different tokens in {name_a} and {name_b}; use one mask for both")
+        raise AlignmentError(
+            f"example {ex}: the token masks keep different tokens in {name_a} and {name_b}; use one mask for both"
+        )
     have = [bool(getattr(getattr(s, "config", None), "token_ids", False)) for s in (a, b)]
     if not token_ids:
         return
     if not all(have):
-        warnings.warn(f"{name_a if not have[0] else name_b} keeps no token ids: the stores' alignment is checked by lengths only",
-                      stacklevel=3)
+        warnings.warn(
+            f"{name_a if not have[0] else name_b} keeps no token ids: the stores' alignment is checked by lengths only",
+            stacklevel=3,
+        )
         return
     for si, seg in enumerate(segs_a):
         ia, ib = np.asarray(a.field(f"{seg}_token_ids")), np.asarray(b.field(f"{seg}_token_ids"))
@@ -227,5 +275,7 @@ def check_same_tokens(a: Any, b: Any, sa: Any, sb: Any, token_ids: bool) -> None
         diff = np.argwhere((ia != ib) & within)
         if len(diff):
             ex, t = (int(v) for v in diff[0])
-            raise AlignmentError(f"example {ex}, segment {seg!r}, token {t}: token id {int(ia[ex, t])} in {name_a} but "
-                                 f"{int(ib[ex, t])} in {name_b}: aligned stores must be captured on the same tokens")
+            raise AlignmentError(
+                f"example {ex}, segment {seg!r}, token {t}: token id {int(ia[ex, t])} in {name_a} but "
+                f"{int(ib[ex, t])} in {name_b}: aligned stores must be captured on the same tokens"
+            )

@@ -63,7 +63,11 @@ class BatchMaker:
             ring = BufferRing(6, dtype, pin=pin, shared=in_worker)
         self.ring = ring
         self.scratch = torch.empty((ts.batch_size, ts.d_model), dtype=stored) if dtype != stored else None
-        self.helper = ThreadPoolExecutor(ts.gather_threads - 1, thread_name_prefix="actstore-gather") if ts.gather_threads > 1 else None
+        self.helper = (
+            ThreadPoolExecutor(ts.gather_threads - 1, thread_name_prefix="actstore-gather")
+            if ts.gather_threads > 1
+            else None
+        )
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
         self._norm_dev: tuple[torch.Tensor, torch.Tensor] | None = None
 

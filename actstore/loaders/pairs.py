@@ -25,8 +25,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
 from actstore.read.masks import DEFAULT
-from actstore.loaders.source import (TokenMask, pick_layers, pick_segments, request_objects, resolve_mask, segment_lengths,
-                                     stored_numpy_dtype)
+from actstore.loaders.source import (
+    TokenMask,
+    pick_layers,
+    pick_segments,
+    request_objects,
+    resolve_mask,
+    segment_lengths,
+    stored_numpy_dtype,
+)
 from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
 from actstore.storage.forksafe import worker_context
@@ -73,7 +80,9 @@ class PairBatchSampler(Sampler[PairIndex]):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"{name} must be a positive int. Got {v!r}.")
         if k > len(self.layers):
-            raise ValueError(f"k={k} layers per example, but only {len(self.layers)} layers to choose from: {self.layers.tolist()}")
+            raise ValueError(
+                f"k={k} layers per example, but only {len(self.layers)} layers to choose from: {self.layers.tolist()}"
+            )
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
         self.n_examples, self.batch_size, self.k = int(n), int(batch_size), int(k)
@@ -177,18 +186,39 @@ class PairDataset(Dataset):
         """A PairBatchSampler over this dataset's examples and layers."""
         return PairBatchSampler(len(self.store), layers=self.layers, **kwargs)
 
-    def loader(self, *, batch_size: int = 256, k: int = 2, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-               rank: int | None = None, world_size: int | None = None, **dataloader_kwargs: Any) -> DataLoader:
+    def loader(
+        self,
+        *,
+        batch_size: int = 256,
+        k: int = 2,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> DataLoader:
         """A DataLoader yielding batch dicts; extra keyword arguments go to DataLoader (for a
         store in object storage, workers start by "forkserver" unless told otherwise, and
         "fork" is refused: obstore's client does not survive fork)."""
-        smp = self.sampler(batch_size=batch_size, k=k, seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size)
+        smp = self.sampler(
+            batch_size=batch_size,
+            k=k,
+            seed=seed,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+        )
         if not dataloader_kwargs.get("num_workers"):
             dataloader_kwargs.pop("multiprocessing_context", None)  # DataLoader refuses these two without workers
             dataloader_kwargs.pop("timeout", None)
         else:
             dataloader_kwargs["multiprocessing_context"] = worker_context(
-                getattr(self.store, "storage", None), dataloader_kwargs["num_workers"], dataloader_kwargs.get("multiprocessing_context"))
+                getattr(self.store, "storage", None),
+                dataloader_kwargs["num_workers"],
+                dataloader_kwargs.get("multiprocessing_context"),
+            )
         return DataLoader(self, sampler=smp, batch_size=None, **dataloader_kwargs)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -204,7 +234,9 @@ class PairDataset(Dataset):
             return
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-pairs")
         in_worker = get_worker_info() is not None
-        self._ring = BufferRing(self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker)
+        self._ring = BufferRing(
+            self.n_buffers, self.torch_dtype, pin=self.pin_memory and not in_worker, shared=in_worker
+        )
         self._read = self.store.read_into
         self._object_of = request_objects(self.store)
         self._many = self.store.read_many_into if self._object_of else None  # local: one read each
@@ -239,19 +271,27 @@ class PairDataset(Dataset):
         for f in futures:
             f.result()
         lengths = self.lengths[exs]
-        out = {"acts": acts, "lengths": torch.from_numpy(lengths), "examples": torch.from_numpy(exs.copy()),
-               "layers": torch.from_numpy(lays.copy())}
+        out = {
+            "acts": acts,
+            "lengths": torch.from_numpy(lengths),
+            "examples": torch.from_numpy(exs.copy()),
+            "layers": torch.from_numpy(lays.copy()),
+        }
         if self.return_mask:
             out["mask"] = torch.from_numpy(self._mask(exs, lengths))
         return out
 
-    def _tasks(self, jobs: list[tuple[int, int, int]], exs: np.ndarray, lays: np.ndarray) -> list[list[tuple[int, int, int]]]:
+    def _tasks(
+        self, jobs: list[tuple[int, int, int]], exs: np.ndarray, lays: np.ndarray
+    ) -> list[list[tuple[int, int, int]]]:
         """The reads split over the threads; on an object store, in store order and the reads
         of one object together (read_many_into sends them as one request)."""
         if self._object_of is None:
             step = -(-len(jobs) // self.threads) if jobs else 1
             return [jobs[i : i + step] for i in range(0, len(jobs), step)]
-        jobs = sorted(jobs, key=lambda t: (t[2], int(exs[t[0]]), int(lays[t[0], t[1]])))  # segment by segment: its own objects
+        jobs = sorted(
+            jobs, key=lambda t: (t[2], int(exs[t[0]]), int(lays[t[0], t[1]]))
+        )  # segment by segment: its own objects
         row_bytes = self.d_model * self.np_dtype.itemsize
         packer = TaskPacker(sum(self.segments[s].t_pad for _, _, s in jobs) * row_bytes, self.threads)
         tasks = []
@@ -266,8 +306,13 @@ class PairDataset(Dataset):
         items, copies = [], []
         # The last token chunk of a segment may run past T_max: those reads go to one scratch
         # block of the task and their first T_max rows are copied.
-        scratch = np.empty((sum(self.segments[s].t_pad for _, _, s in jobs if self.segments[s].t_pad != self.segments[s].t_max),
-                            self.d_model), self.np_dtype)
+        scratch = np.empty(
+            (
+                sum(self.segments[s].t_pad for _, _, s in jobs if self.segments[s].t_pad != self.segments[s].t_max),
+                self.d_model,
+            ),
+            self.np_dtype,
+        )
         at = 0
         for i, j, s in jobs:
             seg = self.segments[s]

@@ -75,12 +75,17 @@ class TokenPipeline:
         # The last epoch's reader may have read this epoch's first window already.
         ahead = spare.get("ahead")
         self.in_main = not in_worker
-        use_ahead = ahead is not None and self.in_main and ahead[0] == _plan_key(ts, plan) and todo[:1] == [0] and skip == 0
+        use_ahead = (
+            ahead is not None and self.in_main and ahead[0] == _plan_key(ts, plan) and todo[:1] == [0] and skip == 0
+        )
         if ahead is not None and not use_ahead:
             ahead[2].release()
         kept = [s for s in spare.get("slots", []) if not (use_ahead and s is ahead[2])]
         kept = [s if s.buf is None or s.buf.shape == (cap, ts.d_model) else WindowSlot() for s in kept]
-        self.slots = [kept.pop() if kept else WindowSlot() for _ in range(min(n_slots, max(len(windows), 1)) - (1 if use_ahead else 0))]
+        self.slots = [
+            kept.pop() if kept else WindowSlot()
+            for _ in range(min(n_slots, max(len(windows), 1)) - (1 if use_ahead else 0))
+        ]
         self.free: queue.Queue = queue.Queue()
         for s in self.slots:
             self.free.put(s)
@@ -95,7 +100,9 @@ class TokenPipeline:
         self.out: queue.Queue = queue.Queue(maxsize=2)
         self.stop = threading.Event()
         self.threads = [
-            threading.Thread(target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"),
+            threading.Thread(
+                target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"
+            ),
             threading.Thread(target=self._guard, args=(self._assemble, self.out), daemon=True, name="actstore-batches"),
         ]
         _LIVE.add(self)

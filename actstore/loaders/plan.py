@@ -130,8 +130,9 @@ class EpochPlan:
         lo = np.maximum(a, starts) - starts
         hi = np.minimum(b, ends) - starts
         dest = np.maximum(a, starts) - a
-        return WindowSlice(index=j, start=a, n_tokens=b - a, n_batches=self.window_n_batches(j),
-                           units=units, lo=lo, hi=hi, dest=dest)
+        return WindowSlice(
+            index=j, start=a, n_tokens=b - a, n_batches=self.window_n_batches(j), units=units, lo=lo, hi=hi, dest=dest
+        )
 
     def window_permutation(self, window: WindowSlice) -> np.ndarray:
         """Row order of a window's tokens (identity without shuffle)."""

@@ -146,7 +146,9 @@ class TokenUnits:
         token_mask: see the module docstring.
     """
 
-    def __init__(self, store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], token_mask: TokenMask):
+    def __init__(
+        self, store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], token_mask: TokenMask
+    ):
         self.n_examples = len(store)
         self.layers = layers
         self.segments = segments
@@ -176,7 +178,9 @@ class TokenUnits:
         return np.flatnonzero(m[ex, : self.lengths[ex, si]])
 
 
-def stats_tables(store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str) -> tuple[np.ndarray, np.ndarray]:
+def stats_tables(
+    store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Per (layer, segment) key k = li*S + si: (shift (K, D), scale (K, D)) float32 so that
     normalised = (x - shift) * scale. Modes: 'standardize' (per-dimension mean and std),
     'scale' (one factor per key making the mean L2 norm sqrt(D), no shift)."""

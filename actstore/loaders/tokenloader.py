@@ -58,7 +58,9 @@ class TokenLoader:
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
         for source in getattr(stream, "streams", [stream]):  # an AlignedTokenStream streams several sources
-            multiprocessing_context = worker_context(getattr(source.store, "storage", None), num_workers, multiprocessing_context)
+            multiprocessing_context = worker_context(
+                getattr(source.store, "storage", None), num_workers, multiprocessing_context
+            )
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
         stream._num_workers = num_workers
@@ -90,9 +92,14 @@ class TokenLoader:
             return
         device = s.device  # workers yield CPU batches; the move happens here, from pinned memory
         dl = DataLoader(
-            s, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory or device is not None,
-            prefetch_factor=self.prefetch_factor, multiprocessing_context=self.multiprocessing_context,
-            timeout=self.timeout, persistent_workers=False,
+            s,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory or device is not None,
+            prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=self.multiprocessing_context,
+            timeout=self.timeout,
+            persistent_workers=False,
         )
         for batch in dl:
             s._batches_done += 1

@@ -43,7 +43,9 @@ def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
         rank = 0 if rank is None else rank
         world_size = 1 if world_size is None else world_size
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"rank must be in 0..world_size-1 with world_size >= 1. Got rank={rank!r}, world_size={world_size!r}.")
+        raise ValueError(
+            f"rank must be in 0..world_size-1 with world_size >= 1. Got rank={rank!r}, world_size={world_size!r}."
+        )
     return rank, world_size
 
 
@@ -54,15 +56,21 @@ def _device(device: str | torch.device | None) -> torch.device | None:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e}).") from None
+        raise ValueError(
+            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e})."
+        ) from None
     if dev.type == "cpu":
         return None
     if dev.type != "cuda":
-        raise ValueError(f"device={device!r}: TokenStream moves batches to 'cuda' devices (or leaves them on the CPU); "
-                         f"move them to {dev.type} yourself")
+        raise ValueError(
+            f"device={device!r}: TokenStream moves batches to 'cuda' devices (or leaves them on the CPU); "
+            f"move them to {dev.type} yourself"
+        )
     if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
-                         "or leave device=None for CPU batches")
+        raise ValueError(
+            f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
+            "or leave device=None for CPU batches"
+        )
     return dev
 
 
@@ -221,9 +229,16 @@ class TokenStream(IterableDataset):
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         return EpochPlan(
-            self.units.counts, batch_size=self.batch_size, window_batches=self.window_batches, seed=self.seed,
-            epoch=self._epoch if epoch is None else epoch, rank=self.rank, world_size=self.world_size,
-            shuffle=self.shuffle, drop_last=self.drop_last, run=self.run,
+            self.units.counts,
+            batch_size=self.batch_size,
+            window_batches=self.window_batches,
+            seed=self.seed,
+            epoch=self._epoch if epoch is None else epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            run=self.run,
         )
 
     def __len__(self) -> int:
@@ -234,10 +249,20 @@ class TokenStream(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """The position after the last consumed batch (JSON-serialisable)."""
         return {
-            "format": STATE_FORMAT, "version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
-            "batches_done": self._batches_done, "num_workers": self._num_workers, "n_tokens": self.n_tokens,
-            "batch_size": self.batch_size, "window_batches": self.window_batches, "run": self.run, "world_size": self.world_size,
-            "rank": self.rank, "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self._epoch,
+            "batches_done": self._batches_done,
+            "num_workers": self._num_workers,
+            "n_tokens": self.n_tokens,
+            "batch_size": self.batch_size,
+            "window_batches": self.window_batches,
+            "run": self.run,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -245,9 +270,13 @@ class TokenStream(IterableDataset):
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError("not a TokenStream state (expected a dict from TokenStream.state_dict())")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"TokenStream state version {state.get('version')!r}; this actstore reads version {STATE_VERSION}")
+            raise ValueError(
+                f"TokenStream state version {state.get('version')!r}; this actstore reads version {STATE_VERSION}"
+            )
         mine = self.state_dict()
-        diffs = [f"{k}: saved {state.get(k)!r}, this stream {mine[k]!r}" for k in _PLAN_FIELDS if state.get(k) != mine[k]]
+        diffs = [
+            f"{k}: saved {state.get(k)!r}, this stream {mine[k]!r}" for k in _PLAN_FIELDS if state.get(k) != mine[k]
+        ]
         if diffs:
             raise ValueError(
                 "the saved position belongs to a differently configured stream (" + "; ".join(diffs) + "); "

@@ -84,8 +84,13 @@ def _whole_file(io: ChunkIO, key: str, group: list[tuple[int, int, np.ndarray]])
     if size > WHOLE_FILE_BYTES or not io.storage.coalesce_bytes or io.storage.keeps_ranges:
         return None  # a local disk reads ranges as cheaply, straight into place; a cache keeps ranges
     # Where the chunks lie in a file written densely in index order (actstore, zarr-python).
-    pos = np.unique([((ex % g.shard_examples) * g.n_layers + lp) * g.n_tchunks + tc
-                     for ex, lp, _ in group for tc in range(g.n_tchunks)])
+    pos = np.unique(
+        [
+            ((ex % g.shard_examples) * g.n_layers + lp) * g.n_tchunks + tc
+            for ex, lp, _ in group
+            for tc in range(g.n_tchunks)
+        ]
+    )
     gap = 1 + io.storage.coalesce_bytes // g.chunk_nbytes  # chunks apart that one request still covers
     covered = len(pos) + int(np.where(np.diff(pos) <= gap, np.diff(pos) - 1, 0).sum())
     if 2 * covered < per_file:

@@ -14,7 +14,11 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
     cfg = store.config
     n = len(store)
     on_disk = store.storage.stored_bytes()
-    tokens = {s.name: int(store.segment(s.name).lengths().sum()) for s in cfg.segments} if n else {s.name: 0 for s in cfg.segments}
+    tokens = (
+        {s.name: int(store.segment(s.name).lengths().sum()) for s in cfg.segments}
+        if n
+        else {s.name: 0 for s in cfg.segments}
+    )
     n_tokens = sum(tokens.values())
     stats = store.stats()
     return {
@@ -42,7 +46,9 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "bytes_per_token_ideal": cfg.d_model * cfg.itemsize,
         "nonfinite": store.manifest.nonfinite,
         "overflow": store.manifest.overflow,
-        "shards": [{"shard": s.shard, "n_examples": s.n_examples, "complete": s.complete} for s in store.manifest.shards],
+        "shards": [
+            {"shard": s.shard, "n_examples": s.n_examples, "complete": s.complete} for s in store.manifest.shards
+        ],
         "statistics": stats.summary() if stats is not None else None,
         "attrs": dict(cfg.attrs),
         "created": store.manifest.created,
@@ -51,8 +57,12 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "layer_names": store.layer_names(),
         "token_ids": cfg.token_ids,
         "partial": (
-            {"missing_ranks": list(store.manifest.partial.missing_ranks), "incomplete_shards": list(store.manifest.partial.incomplete_shards)}
-            if store.manifest.partial else None
+            {
+                "missing_ranks": list(store.manifest.partial.missing_ranks),
+                "incomplete_shards": list(store.manifest.partial.incomplete_shards),
+            }
+            if store.manifest.partial
+            else None
         ),
     }
 
@@ -75,7 +85,11 @@ def format_info(info: dict[str, Any]) -> str:
         f"dtype        {info['dtype']} (Zarr format {info['zarr_format']})",
         f"model        {info['model_id']}",
         f"on disk      {_size(info['bytes_on_disk'])}"
-        + (f"  ({info['bytes_per_token']:.0f} B per stored token vector; {info['bytes_per_token_ideal']} B of data)" if info["bytes_per_token"] else ""),
+        + (
+            f"  ({info['bytes_per_token']:.0f} B per stored token vector; {info['bytes_per_token_ideal']} B of data)"
+            if info["bytes_per_token"]
+            else ""
+        ),
         "segments:",
     ]
     for name, s in info["segments"].items():
@@ -89,7 +103,13 @@ def format_info(info: dict[str, Any]) -> str:
     over = {k: v for k, v in info["overflow"].items() if v}
     if bad or over:
         lines.append(f"non-finite   {bad}   clipped overflow {over}")
-    lines.append(f"shards       {len(info['shards'])}: " + ", ".join(f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]) + (" ..." if len(info["shards"]) > 20 else ""))
+    lines.append(
+        f"shards       {len(info['shards'])}: "
+        + ", ".join(
+            f"{s['shard']}:{s['n_examples']}{'' if s['complete'] else ' (partial)'}" for s in info["shards"][:20]
+        )
+        + (" ..." if len(info["shards"]) > 20 else "")
+    )
     by_layer: dict[int, list[str]] = {}
     for name, n in info.get("layer_names", {}).items():
         by_layer.setdefault(n, []).append(name)
@@ -107,7 +127,9 @@ def format_info(info: dict[str, Any]) -> str:
         )
     if info["statistics"]:
         lines.append("statistics (per layer/segment):")
-        lines.append(f"  {'key':<22}{'count':>12}{'mean L2':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}")
+        lines.append(
+            f"  {'key':<22}{'count':>12}{'mean L2':>12}{'mean std':>12}{'min':>12}{'max':>12}{'non-finite':>12}{'overflow':>10}"
+        )
         for key, st in info["statistics"].items():
             lines.append(
                 f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}{st.get('overflow', 0):>10}"

@@ -140,7 +140,9 @@ def check_shards_json(entries: Any, geom: P.ShardGeometry | None, proto: str) ->
     for i, e in enumerate(entries):
         if not isinstance(e, dict) or set(e) != {"name", key}:
             got = sorted(e) if isinstance(e, dict) else type(e).__name__
-            problems.append(f"{f}: entry {i} must have exactly the keys ['name', '{key}'] (protocol {proto}); got {got}")
+            problems.append(
+                f"{f}: entry {i} must have exactly the keys ['name', '{key}'] (protocol {proto}); got {got}"
+            )
             continue
         want = P.SHARD_NAME_FORMAT.format(i)
         if e["name"] != want:
@@ -154,8 +156,10 @@ def check_shards_json(entries: Any, geom: P.ShardGeometry | None, proto: str) ->
     if geom is None:
         return names, problems
     if geom.n_shards > len(entries) + 1:  # counted before listing them: metadata may claim any number
-        problems.append(f"{f}: lists {len(entries)} shards; {geom.n_examples} examples at "
-                        f"{geom.examples_per_shard} per shard make {geom.n_shards}")
+        problems.append(
+            f"{f}: lists {len(entries)} shards; {geom.n_examples} examples at "
+            f"{geom.examples_per_shard} per shard make {geom.n_shards}"
+        )
         return names, problems
     want_counts = geom.shard_counts()
     if trailing_empty_shard(geom, [n for _, n in counts], len(entries)):

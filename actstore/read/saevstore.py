@@ -85,7 +85,9 @@ class SaevStore(Reader):
             f = self.path / P.SHARD_NAME_FORMAT.format(i)
             size = regular_size(f)  # never a FIFO, folder or link: np.memmap would open it
             if isinstance(size, str):
-                raise SaevFormatError(f"{f} is {size} where a shard file belongs; run `actstore verify-saev {self.path}`")
+                raise SaevFormatError(
+                    f"{f} is {size} where a shard file belongs; run `actstore verify-saev {self.path}`"
+                )
             if size != geom.shard_nbytes:
                 raise SaevFormatError(
                     f"{f} has {size if size is not None else 'no'} bytes, expected {geom.shard_nbytes} (full-size shard); "
@@ -96,8 +98,13 @@ class SaevStore(Reader):
         self._maps: dict[int, np.memmap] = {}
         self._labels: np.memmap | None = None
         self.config: StoreConfig = make_config(
-            layers=md["layers"], d_model=geom.d_model, dtype="float32", tokens=geom.tokens_per_example,
-            token_labels=regular_size(self.path / P.LABELS_FILE) is not None, model_id=md["ckpt"], attrs=self._attrs(),
+            layers=md["layers"],
+            d_model=geom.d_model,
+            dtype="float32",
+            tokens=geom.tokens_per_example,
+            token_labels=regular_size(self.path / P.LABELS_FILE) is not None,
+            model_id=md["ckpt"],
+            attrs=self._attrs(),
             zarr_format=2,  # a description of the saev files (read directly), not a layout written
         )
 
@@ -123,8 +130,10 @@ class SaevStore(Reader):
 
     def __repr__(self) -> str:
         g = self.geometry
-        return (f"SaevStore({str(self.path)!r}, protocol={self.protocol}, n={len(self)}, layers={list(self.layers)}, "
-                f"d_model={g.d_model}, tokens={g.tokens_per_example}, cls_token={g.cls_token})")
+        return (
+            f"SaevStore({str(self.path)!r}, protocol={self.protocol}, n={len(self)}, layers={list(self.layers)}, "
+            f"d_model={g.d_model}, tokens={g.tokens_per_example}, cls_token={g.cls_token})"
+        )
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -153,7 +162,9 @@ class SaevStore(Reader):
             "layers": list(self.layers),
             "d_model": self.d_model,
             "dtype": self.dtype,
-            "segments": {SEGMENT: {"t_max": self.tokens_per_example, "t_chunk": self.tokens_per_example, "fixed": True}},
+            "segments": {
+                SEGMENT: {"t_max": self.tokens_per_example, "t_chunk": self.tokens_per_example, "fixed": True}
+            },
             "n_examples": len(self),
             **self._attrs(),
         }
@@ -207,7 +218,9 @@ class SaevStore(Reader):
 
     def field_names(self) -> tuple[str, ...]:
         """`tokens_len`, and `tokens_token_labels` where labels.bin exists."""
-        return (SEGMENT + spec.LEN_SUFFIX,) + ((SEGMENT + spec.TOKEN_LABELS_SUFFIX,) if self.config.token_labels else ())
+        return (SEGMENT + spec.LEN_SUFFIX,) + (
+            (SEGMENT + spec.TOKEN_LABELS_SUFFIX,) if self.config.token_labels else ()
+        )
 
     def labels(self) -> np.memmap:
         """labels.bin as a read-only (n_examples, content tokens) uint8 memory map."""
@@ -221,7 +234,9 @@ class SaevStore(Reader):
             if isinstance(size, str):
                 raise SaevFormatError(f"{path} is {size} where a file belongs; run `actstore verify-saev {self.path}`")
             if size != want:
-                raise SaevFormatError(f"{path} has {size} bytes, expected {want}; run `actstore verify-saev {self.path}`")
+                raise SaevFormatError(
+                    f"{path} has {size} bytes, expected {want}; run `actstore verify-saev {self.path}`"
+                )
             self._labels = np.memmap(path, dtype=np.uint8, mode="r", shape=(g.n_examples, g.content_tokens))
         return self._labels
 

@@ -89,7 +89,9 @@ def select(store: Reader, key: Any, segments: Sequence[Any] | None = None) -> np
     return out
 
 
-def read_padded(store: Reader, examples: np.ndarray, layers: Sequence[int], needed: Sequence[bool] | None = None) -> np.ndarray:
+def read_padded(
+    store: Reader, examples: np.ndarray, layers: Sequence[int], needed: Sequence[bool] | None = None
+) -> np.ndarray:
     """(n, L', T_total, D): every segment padded to t_max as stored, concatenated in config order.
 
     Args:
@@ -184,7 +186,9 @@ def parse_layers(key: Any, stored: Sequence[int]) -> tuple[tuple[int, ...], bool
                 raise TypeError(f"layer slices take layer numbers (ints), got {key!r}")
         step = 1 if key.step is None else int(key.step)
         if step <= 0:
-            raise ValueError(f"layer slices select layer numbers in range(start, stop, step); step must be positive, got {step}")
+            raise ValueError(
+                f"layer slices select layer numbers in range(start, stop, step); step must be positive, got {step}"
+            )
         start = min(stored) if key.start is None else int(key.start)
         stop = max(stored) + 1 if key.stop is None else int(key.stop)
         picked = range(start, stop, step)

@@ -18,7 +18,15 @@ from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError,
 from actstore.layout import jsonio, keys, records, texts
 from actstore.layout.arraymeta import array_problems, chunk_rows
 from actstore.layout.arrays import array_specs, every_chunk
-from actstore.layout.chunks import EMPTY, ChunkGeometry, array_meta_key, declared, geometry_from_metadata, key_scheme, row_chunk_key
+from actstore.layout.chunks import (
+    EMPTY,
+    ChunkGeometry,
+    array_meta_key,
+    declared,
+    geometry_from_metadata,
+    key_scheme,
+    row_chunk_key,
+)
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.read.batched import MappedChunk, map_chunks, read_many
@@ -95,9 +103,13 @@ class ShardReader:
                 raise CorruptStoreError(f"array metadata of {where} is damaged ({e})") from None
         shape = meta.get("shape") if isinstance(meta, dict) else None
         if not isinstance(shape, list) or len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
-            raise CorruptStoreError(f"array {where} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})")
+            raise CorruptStoreError(
+                f"array {where} has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})"
+            )
         if not isinstance(shape[0], int) or shape[0] < self.entry.n_examples:
-            raise CorruptStoreError(f"array {where} holds {shape[0]} examples; the manifest says {self.entry.n_examples}")
+            raise CorruptStoreError(
+                f"array {where} holds {shape[0]} examples; the manifest says {self.entry.n_examples}"
+            )
         self._check_meta(rel, meta)
         try:
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
@@ -113,13 +125,17 @@ class ShardReader:
         """Every metadata field that decides how the array's bytes are read, as the format says."""
         problems = array_problems(meta, self._specs[rel], self.cfg.zarr_format, self.entry.n_examples)
         if problems:
-            raise CorruptStoreError(f"array {self.storage.where(rel)} has {problems[0]}; its metadata was altered (run `actstore verify`)")
+            raise CorruptStoreError(
+                f"array {self.storage.where(rel)} has {problems[0]}; its metadata was altered (run `actstore verify`)"
+            )
 
     def _open_zarr(self, rel: str) -> Any:
         import zarr
 
         try:
-            return zarr.open_array(store=self.storage.zarr_store(rel, read_only=True), mode="r", zarr_format=self.cfg.zarr_format)
+            return zarr.open_array(
+                store=self.storage.zarr_store(rel, read_only=True), mode="r", zarr_format=self.cfg.zarr_format
+            )
         except (ValueError, TypeError, KeyError, OSError) as e:
             raise CorruptStoreError(f"array {self.storage.where(rel)} cannot be opened ({e!r})") from None
 
@@ -136,7 +152,9 @@ class ShardReader:
             z = self._open_zarr(rel)
             n = self.entry.n_examples
             if z.shape[0] < n:
-                raise CorruptStoreError(f"array {self.storage.where(rel)} holds {z.shape[0]} values; the manifest says {n}")
+                raise CorruptStoreError(
+                    f"array {self.storage.where(rel)} holds {z.shape[0]} values; the manifest says {n}"
+                )
             if not self._rows_checked:
                 rows = catalog.rows_on_disk(self.storage, self.cfg.zarr_format)
                 if rows < n:
@@ -151,7 +169,9 @@ class ShardReader:
             except ActstoreError:
                 raise
             except Exception as e:  # noqa: BLE001 - zarr decoding untrusted bytes raises many types
-                raise CorruptChunkError(f"array {self.storage.where(rel)} cannot be read ({e!r}); run `actstore verify`") from None
+                raise CorruptChunkError(
+                    f"array {self.storage.where(rel)} cannot be read ({e!r}); run `actstore verify`"
+                ) from None
             self._per_sample[name] = arr
         return arr
 
@@ -194,7 +214,9 @@ class ShardReader:
         if arr is None:
             arr = self.per_sample(keys.len_field(seg.name))
             if arr.size and (arr.min() < 0 or arr.max() > seg.t_max):
-                raise CorruptStoreError(f"shard {self.where}: lengths of segment {seg.name!r} lie outside 0..{seg.t_max}")
+                raise CorruptStoreError(
+                    f"shard {self.where}: lengths of segment {seg.name!r} lie outside 0..{seg.t_max}"
+                )
             self._lengths[seg.name] = arr
         return arr
 
@@ -263,9 +285,13 @@ class ShardReader:
             return None
         need = records.el_crc_nbytes(self.entry.n_examples, self.cfg)
         if size < need:
-            raise CorruptStoreError(f"{self.storage.where(keys.EL_CRC)} has {size} bytes; {self.entry.n_examples} examples need {need}")
+            raise CorruptStoreError(
+                f"{self.storage.where(keys.EL_CRC)} has {size} bytes; {self.entry.n_examples} examples need {need}"
+            )
         si = [s.name for s in self.cfg.segments].index(seg.name)
-        return int.from_bytes(self.storage.get_range(keys.EL_CRC, records.el_crc_offset(local, si, lp, self.cfg), 4), "little")
+        return int.from_bytes(
+            self.storage.get_range(keys.EL_CRC, records.el_crc_offset(local, si, lp, self.cfg), 4), "little"
+        )
 
     def check_backed(self, seg: SegmentSpec) -> None:
         """Before a read of more than UNCHECKED_READ_BYTES of one (example, layer) of `seg`:
@@ -326,7 +352,9 @@ class ShardReader:
     def text(self, name: str, local: int) -> Any:
         """The value of text field `name` of local example `local`."""
         data, offsets = self._text(name)
-        return text_value(data[offsets[local] : offsets[local + 1]], self.storage.where(keys.text_file(name)), local, name)
+        return text_value(
+            data[offsets[local] : offsets[local + 1]], self.storage.where(keys.text_file(name)), local, name
+        )
 
     def texts(self, name: str):
         data, offsets = self._text(name)
@@ -363,5 +391,7 @@ def text_value(line: bytes, where: str, i: int, name: str) -> Any:
     except CorruptStoreError as e:
         raise CorruptStoreError(f"{where}: line {i + 1} is damaged ({e}); run `actstore verify --deep`") from None
     if type(index) is not int or index != i:
-        raise CorruptStoreError(f"{where}: line {i + 1} holds the text of example {index!r}, not {i}; run `actstore verify --deep`")
+        raise CorruptStoreError(
+            f"{where}: line {i + 1} holds the text of example {index!r}, not {i}; run `actstore verify --deep`"
+        )
     return value

@@ -78,8 +78,14 @@ class ActStore(Reader):
         cache_bytes: the cache folder's size limit (default 10 GiB).
     """
 
-    def __init__(self, path: str | os.PathLike, *, verify: str | None = None, cache_dir: str | os.PathLike | None = None,
-                 cache_bytes: int = DEFAULT_CACHE_BYTES):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        verify: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ):
         if verify not in (None, False, "fast", "deep"):
             raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
         self._location = path if isinstance(path, (str, Storage)) else os.fspath(path)
@@ -192,7 +198,10 @@ class ActStore(Reader):
         if not self.config.token_ids:
             return None
         sh = self._shard(pos)
-        parts = [sh.per_sample(keys.token_ids_field(s.name))[local, : int(sh.lengths(s)[local])] for s in self.config.segments]
+        parts = [
+            sh.per_sample(keys.token_ids_field(s.name))[local, : int(sh.lengths(s)[local])]
+            for s in self.config.segments
+        ]
         return parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
 
     def lengths(self, ex: int) -> dict[str, int]:
@@ -275,7 +284,9 @@ class ActStore(Reader):
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)
         n = seg.t_max if pad else int(sh.lengths(seg)[local])
-        rows = seg.n_chunks * seg.t_chunk if pad else -(-n // seg.t_chunk) * seg.t_chunk  # only the chunks holding tokens
+        rows = (
+            seg.n_chunks * seg.t_chunk if pad else -(-n // seg.t_chunk) * seg.t_chunk
+        )  # only the chunks holding tokens
         dtype = np.dtype(spec.ACT_DTYPES[self.config.dtype])
         if rows * self.config.d_model * dtype.itemsize > UNCHECKED_READ_BYTES:
             sh.check_backed(seg)
@@ -293,7 +304,9 @@ class ActStore(Reader):
         pos, local = self.index.locate(ex)
         sh = self._shard(pos)
         out: dict[str, Any] = {"example": ex if ex >= 0 else ex + len(self)}
-        out["sample_key"] = decode_keys(sh.per_sample(spec.SAMPLE_KEY)[local : local + 1], sh.storage.where(keys.field_array(spec.SAMPLE_KEY)))[0]
+        out["sample_key"] = decode_keys(
+            sh.per_sample(spec.SAMPLE_KEY)[local : local + 1], sh.storage.where(keys.field_array(spec.SAMPLE_KEY))
+        )[0]
         out["lengths"] = {s.name: int(sh.lengths(s)[local]) for s in self.config.segments}
         for name in self.config.fields:
             out[name] = sh.per_sample(name)[local].item()
@@ -306,8 +319,15 @@ class ActStore(Reader):
         if name == spec.SAMPLE_KEY:
             from actstore.layout.arrays import decode_keys
 
-            return np.array([k for pos in range(len(self.manifest.shards))
-                             for k in decode_keys(self._shard(pos).per_sample(name), self._shard(pos).storage.where(keys.field_array(name)))])
+            return np.array(
+                [
+                    k
+                    for pos in range(len(self.manifest.shards))
+                    for k in decode_keys(
+                        self._shard(pos).per_sample(name), self._shard(pos).storage.where(keys.field_array(name))
+                    )
+                ]
+            )
         if name not in self.field_names():
             raise KeyError(f"no per-sample field {name!r}; this store has {list(self.field_names())}")
         return self._global_per_sample(name)
@@ -343,8 +363,10 @@ class ActStore(Reader):
 
         if ex is None:
             if segment is not None:
-                raise TypeError("segment= goes with an example (to_xarray(ex, segment)); the whole-store Dataset "
-                                "holds every segment: select one with ds.where(ds.segment == name, drop=True)")
+                raise TypeError(
+                    "segment= goes with an example (to_xarray(ex, segment)); the whole-store Dataset "
+                    "holds every segment: select one with ds.where(ds.segment == name, drop=True)"
+                )
             return to_dataset(self, chunks=chunks)
         return example_dataarray(self, ex, segment)
 
@@ -421,7 +443,9 @@ def _cached(storage: Storage, cache_dir: str, cache_bytes: int) -> Storage:
 
     manifest = storage.get(keys.MANIFEST)  # read again: the namespace is its exact bytes
     namespace = hashlib.sha256(storage.url.encode() + b"\0" + manifest).hexdigest()
-    return CachedStorage(storage, cache_dir, max_bytes=cache_bytes, namespace=namespace, cacheable=keys.is_published_data)
+    return CachedStorage(
+        storage, cache_dir, max_bytes=cache_bytes, namespace=namespace, cacheable=keys.is_published_data
+    )
 
 
 def _refuse_saev_dir(path: Path) -> None:
@@ -435,4 +459,3 @@ def _refuse_saev_dir(path: Path) -> None:
             f"{path} is a saev shard directory, not an actstore store; open it with actstore.open({str(path)!r}), "
             "which returns a SaevStore with the same reading API"
         )
-

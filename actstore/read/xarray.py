@@ -53,7 +53,9 @@ def to_dataset(store: Reader, *, chunks: Any = None) -> xr.Dataset:
     t_total = sum(s.t_max for s in segs)
     exposed = np.dtype(np.float32) if store.dtype == "bfloat16" else np.dtype(spec.ACT_DTYPES[store.dtype])
     data_vars: dict[str, Any] = {
-        ACTIVATIONS: _lazy((EXAMPLE, LAYER, TOKEN, D_MODEL), _Activations(store, (n, len(layers), t_total, store.d_model), exposed)),
+        ACTIVATIONS: _lazy(
+            (EXAMPLE, LAYER, TOKEN, D_MODEL), _Activations(store, (n, len(layers), t_total, store.d_model), exposed)
+        ),
     }
     for s in segs:
         name = s.name + spec.LEN_SUFFIX
@@ -63,7 +65,10 @@ def to_dataset(store: Reader, *, chunks: Any = None) -> xr.Dataset:
         data_vars[TOKEN_LABELS] = _lazy((EXAMPLE, TOKEN), _PerSample(load, (n, t_total), np.uint8))
     if spec.SAMPLE_KEY in store.field_names():  # an actstore store; a saev directory has no sample keys
         data_vars[spec.SAMPLE_KEY] = _lazy((EXAMPLE,), _PerSample(lambda: store.field(spec.SAMPLE_KEY), (n,), object))
-    coords: dict[str, Any] = {LAYER: (LAYER, np.array(layers, dtype=np.int64)), "layer_name": (LAYER, layer_names(store))}
+    coords: dict[str, Any] = {
+        LAYER: (LAYER, np.array(layers, dtype=np.int64)),
+        "layer_name": (LAYER, layer_names(store)),
+    }
     if len(segs) > 1:
         coords["segment"] = (TOKEN, np.concatenate([np.full(s.t_max, s.name, dtype=object) for s in segs]))
         coords["position"] = (TOKEN, np.concatenate([np.arange(s.t_max, dtype=np.int64) for s in segs]))
@@ -115,7 +120,9 @@ def json_safe_attrs(meta: dict[str, Any]) -> dict[str, Any]:
     for k, v in meta.items():
         if v is None:
             continue
-        if isinstance(v, (str, int, float, bool)) or (isinstance(v, list) and all(isinstance(x, (str, int, float, bool)) for x in v)):
+        if isinstance(v, (str, int, float, bool)) or (
+            isinstance(v, list) and all(isinstance(x, (str, int, float, bool)) for x in v)
+        ):
             out[k] = v
         else:
             out[k] = json.dumps(v, sort_keys=True, default=str)

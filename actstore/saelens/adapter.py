@@ -14,7 +14,13 @@ from actstore.read.api import ReaderLike, as_reader
 
 
 def saelens_data_provider(
-    store: ReaderLike, *, layer: Any, batch_size: int = 4096, seed: int = 0, token_mask: Any = "default", device: str | None = None,
+    store: ReaderLike,
+    *,
+    layer: Any,
+    batch_size: int = 4096,
+    seed: int = 0,
+    token_mask: Any = "default",
+    device: str | None = None,
     **stream_kwargs: Any,
 ) -> Iterator[Any]:
     """An endless iterator of float32 (batch_size, d_model) tensors of layer `layer` (a number
@@ -27,8 +33,16 @@ def saelens_data_provider(
     number = store.layer_number(layer)
     epoch = 0
     while True:
-        ts = TokenStream(store, batch_size=batch_size, layers=[number], seed=seed + epoch, token_mask=token_mask,
-                         dtype=torch.float32, drop_last=True, **stream_kwargs)
+        ts = TokenStream(
+            store,
+            batch_size=batch_size,
+            layers=[number],
+            seed=seed + epoch,
+            token_mask=token_mask,
+            dtype=torch.float32,
+            drop_last=True,
+            **stream_kwargs,
+        )
         if len(ts) == 0:
             raise ValueError(f"layer {number} of {store.path} holds fewer than {batch_size} tokens: lower batch_size")
         for batch in ts:

@@ -12,13 +12,28 @@ from actstore._version import __version__
 from actstore.read.api import Reader
 
 
-def dataset_card(*, store: Reader, layer: int, hook: str, context_size: int, d_in: int, n_rows: int, n_tokens: int,
-                 dtype: str, seed: int, skip_special: bool, config: dict[str, Any]) -> str:
+def dataset_card(
+    *,
+    store: Reader,
+    layer: int,
+    hook: str,
+    context_size: int,
+    d_in: int,
+    n_rows: int,
+    n_tokens: int,
+    dtype: str,
+    seed: int,
+    skip_special: bool,
+    config: dict[str, Any],
+) -> str:
     """README.md text for an export-saelens folder."""
     model = store.config.model_id or "unknown (the store records no model_id)"
     real_ids = bool(store.config.token_ids)
-    ids = ("the model's vocabulary ids" if real_ids else
-           "codes, since the store kept no vocabulary ids: -2 content token, -3 special token, -4 chat-template token")
+    ids = (
+        "the model's vocabulary ids"
+        if real_ids
+        else "codes, since the store kept no vocabulary ids: -2 content token, -3 special token, -4 chat-template token"
+    )
     cfg = json.dumps({k: v for k, v in config.items() if k != "cached_activations_path"}, indent=2)
     return f"""---
 tags:

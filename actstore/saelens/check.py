@@ -25,8 +25,6 @@ STATE = "state.json"
 HASH_BLOCK = 16 * 2**20  # bytes read at a time for a checksum
 
 
-
-
 @dataclass
 class SaelensCheck:
     """What `verify_saelens_folder` found: `problems` is empty when the folder is sound."""
@@ -43,15 +41,25 @@ class SaelensCheck:
         return not self.problems
 
     def summary(self) -> str:
-        head = (f"verify (saelens export) {self.path}: {self.n_rows} rows in {self.n_files} data files, "
-                f"{self.n_bytes} bytes read")
+        head = (
+            f"verify (saelens export) {self.path}: {self.n_rows} rows in {self.n_files} data files, "
+            f"{self.n_bytes} bytes read"
+        )
         if not self.checksums:
             head += " (no checksums recorded: exported before actstore recorded them; rows and files checked)"
         return head + (": OK" if self.ok else f": {len(self.problems)} problem{'s' if len(self.problems) > 1 else ''}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": str(self.path), "kind": "saelens-export", "ok": self.ok, "n_rows": self.n_rows, "n_files": self.n_files,
-                "n_bytes": self.n_bytes, "checksums": self.checksums, "problems": list(self.problems)}
+        return {
+            "path": str(self.path),
+            "kind": "saelens-export",
+            "ok": self.ok,
+            "n_rows": self.n_rows,
+            "n_files": self.n_files,
+            "n_bytes": self.n_bytes,
+            "checksums": self.checksums,
+            "problems": list(self.problems),
+        }
 
 
 def is_saelens_folder(path: str | os.PathLike) -> bool:
@@ -101,8 +109,10 @@ def verify_saelens_folder(path: str | os.PathLike, *, raise_on_error: bool = Tru
         if not isinstance(n_rows, int) or (records is not None and not isinstance(records, list)):
             raise TypeError("n_rows must be an int and files a list")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        rep.problems.append(f"{root} is not a readable export-saelens folder ({CONFIG} and {STATE} with n_rows and "
-                            f"_data_files): {type(e).__name__}: {e}; export it again")
+        rep.problems.append(
+            f"{root} is not a readable export-saelens folder ({CONFIG} and {STATE} with n_rows and "
+            f"_data_files): {type(e).__name__}: {e}; export it again"
+        )
         return _done(rep, raise_on_error)
     rep.checksums = records is not None
     recorded = {r.get("name"): r for r in records or [] if isinstance(r, dict)}
@@ -126,14 +136,20 @@ def verify_saelens_folder(path: str | os.PathLike, *, raise_on_error: bool = Tru
             got = file_record(f)
             rep.n_bytes += got["bytes"]
             if got["bytes"] != want.get("bytes"):
-                rep.problems.append(f"{f} has {got['bytes']} bytes; the export wrote {want.get('bytes')}: truncated or "
-                                    "overwritten (copy it again from the source, or export again)")
+                rep.problems.append(
+                    f"{f} has {got['bytes']} bytes; the export wrote {want.get('bytes')}: truncated or "
+                    "overwritten (copy it again from the source, or export again)"
+                )
             elif got["sha256"] != want.get("sha256"):
-                rep.problems.append(f"{f}: sha256 {got['sha256']} differs from the export's {want.get('sha256')}: "
-                                    "its bytes changed (copy it again from the source, or export again)")
+                rep.problems.append(
+                    f"{f}: sha256 {got['sha256']} differs from the export's {want.get('sha256')}: "
+                    "its bytes changed (copy it again from the source, or export again)"
+                )
     if rep.n_rows != n_rows:
-        rep.problems.append(f"the data files hold {rep.n_rows} rows; the export wrote {n_rows} ({CONFIG} n_rows): "
-                            "a file was cut or replaced; datasets would load it short with no error")
+        rep.problems.append(
+            f"the data files hold {rep.n_rows} rows; the export wrote {n_rows} ({CONFIG} n_rows): "
+            "a file was cut or replaced; datasets would load it short with no error"
+        )
     return _done(rep, raise_on_error)
 
 

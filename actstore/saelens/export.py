@@ -44,7 +44,6 @@ BATCH_BYTES = 16 * 2**20  # a record batch (and a stream batch): the stream keep
 TRAIN_BATCH_TOKENS = 4096  # SAELens's default train_batch_size_tokens
 
 
-
 @dataclass(frozen=True)
 class SaelensExport:
     path: Path
@@ -57,8 +56,16 @@ class SaelensExport:
 
 
 def export_saelens(
-    store: ReaderLike, out: str | os.PathLike, *, layer: Any, hook_name: str | None = None, context_size: int = DEFAULT_CONTEXT,
-    seed: int = 0, dtype: str = "float32", skip_special: bool | None = None, progress: bool = True,
+    store: ReaderLike,
+    out: str | os.PathLike,
+    *,
+    layer: Any,
+    hook_name: str | None = None,
+    context_size: int = DEFAULT_CONTEXT,
+    seed: int = 0,
+    dtype: str = "float32",
+    skip_special: bool | None = None,
+    progress: bool = True,
 ) -> SaelensExport:
     """Write layer `layer` of `store` (an ActStore, a path or a URL) to `out` for SAELens.
 
@@ -80,14 +87,34 @@ def export_saelens(
         (nothing is published then).
     """
     store = as_reader(store)
-    with export_os_errors(f"exporting {store.path} for SAELens", Path(os.path.abspath(out)),
-                          "the same export-saelens command"):
-        return _export(store, out, layer=layer, hook_name=hook_name, context_size=context_size, seed=seed, dtype=dtype,
-                       skip_special=skip_special, progress=progress)
+    with export_os_errors(
+        f"exporting {store.path} for SAELens", Path(os.path.abspath(out)), "the same export-saelens command"
+    ):
+        return _export(
+            store,
+            out,
+            layer=layer,
+            hook_name=hook_name,
+            context_size=context_size,
+            seed=seed,
+            dtype=dtype,
+            skip_special=skip_special,
+            progress=progress,
+        )
 
 
-def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str | None, context_size: int, seed: int,
-            dtype: str, skip_special: bool | None, progress: bool) -> SaelensExport:
+def _export(
+    store: Reader,
+    out: str | os.PathLike,
+    *,
+    layer: Any,
+    hook_name: str | None,
+    context_size: int,
+    seed: int,
+    dtype: str,
+    skip_special: bool | None,
+    progress: bool,
+) -> SaelensExport:
     from actstore.loaders import TokenStream
 
     number = store.layer_number(layer)
@@ -112,9 +139,17 @@ def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str
 
     np_dtype = np.dtype(dtype)
     # The stream's threads convert to the column dtype; its batches are whole rows but the last.
-    ts = TokenStream(store, batch_size=max(C, BATCH_BYTES // (D * 4) // C * C), layers=[number], seed=seed, shuffle=True,
-                     return_index=True, token_mask=masks.CONTENT if skip_special else masks.ALL, threads=2,
-                     dtype=torch.float32 if dtype == "float32" else torch.float16)
+    ts = TokenStream(
+        store,
+        batch_size=max(C, BATCH_BYTES // (D * 4) // C * C),
+        layers=[number],
+        seed=seed,
+        shuffle=True,
+        return_index=True,
+        token_mask=masks.CONTENT if skip_special else masks.ALL,
+        threads=2,
+        dtype=torch.float32 if dtype == "float32" else torch.float16,
+    )
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)
     try:
@@ -147,25 +182,58 @@ def _export(store: Reader, out: str | os.PathLike, *, layer: Any, hook_name: str
                 last_id[0, : len(carry_id)] = carry_id
             writer.write(last_x, last_id)
         files = writer.close()
-        records = [file_record(tmp / f) for f in files]  # read back (from the page cache): what `actstore verify OUT` checks
+        records = [
+            file_record(tmp / f) for f in files
+        ]  # read back (from the page cache): what `actstore verify OUT` checks
         config = _config(store, hook, C, D, out, writer.rows, prompts, ids_of.codes, records)
-        _write_json(tmp / "state.json", {
-            "_data_files": [{"filename": f} for f in files], "_fingerprint": uuid.uuid4().hex[:16],
-            "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None,
-        })
-        _write_json(tmp / "dataset_info.json", {"citation": "", "description": f"actstore export of {store.path}, layer {number}",
-                                                "features": writer.features.to_dict(), "homepage": "", "license": ""})
+        _write_json(
+            tmp / "state.json",
+            {
+                "_data_files": [{"filename": f} for f in files],
+                "_fingerprint": uuid.uuid4().hex[:16],
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            },
+        )
+        _write_json(
+            tmp / "dataset_info.json",
+            {
+                "citation": "",
+                "description": f"actstore export of {store.path}, layer {number}",
+                "features": writer.features.to_dict(),
+                "homepage": "",
+                "license": "",
+            },
+        )
         _write_json(tmp / "saelens_config.json", config)
-        (tmp / "README.md").write_text(dataset_card(
-            store=store, layer=number, hook=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, dtype=dtype,
-            seed=seed, skip_special=skip_special, config=config), encoding="utf-8")
+        (tmp / "README.md").write_text(
+            dataset_card(
+                store=store,
+                layer=number,
+                hook=hook,
+                context_size=C,
+                d_in=D,
+                n_rows=writer.rows,
+                n_tokens=n_tokens,
+                dtype=dtype,
+                seed=seed,
+                skip_special=skip_special,
+                config=config,
+            ),
+            encoding="utf-8",
+        )
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return SaelensExport(path=out, hook_name=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, config=config)
+    return SaelensExport(
+        path=out, hook_name=hook, context_size=C, d_in=D, n_rows=writer.rows, n_tokens=n_tokens, config=config
+    )
 
 
 def _default_hook(store: Reader, number: int) -> str:
@@ -211,8 +279,12 @@ class _ArrowFiles:
         import pyarrow as pa
 
         self.pa, self.root, self.C, self.D, self.dtype = pa, root, C, D, dtype
-        self.features = datasets.Features({hook: datasets.Array2D((C, D), dtype.name),
-                                           "token_ids": datasets.Sequence(datasets.Value("int32"), length=C)})
+        self.features = datasets.Features(
+            {
+                hook: datasets.Array2D((C, D), dtype.name),
+                "token_ids": datasets.Sequence(datasets.Value("int32"), length=C),
+            }
+        )
         self.schema = self.features.arrow_schema
         self.ext_type = self.schema.field(hook).type
         self.rows = self.tokens = 0
@@ -231,8 +303,9 @@ class _ArrowFiles:
         if self._writer is None or self._file_rows >= self._rows_per_file:
             self._roll()
         r = len(x)
-        inner = pa.ListArray.from_arrays(pa.array(np.arange(0, (r * C + 1) * D, D, dtype=np.int32)),
-                                         pa.array(np.ascontiguousarray(x).reshape(-1)))
+        inner = pa.ListArray.from_arrays(
+            pa.array(np.arange(0, (r * C + 1) * D, D, dtype=np.int32)), pa.array(np.ascontiguousarray(x).reshape(-1))
+        )
         outer = pa.ListArray.from_arrays(pa.array(np.arange(0, (r + 1) * C, C, dtype=np.int32)), inner)
         acts = pa.ExtensionArray.from_storage(self.ext_type, outer)
         tids = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(ids, np.int32).reshape(-1)), C)
@@ -278,8 +351,17 @@ class _ArrowFiles:
         return names
 
 
-def _config(store: Reader, hook: str, C: int, D: int, out: Path, rows: int, prompts: int, codes: list[int],
-            records: list[dict[str, Any]]) -> dict[str, Any]:
+def _config(
+    store: Reader,
+    hook: str,
+    C: int,
+    D: int,
+    out: Path,
+    rows: int,
+    prompts: int,
+    codes: list[int],
+    records: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The SAELens settings that read this export (LanguageModelSAERunnerConfig fields), and
     what checks it: the row count and each data file's size and sha256 (saelens/check.py)."""
     return {

@@ -12,6 +12,18 @@ from actstore.saev.runs import link_run
 from actstore.saev.verify import SaevReport, verify_saev
 
 __all__ = [
-    "SaevExistsError", "SaevExport", "SaevExportError", "SaevExportOptions", "SaevFormatError", "SaevOptionError", "SaevReport", "SaevStore",
-    "default_dump_to", "export_saev", "import_saev", "is_saev_dir", "link_run", "verify_saev",
+    "SaevExistsError",
+    "SaevExport",
+    "SaevExportError",
+    "SaevExportOptions",
+    "SaevFormatError",
+    "SaevOptionError",
+    "SaevReport",
+    "SaevStore",
+    "default_dump_to",
+    "export_saev",
+    "import_saev",
+    "is_saev_dir",
+    "link_run",
+    "verify_saev",
 ]

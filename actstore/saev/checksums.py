@@ -75,8 +75,12 @@ def check(root: str | os.PathLike, *, progress: Any = None) -> list[str] | None:
         return None
     doc, problem = read_json(side)  # a regular file within the JSON limits (a FIFO there would block)
     files = doc.get("files") if isinstance(doc, dict) else None
-    if problem is None and (not isinstance(doc, dict) or doc.get("algorithm") != ALGORITHM or not isinstance(files, dict)
-                            or not all(isinstance(w, dict) for w in files.values())):
+    if problem is None and (
+        not isinstance(doc, dict)
+        or doc.get("algorithm") != ALGORITHM
+        or not isinstance(files, dict)
+        or not all(isinstance(w, dict) for w in files.values())
+    ):
         problem = f"{P.CHECKSUMS_FILE}: not an actstore checksum sidecar (algorithm {ALGORITHM!r}, files by name)"
     if problem is not None:
         return [f"{problem}; export again, or delete {P.CHECKSUMS_FILE} to skip the checksums"]
@@ -93,8 +97,10 @@ def check(root: str | os.PathLike, *, progress: Any = None) -> list[str] | None:
         if got["bytes"] != want.get("bytes"):
             problems.append(f"{name}: {got['bytes']} bytes, the export wrote {want.get('bytes')} ({P.CHECKSUMS_FILE})")
         elif got["crc32c"] != want.get("crc32c"):
-            problems.append(f"{name}: crc32c {got['crc32c']} differs from the export's {want.get('crc32c')}: its bytes changed "
-                            "after the export (copy it again, or export again)")
+            problems.append(
+                f"{name}: crc32c {got['crc32c']} differs from the export's {want.get('crc32c')}: its bytes changed "
+                "after the export (copy it again, or export again)"
+            )
     return problems
 
 

@@ -26,7 +26,6 @@ from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
 from actstore.saev.verify import verify_saev
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class SaevExport:
     """Where an export landed and what it holds; `reused` when an identical one existed."""
@@ -45,7 +44,9 @@ def default_dump_to() -> Path:
     """$SAEV_SCRATCH/saev/shards (the storage & run manifest's shards_root)."""
     scratch = os.environ.get("SAEV_SCRATCH")
     if not scratch:
-        raise SaevOptionError("no dump_to given and $SAEV_SCRATCH is not set; pass dump_to (e.g. $SAEV_SCRATCH/saev/shards)")
+        raise SaevOptionError(
+            "no dump_to given and $SAEV_SCRATCH is not set; pass dump_to (e.g. $SAEV_SCRATCH/saev/shards)"
+        )
     return Path(scratch) / "saev" / "shards"
 
 
@@ -130,7 +131,9 @@ def export_saev(
     if plan.dropped_tokens:
         warnings.warn(
             f"the last {plan.dropped_tokens} real tokens of {store.path} do not fill an exported example of "
-            f"{plan.geometry.tokens_per_example} tokens and are left out (tokens_per_example=1 exports every token)", stacklevel=2)
+            f"{plan.geometry.tokens_per_example} tokens and are left out (tokens_per_example=1 exports every token)",
+            stacklevel=2,
+        )
     if protocol == "2.1" and root.parts[-2:] != P.SHARDS_ROOT_PARTS:
         raise SaevOptionError(
             f"protocol 2.1 directories must sit at .../saev/shards/<hash> (saev's loaders check); "
@@ -145,17 +148,38 @@ def export_saev(
         return _reuse(target, plan)
     nonfinite = sum(store.manifest.nonfinite.values())
     if nonfinite:
-        warnings.warn(f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2)
+        warnings.warn(
+            f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2
+        )
     with export_os_errors(f"exporting {store.path} to saev", target, "the same export-saev command"):
-        published = _build(store, plan, root, target, overwrite=overwrite, workers=workers, batch_bytes=o.batch_bytes,
-                           fsync=fsync, progress=o.progress)
+        published = _build(
+            store,
+            plan,
+            root,
+            target,
+            overwrite=overwrite,
+            workers=workers,
+            batch_bytes=o.batch_bytes,
+            fsync=fsync,
+            progress=o.progress,
+        )
     if not published:  # another process published the same hash meanwhile
         return _reuse(target, plan)
     return _result(target, plan, reused=False)
 
 
-def _build(store: ActStore, plan: ExportPlan, root: Path, target: Path, *, overwrite: bool, workers: int, batch_bytes: int,
-           fsync: bool, progress: bool) -> bool:
+def _build(
+    store: ActStore,
+    plan: ExportPlan,
+    root: Path,
+    target: Path,
+    *,
+    overwrite: bool,
+    workers: int,
+    batch_bytes: int,
+    fsync: bool,
+    progress: bool,
+) -> bool:
     """Write the directory beside `target` and publish it; False: another process did first."""
     protocol = plan.protocol
     tmp = temp_dir(root, plan.hash)
@@ -205,7 +229,9 @@ def _verified(tmp: Path, target: Path) -> None:
     """The invariant of every export: the directory passes our own verify-saev before it is published."""
     problems = verify_saev(tmp, published_as=target).problems
     if problems:
-        raise SaevExportError(f"the export does not verify ({'; '.join(problems)}); nothing was published (a bug: please report it)")
+        raise SaevExportError(
+            f"the export does not verify ({'; '.join(problems)}); nothing was published (a bug: please report it)"
+        )
 
 
 def _reuse(target: Path, plan: ExportPlan) -> SaevExport:
@@ -221,8 +247,14 @@ def _reuse(target: Path, plan: ExportPlan) -> SaevExport:
 def _result(target: Path, plan: ExportPlan, *, reused: bool) -> SaevExport:
     g = plan.geometry
     return SaevExport(
-        path=target, hash=plan.hash, protocol=plan.protocol, metadata=plan.metadata, n_examples=g.n_examples,
-        n_shards=g.n_shards, nbytes=g.n_examples * g.example_nbytes, reused=reused,
+        path=target,
+        hash=plan.hash,
+        protocol=plan.protocol,
+        metadata=plan.metadata,
+        n_examples=g.n_examples,
+        n_shards=g.n_shards,
+        nbytes=g.n_examples * g.example_nbytes,
+        reused=reused,
     )
 
 

@@ -55,8 +55,16 @@ def import_saev(
     labels = src.labels() if cfg.token_labels else None
     batch = max(1, int(batch_bytes) // g.example_nbytes)
     w = ShardWriter(
-        store, shard=shard, layers=cfg.layers, d_model=cfg.d_model, tokens=g.tokens_per_example, dtype=dtype,
-        token_labels=cfg.token_labels, model_id=cfg.model_id, attrs=dict(cfg.attrs), overwrite=overwrite,
+        store,
+        shard=shard,
+        layers=cfg.layers,
+        d_model=cfg.d_model,
+        tokens=g.tokens_per_example,
+        dtype=dtype,
+        token_labels=cfg.token_labels,
+        model_id=cfg.model_id,
+        attrs=dict(cfg.attrs),
+        overwrite=overwrite,
     )
     with w, tqdm(total=len(src), unit="ex", desc=f"import saev {Path(saev_dir).name[:8]}", disable=not progress) as bar:
         for start in range(0, len(src), batch):
@@ -65,7 +73,7 @@ def import_saev(
             kw = {}
             if labels is not None:
                 lab = np.zeros((stop - start, g.tokens_per_example), dtype=np.uint8)
-                lab[:, int(g.cls_token):] = labels[start:stop]
+                lab[:, int(g.cls_token) :] = labels[start:stop]
                 kw["token_labels"] = lab
             w.append(acts, **kw)
             bar.update(stop - start)

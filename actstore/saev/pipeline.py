@@ -42,7 +42,17 @@ class ShardPipeline:
     one (T, D) float32 block, contiguous in the output file.
     """
 
-    def __init__(self, store: ActStore, plan: ExportPlan, out_dir: Path, *, workers: int, batch_bytes: int, fsync: bool, progress: bool):
+    def __init__(
+        self,
+        store: ActStore,
+        plan: ExportPlan,
+        out_dir: Path,
+        *,
+        workers: int,
+        batch_bytes: int,
+        fsync: bool,
+        progress: bool,
+    ):
         self.plan = plan
         self.fsync = fsync
         self.dir = out_dir
@@ -59,7 +69,9 @@ class ShardPipeline:
         self._stored = np.dtype(spec.ACT_DTYPES[plan.stored_dtype])
         self._d_model = g.d_model
         self._half = _half_converter(g.n_examples * g.example_nbytes) if plan.stored_dtype == "float16" else None
-        self.checksums: dict[str, dict[str, int]] = {}  # acts file -> size and crc32c (padding included), for the sidecar
+        self.checksums: dict[
+            str, dict[str, int]
+        ] = {}  # acts file -> size and crc32c (padding included), for the sidecar
 
     def units(self) -> list[tuple[int, int, int]]:
         """(shard, first row, end row) with rows counted within the shard, in file order."""
@@ -83,11 +95,20 @@ class ShardPipeline:
         todo = iter(units)
         fd, shard, path, crc = -1, -1, self.dir, FileCrc()
         closing = []
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer, \
-                progress_bar(total=g.n_examples * g.example_nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                     desc=f"export saev {self.plan.hash[:8]}", disable=not self.progress) as bar:
+        with (
+            ThreadPoolExecutor(self.workers, thread_name_prefix="saev-read") as pool,
+            ThreadPoolExecutor(1, thread_name_prefix="saev-close") as closer,
+            progress_bar(
+                total=g.n_examples * g.example_nbytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=f"export saev {self.plan.hash[:8]}",
+                disable=not self.progress,
+            ) as bar,
+        ):
             try:
+
                 def submit() -> None:
                     unit = next(todo, None)
                     if unit is not None:
@@ -174,7 +195,6 @@ class ShardPipeline:
                 short = np.flatnonzero(lens < part.skip + part.count)
                 for j in short:  # tokens past a segment's length do not exist: zeros
                     dst[j, max(int(lens[j]) - part.skip, 0) :] = 0
-
 
     def _fill_packed(self, unit: tuple[int, int, int], buf: np.ndarray) -> None:
         """Fill buf with exported examples [a, b) of a packed export: the real tokens
@@ -278,9 +298,15 @@ def write_labels(store: ActStore, plan: ExportPlan, path: Path, fsync: bool) -> 
         per_part = []
         for part in plan.parts:
             lab = np.asarray(store.field(part.segment + spec.TOKEN_LABELS_SUFFIX))
-            lens = np.full(len(lab), part.count + part.skip) if part.fixed else np.asarray(store.field(part.segment + spec.LEN_SUFFIX))
+            lens = (
+                np.full(len(lab), part.count + part.skip)
+                if part.fixed
+                else np.asarray(store.field(part.segment + spec.LEN_SUFFIX))
+            )
             per_part.append((part, lab, lens))
-        stream = np.concatenate([lab[e, plan.rows(part, e, int(lens[e]))] for e in range(len(store)) for part, lab, lens in per_part])
+        stream = np.concatenate(
+            [lab[e, plan.rows(part, e, int(lens[e]))] for e in range(len(store)) for part, lab, lens in per_part]
+        )
         _write_labels(stream[: g.n_examples * g.tokens_per_example].astype(np.uint8), path, fsync)
         return
     cols = []

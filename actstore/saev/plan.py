@@ -98,12 +98,27 @@ class SaevExportOptions:
     progress: bool = True
 
 
-def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, protocol: str = P.DEFAULT_PROTOCOL) -> ExportPlan:
+def make_plan(
+    store: ActStore, options: SaevExportOptions | None = None, *, protocol: str = P.DEFAULT_PROTOCOL
+) -> ExportPlan:
     """Validate every export option against `store`; `protocol` is the one chosen for the
     export (options.protocol may say "auto"); see export_saev."""
     o = options if options is not None else SaevExportOptions()
-    layers, segments, cls, family, ckpt, dataset, data = o.layers, o.segments, o.cls, o.family, o.ckpt, o.dataset, o.data
-    patches_per_shard, pixel_agg, labels, tokens_per_example = o.patches_per_shard, o.pixel_agg, o.labels, o.tokens_per_example
+    layers, segments, cls, family, ckpt, dataset, data = (
+        o.layers,
+        o.segments,
+        o.cls,
+        o.family,
+        o.ckpt,
+        o.dataset,
+        o.data,
+    )
+    patches_per_shard, pixel_agg, labels, tokens_per_example = (
+        o.patches_per_shard,
+        o.pixel_agg,
+        o.labels,
+        o.tokens_per_example,
+    )
     if protocol not in P.PROTOCOLS:
         raise SaevOptionError(f"protocol must be one of {list(P.PROTOCOLS)}. Got {protocol!r}.")
     cfg = store.config
@@ -120,7 +135,9 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     offsets, dropped, keep = None, 0, None
     if any(not p.fixed for p in parts):  # padding is never exported: pack the real tokens
         if cls_token:
-            raise SaevOptionError("an export of padded (text) segments packs real tokens, with no per-example CLS token; pass cls='drop' or 'none'")
+            raise SaevOptionError(
+                "an export of padded (text) segments packs real tokens, with no per-example CLS token; pass cls='drop' or 'none'"
+            )
         keep = None if o.keep_special else _content(store, parts)
         offsets = _token_offsets(store, parts, keep)
         content = 1 if tokens_per_example is None else int(tokens_per_example)
@@ -128,9 +145,13 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
             raise SaevOptionError(f"tokens_per_example must be a positive int. Got {tokens_per_example!r}.")
         n, dropped = divmod(int(offsets[-1]), content)
         if n == 0:
-            raise SaevOptionError(f"the store holds {int(offsets[-1])} real tokens, fewer than one exported example of {content}")
+            raise SaevOptionError(
+                f"the store holds {int(offsets[-1])} real tokens, fewer than one exported example of {content}"
+            )
     elif tokens_per_example is not None:
-        raise SaevOptionError("tokens_per_example packs the real tokens of padded (text) segments; this store's segments are fixed-length")
+        raise SaevOptionError(
+            "tokens_per_example packs the real tokens of padded (text) segments; this store's segments are fixed-length"
+        )
     if content < 1:
         raise SaevOptionError(
             f"the exported examples would hold no content tokens (segments {seg_names}, cls {cls_mode!r}); "
@@ -142,8 +163,12 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     if isinstance(patches_per_shard, bool) or not isinstance(patches_per_shard, int) or patches_per_shard <= 0:
         raise SaevOptionError(f"patches_per_shard must be a positive int. Got {patches_per_shard!r}.")
     geom = P.ShardGeometry(
-        n_examples=n, n_layers=len(layers_t), content_tokens=content, cls_token=cls_token,
-        d_model=cfg.d_model, budget=patches_per_shard,
+        n_examples=n,
+        n_layers=len(layers_t),
+        content_tokens=content,
+        cls_token=cls_token,
+        d_model=cfg.d_model,
+        budget=patches_per_shard,
     )
     if geom.examples_per_shard < 1:
         need = geom.tokens_per_example * geom.n_layers
@@ -161,7 +186,12 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
         "d_model": cfg.d_model,
         P.N_KEY[protocol]: n,
         P.BUDGET_KEY[protocol]: patches_per_shard,
-        "data": _data(data, attrs, protocol, _default_data(store, seg_names, cls_mode, packed=offsets is not None, content=keep is not None)),
+        "data": _data(
+            data,
+            attrs,
+            protocol,
+            _default_data(store, seg_names, cls_mode, packed=offsets is not None, content=keep is not None),
+        ),
         "dataset": _dataset(dataset, attrs),
         "pixel_agg": _pixel_agg(pixel_agg, attrs, protocol),
         "dtype": P.DTYPE,
@@ -173,9 +203,18 @@ def make_plan(store: ActStore, options: SaevExportOptions | None = None, *, prot
     except (TypeError, ValueError) as e:
         raise SaevOptionError(f"the saev metadata must be plain JSON (check data and the store's attrs): {e}") from None
     return ExportPlan(
-        protocol=protocol, metadata=metadata, hash=digest, geometry=geom,
-        layers=layers_t, parts=parts, cls=cls_mode, labels=want_labels, stored_dtype=cfg.dtype,
-        offsets=offsets, dropped_tokens=dropped, keep=keep,
+        protocol=protocol,
+        metadata=metadata,
+        hash=digest,
+        geometry=geom,
+        layers=layers_t,
+        parts=parts,
+        cls=cls_mode,
+        labels=want_labels,
+        stored_dtype=cfg.dtype,
+        offsets=offsets,
+        dropped_tokens=dropped,
+        keep=keep,
     )
 
 
@@ -193,7 +232,11 @@ def _token_offsets(store: ActStore, parts: tuple[Part, ...], keep: dict[str, np.
     the total at the end."""
     counts = np.zeros(len(store), np.int64)
     for p in parts:
-        lens = np.full(len(store), p.count + p.skip, np.int64) if p.fixed else np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
+        lens = (
+            np.full(len(store), p.count + p.skip, np.int64)
+            if p.fixed
+            else np.asarray(store.field(p.segment + LEN_SUFFIX), np.int64)
+        )
         if keep is not None and p.segment in keep:
             window = keep[p.segment][:, p.skip : p.skip + p.count]
             within = np.arange(p.skip, p.skip + window.shape[1])[None, :] < lens[:, None]
@@ -262,7 +305,9 @@ def _parts(seg_names: list[str], cfg: Any, cls_mode: str) -> tuple[tuple[Part, .
         skip = 1 if k == 0 and cls_mode == "drop" else 0
         count = seg.t_max - skip
         if count > 0:
-            parts.append(Part(segment=name, skip=skip, count=count, dst=dst, n_pad=seg.n_chunks * seg.t_chunk, fixed=seg.fixed))
+            parts.append(
+                Part(segment=name, skip=skip, count=count, dst=dst, n_pad=seg.n_chunks * seg.t_chunk, fixed=seg.fixed)
+            )
         dst += count
     return tuple(parts), dst
 
@@ -330,7 +375,9 @@ def _dataset(dataset: str | os.PathLike | None, attrs: dict[str, Any]) -> str:
             "embedded images to DUMP_TO/embedded-images and names that folder by itself)"
         )
     if not isinstance(value, str) or not os.path.isabs(value):
-        raise SaevOptionError(f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)")
+        raise SaevOptionError(
+            f"the store's attrs['dataset'] must be an absolute path. Got {value!r}; pass dataset (--dataset)"
+        )
     return value
 
 
@@ -345,7 +392,9 @@ def _pixel_agg(pixel_agg: str | None, attrs: dict[str, Any], protocol: str) -> s
     return value
 
 
-def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False, content: bool = False) -> dict[str, Any]:
+def _default_data(
+    store: ActStore, seg_names: list[str], cls_mode: str, packed: bool = False, content: bool = False
+) -> dict[str, Any]:
     """What the export was made from; `content_crc32c` ties the hash to the store's bytes."""
     crc = 0
     for s in store.manifest.shards:
@@ -356,7 +405,11 @@ def _default_data(store: ActStore, seg_names: list[str], cls_mode: str, packed: 
         "segments": seg_names,
         "cls": cls_mode,
         "content_crc32c": f"{crc:08x}",
-        **({"tokens": f"real tokens only, packed; {P.OFFSETS_FILE} maps them to (store example, position)"} if packed else {}),
+        **(
+            {"tokens": f"real tokens only, packed; {P.OFFSETS_FILE} maps them to (store example, position)"}
+            if packed
+            else {}
+        ),
         **({"special_tokens": "left out (content tokens only, token label 0)"} if content else {}),
     }
 
@@ -369,7 +422,9 @@ def _data(data: Any, attrs: dict[str, Any], protocol: str, default: dict[str, An
         if isinstance(data, dict):
             return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if not isinstance(data, str):
-            raise SaevOptionError(f"{source} must be a string (or an object, stored as JSON) for protocol 2.1. Got {data!r}.")
+            raise SaevOptionError(
+                f"{source} must be a string (or an object, stored as JSON) for protocol 2.1. Got {data!r}."
+            )
         return data
     if isinstance(data, str):
         try:

@@ -72,7 +72,10 @@ def link_run(
     links = {"train-shards": _shards_dir(train_shards)}
     if val_shards is not None:
         links["val-shards"] = _shards_dir(val_shards)
-    for name, explicit, shards in (("train-dataset", dataset, links["train-shards"]), ("val-dataset", val_dataset, links.get("val-shards"))):
+    for name, explicit, shards in (
+        ("train-dataset", dataset, links["train-shards"]),
+        ("val-dataset", val_dataset, links.get("val-shards")),
+    ):
         target = Path(os.path.abspath(explicit)) if explicit is not None else _metadata_dataset(shards)
         if target is not None:
             if not target.is_dir():

@@ -30,8 +30,13 @@ class SaevReport:
         return not self.problems
 
 
-def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool = False,
-                published_as: str | os.PathLike | None = None) -> SaevReport:
+def verify_saev(
+    path: str | os.PathLike,
+    *,
+    values: bool = False,
+    progress: bool = False,
+    published_as: str | os.PathLike | None = None,
+) -> SaevReport:
     """Check a saev shard directory; every violation is listed, none raised.
 
     Rules: metadata fields, types and order (2.1); the directory name equals the metadata
@@ -88,14 +93,18 @@ def verify_saev(path: str | os.PathLike, *, values: bool = False, progress: bool
     return report
 
 
-def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, layers: list, *, values: bool, progress: bool) -> list[str]:
+def _check_files(
+    root: Path, names: list[str], geom: P.ShardGeometry | None, layers: list, *, values: bool, progress: bool
+) -> list[str]:
     problems = []
     allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, P.OFFSETS_FILE, P.CHECKSUMS_FILE, *names}
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.name not in allowed:
             kind = "directory" if entry.is_dir(follow_symlinks=False) else "file"
-            why = "not listed in shards.json" if P.SHARD_NAME_RE.match(entry.name) else (
-                "a saev shard directory holds only metadata.json, shards.json, acts*.bin and labels.bin"
+            why = (
+                "not listed in shards.json"
+                if P.SHARD_NAME_RE.match(entry.name)
+                else ("a saev shard directory holds only metadata.json, shards.json, acts*.bin and labels.bin")
             )
             problems.append(f"stray {kind} {entry.name!r}: {why}")
         elif entry.name in (P.LABELS_FILE, P.OFFSETS_FILE) and isinstance(regular_size(root / entry.name), str):
@@ -109,19 +118,27 @@ def _check_files(root: Path, names: list[str], geom: P.ShardGeometry | None, lay
         return problems
     counts = geom.shard_counts()
     want = geom.shard_nbytes
-    shape = (f"examples_per_shard {geom.examples_per_shard} x {geom.n_layers} layers x {geom.tokens_per_example} tokens "
-             f"x {geom.d_model} d_model x 4 bytes")
+    shape = (
+        f"examples_per_shard {geom.examples_per_shard} x {geom.n_layers} layers x {geom.tokens_per_example} tokens "
+        f"x {geom.d_model} d_model x 4 bytes"
+    )
     sized = []
     for i, name in enumerate(names):
         p = root / name
         size = regular_size(p)
         if not isinstance(size, int):
-            problems.append(f"{name}: {size} where a shard file belongs (readers refuse it)" if size else f"{name}: missing (listed in shards.json)")
+            problems.append(
+                f"{name}: {size} where a shard file belongs (readers refuse it)"
+                if size
+                else f"{name}: missing (listed in shards.json)"
+            )
             continue
         if i >= len(counts) and size in (0, want):
             continue  # the trailing empty shard (schema.trailing_empty_shard): no data to check
         if size != want:
-            problems.append(f"{name}: {size} bytes, expected {want} ({shape}; the last shard too is full size, zero-padded)")
+            problems.append(
+                f"{name}: {size} bytes, expected {want} ({shape}; the last shard too is full size, zero-padded)"
+            )
             continue
         sized.append((i, name))
         if i < len(counts) and counts[i] < geom.examples_per_shard:
@@ -169,7 +186,9 @@ def _is_zero(path: Path, start: int, stop: int) -> bool:
         os.close(fd)
 
 
-def _check_values(root: Path, sized: list[tuple[int, str]], counts: list[int], geom: P.ShardGeometry, layers: list, progress: bool) -> list[str]:
+def _check_values(
+    root: Path, sized: list[tuple[int, str]], counts: list[int], geom: P.ShardGeometry, layers: list, progress: bool
+) -> list[str]:
     from tqdm import tqdm
 
     problems = []

@@ -14,7 +14,6 @@ from actstore.storage.objectstore import ObjectStorage
 __all__ = ["Entry", "KeyNotFound", "LocalStorage", "ObjectStorage", "Storage", "Writeback", "is_url", "open_storage"]
 
 
-
 def open_storage(location: str | os.PathLike | Storage) -> Storage:
     """The Storage of a store location: a local path, a `file://` URL, an object-store URL
     (`s3://bucket/prefix`, `gs://...`, `az://...`), or a Storage itself."""
@@ -24,7 +23,7 @@ def open_storage(location: str | os.PathLike | Storage) -> Storage:
     if isinstance(text, bytes):
         text = os.fsdecode(text)
     if text.startswith("file://"):
-        return LocalStorage(Path(text[len("file://"):]))
+        return LocalStorage(Path(text[len("file://") :]))
     if text.startswith(OBJECT_SCHEMES):
         return ObjectStorage(text)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):

@@ -22,7 +22,6 @@ from typing import Any
 from actstore.errors import KeyNotFound
 
 
-
 @dataclass(frozen=True)
 class Entry:
     """One listed key. `kind` is "file" for an object or regular file; a local disk also
@@ -139,8 +138,9 @@ class Storage(abc.ABC):
 
     # ---- writes ---------------------------------------------------------------------
     @abc.abstractmethod
-    def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
+    def put(
+        self, key: str, *parts: Any, atomic: bool = True, durable: bool = False, writeback: Writeback | None = None
+    ) -> None:
         """Write the concatenation of `parts` (bytes-like) as the whole object `key`; the
         parts are read, never copied whole (an object store uploads a large object in
         parts). Background writes are the writer's job (actstore.write.pipeline).

@@ -25,7 +25,6 @@ from actstore.storage.cachedir import CacheDir
 __all__ = ["CachedStorage", "ReadOnlyCacheError"]
 
 
-
 class CachedStorage(Storage):
     """A read-only Storage that keeps data objects of `inner` in a local cache directory.
 
@@ -45,8 +44,15 @@ class CachedStorage(Storage):
     ReadOnlyCacheError. `stats()` counts this process's use of the cache.
     """
 
-    def __init__(self, inner: Storage, cache_dir: str | os.PathLike, *, max_bytes: int, namespace: str,
-                 cacheable: Callable[[str], bool]):
+    def __init__(
+        self,
+        inner: Storage,
+        cache_dir: str | os.PathLike,
+        *,
+        max_bytes: int,
+        namespace: str,
+        cacheable: Callable[[str], bool],
+    ):
         if not isinstance(inner, Storage):
             raise TypeError(f"inner must be a Storage. Got {type(inner).__name__}.")
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
@@ -93,8 +99,12 @@ class CachedStorage(Storage):
         namespace, budget, statistics); its keys are cached under `prefix/key`."""
         folder = prefix.strip("/")
         sub = object.__new__(CachedStorage)
-        sub._setup(self.inner.child(prefix), self._cache, f"{self._prefix}{folder}/" if folder else self._prefix,
-                   self.cacheable)
+        sub._setup(
+            self.inner.child(prefix),
+            self._cache,
+            f"{self._prefix}{folder}/" if folder else self._prefix,
+            self.cacheable,
+        )
         return sub
 
     def _entry(self, kind: str, key: str, offset: int = 0, length: int = 0) -> str | None:
@@ -216,8 +226,9 @@ class CachedStorage(Storage):
             "write through the store's own storage (open_storage(url)), then open a new cache"
         )
 
-    def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
+    def put(
+        self, key: str, *parts: Any, atomic: bool = True, durable: bool = False, writeback: Writeback | None = None
+    ) -> None:
         raise self._refuse("put", key)
 
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:

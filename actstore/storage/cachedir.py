@@ -53,8 +53,19 @@ LOW_WATER = 0.875  # an eviction leaves at most this fraction of max_bytes
 RESCAN_FRACTION = 0.125  # rescan after writing this fraction of max_bytes (others write too)
 STALE_TMP_S = 3600  # a temporary file this old belongs to a crashed writer
 LOCK_NAME = ".evict.lock"
-STAT_NAMES = ("hits", "misses", "hit_bytes", "miss_bytes", "written", "written_bytes", "skipped",
-              "evicted", "evicted_bytes", "damaged", "errors")
+STAT_NAMES = (
+    "hits",
+    "misses",
+    "hit_bytes",
+    "miss_bytes",
+    "written",
+    "written_bytes",
+    "skipped",
+    "evicted",
+    "evicted_bytes",
+    "damaged",
+    "errors",
+)
 
 _NS_RE = re.compile(r"[0-9a-f]{16}")
 _SUB_RE = re.compile(r"[0-9a-f]{2}")
@@ -210,7 +221,7 @@ class CacheDir:
                 for part in (HEADER.pack(MAGIC, VERSION, crc32c(view), view.nbytes), view):
                     part = memoryview(part)
                     while part.nbytes:
-                        part = part[os.write(fd, part):]
+                        part = part[os.write(fd, part) :]
                 now = time.time_ns()
                 os.utime(fd, ns=(now, now))
             finally:
@@ -228,8 +239,11 @@ class CacheDir:
             self.since_scan += size
             if self.known_bytes is not None:
                 self.known_bytes += size
-            due = (self.known_bytes is None or self.known_bytes > self.max_bytes
-                   or self.since_scan > self.max_bytes * RESCAN_FRACTION)
+            due = (
+                self.known_bytes is None
+                or self.known_bytes > self.max_bytes
+                or self.since_scan > self.max_bytes * RESCAN_FRACTION
+            )
             ticket = self.scans
         if due:
             self.evict(ticket)

@@ -18,8 +18,16 @@ from actstore.errors import ActstoreError, DiskFullError, ExportWriteError, Unsa
 from actstore.storage.durable import fsync_dir, syncfs, tmp_name
 from actstore.storage.regular import open_regular
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "export_os_errors", "fsync_dir", "read_regular", "safe_child", "syncfs",
-           "tmp_name"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "export_os_errors",
+    "fsync_dir",
+    "read_regular",
+    "safe_child",
+    "syncfs",
+    "tmp_name",
+]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _FIXES = {
@@ -50,10 +58,13 @@ def export_os_errors(what: str, out: str | os.PathLike, rerun: str, *, left: str
         file = e.filename or out
         cause = os.strerror(e.errno) if e.errno else str(e)
         if e.errno in _FULL:
-            space = "a file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "the disk or quota is full"
+            space = (
+                "a file-size limit (ulimit -f) was reached" if e.errno == errno.EFBIG else "the disk or quota is full"
+            )
             err: OSError = DiskFullError(
                 f"{what}: {cause} writing {file}: {space}. {left or f'Nothing was published to {out} and the partial files were removed'}; "
-                f"free space there (or export elsewhere), then rerun {rerun}")
+                f"free space there (or export elsewhere), then rerun {rerun}"
+            )
         else:
             fix = _FIXES.get(e.errno, f"fix the cause, then rerun {rerun}")
             err = ExportWriteError(f"{what}: {cause} writing {file}; {fix}")
@@ -93,8 +104,7 @@ def safe_child(root: str | os.PathLike, relative: str) -> Path:
     rel = Path(relative)
     if rel.is_absolute() or ".." in rel.parts:
         raise UnsafePathError(
-            f"path {relative!r} in the store's metadata points outside the store {str(root)!r}; "
-            "refusing to follow it"
+            f"path {relative!r} in the store's metadata points outside the store {str(root)!r}; refusing to follow it"
         )
     root_resolved = Path(root).resolve()
     full = (Path(root) / rel).resolve()
@@ -106,7 +116,9 @@ def safe_child(root: str | os.PathLike, relative: str) -> Path:
     return Path(root) / rel
 
 
-def read_regular(path: str | os.PathLike, *, error: type[ActstoreError], hint: str, max_bytes: int | None = None) -> bytes:
+def read_regular(
+    path: str | os.PathLike, *, error: type[ActstoreError], hint: str, max_bytes: int | None = None
+) -> bytes:
     """The bytes of the regular file `path` (an export's or a legacy directory's file): a
     FIFO, device, folder or link there raises `error` (never blocking), as does a file of
     more than `max_bytes`; a missing file raises FileNotFoundError."""

@@ -43,8 +43,9 @@ class LocalStorage(Storage):
             link anywhere below `top`); default `root`.
     """
 
-    def __init__(self, root: str | os.PathLike, *, eager_writeback: bool = True, read_nowait: bool = True,
-                 top: str | None = None):
+    def __init__(
+        self, root: str | os.PathLike, *, eager_writeback: bool = True, read_nowait: bool = True, top: str | None = None
+    ):
         self.local_root = Path(root)
         self.url = str(root)
         self._root = str(root).rstrip("/") + "/" if str(root) != "/" else "/"
@@ -181,7 +182,7 @@ class LocalStorage(Storage):
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def kind(self, key: str) -> str | None:
-        """"file", "dir", "link", "other", or None when nothing is there."""
+        """ "file", "dir", "link", "other", or None when nothing is there."""
         try:
             st = os.lstat(self.path(_checked(key)))
         except (FileNotFoundError, NotADirectoryError):
@@ -242,8 +243,9 @@ class LocalStorage(Storage):
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
 
-    def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
+    def put(
+        self, key: str, *parts: Any, atomic: bool = True, durable: bool = False, writeback: Writeback | None = None
+    ) -> None:
         path = self.path(_checked(key))
         self._parent(path)
         if not atomic:
@@ -288,7 +290,7 @@ class LocalStorage(Storage):
                 for part in parts:
                     view = memoryview(part).cast("B")
                     while view.nbytes:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -317,7 +319,7 @@ class LocalStorage(Storage):
         try:
             view = memoryview(data).cast("B")
             while view.nbytes:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
@@ -360,14 +362,18 @@ class LocalStorage(Storage):
 
         path = Path(self._root)
         if path.exists() and not path.is_dir():
-            raise StorageAccessError(f"cannot use {self.url}: it is a file, not a folder; give a new or existing folder")
+            raise StorageAccessError(
+                f"cannot use {self.url}: it is a file, not a folder; give a new or existing folder"
+            )
         if not write:
             return
         top = path
         while not top.exists():
             top = top.parent
         if not top.is_dir():
-            raise StorageAccessError(f"cannot write to {self.url}: {top} is a file, not a folder; give a path under a folder")
+            raise StorageAccessError(
+                f"cannot write to {self.url}: {top} is a file, not a folder; give a path under a folder"
+            )
         if not os.access(top, os.W_OK | os.X_OK):
             raise StorageAccessError(f"cannot write to {self.url}: no write permission in {top}")
 
@@ -381,7 +387,9 @@ class LocalStorage(Storage):
             return StorageZarrStore(self.child(prefix) if prefix else self)
         from actstore.storage.localzarr import atomic_local_store
 
-        return atomic_local_store(self.path(_checked(prefix)) if prefix else self._root, top=self._top, storage_class=LocalStorage)
+        return atomic_local_store(
+            self.path(_checked(prefix)) if prefix else self._root, top=self._top, storage_class=LocalStorage
+        )
 
 
 def _open_write(path: str, flags: int) -> int:
@@ -390,8 +398,10 @@ def _open_write(path: str, flags: int) -> int:
         return os.open(path, flags, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link; actstore never writes through links (it could write "
-                                  "outside the store): delete the link") from None
+            raise UnsafePathError(
+                f"{path} is a symbolic link; actstore never writes through links (it could write "
+                "outside the store): delete the link"
+            ) from None
         raise
 
 

@@ -304,5 +304,9 @@ class FileRegion:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"mapped": len(self._slots), "slots": self.n_slots, "resident_bytes": self._resident,
-                    "pinned": sum(1 for s in self._slots.values() if s.pins)}
+            return {
+                "mapped": len(self._slots),
+                "slots": self.n_slots,
+                "resident_bytes": self._resident,
+                "pinned": sum(1 for s in self._slots.values() if s.pins),
+            }

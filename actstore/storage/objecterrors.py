@@ -37,22 +37,45 @@ def cause(e: BaseException, url: str) -> str:
     code = int(status.group(1)) if status else None  # not any "404" in the text: timings ("in 404.2ms") hold digits too
     if "NoSuchBucket" in text or (code == 404 and "list" in text.lower()):
         return f"the bucket {bucket!r} does not exist (create it first, or check the URL)"
-    if "InvalidAccessKeyId" in text or "SignatureDoesNotMatch" in text or code == 401 or type(e).__name__ == "UnauthenticatedError":
-        return ("the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the "
-                "provider's credential chain)")
+    if (
+        "InvalidAccessKeyId" in text
+        or "SignatureDoesNotMatch" in text
+        or code == 401
+        or type(e).__name__ == "UnauthenticatedError"
+    ):
+        return (
+            "the credentials were refused (check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or the "
+            "provider's credential chain)"
+        )
     if "AccessDenied" in text:
         return f"access denied: these credentials may not do this in {bucket!r} (check the bucket policy and IAM permissions)"
     if code == 403 or isinstance(e, PermissionError) or type(e).__name__ == "PermissionDeniedError":
-        return (f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
-                "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)")
+        return (
+            f"access denied: the credentials were refused or may not do this in {bucket!r} (check AWS_ACCESS_KEY_ID / "
+            "AWS_SECRET_ACCESS_KEY, the bucket policy and IAM permissions)"
+        )
     k = retry.kind(e)
     if k is not None and retry.root_of(url) in retry.reached():  # it answered before: not the configuration
-        return (f"the connection failed ({retry.ONE[k]}: {retry.last_cause(e)}) although the endpoint answered "
-                "before: the network or the server failed, not the configuration; try again")
-    if "builder error" in text and endpoint and endpoint.startswith("http://") and os.environ.get("AWS_ALLOW_HTTP", "").lower() != "true":
-        return (f"the endpoint {endpoint} is plain http, which obstore refuses unless AWS_ALLOW_HTTP=true is set "
-                "(nothing was sent or retried): export AWS_ALLOW_HTTP=true, or use an https:// endpoint")
-    if "error sending request" in text or "Connection refused" in text or "dns error" in text or "timed out" in text.lower():
+        return (
+            f"the connection failed ({retry.ONE[k]}: {retry.last_cause(e)}) although the endpoint answered "
+            "before: the network or the server failed, not the configuration; try again"
+        )
+    if (
+        "builder error" in text
+        and endpoint
+        and endpoint.startswith("http://")
+        and os.environ.get("AWS_ALLOW_HTTP", "").lower() != "true"
+    ):
+        return (
+            f"the endpoint {endpoint} is plain http, which obstore refuses unless AWS_ALLOW_HTTP=true is set "
+            "(nothing was sent or retried): export AWS_ALLOW_HTTP=true, or use an https:// endpoint"
+        )
+    if (
+        "error sending request" in text
+        or "Connection refused" in text
+        or "dns error" in text
+        or "timed out" in text.lower()
+    ):
         where = f"the endpoint {endpoint}" if endpoint else "the provider's endpoint"
         return f"{where} cannot be reached (check AWS_ENDPOINT_URL, the network, and AWS_ALLOW_HTTP for http://)"
     retried = "after " in text and " retries" in text
@@ -83,11 +106,14 @@ def translated(what: str) -> Callable:
     def deco(fn: Callable) -> Callable:
         def translate(e: Exception, self: Any, args: tuple) -> None:
             """Raise `e` as StorageAccessError when it is an obstore failure; else return."""
-            err = access_error(e, what, self.where(args[0]) if args and isinstance(args[0], str) else self.url, self.url)
+            err = access_error(
+                e, what, self.where(args[0]) if args and isinstance(args[0], str) else self.url, self.url
+            )
             if err is not None:
                 raise err from None
 
         if inspect.isgeneratorfunction(fn):
+
             @functools.wraps(fn)
             def gen(self: Any, *args: Any, **kw: Any) -> Any:
                 try:
@@ -95,6 +121,7 @@ def translated(what: str) -> Callable:
                 except Exception as e:
                     translate(e, self, args)
                     raise
+
             return gen
 
         @functools.wraps(fn)
@@ -104,6 +131,7 @@ def translated(what: str) -> Callable:
             except Exception as e:
                 translate(e, self, args)
                 raise
+
         return call
 
     return deco
@@ -128,7 +156,9 @@ def translating_object_store() -> type:
 
         async def get_partial_values(self, prototype, key_ranges):  # noqa: D102
             key_ranges = list(key_ranges)  # tried again as a whole: not an iterator used up by the first try
-            return await self._translate("read", "", lambda: ObjectStore.get_partial_values(self, prototype, key_ranges))
+            return await self._translate(
+                "read", "", lambda: ObjectStore.get_partial_values(self, prototype, key_ranges)
+            )
 
         async def exists(self, key):  # noqa: D102
             return await self._translate("read", key, lambda: ObjectStore.exists(self, key))
@@ -159,6 +189,7 @@ def translating_object_store() -> type:
 
         async def _listed(self, prefix: str, make: Any) -> Any:
             """A listing collected whole, then yielded: one cut midway is listed again."""
+
             async def collect() -> list:
                 return [x async for x in make()]
 

@@ -105,7 +105,9 @@ class ObjectStorage(Storage):
                 raise KeyNotFound(f"{self.where(key)} does not exist") from None
             raise
         if max_bytes is not None and res.meta["size"] > max_bytes:
-            raise ValueError(f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} allowed for it")
+            raise ValueError(
+                f"{self.where(key)} has {res.meta['size']} bytes, more than the {max_bytes} allowed for it"
+            )
         return bytes(res.bytes())
 
     @translated("read")
@@ -149,8 +151,13 @@ class ObjectStorage(Storage):
             return [self.read_into(key, dest, offset) for offset, dest in ranges]
         obs = _obstore(self.url)
         try:
-            parts = obs.get_ranges(self.store, key, starts=[o for o, _ in ranges], lengths=[len(d) for _, d in ranges],
-                                   coalesce=self.coalesce_bytes)
+            parts = obs.get_ranges(
+                self.store,
+                key,
+                starts=[o for o, _ in ranges],
+                lengths=[len(d) for _, d in ranges],
+                coalesce=self.coalesce_bytes,
+            )
         except FileNotFoundError:
             raise KeyNotFound(f"{self.where(key)} does not exist") from None
         except Exception:  # e.g. a range past the end of the object: one by one, each answering short (or failing)
@@ -208,8 +215,11 @@ class ObjectStorage(Storage):
     @retried("list")
     def _list(self, prefix: str) -> list[Entry]:
         full = prefix.strip("/")
-        return [Entry(meta["path"], int(meta["size"]), "file")
-                for batch in _obstore(self.url).list(self.store, (full + "/") if full else None) for meta in batch]
+        return [
+            Entry(meta["path"], int(meta["size"]), "file")
+            for batch in _obstore(self.url).list(self.store, (full + "/") if full else None)
+            for meta in batch
+        ]
 
     @translated("list")
     @retried("list")
@@ -223,8 +233,9 @@ class ObjectStorage(Storage):
     # ---- writes ---------------------------------------------------------------------
     @translated("write")
     @retried("write")
-    def put(self, key: str, *parts: Any, atomic: bool = True, durable: bool = False,
-            writeback: Writeback | None = None) -> None:
+    def put(
+        self, key: str, *parts: Any, atomic: bool = True, durable: bool = False, writeback: Writeback | None = None
+    ) -> None:
         """A whole-object put: always atomic and durable in an object store. An object of
         more than MULTIPART_BYTES goes up in parts of that size, MULTIPART_CONCURRENCY at a
         time, read straight from the caller's buffers (no copy of the whole); a smaller
@@ -232,9 +243,13 @@ class ObjectStorage(Storage):
         views = [memoryview(p).cast("B") for p in parts]
         total = sum(v.nbytes for v in views)
         if total > MULTIPART_BYTES:
-            _obstore(self.url).put(self.store, key, views, chunk_size=MULTIPART_BYTES, max_concurrency=MULTIPART_CONCURRENCY)
+            _obstore(self.url).put(
+                self.store, key, views, chunk_size=MULTIPART_BYTES, max_concurrency=MULTIPART_CONCURRENCY
+            )
         else:
-            _obstore(self.url).put(self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False)
+            _obstore(self.url).put(
+                self.store, key, views[0] if len(views) == 1 else b"".join(views), use_multipart=False
+            )
 
     @translated("write")
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
@@ -300,8 +315,13 @@ class ObjectStorage(Storage):
         from datetime import timedelta
 
         obs = _obstore(self.url)
-        quick = {"max_retries": 2, "retry_timeout": timedelta(seconds=10), "init_backoff": timedelta(milliseconds=100),
-                 "max_backoff": timedelta(seconds=2), "backoff_base": 2.0}
+        quick = {
+            "max_retries": 2,
+            "retry_timeout": timedelta(seconds=10),
+            "init_backoff": timedelta(milliseconds=100),
+            "max_backoff": timedelta(seconds=2),
+            "backoff_base": 2.0,
+        }
         try:
             store = obs.store.from_url(self.url, **{**self._options, "retry_config": quick})
         except Exception as e:  # a malformed URL or configuration
@@ -309,7 +329,9 @@ class ObjectStorage(Storage):
         what = "list"
         root = root_of(self.url)
         try:  # connection resets are retried (retry.call): the endpoint answered; a refusal is not
-            retry_call(lambda: obs.list_with_delimiter(store, None), what=what, where=self.url, root=root, deadline_s=20)
+            retry_call(
+                lambda: obs.list_with_delimiter(store, None), what=what, where=self.url, root=root, deadline_s=20
+            )
             if write:
                 what = "write to"
                 probe = f".actstore-probe-{uuid.uuid4().hex}"

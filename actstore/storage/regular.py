@@ -25,14 +25,19 @@ STORE_HINT = "the store is damaged (run `actstore verify`)"
 
 
 def kind_of(mode: int) -> str:
-    """"file", "dir", "link" or "other" (a FIFO, socket or device), as Storage.kind says."""
+    """ "file", "dir", "link" or "other" (a FIFO, socket or device), as Storage.kind says."""
     for test, kind in ((stat.S_ISREG, "file"), (stat.S_ISLNK, "link"), (stat.S_ISDIR, "dir")):
         if test(mode):
             return kind
     return "other"
 
 
-_OTHER = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+_OTHER = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
 
 
 def describe(mode: int) -> str:
@@ -43,8 +48,13 @@ def describe(mode: int) -> str:
     return next((words for test, words in _OTHER if test(mode)), "not a regular file")
 
 
-def open_regular(path: str, *, error: type[ActstoreError] = CorruptStoreError, hint: str = STORE_HINT,
-                 missing: type[BaseException] | None = None) -> int:
+def open_regular(
+    path: str,
+    *,
+    error: type[ActstoreError] = CorruptStoreError,
+    hint: str = STORE_HINT,
+    missing: type[BaseException] | None = None,
+) -> int:
     """A read-only fd of the regular file at `path`, never blocking.
 
     Args:
@@ -71,8 +81,9 @@ def open_regular(path: str, *, error: type[ActstoreError] = CorruptStoreError, h
     return fd
 
 
-def not_regular(path: str, err: int | None = None, *, error: type[ActstoreError] = CorruptStoreError,
-                hint: str = STORE_HINT) -> ActstoreError:
+def not_regular(
+    path: str, err: int | None = None, *, error: type[ActstoreError] = CorruptStoreError, hint: str = STORE_HINT
+) -> ActstoreError:
     """The error for `path` when opening it as a regular file failed (or a read of it did)."""
     try:
         st = os.lstat(path)
@@ -85,8 +96,10 @@ def not_regular(path: str, err: int | None = None, *, error: type[ActstoreError]
     if st is not None and stat.S_ISLNK(st.st_mode) or err == errno.ELOOP:
         cls = UnsafePathError if issubclass(error, CorruptStoreError) else error
         if hint == STORE_HINT:
-            return cls(f"{path} is a symbolic link; actstore never writes links inside a store, so the store was altered: "
-                       "refusing to follow it (run `actstore verify`)")
+            return cls(
+                f"{path} is a symbolic link; actstore never writes links inside a store, so the store was altered: "
+                "refusing to follow it (run `actstore verify`)"
+            )
         return cls(f"{path} is a symbolic link where a file belongs; refusing to follow it; {hint}")
     if st is None:
         if err == errno.ENOTDIR:

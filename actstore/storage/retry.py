@@ -41,18 +41,41 @@ DEADLINE_ENV = "ACTSTORE_RETRY_SECONDS"  # a request's total retry deadline, sec
 
 # Text in obstore's (reqwest's, hyper's) error -> the kind of failure; first match wins.
 _KINDS: tuple[tuple[str, str], ...] = (
-    ("timed out", "timeout"), ("timedout", "timeout"), ("deadline has elapsed", "timeout"),
-    ("connection refused", "refused"), ("dns error", "unresolved"), ("failed to lookup address", "unresolved"),
-    ("connection was not ready", "reset"), ("connection reset", "reset"), ("connectionreset", "reset"),
-    ("broken pipe", "reset"), ("brokenpipe", "reset"), ("connection closed before message completed", "reset"),
-    ("incompletemessage", "cut"), ("response body error", "cut"), ("error decoding response body", "cut"),
-    ("unexpected eof", "cut"), ("unexpectedeof", "cut"), ("end of file before message length", "cut"),
-    ("error sending request", "reset"), ("connection error", "reset"),
+    ("timed out", "timeout"),
+    ("timedout", "timeout"),
+    ("deadline has elapsed", "timeout"),
+    ("connection refused", "refused"),
+    ("dns error", "unresolved"),
+    ("failed to lookup address", "unresolved"),
+    ("connection was not ready", "reset"),
+    ("connection reset", "reset"),
+    ("connectionreset", "reset"),
+    ("broken pipe", "reset"),
+    ("brokenpipe", "reset"),
+    ("connection closed before message completed", "reset"),
+    ("incompletemessage", "cut"),
+    ("response body error", "cut"),
+    ("error decoding response body", "cut"),
+    ("unexpected eof", "cut"),
+    ("unexpectedeof", "cut"),
+    ("end of file before message length", "cut"),
+    ("error sending request", "reset"),
+    ("connection error", "reset"),
 )
-LABELS = {"reset": "connection resets", "cut": "responses cut midway", "timeout": "timeouts",
-          "refused": "refused connections", "unresolved": "failed name lookups"}
-ONE = {"reset": "connection reset", "cut": "response cut midway", "timeout": "timeout",
-       "refused": "refused connection", "unresolved": "failed name lookup"}
+LABELS = {
+    "reset": "connection resets",
+    "cut": "responses cut midway",
+    "timeout": "timeouts",
+    "refused": "refused connections",
+    "unresolved": "failed name lookups",
+}
+ONE = {
+    "reset": "connection reset",
+    "cut": "response cut midway",
+    "timeout": "timeout",
+    "refused": "refused connection",
+    "unresolved": "failed name lookup",
+}
 _UNREACHED = {"refused", "unresolved"}  # never reached: the configuration is the likely cause
 _MESSAGE = re.compile(r'message: "([^"]+)"|hyper::Error\(\s*\w+,\s*"([^"]+)"')
 
@@ -137,8 +160,12 @@ class _Attempts:
     def __init__(self, root: str, deadline_s: float | None = None):
         self.root, self.p, self.start = root, policy(), time.monotonic()
         if deadline_s is not None and deadline_s < self.p.deadline_s:
-            self.p = RetryPolicy(deadline_s=deadline_s, attempts=self.p.attempts, first_wait_s=self.p.first_wait_s,
-                                 max_wait_s=self.p.max_wait_s)
+            self.p = RetryPolicy(
+                deadline_s=deadline_s,
+                attempts=self.p.attempts,
+                first_wait_s=self.p.first_wait_s,
+                max_wait_s=self.p.max_wait_s,
+            )
         self.failures: Counter = Counter()
         self.n = 0
 
@@ -172,7 +199,8 @@ class _Attempts:
         return StorageAccessError(
             f"cannot {what} {where}: {total} connection failure{'s' if total > 1 else ''} in {elapsed:.1f} s ({kinds}); "
             f"the last: {last_cause(e)}. The endpoint answered before, so the network or the server failed, not the "
-            f"configuration; try again later, or let requests retry longer ({DEADLINE_ENV}, now {self.p.deadline_s:g} s)")
+            f"configuration; try again later, or let requests retry longer ({DEADLINE_ENV}, now {self.p.deadline_s:g} s)"
+        )
 
 
 def call(fn: Callable[[], T], *, what: str, where: str, root: str, deadline_s: float | None = None) -> T:

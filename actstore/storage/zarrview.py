@@ -113,4 +113,6 @@ def _check_json(data: bytes, where: str) -> None:
     try:
         jsonio.parse(data)
     except ValueError as e:
-        raise CorruptStoreError(f"Zarr metadata {where} is not valid JSON ({e}); the store is damaged (run `actstore verify`)") from None
+        raise CorruptStoreError(
+            f"Zarr metadata {where} is not valid JSON ({e}); the store is damaged (run `actstore verify`)"
+        ) from None

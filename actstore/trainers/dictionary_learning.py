@@ -29,14 +29,25 @@ class DictionaryLearningSource:
         **stream_kwargs: TokenStream options (seed, token_mask, normalize, buffer_bytes...).
     """
 
-    def __init__(self, store: Any, *, layer: Any = None, layers: Sequence[Any] | None = None, batch_size: int = 8192,
-                 device: str | None = None, **stream_kwargs: Any):
+    def __init__(
+        self,
+        store: Any,
+        *,
+        layer: Any = None,
+        layers: Sequence[Any] | None = None,
+        batch_size: int = 8192,
+        device: str | None = None,
+        **stream_kwargs: Any,
+    ):
         import torch
 
         from actstore.loaders import TokenStream
         from actstore.read.store import ActStore
 
-        stores = [s if hasattr(s, "read_into") else ActStore(s) for s in (store if isinstance(store, (list, tuple)) else [store])]
+        stores = [
+            s if hasattr(s, "read_into") else ActStore(s)
+            for s in (store if isinstance(store, (list, tuple)) else [store])
+        ]
         if (layer is None) == (layers is None):
             raise ValueError("pass layer=N for an SAE, or layers=[...] for a crosscoder (one of them)")
         numbers = [stores[0].layer_number(x) for x in ([layer] if layer is not None else layers)]
@@ -46,15 +57,25 @@ class DictionaryLearningSource:
             self.stream = TokenStream(stores[0], batch_size=batch_size, layers=numbers, **stream_kwargs)
             self.stacked = False
         else:
-            self.stream = TokenStream(stores if len(stores) > 1 else stores[0], batch_size=batch_size, layers=numbers,
-                                      aligned=True, stack=True, **stream_kwargs)
+            self.stream = TokenStream(
+                stores if len(stores) > 1 else stores[0],
+                batch_size=batch_size,
+                layers=numbers,
+                aligned=True,
+                stack=True,
+                **stream_kwargs,
+            )
             self.stacked = True
         if len(self.stream) == 0:
             raise ValueError(f"the store holds fewer than {batch_size} tokens: lower batch_size")
         self.device = device
-        self.config = {"actstore_stores": [str(s.path) for s in stores], "layers": numbers, "out_batch_size": batch_size,
-                       "seed": self.stream.seed if hasattr(self.stream, "seed") else stream_kwargs.get("seed", 0),
-                       "d_submodule": int(stores[0].d_model)}
+        self.config = {
+            "actstore_stores": [str(s.path) for s in stores],
+            "layers": numbers,
+            "out_batch_size": batch_size,
+            "seed": self.stream.seed if hasattr(self.stream, "seed") else stream_kwargs.get("seed", 0),
+            "d_submodule": int(stores[0].d_model),
+        }
         self._it: Iterator[Any] | None = None
 
     def __iter__(self) -> DictionaryLearningSource:
@@ -80,7 +101,9 @@ class DictionaryLearningSource:
         self.stream.load_state_dict(state)
 
 
-def paired_source(store_a: Any, store_b: Any, *, layer: Any, batch_size: int = 8192, **kwargs: Any) -> DictionaryLearningSource:
+def paired_source(
+    store_a: Any, store_b: Any, *, layer: Any, batch_size: int = 8192, **kwargs: Any
+) -> DictionaryLearningSource:
     """Two stores captured from two models on the same tokens, layer `layer` of each, as
     (batch, 2, d) batches under one seeded shuffle (refused when their token ids differ):
     what dictionary_learning's crosscoder trainer takes, in place of PairedActivationCache."""

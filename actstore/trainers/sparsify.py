@@ -76,7 +76,9 @@ class ReplayModel(nn.Module):
         parts = []
         for r in rows:
             if r != self._next_row:
-                raise ActstoreError(f"ReplayModel serves rows in order: expected row {self._next_row}, got {r} (no shuffling DataLoader)")
+                raise ActstoreError(
+                    f"ReplayModel serves rows in order: expected row {self._next_row}, got {r} (no shuffling DataLoader)"
+                )
             parts.append(next(self._it))
             self._next_row += 1
         for k, i in enumerate(self.layer_numbers):
@@ -93,8 +95,15 @@ class ReplayModel(nn.Module):
         self._it, self._next_row = iter(self.stream), row
 
 
-def sparsify_inputs(store: Any, *, layers: list[int], tokens_per_row: int = 2048, seed: int = 0,
-                    device: str | torch.device = "cpu", **stream_kwargs: Any) -> tuple[Any, ReplayModel]:
+def sparsify_inputs(
+    store: Any,
+    *,
+    layers: list[int],
+    tokens_per_row: int = 2048,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    **stream_kwargs: Any,
+) -> tuple[Any, ReplayModel]:
     """(dataset, model) for `sparsify.Trainer(TrainConfig(..., layers=layers), dataset, model)`.
 
     Args:
@@ -111,8 +120,16 @@ def sparsify_inputs(store: Any, *, layers: list[int], tokens_per_row: int = 2048
     from actstore.read.store import ActStore
 
     st = store if hasattr(store, "read_into") else ActStore(store)
-    stream = TokenStream(st, batch_size=tokens_per_row, layers=list(layers), aligned=True, seed=seed, drop_last=True,
-                         dtype=torch.float32, **stream_kwargs)
+    stream = TokenStream(
+        st,
+        batch_size=tokens_per_row,
+        layers=list(layers),
+        aligned=True,
+        seed=seed,
+        drop_last=True,
+        dtype=torch.float32,
+        **stream_kwargs,
+    )
     n = len(stream)
     if n == 0:
         raise ValueError(f"the store holds fewer than {tokens_per_row} tokens: lower tokens_per_row")

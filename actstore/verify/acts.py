@@ -46,7 +46,9 @@ class ActsCheck:
         self.io: ChunkIO | None = None
         self.deep_ok = True
 
-    def add(self, severity: str, kind: str, message: str, key: Any = None, local: int | None = None, lp: int | None = None) -> None:
+    def add(
+        self, severity: str, kind: str, message: str, key: Any = None, local: int | None = None, lp: int | None = None
+    ) -> None:
         self.v.add(severity, kind, message, key, shard=self.ctx.shard, **self._where(local, lp))
 
     def _where(self, local: int | None, lp: int | None) -> dict[str, Any]:
@@ -83,10 +85,13 @@ class ActsCheck:
         """The chunks still missing (deep mode takes back those whose checksum shows zeros)."""
         for (local, lp), files in self.missing.items():
             self.add(
-                ERROR, "missing-chunk",
+                ERROR,
+                "missing-chunk",
                 f"chunk file {files[0]} of (example {self.ctx.example_name(local)}, "
                 f"layer {self.cfg.layers[lp]}) is missing: the direct writer writes every chunk, so it was deleted (readers would return zeros)",
-                files[0], local, lp,
+                files[0],
+                local,
+                lp,
             )
 
     def files(self, local: int, lp: int) -> list[str]:
@@ -113,8 +118,13 @@ class ActsCheck:
             return None
         if consolidated is not None:
             if consolidated.get(self.array) != meta:
-                self.add(ERROR, "array-meta", "the shard's consolidated metadata disagrees with the array's own metadata "
-                         "(readers use the consolidated copy)", self.akey)
+                self.add(
+                    ERROR,
+                    "array-meta",
+                    "the shard's consolidated metadata disagrees with the array's own metadata "
+                    "(readers use the consolidated copy)",
+                    self.akey,
+                )
             meta = consolidated.get(self.array, meta)
         try:
             shape = array_shape(meta)
@@ -122,7 +132,12 @@ class ActsCheck:
             self.add(ERROR, "array-meta", f"array metadata is damaged ({e})", self.akey)
             return None
         if len(shape) != 4 or shape[1:] != [cfg.n_layers, seg.t_max, cfg.d_model]:
-            self.add(ERROR, "array-meta", f"array has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})", self.akey)
+            self.add(
+                ERROR,
+                "array-meta",
+                f"array has shape {shape}, expected (n, {cfg.n_layers}, {seg.t_max}, {cfg.d_model})",
+                self.akey,
+            )
             return None
         if shape[0] < self.ctx.n:
             self.add(ERROR, "array-meta", f"array holds {shape[0]} examples; {self.ctx.n} are published", self.akey)
@@ -140,18 +155,34 @@ class ActsCheck:
             if entry.kind == "link":
                 self.v.symlink(entry.key, self.ctx.shard)
                 continue
-            grid_ok = key is not None and (key[1:] == (0, 0, 0) if sharded else (key[1] < L and key[2] < n_tc and key[3] == 0))
+            grid_ok = key is not None and (
+                key[1:] == (0, 0, 0) if sharded else (key[1] < L and key[2] < n_tc and key[3] == 0)
+            )
             if not grid_ok:
-                if not self.v.not_a_chunk_file(entry.key, entry.kind, self.ctx.shard) and not keys.is_temporary(keys.basename(rel)):
-                    self.add(WARNING, "stray-file", f"{rel} in array {keys.basename(self.array)} is not a chunk of this array", entry.key)
+                if not self.v.not_a_chunk_file(entry.key, entry.kind, self.ctx.shard) and not keys.is_temporary(
+                    keys.basename(rel)
+                ):
+                    self.add(
+                        WARNING,
+                        "stray-file",
+                        f"{rel} in array {keys.basename(self.array)} is not a chunk of this array",
+                        entry.key,
+                    )
                 continue
             ex = key[0] * geo.shard_examples if sharded else key[0]
             if ex >= n:
                 if complete and ex >= committed:
-                    self.add(WARNING, "stray-file", f"chunk {rel} belongs to example {ex}, past the shard's {committed} committed examples", entry.key)
+                    self.add(
+                        WARNING,
+                        "stray-file",
+                        f"chunk {rel} belongs to example {ex}, past the shard's {committed} committed examples",
+                        entry.key,
+                    )
                 continue
             self.v.report.n_chunk_files += 1
-            if self.v.not_a_chunk_file(entry.key, entry.kind, self.ctx.shard, **self._where(ex, None if sharded else key[1])):
+            if self.v.not_a_chunk_file(
+                entry.key, entry.kind, self.ctx.shard, **self._where(ex, None if sharded else key[1])
+            ):
                 # a folder, FIFO, socket or device: never read
                 if sharded:
                     self.bad_size.update((e, lp) for e in range(ex, min(n, ex + geo.shard_examples)) for lp in range(L))
@@ -163,7 +194,14 @@ class ActsCheck:
             elif raw:
                 if entry.size != geo.chunk_nbytes:
                     what = "truncated" if entry.size < geo.chunk_nbytes else "too long"
-                    self.add(ERROR, "chunk-size", f"chunk file {rel} has {entry.size} bytes, expected {geo.chunk_nbytes} ({what})", entry.key, ex, key[1])
+                    self.add(
+                        ERROR,
+                        "chunk-size",
+                        f"chunk file {rel} has {entry.size} bytes, expected {geo.chunk_nbytes} ({what})",
+                        entry.key,
+                        ex,
+                        key[1],
+                    )
                     self.bad_size.add((ex, key[1]))
                 found.append((ex * L + key[1]) * n_tc + key[2])
         if raw:
@@ -175,7 +213,12 @@ class ActsCheck:
         expected = n * L * n_tc
         if expected - len(found) > MAX_MISSING_ENUMERATED:
             self.deep_ok = False
-            self.add(ERROR, "missing-chunk", f"the shard publishes {n} examples ({expected} chunk files) but only {len(found)} chunk files exist", self.akey)
+            self.add(
+                ERROR,
+                "missing-chunk",
+                f"the shard publishes {n} examples ({expected} chunk files) but only {len(found)} chunk files exist",
+                self.akey,
+            )
             return
         if len(found) < expected:
             present = np.zeros(expected, bool)  # bounded: expected <= files found + MAX_MISSING_ENUMERATED
@@ -200,7 +243,11 @@ class ActsCheck:
         bad = (~empty) & (sizes != geo.chunk_nbytes)
         for i, lp, tc in np.argwhere(bad)[:MAX_LISTED]:
             self.add(
-                ERROR, "chunk-size", f"inner chunk (token chunk {tc}) in shard file {keys.basename(key)} has {int(sizes[i, lp, tc])} bytes, expected {geo.chunk_nbytes}",
-                key, k * S + int(i), int(lp),
+                ERROR,
+                "chunk-size",
+                f"inner chunk (token chunk {tc}) in shard file {keys.basename(key)} has {int(sizes[i, lp, tc])} bytes, expected {geo.chunk_nbytes}",
+                key,
+                k * S + int(i),
+                int(lp),
             )
             self.bad_size.add((k * S + int(i), int(lp)))

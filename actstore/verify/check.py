@@ -59,7 +59,7 @@ class Listing:
         lo, hi = self._range(prefix)
         out: dict[str, str] = {}
         for k in self._keys[lo:hi]:
-            name, sep, _ = k[len(head):].partition("/")
+            name, sep, _ = k[len(head) :].partition("/")
             out[name] = "dir" if sep else self.entries[k].kind
         return out
 
@@ -111,7 +111,12 @@ class Checker:
             if s == shard and n > MAX_LISTED:
                 sev = next(p.severity for p in self.report.problems if p.shard == shard and p.kind == kind)
                 self.report.problems.append(
-                    Problem(severity=sev, kind=kind, shard=shard, message=f"... and {n - MAX_LISTED} more {kind} problems in this shard")
+                    Problem(
+                        severity=sev,
+                        kind=kind,
+                        shard=shard,
+                        message=f"... and {n - MAX_LISTED} more {kind} problems in this shard",
+                    )
                 )
 
     def odd_entry(self, key: str, kind: str | None, shard: int | None, **where: Any) -> bool:
@@ -121,16 +126,28 @@ class Checker:
             self.symlink(key, shard, **where)
             return True
         if kind == "other":
-            self.add(ERROR, "not-a-file", f"{key} is a FIFO, socket or device; a store holds only regular files and folders "
-                     "(readers refuse it)", key, shard=shard, **where)
+            self.add(
+                ERROR,
+                "not-a-file",
+                f"{key} is a FIFO, socket or device; a store holds only regular files and folders (readers refuse it)",
+                key,
+                shard=shard,
+                **where,
+            )
             return True
         return False
 
     def not_a_chunk_file(self, key: str, kind: str | None, shard: int | None, **where: Any) -> bool:
         """odd_entry, and a folder where a chunk file belongs (reported); True when either."""
         if kind == "dir":
-            self.add(ERROR, "not-a-file", f"{key} is a folder where the array has a chunk file (readers refuse it)",
-                     key, shard=shard, **where)
+            self.add(
+                ERROR,
+                "not-a-file",
+                f"{key} is a folder where the array has a chunk file (readers refuse it)",
+                key,
+                shard=shard,
+                **where,
+            )
             return True
         return self.odd_entry(key, kind, shard, **where)
 
@@ -139,18 +156,36 @@ class Checker:
         link, ...); True when something other than a file is there."""
         if kind in (None, "file") or self.odd_entry(key, kind, shard):
             return kind not in (None, "file")
-        self.add(ERROR, "not-a-file", f"{key} is a folder where the store has the file {keys.basename(key)} (readers refuse it)",
-                 key, shard=shard)
+        self.add(
+            ERROR,
+            "not-a-file",
+            f"{key} is a folder where the store has the file {keys.basename(key)} (readers refuse it)",
+            key,
+            shard=shard,
+        )
         return True
 
     def symlink(self, key: str, shard: int | None, **where: Any) -> None:
         """Any link is reported: an error if it leaves the store, else a warning."""
         target, inside = self.storage.link_target(key) or (key, False)
         if not inside:
-            self.add(ERROR, "symlink", f"{key} is a symbolic link to {target}, outside the store; readers refuse it", key, shard=shard, **where)
+            self.add(
+                ERROR,
+                "symlink",
+                f"{key} is a symbolic link to {target}, outside the store; readers refuse it",
+                key,
+                shard=shard,
+                **where,
+            )
         else:
-            self.add(WARNING, "symlink", f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)", key,
-                     shard=shard, **where)
+            self.add(
+                WARNING,
+                "symlink",
+                f"{key} is a symbolic link; actstore never writes links (chunk reads refuse them)",
+                key,
+                shard=shard,
+                **where,
+            )
 
 
 def attrs_problem(ctx: ShardCtx, array: str, meta: dict[str, Any], cfg: StoreConfig) -> str | None:
@@ -166,14 +201,16 @@ def attrs_problem(ctx: ShardCtx, array: str, meta: dict[str, Any], cfg: StoreCon
     return None
 
 
-def array_entries(listing: Listing, akey: str, fmt: int, sep: str, ndim: int) -> Iterator[tuple[str, tuple[int, ...] | None, Entry]]:
+def array_entries(
+    listing: Listing, akey: str, fmt: int, sep: str, ndim: int
+) -> Iterator[tuple[str, tuple[int, ...] | None, Entry]]:
     """(key relative to the array, chunk grid coordinates or None, entry) of everything in
     an array's folder but its Zarr metadata. A folder standing at a chunk's key (empty or
     not) comes once, as an entry of kind "dir"; other folders are left out."""
     head = akey + "/"
     folders: set[str] = set()
     for entry in listing.under(akey):
-        rel = entry.key[len(head):]
+        rel = entry.key[len(head) :]
         if rel in keys.ZARR_NAMES:
             continue
         coords = parse_chunk_key(rel, fmt, sep, ndim)

@@ -51,11 +51,15 @@ def checksums(a: ActsCheck, blocks: list[Block], el: np.ndarray | None) -> None:
                 v.progress(L * int(np.prod(buf_shape)) * dtype.itemsize)
         if block_crc != b.crc32c[seg.name] and not damaged_here:
             a.add(
-                ERROR, "block-checksum",
+                ERROR,
+                "block-checksum",
                 f"block {bi} (examples {b.start}..{b.stop - 1} of the shard) has crc32c {block_crc:#010x}, the writer recorded "
                 f"{b.crc32c[seg.name]:#010x}: "
-                + ("one of its chunk files was altered (this shard records no per-example checksums to say which)" if el is None
-                   else "the block record or the per-example checksums were altered"),
+                + (
+                    "one of its chunk files was altered (this shard records no per-example checksums to say which)"
+                    if el is None
+                    else "the block record or the per-example checksums were altered"
+                ),
                 a.ctx.key(keys.BLOCKS),
             )
 
@@ -69,30 +73,40 @@ def _compare(a: ActsCheck, el: np.ndarray | None, local: int, lp: int, crc: int)
     if missing and crc == want:
         files = a.missing.pop((local, lp))
         a.add(
-            WARNING, "missing-chunk",
+            WARNING,
+            "missing-chunk",
             f"chunk file {files[0]} is missing, but the checksum shows zeros were written there "
             "(zarr omits chunks equal to the fill value: the shard was written with engine='zarr')",
-            files[0], local, lp,
+            files[0],
+            local,
+            lp,
         )
         return False
     if missing:
         return True
     if crc != want:
         files = a.files(local, lp)
-        where = f"chunk file {keys.basename(files[0])}" if len(files) == 1 else (
-            f"one of its chunk files {', '.join(keys.basename(f) for f in files)}"
+        where = (
+            f"chunk file {keys.basename(files[0])}"
+            if len(files) == 1
+            else (f"one of its chunk files {', '.join(keys.basename(f) for f in files)}")
         )
         a.add(
-            ERROR, "checksum",
+            ERROR,
+            "checksum",
             f"crc32c of (example {a.ctx.example_name(local)}, layer {a.cfg.layers[lp]}) is {crc:#010x}, "
             f"the writer recorded {want:#010x}: the bytes of {where} were altered",
-            files[0], local, lp,
+            files[0],
+            local,
+            lp,
         )
         return True
     return False
 
 
-def _read_example(a: ActsCheck, zarr_arr: Any, local: int, shape: tuple[int, int], dtype: np.dtype) -> np.ndarray | None:
+def _read_example(
+    a: ActsCheck, zarr_arr: Any, local: int, shape: tuple[int, int], dtype: np.dtype
+) -> np.ndarray | None:
     """(L, n_tc * t_chunk, D) rows of one example in the stored dtype, or None if unreadable."""
     out = np.zeros((a.cfg.n_layers, *shape), dtype)
     if a.io is not None:
@@ -132,15 +146,28 @@ def per_sample_values(v: Checker, ctx: ShardCtx, array: str, blocks: list[Block]
         rows = values[b.start : min(b.stop, ctx.n)]
         if b.stop <= ctx.n and per_sample_crc32c(rows, dtype) != want:
             first, last = ctx.example_name(b.start), ctx.example_name(b.stop - 1)
-            v.add(ERROR, "per-sample-checksum",
-                  f"per-sample array {name}: the values of examples {first}..{last} do not match the crc32c their writer "
-                  "recorded (a value was changed on disk)", key, shard=ctx.shard, local=b.start, example=ctx.global_index(b.start))
+            v.add(
+                ERROR,
+                "per-sample-checksum",
+                f"per-sample array {name}: the values of examples {first}..{last} do not match the crc32c their writer "
+                "recorded (a value was changed on disk)",
+                key,
+                shard=ctx.shard,
+                local=b.start,
+                example=ctx.global_index(b.start),
+            )
     for seg in v.cfg.segments:
         if array == keys.len_array(seg.name) and values.size and (values.min() < 0 or values.max() > seg.t_max):
             bad = int(np.flatnonzero((values < 0) | (values > seg.t_max))[0])
             v.add(
-                ERROR, "per-sample", f"length {int(values[bad])} of segment {seg.name!r} lies outside 0..{seg.t_max}",
-                key, shard=ctx.shard, local=bad, example=ctx.global_index(bad), segment=seg.name,
+                ERROR,
+                "per-sample",
+                f"length {int(values[bad])} of segment {seg.name!r} lies outside 0..{seg.t_max}",
+                key,
+                shard=ctx.shard,
+                local=bad,
+                example=ctx.global_index(bad),
+                segment=seg.name,
             )
 
 
@@ -160,8 +187,13 @@ def text_lines(v: Checker, ctx: ShardCtx, name: str) -> None:
             ok = False
         if not ok:
             v.add(
-                ERROR, "text", f"line {i + 1} of {name}.jsonl is damaged (expected {{\"{texts.INDEX}\": {i}, ..., \"{name}\": ...}})",
-                key, shard=ctx.shard, local=i, example=ctx.global_index(i),
+                ERROR,
+                "text",
+                f'line {i + 1} of {name}.jsonl is damaged (expected {{"{texts.INDEX}": {i}, ..., "{name}": ...}})',
+                key,
+                shard=ctx.shard,
+                local=i,
+                example=ctx.global_index(i),
             )
     if n_lines < ctx.n:
         v.add(ERROR, "text", f"{name}.jsonl has {n_lines} lines; {ctx.n} examples are published", key, shard=ctx.shard)

@@ -69,7 +69,11 @@ class VerifyReport:
         rows = [cols]
         for p in self.problems:
             ex = p.example if p.example is not None else (f"local {p.local}" if p.local is not None else None)
-            rows.append(tuple("-" if v is None else str(v) for v in (p.severity, p.kind, p.shard, ex, p.layer, p.segment, p.path)))
+            rows.append(
+                tuple(
+                    "-" if v is None else str(v) for v in (p.severity, p.kind, p.shard, ex, p.layer, p.segment, p.path)
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]
         lines = []
         for i, r in enumerate(rows):

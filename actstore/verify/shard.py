@@ -44,7 +44,9 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
         return
     n = entry.n_examples if entry is not None else rec.n_committed
     n_blocks = entry.n_blocks if entry is not None else rec.n_blocks
-    ctx = ShardCtx(name=name, prefix=prefix, storage=sh, shard=shard, start=entry.start if entry else None, n=n, rec=rec)
+    ctx = ShardCtx(
+        name=name, prefix=prefix, storage=sh, shard=shard, start=entry.start if entry else None, n=n, rec=rec
+    )
     v.report.n_shards += 1
     v.report.n_examples += n
     if rec is not None and entry is not None:
@@ -68,7 +70,13 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
         key = ctx.key(rec.stats_file)
         kind = v.listing.kind(key)
         if kind is None:
-            v.add(ERROR, "stats", f"statistics file {rec.stats_file} named by the commit record is missing", key, shard=shard)
+            v.add(
+                ERROR,
+                "stats",
+                f"statistics file {rec.stats_file} named by the commit record is missing",
+                key,
+                shard=shard,
+            )
         elif not v.not_a_file(key, kind, shard) and v.deep:
             deep_checks.load_stats(v, key, shard)
     v.flush_counts(shard)
@@ -80,7 +88,13 @@ def _check_group(v: Checker, ctx: ShardCtx) -> None:
     key = ctx.key(rel)
     if v.listing.kind(key) != "file":
         if v.listing.kind(key) is None:
-            v.add(ERROR, "shard-meta", f"{rel} of the shard is missing (it holds the shard's config)", key, shard=ctx.shard)
+            v.add(
+                ERROR,
+                "shard-meta",
+                f"{rel} of the shard is missing (it holds the shard's config)",
+                key,
+                shard=ctx.shard,
+            )
         return  # anything else there was reported with the folder's entries
     try:
         cfg = records.shard_attrs_config(ctx.storage.get(rel), v.cfg.zarr_format, ctx.storage.where(rel))
@@ -89,7 +103,9 @@ def _check_group(v: Checker, ctx: ShardCtx) -> None:
         return
     diffs = cfg.differences(v.cfg)
     if diffs:
-        v.add(ERROR, "shard-meta", f"the shard's {rel} describes another store: {'; '.join(diffs)}", key, shard=ctx.shard)
+        v.add(
+            ERROR, "shard-meta", f"the shard's {rel} describes another store: {'; '.join(diffs)}", key, shard=ctx.shard
+        )
 
 
 def _rows_ok(v: Checker, ctx: ShardCtx) -> bool:
@@ -100,8 +116,13 @@ def _rows_ok(v: Checker, ctx: ShardCtx) -> bool:
         v.add(ERROR, "array-meta", str(e), key, shard=ctx.shard)
         return False
     if rows < ctx.n:
-        v.add(ERROR, "per-sample", f"the {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples; {ctx.n} are published",
-              key, shard=ctx.shard)
+        v.add(
+            ERROR,
+            "per-sample",
+            f"the {spec.SAMPLE_KEY} array has chunk files for at most {rows} examples; {ctx.n} are published",
+            key,
+            shard=ctx.shard,
+        )
         return False
     return True
 
@@ -111,16 +132,30 @@ def _commit_vs_manifest(v: Checker, ctx: ShardCtx, entry: ShardEntry) -> None:
     where = dict(shard=ctx.shard)
     key = ctx.key(keys.COMMIT)
     if rec.n_committed < entry.n_examples:
-        v.add(ERROR, "commit", f"the commit record holds {rec.n_committed} examples; the manifest publishes {entry.n_examples}", key, **where)
+        v.add(
+            ERROR,
+            "commit",
+            f"the commit record holds {rec.n_committed} examples; the manifest publishes {entry.n_examples}",
+            key,
+            **where,
+        )
     if entry.complete and not (rec.complete and rec.n_committed == entry.n_examples):
         v.add(
-            ERROR, "commit",
+            ERROR,
+            "commit",
             f"the manifest says the shard is complete with {entry.n_examples} examples; its commit record says "
             f"complete={rec.complete} with {rec.n_committed}",
-            key, **where,
+            key,
+            **where,
         )
     if rec.n_blocks < entry.n_blocks:
-        v.add(ERROR, "commit", f"the commit record holds {rec.n_blocks} blocks; the manifest publishes {entry.n_blocks}", key, **where)
+        v.add(
+            ERROR,
+            "commit",
+            f"the commit record holds {rec.n_blocks} blocks; the manifest publishes {entry.n_blocks}",
+            key,
+            **where,
+        )
 
 
 def _blocks(v: Checker, ctx: ShardCtx, n_blocks: int, entry: ShardEntry | None) -> list[Block] | None:
@@ -140,14 +175,22 @@ def _blocks(v: Checker, ctx: ShardCtx, n_blocks: int, entry: ShardEntry | None) 
         total = records.blocks_checksum(blocks)
         if total != entry.crc32c:
             v.add(
-                ERROR, "checksum-manifest",
+                ERROR,
+                "checksum-manifest",
                 f"the block records' checksums add up to crc32c {total:#010x}, the manifest says {entry.crc32c:#010x}: "
                 f"{keys.basename(keys.BLOCKS)} or the manifest was altered",
-                key, **where,
+                key,
+                **where,
             )
         nbytes = sum(b.nbytes for b in blocks)
         if nbytes != entry.nbytes:
-            v.add(ERROR, "checksum-manifest", f"the block records hold {nbytes} bytes, the manifest says {entry.nbytes}", key, **where)
+            v.add(
+                ERROR,
+                "checksum-manifest",
+                f"the block records hold {nbytes} bytes, the manifest says {entry.nbytes}",
+                key,
+                **where,
+            )
     return blocks
 
 
@@ -182,7 +225,9 @@ def _check_dir_entries(v: Checker, ctx: ShardCtx) -> None:
         if kind != "dir":
             if kind == "link" and sub:  # the shard's own folder was reported by check_shard
                 v.symlink(folder, ctx.shard)
-            elif sub and (names or sub in dirs):  # a folder with nothing to hold may be absent (object stores have no folders)
+            elif sub and (
+                names or sub in dirs
+            ):  # a folder with nothing to hold may be absent (object stores have no folders)
                 v.add(ERROR, "missing-file", f"folder {sub}/ of the shard is missing", folder, shard=ctx.shard)
             continue
         for name, kind in sorted(v.listing.children(folder).items()):
@@ -192,10 +237,22 @@ def _check_dir_entries(v: Checker, ctx: ShardCtx) -> None:
             elif v.odd_entry(key, kind, ctx.shard) or name in dirs.get(sub, ()):
                 continue
             elif keys.is_interrupted_write(name):
-                v.add(WARNING, "temp-file", f"{name} is the temporary file of an interrupted write; safe to delete", key, shard=ctx.shard)
+                v.add(
+                    WARNING,
+                    "temp-file",
+                    f"{name} is the temporary file of an interrupted write; safe to delete",
+                    key,
+                    shard=ctx.shard,
+                )
             elif sub == keys.META_DIR and keys.is_shard_stats_file(name):
                 if name != current_stats:
-                    v.add(WARNING, "stale-stats", f"{name} is the statistics file of an earlier commit (the writer was killed before deleting it); safe to delete", key, shard=ctx.shard)
+                    v.add(
+                        WARNING,
+                        "stale-stats",
+                        f"{name} is the statistics file of an earlier commit (the writer was killed before deleting it); safe to delete",
+                        key,
+                        shard=ctx.shard,
+                    )
             elif not keys.is_temporary(name):
                 v.add(WARNING, "stray-file", f"{name} is not part of a writer shard", key, shard=ctx.shard)
 
@@ -228,8 +285,13 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool, blocks: list[Block]
             v.add(ERROR, "array-meta", f"metadata of per-sample array {name} is damaged ({e!r})", key, **where)
             continue
         if not shape or shape[0] < ctx.n:
-            v.add(ERROR, "array-meta", f"per-sample array {name} holds {shape[0] if shape else shape} values; {ctx.n} examples are published",
-                  key, **where)
+            v.add(
+                ERROR,
+                "array-meta",
+                f"per-sample array {name} holds {shape[0] if shape else shape} values; {ctx.n} examples are published",
+                key,
+                **where,
+            )
             continue
         problems = array_problems(meta, specs[array], v.cfg.zarr_format, ctx.n)
         if problems:
@@ -258,17 +320,33 @@ def _walk_per_sample(v: Checker, ctx: ShardCtx, array: str, meta: dict, want: Ar
             ok = False
         elif key is None or any(key[1:]):
             if not keys.is_temporary(keys.basename(rel)):
-                v.add(WARNING, "stray-file", f"{rel} in array {name} is not a chunk of this array", entry.key, shard=ctx.shard)
+                v.add(
+                    WARNING,
+                    "stray-file",
+                    f"{rel} in array {name} is not a chunk of this array",
+                    entry.key,
+                    shard=ctx.shard,
+                )
         elif key[0] * rows < ctx.n and entry.size != nbytes:
-            v.add(ERROR, "chunk-size", f"chunk file {rel} of per-sample array {name} has {entry.size} bytes, expected {nbytes}",
-                  entry.key, shard=ctx.shard)
+            v.add(
+                ERROR,
+                "chunk-size",
+                f"chunk file {rel} of per-sample array {name} has {entry.size} bytes, expected {nbytes}",
+                entry.key,
+                shard=ctx.shard,
+            )
             ok = False
     for c0, c1 in _gaps(present, -(-ctx.n // rows)) if dense else ():  # runs of missing chunks, however many
         rel = row_chunk_key(array, fmt, sep, len(want.shape), c0)[len(array) + 1 :]
         which, verb = (f"chunk file {rel}", "is") if c1 == c0 + 1 else (f"{c1 - c0} chunk files from {rel} on", "are")
-        v.add(ERROR, "missing-chunk", f"{which} of per-sample array {name} (examples {c0 * rows}..{min(ctx.n, c1 * rows) - 1}) "
-              f"{verb} missing: its writer writes every chunk, zeros included, so it was deleted (readers would return zeros)",
-              f"{ctx.key(array)}/{rel}", shard=ctx.shard)
+        v.add(
+            ERROR,
+            "missing-chunk",
+            f"{which} of per-sample array {name} (examples {c0 * rows}..{min(ctx.n, c1 * rows) - 1}) "
+            f"{verb} missing: its writer writes every chunk, zeros included, so it was deleted (readers would return zeros)",
+            f"{ctx.key(array)}/{rel}",
+            shard=ctx.shard,
+        )
         ok = False
     return ok
 
@@ -298,7 +376,9 @@ def _check_texts(v: Checker, ctx: ShardCtx, deep: bool) -> None:
         want = ctx.rec.text_bytes.get(name) if ctx.rec else None
         size = v.listing.size(key)
         if want is not None and size < want:
-            v.add(ERROR, "text", f"text file {name}.jsonl has {size} bytes; the commit record says {want}", key, **where)
+            v.add(
+                ERROR, "text", f"text file {name}.jsonl has {size} bytes; the commit record says {want}", key, **where
+            )
             continue
         if deep:
             deep_checks.text_lines(v, ctx, name)

@@ -74,17 +74,24 @@ def _run(v: Checker) -> VerifyReport:
     else:
         v.report.finalized = False
         v.add(
-            WARNING, "not-finalized",
+            WARNING,
+            "not-finalized",
             f"no {keys.MANIFEST}: the store was never finalized and readers cannot open it; "
             f"run `actstore finalize {v.storage.url}` once every writer has closed",
         )
     if manifest is not None and ident is not None and ident.differences(manifest.config):
-        v.add(ERROR, "identity", f"{keys.IDENTITY} and {keys.MANIFEST} describe different stores: "
-              f"{'; '.join(ident.differences(manifest.config))}", keys.MANIFEST)
+        v.add(
+            ERROR,
+            "identity",
+            f"{keys.IDENTITY} and {keys.MANIFEST} describe different stores: "
+            f"{'; '.join(ident.differences(manifest.config))}",
+            keys.MANIFEST,
+        )
     if manifest is not None and manifest.partial is not None:
         p = manifest.partial
         v.add(
-            WARNING, "partial",
+            WARNING,
+            "partial",
             f"the store was finalized as partial (finalize --allow-partial): "
             f"{f'ranks {list(p.missing_ranks)} of {manifest.world_size} wrote no shard' if p.missing_ranks else ''}"
             f"{'; ' if p.missing_ranks and p.incomplete_shards else ''}"
@@ -115,9 +122,19 @@ def _check_root(v: Checker, manifest: Manifest | None) -> None:
             continue
         if keys.is_temporary(name):
             if keys.is_interrupted_write(name):
-                v.add(WARNING, "temp-file", f"{name} is the temporary file of an interrupted write (finalize killed?); safe to delete", name)
+                v.add(
+                    WARNING,
+                    "temp-file",
+                    f"{name} is the temporary file of an interrupted write (finalize killed?); safe to delete",
+                    name,
+                )
         elif keys.is_store_stats_file(name):
-            v.add(WARNING, "stale-stats", f"{name} holds statistics of an earlier finalize (kept for readers of the previous manifest); safe to delete", name)
+            v.add(
+                WARNING,
+                "stale-stats",
+                f"{name} holds statistics of an earlier finalize (kept for readers of the previous manifest); safe to delete",
+                name,
+            )
         else:
             v.add(WARNING, "stray-file", f"{name} is not part of an actstore store", name)
 
@@ -133,10 +150,12 @@ def _check_leases(v: Checker) -> None:
             v.add(WARNING, "stray-file", f"{key} is not a shard lease (names are shard-NNNNN.<generation>.json)", key)
         else:
             v.add(
-                WARNING, "lease",
+                WARNING,
+                "lease",
                 f"shard {parsed[0]} is leased to a writer ({key}): one is writing it now, or was killed; "
                 "`actstore write --resume` (or ShardWriter(..., resume=True)) takes a dead writer's shard over",
-                key, shard=parsed[0],
+                key,
+                shard=parsed[0],
             )
 
 
@@ -149,9 +168,19 @@ def _check_shards(v: Checker, manifest: Manifest | None) -> None:
         elif v.odd_entry(key, kind, None):
             continue
         elif keys.is_interrupted_write(name):
-            v.add(WARNING, "temp-file", f"{name} is the folder of a writer killed while creating its shard; safe to delete when no writer runs", key)
+            v.add(
+                WARNING,
+                "temp-file",
+                f"{name} is the folder of a writer killed while creating its shard; safe to delete when no writer runs",
+                key,
+            )
         elif not keys.is_temporary(name):
-            v.add(WARNING, "stray-file", f"{name} in {keys.SHARDS}/ is not a writer shard (names are shard-NNNNN.zarr)", key)
+            v.add(
+                WARNING,
+                "stray-file",
+                f"{name} in {keys.SHARDS}/ is not a writer shard (names are shard-NNNNN.zarr)",
+                key,
+            )
     if manifest is None:
         for name in present:
             check_shard(v, name, None)
@@ -160,19 +189,22 @@ def _check_shards(v: Checker, manifest: Manifest | None) -> None:
     for entry in manifest.shards:
         if entry.name not in present:
             v.add(
-                ERROR, "missing-shard",
+                ERROR,
+                "missing-shard",
                 f"shard {entry.name} listed in the manifest (examples {entry.start}..{entry.start + entry.n_examples - 1}) is missing; "
                 f"shards present: {present}",
-                keys.shard_prefix(entry.name), shard=entry.shard,
+                keys.shard_prefix(entry.name),
+                shard=entry.shard,
             )
         else:
             check_shard(v, entry.name, entry)
     for name in present:
         if name not in listed:
             v.add(
-                WARNING, "unpublished-shard",
+                WARNING,
+                "unpublished-shard",
                 f"shard {name} is not in the manifest (written after the last finalize, or by a writer still running); "
                 "readers do not see it until `actstore finalize` publishes it",
-                keys.shard_prefix(name), shard=keys.parse_shard_name(name),
+                keys.shard_prefix(name),
+                shard=keys.parse_shard_name(name),
             )
-

@@ -116,29 +116,39 @@ def prepare(
 
 def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, b: int | None) -> int:
     if x.ndim != 4:
-        raise AppendError(f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}")
+        raise AppendError(
+            f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}"
+        )
     if b is not None and x.shape[0] != b:
         raise AppendError(f"segment {seg.name!r} has {x.shape[0]} examples but another segment has {b}")
     if x.shape[1] != cfg.n_layers:
-        raise AppendError(f"segment {seg.name!r}: batch has {x.shape[1]} layers, the store records {cfg.n_layers} (layers {list(cfg.layers)})")
+        raise AppendError(
+            f"segment {seg.name!r}: batch has {x.shape[1]} layers, the store records {cfg.n_layers} (layers {list(cfg.layers)})"
+        )
     if x.shape[3] != cfg.d_model:
         raise AppendError(f"segment {seg.name!r}: batch has d_model {x.shape[3]}, the store has d_model {cfg.d_model}")
     t = x.shape[2]
     if seg.fixed and t != seg.t_max:
         raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
     if t > seg.t_max:
-        raise AppendError(f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)")
+        raise AppendError(
+            f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)"
+        )
     return x.shape[0]
 
 
-def _convert(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, src: str, on_nonfinite: str, on_overflow: str) -> tuple[np.ndarray, int, int]:
+def _convert(
+    cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, src: str, on_nonfinite: str, on_overflow: str
+) -> tuple[np.ndarray, int, int]:
     """The batch in the stored dtype, with its non-finite and overflow counts (refused or clipped)."""
     try:
         stored, nonfinite, over = convert(x, src, cfg.dtype)
     except TypeError as e:
         raise AppendError(f"segment {seg.name!r}: {e}") from None
     if nonfinite and on_nonfinite == "raise":
-        raise NonFiniteError(f"segment {seg.name!r}: the batch holds {nonfinite} NaN or infinite values; nothing of this batch was written (pass on_nonfinite='count' to store and count them)")
+        raise NonFiniteError(
+            f"segment {seg.name!r}: the batch holds {nonfinite} NaN or infinite values; nothing of this batch was written (pass on_nonfinite='count' to store and count them)"
+        )
     if over:
         if on_overflow == "raise":
             raise Float16OverflowError(
@@ -179,13 +189,19 @@ def _token_ids(cfg, batch: Batch, ids_d: dict[str, Any]) -> None:
     for seg in cfg.segments:
         ids = ids_d.get(seg.name)
         if ids is None:
-            raise AppendError(f"this store records token_ids: pass token_ids for segment {seg.name!r} ((b, <= {seg.t_max}) ints)")
+            raise AppendError(
+                f"this store records token_ids: pass token_ids for segment {seg.name!r} ((b, <= {seg.t_max}) ints)"
+            )
         ids, _ = to_numpy(ids, "token_ids")
         ids = np.asarray(ids)
         if ids.ndim != 2 or ids.shape[0] != b or ids.shape[1] > seg.t_max or ids.dtype.kind not in "iu":
-            raise AppendError(f"token_ids of segment {seg.name!r} must be integers of shape ({b}, <= {seg.t_max}), got {ids.dtype} {ids.shape}")
+            raise AppendError(
+                f"token_ids of segment {seg.name!r} must be integers of shape ({b}, <= {seg.t_max}), got {ids.dtype} {ids.shape}"
+            )
         if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
-            raise AppendError(f"token_ids of segment {seg.name!r} must be vocabulary ids in 0..2**31-1, got {int(ids.min())}..{int(ids.max())}")
+            raise AppendError(
+                f"token_ids of segment {seg.name!r} must be vocabulary ids in 0..2**31-1, got {int(ids.min())}..{int(ids.max())}"
+            )
         out = np.zeros((b, seg.t_max), np.int32)
         out[:, : ids.shape[1]] = ids
         out[np.arange(seg.t_max)[None, :] >= batch.lengths[seg.name][:, None]] = 0  # padding holds 0
@@ -200,11 +216,15 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
         if cfg.token_labels:
             lab = labels_d.get(seg.name)
             if lab is None:
-                raise AppendError(f"this store records token_labels: pass token_labels for segment {seg.name!r} ((b, {seg.t_max}) uint8)")
+                raise AppendError(
+                    f"this store records token_labels: pass token_labels for segment {seg.name!r} ((b, {seg.t_max}) uint8)"
+                )
             lab, _ = to_numpy(lab, "token_labels")
             lab = np.asarray(lab)
             if lab.ndim != 2 or lab.shape[0] != b or lab.shape[1] > seg.t_max:
-                raise AppendError(f"token_labels of segment {seg.name!r} must have shape ({b}, <= {seg.t_max}), got {lab.shape}")
+                raise AppendError(
+                    f"token_labels of segment {seg.name!r} must have shape ({b}, <= {seg.t_max}), got {lab.shape}"
+                )
             if lab.size and (lab.min() < 0 or lab.max() > 255):
                 raise AppendError(f"token_labels of segment {seg.name!r} must be in 0..255 (uint8)")
             out[keys.labels_array(seg.name)] = pad_tokens(lab.astype(np.uint8)[:, None, :, None], seg.t_max)[:, 0, :, 0]
@@ -231,7 +251,9 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
         try:
             out[keys.field_array(name)] = v.astype(dt, casting="same_kind")
         except TypeError:
-            raise AppendError(f"field {name!r} holds {v.dtype} values that do not fit its dtype {np.dtype(dt)}") from None
+            raise AppendError(
+                f"field {name!r} holds {v.dtype} values that do not fit its dtype {np.dtype(dt)}"
+            ) from None
         _check_range(name, v, out[keys.field_array(name)])
     texts = dict(texts or {})
     if set(texts) != set(cfg.texts):
@@ -241,7 +263,9 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
         if len(vals) != b:
             raise AppendError(f"text {name!r} has {len(vals)} values for a batch of {b}")
         try:
-            batch.text_lines[name] = [texts_layout.dump_line(first_index + i, names[i], name, v) for i, v in enumerate(vals)]
+            batch.text_lines[name] = [
+                texts_layout.dump_line(first_index + i, names[i], name, v) for i, v in enumerate(vals)
+            ]
         except (TypeError, ValueError) as e:
             raise AppendError(f"text {name!r} holds a value that standard JSON cannot hold: {e}") from None
 

@@ -59,8 +59,13 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         records.check_blocks_tile(blocks, rec.n_committed, shard.url)
         entries.append(
             ShardEntry(
-                shard=number, name=keys.shard_name(number), start=start, n_examples=rec.n_committed,
-                complete=rec.complete, n_blocks=len(blocks), crc32c=records.blocks_checksum(blocks),
+                shard=number,
+                name=keys.shard_name(number),
+                start=start,
+                n_examples=rec.n_committed,
+                complete=rec.complete,
+                n_blocks=len(blocks),
+                crc32c=records.blocks_checksum(blocks),
                 nbytes=sum(b.nbytes for b in blocks),
             )
         )
@@ -80,14 +85,20 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     if (incomplete or missing) and not allow_partial:
         lacks = [f"{', '.join(incomplete)} not closed (a writer still running, or killed)"] if incomplete else []
         if missing:
-            lacks.append(f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} of the {world} recorded with its shards wrote no shard")
+            lacks.append(
+                f"rank{'s' if len(missing) > 1 else ''} {_ranges(missing)} of the {world} recorded with its shards wrote no shard"
+            )
         raise NotFinalizedError(
             f"cannot finalize {storage.url}: {'; '.join(lacks)}. "
             "Run or resume those writers to the end (`actstore write --resume` with the same --rank/--world-size, "
             "or ShardWriter(..., resume=True) and close it), "
             "or pass allow_partial=True (`actstore finalize --allow-partial`) to publish only what was committed, recorded as partial."
         )
-    partial = records.Partial(missing_ranks=tuple(missing), incomplete_shards=tuple(incomplete_numbers)) if missing or incomplete else None
+    partial = (
+        records.Partial(missing_ranks=tuple(missing), incomplete_shards=tuple(incomplete_numbers))
+        if missing or incomplete
+        else None
+    )
     stats_name = None
     if stats is not None and stats_ok:
         # Named by content, so that a finalize killed before it replaces manifest.json
@@ -97,9 +108,17 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         stats_name = keys.store_stats_file(crc32c(data))
         _publish(storage, stats_name, data)
     manifest = Manifest(
-        config=cfg, n_examples=start, shards=tuple(entries),
-        truncation=records.truncation(truncated, start), nonfinite=nonfinite, overflow=overflow, stats=stats_name,
-        created=records.now(), actstore_version=__version__, world_size=world, partial=partial,
+        config=cfg,
+        n_examples=start,
+        shards=tuple(entries),
+        truncation=records.truncation(truncated, start),
+        nonfinite=nonfinite,
+        overflow=overflow,
+        stats=stats_name,
+        created=records.now(),
+        actstore_version=__version__,
+        world_size=world,
+        partial=partial,
     )
     _publish(storage, keys.MANIFEST, records.dump_manifest(manifest))
     return records.parse_manifest(records.dump_manifest(manifest), storage.where(keys.MANIFEST), storage.url)
@@ -118,7 +137,9 @@ def _world(url: str, worlds: dict[int, list[int]], numbers: list[int]) -> tuple[
     (world,) = worlds
     beyond = [n for n in numbers if n >= world]
     if beyond:
-        raise CorruptStoreError(f"cannot finalize {url}: shards {_ranges(beyond)} lie beyond the {world} ranks its shards record")
+        raise CorruptStoreError(
+            f"cannot finalize {url}: shards {_ranges(beyond)} lie beyond the {world} ranks its shards record"
+        )
     return world, sorted(set(range(world)) - set(numbers))
 
 
@@ -151,4 +172,3 @@ def _publish(storage: Storage, key: str, data: Any) -> None:
         )
         err.errno = e.errno
         raise err from e
-

@@ -13,7 +13,11 @@ def claim_store(storage: Storage, cfg: StoreConfig) -> StoreConfig:
     """Create the store's identity record (create-only), or check that the existing store
     has `cfg`; returns the store's configuration."""
     if not storage.exists(keys.IDENTITY):
-        foreign = [n for n in storage.list_dir() if n not in (keys.IDENTITY, keys.SHARDS, keys.MANIFEST, keys.LEASES) and not keys.is_temporary(n)]
+        foreign = [
+            n
+            for n in storage.list_dir()
+            if n not in (keys.IDENTITY, keys.SHARDS, keys.MANIFEST, keys.LEASES) and not keys.is_temporary(n)
+        ]
         if foreign:
             raise StoreMismatchError(
                 f"{storage.url} already holds files that are not an actstore store ({', '.join(sorted(foreign)[:5])}); "

@@ -130,7 +130,9 @@ class ChunkFiles(Layout):
         try:
             try:
                 for i in range(batch.b):
-                    futures.append(self.pipeline.submit(partial(self._write_example, batch, i, n0 + i), self.cfg.example_bytes()))
+                    futures.append(
+                        self.pipeline.submit(partial(self._write_example, batch, i, n0 + i), self.cfg.example_bytes())
+                    )
                 self._row_checksums(batch)  # beside the writes
             finally:
                 self.pipeline.wait(futures)  # the batch's memory is free again; raises an I/O error

@@ -119,15 +119,24 @@ class ShardLease:
                 except FileNotFoundError:
                     continue  # released meanwhile: look again
                 except CorruptStoreError as e:
-                    raise CorruptStoreError(f"{e}; the lease of {what} is damaged: delete {storage.where(key)} if no writer of it runs") from None
+                    raise CorruptStoreError(
+                        f"{e}; the lease of {what} is damaged: delete {storage.where(key)} if no writer of it runs"
+                    ) from None
                 if holder_alive(held):
                     raise ShardBusyError(_busy_message(what, held))
                 gen = gens[-1] + 1
             token = uuid.uuid4().hex
             running, start = _proc(os.getpid())
             lease = Lease(
-                shard=shard, generation=gen, token=token, host=_HOST, pid=os.getpid(), pid_start=start,
-                started=now(), renewed=time.time(), ttl=ttl,
+                shard=shard,
+                generation=gen,
+                token=token,
+                host=_HOST,
+                pid=os.getpid(),
+                pid_start=start,
+                started=now(),
+                renewed=time.time(),
+                ttl=ttl,
             )
             if storage.put_if_absent(keys.lease_key(shard, gen), dump_lease(lease)):
                 _LIVE_TOKENS.add(token)
@@ -139,7 +148,11 @@ class ShardLease:
                 return cls(storage, lease)
             # another writer took this generation first: the next look names it
         held = current(storage, shard)
-        raise ShardBusyError(_busy_message(what, held) if held else f"{what} is being taken by several writers at once; give each writer its own shard")
+        raise ShardBusyError(
+            _busy_message(what, held)
+            if held
+            else f"{what} is being taken by several writers at once; give each writer its own shard"
+        )
 
     def check(self) -> None:
         """Raise LeaseLostError when another writer took the lease over (before a commit)."""

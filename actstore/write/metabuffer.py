@@ -142,7 +142,7 @@ def _store_class() -> type:
             head = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
             names = set()
             async for k in self.list_prefix(head):
-                names.add(k[len(head):].split("/", 1)[0])
+                names.add(k[len(head) :].split("/", 1)[0])
             for name in sorted(names):
                 yield name
 

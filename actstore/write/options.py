@@ -54,11 +54,27 @@ class WriterOptions:
         """world_size fits shard number `shard` (the shard number is the rank)."""
         w = self.world_size
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not shard < w <= spec.MAX_WORLD_SIZE):
-            raise ValueError(f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {w!r}.")
+            raise ValueError(
+                f"world_size must be an int in {shard + 1}..{spec.MAX_WORLD_SIZE} (the shard number is the rank). Got {w!r}."
+            )
 
 
-CONFIG_KEYWORDS = ("layers", "d_model", "tokens", "segments", "dtype", "t_chunk", "zarr_format", "shard_examples", "fields",
-                   "texts", "token_labels", "token_ids", "model_id", "attrs")
+CONFIG_KEYWORDS = (
+    "layers",
+    "d_model",
+    "tokens",
+    "segments",
+    "dtype",
+    "t_chunk",
+    "zarr_format",
+    "shard_examples",
+    "fields",
+    "texts",
+    "token_labels",
+    "token_ids",
+    "model_id",
+    "attrs",
+)
 OPTION_KEYWORDS = tuple(f.name for f in fields(WriterOptions))
 
 
@@ -66,13 +82,18 @@ def store_config(config: StoreConfig | None, given: Mapping[str, Any]) -> StoreC
     """`config`, or the StoreConfig that the keywords `given` (those not None) describe;
     never both. `shard_examples` is given unless it is "auto" (its default): None there
     asks for no Zarr sharding."""
-    given = {k: v for k, v in given.items()
-             if (v is not None or k == "shard_examples") and not (k == "shard_examples" and v == spec.SHARD_EXAMPLES_AUTO)}
+    given = {
+        k: v
+        for k, v in given.items()
+        if (v is not None or k == "shard_examples") and not (k == "shard_examples" and v == spec.SHARD_EXAMPLES_AUTO)
+    }
     if config is not None:
         if given:
             raise TypeError(f"pass config= or the store's keywords, not both: got config= and {sorted(given)}")
         if not isinstance(config, StoreConfig):
-            raise TypeError(f"config must be a StoreConfig (actstore.layout.config.make_config builds one). Got {type(config).__name__}.")
+            raise TypeError(
+                f"config must be a StoreConfig (actstore.layout.config.make_config builds one). Got {type(config).__name__}."
+            )
         return config
     missing = [k for k in ("layers", "d_model") if k not in given]
     if missing:

@@ -44,7 +44,6 @@ class IOStats:
     remote: bool
 
 
-
 class WritePipeline:
     """Background writes of whole objects with bounded memory.
 
@@ -130,7 +129,9 @@ class WritePipeline:
 
     def stats(self) -> IOStats:
         with self._cond:
-            return IOStats(self._pending, self._peak, self.max_bytes, self._written, self._objects, self._waited, self.remote)
+            return IOStats(
+                self._pending, self._peak, self.max_bytes, self._written, self._objects, self._waited, self.remote
+            )
 
     def close(self) -> None:
         """Finish what was submitted (errors stay in `error`) and stop the threads."""

@@ -140,8 +140,14 @@ class ShardWriter(ShardSetup):
         arrays.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
         self.root = self.storage.local_root if self.storage.local_root is not None else self.storage.url
-        if self.storage.local_root is not None and self.storage.local_root.exists() and not self.storage.local_root.is_dir():
-            raise StoreNotFoundError(f"{self.root} is a file, not a store folder: choose another path (nothing was written)")
+        if (
+            self.storage.local_root is not None
+            and self.storage.local_root.exists()
+            and not self.storage.local_root.is_dir()
+        ):
+            raise StoreNotFoundError(
+                f"{self.root} is a file, not a store folder: choose another path (nothing was written)"
+            )
         self.shard = shard
         claim_store(self.storage, cfg)
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
@@ -167,7 +173,11 @@ class ShardWriter(ShardSetup):
         self._el_crc_file = True  # False for a resumed shard written without the crc file
         self._block_bytes = 0
         self._stats_file: str | None = None
-        self.stats = RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model) if opts.stats else None
+        self.stats = (
+            RunningStats([stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model)
+            if opts.stats
+            else None
+        )
         # One writer per shard: a second writer or resumer is refused while this one lives.
         self._lease = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
         weakref.finalize(self, self._lease.release)  # a writer dropped unclosed gives it back
@@ -241,12 +251,24 @@ class ShardWriter(ShardSetup):
         seg_names = [s.name for s in cfg.segments]
         if acts is not None:
             if len(seg_names) != 1:
-                raise AppendError(f"this store has segments {seg_names}: pass each by name, e.g. append(prompt=..., response=...)")
+                raise AppendError(
+                    f"this store has segments {seg_names}: pass each by name, e.g. append(prompt=..., response=...)"
+                )
             segment_acts = {seg_names[0]: acts, **segment_acts}
         batch = batches.prepare(
-            cfg, segment_acts, lengths=lengths, source_lengths=source_lengths, token_labels=token_labels, token_ids=token_ids,
-            sample_keys=sample_keys, fields=fields, texts=texts, first_index=self.n_written, shard=self.shard,
-            on_nonfinite=self.on_nonfinite, on_overflow=self.on_overflow,
+            cfg,
+            segment_acts,
+            lengths=lengths,
+            source_lengths=source_lengths,
+            token_labels=token_labels,
+            token_ids=token_ids,
+            sample_keys=sample_keys,
+            fields=fields,
+            texts=texts,
+            first_index=self.n_written,
+            shard=self.shard,
+            on_nonfinite=self.on_nonfinite,
+            on_overflow=self.on_overflow,
         )
         # Everything is validated: from here on the batch is written.
         n0, b = self.n_written, batch.b
@@ -256,7 +278,8 @@ class ShardWriter(ShardSetup):
         except OSError as e:
             if e.errno in _DISK_FULL_ERRNOS:
                 raise self._disk_full(
-                    e, f"writing chunk files of shard {self.shard} of {self.root}",
+                    e,
+                    f"writing chunk files of shard {self.shard} of {self.root}",
                     f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
                     f"Free space, then append again, or reopen with ShardWriter(..., shard={self.shard}, resume=True)",
                 ) from e
@@ -339,7 +362,8 @@ class ShardWriter(ShardSetup):
         lost = self.n_written - self.n_committed
         self._close_files()
         raise self._disk_full(
-            e, doing,
+            e,
+            doing,
             f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
             f"were not committed. Free space, then continue with ShardWriter(..., shard={self.shard}, resume=True)",
         ) from e
@@ -371,7 +395,9 @@ class ShardWriter(ShardSetup):
                 self.text_bytes[name] = self._records.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
                 del lines[: n1 - n0]
             block_crc, el_esl = self._layout.take_checksums(n1 - n0)
-            block = records.Block(start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes(), per_sample_crc32c=ps_crc)
+            block = records.Block(
+                start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes(), per_sample_crc32c=ps_crc
+            )
             if self._el_crc_file:
                 self._records.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
             self._records.append(keys.BLOCKS, records.dump_block(block))
@@ -404,16 +430,27 @@ class ShardWriter(ShardSetup):
 
     def _shard_attrs(self, n: int | None = None) -> dict[str, Any]:
         return records.shard_attrs(
-            self.cfg, shard=self.shard, n=self.n_committed if n is None else n, truncated=self.truncated,
-            created=self._created, version=__version__,
+            self.cfg,
+            shard=self.shard,
+            n=self.n_committed if n is None else n,
+            truncated=self.truncated,
+            created=self._created,
+            version=__version__,
         )
 
     def _commit_record(self, complete: bool, n: int | None = None) -> records.Commit:
         return records.Commit(
-            shard=self.shard, n_committed=self.n_committed if n is None else n, complete=complete,
-            n_blocks=self.n_blocks, text_bytes=dict(self.text_bytes), truncated=dict(self.truncated),
-            nonfinite=dict(self.nonfinite), overflow=dict(self.overflow), stats_file=self._stats_file,
-            updated=records.now(), world_size=self.world_size,
+            shard=self.shard,
+            n_committed=self.n_committed if n is None else n,
+            complete=complete,
+            n_blocks=self.n_blocks,
+            text_bytes=dict(self.text_bytes),
+            truncated=dict(self.truncated),
+            nonfinite=dict(self.nonfinite),
+            overflow=dict(self.overflow),
+            stats_file=self._stats_file,
+            updated=records.now(),
+            world_size=self.world_size,
         )
 
     # ---- lifecycle ----------------------------------------------------------------

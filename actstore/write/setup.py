@@ -85,7 +85,9 @@ class ShardSetup:
 
     def _arrays_complete(self) -> bool:
         names = [keys.acts_array(s.name) for s in self.cfg.segments] + self._per_sample_names()
-        return all(self.sh.exists(array_meta_key(a, self.cfg.zarr_format)) for a in names) and self.sh.exists(keys.BLOCKS)
+        return all(self.sh.exists(array_meta_key(a, self.cfg.zarr_format)) for a in names) and self.sh.exists(
+            keys.BLOCKS
+        )
 
     def _recover(self) -> None:
         rec = catalog.read_commit(self.sh)
@@ -126,17 +128,24 @@ class ShardSetup:
         self._truncate_records(rec)
         if self.stats is not None:
             if rec.stats_file:
-                self.stats.merge(read_stats(self.sh, rec.stats_file, then="resume with stats=False, or overwrite the shard"))
+                self.stats.merge(
+                    read_stats(self.sh, rec.stats_file, then="resume with stats=False, or overwrite the shard")
+                )
                 self._stats_file = rec.stats_file
             elif n:
-                warnings.warn(f"shard {self.shard}: resumed with stats=True but the committed part kept no statistics", stacklevel=3)
+                warnings.warn(
+                    f"shard {self.shard}: resumed with stats=True but the committed part kept no statistics",
+                    stacklevel=3,
+                )
         self._drop_temporary()
 
     def _truncate_records(self, rec: records.Commit) -> None:
         """Texts, block records and per-row checksums cut back to the commit record's sizes."""
         for name, size in rec.text_bytes.items():
             if name not in self.cfg.texts:  # the name becomes a key: only declared texts
-                raise CorruptStoreError(f"{self.sh.where(keys.COMMIT)} names text {name!r}; the store declares texts {list(self.cfg.texts)}")
+                raise CorruptStoreError(
+                    f"{self.sh.where(keys.COMMIT)} names text {name!r}; the store declares texts {list(self.cfg.texts)}"
+                )
             self.sh.truncate(keys.text_file(name), size)
             self.text_bytes[name] = size
         data = self.sh.get(keys.BLOCKS)
@@ -169,12 +178,16 @@ class ShardSetup:
         cfg = self.cfg
         cls = self._layout_class()
         if cls is ZarrArrays:
-            self._layout: Layout = ZarrArrays(cfg, {s.name: self._group[keys.acts_array(s.name)] for s in cfg.segments}, self.n_written)
+            self._layout: Layout = ZarrArrays(
+                cfg, {s.name: self._group[keys.acts_array(s.name)] for s in cfg.segments}, self.n_written
+            )
             return
         io = {}
         for s in cfg.segments:
             rel = keys.acts_array(s.name)
-            meta = jsonio.loads(self._meta.read(array_meta_key(rel, cfg.zarr_format)), self.sh.where(rel), what="array metadata")
+            meta = jsonio.loads(
+                self._meta.read(array_meta_key(rel, cfg.zarr_format)), self.sh.where(rel), what="array metadata"
+            )
             geo = geometry_from_metadata(rel, meta, cfg.n_layers, cfg.d_model)
             assert geo is not None
             io[s.name] = ChunkIO(self.sh, geo)

@@ -70,8 +70,15 @@ class ShardFiles(Layout):
     background = True
     files = "shard files"
 
-    def __init__(self, cfg: StoreConfig, io: dict[str, ChunkIO], n_written: int, pipeline: WritePipeline,
-                 writeback: Writeback | None, durable: bool = False):
+    def __init__(
+        self,
+        cfg: StoreConfig,
+        io: dict[str, ChunkIO],
+        n_written: int,
+        pipeline: WritePipeline,
+        writeback: Writeback | None,
+        durable: bool = False,
+    ):
         super().__init__(cfg)
         self.io = io
         self.S = cfg.shard_examples
@@ -123,6 +130,7 @@ class ShardFiles(Layout):
         """Write examples first..first+n-1 (the first n rows of `buf`) as one shard file per
         segment. With release=False the buffer stays with the caller, who goes on filling
         rows n.. once the pipeline is drained (a partial shard written at a commit)."""
+
         def write() -> None:
             for seg, io in self.io.items():
                 io.write_shards(first, buf[seg][:n], writeback=self._writeback, durable=self.durable)
