@@ -196,3 +196,26 @@ def read_stats(storage, key: str, *, then: str) -> RunningStats:
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:  # a damaged .npz raises any of these
         why = str(e) if type(e) is ValueError else repr(e)  # from_bytes says what was wrong
         raise CorruptStoreError(f"statistics file {storage.where(key)} is unreadable ({why}); {then}") from None
+
+
+def update_masked(
+    stats: RunningStats, cfg: Any, seg: Any, arr: np.ndarray, lens: np.ndarray, labels: np.ndarray | None = None
+) -> None:
+    """Add a batch (b, L, T_max, D) of segment `seg` to `stats`: the tokens the readers'
+    default mask keeps (actstore.read.masks), i.e. real tokens, and of those only content
+    (label 0) where `labels` mark token kinds."""
+    x = arr[:, :, : seg.t_max]
+    if cfg.dtype == "bfloat16":
+        from actstore.dtypes import bf16_bits_to_f32
+
+        x = bf16_bits_to_f32(x)
+    for lp, layer in enumerate(cfg.layers):
+        xl = x[:, lp]
+        if labels is None and (lens == seg.t_max).all():
+            v = xl.reshape(-1, cfg.d_model)
+        else:
+            mask = np.arange(seg.t_max)[None, :] < lens[:, None]
+            if labels is not None:
+                mask &= labels[:, : seg.t_max] == 0
+            v = xl[mask]
+        stats.update(stats_key(layer, seg.name), v)

@@ -77,3 +77,13 @@ def _dims(v3: bool, dims: tuple[str, ...], attrs: dict[str, Any]) -> dict[str, A
     if v3:
         out["dimension_names"] = dims
     return out
+
+
+def write_consolidated(store: Any) -> None:
+    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3),
+    into the shard's zarr store (its buffered metadata, written out by the commit)."""
+    import zarr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        zarr.consolidate_metadata(store)

@@ -25,7 +25,7 @@ from actstore._version import __version__
 from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError, StoreNotFoundError
 from actstore.layout import keys, records, spec
 from actstore.layout.config import StoreConfig
-from actstore.stats import RunningStats, stats_key
+from actstore.stats import RunningStats, stats_key, update_masked
 from actstore.storage import open_storage
 from actstore.write import batch as batches
 from actstore.layout.arrays import shard_arrays
@@ -290,7 +290,7 @@ class ShardWriter(ShardSetup):
             self.truncated[seg.name] += batch.truncated[seg.name]
             if self.stats is not None and batch_stats is None:
                 labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.labels_mark_kinds else None
-                self._update_stats(seg, batch.acts[seg.name], batch.lengths[seg.name], labels)
+                update_masked(self.stats, self.cfg, seg, batch.acts[seg.name], batch.lengths[seg.name], labels)
         if batch_stats is not None and self.stats is not None:
             self.stats.merge(batch_stats)
         for name, values in batch.per_sample.items():
@@ -306,25 +306,6 @@ class ShardWriter(ShardSetup):
         ):
             self.commit()
         return range(n0, n0 + b)
-
-    def _update_stats(self, seg: Any, arr: np.ndarray, lens: np.ndarray, labels: np.ndarray | None = None) -> None:
-        """Statistics over the tokens the readers' default mask keeps (actstore.read.masks):
-        real tokens, and of those only content (label 0) where `labels` mark token kinds."""
-        x = arr[:, :, : seg.t_max]
-        if self.cfg.dtype == "bfloat16":
-            from actstore.dtypes import bf16_bits_to_f32
-
-            x = bf16_bits_to_f32(x)
-        for lp, layer in enumerate(self.cfg.layers):
-            xl = x[:, lp]
-            if labels is None and (lens == seg.t_max).all():
-                v = xl.reshape(-1, self.cfg.d_model)
-            else:
-                mask = np.arange(seg.t_max)[None, :] < lens[:, None]
-                if labels is not None:
-                    mask &= labels[:, : seg.t_max] == 0
-                v = xl[mask]
-            self.stats.update(stats_key(layer, seg.name), v)
 
     def _check_background(self) -> None:
         """Raise a failed background write as the writer's error; it closes the writer."""
@@ -408,7 +389,7 @@ class ShardWriter(ShardSetup):
             sh.put(self._stats_file, self.stats.to_bytes())
         if complete:
             self._group.attrs.update(self._shard_attrs(n1))
-            _write_consolidated(self._meta)
+            arrays.write_consolidated(self._meta)
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
         if self.fsync:
@@ -494,15 +475,3 @@ class ShardWriter(ShardSetup):
 
     def __len__(self) -> int:
         return self.n_written
-
-
-def _write_consolidated(store: Any) -> None:
-    """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3),
-    into the shard's zarr store (its buffered metadata, written out by the commit)."""
-    import warnings
-
-    import zarr
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(store)
