@@ -40,7 +40,8 @@ import torch  # noqa: E402
 from actstore.capture import load_model, record  # noqa: E402
 from actstore.capture.data import load_source  # noqa: E402
 from actstore.capture.prepare import image_batches, text_batches  # noqa: E402
-from actstore.capture.run import WriteOptions, _text_plan  # noqa: E402
+from actstore.capture.run import WriteOptions  # noqa: E402
+from actstore.capture.text_budgets import text_plan  # noqa: E402
 
 
 def parse_layers(s: str) -> list[int]:
@@ -68,7 +69,7 @@ def prepare(args) -> tuple[object, list, int]:
         return lm, batches, len(windows)
     else:
         opts = WriteOptions(store="", model=args.model, data=args.data, layers=(0,), p_max=args.p_max)
-        plan = _text_plan(opts, lm, src)
+        plan = text_plan(opts, lm, src)
         batches = list(text_batches(src, 0, len(src), lm.tokenizer, plan, args.batch_size, "cpu", model=lm.model))
     return lm, batches, len(src)
 

@@ -13,8 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import actstore
-from actstore.capture.record import _Job
-from actstore.capture.run import MIN_T_CHUNK, WriteOptions, _stored_budgets, measured_t_chunk
+from actstore.capture.record_job import RecordJob
+from actstore.capture.run import MIN_T_CHUNK, WriteOptions, measured_t_chunk
+from actstore.capture.text_budgets import stored_budgets
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
 from actstore.write import ShardWriter
@@ -88,12 +89,12 @@ def test_write_chunks_prompts_by_their_median_length_and_resume_keeps_them(tmp_p
         assert got.shape == (p, hs.shape[1]) and np.abs(got - hs[:p]).max() <= 2e-3 * max(1.0, np.abs(hs[:p]).max())
     assert sum(n > segs["prompt"]["t_chunk"] for n in lens) >= 2  # prompts spanning several chunks were read back
     # A resume takes budgets and chunks from the store, and reopens shards with them.
-    assert _stored_budgets(WriteOptions(store=str(out), model="m", data="d", layers=(0, 1))) == (
+    assert stored_budgets(WriteOptions(store=str(out), model="m", data="d", layers=(0, 1))) == (
         p_max,
         segs["response"]["t_max"],
         segs["prompt"]["t_chunk"],
     )
-    kw = _Job.writer_kwargs_from_store(SimpleNamespace(store=out, stats=True))
+    kw = RecordJob.writer_kwargs_from_store(SimpleNamespace(store=out, stats=True))
     with pytest.raises(StoreMismatchError, match="t_chunk"):  # the store's chunks are part of its identity
         ShardWriter(out, shard=1, **{k: v for k, v in kw.items() if k != "t_chunk"})
     ShardWriter(out, shard=1, **kw).close()

@@ -123,16 +123,16 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
             )
     assert verify_store(out, deep=True).problems == []
 
-    from actstore.capture import run as run_mod
+    from actstore.capture import workers as workers_mod
 
     bars = []  # the job's one bar counts windows, whose number only the writers know: no total
 
-    class Bar(run_mod.Progress):
+    class Bar(workers_mod.Progress):
         def __init__(self, total, **kw):
             bars.append(total)
             super().__init__(total, **kw)
 
-    monkeypatch.setattr(run_mod, "Progress", Bar)
+    monkeypatch.setattr(workers_mod, "Progress", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli(
         "write",
