@@ -372,6 +372,12 @@ def test_a_relative_glob_is_recorded_absolute_and_exports_to_saev(tmp_path, llam
     )
     out = cli("export-saev", "s", tmp_path / "saev" / "shards", "--family", "clip", "--quiet").output.strip()
     md = json.loads((tmp_path / "saev" / "shards" / out.rsplit("/", 1)[-1] / "metadata.json").read_text())
-    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == sum(
+    # every content token once; the windows' BOS (token label 1) are left out by the default mask
+    content = sum(
+        int((store.field("tokens_token_labels")[i, : len(store.token_ids(i))] == 0).sum()) for i in range(len(store))
+    )
+    assert md["dataset"] == str(tmp_path / "corpus" / "*.txt") and md["n_examples"] == content
+    labels = store.field("tokens_token_labels")
+    assert all(labels[i, 0] == 1 for i in range(len(store))) and content < sum(
         len(store.token_ids(i)) for i in range(len(store))
     )
