@@ -177,6 +177,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
         "3",
         "--segments",
         "response,prompt",
+        "--keep-special",  # text_store's random labels are not token kinds: every real token
         "--quiet",
     ]
     res = r.invoke(main, args)
@@ -196,7 +197,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     bad = r.invoke(main, ["verify-saev", path])
     assert bad.exit_code == 1
     assert bad.stdout.splitlines() == [f"labels.bin: 3 bytes, expected {n} (n_examples {n} x 1 content tokens, uint8)"]
-    err = r.invoke(main, ["export-saev", str(store.path), str(tmp_path / "x"), "--quiet"])
+    err = r.invoke(main, ["export-saev", str(store.path), str(tmp_path / "x"), "--keep-special", "--quiet"])
     assert err.exit_code == 1
     assert err.stderr == (
         "actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
