@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from actstore.errors import CaptureError
+
+if TYPE_CHECKING:
+    from actstore.read.store import ActStore
 
 # A perceptually ordered dark-to-bright map (inferno's anchors), interpolated to 256 steps.
 _ANCHORS = np.array(
@@ -34,15 +38,15 @@ def colormap(v01: np.ndarray) -> np.ndarray:
     return (_ANCHORS[i] * (1 - f) + _ANCHORS[i + 1] * f).astype(np.uint8)
 
 
-def patch_norms(store: object, ex: int, layer: int) -> tuple[np.ndarray, np.ndarray, dict]:
+def patch_norms(store: ActStore, ex: int, layer: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """(grid_h, grid_w) L2 norms of the patch tokens, the prefix tokens' norms, image attrs."""
-    im = getattr(store, "config").attrs.get("image")
+    im = store.config.attrs.get("image")
     if not im:
         raise CaptureError(
-            f"{getattr(store, 'path')} holds no image activations (no 'image' attrs); "
+            f"{store.path} holds no image activations (no 'image' attrs); "
             "show draws stores written from a vision transformer, e.g. actstore write --model embedded:dinov2-s14"
         )
-    acts = np.asarray(store[ex, layer], dtype=np.float32)  # type: ignore[index]
+    acts = np.asarray(store[ex, layer], dtype=np.float32)
     gh, gw = im["grid"]
     prefix = int(im["prefix_tokens"])
     if acts.shape[0] != prefix + gh * gw:

@@ -165,10 +165,10 @@ def export_cmd(
 def _embedded_dataset(store, dump_to) -> str | None:
     """For a store captured from embedded images: the folder DUMP_TO/embedded-images,
     written with those images, as the dataset saev links to; else None (the store's own)."""
-    import actstore
+    from actstore.read.api import as_reader
     from actstore.saev.export import default_dump_to
 
-    st = store if hasattr(store, "config") else actstore.ActStore(store)
+    st = as_reader(store)
     if not str(st.config.attrs.get("dataset", "")).startswith("embedded:images"):
         return None
     from actstore.capture.embedded_files import write_embedded_images

@@ -151,7 +151,7 @@ def run_import(
 
 def _import_part(
     source: Source,
-    store: Any,
+    store: str | os.PathLike,
     i: int,
     report: ImportReport,
     update: Callable[[int], Any],
@@ -209,7 +209,7 @@ def _import_part(
     return probe
 
 
-def _existing(store: Any, i: int, part: Part, source: Source, zarr_format: int) -> str:
+def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr_format: int) -> str:
     """'new', 'partial' (a killed import of this part: resumed) or 'done'."""
     from actstore import catalog
 
@@ -243,7 +243,7 @@ def _checksum(acts: Any, row: int, length: int | None) -> int:
     return crc
 
 
-def _verify(source: Source, store: Any, probes: dict[int, int | None], report: ImportReport) -> None:
+def _verify(source: Source, store: str | os.PathLike, probes: dict[int, int | None], report: ImportReport) -> None:
     from actstore.read.store import ActStore
     from actstore.verify import verify_store
 

@@ -20,13 +20,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from actstore.errors import LegacyExportExistsError
 from actstore.storage.files import atomic_write_bytes, atomic_write_json, export_os_errors
 from actstore.legacy.metadata import METADATA_FILE, SHARD_NAME_FORMAT
+
+if TYPE_CHECKING:
+    from actstore.read.store import ActStore
 
 PICKLE_PROTOCOL = 4
 TEXT_PREVIEW_CHARS = 200
@@ -81,7 +84,12 @@ def export_pkl(
 
 
 def _export(
-    st: Any, store: Any, out: Path, examples_per_shard: int, compress: bool, progress: Callable[[int], None] | None
+    st: ActStore,
+    store: str | os.PathLike,
+    out: Path,
+    examples_per_shard: int,
+    compress: bool,
+    progress: Callable[[int], None] | None,
 ) -> ExportReport:
     n, cfg = len(st), st.config
     ids = st.field("sample_idx").astype(np.int64) if "sample_idx" in cfg.fields else np.arange(n, dtype=np.int64)

@@ -64,7 +64,7 @@ def pick_layers(store: Reader, layers: Sequence[Any] | int | str | None) -> tupl
     if layers is None:
         return have
     one = isinstance(layers, (int, np.integer, str))
-    names = store.layer_names() if hasattr(store, "layer_names") else {}
+    names = store.layer_names()
     picked = tuple(resolve_layer(x, have, names) for x in ((layers,) if one else layers))
     if not picked:
         raise ValueError(f"layers must name at least one of the store's layers {list(have)}")

@@ -129,7 +129,9 @@ class TokenStream(IterableDataset):
             (batch, k, D) tensor).
     """
 
-    def __new__(cls, store: Any = None, *args: Any, aligned: bool = False, **kwargs: Any) -> Any:
+    def __new__(
+        cls, store: ReaderLike | Sequence[ReaderLike] | None = None, *args: Any, aligned: bool = False, **kwargs: Any
+    ) -> Any:
         if aligned:
             if args:
                 raise TypeError("TokenStream(..., aligned=True) takes its options by keyword")

@@ -256,12 +256,11 @@ def fitted_budget(n_examples: int, per_example: int, cap: int) -> int:
     return -(-n_examples // shards) * per_example
 
 
-def _layers(layers: Sequence[Any] | None, store: Any) -> tuple[int, ...]:
+def _layers(layers: Sequence[Any] | None, store: ActStore) -> tuple[int, ...]:
     """Layer numbers, names or negative numbers (actstore.read.layers) -> stored layer numbers."""
     if layers is None:
         return tuple(store.config.layers)
-    number = getattr(store, "layer_number", None)
-    out = tuple(number(x) if number else x for x in layers)  # raises LayerNotFoundError naming the stored layers
+    out = tuple(store.layer_number(x) for x in layers)  # raises LayerNotFoundError naming the stored layers
     if not out or len(set(out)) != len(out):
         raise SaevOptionError(f"layers must be a non-empty list of distinct layers. Got {list(layers)}.")
     for x in out:

@@ -14,7 +14,10 @@ their own unseeded permutation at collection time): two stores captured on the s
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actstore.read.api import ReaderLike
 
 
 class DictionaryLearningSource:
@@ -31,7 +34,7 @@ class DictionaryLearningSource:
 
     def __init__(
         self,
-        store: Any,
+        store: ReaderLike | Sequence[ReaderLike],
         *,
         layer: Any = None,
         layers: Sequence[Any] | None = None,
@@ -42,12 +45,9 @@ class DictionaryLearningSource:
         import torch
 
         from actstore.loaders import TokenStream
-        from actstore.read.store import ActStore
+        from actstore.read.api import as_reader
 
-        stores = [
-            s if hasattr(s, "read_into") else ActStore(s)
-            for s in (store if isinstance(store, (list, tuple)) else [store])
-        ]
+        stores = [as_reader(s) for s in (store if isinstance(store, (list, tuple)) else [store])]
         if (layer is None) == (layers is None):
             raise ValueError("pass layer=N for an SAE, or layers=[...] for a crosscoder (one of them)")
         numbers = [stores[0].layer_number(x) for x in ([layer] if layer is not None else layers)]

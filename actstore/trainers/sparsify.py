@@ -14,12 +14,15 @@ the stream exactly (its plan is a pure function of the seed).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from actstore.errors import ActstoreError
+
+if TYPE_CHECKING:
+    from actstore.read.api import ReaderLike
 
 
 class _Layer(nn.Module):
@@ -96,7 +99,7 @@ class ReplayModel(nn.Module):
 
 
 def sparsify_inputs(
-    store: Any,
+    store: ReaderLike,
     *,
     layers: list[int],
     tokens_per_row: int = 2048,
@@ -117,9 +120,9 @@ def sparsify_inputs(
     import datasets
 
     from actstore.loaders import TokenStream
-    from actstore.read.store import ActStore
+    from actstore.read.api import as_reader
 
-    st = store if hasattr(store, "read_into") else ActStore(store)
+    st = as_reader(store)
     stream = TokenStream(
         st,
         batch_size=tokens_per_row,

@@ -4,10 +4,13 @@ them, created through any zarr store."""
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actstore.layout.arrays import decode_keys, encode_keys, shard_arrays
 from actstore.layout.config import StoreConfig
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
 
 __all__ = ["check_compressor", "create_shard_arrays", "decode_keys", "encode_keys", "every_chunk"]
 
@@ -79,11 +82,11 @@ def _dims(v3: bool, dims: tuple[str, ...], attrs: dict[str, Any]) -> dict[str, A
     return out
 
 
-def write_consolidated(store: Any) -> None:
+def write_consolidated(zarr_store: ZarrStore) -> None:
     """Consolidated metadata of a finished shard (.zmetadata for v2; in zarr.json for v3),
     into the shard's zarr store (its buffered metadata, written out by the commit)."""
     import zarr
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        zarr.consolidate_metadata(store)
+        zarr.consolidate_metadata(zarr_store)

@@ -13,10 +13,13 @@ commit record that makes them part of the shard. Chunk objects go straight throu
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actstore.layout import keys
 from actstore.storage import KeyNotFound, Storage
+
+if TYPE_CHECKING:
+    from zarr.abc.store import Store as ZarrStore
 
 _CLASS = None
 
@@ -26,12 +29,12 @@ def is_metadata(key: str) -> bool:
     return keys.basename(key) in keys.ZARR_NAMES
 
 
-def MetaBufferStore(store: Any, storage: Storage, *, empty: bool) -> Any:  # noqa: N802 - a class built on first use
-    """`store` (the shard's writable zarr store, keys relative to the shard) with its
+def MetaBufferStore(zarr_store: ZarrStore, storage: Storage, *, empty: bool) -> Any:  # noqa: N802 - a class built on first use
+    """`zarr_store` (the shard's writable zarr store, keys relative to the shard) with its
     metadata documents buffered; `storage` (the same keys) is where `flush` puts them.
     `empty`: the shard holds no metadata yet (just claimed), so nothing is read to find out,
     and listings name the buffered documents only."""
-    return _store_class()(store, storage, empty)
+    return _store_class()(zarr_store, storage, empty)
 
 
 def _store_class() -> type:
@@ -41,8 +44,8 @@ def _store_class() -> type:
     from zarr.storage import WrapperStore
 
     class _MetaBufferStore(WrapperStore):
-        def __init__(self, store: Any, storage: Storage, empty: bool):
-            super().__init__(store)
+        def __init__(self, zarr_store: ZarrStore, storage: Storage, empty: bool):
+            super().__init__(zarr_store)
             self.storage = storage
             self.empty = empty
             self.docs: dict[str, bytes | None] = {}  # key -> bytes now (None: absent)
