@@ -194,18 +194,7 @@ def run_shard(
             t_chunk=plan.t_chunks if plan else None,
             token_labels=bool(plan and o.special == "mask"),
             texts=plan.texts if plan else ("image",),
-            resume=o.resume,
-            attrs=attrs,
-            stats=o.stats,
-            on_overflow=o.on_overflow,
-            commit_bytes=int(o.commit_mb * 2**20),
-            queue_size=o.queue_size,
-            progress=bar.update if bar is not None else None,
-            io_progress=getattr(bar, "io", None),
-            zarr_format=o.zarr_format,
-            shard_examples=o.shard_examples,
-            writer_nice=o.writer_nice,
-            world_size=world,
+            **_writer_kwargs(o, attrs, bar, world),
             drop_cls="cls" in o.drop,
         )
     finally:
@@ -262,18 +251,7 @@ def _run_windows(o: WriteOptions, rank: int, world: int, source: Source, progres
             segments={"tokens": o.context},
             token_labels=True,
             texts=(RUNS_TEXT,),
-            resume=o.resume,
-            attrs=attrs,
-            stats=o.stats,
-            on_overflow=o.on_overflow,
-            commit_bytes=int(o.commit_mb * 2**20),
-            queue_size=o.queue_size,
-            progress=bar.update if bar is not None else None,
-            io_progress=getattr(bar, "io", None),
-            zarr_format=o.zarr_format,
-            shard_examples=o.shard_examples,
-            writer_nice=o.writer_nice,
-            world_size=world,
+            **_writer_kwargs(o, attrs, bar, world),
         )
     finally:
         if own_bar is not None:
@@ -319,3 +297,21 @@ def _remove_if_nothing_committed(storage, world: int) -> None:
     if any(catalog.committed(storage, r)[0] for r in range(world)):
         return
     storage.delete_prefix("")
+
+
+def _writer_kwargs(o: WriteOptions, attrs: dict[str, Any], bar: Any, world: int) -> dict[str, Any]:
+    """The record() keywords every `actstore write` capture passes alike (images, text, packed)."""
+    return dict(
+        resume=o.resume,
+        attrs=attrs,
+        stats=o.stats,
+        on_overflow=o.on_overflow,
+        commit_bytes=int(o.commit_mb * 2**20),
+        queue_size=o.queue_size,
+        progress=bar.update if bar is not None else None,
+        io_progress=getattr(bar, "io", None),
+        zarr_format=o.zarr_format,
+        shard_examples=o.shard_examples,
+        writer_nice=o.writer_nice,
+        world_size=world,
+    )
