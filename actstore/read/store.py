@@ -24,7 +24,6 @@ from actstore.read.batched import MappedChunk
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
-from actstore.read.layers import resolve_layer
 from actstore.storage import Storage, open_storage
 from actstore.storage.mapping import FileRegion
 
@@ -394,11 +393,6 @@ class ActStore(Reader):
                     if isinstance(name, str) and str(n).lstrip("-").isdigit() and int(n) in self.config.layers:
                         names[name] = int(n)
         return names
-
-    def layer_number(self, layer: Any) -> int:
-        """The stored layer number of `layer`: a stored number, a negative number counting
-        from the last stored layer, or a name from layer_names() (actstore.read.layers)."""
-        return resolve_layer(layer, self.config.layers, self.layer_names())
 
     def _numbered(self, key: Any) -> Any:
         """A key with each layer (a name, a negative number) replaced by its layer number."""
