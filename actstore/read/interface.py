@@ -102,6 +102,8 @@ class Reader(Protocol):
     def layer_number(self, layer: Any) -> int:
         """The stored layer number of `layer`: a stored number, a negative number counting
         from the last stored layer, or a name from layer_names() (actstore.read.layers)."""
+        if type(layer) is int and layer in self.layers:  # the common case, on every read: no names built
+            return layer
         return resolve_layer(layer, self.layers, self.layer_names())
 
     def segment(self, name: str) -> SegmentReader:
