@@ -102,22 +102,24 @@ def check_against_oracle(store, layer, enc, k, **kw):
     return t, (ex, tok, A)
 
 
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
 @pytest.mark.parametrize("zarr_format", [2, 3])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype, kernel):
     store = make_store(tmp_path / "s", zarr_format=zarr_format, dtype=dtype)
-    t, _ = check_against_oracle(store, 2, neurons(D), k=4, batch_elements=5 * D)  # batches of 5 tokens: many merges
+    t, _ = check_against_oracle(store, 2, neurons(D), k=4, batch_elements=5 * D, kernel=kernel)  # batches of 5 tokens
     assert len(t.top["feature"]) == 4 * D  # enough positive tokens for every neuron
 
 
-def test_ties_are_broken_by_example_then_token(tmp_path):
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_ties_are_broken_by_example_then_token(tmp_path, kernel):
     store = make_store(tmp_path / "s", ties=True, seed=3)
-    t, (ex, tok, A) = check_against_oracle(store, 0, neurons(D), k=6, batch_elements=3 * D)
+    t, (ex, tok, A) = check_against_oracle(store, 0, neurons(D), k=6, batch_elements=3 * D, kernel=kernel)
     assert len(np.unique(t.top["activation"])) < len(t.top["activation"])  # the test has ties to break
 
 
-@pytest.mark.parametrize("device", [None, "auto"])  # numpy; torch where installed
-def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device):
+@pytest.mark.parametrize("device,kernel", [(None, "numpy"), ("auto", "numba"), (None, "numba")])  # torch encode on CPU
+def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device, kernel):
     store = make_store(tmp_path / "s", seed=5)
     rng = np.random.default_rng(1)
     # small integer weights: float16 inputs give exact sums in any order, so batching cannot change a value
@@ -128,8 +130,8 @@ def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device):
         W=rng.integers(-2, 3, (D, 11)).astype(np.float32),
         b=(rng.integers(-4, 5, 11) / 4).astype(np.float32),
     )
-    check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64, device=device)
-    check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000, device=device)
+    check_against_oracle(store, 0, enc, k=3, keep_special=True, batch_elements=64, device=device, kernel=kernel)
+    check_against_oracle(store, 0, enc, k=3, segments=["response"], batch_elements=1000, device=device, kernel=kernel)
     a = top_activations(store, 0, enc, k=3, segments=["response", "prompt"], device=device)  # any order: the store's
     b = top_activations(store, 0, enc, k=3, device=device)
     for c in a.top:
@@ -142,9 +144,11 @@ def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device):
         np.testing.assert_array_equal(t.top[c], full.top[c][keep])
 
 
-def test_interval_samples_are_uniform_draws_from_each_interval(tmp_path):
+@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+def test_interval_samples_are_uniform_draws_from_each_interval(tmp_path, kernel):
     store = make_store(tmp_path / "s", per_shard=20, seed=7)
-    t, (ex, tok, A) = check_against_oracle(store, 2, neurons(D), k=5, n_intervals=4, per_interval=3, pool=6, seed=11)
+    kw = dict(k=5, n_intervals=4, per_interval=3, pool=6, seed=11, kernel=kernel)
+    t, (ex, tok, A) = check_against_oracle(store, 2, neurons(D), **kw)
     iv = t.intervals
     ords = order_keys(ex, tok)
     key = hash_keys(ords, 11)

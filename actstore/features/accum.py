@@ -101,9 +101,21 @@ class FeatureAccumulator:
         k: top activations kept per feature.
         pool: sample pool per feature (0: none).
         seed: the sampling seed.
+        kernel: "numba" (actstore.features.kernel: one compiled pass over the batch), "numpy"
+            (the reference below), or "auto" (numba when it is installed). Both give the
+            same state, but for the last bits of the float64 sums (another summation order).
     """
 
-    def __init__(self, n_features: int, k: int, pool: int, seed: int):
+    def __init__(self, n_features: int, k: int, pool: int, seed: int, kernel: str = "auto"):
+        from actstore.features import kernel as fused
+
+        if kernel not in ("auto", "numba", "numpy"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy'. Got {kernel!r}.")
+        if kernel == "numba" and not fused.AVAILABLE:
+            raise ImportError("the numba kernel needs numba: pip install numba")
+        self.fused = fused.AVAILABLE and kernel != "numpy"
+        if kernel == "auto" and not fused.AVAILABLE:
+            fused.warn_missing()
         self.k, self.pool, self.seed = k, pool, seed
         self.top_val = np.zeros((n_features, k), np.float32)  # 0: empty slot (only values > 0 enter)
         self.top_code = np.full((n_features, k), NO_KEY, np.uint32)  # sort_code(-value): the sort score
@@ -116,11 +128,76 @@ class FeatureAccumulator:
         self.pool_val = np.zeros((n_features, pool), np.float32)
         self.pool_ord = np.full((n_features, pool), NO_ORD, np.int64)
         self.n_tokens = 0
+        self._heaps = False  # the fused kernels keep heaps; finish() sorts them
         self._offsets = (np.arange(n_features, dtype=np.int32) * N_BINS)[:, None]
 
-    def update(self, acts_ft: np.ndarray, ords: np.ndarray) -> None:
-        """Add a batch: acts_ft (F, n) float32 feature-major, ords (n,) increasing and all
-        greater than those of earlier batches. Three passes over the batch (max, > 0, the
+    def update(
+        self, acts_ft: np.ndarray, ords: np.ndarray, cols: np.ndarray | None = None, clipped: bool = False
+    ) -> None:
+        """Add a batch: acts_ft (F, n) float32, or float16 with the fused kernel (any memory
+        layout: a transposed token-major array is fine), ords (n,) increasing and all greater
+        than those of earlier batches. With cols, the tokens are the columns cols of acts_ft
+        (F, N) (the kernel reads them in place: no gather copy). clipped: the values are a ReLU's
+        input, the batch is max(acts_ft, 0) (only the max of a feature without positive values
+        differs, and the update takes care of it)."""
+        if not self.fused:
+            if cols is not None:
+                acts_ft = acts_ft[:, cols]
+            if clipped:
+                acts_ft = np.maximum(acts_ft, 0)
+            self.finish()
+            return self._update_numpy(np.ascontiguousarray(acts_ft, np.float32), ords)
+        from actstore.features import kernel
+
+        n = acts_ft.shape[1] if cols is None else len(cols)
+        if not n:
+            return
+        self.n_tokens += n
+        keys = hash_keys(ords, self.seed) if self.pool else np.zeros(0, np.uint32)
+        ords = np.ascontiguousarray(ords, np.int64)
+        if acts_ft.dtype == np.float16 and acts_ft.T.flags.c_contiguous:  # stored float16 rows, read in place
+            from actstore.features import kernel16
+
+            rows = np.arange(n, dtype=np.int64) if cols is None else np.ascontiguousarray(cols, np.int64)
+            kernel16.update(self, acts_ft.T, rows, ords, keys, _LO_CODE, N_BINS)
+        else:
+            x = acts_ft if cols is None else acts_ft[:, cols]
+            kernel.update(self, np.ascontiguousarray(x, np.float32), ords, keys, _LO_CODE, N_BINS, clipped)
+
+    def as_heaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Put the top-k and pool rows in the fused kernels' heap order (a min-heap on
+        (value, -ord), a max-heap on (key, ord), the filled slots first); returns the filled
+        counts per feature, which the kernels keep up to date."""
+        top_filled, pool_filled = self.top_ord != NO_ORD, self.pool_ord != NO_ORD
+        if not self._heaps:
+            self._reorder(np.lexsort((-self.top_ord, np.where(top_filled, self.top_val, np.inf)), axis=1), None)
+            primary = np.where(pool_filled, -self.pool_key.astype(np.int64), 1 << 33)
+            self._reorder(None, np.lexsort((-self.pool_ord, primary), axis=1))
+            self._heaps = True
+        return top_filled.sum(axis=1), pool_filled.sum(axis=1)
+
+    def finish(self) -> None:
+        """Rows in rank order (what the numpy update and the tables read): the top k by value
+        descending, then ord; the pool by (key, ord); empty slots last."""
+        if self._heaps:
+            self._reorder(
+                np.lexsort((self.top_ord, -self.top_val), axis=1), np.lexsort((self.pool_ord, self.pool_key), axis=1)
+            )
+            filled = self.top_ord != NO_ORD
+            self.top_code = np.where(filled, sort_code(-self.top_val), NO_KEY).astype(np.uint32)
+            self._heaps = False
+
+    def _reorder(self, top: np.ndarray | None, pool: np.ndarray | None) -> None:
+        if top is not None:
+            self.top_val = np.take_along_axis(self.top_val, top, axis=1)
+            self.top_ord = np.take_along_axis(self.top_ord, top, axis=1)
+        if pool is not None and self.pool:
+            self.pool_key = np.take_along_axis(self.pool_key, pool, axis=1)
+            self.pool_val = np.take_along_axis(self.pool_val, pool, axis=1)
+            self.pool_ord = np.take_along_axis(self.pool_ord, pool, axis=1)
+
+    def _update_numpy(self, acts_ft: np.ndarray, ords: np.ndarray) -> None:
+        """The reference update on a C-contiguous (F, n) float32 batch. Three passes over the batch (max, > 0, the
         positions of the positive values); everything else works on those positions only,
         so sparse codes (SAEs) cost little beyond their matmul."""
         n = acts_ft.shape[1]
@@ -140,7 +217,8 @@ class FeatureAccumulator:
         if (
             cand.sum() > 4 * F * self.k and n > self.k
         ):  # early batches: first cut each row to the batch's own top k (and ties)
-            kth = np.partition(acts_ft, n - self.k, axis=1)[:, n - self.k]
+            finite = np.where(np.isnan(acts_ft), -np.inf, acts_ft)  # NaN never enters; partition sorts it last
+            kth = np.partition(finite, n - self.k, axis=1)[:, n - self.k]
             cand &= v >= kth[r]
         if cand.any():
             rc, vc = r[cand], v[cand]

@@ -108,24 +108,27 @@ class Encoder:
         *,
         feature_major: bool = False,
         device: str | None = None,
+        relu_later: bool = False,
     ) -> np.ndarray:
         """(n, d_in) float activations -> (n, F') float32 feature values, F' = len(features)
         (all F when None); with feature_major, the (F', n) C-contiguous array instead (what
         the pass consumes: one row per feature, no transpose copy). TopK selects over all F
         before the subset is taken. `device` ("cpu", "cuda", "cuda:1"): compute with torch
-        there (actstore.features.torchenc); None: numpy."""
+        there (actstore.features.torchenc); None: numpy. relu_later: a ReLU encoder returns its
+        pre-activations (the positive values are the output; the caller treats the rest as 0)."""
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise EncoderError(f"encode takes (n, {self.d_in}) activations, got {x.shape}")
         if device is not None and self.kind != "neurons":
             from actstore.features.torchenc import encode_torch
 
-            h = encode_torch(self, x, features, device, LAYER_NORM_EPS)
+            h = encode_torch(self, x, features, device, LAYER_NORM_EPS, relu_later)
             return h if feature_major else h.T
         if self.kind == "neurons":
             sel = x if features is None else x[:, features]
-            h = np.array(sel.T, dtype=np.float32, order="C")  # the one copy: converted, feature-major
-            return h if feature_major else h.T
+            if not feature_major:
+                return np.asarray(sel, np.float32)
+            return np.array(sel.T, dtype=np.float32, order="C")  # the one copy: converted, feature-major
         x = self._normalized(x.astype(np.float32, copy=False))
         if self.b_pre is not None:
             x = x - self.b_pre  # one copy: the centred input
@@ -136,7 +139,8 @@ class Encoder:
             h += (self.b if cols is None else self.b[cols])[:, None]
         if self.post_scale is not None:
             h *= (self.post_scale if cols is None else self.post_scale[cols])[:, None]
-        h = self._activate(h, cols)
+        if not (relu_later and self.activation == "relu"):
+            h = self._activate(h, cols)
         if features is not None and cols is None:
             h = h[features]  # copy: the subset's rows
         return h if feature_major else h.T

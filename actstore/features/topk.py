@@ -10,6 +10,7 @@ plus one batch of `batch_elements` feature values, never tokens x features.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,6 +96,7 @@ def top_activations(
     batch_elements: int = DEFAULT_BATCH_ELEMENTS,
     device: str | None = "auto",
     progress: bool | Callable[[int], Any] = False,
+    kernel: str = "auto",
 ) -> FeatureTables:
     """Top-k activations, statistics and interval samples of many features, in one pass.
 
@@ -114,6 +116,8 @@ def top_activations(
         device: where the encode runs: "cpu", "cuda", "cuda:N" (torch), None (numpy), or
             "auto" (torch on the CPU when torch is installed, else numpy).
         progress: True for a bar on stderr, or a callable taking the examples done.
+        kernel: the per-batch update: "numba" (compiled, one read of each value), "numpy"
+            (the reference), or "auto" (numba when installed). The same tables either way.
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
         raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
@@ -131,7 +135,7 @@ def top_activations(
     device = _pick_device(device)
     n_f = encoder.n_features if ids is None else len(ids)
     pool = 4 * n_intervals * per_interval if pool is None else int(pool)
-    acc = FeatureAccumulator(n_f, int(k), pool, int(seed))
+    acc = FeatureAccumulator(n_f, int(k), pool, int(seed), kernel=kernel)
     all_geo = _geometry(store)
     names = [segments] if isinstance(segments, str) else list(segments or all_geo)
     unknown = [x for x in names if x not in all_geo]
@@ -151,35 +155,61 @@ def top_activations(
     dtype = np.dtype(spec.ACT_DTYPES[store.dtype])
     d = int(store.d_model)
     n_ex = len(store)
-    row_bytes = d * dtype.itemsize
-    group = max(1, READ_BYTES // max(1, sum(s.t_pad for s in segs) * row_bytes))
+    offs = np.cumsum([0] + [s.t_pad for s in segs])  # each segment's rows within an example's block
+    t_all = int(offs[-1])
+    group = max(1, READ_BYTES // max(1, t_all * d * dtype.itemsize))
     tok_batch = max(1, batch_elements // max(1, n_f))
     bar = _bar(progress, n_ex)
     arange = np.arange(max((s.t_pad for s in segs), default=0), dtype=np.int64)
+    direct = acc.fused and encoder.kind == "neurons"  # the kernel reads the stored rows in place
+
+    def read_group(g0: int) -> tuple[range, np.ndarray]:
+        exs = range(g0, min(n_ex, g0 + group))
+        buf = np.empty((len(exs), t_all, d), dtype)
+        items = [
+            (e, layer, s.name, buf[i, offs[j] : offs[j] + s.t_pad])
+            for i, e in enumerate(exs)
+            for j, s in enumerate(segs)
+        ]
+        store.read_many_into(items)
+        return exs, buf
+
+    def tokens(exs: range) -> tuple[np.ndarray, np.ndarray]:
+        """The kept tokens of a group: their rows in its buffer and their order keys."""
+        rows, ords = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+        for i, e in enumerate(exs):
+            for j, s in enumerate(segs):
+                n = int(lens[s.name][e])
+                keep = arange[:n] if masks[j] is None else np.flatnonzero(masks[j][e, :n])
+                rows.append(i * t_all + int(offs[j]) + keep)
+                ords.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
+        return np.concatenate(rows), np.concatenate(ords)
+
     pending_x: list[np.ndarray] = []
     pending_o: list[np.ndarray] = []
     n_pending = 0
-    for g0 in range(0, n_ex, group):
-        exs = range(g0, min(n_ex, g0 + group))
-        bufs = {(e, s.name): np.empty((s.t_pad, d), dtype) for e in exs for s in segs}
-        store.read_many_into([(e, layer, s.name, bufs[e, s.name]) for e in exs for s in segs])
-        for e in exs:
-            for si, s in enumerate(segs):
-                n = int(lens[s.name][e])
-                keep = arange[:n] if masks[si] is None else np.flatnonzero(masks[si][e, :n])
-                if not len(keep):
-                    continue
-                rows = (
-                    bufs[e, s.name][:n] if masks[si] is None else bufs[e, s.name][keep]
-                )  # a view, or a copy of the kept tokens
-                pending_x.append(bf16_bits_to_f32(rows) if store.dtype == "bfloat16" else rows)
-                pending_o.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
-                n_pending += len(keep)
-            while n_pending >= tok_batch:
-                n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch, device)
-        del bufs
-        if bar is not None:
-            bar(len(exs))
+    with ThreadPoolExecutor(1, thread_name_prefix="actstore-features-read") as reader:
+        nxt = reader.submit(read_group, 0) if n_ex else None
+        for g0 in range(0, n_ex, group):
+            exs, buf = nxt.result()
+            nxt = (
+                reader.submit(read_group, g0 + group) if g0 + group < n_ex else None
+            )  # read ahead while this one is encoded
+            flat = buf.reshape(-1, d)
+            if store.dtype == "bfloat16":
+                flat = bf16_bits_to_f32(flat)
+            rows, ords = tokens(exs)
+            if direct:
+                acc.update((flat if ids is None else flat[:, ids]).T, ords, rows)
+            elif len(rows):
+                pending_x.append(flat[rows])
+                pending_o.append(ords)
+                n_pending += len(rows)
+                while n_pending >= tok_batch:
+                    n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch, device)
+            del buf, flat
+            if bar is not None:
+                bar(len(exs))
     while n_pending:
         n_pending = _flush(acc, encoder, ids, pending_x, pending_o, tok_batch, device)
     feat_ids = np.arange(n_f, dtype=np.int64) if ids is None else ids
@@ -216,7 +246,8 @@ def _flush(
         xs.append(x[n:])
         os_.append(o[n:])
         x, o = x[:n], o[:n]
-    acc.update(encoder.encode(x, ids, feature_major=True, device=device), o)
+    lazy = acc.fused and encoder.activation == "relu"  # the kernel reads values <= 0 as 0: no ReLU pass
+    acc.update(encoder.encode(x, ids, feature_major=True, device=device, relu_later=lazy), o, clipped=lazy)
     return sum(len(a) for a in xs)
 
 
@@ -232,6 +263,7 @@ def _bar(progress: Any, total: int) -> Callable[[int], Any] | None:
 
 
 def _tables(acc: FeatureAccumulator, ids: np.ndarray, n_intervals: int, per_interval: int) -> FeatureTables:
+    acc.finish()
     filled = acc.top_val > 0
     r, c = np.nonzero(filled)
     ex, tok = split_order(acc.top_ord[r, c])

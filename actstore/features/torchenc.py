@@ -45,9 +45,10 @@ def _weights(enc: Any, dev: Any) -> dict[str, Any]:
 
 
 def encode_torch(
-    enc: Any, x: np.ndarray, features: np.ndarray | None, device: str, layer_norm_eps: float
+    enc: Any, x: np.ndarray, features: np.ndarray | None, device: str, layer_norm_eps: float, relu_later: bool = False
 ) -> np.ndarray:
-    """(n, d_in) -> (F', n) float32 feature-major values of Encoder `enc`, computed with torch on `device`."""
+    """(n, d_in) -> (F', n) float32 feature-major values of Encoder `enc`, computed with torch
+    on `device` (relu_later: a ReLU encoder's pre-activations, as Encoder.encode)."""
     import torch
 
     dev = _device(device)
@@ -66,7 +67,7 @@ def encode_torch(
     h = torch.addmm(b[:, None], W.T, xt.T) if b is not None else W.T @ xt.T  # (F', n), the bias fused into the matmul
     if w["post"] is not None:
         h *= (w["post"] if cols is None else w["post"][cols])[:, None]
-    if enc.activation == "relu":
+    if enc.activation == "relu" and not relu_later:
         h.relu_()
     elif enc.activation == "jumprelu":
         t = w["thr"]
