@@ -22,6 +22,7 @@ from actstore.features.kernel import _njit, heap_offer
 BLOCK = 32  # features per block: a block's counters (32 x 256 uint32) stay in L1 over the batch
 ONE = 1 << 20  # a packed uint32 counter: count << 20 | sum of low bytes (< 2**20 for up to CHUNK tokens)
 CHUNK = 4096  # tokens between unpacking the counters into int64 totals
+STEP = 256  # tokens between updates of the bars (the top-k and pool entries are checked after each step)
 POS_CODES = np.arange(4, 0x7C)  # codes of positive normal float16 values (exponent 1..30)
 
 
@@ -99,17 +100,17 @@ def _block(
     m = pool_key.shape[1]
     packed = np.zeros((BLOCK, 256), np.uint32)
     thr = np.zeros(BLOCK, np.int16)
-    hits = np.empty(CHUNK, np.int64)
-    rares = np.empty(CHUNK, np.int64)
+    hits = np.empty(STEP, np.int64)
+    rares = np.empty(STEP, np.int64)
     for b0 in range(f0, f1, BLOCK):
         b1 = min(f1, b0 + BLOCK)
         w = b1 - b0
-        for j in range(
-            w
-        ):  # the bar as int16 bits (0, +0, while there is room): a float16 beats it iff its int16 is larger
+        # the bars as int16 bits (0, +0, while there is room): a float16 beats one iff its int16 is larger
+        for j in range(w):
             thr[j] = np.int16(np.int64(top_key[b0 + j, 0]) ^ 0x8000) if top_n[b0 + j] == k else 0
-        for i0 in range(0, n, CHUNK):
-            i1 = min(n, i0 + CHUNK)
+        since = 0  # tokens counted since the counters were unpacked
+        for i0 in range(0, n, STEP):  # steps of STEP tokens: the bars rise between steps
+            i1 = min(n, i0 + STEP)
             n_hits, n_rares = _hot(acts, cols, i0, i1, b0, b1, thr, packed, hits, rares)
             for h in range(n_rares):
                 _rare_row(acts[cols[rares[h]], b0:b1], b0, lut, lut_bin, nan, rare_cnt, rare_sum, rare_hist)
@@ -129,13 +130,20 @@ def _block(
                     if keys[i] < gthr:
                         hits[n_c] = i
                         n_c += 1
+                # smallest keys first (the pool is a set: the order does not change it): once the
+                # pools fill, the bar drops below the rest and the loop ends
+                order = np.argsort(keys[hits[:n_c]], kind="mergesort")
                 for h in range(n_c):
-                    i = hits[h]
-                    if keys[i] < gthr:
-                        _pool_token(
-                            acts[cols[i], b0:b1], b0, keys[i], ords[i], lut, pool_key, pool_val, pool_ord, pool_n
-                        )
-                        gthr = _pool_thr(pool_key, pool_n, b0, b1)
+                    i = hits[order[h]]
+                    if keys[i] >= gthr:
+                        break
+                    row = acts[cols[i], b0:b1]
+                    _pool_token(row, b0, keys[i], ords[i], lut, pool_key, pool_val, pool_ord, pool_n)
+                    gthr = _pool_thr(pool_key, pool_n, b0, b1)
+            since += i1 - i0
+            if since + STEP <= CHUNK and i1 < n:
+                continue
+            since = 0
             for j in range(w):  # unpack
                 q = packed[j]
                 for c in range(256):
