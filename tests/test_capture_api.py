@@ -3,6 +3,8 @@ output_hidden_states[N + 1] for block N, statistics equal numpy's, early stop, m
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -274,3 +276,31 @@ def test_writer_thread_runs_at_writer_nice_and_bad_values_are_refused(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"writer_nice must be an int in 0..19. Got {bad!r}.")):
             actstore.record(model, [ids], tmp_path / "bad", layers=[0], writer_nice=bad)
     assert not (tmp_path / "bad").exists()
+
+
+def test_resume_closes_a_shard_whose_examples_were_all_committed(tmp_path):
+    """A writer killed after its last commit but before closing: resuming has nothing to
+    capture, reopens the shard with the store's own identity and closes it."""
+    model, _ = tiny_llama(layers=2)
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randint(4, model.config.vocab_size, (2, 5), generator=g) for _ in range(2)]
+
+    from actstore.capture.record import committed
+
+    def then_die():
+        yield from batches
+        deadline = time.monotonic() + 60
+        while committed(tmp_path / "s", 0)[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer thread commits both batches
+        raise KeyboardInterrupt  # after the data: every example committed, the shard left open
+
+    with pytest.raises(KeyboardInterrupt):
+        actstore.record(model, then_die(), tmp_path / "s", layers=[0], dtype="float32", commit_bytes=1)
+    assert committed(tmp_path / "s", 0) == (4, False)
+    res = actstore.record(model, [], tmp_path / "s", layers=[0], dtype="float32", resume=True)  # the rest: nothing
+    assert (res.n_before, res.n_written) == (4, 0) and committed(tmp_path / "s", 0) == (4, True)
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    with torch.inference_mode():
+        hs = model(batches[1], output_hidden_states=True).hidden_states
+    np.testing.assert_array_equal(store[3, 0], hs[1][1].numpy())

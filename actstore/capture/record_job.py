@@ -135,27 +135,9 @@ class RecordJob:
         self.n_before = self.writer.n_committed
 
     def writer_kwargs_from_store(self) -> dict[str, Any]:
-        """ShardWriter arguments equal to the store's identity (to reopen a shard to close it)."""
-        cfg = catalog.read_identity(open_storage(self.store))
-        seg = (
-            {"tokens": cfg.segments[0].t_max}
-            if cfg.segments[0].fixed
-            else {"segments": {s.name: s.t_max for s in cfg.segments}}
-        )
-        return dict(
-            layers=cfg.layers,
-            d_model=cfg.d_model,
-            dtype=cfg.dtype,
-            **seg,
-            t_chunk={s.name: s.t_chunk for s in cfg.segments},
-            texts=cfg.texts,
-            token_labels=cfg.token_labels,
-            token_ids=cfg.token_ids,
-            model_id=cfg.model_id,
-            stats=self.stats,
-            zarr_format=cfg.zarr_format,
-            shard_examples=cfg.shard_examples,
-        )
+        """ShardWriter arguments equal to the store's identity (to reopen a shard to close it):
+        its StoreConfig, read back whole."""
+        return {"config": catalog.read_identity(open_storage(self.store)), "stats": self.stats}
 
     def write(self, item: tuple[dict[int, Any], Any, CaptureBatch]) -> None:
         """Runs on the writer thread: stack layers, gather segments, append, commit."""
