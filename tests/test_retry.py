@@ -186,3 +186,15 @@ def test_a_failure_nothing_retries_after_the_endpoint_answered_is_not_blamed_on_
         "the connection failed (connection reset: Connection reset by peer) although the endpoint "
         "answered before: the network or the server failed, not the configuration; try again"
     )
+
+
+def test_a_runs_counts_are_its_own_plus_those_of_writers_in_other_processes(monkeypatch):
+    """`write --workers N --json` reports the retries of the worker processes too: each
+    RecordResult carries its run's counts, which the parent adds to its own."""
+    monkeypatch.setattr(retry, "_counts", retry.Counter({"reset": 2, "retried": 2, "recovered": 1}))
+    before = retry.counts()
+    monkeypatch.setattr(retry, "_counts", retry.Counter({"reset": 3, "timeout": 1, "retried": 4, "recovered": 2}))
+    worker_a = {"cut": 2, "retried": 2, "recovered": 1}
+    worker_b = {"reset": 1, "retried": 1}
+    got = retry.counts_since(before, worker_a, worker_b)
+    assert got == {"retried": 5, "recovered": 2, "reset": 2, "cut": 2, "timeout": 1, "refused": 0, "unresolved": 0}

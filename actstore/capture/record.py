@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from actstore.capture.models import LoadedModel, wrap_module
 from actstore.capture.record_inputs import accepts, as_batch, auto_token_ids, device_of
 from actstore.capture.record_job import RecordJob
 from actstore import catalog
-from actstore.storage import open_storage
+from actstore.storage import open_storage, retry
 from actstore.write import ShardWriter
 from actstore.write.pipeline import IOStats
 
@@ -49,6 +49,8 @@ class RecordResult:
             the rest of writer_seconds is waiting on the disk).
         source_tokens: tokens the data held for what was stored (before truncation; text segments).
         truncated_tokens: of those, the tokens cut by the segments' budgets.
+        network: the object-store connection failures and retries of this run, by kind
+            (actstore.storage.retry.counts).
     """
 
     shard: int
@@ -63,6 +65,7 @@ class RecordResult:
     writer_cpu_seconds: float = 0.0
     source_tokens: int = 0
     truncated_tokens: int = 0
+    network: dict[str, int] = field(default_factory=dict)
 
 
 def committed(store: str | os.PathLike, shard: int = 0) -> tuple[int, bool]:
@@ -190,6 +193,7 @@ def record(
         drop_cls=drop_cls,
     )
     t0 = time.perf_counter()
+    net0 = retry.counts()
     t_fwd = 0.0
     drain: Drain | None = None
     try:
@@ -226,6 +230,7 @@ def record(
                 seconds=time.perf_counter() - t0,
                 forward_seconds=0.0,
                 wait_seconds=0.0,
+                network=retry.counts_since(net0),
             )
         drain.close()
         job.writer.close()
@@ -251,6 +256,7 @@ def record(
         writer_cpu_seconds=drain.cpu_seconds,
         source_tokens=job.source_tokens,
         truncated_tokens=job.truncated_tokens,
+        network=retry.counts_since(net0),
     )
 
 

@@ -29,7 +29,7 @@ from actstore.capture.workers import run_workers
 from actstore.capture.write_options import DROPPABLE, ENGINES, WriteOptions, check_options
 from actstore.dtypes import require_torch
 from actstore import catalog
-from actstore.storage import open_storage
+from actstore.storage import open_storage, retry
 
 __all__ = [
     "DEFAULT_QUANTILE",
@@ -94,6 +94,7 @@ def write(o: WriteOptions) -> dict[str, Any]:
     created = not storage.list_dir()
     whole = multi or world == 1  # this call writes every rank: it may clean up and finalize
     t0 = time.perf_counter()
+    net0 = retry.counts()
     try:
         if o.engine == "ray":
             from actstore.capture.engines import run_ray
@@ -126,6 +127,9 @@ def write(o: WriteOptions) -> dict[str, Any]:
 
         finalize(root)
         summary["finalized"] = True
+    # connection failures and retries: this process's, and those of writers in other processes
+    apart = [r.network for r in results] if o.engine == "ray" or o.workers > 1 else []
+    summary["network"] = retry.counts_since(net0, *apart)
     return summary
 
 

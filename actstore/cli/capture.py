@@ -12,7 +12,6 @@ from actstore.cli.params import NEW_STORE, STORE
 
 from actstore.layout import spec
 from actstore.capture.record import DEFAULT_WRITER_NICE
-from actstore.storage.retry import counts as network_counts
 
 
 def register(main: click.Group) -> None:
@@ -312,7 +311,7 @@ def write_cmd(store: str, **kw) -> None:
     if kw["as_json"]:
         import json
 
-        click.echo(json.dumps({**s, "network": network_counts()}))
+        click.echo(json.dumps(s))
         return
     rate = s["written"] / s["capture_seconds"] if s["capture_seconds"] else 0.0
     click.echo(

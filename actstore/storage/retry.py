@@ -121,6 +121,13 @@ def counts() -> dict[str, int]:
         return {k: _counts.get(k, 0) for k in ("retried", "recovered", *LABELS)}
 
 
+def counts_since(before: dict[str, int], *others: dict[str, int]) -> dict[str, int]:
+    """This process's counts minus `before` (what one run added), plus the `others` (the
+    counts of runs in other processes, which this one never saw)."""
+    now = counts()
+    return {k: now[k] - before.get(k, 0) + sum(o.get(k, 0) for o in others) for k in now}
+
+
 def reset_counts() -> None:
     with _lock:
         _counts.clear()
