@@ -310,3 +310,40 @@ class FileRegion:
                 "resident_bytes": self._resident,
                 "pinned": sum(1 for s in self._slots.values() if s.pins),
             }
+
+
+class MappedFile:
+    """A whole local file mapped read-only and shared (the page cache's own pages, no
+    copy), for readers that copy many small ranges of one large file (Zarr shard files).
+
+    `copy_resident` copies a range only when every page of it is in the page cache
+    (mincore, about 2 us): a range that would wait for the disk is left to a read (one
+    request for the whole range instead of a fault page by page), and so is a range past
+    the end of a file truncated since it was mapped (its pages have left the page cache):
+    the read reports the damage where touching the mapping would fault (SIGBUS).
+    """
+
+    def __init__(self, mm: mmap.mmap):
+        self.size = len(mm)
+        self.bytes = np.frombuffer(mm, np.uint8)  # holds the mapping
+        self._addr = self.bytes.ctypes.data
+
+    @staticmethod
+    def supported() -> bool:
+        return _LIBC is not None
+
+    def copy_resident(self, offset: int, dest: np.ndarray) -> bool:
+        """Copy bytes offset.. into `dest` (uint8, 1-d) when every page holding them is
+        resident; False (nothing copied) otherwise."""
+        n = dest.shape[0]
+        end = offset + n
+        if offset < 0 or end > self.size:
+            return False
+        lo = offset - offset % mmap.PAGESIZE
+        pages = -(-(end - lo) // mmap.PAGESIZE)
+        vec = ctypes.create_string_buffer(pages)  # one per call: readers may share the file across threads
+        # A resident page reads 1 (the other bits are reserved, 0); any 0 byte: not all resident.
+        if _LIBC.mincore(self._addr + lo, end - lo, vec) != 0 or vec.raw.find(0, 0, pages) >= 0:
+            return False
+        dest[:] = self.bytes[offset:end]
+        return True
