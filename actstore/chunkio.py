@@ -35,7 +35,9 @@ class ChunkIO:
         self.storage = storage
         self.geo = geometry
         self._index_cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._mapped: OrderedDict[str, np.ndarray | None] = OrderedDict()
+        self._mapped: OrderedDict[str, tuple[MappedFile, int] | None] = (
+            OrderedDict()
+        )  # shard file -> (map, dense examples)
 
     def __getstate__(self) -> dict:
         return {"storage": self.storage, "geo": self.geo, "_index_cache": OrderedDict(), "_mapped": OrderedDict()}

@@ -182,7 +182,13 @@ class ActStore(Reader):
         """`store[ex, layer]` -> (T_i, D); slices and lists of examples and layers
         (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes. A layer
         is a stored layer number or one of its names (`layer_names()`)."""
-        if type(key) is tuple and len(key) == 2 and type(key[0]) is int and type(key[1]) is int and self._one_seg:
+        if (
+            type(key) is tuple
+            and len(key) == 2
+            and type(key[0]) is int
+            and type(key[1]) is int
+            and self._one_seg is not None
+        ):
             return self._read_segment(self._one_seg, key[0], key[1], pad=False)  # the common case, parsed no further
         key = self._numbered(key)
         if not is_pair(key):
