@@ -1,4 +1,5 @@
-"""FileRegion: local files mapped read-only into one reserved address range, seen as rows.
+"""FileRegion: local files mapped read-only into one reserved address range, seen as rows;
+MappedFile: one whole file mapped, for `store[ex, layer]`'s warm reads of a Zarr shard file.
 
 The token stream's one-copy read path. Each file (a chunk file, or a whole Zarr shard
 file) gets a slot of a fixed stride in one reserved range of virtual memory, and is
