@@ -95,7 +95,9 @@ class ChunkIO:
         g = self.geo
         got = None
         f = self.storage.map_file(key)
-        if f is not None and f.size >= g.index_nbytes:
+        if f is None:
+            return None  # not kept: a file restored, or a mapping another reader gives up, maps later
+        if f.size >= g.index_nbytes:
             index = self._keep_index(key, f.bytes[f.size - g.index_nbytes :].tobytes(), f.size)
             per_ex, nb = g.n_layers * g.n_tchunks, g.chunk_nbytes
             flat = index.reshape(-1, 2)

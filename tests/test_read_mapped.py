@@ -86,3 +86,24 @@ def test_a_shard_file_in_another_order_is_read_through_its_index(tmp_path):
         np.testing.assert_array_equal(st[0, layer], acts[0, lp, :1].astype(np.float16))
         np.testing.assert_array_equal(st[2, layer], acts[2, lp, :3].astype(np.float16))
     assert io_of(st).read_mapped(2, 0, np.empty((16, 64), np.float16)) is False
+
+
+def test_mapped_files_are_bounded_per_process_and_released_with_their_reader(tmp_path, monkeypatch):
+    import gc
+
+    from actstore.storage import mapping
+
+    gc.collect()
+    before = mapping._mapped_files
+    monkeypatch.setattr(mapping, "MAX_MAPPED_FILES", before + 1)
+    st, acts = make(tmp_path / "s")
+    out = np.empty((16, 64), np.float16)
+    assert io_of(st).read_mapped(0, 1, out) is True  # shard file 0: the one mapping allowed
+    assert mapping._mapped_files == before + 1
+    assert io_of(st).read_mapped(5, 1, out) is False  # shard file 1: over the bound, read instead
+    np.testing.assert_array_equal(st[5, 5], acts[5, 1, :6].astype(np.float16))
+    del st
+    gc.collect()
+    assert mapping._mapped_files == before  # the store dropped: its mapping released
+    st2, _ = make(tmp_path / "s2")
+    assert io_of(st2).read_mapped(5, 1, out) is True

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import shutil
 import stat
@@ -161,7 +160,7 @@ class LocalStorage(Storage):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
                 return None
-            return MappedFile(mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ))
+            return MappedFile.map(fd, st.st_size)
         except (OSError, ValueError):
             return None
         finally:

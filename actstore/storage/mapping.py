@@ -29,6 +29,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -333,6 +334,23 @@ class MappedFile:
     def supported() -> bool:
         return _LIBC is not None
 
+    @classmethod
+    def map(cls, fd: int, size: int) -> MappedFile | None:
+        """Map `size` bytes of the open file `fd`; None when this process already holds
+        MAX_MAPPED_FILES of them (readers keep theirs until they drop them: the rest read)."""
+        global _mapped_files
+        with _mapped_lock:
+            if _mapped_files >= MAX_MAPPED_FILES:
+                return None
+            _mapped_files += 1
+        try:
+            f = cls(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        except BaseException:
+            _unmapped()
+            raise
+        weakref.finalize(f, _unmapped)  # the mapping goes with its last reference
+        return f
+
     def copy_resident(self, offset: int, dest: np.ndarray) -> bool:
         """Copy bytes offset.. into `dest` (uint8, 1-d) when every page holding them is
         resident; False (nothing copied) otherwise."""
@@ -348,3 +366,16 @@ class MappedFile:
             return False
         dest[:] = self.bytes[offset:end]
         return True
+
+
+# Whole files mapped by MappedFile in this process, at most: far below the kernel's map
+# count (vm.max_map_count, 65,530 by default), which every other mapping shares.
+MAX_MAPPED_FILES = 1024
+_mapped_files = 0
+_mapped_lock = threading.Lock()
+
+
+def _unmapped() -> None:
+    global _mapped_files
+    with _mapped_lock:
+        _mapped_files -= 1
