@@ -15,10 +15,12 @@ from actstore.errors import CorruptChunkError
 from actstore.layout.checksum import crc32c
 from actstore.layout.chunks import EMPTY, ChunkGeometry
 from actstore.storage import Storage, Writeback
+from actstore.storage.mapping import MappedFile
 
 __all__ = ["ChunkIO", "crc32c", "drop_chunks"]
 
 INDEX_CACHE_BYTES = 16 * 2**20  # shard-file indexes kept per array (16 bytes per inner chunk each)
+MAPPED_FILES = 64  # shard files kept mapped per array (address space only: the pages are the page cache's)
 
 
 class ChunkIO:
@@ -33,9 +35,12 @@ class ChunkIO:
         self.storage = storage
         self.geo = geometry
         self._index_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._mapped: OrderedDict[str, tuple[MappedFile, int] | None] = (
+            OrderedDict()
+        )  # shard file -> (map, dense examples)
 
     def __getstate__(self) -> dict:
-        return {"storage": self.storage, "geo": self.geo, "_index_cache": OrderedDict()}
+        return {"storage": self.storage, "geo": self.geo, "_index_cache": OrderedDict(), "_mapped": OrderedDict()}
 
     def where(self, key: str) -> str:
         return self.storage.where(key)
@@ -64,6 +69,51 @@ class ChunkIO:
             else:
                 missing += self._read_sharded(ex, layer_pos, tc, dest)
         return missing
+
+    def read_mapped(self, ex: int, layer_pos: int, out: np.ndarray) -> bool:
+        """read_into as one copy from the mapped shard file, when the file is on a local
+        disk, its checked index places the example's chunks densely in order (as actstore
+        writes them) and every page they lie in is in the page cache; False (nothing read)
+        otherwise: then read_into, which reads, or tells what is missing or damaged."""
+        g = self.geo
+        if g.shard_examples is None:
+            return False
+        key = g.shard_key(ex)
+        got = self._mapped.get(key, False)
+        if got is False:
+            got = self._map(key)
+        i = ex % g.shard_examples
+        if got is None or i >= got[1]:
+            return False
+        per = g.n_tchunks * g.chunk_nbytes
+        k = min(g.n_tchunks, out.shape[0] // g.t_chunk) * g.chunk_nbytes
+        return got[0].copy_resident((i * g.n_layers + layer_pos) * per, out.reshape(-1).view(np.uint8)[:k])
+
+    def _map(self, key: str) -> tuple[MappedFile, int] | None:
+        """Map shard file `key` (its index read from the mapping and checked) and count its
+        leading examples stored densely in order; kept (None: not mappable, read it)."""
+        g = self.geo
+        got = None
+        f = self.storage.map_file(key)
+        if f is None:
+            return None  # not kept: a file restored, or a mapping another reader gives up, maps later
+        if f.size >= g.index_nbytes:
+            index = self._keep_index(key, f.bytes[f.size - g.index_nbytes :].tobytes(), f.size)
+            per_ex, nb = g.n_layers * g.n_tchunks, g.chunk_nbytes
+            flat = index.reshape(-1, 2)
+            used = flat[:, 0] != EMPTY
+            n = (len(used) if used.all() else int(np.argmin(used))) // per_ex  # examples with every chunk stored
+            k = n * per_ex
+            if (
+                n
+                and np.array_equal(flat[:k, 0], np.arange(k, dtype=np.uint64) * np.uint64(nb))
+                and (flat[:k, 1] == nb).all()
+            ):
+                got = (f, n)
+        self._mapped[key] = got
+        while len(self._mapped) > MAPPED_FILES:
+            self._mapped.popitem(last=False)
+        return got
 
     def _read_chunk(self, key: str, dest: memoryview) -> bool:
         """One whole chunk object; a missing one is the fill value (True); another size is damage."""
@@ -213,6 +263,7 @@ class ChunkIO:
                 durable=durable,
             )
             self._index_cache.pop(key, None)
+            self._mapped.pop(key, None)
 
     def delete_example(self, ex: int) -> None:
         """Remove the chunk files of one example (used to drop an uncommitted block)."""

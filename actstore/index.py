@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,7 @@ class ExampleIndex:
         self.starts = np.zeros(len(counts_arr) + 1, dtype=np.int64)
         np.cumsum(counts_arr, out=self.starts[1:])
         self.n_examples = int(self.starts[-1])
+        self._starts = self.starts.tolist()  # for locate: bisect on a list beats numpy on one value
 
     def __len__(self) -> int:
         return self.n_examples
@@ -37,8 +39,8 @@ class ExampleIndex:
             raise ExampleIndexError(f"example {ex} is out of range: this store holds {n} examples (0..{n - 1})")
         if ex < 0:
             ex += n
-        pos = int(np.searchsorted(self.starts, ex, side="right")) - 1
-        return pos, ex - int(self.starts[pos])
+        pos = bisect.bisect_right(self._starts, ex) - 1
+        return pos, int(ex) - self._starts[pos]
 
     def locate_many(self, exs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Vectorised `locate` for an int array of non-negative indices."""

@@ -84,16 +84,22 @@ class EpochPlan:
         self.window_batches = window_batches
         self.window_tokens = window_batches * batch_size
         self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        # One pass of each kind over the units (at 10^7 units a random gather costs more than
+        # the arithmetic): the counts gathered once, the units without tokens dropped once.
         if shuffle:
             n_runs = -(-len(counts) // run)
-            runs = np.random.default_rng([seed, epoch, _ORDER_KEY]).permutation(n_runs)
-            order = (runs[:, None] * run + np.arange(run)).reshape(-1)
-            order = order[order < len(counts)]
-            active = order[counts[order] > 0]
+            order = np.random.default_rng([seed, epoch, _ORDER_KEY]).permutation(n_runs)
+            if run > 1:
+                order = (order[:, None] * run + np.arange(run)).reshape(-1)
+                order = order[order < len(counts)]
+            kept = counts[order]
         else:
-            active = np.flatnonzero(counts > 0)
-        self.order = active
-        self.ends = np.cumsum(counts[active], dtype=np.int64)
+            order, kept = np.arange(len(counts)), counts
+        has = kept > 0
+        if not has.all():
+            order, kept = order[has], kept[has]
+        self.order = order
+        self.ends = np.cumsum(kept, dtype=np.int64)
         self.n_tokens = int(self.ends[-1]) if len(self.ends) else 0
         b0, b1 = rank_batches(self.n_tokens, batch_size, rank, world_size, drop_last)
         self.n_batches = b1 - b0

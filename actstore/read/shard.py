@@ -232,6 +232,12 @@ class ShardReader:
         if self._zarr_absent(seg, local, lp):
             self._check_absent(seg, local, lp, out)
 
+    def read_mapped(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
+        """read_padded as one copy from a mapped local shard file when every byte is in the
+        page cache (ChunkIO.read_mapped); False (nothing read) otherwise: then read_padded."""
+        io = self.io[seg.name]
+        return io is not None and io.read_mapped(local, lp, out)
+
     def _read_zarr(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
         z = self._zarr.get(seg.name)
         if z is None:

@@ -111,6 +111,8 @@ class ActStore(Reader):
         self.index = ExampleIndex([s.n_examples for s in self.manifest.shards])
         self._shards: dict[int, ShardReader] = {}
         self._segs = {s.name: s for s in self.config.segments}
+        self._one_seg = self.config.segments[0] if len(self._segs) == 1 else None
+        self._act_dtype = np.dtype(spec.ACT_DTYPES[self.config.dtype])
         if self._verify:
             from actstore.verify import verify_store
 
@@ -180,6 +182,14 @@ class ActStore(Reader):
         """`store[ex, layer]` -> (T_i, D); slices and lists of examples and layers
         (`store[0:100, 6]`, `store[[3, 9], :]`) as actstore.read.select describes. A layer
         is a stored layer number or one of its names (`layer_names()`)."""
+        if (
+            type(key) is tuple
+            and len(key) == 2
+            and type(key[0]) is int
+            and type(key[1]) is int
+            and self._one_seg is not None
+        ):
+            return self._read_segment(self._one_seg, key[0], key[1], pad=False)  # the common case, parsed no further
         key = self._numbered(key)
         if not is_pair(key):
             return select(self, key)
@@ -286,11 +296,12 @@ class ActStore(Reader):
         rows = (
             seg.n_chunks * seg.t_chunk if pad else -(-n // seg.t_chunk) * seg.t_chunk
         )  # only the chunks holding tokens
-        dtype = np.dtype(spec.ACT_DTYPES[self.config.dtype])
+        dtype = self._act_dtype
         if rows * self.config.d_model * dtype.itemsize > UNCHECKED_READ_BYTES:
             sh.check_backed(seg)
         buf = np.empty((rows, self.config.d_model), dtype=dtype)
-        sh.read_padded(seg, local, lp, buf)
+        if not sh.read_mapped(seg, local, lp, buf):  # warm and local: one copy from the page cache
+            sh.read_padded(seg, local, lp, buf)
         out = buf[:n]
         if self.config.dtype == "bfloat16":
             return bf16_bits_to_f32(out)

@@ -105,6 +105,13 @@ class Storage(abc.ABC):
         local-cache hit); False (dest partly written or not) otherwise. Default: False."""
         return False
 
+    def map_file(self, key: str) -> Any:
+        """The whole regular file `key` mapped read-only (actstore.storage.mapping.MappedFile),
+        for readers that copy many small ranges of one large file (Zarr shard files); None
+        where the storage cannot map it (the default: not a local file, absent, empty). Its
+        `size` is the file's when mapped: a caller checks its ranges against it."""
+        return None
+
     @abc.abstractmethod
     def size(self, key: str) -> int | None:
         """The object's size in bytes, or None when there is none."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from actstore.errors import UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
+from actstore.storage.mapping import MappedFile
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
@@ -145,6 +146,23 @@ class LocalStorage(Storage):
             return n if n <= len(dest) else os.fstat(fd).st_size
         except OSError as e:
             raise not_regular(self.path(key), e.errno) from None
+        finally:
+            os.close(fd)
+
+    def map_file(self, key: str) -> MappedFile | None:
+        if not MappedFile.supported():
+            return None
+        try:
+            fd = os.open(self._root + key, READ_FLAGS)
+        except OSError:
+            return None  # missing, a link, ...: read_into handles and explains it
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                return None
+            return MappedFile.map(fd, st.st_size)
+        except (OSError, ValueError):
+            return None
         finally:
             os.close(fd)
 

@@ -1,4 +1,5 @@
-"""FileRegion: local files mapped read-only into one reserved address range, seen as rows.
+"""FileRegion: local files mapped read-only into one reserved address range, seen as rows;
+MappedFile: one whole file mapped, for `store[ex, layer]`'s warm reads of a Zarr shard file.
 
 The token stream's one-copy read path. Each file (a chunk file, or a whole Zarr shard
 file) gets a slot of a fixed stride in one reserved range of virtual memory, and is
@@ -28,6 +29,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,3 +312,70 @@ class FileRegion:
                 "resident_bytes": self._resident,
                 "pinned": sum(1 for s in self._slots.values() if s.pins),
             }
+
+
+class MappedFile:
+    """A whole local file mapped read-only and shared (the page cache's own pages, no
+    copy), for readers that copy many small ranges of one large file (Zarr shard files).
+
+    `copy_resident` copies a range only when every page of it is in the page cache
+    (mincore, about 2 us): a range that would wait for the disk is left to a read (one
+    request for the whole range instead of a fault page by page), and so is a range past
+    the end of a file truncated since it was mapped (its pages have left the page cache):
+    the read reports the damage where touching the mapping would fault (SIGBUS).
+    """
+
+    def __init__(self, mm: mmap.mmap):
+        self.size = len(mm)
+        self.bytes = np.frombuffer(mm, np.uint8)  # holds the mapping
+        self._addr = self.bytes.ctypes.data
+
+    @staticmethod
+    def supported() -> bool:
+        return _LIBC is not None
+
+    @classmethod
+    def map(cls, fd: int, size: int) -> MappedFile | None:
+        """Map `size` bytes of the open file `fd`; None when this process already holds
+        MAX_MAPPED_FILES of them (readers keep theirs until they drop them: the rest read)."""
+        global _mapped_files
+        with _mapped_lock:
+            if _mapped_files >= MAX_MAPPED_FILES:
+                return None
+            _mapped_files += 1
+        try:
+            f = cls(mmap.mmap(fd, size, access=mmap.ACCESS_READ))
+        except BaseException:
+            _unmapped()
+            raise
+        weakref.finalize(f, _unmapped)  # the mapping goes with its last reference
+        return f
+
+    def copy_resident(self, offset: int, dest: np.ndarray) -> bool:
+        """Copy bytes offset.. into `dest` (uint8, 1-d) when every page holding them is
+        resident; False (nothing copied) otherwise."""
+        n = dest.shape[0]
+        end = offset + n
+        if offset < 0 or end > self.size:
+            return False
+        lo = offset - offset % mmap.PAGESIZE
+        pages = -(-(end - lo) // mmap.PAGESIZE)
+        vec = ctypes.create_string_buffer(pages)  # one per call: readers may share the file across threads
+        # A resident page reads 1 (the other bits are reserved, 0); any 0 byte: not all resident.
+        if _LIBC.mincore(self._addr + lo, end - lo, vec) != 0 or vec.raw.find(0, 0, pages) >= 0:
+            return False
+        dest[:] = self.bytes[offset:end]
+        return True
+
+
+# Whole files mapped by MappedFile in this process, at most: far below the kernel's map
+# count (vm.max_map_count, 65,530 by default), which every other mapping shares.
+MAX_MAPPED_FILES = 1024
+_mapped_files = 0
+_mapped_lock = threading.Lock()
+
+
+def _unmapped() -> None:
+    global _mapped_files
+    with _mapped_lock:
+        _mapped_files -= 1

@@ -27,6 +27,8 @@ from actstore.write.batch import Batch
 from actstore.write.layouts import Layout
 from actstore.write.pipeline import IOStats, WritePipeline
 
+COPY_BYTES = 2**20  # staged and checksummed together: well within a core's L2 cache
+
 
 class StagingBuffers:
     """Up to `n` staging buffers {segment: (S, L, T_pad, D)}, allocated on first use and
@@ -114,10 +116,15 @@ class ShardFiles(Layout):
             k = min(b - i, self.S - self.stage_n)
             for name, arr in batch.acts.items():
                 part = self.stage[name][self.stage_n : self.stage_n + k]
-                part[...] = arr[i : i + k]  # the one copy, into the buffer that is written
-                # Checksums here, on rows just copied (in cache), while the pipeline writes:
-                # per (example, layer), the block's derived from them.
-                self._add_rows(name, part)
+                # The one copy, into the buffer that is written, a few examples at a time
+                # (about COPY_BYTES), each checksummed right after its copy while still in the
+                # CPU's cache (per (example, layer), the block's derived from them) while the
+                # pipeline writes: one pass over memory for both.
+                step = max(1, COPY_BYTES // max(part[:1].nbytes, 1))
+                for j in range(0, k, step):
+                    e = min(j + step, k)
+                    part[j:e] = arr[i + j : i + e]
+                    self._add_rows(name, part[j:e])
             self.stage_n += k
             i += k
             if self.stage_n == self.S:
