@@ -143,7 +143,7 @@ def main() -> None:
         sae = Encoder(kind="directions", d_in=d, n_features=F, W=W, b=np.full(F, -2.0, np.float32), activation="relu")
         W_t = torch.from_numpy(W)
         stream_epoch(store)  # warm: page cache, imports
-        for enc in (neurons(d), sae):  # and the compiled kernels' one-time load from numba's cache (about 0.5 s a process)
+        for enc in (neurons(d), sae):  # and the compiled kernels' one-time load (numba's cache: ~0.5 s)
             top_activations(small, 6, enc, k=args.top_k)
         neuron_ratios, sae_ratios, rows = [], [], []
         for _ in range(args.repeats):

@@ -48,7 +48,7 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
   tests/test_per_sample_chunks.py tests/test_import_dictionary_learning.py tests/test_features_topk.py tests/test_saev_checksums.py \
   tests/test_writer_options.py tests/test_per_sample_checksums.py \
-  tests/test_arguments.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py \
+  tests/test_arguments.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py tests/test_read_mapped.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes \
   --deselect tests/test_features_topk.py::test_s3_store_matches_the_oracle \

@@ -163,7 +163,7 @@ def top_activations(
     arange = np.arange(max((s.t_pad for s in segs), default=0), dtype=np.int64)
     direct = acc.fused and encoder.kind == "neurons"  # the kernel reads the stored rows in place
 
-    def read_group(g0: int) -> tuple[range, np.ndarray]:
+    def read_group(g0: int) -> tuple[range, np.ndarray, np.ndarray, np.ndarray]:
         exs = range(g0, min(n_ex, g0 + group))
         buf = np.empty((len(exs), t_all, d), dtype)
         items = [
@@ -172,18 +172,25 @@ def top_activations(
             for j, s in enumerate(segs)
         ]
         store.read_many_into(items)
-        return exs, buf
+        return exs, buf, *tokens(exs)  # on the read-ahead thread too: the kernel holds no GIL
 
     def tokens(exs: range) -> tuple[np.ndarray, np.ndarray]:
-        """The kept tokens of a group: their rows in its buffer and their order keys."""
-        rows, ords = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-        for i, e in enumerate(exs):
-            for j, s in enumerate(segs):
-                n = int(lens[s.name][e])
-                keep = arange[:n] if masks[j] is None else np.flatnonzero(masks[j][e, :n])
-                rows.append(i * t_all + int(offs[j]) + keep)
-                ords.append((e << TOKEN_BITS) + int(before[s.name][e]) + keep)
-        return np.concatenate(rows), np.concatenate(ords)
+        """The kept tokens of a group: their rows in its buffer and their order keys (store
+        order: by example, then segment, then position)."""
+        e = np.arange(exs.start, exs.stop, dtype=np.int64)
+        rows, ords = [], []
+        for j, s in enumerate(segs):
+            keep = arange[None, : s.t_pad] < lens[s.name][e][:, None]  # real tokens, never padding
+            if masks[j] is not None:
+                w = min(s.t_pad, masks[j].shape[1])
+                keep[:, :w] &= masks[j][e, :w]
+            r, c = np.nonzero(keep)
+            rows.append(r * t_all + int(offs[j]) + c)
+            ords.append((e[r] << TOKEN_BITS) + before[s.name][e[r]] + c)
+        if len(segs) == 1:
+            return rows[0], ords[0]
+        order = np.argsort(np.concatenate(rows), kind="stable")  # buffer rows run in store order
+        return np.concatenate(rows)[order], np.concatenate(ords)[order]
 
     pending_x: list[np.ndarray] = []
     pending_o: list[np.ndarray] = []
@@ -191,14 +198,13 @@ def top_activations(
     with ThreadPoolExecutor(1, thread_name_prefix="actstore-features-read") as reader:
         nxt = reader.submit(read_group, 0) if n_ex else None
         for g0 in range(0, n_ex, group):
-            exs, buf = nxt.result()
+            exs, buf, rows, ords = nxt.result()
             nxt = (
                 reader.submit(read_group, g0 + group) if g0 + group < n_ex else None
             )  # read ahead while this one is encoded
             flat = buf.reshape(-1, d)
             if store.dtype == "bfloat16":
                 flat = bf16_bits_to_f32(flat)
-            rows, ords = tokens(exs)
             if direct:
                 acc.update((flat if ids is None else flat[:, ids]).T, ords, rows)
             elif len(rows):
