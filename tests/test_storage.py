@@ -43,6 +43,19 @@ def test_put_get_and_ranges(storage):
         storage.get("a/b/c.bin", max_bytes=4)
 
 
+def test_many_ranges_of_one_object(storage):
+    """read_ranges_into: adjacent ranges (one preadv of several buffers on a local disk),
+    gaps, one range reaching past the end (a short count), in the order given."""
+    data = bytes(range(256)) * 40  # 10,240 bytes
+    storage.put("f.bin", data)
+    spans = [(0, 100), (100, 28), (128, 1000), (2000, 10), (2010, 5), (10_200, 100), (5000, 3)]
+    bufs = [bytearray(n) for _, n in spans]
+    counts = storage.read_ranges_into("f.bin", [(o, memoryview(b)) for (o, _), b in zip(spans, bufs)])
+    assert counts == [100, 28, 1000, 10, 5, 40, 3]
+    for (o, n), b, c in zip(spans, bufs, counts):
+        assert bytes(b[:c]) == data[o : o + c]
+
+
 def test_missing_keys(storage):
     with pytest.raises(KeyNotFound) as ei:
         storage.get("no/such")
