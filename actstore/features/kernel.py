@@ -223,17 +223,19 @@ def update_max(acc: Any, nan: np.ndarray, batch_max: Any, top_n: np.ndarray) -> 
 
 
 def run_blocks(fn: Any, F: int, n: int, head: tuple, tail: tuple, align: int = 1) -> None:
-    """fn(*head, f0, f1, *tail) over contiguous feature ranges, one per thread when the batch
-    is large (the compiled loops hold no GIL); the ranges are multiples of `align`."""
+    """fn(*head, f0, f1, *tail) over contiguous feature ranges (multiples of `align`), on
+    the threads when the batch is large (the compiled loops hold no GIL): a few ranges a
+    thread, taken as threads come free, so a thread the read-ahead slows holds no one up."""
     global _POOL
     n_threads = _threads() if F * n >= _MIN_PARALLEL else 1
     blocks = -(-F // align)
-    cuts = np.minimum(np.linspace(0, blocks, min(n_threads, blocks) + 1).astype(np.int64) * align, F)
-    if len(cuts) <= 2:
+    n_jobs = min(blocks, 4 * n_threads) if n_threads > 1 else 1
+    cuts = np.minimum(np.linspace(0, blocks, n_jobs + 1).astype(np.int64) * align, F)
+    if n_jobs == 1:
         fn(*head, 0, F, *tail)
         return
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < len(cuts) - 1:
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=len(cuts) - 1, thread_name_prefix="actstore-features"))
-    jobs = [_POOL[1].submit(fn, *head, int(a), int(b), *tail) for a, b in zip(cuts[:-1], cuts[1:])]
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers != n_threads:
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=n_threads, thread_name_prefix="actstore-features"))
+    jobs = [_POOL[1].submit(fn, *head, int(a), int(b), *tail) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
     for j in jobs:
         j.result()
