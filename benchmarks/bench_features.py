@@ -22,6 +22,7 @@ Run: .venv/bin/python benchmarks/bench_features.py [--examples 4000] [--tokens 1
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -59,6 +60,36 @@ def stream_epoch(store, *, matmul=None) -> float:
         if matmul is not None:
             batch.float() @ matmul
     return time.perf_counter() - t0 if torch else 0.0
+
+
+def kernel_ns_per_value(d: int, threads: int | None, rows: int = 32768, batches: int = 16) -> float:
+    """The float16 neurons update alone, past the heaps' filling: wall ns per value (best
+    of 3), at `threads` threads (None: every core), to show how it divides over cores."""
+    from actstore.features.accum import FeatureAccumulator
+
+    old = os.environ.get("ACTSTORE_FEATURE_THREADS")
+    if threads is not None:
+        os.environ["ACTSTORE_FEATURE_THREADS"] = str(threads)
+    try:
+        rng = np.random.default_rng(3)
+        xs = [rng.standard_normal((rows, d)).astype(np.float16) for _ in range(4)]
+        ords = np.arange(rows, dtype=np.int64)
+        acc = FeatureAccumulator(d, 20, 100, 0, kernel="numba")
+        for i in range(8):
+            acc.update(xs[i % 4].T, ords + i * rows)
+        best, i = float("inf"), 8
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                acc.update(xs[i % 4].T, ords + i * rows)
+                i += 1
+            best = min(best, (time.perf_counter() - t0) / batches / (rows * d) * 1e9)
+        return best
+    finally:
+        if old is None:
+            os.environ.pop("ACTSTORE_FEATURE_THREADS", None)
+        else:
+            os.environ["ACTSTORE_FEATURE_THREADS"] = old
 
 
 def timed(fn) -> float:
@@ -155,6 +186,7 @@ def main() -> None:
             sae_ratios.append(t_bare / t_sae)
             rows.append({"stream_s": t_stream, "neurons_pass_s": t_neurons, "bare_sae_s": t_bare, "sae_pass_s": t_sae})
         peaks = {"half": peak_bytes(small, args.top_k), "full": peak_bytes(store, args.top_k)}
+        kernel = {"1": kernel_ns_per_value(d, 1), "all": kernel_ns_per_value(d, None), "cores": os.cpu_count()}
         tokens = args.examples * args.tokens
         result = {
             "tokens": tokens,
@@ -169,6 +201,7 @@ def main() -> None:
             "sae_density": float(top_activations(small, 6, sae, k=1).features["density"].mean()),
             "peak_bytes": peaks,
             "peak_growth_2x_tokens": peaks["full"] / peaks["half"],
+            "neurons_kernel_ns_per_value": kernel,
             "machine": machine(),
         }
         if args.smollm2:
@@ -183,6 +216,9 @@ def main() -> None:
         print(
             f"SAE F={F} (density {result['sae_density']:.3f}) pass / (epoch + matmul): {result['sae_ratio_median']:.2f}x "
             f"({result['sae_tokens_per_s'] / 1e6:.3f} M tokens/s)"
+        )
+        print(
+            f"neurons update alone: {kernel['1']:.2f} ns a value on 1 thread, {kernel['all']:.2f} on {kernel['cores']} cores"
         )
         print(
             f"peak traced memory: {peaks['half'] / 2**20:.1f} MiB at {tokens // 2} tokens, {peaks['full'] / 2**20:.1f} MiB at {tokens} "

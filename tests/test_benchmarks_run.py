@@ -236,6 +236,7 @@ def test_bench_features(tmp_path):
     )
     assert d["tokens"] == 320 and d["features_sae"] == 32 and len(d["runs"]) == 1
     assert positive(d["neurons_ratio_median"], d["sae_ratio_median"], d["peak_bytes"]["half"], d["peak_bytes"]["full"])
+    assert positive(d["neurons_kernel_ns_per_value"]["1"], d["neurons_kernel_ns_per_value"]["all"])
 
 
 def test_bench_spec(tmp_path):
