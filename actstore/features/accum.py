@@ -1,4 +1,6 @@
-"""Per-feature accumulators of the streaming pass, in memory O(features x k): pure numpy.
+"""Per-feature accumulators of the streaming pass, in memory O(features x k): the state, its
+numpy reference update, and the dispatch to the compiled updates (actstore.features.kernel,
+kernel16), which keep the top k and the pool as heaps until `finish` sorts them.
 
 Tokens arrive in store order; each carries an order key `ord = example * 2**31 + token`,
 increasing along the pass. Every state here is a function of the multiset of (ord, value)
@@ -197,9 +199,9 @@ class FeatureAccumulator:
             self.pool_ord = np.take_along_axis(self.pool_ord, pool, axis=1)
 
     def _update_numpy(self, acts_ft: np.ndarray, ords: np.ndarray) -> None:
-        """The reference update on a C-contiguous (F, n) float32 batch. Three passes over the batch (max, > 0, the
-        positions of the positive values); everything else works on those positions only,
-        so sparse codes (SAEs) cost little beyond their matmul."""
+        """The reference update on a C-contiguous (F, n) float32 batch: three passes over the
+        batch (max, > 0, the positions of the positive values); everything else works on
+        those positions only."""
         n = acts_ft.shape[1]
         if n == 0:
             return

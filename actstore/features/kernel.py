@@ -1,12 +1,15 @@
-"""The streaming pass's per-batch update fused into one compiled loop (numba): every value is
-read once, for the max, the positive count and sum, its histogram bin, and the top-k and pool
-thresholds; only the few values that beat a threshold do more (an insertion into a sorted
-list of k). The state and its meaning are those of actstore.features.accum, which holds the
-numpy reference of the same update; tests compare the two on the same batches.
+"""The streaming pass's per-batch update compiled with numba, for float32 batches (encoded
+features; neurons of bfloat16 and float32 stores): per step of a feature's row one
+vectorised scan (positive count, NaN), then only the positive values (sum, histogram bin,
+and the few that beat the top-k or pool bar); the top k and the pool are heaps. The float16
+rows of a neurons pass have their own integer loop (actstore.features.kernel16), which
+shares the heaps and the threads here. The state and its meaning are those of
+actstore.features.accum, which holds the numpy reference of the same update; tests compare
+the two on the same batches.
 
-Features are split into contiguous blocks, one per thread (the loop holds no GIL); a
-feature's values are always visited in token order, so results do not depend on the
-number of threads.
+Features are split into contiguous ranges, a few a thread (the loops hold no GIL); a
+feature's values are always visited in token order, so results do not depend on the number
+of threads.
 """
 
 from __future__ import annotations

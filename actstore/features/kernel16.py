@@ -1,14 +1,17 @@
-"""The fused update for float16 rows read as they are stored (neurons of a float16 store):
-token-major (N, F) uint16 bit patterns, no conversion and no transpose.
+"""The compiled update for float16 rows read as they are stored (neurons of a float16
+store): token-major (N, F) bit patterns, no conversion and no transpose.
 
 Per value the loop does integer work only. A float16's top byte (sign, exponent and the top
-2 mantissa bits) is a histogram code; one packed counter per (feature, code) adds
-`1 << 20` plus the value's low mantissa byte (unpacked every CHUNK tokens). From those, after the batch (numpy, F x 256):
-the positive count, the exact sum of the positive values (a normal float16 in code c with
-low byte l is 2**(e - 25) * (1024 + (c & 3) * 256 + l), e = c >> 2) and the float32
-histogram bins (actstore.features.accum: exponent and 2 mantissa bits, the same edges). The
-max is a max of order-preserving keys, top-k entry a compare of keys; both vectorise. What
-the codes cannot tell (positive subnormals, infinities, NaN) takes a rare branch.
+2 mantissa bits) is a histogram code; one packed uint32 counter per (feature, code) adds
+`1 << 20` plus the value's low mantissa byte, unpacked into int64 totals every CHUNK
+tokens. From the totals, after the batch (numpy, F x 256): the positive count, the exact sum
+of the positive values (a normal float16 in code c with low byte l is
+2**(e - 25) * (1024 + (c & 3) * 256 + l), e = c >> 2) and the float32 histogram bins
+(actstore.features.accum: exponent and 2 mantissa bits, the same edges). Entry into the top
+k is one int16 compare against the bar's bits (a positive float16 orders as its int16),
+which vectorises; the max is the top k's largest (or, for a feature without a positive
+value, the batch's max). What the codes cannot tell (positive subnormals, infinities, NaN)
+takes a rare branch. The heaps and threads are actstore.features.kernel's.
 """
 
 from __future__ import annotations
