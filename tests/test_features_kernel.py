@@ -125,3 +125,12 @@ def test_float16_order_keys_round_trip():
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="kernel must be 'auto', 'numba' or 'numpy'"):
         FeatureAccumulator(3, 2, 0, 0, kernel="cuda")
+
+
+def test_a_bad_thread_count_is_refused(monkeypatch):
+    from actstore.errors import FeatureError
+
+    monkeypatch.setenv("ACTSTORE_FEATURE_THREADS", "two")
+    acc = FeatureAccumulator(4, 2, 0, 0, kernel="numba")
+    with pytest.raises(FeatureError, match="ACTSTORE_FEATURE_THREADS must be a whole number >= 1. Got 'two'"):
+        acc.update(np.ones((4, 1 << 17), np.float32), np.arange(1 << 17, dtype=np.int64))

@@ -47,8 +47,17 @@ def warn_missing() -> None:
 
 
 def _threads() -> int:
+    """The threads the update uses: ACTSTORE_FEATURE_THREADS when set, else the cores this
+    process may run on (at most 32)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(int(os.environ.get("ACTSTORE_FEATURE_THREADS", n)), 32))
+    given = os.environ.get("ACTSTORE_FEATURE_THREADS")
+    if given is not None:
+        if not given.strip().isdigit() or int(given) < 1:
+            from actstore.errors import FeatureError
+
+            raise FeatureError(f"ACTSTORE_FEATURE_THREADS must be a whole number >= 1. Got {given!r}.")
+        n = int(given)
+    return max(1, min(n, 32))
 
 
 def _njit(fn: Any) -> Any:
