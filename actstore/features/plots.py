@@ -81,15 +81,9 @@ def norms_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
     hists = {layer: np.histogram(s["norms"], bins=edges)[0] for layer, s in stats.items()}
     top = max((int(h.max()) for h in hists.values() if len(h)), default=1) or 1
     parts = _axes("token L2 norm, per layer", "norm", 0, edges[-1], top)
+    xs = PAD + (np.arange(N_BINS) + 0.5) / N_BINS * (W - PAD - 8)
     for i, (layer, h) in enumerate(hists.items()):
-        xs = PAD + (np.arange(N_BINS) + 0.5) / N_BINS * (W - PAD - 8)
-        ys = H - PAD - h / top * (H - PAD - 22)
-        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
-        c = COLOURS[i % len(COLOURS)]
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}"><title>layer {layer}</title></polyline>')
-        parts.append(
-            f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>'
-        )
+        _line(parts, i, layer, xs, H - PAD - h / top * (H - PAD - 22))
     return _svg(parts)
 
 
@@ -101,14 +95,18 @@ def positions_svg(stats: dict[int, dict[str, np.ndarray]]) -> str:
     for i, (layer, s) in enumerate(stats.items()):
         m = s["position_mean"]
         xs = PAD + np.arange(len(m)) / max(n_pos - 1, 1) * (W - PAD - 8)
-        ys = H - PAD - m / top * (H - PAD - 22)
-        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
-        c = COLOURS[i % len(COLOURS)]
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}"><title>layer {layer}</title></polyline>')
-        parts.append(
-            f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>'
-        )
+        _line(parts, i, layer, xs, H - PAD - m / top * (H - PAD - 22))
     return _svg(parts)
+
+
+def _line(parts: list[str], i: int, layer: Any, xs: np.ndarray, ys: np.ndarray) -> None:
+    """Layer `layer`'s polyline (the i-th colour, its name on hover) and its legend entry."""
+    pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
+    c = COLOURS[i % len(COLOURS)]
+    parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}"><title>layer {layer}</title></polyline>')
+    parts.append(
+        f'<text x="{W - 10}" y="{30 + 12 * i}" font-size="10" text-anchor="end" fill="{c}">layer {layer}</text>'
+    )
 
 
 def write_plots(

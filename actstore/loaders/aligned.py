@@ -24,14 +24,14 @@ import torch
 from torch.utils.data import IterableDataset
 
 from actstore.errors import AlignmentError
-from actstore.loaders.plan import rank_batches
+from actstore.loaders.plan import EpochPosition, rank_batches
 
 STATE_FORMAT = "actstore.AlignedTokenStream"
 STATE_VERSION = 1
 _END = object()
 
 
-class AlignedTokenStream(IterableDataset):
+class AlignedTokenStream(EpochPosition, IterableDataset):
     """Batches of k aligned sources: a tuple of k tensors (batch, D_source), row i the same
     token in each, or one (batch, k, D) tensor with `stack=True`.
 
@@ -106,16 +106,6 @@ class AlignedTokenStream(IterableDataset):
 
     def _first_of(self, store_index: int) -> int:
         return next(i for i, (si, _) in enumerate(self.sources) if si == store_index)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of `epoch`."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0. Got {epoch!r}.")
-        self._epoch, self._batches_done = epoch, 0
 
     def __len__(self) -> int:
         b0, b1 = rank_batches(self.n_tokens, self.batch_size, self.rank, self.world_size, self.drop_last)

@@ -188,3 +188,21 @@ def round_robin_order(worker_batches: np.ndarray) -> list[tuple[int, int]]:
     for r in range(max(n, default=0)):
         out.extend((w, r) for w in range(len(n)) if n[w] > r)
     return out
+
+
+class EpochPosition:
+    """The epoch a stream is at (`epoch`); `set_epoch` starts its next iteration at the
+    beginning of another. For the stream classes (TokenStream, AlignedTokenStream)."""
+
+    _epoch: int
+    _batches_done: int  # batches of this epoch the loop consumed
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of `epoch`."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0. Got {epoch!r}.")
+        self._epoch, self._batches_done = epoch, 0

@@ -20,7 +20,7 @@ from actstore.loaders.aligned import AlignedTokenStream
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.pipeline import TokenPipeline
-from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
+from actstore.loaders.plan import EpochPlan, EpochPosition, consumed_per_worker, rank_batches
 from actstore.read.masks import DEFAULT
 from actstore.loaders.source import TokenMask, TokenUnits, pick_layers, pick_segments, stats_tables, stored_numpy_dtype
 
@@ -74,7 +74,7 @@ def _device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
-class TokenStream(IterableDataset):
+class TokenStream(EpochPosition, IterableDataset):
     """Batches of single token vectors, in a shuffled order that is a pure function of
     (seed, epoch) and the sizes; padding and masked tokens are skipped.
 
@@ -219,16 +219,6 @@ class TokenStream(IterableDataset):
         return state
 
     # ---- the position -------------------------------------------------------------
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of `epoch`."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0. Got {epoch!r}.")
-        self._epoch, self._batches_done = epoch, 0
-
     def plan(self, epoch: int | None = None) -> EpochPlan:
         return EpochPlan(
             self.units.counts,

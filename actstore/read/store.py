@@ -139,21 +139,7 @@ class ActStore(Reader):
         segs = ", ".join(f"{s.name}={s.t_max}" for s in self.config.segments)
         return f"ActStore({str(self.path)!r}, n={len(self)}, layers={list(self.layers)}, d_model={self.d_model}, {segs}, {self.dtype})"
 
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.config.layers
-
-    @property
-    def d_model(self) -> int:
-        return self.config.d_model
-
-    @property
-    def dtype(self) -> str:
-        return self.config.dtype
-
-    @property
-    def segments(self) -> tuple[str, ...]:
-        return tuple(self._segs)
+    # layers, d_model, dtype and segments: the Reader protocol's, from self.config
 
     @property
     def meta(self) -> dict[str, Any]:
