@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.features.accum import FeatureAccumulator
-from actstore.features.kernel16 import key_bits, sort_key
+from actstore.features.kernel16 import sort_key
 
 SPECIAL16 = np.array([0.0, -0.0, 6e-8, 3e-5, -3e-5, 6.1e-5, 65504, np.inf, -np.inf, np.nan, 1.0, 1.0, 0.5], np.float16)
 
@@ -112,12 +112,12 @@ def test_property_compiled_equals_reference(seed, F, sizes, k, pool, f16):
     assert_same(run("numba", batches, k=k, pool=pool, F=F), run("numpy", batches, k=k, pool=pool, F=F))
 
 
-def test_float16_order_keys_round_trip():
+def test_float16_order_keys_sort_as_the_values():
     u = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     v = u.view(np.float16).astype(np.float64)
     ok = ~np.isnan(v)
     key = sort_key(u)
-    np.testing.assert_array_equal(key_bits(key), u)
+    assert len(np.unique(key)) == 1 << 16  # one key a bit pattern
     order = np.argsort(key[ok], kind="stable")
     assert np.all(np.diff(v[ok][order]) >= 0)  # keys sort as the values (-0 just below +0)
 

@@ -131,7 +131,6 @@ class FeatureAccumulator:
         self.pool_ord = np.full((n_features, pool), NO_ORD, np.int64)
         self.n_tokens = 0
         self._heaps = False  # the fused kernels keep heaps; finish() sorts them
-        self._offsets = (np.arange(n_features, dtype=np.int32) * N_BINS)[:, None]
 
     def update(
         self, acts_ft: np.ndarray, ords: np.ndarray, cols: np.ndarray | None = None, clipped: bool = False

@@ -64,14 +64,6 @@ def _njit(fn: Any) -> Any:
     return numba.njit(nogil=True, cache=True)(fn) if numba is not None else fn
 
 
-def f16_tables(lo_code: int, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every float16 bit pattern's float32 value and histogram bin (the bin of a value <= 0
-    is never counted)."""
-    lut = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-    code = (lut.view(np.int32) >> 21) - lo_code + 1
-    return lut, np.clip(code, 0, n_bins - 1).astype(np.int32)
-
-
 @_njit
 def _scan(bits):
     """Vectorised over a float32 slice's bits: the count of positive values (+inf included),

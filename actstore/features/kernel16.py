@@ -35,10 +35,12 @@ def sort_key(u: np.ndarray) -> np.ndarray:
     return u ^ (np.uint16(0x8000) | ((u >> 15) * np.uint16(0x7FFF)))
 
 
-def key_bits(key: np.ndarray) -> np.ndarray:
-    """The inverse of sort_key."""
-    key = key.astype(np.uint16)
-    return np.where(key >= 0x8000, key ^ np.uint16(0x8000), key ^ np.uint16(0xFFFF)).astype(np.uint16)
+def f16_tables(lo_code: int, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every float16 bit pattern's float32 value and histogram bin (the bin of a value <= 0
+    is never counted)."""
+    lut = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    code = (lut.view(np.int32) >> 21) - lo_code + 1
+    return lut, np.clip(code, 0, n_bins - 1).astype(np.int32)
 
 
 @_njit
@@ -192,7 +194,7 @@ def update(
     from actstore.features import kernel
 
     if not _TABLES:
-        _TABLES["lut"], _TABLES["lut_bin"] = kernel.f16_tables(lo_code, n_bins)
+        _TABLES["lut"], _TABLES["lut_bin"] = f16_tables(lo_code, n_bins)
         _TABLES["starts"], _TABLES["bins"] = code_bins(lo_code, n_bins)
         _TABLES["scale"], _TABLES["base"] = code_values()
     F = acts.shape[1]
