@@ -38,8 +38,8 @@ from common import save  # noqa: E402
 import torch  # noqa: E402
 
 from actstore.capture import load_model, record  # noqa: E402
-from actstore.capture.data import load_source  # noqa: E402
-from actstore.capture.prepare import image_batches, text_batches  # noqa: E402
+from actstore.inputs.data import load_source  # noqa: E402
+from actstore.inputs.prepare import image_batches, text_batches  # noqa: E402
 from actstore.capture.run import WriteOptions  # noqa: E402
 from actstore.capture.text_budgets import text_plan  # noqa: E402
 
@@ -56,13 +56,13 @@ def prepare(args) -> tuple[object, list, int]:
     lm = load_model(args.model)
     src = load_source(args.data)
     idx = [i % len(src) for i in range(args.examples)]  # repeat the data to --examples
-    from actstore.capture.data import Source
+    from actstore.inputs.data import Source
 
     src = Source(kind=src.kind, name=src.name, n=len(idx), get=lambda i, g=src.get: g(idx[i]))
     if lm.modality == "image":
         batches = list(image_batches(src, 0, len(src), lm.image, args.batch_size, "cpu"))
     elif args.pack:  # a packed corpus: windows of exactly --pack tokens (actstore write --pack --context N)
-        from actstore.capture.packing import plan_windows, window_batches
+        from actstore.inputs.packing import plan_windows, window_batches
 
         windows = plan_windows(src, lm.tokenizer, args.pack, "pack", window_bos=True)  # as actstore write --pack does
         batches = list(window_batches(src, windows, 0, len(windows), lm.tokenizer, args.batch_size, "cpu"))

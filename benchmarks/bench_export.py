@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import save  # noqa: E402
@@ -98,7 +98,7 @@ def plain_write(path: Path, nbytes: int, *, fsync: bool = True) -> tuple[float, 
 
 def export_once(store: Path, dump: Path, budget: int, workers: int, *, fsync: bool = True) -> dict:
     os.sync()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(store), str(dump), str(budget), str(workers), str(int(fsync))],
         env=env,

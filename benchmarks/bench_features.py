@@ -111,7 +111,7 @@ def dashboard_speedup(root: Path, windows: int, t: int, F: int, k: int) -> dict:
     features), against our pass over a store of as many tokens at its width."""
     import torch
 
-    from actstore.capture.models import load_model
+    from actstore.inputs.models import load_model
 
     lm = load_model("embedded:smollm2-135m")
     ids = torch.randint(0, lm.tokenizer.vocab_size, (windows, t))

@@ -42,7 +42,7 @@ QUANTILES = (0.9, 0.95, 0.99, 1.0)
 
 def build_prompts(n: int, seed: int = 0) -> list[dict]:
     """Up to n deterministic prompts: a short question per topic, then paragraph questions."""
-    from actstore.capture.embedded import pydoc_topics
+    from actstore.inputs.embedded import pydoc_topics
 
     rng = np.random.default_rng(seed)
     topics = pydoc_topics()

@@ -1,7 +1,7 @@
 """TokenStream's device path on a CUDA machine (not collected by pytest: the test suite
 runs on CPU-only torch; run this where `torch.cuda.is_available()`):
 
-    PYTHONPATH=. python tests/cuda_check.py
+    PYTHONPATH=src python tests/cuda_check.py
 
 Checks that batches delivered on the GPU (pinned buffers, non_blocking copies on a side
 stream, conversion and normalisation there) equal the CPU stream's, also when the loop

@@ -149,7 +149,10 @@ def flip_bit(path: Path, byte: int, bit: int = 0) -> None:
 
 # ---- victim processes ------------------------------------------------------------------
 def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO / "src") + os.pathsep + str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return subprocess.Popen(
         [sys.executable, str(HERE / "faultlib.py"), *args],
         stdout=subprocess.PIPE,

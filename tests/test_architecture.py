@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PKG = ROOT / "actstore"
+PKG = ROOT / "src" / "actstore"
 
 # The layer order, written once: a module may import modules of its own layer's
 # lower entries and of lower layers only. Within a layer, earlier entries sit below
@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
     ["actstore.verify", "actstore.write"],
     ["actstore.read"],
     [
+        "actstore.inputs",
         "actstore.saev",
         "actstore.legacy",
         "actstore.copy",
@@ -43,7 +44,7 @@ MAX_LINES = 500
 def _modules() -> dict[str, Path]:
     out = {}
     for p in sorted(PKG.rglob("*.py")):
-        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = p
@@ -170,7 +171,7 @@ def test_ruff_finds_nothing():
     ruff = Path(sys.executable).with_name("ruff")
     assert ruff.exists(), f"ruff is a dev dependency: install it in {Path(sys.executable).parent.parent}"
     res = subprocess.run(
-        [str(ruff), "check", "actstore", "tests", "benchmarks", "examples"],
+        [str(ruff), "check", "src", "tests", "benchmarks", "examples"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -197,12 +198,10 @@ def test_ruff_format_is_applied():
 
     ruff = Path(sys.executable).with_name("ruff")
     res = subprocess.run(
-        [str(ruff), "format", "--check", "actstore", "tests", "benchmarks", "examples"],
+        [str(ruff), "format", "--check", "src", "tests", "benchmarks", "examples"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=False,
     )
-    assert res.returncode == 0, (
-        "run `ruff format actstore tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr
-    )
+    assert res.returncode == 0, "run `ruff format src tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr

@@ -22,7 +22,9 @@ def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300, sc
     """Run benchmarks/bench_<name>.py (or benchmarks/<script>.py) in tmp_path (its results go to tmp_path/bench-results)."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
     }
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / f"{script or 'bench_' + name}.py"), *args],

@@ -222,7 +222,7 @@ def test_generate_responses(tmp_path, llama_dir):
     )
     store = actstore.ActStore(out)
     model, tok = tiny_llama(layers=3)
-    from actstore.capture.prepare import separator_tokens
+    from actstore.inputs.prepare import separator_tokens
 
     sep = separator_tokens(tok, "\n")
     assert sep == [tok.eos_token_id]  # this tokenizer drops whitespace: the separator falls back to its EOS
@@ -592,7 +592,7 @@ def test_default_budgets_come_from_the_measured_lengths(tmp_path, llama_dir):
     cli("write", out, "--model", llama_dir, "--data", data, "--layers", "1", "--quiet")
     store = actstore.ActStore(out)
     _, tok = tiny_llama(layers=3)
-    from actstore.capture.prepare import TextPlan, prompt_tokens, response_tokens
+    from actstore.inputs.prepare import TextPlan, prompt_tokens, response_tokens
 
     plan = TextPlan(kind="pair", p_max=1, r_max=0, special="mask", chat_template=False, generate=0)
     p_lens = [len(prompt_tokens(tok, plan, p["prompt"])[0]) for p in PAIRS * 3]

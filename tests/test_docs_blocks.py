@@ -92,7 +92,7 @@ def test_every_block_runs_or_is_marked_with_a_known_reason():
 def _env(tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env["SAEV_SCRATCH"] = str(tmp / "scratch")
     env["HF_HUB_OFFLINE"] = "1"
     return env
@@ -138,6 +138,7 @@ def test_blocks_of_each_document_run(doc, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "scratch"))
     monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.syspath_prepend(str(ROOT / "src"))
     if setup:
         exec(compile(setup.group(1), f"{doc} (setup)", "exec"), namespace)  # noqa: S102 - the docs' own setup
     for b in blocks(path):

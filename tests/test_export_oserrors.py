@@ -50,7 +50,9 @@ def _cli_limited(*args) -> subprocess.CompletedProcess:
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     env = dict(
-        os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
+        os.environ,
+        PYTHONPATH=str(REPO / "src") + os.pathsep + str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        PYTHONDONTWRITEBYTECODE="1",
     )
     return subprocess.run(
         [sys.executable, "-m", "actstore.cli", *map(str, args)],

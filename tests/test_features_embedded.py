@@ -27,7 +27,7 @@ def _cli(*args):
 def test_minilm_store_features_and_site(tmp_path):
     from transformers import AutoTokenizer
 
-    from actstore.capture.embedded import minilm_folder
+    from actstore.inputs.embedded import minilm_folder
 
     out = tmp_path / "bert"
     _cli(

@@ -214,7 +214,7 @@ def test_chunk_written_in_place_never_follows_a_link(tmp_path):
 @pytest.mark.parametrize("name", ["d.jsonl", "d.txt", "d.parquet", "glob"])
 def test_capture_data_that_is_a_fifo_is_refused(tmp_path, name):
     """`actstore write --data` on a FIFO blocked before the model even loaded."""
-    from actstore.capture.data import load_source
+    from actstore.inputs.data import load_source
     from actstore.errors import DataError
 
     target = tmp_path / ("g/a.txt" if name == "glob" else name)
@@ -227,7 +227,7 @@ def test_capture_data_that_is_a_fifo_is_refused(tmp_path, name):
 
 
 def test_capture_jsonl_nested_too_deeply_is_a_data_error(tmp_path):
-    from actstore.capture.data import load_source
+    from actstore.inputs.data import load_source
 
     p = tmp_path / "d.jsonl"
     p.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")

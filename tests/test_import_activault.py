@@ -310,7 +310,7 @@ def test_sigkill_mid_import_then_rerun_continues_exactly(tmp_path):
     files = write_hook(tmp_path, n_files=3, batch_size=8, batches_per_file=2)
     d, store = tmp_path / "run" / HOOK, tmp_path / "s"
     root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root + "/src", root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(d), str(store)], env=env)
     try:
         deadline = time.monotonic() + 120

@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.capture.data import load_source
+from actstore.inputs.data import load_source
 from actstore.capture import token_origins
-from actstore.capture.packing import doc_tokens, plan_windows
+from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.cli import main
 from actstore.verify import verify_store
 from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
@@ -54,7 +54,7 @@ class _WordTokenizer:
 @given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 17), st.sampled_from(["pack", "chunk"]))
 def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, context, mode):
     texts = [" ".join("w" * (1 + (i + j) % 5) for j in range(n)) for i, n in enumerate(words)]
-    src = actstore.capture.data.Source(
+    src = actstore.inputs.data.Source(
         kind="text", name="t", n=len(texts), get=lambda i: {"key": f"d{i}", "text": texts[i]}
     )
     tok = _WordTokenizer()

@@ -125,7 +125,7 @@ def test_a_resumed_shard_keeps_writing_every_chunk(tmp_path):
 def test_zarr_before_3_1_6_takes_the_global_default_and_gets_it_back(tmp_path):
     """zarr 3.1.3-3.1.5 have no Array.with_config: every_chunk opens the array under the
     global write_empty_chunks default instead (checked by hand on 3.1.3 and 3.1.5)."""
-    from actstore.write import arrays
+    from actstore.write import zarr_arrays as arrays
 
     group = zarr.open_group(str(tmp_path), mode="w", zarr_format=2)
     group.create_array("a", shape=(4,), chunks=(4,), dtype="<i8", fill_value=0, compressors=None)

@@ -39,7 +39,10 @@ export_saev(store, dump, patches_per_shard=30, batch_bytes=1, progress=False)
 def test_sigkill_leaves_no_hash_directory_and_rerun_completes(tmp_path):
     store = vit_store(tmp_path / "s", n=13)
     dump, marker = tmp_path / "dump", tmp_path / "marker"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([os.path.join(os.getcwd(), "src"), os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    )
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(marker), str(store.path), str(dump)], env=env)
     try:
         deadline = time.monotonic() + 60

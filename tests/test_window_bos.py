@@ -12,7 +12,7 @@ from tokenizers import processors
 
 import actstore
 from actstore.capture import token_origins
-from actstore.capture.packing import doc_tokens, plan_windows
+from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.cli import main
 from actstore.loaders.tokens import TokenStream
 from test_capture_support import SENTENCES, tiny_llama, write_jsonl
@@ -132,7 +132,7 @@ def test_no_window_bos_keeps_the_plain_stream(tmp_path, models, corpus):
 
 def test_the_window_planner_counts_the_bos_in_the_context():
     _, tok = tiny_llama(layers=2)
-    src = actstore.capture.data.Source(
+    src = actstore.inputs.data.Source(
         kind="text", name="t", n=len(DOCS), get=lambda i: {"key": f"d{i}", "text": DOCS[i]}
     )
     n = sum(len(doc_tokens(tok, d)) - 1 for d in DOCS)  # each document's own BOS gives way to the window's
