@@ -40,8 +40,8 @@ import torch  # noqa: E402
 from actstore.capture import load_model, record  # noqa: E402
 from actstore.inputs.data import load_source  # noqa: E402
 from actstore.inputs.prepare import image_batches, text_batches  # noqa: E402
-from actstore.capture.run import WriteOptions  # noqa: E402
-from actstore.capture.text_budgets import text_plan  # noqa: E402
+from actstore.inputs.budgets import text_plan  # noqa: E402
+from actstore.inputs.prepare import TextPlan  # noqa: E402
 
 
 def parse_layers(s: str) -> list[int]:
@@ -68,8 +68,7 @@ def prepare(args) -> tuple[object, list, int]:
         batches = list(window_batches(src, windows, 0, len(windows), lm.tokenizer, args.batch_size, "cpu"))
         return lm, batches, len(windows)
     else:
-        opts = WriteOptions(store="", model=args.model, data=args.data, layers=(0,), p_max=args.p_max)
-        plan = text_plan(opts, lm, src)
+        plan = text_plan(lm, src, TextPlan(kind=src.kind, p_max=args.p_max), p_max=args.p_max)
         batches = list(text_batches(src, 0, len(src), lm.tokenizer, plan, args.batch_size, "cpu", model=lm.model))
     return lm, batches, len(src)
 

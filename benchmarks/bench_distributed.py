@@ -2,13 +2,13 @@
 
 A tiny ViT built from a config (so that the writers, not the model, are measured) runs over
 --examples random images; `actstore write` (actstore.capture.write) writes the store with
---workers 1, 2 and 4 (local processes; `--engine ray` for Ray actors). Each configuration
+--workers 1, 2 and 4 (local processes; `--runner ray` for Ray actors). Each configuration
 reports its throughput (examples/s over the writers' capture time, model loading excluded,
 and over the wall time, everything included) and the throughput per writer against one
 writer in the same run. The configurations alternate --repeats times; medians are reported.
 
 Run: .venv/bin/python benchmarks/bench_distributed.py [--examples N] [--workers 1,2,4]
-     [--engine local|ray] [--repeats R] [--dir DIR]
+     [--runner local|ray] [--repeats R] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -64,13 +64,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=1200)
     ap.add_argument("--workers", default="1,2,4")
-    ap.add_argument("--engine", choices=["local", "ray"], default="local")
+    ap.add_argument("--runner", choices=["local", "ray"], default="local")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--model-layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="Scratch folder (default: a temporary folder).")
     args = ap.parse_args()
-    from actstore.capture.run import WriteOptions, write
+    from actstore.capture import CaptureOptions, write
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-dist-", dir=args.dir))
     try:
@@ -82,14 +82,14 @@ def main() -> None:
             for k in counts:
                 out = scratch / f"s-{k}-{rep}.store"
                 s = write(
-                    WriteOptions(
+                    CaptureOptions(
                         store=str(out),
                         model=str(model),
                         data=str(data),
                         layers=tuple(range(args.model_layers)),
                         batch_size=16,
                         workers=k,
-                        engine=args.engine,
+                        runner=args.runner,
                         progress=False,
                         threads=max(1, (os.cpu_count() or 1) // k),
                     )
@@ -118,7 +118,7 @@ def main() -> None:
                 }
             )
         print(
-            f"\ndistributed capture ({args.engine}), {n} examples, d_model {args.d_model}, {args.model_layers} layers stored, "
+            f"\ndistributed capture ({args.runner}), {n} examples, d_model {args.d_model}, {args.model_layers} layers stored, "
             f"{os.cpu_count()} CPUs:"
         )
         print(f"{'writers':>8}{'ex/s':>10}{'ex/s wall':>11}{'MB/s':>8}{'speedup':>9}{'per writer':>12}")
@@ -127,7 +127,7 @@ def main() -> None:
                 f"{r['writers']:>8}{r['examples_per_s']:>10.0f}{r['examples_per_s_wall']:>11.0f}{r['mb_per_s']:>8.1f}"
                 f"{r['speedup_vs_one']:>8.2f}x{r['per_writer_vs_one']:>11.2f}x"
             )
-        print(f"results: {save('distributed', {'engine': args.engine, 'examples': n, 'rows': rows, 'runs': runs})}")
+        print(f"results: {save('distributed', {'runner': args.runner, 'examples': n, 'rows': rows, 'runs': runs})}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

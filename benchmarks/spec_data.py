@@ -141,7 +141,7 @@ def main() -> None:
         res = analyse(Path(a.analyse), a.generate)
         print(f"results: {save('spec-data', res)}")
         return
-    from actstore.capture.run import WriteOptions, write
+    from actstore.capture import CaptureOptions, write
 
     scratch = Path(tempfile.mkdtemp(prefix="spec-data-", dir=a.dir))
     try:
@@ -151,7 +151,7 @@ def main() -> None:
         out = Path(a.keep) if a.keep else scratch / "qa.store"
         t0 = time.perf_counter()
         s = write(
-            WriteOptions(
+            CaptureOptions(
                 store=str(out),
                 model=a.model,
                 data=str(data),

@@ -93,7 +93,7 @@ def test_forward_stops_after_the_last_recorded_block():
     model.lm_head.register_forward_hook(lambda m, a, o: head_calls.append(1))
     ids = torch.randint(4, 50, (1, 5))
     with Capture(model, resolve_hooks(model, [0, 1])) as cap:
-        out, _ = cap.run({"input_ids": ids})
+        out = cap.run({"input_ids": ids})
     assert ran == [0, 1] and head_calls == [] and sorted(out) == [0, 1]
     ran.clear()
     with Capture(model, resolve_hooks(model, [1]), stop_early=False) as cap:
@@ -136,12 +136,14 @@ def test_statistics_equal_numpy_over_stored_vectors(tmp_path):
         v = all_vectors(store, layer)
         k = st.keys.index(f"layer{layer}/tokens")
         assert st.count[k] == len(v) == int(store.segment("tokens").lengths().sum())
-        np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-10, atol=1e-12)
-        np.testing.assert_allclose(st.variance(f"layer{layer}/tokens"), v.var(0), rtol=1e-9, atol=1e-12)
-        assert st.norm_sum[k] / st.count[k] == pytest.approx(np.linalg.norm(v, axis=1).mean(), rel=1e-12)
+        # float32 blocks merged in float64 (actstore.capture.devstats): within 1e-6 of numpy's float64
+        scale = float(v.std(0).max())
+        np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-6, atol=1e-7 * scale)
+        np.testing.assert_allclose(st.variance(f"layer{layer}/tokens"), v.var(0), rtol=1e-6, atol=1e-7 * scale**2)
+        assert st.norm_sum[k] / st.count[k] == pytest.approx(np.linalg.norm(v, axis=1).mean(), rel=1e-6)
         assert (st.min[k], st.max[k]) == (v.min(), v.max())
         n = normalization(store, layer)
-        np.testing.assert_allclose(n.std, v.std(0), rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(n.std, v.std(0), rtol=1e-6)
 
 
 def test_bfloat16_and_float32_stores(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,9 +14,8 @@ import torch
 from click.testing import CliRunner
 
 import actstore
-from actstore.capture.record_job import RecordJob
-from actstore.capture.run import MIN_T_CHUNK, WriteOptions, measured_t_chunk
-from actstore.capture.text_budgets import stored_budgets
+from actstore.capture.target import CaptureTarget
+from actstore.inputs.budgets import MIN_T_CHUNK, measured_t_chunk
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
 from actstore.write import ShardWriter
@@ -91,13 +89,13 @@ def test_write_chunks_prompts_by_their_median_length_and_resume_keeps_them(tmp_p
         assert got.shape == (p, hs.shape[1]) and np.abs(got - hs[:p]).max() <= 2e-3 * max(1.0, np.abs(hs[:p]).max())
     assert sum(n > segs["prompt"]["t_chunk"] for n in lens) >= 2  # prompts spanning several chunks were read back
     # A resume takes budgets and chunks from the store, and reopens shards with them.
-    assert stored_budgets(WriteOptions(store=str(out), model="m", data="d", layers=(0, 1))) == (
+    assert CaptureTarget(out).stored_budgets() == (
         p_max,
         segs["response"]["t_max"],
         segs["prompt"]["t_chunk"],
     )
-    kw = RecordJob.writer_kwargs_from_store(SimpleNamespace(store=out, stats=True))
-    cfg = kw["config"]
+    cfg = CaptureTarget(out).identity()  # what a resume that has nothing left to capture reopens the shard with
+    kw = {"config": cfg, "stats": True}
     other = dataclasses.replace(cfg, segments=tuple(dataclasses.replace(s, t_chunk=s.t_max) for s in cfg.segments))
     with pytest.raises(StoreMismatchError, match="t_chunk"):  # the store's chunks are part of its identity
         ShardWriter(out, shard=1, config=other, stats=True)

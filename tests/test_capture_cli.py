@@ -264,8 +264,9 @@ def test_workers_and_ranks_equal_a_single_writer(tmp_path, llama_dir):
             for seg in ("prompt", "response"):
                 v = all_vectors(other, layer, seg, content=True)  # statistics cover content tokens (label 0)
                 k = st.keys.index(f"layer{layer}/{seg}")
-                np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-10, atol=1e-12)
-                np.testing.assert_allclose(st.m2[k] / st.count[k], v.var(0), rtol=1e-9, atol=1e-12)
+                scale = float(v.std(0).max())  # float32 blocks merged in float64: within 1e-6 of numpy
+                np.testing.assert_allclose(st.mean[k], v.mean(0), rtol=1e-6, atol=1e-7 * scale)
+                np.testing.assert_allclose(st.m2[k] / st.count[k], v.var(0), rtol=1e-6, atol=1e-7 * scale**2)
                 assert st.count[k] == len(v)
 
 
@@ -423,7 +424,8 @@ def test_chat_template_needs_prompts(tmp_path, llama_dir):
 def test_docs_name_every_write_option():
     from pathlib import Path
 
-    from actstore.cli.capture import show_cmd, write_cmd
+    from actstore.cli.capture import show_cmd
+    from actstore.cli.write import write_cmd
 
     root = Path(__file__).resolve().parents[1]
     docs = (root / "docs" / "cli.md").read_text() + (root / "docs" / "capture.md").read_text()

@@ -174,7 +174,7 @@ def test_ray_address_that_does_not_answer_fails_fast(job):
         "write",
         job["dir"] / "none.store",
         *job["common"],
-        "--engine",
+        "--runner",
         "ray",
         "--workers",
         "2",
@@ -204,7 +204,7 @@ def ray_in_process(s3_endpoint):
 
 def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
     path = job["dir"] / "ray.store"
-    cli("write", path, *job["common"], "--engine", "ray", "--workers", "2")
+    cli("write", path, *job["common"], "--runner", "ray", "--workers", "2")
     assert_same_store(path, job["one"])
     assert actstore.ActStore(path).manifest.world_size == 2
 
@@ -230,7 +230,7 @@ def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, 
         "write",
         killed,
         *job["common"],
-        "--engine",
+        "--runner",
         "ray",
         "--workers",
         "2",
@@ -325,7 +325,7 @@ def test_ray_cluster_from_ray_address(job, ray_cluster):
             "write",
             str(path),
             *map(str, job["common"]),
-            "--engine",
+            "--runner",
             "ray",
             "--workers",
             "2",
@@ -342,7 +342,7 @@ def test_ray_cluster_from_ray_address(job, ray_cluster):
 def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
     """Each actor writes its own shard straight to the bucket (the actors reach moto through
     the AWS_* environment they inherit); leases work through conditional puts there too."""
-    cli("write", s3_url, *job["common"], "--engine", "ray", "--workers", "2")
+    cli("write", s3_url, *job["common"], "--runner", "ray", "--workers", "2")
     assert_same_store(s3_url, job["one"])
     w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
     with pytest.raises(
@@ -358,7 +358,7 @@ def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
 
 
 def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_path):
-    """actstore.record(..., engine="ray"): the list of batches split among writer actors, each
+    """actstore.record(..., runner="ray"): the list of batches split among writer actors, each
     loading the model from its folder; the store equals a single record() value for value."""
     import torch
 
@@ -382,7 +382,7 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
     record(tiny_llama(layers=3)[0], batches, tmp_path / "one", **common)
     seen = []
     results = record(
-        str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, progress=lambda *a: seen.append(a), **common
+        str(model_dir), batches, tmp_path / "ray", runner="ray", workers=2, progress=lambda *a: seen.append(a), **common
     )
     assert [(r.shard, r.n_written) for r in results] == [(0, 4), (1, 6)] and sum(a[0] for a in seen) == 10
     actstore.finalize(tmp_path / "ray")
@@ -393,24 +393,25 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
         assert two.token_ids(i).tolist() == enc[i]["input_ids"]
         for layer in (0, 2):
             np.testing.assert_array_equal(two[i, layer], one[i, layer])
-    again = record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, resume=True, **common)
+    again = record(str(model_dir), batches, tmp_path / "ray", runner="ray", workers=2, resume=True, **common)
     assert [(r.n_before, r.n_written) for r in again] == [
         (4, 0),
         (6, 0),
     ]  # finished shards: nothing loaded, nothing written
     with pytest.raises(CaptureError, match="already holds shard 0; pass resume=True"):
-        record(str(model_dir), batches, tmp_path / "ray", engine="ray", workers=2, **common)
+        record(str(model_dir), batches, tmp_path / "ray", runner="ray", workers=2, **common)
     with pytest.raises(CaptureError, match="pass a list of batches, not a generator"):
-        record(str(model_dir), (b for b in batches), tmp_path / "x", engine="ray", workers=2, **common)
+        record(str(model_dir), (b for b in batches), tmp_path / "x", runner="ray", workers=2, **common)
 
 
 def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
-    """What a Ray actor restarted mid-shard runs (engines._record_rank): the batches after the
+    """What a Ray actor restarted mid-shard runs (runner_ray._record_rank): the batches after the
     shard's committed examples, so the store equals an uninterrupted one."""
     import torch
 
     from actstore.capture import record
-    from actstore.capture.engines import _record_rank
+    from actstore.capture.options import CaptureOptions
+    from actstore.capture.runner_ray import _record_rank
     from test_capture_support import tiny_llama
 
     model, _ = tiny_llama(layers=2)
@@ -420,16 +421,18 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
     _partial(tmp_path / "s", model, batches[:2])
     assert actstore.capture.committed(tmp_path / "s", 0) == (4, False)
 
+    opts = CaptureOptions(layers=(1,))
+
     class Bar:
         n = 0
 
         def update(self, examples, tokens, nbytes):
             Bar.n += examples
 
-    res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar())
+    res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, {}, Bar())
     assert (res.n_before, res.n_written, Bar.n) == (4, 4, 4)
     assert (
-        _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, {"layers": [1]}, Bar()) == 8
+        _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, {}, Bar()) == 8
     )  # complete: its count, no model loaded
     record(model, batches, tmp_path / "one", layers=[1])
     for p in ("s", "one"):
@@ -440,9 +443,7 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
         np.testing.assert_array_equal(a[i, 1], b[i, 1])
     _partial(tmp_path / "t", model, [torch.randint(4, 60, (4, 5))])
     with pytest.raises(CaptureError, match="holds 4 committed examples, which do not end on a batch of its slice"):
-        _record_rank(
-            record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, {"layers": [1]}, Bar()
-        )
+        _record_rank(record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, opts, {}, Bar())
 
 
 def _partial(path, model, batches) -> None:

@@ -123,7 +123,7 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
             )
     assert verify_store(out, deep=True).problems == []
 
-    from actstore.capture import workers as workers_mod
+    from actstore.capture import runner_local as workers_mod
 
     bars = []  # the job's one bar counts windows, whose number only the writers know: no total
 

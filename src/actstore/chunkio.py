@@ -224,20 +224,19 @@ class ChunkIO:
 
     # ---- writing ------------------------------------------------------------------
     def write_example(self, ex: int, acts_ltd: np.ndarray) -> None:
-        """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) C-order.
+        """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D), each
+        layer's rows C-contiguous.
 
         Chunk files are written in place (not atomically): nobody reads them before the
         commit that names their example. (The writer checksums the rows itself, once.)
         """
         g = self.geo
         assert g.shard_examples is None
-        mv = memoryview(acts_ltd.reshape(-1).view(np.uint8))
         nb = g.chunk_nbytes
-        k = 0
         for lp in range(g.n_layers):
+            mv = memoryview(np.ascontiguousarray(acts_ltd[lp]).reshape(-1).view(np.uint8))
             for tc in range(g.n_tchunks):
-                self.storage.put(g.chunk_key(ex, lp, tc), mv[k * nb : (k + 1) * nb], atomic=False)
-                k += 1
+                self.storage.put(g.chunk_key(ex, lp, tc), mv[tc * nb : (tc + 1) * nb], atomic=False)
 
     def write_shards(
         self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False

@@ -20,9 +20,9 @@ def to_numpy(x: Any, name: str) -> tuple[np.ndarray, str]:
         t = x.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            return t.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
-        return t.contiguous().numpy(), str(t.dtype).removeprefix("torch.")
+        if t.dtype == torch.bfloat16:  # (a view of the same bits: strided views stay views)
+            return t.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        return t.numpy(), str(t.dtype).removeprefix("torch.")
     if isinstance(x, np.ndarray):
         return x, x.dtype.name
     try:
@@ -66,15 +66,15 @@ def count_nonfinite_16(bits_or_f16: np.ndarray) -> int:
 def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
     """Convert `x` (dtype name `src`) to stored dtype `dst`.
 
-    Returns (converted C-contiguous array, non-finite count in the input, count of finite
-    input values that overflow to infinity in `dst`).
+    Returns (converted array, non-finite count in the input, count of finite input values
+    that overflow to infinity in `dst`). The array is `x` itself when src is dst (a view
+    keeps its strides; ShardWriter copies it once, into its staging), else a C-contiguous copy.
     """
     if src not in ("float16", "float32", "float64", "bfloat16"):
         raise TypeError(f"activations must be float16, bfloat16, float32 or float64, got {src}")
     if src == "bfloat16":
         if dst == "bfloat16":
-            out = np.ascontiguousarray(x)
-            return out, count_nonfinite_16(out), 0
+            return x, count_nonfinite_16(x), 0
         x = bf16_bits_to_f32(x)
         src = "float32"
     if dst == "bfloat16":
@@ -91,10 +91,9 @@ def convert(x: np.ndarray, src: str, dst: str) -> tuple[np.ndarray, int, int]:
         return out, nonfinite, over
     target = np.float16 if dst == "float16" else np.float32
     if src == dst:
-        out = np.ascontiguousarray(x)
         if dst == "float16":
-            return out, count_nonfinite_16(out), 0
-        return out, _count_nonfinite(out), 0
+            return x, count_nonfinite_16(x), 0
+        return x, _count_nonfinite(x), 0
     if src == "float32" and dst == "float16":
         out = f32_to_f16(x)
         if not count_nonfinite_16(out):

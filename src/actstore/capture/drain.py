@@ -1,7 +1,7 @@
 """The writer thread of a capture: batches queue (bounded) while the forward pass runs on.
 
-`record()` (actstore.capture.record) hands each batch's outputs to a `Drain`, whose thread
-runs the writer (stack, gather, append, commit) with a lowered priority.
+`record()` (actstore.capture.loop) hands each staged batch to a `Drain`, whose thread runs
+the writer side (actstore.capture.sink: append, commit) with a lowered priority.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Drain:
             self.cpu_seconds = time.thread_time() - c0
 
     def _run(self) -> None:
-        _lower_priority(self._nice)
+        lower_priority(self._nice)
         if self._start is not None:
             t = time.perf_counter()
             try:
@@ -62,6 +62,13 @@ class Drain:
                 except BaseException as e:  # noqa: BLE001 - handed to the forward thread
                     self.error = e
                 self.busy_seconds += time.perf_counter() - t
+            elif hasattr(item, "release"):
+                item.release()  # skipped after an error: its buffer goes back
+
+    def check(self) -> None:
+        """Raise the writer thread's error, if any."""
+        if self.error is not None:
+            raise self.error
 
     def put(self, item: Any) -> None:
         if self.error is not None:
@@ -94,7 +101,7 @@ class Drain:
         self._thread.join()
 
 
-def _lower_priority(nice: int) -> None:
+def lower_priority(nice: int) -> None:
     """Lower the calling (writer) thread's priority by `nice` (Linux: per thread) so that it
     yields the cores to the model's threads and runs in their gaps; the bounded queue keeps
     it from falling behind (when it is full, the model waits and the writer gets the cores)."""

@@ -212,36 +212,21 @@ class _StopForward(Exception):
 
 
 class Capture:
-    """Registers forward hooks on `hooks`; `run(**inputs)` returns {layer: tensor (B, T, D)}.
-
-    Tensors stay on the model's device unless `to_host` is set, in which case each is
-    copied with non_blocking=True into pinned host memory as soon as its module fires;
-    `run` then also returns a CUDA event to wait on before reading them.
+    """Registers forward hooks on `hooks`; `run(inputs)` returns {layer: tensor (B, T, D)}.
 
     Args:
         module: the module whose forward is called.
         hooks: from resolve_hooks(module, layers).
         stop_early: end the forward pass once every hook has fired.
-        to_host: copy outputs to host memory asynchronously (for CUDA models).
-        half: round CPU outputs to float16 in the hook (vectorised, ~0.3 ms per million
-            values), halving what the writer thread copies; an output whose rounding is
-            not finite (overflow, NaN) is kept as is for the writer to count or refuse.
+        sink: called as sink(layer, tensor) as each hooked module fires, on the forward
+            thread (record() passes its device stage, actstore.capture.stage).
     """
 
-    def __init__(
-        self,
-        module: Any,
-        hooks: Sequence[HookPoint],
-        *,
-        stop_early: bool = True,
-        to_host: bool = False,
-        half: bool = False,
-    ):
+    def __init__(self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, sink: Any = None):
         self.module = module
         self.hooks = list(hooks)
         self.stop_early = stop_early
-        self.to_host = to_host
-        self.half = half
+        self.sink = sink
         self._out: dict[int, Any] = {}
         self._active = False
         self._handles: list[Any] = []
@@ -268,8 +253,6 @@ class Capture:
         self._handles.clear()
 
     def _make_hook(self, hp: HookPoint):
-        import torch
-
         def hook(_mod: Any, _args: Any, out: Any) -> None:
             if not self._active:
                 return  # a forward outside run() (e.g. generating the response)
@@ -281,24 +264,18 @@ class Capture:
                     f"module {hp.path} returned {type(out).__name__}, not a tensor; record another module"
                 )
             t = src.detach()
-            if self.half and t.device.type == "cpu" and t.dtype != torch.float16:
-                h = t.to(torch.float16)  # a new tensor: later in-place changes cannot reach it
-                if bool(torch.isfinite(h).all()):
-                    t = h
-            if not hp.block and t.data_ptr() == src.data_ptr():
+            if self.sink is not None:
+                self.sink(hp.layer, t)  # the device stage takes it now (copied before anyone changes it)
+            elif not hp.block:
                 t = t.clone()  # an arbitrary module's output may be changed in place later
-            if self.to_host and t.device.type != "cpu":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)  # device-to-host copy overlaps the next blocks
-                t = host
             self._out[hp.layer] = t
             if self.stop_early and len(self._out) == len(self.hooks):
                 raise _StopForward
 
         return hook
 
-    def run(self, inputs: dict[str, Any], args: tuple[Any, ...] = ()) -> tuple[dict[int, Any], Any]:
-        """One forward pass; returns ({layer: (B, T, D) tensor}, CUDA event or None)."""
+    def run(self, inputs: dict[str, Any], args: tuple[Any, ...] = ()) -> dict[int, Any]:
+        """One forward pass; returns {layer: (B, T, D) tensor}."""
         import torch
 
         self._out = {}
@@ -310,10 +287,6 @@ class Capture:
                 pass
             finally:
                 self._active = False
-            event = None
-            if self.to_host and torch.cuda.is_available():
-                event = torch.cuda.Event()
-                event.record()
         missing = [hp.path for hp in self.hooks if hp.layer not in self._out]
         if missing:
             raise CaptureError(
@@ -325,7 +298,7 @@ class Capture:
         if len(shapes) != 1 or len(next(iter(shapes))) != 3:
             desc = {hp.path: tuple(out[hp.layer].shape) for hp in self.hooks}
             raise CaptureError(f"recorded outputs must all be (batch, tokens, d_model) of one width; got {desc}")
-        return out, event
+        return out
 
 
 def _first_tensor(out: Any) -> Any:

@@ -37,11 +37,9 @@ def bar_total(o: Any, n: int) -> int | None:
         return None
     if not o.resume:
         return n
-    from actstore import catalog
-    from actstore.storage import open_storage
+    from actstore.capture.target import CaptureTarget
 
-    storage = open_storage(o.store)
-    return max(n - sum(catalog.committed(storage, r)[0] for r in range(o.workers)), 0)
+    return max(n - CaptureTarget.of(o.store).committed_total(range(o.workers)), 0)
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

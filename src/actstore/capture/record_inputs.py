@@ -1,39 +1,44 @@
-"""What record() takes in: its batches as CaptureBatch objects, the model's device and forward
-arguments, and whether to keep token ids."""
+"""What record() takes in: its batches as CaptureBatch objects on the model's device, the
+model's device and forward arguments."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from actstore import catalog
-from actstore.inputs.prepare import CaptureBatch
 from actstore.errors import CaptureError
-from actstore.storage import open_storage
+from actstore.inputs.prepare import CaptureBatch
 
 
-def auto_token_ids(store: str | os.PathLike, batch: CaptureBatch) -> bool:
-    """Keep token ids when the batches carry input_ids, unless the store (resumed) has none."""
-    storage = open_storage(store)
-    if catalog.has_identity(storage):
-        return catalog.read_identity(storage).token_ids
-    return "input_ids" in batch.inputs
-
-
-def as_batch(raw: Any, module: Any) -> CaptureBatch:
+def as_batch(raw: Any, module: Any, device: Any) -> CaptureBatch:
+    """`raw` (a CaptureBatch, a dict of forward arguments or a tensor) as a CaptureBatch
+    whose tensors are on `device` (a tensor already there is not copied)."""
     if isinstance(raw, CaptureBatch):
-        return raw
-    if isinstance(raw, Mapping):
-        return CaptureBatch(inputs=dict(raw), keys=[])
-    if hasattr(raw, "dtype") and hasattr(raw, "is_floating_point"):
+        batch = raw
+    elif isinstance(raw, Mapping):
+        batch = CaptureBatch(inputs=dict(raw), keys=[])
+    elif hasattr(raw, "dtype") and hasattr(raw, "is_floating_point"):
         name = "pixel_values" if raw.is_floating_point() else "input_ids"
         if accepts(module, name):
-            return CaptureBatch(inputs={name: raw}, keys=[])
-        return CaptureBatch(inputs={}, keys=[], args=(raw,))  # a plain module: positional input
-    raise CaptureError(
-        f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}"
-    )
+            batch = CaptureBatch(inputs={name: raw}, keys=[])
+        else:
+            batch = CaptureBatch(inputs={}, keys=[], args=(raw,))  # a plain module: positional input
+    else:
+        raise CaptureError(
+            f"a batch must be a CaptureBatch, a dict of forward arguments or a tensor; got {type(raw).__name__}"
+        )
+    moved = {k: _to(v, device) for k, v in batch.inputs.items()}
+    args = tuple(_to(a, device) for a in batch.args)
+    if any(moved[k] is not v for k, v in batch.inputs.items()) or any(a is not b for a, b in zip(args, batch.args)):
+        batch = replace(batch, inputs=moved, args=args)
+    return batch
+
+
+def _to(x: Any, device: Any) -> Any:
+    if hasattr(x, "to") and hasattr(x, "device") and x.device != device:
+        return x.to(device)
+    return x
 
 
 def device_of(module: Any) -> Any:
@@ -41,6 +46,8 @@ def device_of(module: Any) -> Any:
 
     for p in module.parameters():
         return p.device
+    for b in module.buffers():
+        return b.device
     return torch.device("cpu")
 
 

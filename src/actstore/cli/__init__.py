@@ -16,6 +16,7 @@ from actstore.errors import ActstoreError
 
 COMMAND_MODULES = (
     "core",
+    "write",
     "capture",
     "saev",
     "saelens",

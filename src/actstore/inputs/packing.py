@@ -194,13 +194,15 @@ def window_batches(
     batch_size: int,
     device: Any,
     drop_bos: bool = False,
+    special: str = "mask",
 ) -> Iterator[CaptureBatch]:
     """CaptureBatches of windows [start, stop): input_ids padded on the right (only the last
     window of the corpus, or of a document in chunk mode, is shorter), token labels marking
-    the tokenizer's special tokens, and each window's runs."""
+    the tokenizer's special tokens (special "mask"; "keep": no labels; "drop": special
+    tokens not stored, the window's BOS included), and each window's runs."""
     import torch
 
-    special = set(tok.all_special_ids)
+    special_ids = set(tok.all_special_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     cache: OrderedDict[int, list[int]] = OrderedDict()
 
@@ -228,9 +230,18 @@ def window_batches(
             ids[j, : len(s)] = s
             mask[j, : len(s)] = 1
         bos = tok.bos_token_id if drop_bos else None  # --drop bos: the model sees them; the store does not
-        lead = drop_bos and windows.bos is not None  # ... nor the window's BOS (or its stand-in)
+        lead = (drop_bos or special == "drop") and windows.bos is not None  # ... nor the window's BOS (or its stand-in)
+        drop_all = special == "drop"  # --special drop: no special token is stored
         select = [
-            np.asarray([k for k, x in enumerate(s) if x != bos and not (lead and k == 0)], np.int64) for s in seqs
+            np.asarray(
+                [
+                    k
+                    for k, x in enumerate(s)
+                    if not (lead and k == 0) and (x not in special_ids if drop_all else x != bos)
+                ],
+                np.int64,
+            )
+            for s in seqs
         ]
         lens = np.asarray([len(s) for s in select], np.int64)
         runs = [
@@ -241,10 +252,15 @@ def window_batches(
             inputs={"input_ids": torch.from_numpy(ids).to(device), "attention_mask": torch.from_numpy(mask).to(device)},
             keys=[f"window-{w}" for w in range(b0, b0 + len(seqs))],
             select={"tokens": select},
-            labels={
+            labels=None
+            if special == "keep"
+            else {
                 "tokens": [
                     np.asarray(
-                        [SPECIAL if s[k] in special or (k == 0 and windows.bos is not None) else CONTENT for k in sel],
+                        [
+                            SPECIAL if s[k] in special_ids or (k == 0 and windows.bos is not None) else CONTENT
+                            for k in sel
+                        ],
                         np.uint8,
                     )
                     for s, sel in zip(seqs, select)

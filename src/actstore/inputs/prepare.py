@@ -18,7 +18,7 @@ from actstore.inputs.models import ImageSpec
 
 CONTENT, SPECIAL, TEMPLATE = 0, 1, 2
 TOKEN_LABEL_MEANING = {"0": "content", "1": "special token", "2": "chat template"}
-SPECIAL_MODES = ("mask", "drop")
+SPECIAL_MODES = ("keep", "mask", "drop")  # stored as content (unlabelled), labelled, left out
 
 
 @dataclass
@@ -91,9 +91,14 @@ class TextPlan:
         kind: "text" (one segment "tokens") or "pair" (segments "prompt" and "response").
         p_max: stored token budget of the text or prompt.
         r_max: stored token budget of the response (pairs).
-        special: "mask" (store every token plus token_labels) or "drop" (store content only).
+        special: "mask" (store every token plus token_labels), "keep" (store every token,
+            unlabelled) or "drop" (store content only).
         chat_template: wrap prompts in the tokenizer's chat template.
+        system: with chat_template, the system prompt (None: the template's own default,
+            "" an empty system turn: no default prompt).
         generate: new tokens to generate as the response (0: take responses from the data).
+        temperature, top_p, seed: sampling of the generated responses (temperature 0:
+            greedy); batch k of a run samples with seed + its first example's index.
         t_chunk: token chunk length of the text or prompt segment (None: the writer's
             default by bytes); the response's chunk is its whole budget.
     """
@@ -103,7 +108,11 @@ class TextPlan:
     r_max: int = 0
     special: str = "mask"
     chat_template: bool = False
+    system: str | None = None
     generate: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
     drop_bos: bool = False  # do not store the tokenizer's BOS tokens
     separator: str = "\n"  # pairs without a chat template: between prompt and response (labelled template)
     t_chunk: int | None = None
@@ -128,9 +137,7 @@ def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.nd
     if plan.chat_template and plan.kind == "pair":
         if not getattr(tok, "chat_template", None):
             raise CaptureError("--chat-template: this tokenizer has no chat template; drop the option")
-        rendered = tok.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+        rendered = render_chat(tok, plan.system, text)
         enc = tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         at = rendered.rfind(text)
         lo, hi = (at, at + len(text)) if at >= 0 and text else (0, 0)
@@ -146,6 +153,27 @@ def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.nd
         ids += sep
         labels += [TEMPLATE] * len(sep)
     return ids, np.asarray(labels, np.uint8)
+
+
+def render_chat(tok: Any, system: str | None, text: str) -> str:
+    """A prompt as the chat template renders it: a user turn (after a system turn when
+    `system` is not None), then the generation prompt."""
+    turns = [{"role": "user", "content": text}]
+    if system is not None:
+        turns.insert(0, {"role": "system", "content": system})
+    try:
+        return tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - jinja's template errors (e.g. "System role not supported")
+        raise CaptureError(f"the tokenizer's chat template refused the prompt: {e}") from None
+
+
+def default_system(tok: Any) -> str | None:
+    """The system turn a chat template adds by itself when given none (its text before the
+    user turn, when that names a system role), or None."""
+    probe = "\u2063probe\u2063"
+    rendered = render_chat(tok, None, probe)
+    before = rendered[: rendered.find(probe)]
+    return before if "system" in before.lower() else None
 
 
 def separator_tokens(tok: Any, text: str) -> list[int]:
@@ -226,7 +254,7 @@ def text_batches(
         prompts = [cut(p, k, plan.p_max) for p, k in zip(prompts, keeps)]
         if plan.kind == "pair":
             if plan.generate:
-                responses = generate(model, tok, [ids for ids, _ in prompts], plan.generate, pad_id, device)
+                responses = generate(model, tok, [ids for ids, _ in prompts], plan, pad_id, device, seed=plan.seed + b0)
             else:
                 missing = [r["key"] for r in recs if r.get("response") is None]
                 if missing:
@@ -278,9 +306,10 @@ def text_batches(
 
 
 def generate(
-    model: Any, tok: Any, prompts: Sequence[list[int]], n_new: int, pad_id: int, device: Any
+    model: Any, tok: Any, prompts: Sequence[list[int]], plan: TextPlan, pad_id: int, device: Any, seed: int = 0
 ) -> list[tuple[list[int], np.ndarray]]:
-    """Greedy responses of up to `n_new` tokens (cut after the first EOS, which is kept)."""
+    """Responses of up to `plan.generate` tokens (cut after the first EOS, which is kept):
+    greedy, or sampled with plan.temperature and plan.top_p from `seed`."""
     import torch
 
     if not hasattr(model, "generate"):
@@ -291,13 +320,17 @@ def generate(
     for j, p in enumerate(prompts):  # left padding, as decoder-only generation needs
         ids[j, t - len(p) :] = torch.tensor(p, dtype=torch.long)
         mask[j, t - len(p) :] = 1
+    sample = {"do_sample": False}
+    if plan.temperature > 0:
+        sample = {"do_sample": True, "temperature": plan.temperature, "top_p": plan.top_p, "top_k": 0}
+        torch.manual_seed(seed)  # generate() samples from torch's global generator
     with torch.inference_mode():
         out = model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            max_new_tokens=n_new,
-            do_sample=False,
+            max_new_tokens=plan.generate,
             pad_token_id=pad_id,
+            **sample,
         )
     eos = tok.eos_token_id
     special = set(tok.all_special_ids)

@@ -26,7 +26,8 @@ class Batch:
     """One checked batch: activations padded to whole chunks, per-sample rows, text lines."""
 
     b: int
-    acts: dict[str, np.ndarray]  # segment -> (b, L, n_chunks * t_chunk, D), the stored dtype
+    acts: dict[str, np.ndarray]  # segment -> (b, L, n_chunks * t_chunk, D), the stored dtype; each
+    # (example, layer) row C-contiguous, the array itself perhaps a strided view (layer-major)
     aliased: dict[str, bool]  # segment -> acts[segment] is a view of the caller's memory
     lengths: dict[str, np.ndarray]  # segment -> (b,) int32
     per_sample: dict[str, np.ndarray] = field(default_factory=dict)  # array key -> (b, ...) rows
@@ -51,10 +52,11 @@ def per_segment(value: Any, names: list[str], what: str) -> dict[str, Any]:
 
 
 def pad_tokens(x: np.ndarray, t_pad: int) -> np.ndarray:
-    """Zero-pad axis 2 to `t_pad` (a copy only when padding is needed)."""
+    """Zero-pad axis 2 to `t_pad` (a copy only when padding is needed: `x` as it is otherwise,
+    strides and all; the layouts copy it once)."""
     t = x.shape[2]
     if t == t_pad:
-        return np.ascontiguousarray(x)
+        return x
     out = np.zeros((x.shape[0], x.shape[1], t_pad, *x.shape[3:]), dtype=x.dtype)
     out[:, :, :t] = x
     return out
@@ -96,6 +98,8 @@ def prepare(
         t = x.shape[2]
         lens = _lengths(seg, lengths_d.get(seg.name), b, t)
         stored, nonfinite, over = _convert(cfg, seg, x, src, on_nonfinite, on_overflow)
+        if b and cfg.n_layers and not stored[0, 0].flags.c_contiguous:
+            stored = np.ascontiguousarray(stored)  # the layouts take (example, layer) rows whole
         batch.acts[seg.name] = pad_tokens(stored, seg.n_chunks * seg.t_chunk)
         # Buffered batches outlive append: never keep a view of the caller's memory.
         batch.aliased[seg.name] = np.may_share_memory(batch.acts[seg.name], x)
@@ -130,7 +134,7 @@ def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, b: int | Non
     t = x.shape[2]
     if seg.fixed and t != seg.t_max:
         raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
-    if t > seg.t_max:
+    if t > seg.t_max and not (t == seg.n_chunks * seg.t_chunk and not x[:, :, seg.t_max :].any()):
         raise AppendError(
             f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)"
         )
@@ -151,14 +155,19 @@ def _convert(
         )
     if over:
         if on_overflow == "raise":
-            raise Float16OverflowError(
-                f"segment {seg.name!r}: {over} finite {src} values lie beyond the range of {cfg.dtype} "
-                f"(|x| > {65504 if cfg.dtype == 'float16' else 'float32 max'}) and would be stored as inf; "
-                "nothing of this batch was written. Store with dtype='float32' or 'bfloat16', or pass "
-                "on_overflow='clip' to saturate them (counted in the store's metadata)"
-            )
+            raise overflow_error(seg.name, over, src, cfg.dtype)
         stored, _, _ = convert(clip_to(x, src, cfg.dtype), "float32" if src == "bfloat16" else src, cfg.dtype)
     return stored, nonfinite, over
+
+
+def overflow_error(segment: str, over: int, src: str, dtype: str) -> Float16OverflowError:
+    """The refusal of finite values beyond the stored dtype's range (on_overflow='raise')."""
+    return Float16OverflowError(
+        f"segment {segment!r}: {over} finite {src} values lie beyond the range of {dtype} "
+        f"(|x| > {65504 if dtype == 'float16' else 'float32 max'}) and would be stored as inf; "
+        "nothing of this batch was written. Store with dtype='float32' or 'bfloat16', or pass "
+        "on_overflow='clip' to saturate them (counted in the store's metadata)"
+    )
 
 
 def _lengths(seg: SegmentSpec, given: Any, b: int, t: int) -> np.ndarray:
@@ -170,8 +179,8 @@ def _lengths(seg: SegmentSpec, given: Any, b: int, t: int) -> np.ndarray:
     lens = np.asarray(lens).reshape(-1)
     if lens.shape != (b,) or lens.dtype.kind not in "iu":
         raise AppendError(f"lengths of segment {seg.name!r} must be {b} ints, got {lens.dtype} of shape {lens.shape}")
-    if (lens < 0).any() or (lens > t).any():
-        bad = int(lens[(lens < 0) | (lens > t)][0])
+    if (lens < 0).any() or (lens > min(t, seg.t_max)).any():
+        bad = int(lens[(lens < 0) | (lens > min(t, seg.t_max))][0])
         raise AppendError(
             f"segment {seg.name!r}: length {bad} is beyond the batch's {t} tokens (T_max {seg.t_max}); "
             "lengths must be the true token counts capped to T_max"

@@ -17,6 +17,7 @@ the next `check`/`flush` on the appending thread; the shard's last commit is unt
 from __future__ import annotations
 
 import queue
+import threading
 
 import numpy as np
 
@@ -30,9 +31,16 @@ from actstore.write.pipeline import IOStats, WritePipeline
 COPY_BYTES = 2**20  # staged and checksummed together: well within a core's L2 cache
 
 
+SPARE_BYTES = 2 * 2**30  # staging buffers kept for this process's next writer
+_spare: list[dict[str, np.ndarray]] = []
+_spare_lock = threading.Lock()
+
+
 class StagingBuffers:
     """Up to `n` staging buffers {segment: (S, L, T_pad, D)}, allocated on first use and
-    reused: a buffer comes back when the pipeline has written it."""
+    reused: a buffer comes back when the pipeline has written it. A closed writer's free
+    buffers serve this process's next writer of the same shape (faulting in fresh pages
+    costs more than the copy into them)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: np.dtype, n: int):
         self.shapes = shapes
@@ -49,11 +57,33 @@ class StagingBuffers:
             pass
         if self._allocated < self.n:
             self._allocated += 1
-            return {s: np.empty(shape, self.dtype) for s, shape in self.shapes.items()}
+            return self._reuse() or {s: np.empty(shape, self.dtype) for s, shape in self.shapes.items()}
         return self._free.get()
 
     def give_back(self, buf: dict[str, np.ndarray]) -> None:
         self._free.put(buf)
+
+    def _fits(self, buf: dict[str, np.ndarray]) -> bool:
+        return {s: (a.shape, a.dtype) for s, a in buf.items()} == {s: (sh, self.dtype) for s, sh in self.shapes.items()}
+
+    def _reuse(self) -> dict[str, np.ndarray] | None:
+        with _spare_lock:
+            for i, buf in enumerate(_spare):
+                if self._fits(buf):
+                    return _spare.pop(i)  # (by position: dicts of arrays do not compare)
+        return None
+
+    def close(self) -> None:
+        """Keep the free buffers for the next writer (up to SPARE_BYTES in this process)."""
+        while True:
+            try:
+                buf = self._free.get_nowait()
+            except queue.Empty:
+                return
+            with _spare_lock:
+                held = sum(a.nbytes for b in _spare for a in b.values())
+                if held + sum(a.nbytes for a in buf.values()) <= SPARE_BYTES:
+                    _spare.append(buf)
 
 
 class ShardFiles(Layout):
@@ -166,3 +196,7 @@ class ShardFiles(Layout):
         self.pipeline.close()
         if self._writeback is not None:
             self._writeback.close()
+        if self.stage is not None:  # (closed once: a buffer must never be kept twice)
+            self.buffers.give_back(self.stage)
+            self.stage = None
+            self.buffers.close()

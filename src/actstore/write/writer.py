@@ -227,14 +227,16 @@ class ShardWriter(ShardSetup):
         token_labels: Any = None,
         token_ids: Any = None,
         batch_stats: RunningStats | None = None,
+        overflow: Mapping[str, int] | None = None,
         **segment_acts: Any,
     ) -> range:
         """Append a batch of examples; returns their local indices in this shard.
 
         Args:
             acts: (b, L, T, D) activations for a one-segment store (numpy or torch,
-                float16/bfloat16/float32/float64). For several segments pass them by name
-                instead: append(prompt=..., response=..., lengths={...}).
+                float16/bfloat16/float32/float64; T <= T_max, or a padded segment's whole
+                chunk grid with zeros past T_max; a strided view is copied once, as it is).
+                For several segments pass them by name: append(prompt=..., response=..., lengths={...}).
             lengths: true token counts (b,) per segment (a dict for several segments),
                 each <= T_max; omitted means the batch's T. Fixed segments take none.
             source_lengths: uncapped lengths, used only to count truncated examples.
@@ -245,6 +247,8 @@ class ShardWriter(ShardSetup):
             token_ids: (b, <= T_max) vocabulary ids per segment, for a store made with
                 token_ids=True (a dict for several segments).
             batch_stats: statistics already computed for this batch (merged as is).
+            overflow: {segment: values of this batch clipped to the stored dtype's range
+                before they were given here} (counted as the writer counts its own clips).
         """
         self._check_open()
         cfg = self.cfg
@@ -286,7 +290,7 @@ class ShardWriter(ShardSetup):
             raise
         for seg in cfg.segments:
             self.nonfinite[seg.name] += batch.nonfinite[seg.name]
-            self.overflow[seg.name] += batch.overflow[seg.name]
+            self.overflow[seg.name] += batch.overflow[seg.name] + int((overflow or {}).get(seg.name, 0))
             self.truncated[seg.name] += batch.truncated[seg.name]
             if self.stats is not None and batch_stats is None:
                 labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.labels_mark_kinds else None

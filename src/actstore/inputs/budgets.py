@@ -1,5 +1,8 @@
 """Token budgets and token chunks of text segments: measured from the data (a high quantile
-of the lengths), given (--p-max, --r-max), or kept from the store being resumed."""
+of the lengths), given (p_max, r_max), or kept from the store being resumed.
+
+Plain parameters in, a TextPlan out: the capture (actstore write) says what it was given
+and what the store it resumes holds."""
 
 from __future__ import annotations
 
@@ -8,13 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from actstore import catalog
+from actstore.errors import CaptureError
 from actstore.inputs.data import Source
 from actstore.inputs.models import LoadedModel
-from actstore.inputs.prepare import TextPlan, prompt_lengths
-from actstore.capture.write_options import WriteOptions
-from actstore.errors import CaptureError
-from actstore.storage import open_storage
+from actstore.inputs.prepare import TextPlan, prompt_lengths, response_lengths
 
 DEFAULT_QUANTILE = 0.99  # default token budgets: this quantile of the measured lengths
 MIN_T_CHUNK = 16
@@ -29,41 +29,49 @@ def measured_t_chunk(lengths: Any, budget: int) -> int:
     return min(int(budget), max(MIN_T_CHUNK, 1 << (median - 1).bit_length()))
 
 
-def text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
+def text_plan(
+    lm: LoadedModel,
+    source: Source,
+    plan: TextPlan,
+    *,
+    p_max: int | None = None,
+    r_max: int | None = None,
+    p_quantile: float | None = None,
+    r_quantile: float | None = None,
+    stored: tuple[int, int, int] | None = None,
+) -> TextPlan:
+    """`plan` (its kind, special tokens, template, generation) with its budgets and chunk.
+
+    Args:
+        lm: the model (its tokenizer measures the lengths; its context caps the budgets).
+        source: the data (texts or pairs).
+        plan: how texts become tokens; its p_max, r_max and t_chunk are set here.
+        p_max, r_max: given budgets (--p-max, --r-max); None: measured.
+        p_quantile, r_quantile: the quantile of the measured lengths (default 0.99).
+        stored: (p_max, r_max, t_chunk) of the store being resumed: kept as they are.
+    """
     kind = source.kind
-    if o.chat_template and kind != "pair":
+    if plan.chat_template and kind != "pair":
         raise CaptureError("--chat-template wraps prompts: use it with prompt/response data or --generate N")
-    if o.generate and not lm.is_decoder:
+    if plan.generate and not lm.is_decoder:
         raise CaptureError(f"--generate needs a causal language model; {lm.model_id} is not one")
-    plan = TextPlan(
-        kind=kind,
-        p_max=o.p_max or 1,
-        r_max=0,
-        special=o.special,
-        chat_template=o.chat_template,
-        generate=o.generate,
-        drop_bos="bos" in o.drop,
-        separator=o.separator,
-    )
-    stored = stored_budgets(o) if o.resume and o.p_max is None and o.r_max is None else None
-    if stored is not None:  # a resume keeps the store's budgets and chunks (measured on the first run)
+    plan = replace(plan, kind=kind, p_max=p_max or 1, r_max=0)
+    if stored is not None and p_max is None and r_max is None:  # a resume keeps the store's budgets and chunks
         return replace(plan, p_max=stored[0], r_max=stored[1] if kind == "pair" else 0, t_chunk=stored[2])
     lengths = None
-    if o.p_max is None:  # measured: a high quantile of the lengths, not a fixed budget mostly padding
+    if p_max is None:  # measured: a high quantile of the lengths, not a fixed budget mostly padding
         lengths = prompt_lengths(lm.tokenizer, plan, source)
-        q = DEFAULT_QUANTILE if o.p_quantile is None else o.p_quantile
+        q = DEFAULT_QUANTILE if p_quantile is None else p_quantile
         plan = replace(plan, p_max=max(1, int(np.quantile(lengths, q, method="higher"))))
     if kind == "pair":
-        r_max = o.r_max or o.generate
-        if not r_max:
-            from actstore.inputs.prepare import response_lengths
-
-            q = DEFAULT_QUANTILE if o.r_quantile is None else o.r_quantile
-            r_max = max(1, int(np.quantile(response_lengths(lm.tokenizer, plan, source), q, method="higher")))
-        plan = replace(plan, r_max=r_max)
+        budget = r_max or plan.generate
+        if not budget:
+            q = DEFAULT_QUANTILE if r_quantile is None else r_quantile
+            budget = max(1, int(np.quantile(response_lengths(lm.tokenizer, plan, source), q, method="higher")))
+        plan = replace(plan, r_max=budget)
     total = plan.p_max + plan.r_max
     if lm.max_tokens and total > lm.max_tokens:
-        if o.p_max is not None:
+        if p_max is not None:
             raise CaptureError(
                 f"--p-max + --r-max = {total} tokens exceeds {lm.model_id}'s context of {lm.max_tokens} tokens"
             )
@@ -71,12 +79,3 @@ def text_plan(o: WriteOptions, lm: LoadedModel, source: Source) -> TextPlan:
     if lengths is not None:  # chunks sized to the measured lengths, not to the budget
         plan = replace(plan, t_chunk=measured_t_chunk(lengths, plan.p_max))
     return plan
-
-
-def stored_budgets(o: WriteOptions) -> tuple[int, int, int] | None:
-    """(p_max, r_max, text or prompt t_chunk) of the store being resumed, or None (no store yet)."""
-    storage = open_storage(o.store)
-    if not catalog.has_identity(storage):
-        return None
-    segs = catalog.read_identity(storage).segments
-    return segs[0].t_max, (segs[1].t_max if len(segs) > 1 else 0), segs[0].t_chunk

@@ -1,4 +1,4 @@
-"""Writers on a Ray cluster: `actstore write --engine ray` and `record(..., engine="ray")`.
+"""Writers on a Ray cluster: `actstore write --runner ray` and `record(..., runner="ray")`.
 
 One writer actor per rank. Writer r of w takes the same slice as `--rank r --world-size w`
 (the data's examples for `actstore write`; the list of batches for `record`) and writes
@@ -115,7 +115,7 @@ def run_actors(
         import ray
         from ray.util.queue import Empty, Queue
     except ImportError:
-        raise CaptureError("the Ray engine needs Ray: pip install 'actstore[ray]'") from None
+        raise CaptureError("the Ray runner needs Ray: pip install 'actstore[ray]'") from None
     from actstore.capture.progress import Progress
 
     started = _connect(s)
@@ -180,7 +180,7 @@ def _drain(queue: Any, bar: Any, empty: type[Exception], callback: Callable[[int
             callback(*msg[1:])
 
 
-# ---- actstore write --engine ray ------------------------------------------------------
+# ---- actstore write --runner ray ------------------------------------------------------
 def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
     """Write shards 0..o.workers-1 of n examples (documents with --pack / --chunk) with Ray actors, each calling
     `run_shard(o, rank, world, progress=...)` (actstore.capture.run)."""
@@ -211,54 +211,46 @@ def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
     return run_actors(jobs, settings, total=total, desc=f"{o.workers} ray writers")
 
 
-def _committed(store: str, shard: int) -> tuple[int, bool]:
-    from actstore import catalog
-    from actstore.storage import open_storage
-
-    return catalog.committed(open_storage(store), shard)
-
-
-# ---- record(..., engine="ray") --------------------------------------------------------
+# ---- record(..., runner="ray") --------------------------------------------------------
 def record_ray(
     record: Callable[..., Any],
     model: Any,
     batches: Any,
     store: str | os.PathLike,
     s: RaySettings,
+    opts: Any,
     *,
-    resume: bool,
     callback: Callable[[int, int, int], None] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
     hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
-    to every actor). Returns each writer's RecordResult in rank order (for a shard that was
-    already complete, its count of committed examples); finalize afterwards."""
-    from actstore import catalog
+    to every actor). `opts` (a CaptureOptions) and `kwargs` go to each actor's record().
+    Returns each writer's RecordResult in rank order (for a shard that was already
+    complete, its count of committed examples); finalize afterwards."""
     from actstore.capture.ranks import split
-    from actstore.storage import open_storage
+    from actstore.capture.target import CaptureTarget
 
     if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
         raise CaptureError(
-            f"record(engine='ray') splits `batches` across writers: pass a list of batches, not a {type(batches).__name__}"
+            f"record(runner='ray') splits `batches` across writers: pass a list of batches, not a {type(batches).__name__}"
         )
     if not 1 <= s.workers <= len(batches):
         raise CaptureError(
-            f"record(engine='ray') needs 1..{len(batches)} workers for {len(batches)} batches. Got {s.workers}."
+            f"record(runner='ray') needs 1..{len(batches)} workers for {len(batches)} batches. Got {s.workers}."
         )
     root = str(store) if "://" in str(store) else os.path.abspath(store)
-    storage = open_storage(root)
-    storage.check_access(write=True)
-    for r in range(s.workers):
-        if not resume and catalog.shard_exists(storage, r):
-            raise CaptureError(
-                f"{root} already holds shard {r}; pass resume=True to continue the run, or write to a new path"
-            )
+    target = CaptureTarget(root)
+    target.storage.check_access(write=True)
+    if not opts.resume:
+        target.check_fresh(range(s.workers))
     jobs = []
     for r in range(s.workers):
         a, b = split(len(batches), s.workers, r)
-        jobs.append(functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, kwargs))
+        jobs.append(
+            functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, opts, kwargs)
+        )
     return run_actors(jobs, s, total=None, desc=f"{s.workers} ray writers", callback=callback)
 
 
@@ -269,12 +261,15 @@ def _record_rank(
     store: str,
     rank: int,
     world: int,
+    opts: Any,
     kwargs: dict[str, Any],
     progress: Any,
 ) -> Any:
     """One actor's record(): the batches after the shard's committed examples (commits fall
     on batch boundaries); the shard's committed examples, loading no model, when it is complete."""
-    n_done, complete = _committed(store, rank)
+    from actstore.capture.target import CaptureTarget
+
+    n_done, complete = CaptureTarget(store).committed(rank)
     if complete:
         return n_done
     skip, seen = 0, 0
@@ -294,6 +289,7 @@ def _record_rank(
         model,
         batches[skip:],
         store,
+        opts,
         shard=rank,
         world_size=world,
         resume=True,

@@ -1,5 +1,5 @@
-"""--workers N: N writer processes on this machine (spawned), each writing one shard, their
-progress and results sent back over a queue."""
+"""--workers N (--runner local): N writer processes on this machine (spawned), each writing
+one shard, their progress and results sent back over a queue."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 
 from actstore.capture.progress import Progress
 from actstore.capture.ranks import bar_total
-from actstore.capture.record import RecordResult
-from actstore.capture.write_options import WriteOptions
+from actstore.capture.loop import RecordResult
+from actstore.capture.options import CaptureOptions
 from actstore.errors import CaptureError
 
 
-def run_workers(o: WriteOptions, n: int, run_shard: Callable[..., RecordResult]) -> list[RecordResult]:
+def run_workers(o: CaptureOptions, n: int, run_shard: Callable[..., RecordResult]) -> list[RecordResult]:
     """Start `o.workers` writer processes, each running `run_shard` (actstore.capture.run) on its rank."""
     import multiprocessing as mp
 
@@ -71,7 +71,7 @@ def run_workers(o: WriteOptions, n: int, run_shard: Callable[..., RecordResult])
     return [results[r] for r in range(o.workers)]
 
 
-def _worker_main(o: WriteOptions, rank: int, q: Any, run_shard: Callable[..., RecordResult]) -> None:
+def _worker_main(o: CaptureOptions, rank: int, q: Any, run_shard: Callable[..., RecordResult]) -> None:
     """Entry point of a writer process: write one shard, report progress and the result."""
     try:
         res = run_shard(o, rank, o.workers, progress=_QueueProgress(q, rank))

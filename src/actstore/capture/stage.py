@@ -1,0 +1,301 @@
+"""The device side of a capture: each hooked output, as its module fires, becomes stored bytes.
+
+On the model's device, on the forward thread, a `Stage` takes every hooked output (B, T, D)
+of a batch and: gathers each segment's stored tokens (zero-padded to the segment's chunk
+grid), casts them to the stored dtype (counting, clipping or refusing values beyond its
+range), reduces them to the batch's statistics (actstore.capture.devstats), and copies them
+once into a ring slot on the host (actstore.capture.ring), laid out (L, b, T_pad, D) per
+segment. What the writer thread needs comes out of `finish()` as a `Staged` batch.
+
+On a CUDA device every step is a kernel on the model's stream except the copy, one
+non-blocking device-to-host copy per (layer, batch) into pinned memory on a side stream,
+after which an event tells the writer thread the bytes have landed; nothing here waits for
+the GPU. On a CPU the same steps write straight into the slot, and the statistics run on a
+small pool of threads (one torch thread each) beside the forward pass. The CUDA-only lines
+are marked `# CUDA`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from actstore.capture import devstats
+from actstore.capture.ring import Ring, Slot, slot_bytes
+from actstore.capture.segments import SegPlan, plan_segments
+from actstore.errors import CaptureError
+from actstore.inputs.prepare import CaptureBatch
+from actstore.layout import spec
+from actstore.layout.config import StoreConfig
+
+_RANGE = {"float16": spec.FLOAT16_MAX, "bfloat16": 3.3895313892515355e38, "float32": float(np.finfo(np.float32).max)}
+_WIDER = {"float16": ("bfloat16", "float32", "float64"), "bfloat16": ("float32", "float64"), "float32": ("float64",)}
+
+
+@dataclass
+class Staged:
+    """One batch on its way to the writer thread: its slot's arrays, statistics and fields."""
+
+    b: int
+    segs: list[SegPlan]
+    acts: dict[str, Any]  # segment -> (L, b, T_pad, D) torch view of the slot
+    batch: CaptureBatch
+    source_dtype: str
+    slot: Slot
+    ring: Ring
+    event: Any = None  # CUDA: the copies have landed once it completes
+    packed: Any = None  # CUDA: (K, W) float64 in the slot; CPU: K futures (or tensors)
+    overflow_counts: Any = None  # per (layer, segment): ints (CPU) or in packed[:, 2] (CUDA)
+
+    def wait(self) -> tuple[np.ndarray | None, dict[str, int]]:
+        """(statistics (K, W) or None, overflowing values per segment), once available."""
+        if self.event is not None:
+            self.event.synchronize()  # CUDA
+        rows = self.packed
+        if isinstance(rows, list):
+            rows = np.stack([(r.result() if isinstance(r, Future) else r).numpy() for r in rows])
+        elif rows is not None:
+            rows = rows.numpy()
+        if rows is None:
+            counts = self.overflow_counts
+        elif rows.shape[1] == 1:  # CUDA without statistics: the counts alone
+            counts, rows = rows[:, 0], None
+        else:
+            counts = rows[:, 2]
+        names = [s.seg.name for s in self.segs]
+        over = dict.fromkeys(names, 0)
+        for k, n in enumerate(counts):
+            over[names[k % len(names)]] += int(n)
+        return rows, over
+
+    def append_kwargs(self) -> dict[str, Any]:
+        """ShardWriter.append's arguments: the activations as (b, L, T_pad, D) views."""
+        kw: dict[str, Any] = {s.seg.name: self.acts[s.seg.name].transpose(0, 1) for s in self.segs}
+        kw["sample_keys"] = self.batch.keys or None
+        kw["texts"] = self.batch.texts
+        if not self.segs[0].seg.fixed:
+            kw["lengths"] = {s.seg.name: s.lengths for s in self.segs}
+            kw["source_lengths"] = {s.seg.name: s.source_lengths for s in self.segs}
+        if self.segs[0].labels is not None:
+            kw["token_labels"] = {s.seg.name: s.labels for s in self.segs}
+        if self.segs[0].token_ids is not None:
+            kw["token_ids"] = {s.seg.name: s.token_ids for s in self.segs}
+        return kw
+
+    def release(self) -> None:
+        self.ring.give_back(self.slot)
+
+
+class Stage:
+    """The device side of a capture (see the module docstring).
+
+    Args:
+        job: what the shard holds (actstore.capture.sink.Job).
+        device: the model's device.
+        on_config: called with the StoreConfig made from the first output.
+        check: raises the writer thread's error (called while waiting for a free slot).
+    """
+
+    def __init__(self, job: Any, device: Any, on_config: Callable[[StoreConfig], None], check: Callable[[], None]):
+        import torch
+
+        self.job, self.opts = job, job.opts
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.opts.dtype]
+        self.on_config, self.check = on_config, check
+        self.ring = Ring(self.opts.queue_size + 2, pinned=self.cuda)
+        self.stream = torch.cuda.Stream(device) if self.cuda else None  # CUDA
+        self.pool: ThreadPoolExecutor | None = None
+        if not self.cuda and self.opts.stats:
+            from actstore.capture.options import default_writer_threads
+
+            self.pool = ThreadPoolExecutor(
+                default_writer_threads(), "actstore-stats", initializer=_pool_thread, initargs=(self.opts.writer_nice,)
+            )
+        self.pos = {hp.layer: i for i, hp in enumerate(job.hooks)}
+        self.cfg: StoreConfig | None = None
+        self._cur: dict[str, Any] | None = None
+        self._n = 0
+
+    # ---- per batch -----------------------------------------------------------------
+    def begin(self, batch: CaptureBatch) -> None:
+        self.batch = batch
+        self._cur = None
+        self._n += 1
+
+    def take(self, layer: int, out: Any) -> None:
+        """A hooked output (B, T, D) of the current batch (called from the hook)."""
+        if out.ndim != 3:
+            raise CaptureError(f"recorded outputs must be (batch, tokens, d_model); got shape {tuple(out.shape)}")
+        if self._cur is None:
+            self._start(out)
+        cur = self._cur
+        if tuple(out.shape) != cur["shape"]:
+            raise CaptureError(
+                f"recorded outputs must all be (batch, tokens, d_model) of one shape; got {tuple(out.shape)} "
+                f"beside {cur['shape']}"
+            )
+        lp = self.pos[layer]
+        for si, sp in enumerate(cur["segs"]):
+            k = lp * len(cur["segs"]) + si
+            y, n_over = self._fill(out, sp, cur["acts"][sp.seg.name][lp], self.job.hooks[lp].block)
+            if self.cuda:  # CUDA: statistics on the device, the copy on the side stream
+                if self.opts.stats:
+                    cur["packed"][k] = devstats.moments(y, sp.keep, n_over)
+                else:
+                    cur["packed"][k] = n_over.reshape(1).double()
+                self._copy(y, cur["acts"][sp.seg.name][lp])
+            else:
+                cur["over"][k] = n_over
+                if self.pool is not None:
+                    cur["packed"][k] = self.pool.submit(_moments, y, sp.keep, n_over)
+
+    def finish(self) -> Staged:
+        """The batch, for the writer thread (after its forward pass)."""
+        import torch
+
+        cur, self._cur = self._cur, None
+        staged = Staged(
+            b=cur["shape"][0],
+            segs=cur["segs"],
+            acts=cur["acts"],
+            batch=self.batch,
+            source_dtype=cur["src_dtype"],
+            slot=cur["slot"],
+            ring=self.ring,
+            overflow_counts=cur["over"],
+        )
+        if self.cuda:  # CUDA: the statistics follow the activations; one event covers them all
+            host = cur["stats_view"]
+            rows = torch.stack(cur["packed"])
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                host.copy_(rows, non_blocking=True)
+                rows.record_stream(self.stream)
+                staged.event = self.stream.record_event()
+            staged.packed = host
+        elif self.pool is not None:
+            staged.packed = cur["packed"]
+        return staged
+
+    def abort(self) -> None:
+        if self._cur is not None:
+            self.ring.give_back(self._cur["slot"])
+            self._cur = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.cuda:
+            self.stream.synchronize()  # CUDA: no copy into a slot is still under way
+        self.ring.close()
+
+    # ---- inside ------------------------------------------------------------------
+    def _start(self, out: Any) -> None:
+        """The batch's first hooked output: its plan and its slot (the store's config first)."""
+        b, t, d = out.shape
+        if self.cfg is None:
+            self.cfg = self.job.config(b, t, d)
+            self.on_config(self.cfg)
+        cfg = self.cfg
+        segs = plan_segments(cfg, self.batch, b, t, self.job, self._n, self.device)
+        L, n_seg = cfg.n_layers, len(cfg.segments)
+        shapes = [((L, b, sp.t_pad, d), self.dtype) for sp in segs]
+        if self.cuda:
+            import torch
+
+            shapes.append(((L * n_seg, devstats.width(d) if self.opts.stats else 1), torch.float64))
+        slot = self.ring.take(slot_bytes(shapes), self.check)
+        views = slot.carve(shapes)
+        self._cur = {
+            "shape": (b, t, d),
+            "segs": segs,
+            "slot": slot,
+            "acts": {sp.seg.name: v for sp, v in zip(segs, views)},
+            "stats_view": views[-1] if self.cuda else None,
+            "packed": [None] * (L * n_seg),
+            "over": [0] * (L * n_seg),
+            "src_dtype": str(out.dtype).removeprefix("torch."),
+        }
+
+    def _fill(self, out: Any, sp: SegPlan, view: Any, block: bool) -> tuple[Any, Any]:
+        """The segment's stored values (b, T_pad, D) and the count of values beyond the stored
+        range (CPU: written into `view`, an int; CUDA: a new device tensor, a device scalar)."""
+        import torch
+
+        src = sp.source(out)  # (b, T_pad, D) in the model's dtype, or (b, T, D) of a fixed segment
+        narrowing = str(src.dtype).removeprefix("torch.") in _WIDER[self.opts.dtype]  # values may overflow
+        if not self.cuda:
+            t = src.shape[1]
+            view[:, :t].copy_(src)  # the one copy (and cast), into the slot
+            if t < view.shape[1]:
+                view[:, t:].zero_()
+            if sp.valid is not None and not sp.all_valid:
+                view.masked_fill_(~sp.valid[:, :, None], 0)
+            n_over = 0
+            if narrowing and not bool(torch.isfinite(view[:, :t]).all()):
+                n_over = self._overflow(src, view[:, :t])
+            return view, n_over
+        y = src.to(self.dtype)  # CUDA: every step a kernel, nothing waits
+        if self.opts.on_overflow == "clip" and narrowing:
+            y = _clip(src, self.dtype, _RANGE[self.opts.dtype])
+        n_over = (
+            ((~torch.isfinite(src.to(self.dtype))) & torch.isfinite(src)).sum()
+            if narrowing
+            else src.new_zeros((), dtype=torch.long)
+        )
+        if y.shape[1] < view.shape[1]:
+            y = torch.nn.functional.pad(y, (0, 0, 0, view.shape[1] - y.shape[1]))
+        if sp.valid is not None and not sp.all_valid:
+            y = y.masked_fill(~sp.valid[:, :, None], 0)
+        if not block and y.data_ptr() == out.data_ptr():
+            y = y.clone()  # an arbitrary module's output may be changed in place later
+        return y, n_over
+
+    def _overflow(self, src: Any, stored: Any) -> int:
+        """CPU, rare: count finite values whose cast overflowed; clip them when asked."""
+        import torch
+
+        over = torch.isfinite(src) & ~torch.isfinite(stored)
+        n = int(over.sum())
+        if n and self.opts.on_overflow == "clip":
+            stored.copy_(_clip(src, self.dtype, _RANGE[self.opts.dtype]))
+        return n
+
+    def _copy(self, y: Any, host: Any) -> None:
+        """CUDA: one non-blocking device-to-host copy into the pinned slot, on the side stream."""
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # CUDA
+        with torch.cuda.stream(self.stream):  # CUDA
+            host.copy_(y, non_blocking=True)  # CUDA
+            y.record_stream(self.stream)  # CUDA: y's memory is not reused before the copy ran
+
+
+def _clip(src: Any, dtype: Any, hi: float) -> Any:
+    """`src` cast to `dtype` with finite values saturated to +-hi (non-finite ones kept)."""
+    import torch
+
+    return torch.where(torch.isfinite(src), src.clamp(-hi, hi), src).to(dtype)
+
+
+def _moments(y: Any, keep: Any, n_over: int) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        return devstats.moments(y, keep, n_over)
+
+
+def _pool_thread(nice: int) -> None:
+    """A statistics thread: one torch thread (no OpenMP team of its own), lowered priority."""
+    import torch
+
+    from actstore.capture.drain import lower_priority
+
+    torch.set_num_threads(1)
+    lower_priority(nice)
