@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from typing import Any
+
 import numpy as np
 
 from actstore.errors import CorruptChunkError
@@ -223,9 +225,9 @@ class ChunkIO:
         return index
 
     # ---- writing ------------------------------------------------------------------
-    def write_example(self, ex: int, acts_ltd: np.ndarray) -> None:
-        """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D), each
-        layer's rows C-contiguous.
+    def write_example(self, ex: int, acts_ltd: Any) -> None:
+        """Write every chunk of one example; `acts_ltd` is (L, n_tchunks*t_chunk, D) (or a
+        list of its L layers), each layer's rows C-contiguous.
 
         Chunk files are written in place (not atomically): nobody reads them before the
         commit that names their example. (The writer checksums the rows itself, once.)

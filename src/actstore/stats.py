@@ -204,13 +204,12 @@ def update_masked(
     """Add a batch (b, L, T_max, D) of segment `seg` to `stats`: the tokens the readers'
     default mask keeps (actstore.read.masks), i.e. real tokens, and of those only content
     (label 0) where `labels` mark token kinds."""
-    x = arr[:, :, : seg.t_max]
-    if cfg.dtype == "bfloat16":
-        from actstore.dtypes import bf16_bits_to_f32
-
-        x = bf16_bits_to_f32(x)
     for lp, layer in enumerate(cfg.layers):
-        xl = x[:, lp]
+        xl = arr[:, lp][:, : seg.t_max]  # (an array, or one layer of a write.batch.LayerList)
+        if cfg.dtype == "bfloat16":
+            from actstore.dtypes import bf16_bits_to_f32
+
+            xl = bf16_bits_to_f32(xl)
         if labels is None and (lens == seg.t_max).all():
             v = xl.reshape(-1, cfg.d_model)
         else:

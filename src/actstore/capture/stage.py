@@ -42,7 +42,7 @@ class Staged:
 
     b: int
     segs: list[SegPlan]
-    acts: dict[str, Any]  # segment -> (L, b, T_pad, D) torch view of the slot
+    acts: dict[str, list[Any]]  # segment -> L tensors (b, T_pad, D): views of the slot, or hooked outputs
     batch: CaptureBatch
     source_dtype: str
     slot: Slot
@@ -73,8 +73,8 @@ class Staged:
         return rows, over
 
     def append_kwargs(self) -> dict[str, Any]:
-        """ShardWriter.append's arguments: the activations as (b, L, T_pad, D) views."""
-        kw: dict[str, Any] = {s.seg.name: self.acts[s.seg.name].transpose(0, 1) for s in self.segs}
+        """ShardWriter.append's arguments: the activations as each segment's list of layers."""
+        kw: dict[str, Any] = {s.seg.name: self.acts[s.seg.name] for s in self.segs}
         kw["sample_keys"] = self.batch.keys or None
         kw["texts"] = self.batch.texts
         if not self.segs[0].seg.fixed:
@@ -143,13 +143,18 @@ class Stage:
         lp = self.pos[layer]
         for si, sp in enumerate(cur["segs"]):
             k = lp * len(cur["segs"]) + si
-            y, n_over = self._fill(out, sp, cur["acts"][sp.seg.name][lp], self.job.hooks[lp].block)
+            view = cur["views"][sp.seg.name][lp]
+            if self._direct(out, sp, lp):  # CPU, already as stored: the output itself goes on
+                y, n_over = out, 0
+            else:
+                y, n_over = self._fill(out, sp, view, self.job.hooks[lp].block)
+            cur["acts"][sp.seg.name][lp] = view if self.cuda else y
             if self.cuda:  # CUDA: statistics on the device, the copy on the side stream
                 if self.opts.stats:
                     cur["packed"][k] = devstats.moments(y, sp.keep, n_over)
                 else:
                     cur["packed"][k] = n_over.reshape(1).double()
-                self._copy(y, cur["acts"][sp.seg.name][lp])
+                self._copy(y, view)
             else:
                 cur["over"][k] = n_over
                 if self.pool is not None:
@@ -216,12 +221,26 @@ class Stage:
             "shape": (b, t, d),
             "segs": segs,
             "slot": slot,
-            "acts": {sp.seg.name: v for sp, v in zip(segs, views)},
+            "views": {sp.seg.name: v for sp, v in zip(segs, views)},
+            "acts": {sp.seg.name: [None] * L for sp in segs},
             "stats_view": views[-1] if self.cuda else None,
             "packed": [None] * (L * n_seg),
             "over": [0] * (L * n_seg),
             "src_dtype": str(out.dtype).removeprefix("torch."),
         }
+
+    def _direct(self, out: Any, sp: SegPlan, lp: int) -> bool:
+        """Whether a CPU output is stored as it is (no copy into the slot): a block's output
+        (never changed in place afterwards) in the stored dtype, every token, no padding."""
+        return (
+            not self.cuda
+            and self.job.hooks[lp].block
+            and sp.idx is None
+            and not sp.drop_first
+            and out.dtype == self.dtype
+            and out.shape[1] == sp.t_pad
+            and out.is_contiguous()
+        )
 
     def _fill(self, out: Any, sp: SegPlan, view: Any, block: bool) -> tuple[Any, Any]:
         """The segment's stored values (b, T_pad, D) and the count of values beyond the stored
@@ -238,7 +257,7 @@ class Stage:
             if sp.valid is not None and not sp.all_valid:
                 view.masked_fill_(~sp.valid[:, :, None], 0)
             n_over = 0
-            if narrowing and not bool(torch.isfinite(view[:, :t]).all()):
+            if narrowing and _any_nonfinite(view):
                 n_over = self._overflow(src, view[:, :t])
             return view, n_over
         y = src.to(self.dtype)  # CUDA: every step a kernel, nothing waits
@@ -275,6 +294,20 @@ class Stage:
         with torch.cuda.stream(self.stream):  # CUDA
             host.copy_(y, non_blocking=True)  # CUDA
             y.record_stream(self.stream)  # CUDA: y's memory is not reused before the copy ran
+
+
+def _any_nonfinite(x: Any) -> bool:
+    """Whether a CPU tensor in a stored dtype holds an inf or NaN (16-bit: by exponent bits,
+    two integer reductions; torch's isfinite on float16 is far slower)."""
+    import torch
+
+    from actstore.dtypes import count_nonfinite_16
+
+    if x.dtype == torch.float32:
+        a = x.numpy()
+        return not (np.isfinite(a.max(initial=0)) and np.isfinite(a.min(initial=0)))
+    bits = x.view(torch.int16).numpy().view(np.uint16 if x.dtype == torch.bfloat16 else np.float16)
+    return count_nonfinite_16(bits) > 0
 
 
 def _clip(src: Any, dtype: Any, hi: float) -> Any:

@@ -263,5 +263,25 @@ def wrap_module(model: Any, *, modality: str | None = None, model_id: str | None
     """A LoadedModel around a user's torch module (for actstore.record)."""
     if isinstance(model, LoadedModel):
         return model
-    mid = model_id or getattr(getattr(model, "config", None), "_name_or_path", None) or type(model).__name__
-    return LoadedModel(model=model, forward=model, modality=modality or "unknown", model_id=str(mid))
+    return LoadedModel(
+        model=model, forward=model, modality=modality or "unknown", model_id=model_id or module_id(model)
+    )
+
+
+def module_id(model: Any) -> str:
+    """The id to record for a transformers model, one that resolves to its tokenizer: the
+    embedded model it was loaded from (`embedded:smollm2-135m`: its folder holds a GGUF),
+    a hub id (config._name_or_path), or the absolute path of its folder; else the class name."""
+    name = getattr(getattr(model, "config", None), "_name_or_path", None)
+    if not name:
+        return type(model).__name__
+    path = Path(str(name)).expanduser()
+    if not path.is_dir():
+        return str(name)  # a hub id
+    for embedded_id, folder in (("smollm2-135m", "smollm2_folder"), ("minilm-l6", "minilm_folder")):
+        try:
+            if path.resolve() == getattr(embedded, folder)().resolve():
+                return EMBEDDED_PREFIX + embedded_id
+        except ModelLoadError:
+            continue  # that embedded package is not installed
+    return str(path.resolve())

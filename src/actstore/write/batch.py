@@ -37,6 +37,48 @@ class Batch:
     truncated: dict[str, int] = field(default_factory=dict)
 
 
+class LayerList:
+    """A batch (b, L, T, D) held as its L layers (b, T, D), never stacked: what a capture
+    hands over (each layer as its hook produced it). It answers the indexing the layouts
+    use: `x[i, lp]` and `x[i:j, lp]` (one layer's rows), `x[i:j]`, `x[:, :, :t]`."""
+
+    ndim = 4
+
+    def __init__(self, layers: Sequence[np.ndarray]):
+        self.layers = list(layers)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        a = self.layers[0]
+        return (a.shape[0], len(self.layers), *a.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.layers[0].dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.layers)
+
+    def __getitem__(self, key: Any) -> Any:
+        key = key if isinstance(key, tuple) else (key,)
+        first, layer, rest = key[0], (key[1] if len(key) > 1 else slice(None)), key[2:]
+        if isinstance(layer, (int, np.integer)):
+            return self.layers[layer][(first, *rest)]
+        if not isinstance(first, slice):
+            raise TypeError("LayerList keeps the example axis: index it with a slice or (i, layer)")
+        return LayerList([a[(first, *rest)] for a in self.layers[layer]])
+
+    def map(self, f: Any) -> LayerList:
+        return LayerList([f(a) for a in self.layers])
+
+    def any(self) -> bool:
+        return any(bool(a.any()) for a in self.layers)
+
+    def stack(self) -> np.ndarray:
+        return np.stack(self.layers, axis=1)
+
+
 def per_segment(value: Any, names: list[str], what: str) -> dict[str, Any]:
     """A per-segment argument as {segment: value} (a bare value for a one-segment store)."""
     if value is None:
@@ -51,12 +93,14 @@ def per_segment(value: Any, names: list[str], what: str) -> dict[str, Any]:
     return {names[0]: value}
 
 
-def pad_tokens(x: np.ndarray, t_pad: int) -> np.ndarray:
+def pad_tokens(x: Any, t_pad: int) -> Any:
     """Zero-pad axis 2 to `t_pad` (a copy only when padding is needed: `x` as it is otherwise,
     strides and all; the layouts copy it once)."""
     t = x.shape[2]
     if t == t_pad:
         return x
+    if isinstance(x, LayerList):
+        return x.map(lambda a: pad_tokens(a[:, None], t_pad)[:, 0])
     out = np.zeros((x.shape[0], x.shape[1], t_pad, *x.shape[3:]), dtype=x.dtype)
     out[:, :, :t] = x
     return out
@@ -91,18 +135,27 @@ def prepare(
     ids_d = per_segment(token_ids, seg_names, "token_ids")
     batch: Batch | None = None
     for seg in cfg.segments:
-        x, src = to_numpy(segment_acts[seg.name], f"activations of segment {seg.name!r}")
+        x, src = _activations(segment_acts[seg.name], f"activations of segment {seg.name!r}")
         b = _check_shape(cfg, seg, x, None if batch is None else batch.b)
         if batch is None:
             batch = Batch(b=b, acts={}, aliased={}, lengths={})
         t = x.shape[2]
         lens = _lengths(seg, lengths_d.get(seg.name), b, t)
-        stored, nonfinite, over = _convert(cfg, seg, x, src, on_nonfinite, on_overflow)
-        if b and cfg.n_layers and not stored[0, 0].flags.c_contiguous:
-            stored = np.ascontiguousarray(stored)  # the layouts take (example, layer) rows whole
+        if isinstance(x, LayerList):
+            parts = [_convert(cfg, seg, a, src, on_nonfinite, on_overflow) for a in x.layers]
+            stored, nonfinite, over = (
+                LayerList([p[0] for p in parts]),
+                sum(p[1] for p in parts),
+                sum(p[2] for p in parts),
+            )
+        else:
+            stored, nonfinite, over = _convert(cfg, seg, x, src, on_nonfinite, on_overflow)
+        if b and cfg.n_layers and not all(stored[0, lp].flags.c_contiguous for lp in range(cfg.n_layers)):
+            # the layouts take (example, layer) rows whole
+            stored = stored.map(np.ascontiguousarray) if isinstance(stored, LayerList) else np.ascontiguousarray(stored)
         batch.acts[seg.name] = pad_tokens(stored, seg.n_chunks * seg.t_chunk)
         # Buffered batches outlive append: never keep a view of the caller's memory.
-        batch.aliased[seg.name] = np.may_share_memory(batch.acts[seg.name], x)
+        batch.aliased[seg.name] = isinstance(x, LayerList) or np.may_share_memory(batch.acts[seg.name], x)
         batch.lengths[seg.name] = lens
         batch.nonfinite[seg.name] = nonfinite
         batch.overflow[seg.name] = over
@@ -118,7 +171,20 @@ def prepare(
     return batch
 
 
-def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: np.ndarray, b: int | None) -> int:
+def _activations(x: Any, name: str) -> tuple[Any, str]:
+    """A segment's activations as an array (b, L, T, D), or a LayerList of L arrays (b, T, D)
+    when given as a list or tuple of layers; and their source dtype name."""
+    if not isinstance(x, (list, tuple)):
+        return to_numpy(x, name)
+    layers = [to_numpy(a, f"{name}, layer {lp}") for lp, a in enumerate(x)]
+    if not layers or any(a.ndim != 3 or a.shape != layers[0][0].shape for a, _ in layers):
+        raise AppendError(f"{name}: a list of layers must hold L arrays (b, T, D) of one shape")
+    if len({src for _, src in layers}) != 1:
+        raise AppendError(f"{name}: the layers have different dtypes {sorted({src for _, src in layers})}")
+    return LayerList([a for a, _ in layers]), layers[0][1]
+
+
+def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: Any, b: int | None) -> int:
     if x.ndim != 4:
         raise AppendError(
             f"segment {seg.name!r}: expected a batch of shape (b, L={cfg.n_layers}, T, D={cfg.d_model}), got shape {tuple(x.shape)}"

@@ -33,7 +33,7 @@ import numpy as np
 from actstore.chunkio import ChunkIO, crc32c
 from actstore.layout.checksum import combine_all
 from actstore.layout.config import StoreConfig
-from actstore.write.batch import Batch
+from actstore.write.batch import Batch, LayerList
 from actstore.write.pipeline import IOStats, WritePipeline
 
 
@@ -143,7 +143,8 @@ class ChunkFiles(Layout):
 
     def _write_example(self, batch: Batch, i: int, ex: int) -> None:
         for seg in self.cfg.segments:
-            self.io[seg.name].write_example(ex, batch.acts[seg.name][i])
+            acts = batch.acts[seg.name]
+            self.io[seg.name].write_example(ex, [acts[i, lp] for lp in range(self.cfg.n_layers)])
 
     def flush(self, complete: bool) -> int:
         return self.n_written
@@ -167,7 +168,11 @@ class ZarrArrays(Layout):
     def append(self, batch: Batch, n0: int) -> None:
         for seg in self.cfg.segments:
             arr = batch.acts[seg.name]
-            self.pending[seg.name].append(arr.copy() if batch.aliased[seg.name] else arr)
+            if isinstance(arr, LayerList):
+                arr = arr.stack()  # (a copy: the caller's layers are not kept)
+            elif batch.aliased[seg.name]:
+                arr = arr.copy()
+            self.pending[seg.name].append(arr)
         self._row_checksums(batch)
         self.n_written = n0 + batch.b
 

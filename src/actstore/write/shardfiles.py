@@ -24,7 +24,7 @@ import numpy as np
 from actstore.chunkio import ChunkIO
 from actstore.layout.config import StoreConfig
 from actstore.storage import Writeback
-from actstore.write.batch import Batch
+from actstore.write.batch import Batch, LayerList
 from actstore.write.layouts import Layout
 from actstore.write.pipeline import IOStats, WritePipeline
 
@@ -153,7 +153,11 @@ class ShardFiles(Layout):
                 step = max(1, COPY_BYTES // max(part[:1].nbytes, 1))
                 for j in range(0, k, step):
                     e = min(j + step, k)
-                    part[j:e] = arr[i + j : i + e]
+                    if isinstance(arr, LayerList):  # the layers as the capture produced them
+                        for lp, a in enumerate(arr.layers):
+                            part[j:e, lp] = a[i + j : i + e]
+                    else:
+                        part[j:e] = arr[i + j : i + e]
                     self._add_rows(name, part[j:e])
             self.stage_n += k
             i += k
