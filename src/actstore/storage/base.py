@@ -196,6 +196,17 @@ class Storage(abc.ABC):
         """The durability step: everything written so far under `prefix` survives a power
         loss when this returns (local: syncfs; object stores: finished puts already do)."""
 
+    def track_writes(self) -> None:
+        """Remember what this storage writes from now on, for `sync_written` (local disks)."""
+
+    def mark_written(self, key: str) -> None:
+        """Note `key` as written by someone else (zarr-python's own store) for `sync_written`."""
+
+    def sync_written(self) -> None:
+        """The durability step of a group commit: what was written through this storage (and
+        marked) since the last call survives a power loss when this returns; the default is `sync`."""
+        self.sync()
+
     # ---- access -------------------------------------------------------------------
     def check_access(self, *, write: bool) -> None:
         """Raise StorageAccessError (naming the location and the cause) when the store

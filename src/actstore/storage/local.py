@@ -25,7 +25,15 @@ from typing import Any
 from actstore.errors import UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
-from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
+from actstore.storage.durable import (
+    fsync_files,
+    SYNC_FILE_RANGE_WRITE,
+    FileWriteback,
+    fsync_dir,
+    sync_file_range,
+    syncfs,
+    tmp_name,
+)
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular
@@ -55,10 +63,12 @@ class LocalStorage(Storage):
         self.eager_writeback = eager_writeback and sync_file_range is not None
         self.read_nowait = read_nowait and bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._made_dirs: set[str] = set()
+        self._written: set[str] | None = None  # paths written since the last sync_written (when tracked)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_made_dirs"] = set()
+        state["_written"] = None
         return state
 
     def __repr__(self) -> str:
@@ -307,6 +317,7 @@ class LocalStorage(Storage):
         try:
             self._write_file(tmp, parts, durable, writeback)
             os.replace(tmp, path)
+            self._note(path, tmp)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -315,6 +326,7 @@ class LocalStorage(Storage):
             fsync_dir(path.rsplit("/", 1)[0])
 
     def _write_file(self, path: str, parts: tuple, durable: bool, writeback: Writeback | None) -> None:
+        self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY | _O_NOFOLLOW)
         try:
             for part in parts:
@@ -367,6 +379,7 @@ class LocalStorage(Storage):
     def append(self, key: str, data: bytes) -> int:
         path = self.path(_checked(key))
         self._parent(path)
+        self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
             view = memoryview(data).cast("B")
@@ -378,6 +391,7 @@ class LocalStorage(Storage):
 
     def truncate(self, key: str, size: int) -> None:
         path = self.path(_checked(key))
+        self._note(path)
         check_no_links(self._top, path.rsplit("/", 1)[0])
         fd = _open_write(path, os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
         try:
@@ -404,6 +418,27 @@ class LocalStorage(Storage):
         path = self.path(prefix) if prefix else self._root
         if os.path.exists(path):
             syncfs(path)
+
+    def track_writes(self) -> None:
+        self._written = set()
+
+    def mark_written(self, key: str) -> None:
+        self._note(self.path(_checked(key)))
+
+    def sync_written(self) -> None:
+        """fsync what was written since the last call, with the folders naming it, together
+        (actstore.storage.durable.fsync_files); syncfs when writes are not tracked."""
+        if self._written is None:
+            self.sync()
+            return
+        paths, self._written = self._written, set()
+        fsync_files(paths, self._top)
+
+    def _note(self, path: str, replaced: str | None = None) -> None:
+        if self._written is not None:
+            if replaced is not None:
+                self._written.discard(replaced)  # its data now has the final name
+            self._written.add(path)
 
     def writeback(self) -> Writeback | None:
         return FileWriteback() if self.eager_writeback else None

@@ -111,6 +111,7 @@ def _store_class() -> type:
                 self.docs[key] = value.to_bytes()
                 return
             await self._store.set(key, value)
+            self.storage.mark_written(key)  # (a durable commit syncs it: Storage.sync_written)
 
         async def set_if_not_exists(self, key: str, value: Any) -> None:
             if is_metadata(key):

@@ -88,8 +88,10 @@ class ShardWriter(ShardSetup):
             only the content tokens (label 0) of a text store whose labels mark token kinds
             (so BOS, special and chat-template tokens never shift `normalize=`).
         fsync: durable against power loss, not only crashes: each Zarr shard file is
-            synced on its I/O thread as it is written (beside the next writes), and the
-            storage (syncfs) before each commit record (which covers small chunk files).
+            synced on its I/O thread as it is written (beside the next writes), and every
+            other file the block wrote (chunk files, per-sample arrays, records) together
+            before each commit record: a group commit of this writer's files, which waits
+            for no other writer's writes (a syncfs would).
         io_threads: threads that write (or upload) chunk and shard files while the
             appending thread converts and checksums; default 2-4 for a local disk, 8 for an
             object store (actstore.write.pipeline).
@@ -161,6 +163,10 @@ class ShardWriter(ShardSetup):
         self.fsync = opts.fsync
         self.io_threads, self.io_bytes = opts.io_threads, opts.io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
+        if opts.fsync:
+            self.sh.track_writes()
+            self.storage.track_writes()
+            self.storage.mark_written(keys.IDENTITY)  # synced with the first commit
         self._records = AppendFiles(self.sh)
         self.world_size = opts.world_size
         self._closed = False
@@ -397,7 +403,8 @@ class ShardWriter(ShardSetup):
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
         if self.fsync:
-            sh.sync()
+            sh.sync_written()  # a group commit: every file of the block synced at once, not the disk
+            self.storage.sync_written()
         self._lease.check()  # a writer whose shard was taken over commits nothing more
         sh.put(keys.COMMIT, records.dump_commit(self._commit_record(complete, n1)), durable=self.fsync)
         if old_stats and old_stats != self._stats_file:

@@ -1,0 +1,171 @@
+"""The capture pipeline's parts (issue 32): statistics on the device against the float64
+reference, layers appended as the hooks made them, buffers reused between captures,
+batches moved to the model's device, lengths checked before anything is written, and the
+group commit of a durable writer."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import actstore
+from actstore.capture import CaptureError, devstats
+from actstore.capture.devstats import moments, running_stats
+from actstore.stats import RunningStats
+from test_capture_support import tiny_llama
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _reference(x: np.ndarray) -> RunningStats:
+    ref = RunningStats(["k"], x.shape[-1])
+    ref.update("k", x.reshape(-1, x.shape[-1]))
+    return ref
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("block", [2**10, 2**17])
+def test_device_moments_equal_the_float64_reference(dtype, block, monkeypatch):
+    """float32 blocks merged exactly in float64: mean and variance within 1e-6 (relative) of
+    RunningStats.update, which works in float64; count, min, max and non-finite rows exact."""
+    monkeypatch.setattr(devstats, "BLOCK_VALUES", block)
+    g = torch.Generator().manual_seed(0)
+    d = 48
+    offset = torch.randn(d, generator=g) * 40  # large means: cancellation would show
+    x = (torch.randn(7, 300, d, generator=g) * 3 + offset).to(getattr(torch, dtype))
+    x[2, 5, 3] = float("inf")
+    x[4, 7] = float("nan")
+    stored = x.float().numpy()
+    got = running_stats(["k"], d, moments(x).numpy()[None])
+    ref = _reference(stored)
+    assert got.count[0] == ref.count[0] == 7 * 300 - 2 and got.nonfinite[0] == ref.nonfinite[0] == 2
+    assert (got.min[0], got.max[0]) == (ref.min[0], ref.max[0])
+    assert _rel(got.mean[0], ref.mean[0]) <= 1e-6 and _rel(got.m2[0], ref.m2[0]) <= 1e-6
+    assert got.norm_sum[0] == pytest.approx(ref.norm_sum[0], rel=1e-6)
+
+
+def test_device_moments_count_only_the_kept_rows_and_the_gpu_path_agrees(monkeypatch):
+    monkeypatch.setattr(devstats, "BLOCK_VALUES", 512)
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 40, 16, generator=g) * 2 + 7).to(torch.float16)
+    keep = torch.rand(5, 40, generator=g) > 0.3
+    keep[3] = False  # a whole example left out
+    ref = _reference(x.float().numpy()[keep.numpy()])
+    blocks = running_stats(["k"], 16, moments(x, keep, overflow=5).numpy()[None])
+    head, mean, m2 = devstats._masked_f64(x.reshape(-1, 16), keep.reshape(-1))  # what a GPU runs
+    assert blocks.count[0] == ref.count[0] == int(keep.sum()) == int(head[0]) and blocks.overflow[0] == 5
+    assert _rel(blocks.mean[0], ref.mean[0]) <= 1e-6 and _rel(blocks.m2[0], ref.m2[0]) <= 1e-6
+    np.testing.assert_allclose(mean.numpy(), ref.mean[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(m2.numpy(), ref.m2[0], rtol=1e-10)
+    empty = running_stats(["k"], 16, moments(x, torch.zeros(5, 40, dtype=torch.bool)).numpy()[None])
+    assert empty.count[0] == 0 and np.isinf(empty.min[0])
+
+
+@pytest.mark.parametrize("layout", [{"zarr_format": 2}, {"shard_examples": 3}, {"compressor": "zstd"}])
+def test_a_list_of_layers_is_stored_as_the_stacked_batch(tmp_path, layout):
+    """ShardWriter.append(list of L (b, T, D) arrays) == append((b, L, T, D)), in every layout."""
+    if layout.get("compressor") == "zstd":
+        from zarr.codecs import ZstdCodec
+
+        layout = {"compressor": ZstdCodec()}
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 3, 7, 8)).astype(np.float16)
+    kw = dict(layers=[0, 1, 2], d_model=8, tokens=7, stats=True, **layout)
+    for name, acts in (("stacked", x), ("layers", [torch.from_numpy(x[:, lp].copy()) for lp in range(3)])):
+        with actstore.ShardWriter(tmp_path / name, **kw) as w:
+            w.append(acts[:2] if name == "stacked" else [a[:2] for a in acts])
+            w.append(acts[2:] if name == "stacked" else [a[2:] for a in acts])
+        actstore.finalize(tmp_path / name)
+    a, b = actstore.ActStore(tmp_path / "stacked"), actstore.ActStore(tmp_path / "layers")
+    for i in range(5):
+        for layer in range(3):
+            np.testing.assert_array_equal(b[i, layer], x[i, layer])
+    np.testing.assert_array_equal(a.stats().m2, b.stats().m2)
+    with pytest.raises(actstore.AppendError, match="a list of layers must hold L arrays"):
+        with actstore.ShardWriter(tmp_path / "bad", **kw) as w:
+            w.append([x[:, 0], x[:, 1, :5]])
+
+
+def test_plain_token_batches_of_two_lengths_are_refused_before_anything_is_written(tmp_path):
+    model, _ = tiny_llama(layers=3)  # (layer 1 is not the last block, whose hidden state HF norms)
+    batches = [torch.randint(4, 60, (2, 10)), torch.randint(4, 60, (2, 13))]
+    with pytest.raises(CaptureError, match=r"batch 2 holds 13 tokens .* segments=\{'tokens': T_MAX\}"):
+        actstore.record(model, batches, tmp_path / "s", layers=[0])
+    assert not (tmp_path / "s").exists()
+
+    def gen():  # a generator cannot be looked at first: refused at the batch, the first one kept
+        yield from batches
+
+    with pytest.raises(CaptureError, match="batch 2 holds 13 tokens per example but the store keeps 10"):
+        actstore.record(model, gen(), tmp_path / "g", layers=[0])
+    # Given the budget, record() pads them itself (every token real without an attention_mask).
+    actstore.record(model, batches, tmp_path / "p", layers=[1], segments={"tokens": 16})
+    actstore.finalize(tmp_path / "p")
+    store = actstore.ActStore(tmp_path / "p")
+    assert [store.lengths(i)["tokens"] for i in range(4)] == [10, 10, 13, 13]
+    with torch.inference_mode():
+        want = model(batches[1], output_hidden_states=True).hidden_states[2][1]
+    np.testing.assert_array_equal(store[3, 1], want.numpy().astype(np.float16))
+
+
+def test_buffers_are_reused_by_the_next_capture_and_data_stays_right(tmp_path):
+    """The ring's slots and the shard files' staging buffers outlive a capture (allocated
+    once per process); a second capture into them stores its own values."""
+    from actstore.capture import ring
+    from actstore.write import shardfiles
+
+    model, _ = tiny_llama(layers=3)
+    g = torch.Generator().manual_seed(3)
+    runs = [[torch.randint(4, 60, (3, 6), generator=g) for _ in range(3)] for _ in range(2)]
+    for k, batches in enumerate(runs):
+        actstore.record(model, batches, tmp_path / f"s{k}", layers=[0, 1], dtype="float32", shard_examples=4)
+        assert ring._spare and shardfiles._spare  # kept for the next capture
+    spare = list(ring._spare)
+    for k, batches in enumerate(runs):
+        actstore.finalize(tmp_path / f"s{k}")
+        store = actstore.ActStore(tmp_path / f"s{k}")
+        with torch.inference_mode():
+            for b, ids in enumerate(batches):
+                hs = model(ids, output_hidden_states=True).hidden_states
+                for j in range(3):
+                    np.testing.assert_array_equal(store[b * 3 + j, 1], hs[2][j].numpy())
+    assert all(any(s is t for t in ring._spare) for s in spare)
+
+
+def test_a_durable_commit_syncs_every_file_it_wrote_and_never_the_whole_disk(tmp_path, monkeypatch):
+    """ShardWriter(fsync=True): each commit fsyncs the files of its block together (the
+    group commit), never syncfs, which would wait for other writers' data."""
+    import actstore.storage.durable as durable
+    import actstore.storage.local as local
+
+    synced: set[str] = set()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    def no_syncfs(path):
+        raise AssertionError(f"syncfs({path}) in a group commit")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(local, "syncfs", no_syncfs)
+    monkeypatch.setattr(durable, "syncfs", no_syncfs)
+    for layout in ({"zarr_format": 2}, {"shard_examples": 2}):
+        root = tmp_path / f"v{len(layout)}{layout.get('zarr_format', 3)}"
+        x = np.random.default_rng(4).standard_normal((5, 2, 9, 8)).astype(np.float32)
+        with actstore.ShardWriter(
+            root, layers=[0, 1], d_model=8, segments={"t": 9}, fsync=True, stats=True, texts=["k"], **layout
+        ) as w:
+            for i in range(0, 5, 2):
+                w.append(t=x[i : i + 2], lengths=np.full(len(x[i : i + 2]), 9), texts={"k": ["a"] * len(x[i : i + 2])})
+                w.commit()
+        files = {str(p) for p in root.rglob("*") if p.is_file() and "leases" not in p.parts}
+        folders = {str(p) for p in root.rglob("*") if p.is_dir() and "leases" not in p.parts} | {str(root)}
+        assert files - synced == set(), f"written, never fsynced: {sorted(files - synced)[:5]}"
+        assert folders - synced == set(), f"folders whose new names were never fsynced: {sorted(folders - synced)[:5]}"
