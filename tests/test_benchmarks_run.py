@@ -157,6 +157,23 @@ def test_bench_capture(tmp_path, extra):
     assert d["bytes_written"] == 8 * 2 * 257 * 384 * 2 and positive(d["ratio_median_of_pairs"])
 
 
+def test_bench_gpu_replay_and_model_mode_on_the_cpu(tmp_path):
+    """bench_gpu.py's --replay (the GPU regime on any machine) and its model mode on a tiny
+    Llama: every cell measured against a raw write of the same bytes."""
+    common = ["--batch-size", "2", "--seq-len", "16", "--batches", "2", "--repeats", "1", "--dir", str(tmp_path)]
+    d = run_bench("gpu", ["--replay", "--d-model", "32", "--layers", "0,1", *common], tmp_path)
+    assert d["mode"] == "replay" and len(d["cells"]) == 4  # float16 and bfloat16 outputs x statistics on, off
+    for c in d["cells"]:
+        assert c["bytes"] == 2 * 2 * 2 * 16 * 32 * 2 and positive(c["ratio_raw_over_record"], c["record_GBps"])
+    d = run_bench(
+        "gpu", ["--shape", "tiny", "--layers", "1,-1", "--model-dtype", "float32", "--stats", "on", *common], tmp_path
+    )
+    (c,) = d["cells"]
+    assert (
+        c["layers"] == [1, 3] and c["d_model"] == 64 and positive(c["record_over_forward"], c["forward_tokens_per_s"])
+    )
+
+
 def test_bench_loaders(tmp_path):
     d = run_bench(
         "loaders",

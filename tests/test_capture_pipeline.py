@@ -169,3 +169,44 @@ def test_a_durable_commit_syncs_every_file_it_wrote_and_never_the_whole_disk(tmp
         folders = {str(p) for p in root.rglob("*") if p.is_dir() and "leases" not in p.parts} | {str(root)}
         assert files - synced == set(), f"written, never fsynced: {sorted(files - synced)[:5]}"
         assert folders - synced == set(), f"folders whose new names were never fsynced: {sorted(folders - synced)[:5]}"
+
+
+class _Hand(torch.nn.Module):
+    """A block that hands over a fixed output (what benchmarks/bench_gpu.py --replay does)."""
+
+    def __init__(self, out: torch.Tensor):
+        super().__init__()
+        self.register_buffer("out", out, persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+class _Handing(torch.nn.Module):
+    def __init__(self, outs: list[torch.Tensor]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Hand(o) for o in outs)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        for blk in self.layers:
+            input_ids = blk(input_ids)
+        return input_ids
+
+
+@pytest.mark.parametrize("model_dtype", ["bfloat16", "float32"])
+def test_values_beyond_float16_are_refused_or_clipped_to_its_maximum(tmp_path, model_dtype):
+    """A bfloat16 or float32 output beyond +-65504: refused before anything of the batch is
+    written, or (clip) stored as +-65504 and counted, never as inf (bfloat16 cannot even
+    hold 65504: the clip works in float32)."""
+    out = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5))
+    out[0, 1, 2], out[1, 4, 7] = 1e6, -3e5
+    model = _Handing([out.to(getattr(torch, model_dtype))])
+    ids = [torch.zeros(2, 5, dtype=torch.long)]
+    with pytest.raises(actstore.Float16OverflowError, match=f"2 finite {model_dtype} values lie beyond the range"):
+        actstore.record(model, ids, tmp_path / "r", layers=[0])
+    actstore.record(model, ids, tmp_path / "c", layers=[0], on_overflow="clip")
+    actstore.finalize(tmp_path / "c")
+    store = actstore.ActStore(tmp_path / "c")
+    st = store.stats()
+    assert (st.overflow[0], st.nonfinite[0], store.manifest.overflow["tokens"]) == (2, 0, 2)
+    assert (store[0, 0][1, 2], store[1, 0][4, 7]) == (65504.0, -65504.0) and st.max[0] == 65504.0

@@ -149,7 +149,7 @@ class Sink:
                 stats = running_stats(
                     [stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model, packed
                 )
-            w.append(**staged.append_kwargs(), batch_stats=stats, overflow=overflow)
+            w.append(**staged.append_kwargs(cfg.texts), batch_stats=stats, overflow=overflow)
         finally:
             staged.release()
         b = staged.b

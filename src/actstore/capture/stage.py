@@ -72,11 +72,12 @@ class Staged:
             over[names[k % len(names)]] += int(n)
         return rows, over
 
-    def append_kwargs(self) -> dict[str, Any]:
-        """ShardWriter.append's arguments: the activations as each segment's list of layers."""
+    def append_kwargs(self, texts: tuple[str, ...]) -> dict[str, Any]:
+        """ShardWriter.append's arguments: the activations as each segment's list of layers,
+        and the store's `texts` of the batch."""
         kw: dict[str, Any] = {s.seg.name: self.acts[s.seg.name] for s in self.segs}
         kw["sample_keys"] = self.batch.keys or None
-        kw["texts"] = self.batch.texts
+        kw["texts"] = {name: self.batch.texts[name] for name in texts}
         if not self.segs[0].seg.fixed:
             kw["lengths"] = {s.seg.name: s.lengths for s in self.segs}
             kw["source_lengths"] = {s.seg.name: s.source_lengths for s in self.segs}
@@ -314,7 +315,8 @@ def _clip(src: Any, dtype: Any, hi: float) -> Any:
     """`src` cast to `dtype` with finite values saturated to +-hi (non-finite ones kept)."""
     import torch
 
-    return torch.where(torch.isfinite(src), src.clamp(-hi, hi), src).to(dtype)
+    wide = src.to(torch.float64 if src.dtype == torch.float64 else torch.float32)  # (bfloat16 cannot hold 65504)
+    return torch.where(torch.isfinite(wide), wide.clamp(-hi, hi), wide).to(dtype)
 
 
 def _moments(y: Any, keep: Any, n_over: int) -> Any:
