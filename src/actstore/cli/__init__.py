@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "remote",
     "importers",
     "features",
+    "views",
 )
 
 
