@@ -76,6 +76,16 @@ class _Group(click.Group):
                 with formatter.section(section):
                     formatter.write_dl(rows)
 
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ActstoreError, OSError, ValueError) as e:  # bad input or a failing disk: one line, no traceback
+            from actstore.cli.wording import cli_words
+
+            sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
+            click.echo(f"actstore: error: {cli_words(str(e), sub)}", err=True)
+            sys.exit(1)
+
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="actstore")
