@@ -107,6 +107,18 @@ def resolve(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
+def required_argument(name: str, metavar: str, **attrs: Any) -> Callable:
+    """Decorator: a positional argument that is required, though a deprecated option (an
+    `alias` of it) may stand in for it."""
+
+    def deco(f: Callable) -> Callable:
+        f = click.argument(name, required=False, metavar=metavar, callback=resolve, **attrs)(f)
+        f.__click_params__[-1].required_here = True
+        return f
+
+    return deco
+
+
 def _label(param: click.Parameter) -> str:
     return param.opts[0] if isinstance(param, click.Option) else (param.metavar or param.name.upper())
 
@@ -170,10 +182,19 @@ def quiet_json(
 
 
 def echo_json(obj: Any) -> None:
-    """The --json answer: one JSON document on stdout."""
+    """The --json answer: one JSON document on stdout (a dataclass report: its shown fields)."""
     import json
 
-    click.echo(json.dumps(obj, default=str))
+    click.echo(json.dumps(report_fields(obj), default=str))
+
+
+def report_fields(obj: Any) -> Any:
+    """A dataclass report as a dict of its shown fields (a lock or a cache left out); else `obj`."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.repr}
+    return obj
 
 
 # -- special tokens -----------------------------------------------------------------------

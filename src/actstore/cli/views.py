@@ -3,30 +3,16 @@ transformer, an HTML page of coloured tokens for a text store)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
 
 def register(main: click.Group) -> None:
     main.add_command(show_cmd)
-
-
-def _require(command: str, modules: tuple[str, ...]) -> None:
-    """Exit 1 with the install command when a package capture needs is missing (the core
-    install, `pip install actstore`, has no torch)."""
-    missing = [{"PIL": "pillow"}.get(m, m) for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        click.echo(
-            f"actstore: error: `actstore {command}` needs {' and '.join(missing)}, not installed here: "
-            "pip install 'actstore[capture]'",
-            err=True,
-        )
-        sys.exit(1)
 
 
 @click.command("show")
@@ -51,14 +37,11 @@ def _require(command: str, modules: tuple[str, ...]) -> None:
 )
 @click.option("--feature", type=int, help="With --sae: the latent to show.")
 @click.option("--tokenizer", help="Text stores: a tokenizer folder or cached hub id instead of the recorded one.")
-@click.option(
-    "-o",
-    "--out",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="File to write (default exN-layerL.png, or .html for text stores).",
+@G.out_option(
+    "File to write (default exN-layerL.png, or .html for text stores).", required=False, type=click.Path(dir_okay=False)
 )
-@click.option("--quiet", is_flag=True, help="Do not print the file's path.")
+@G.overwrite_option("Replace an existing file (default: refuse it).")
+@G.quiet_json(quiet="Do not print the file's path.", json='Print {"path": FILE} on stdout.')
 def show_cmd(
     store: str,
     ex: tuple[int, ...],
@@ -68,7 +51,9 @@ def show_cmd(
     feature: int | None,
     tokenizer: str | None,
     out: str | None,
+    overwrite: bool,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Draw example EX at LAYER: for a vision transformer, per-patch norms (or a dimension /
     SAE latent) over the image, several examples on one colour scale (a PNG); for a text
@@ -90,26 +75,29 @@ def show_cmd(
         from actstore.features.sources import load_saelens
 
         encoder, feat = load_saelens(sae), feature
-    if not st.config.attrs.get("image"):
+    text = not st.config.attrs.get("image")
+    if text and len(ex) != 1:
+        raise click.UsageError("a text store shows one example at a time: give one --ex")
+    path = Path(out or f"ex{'-'.join(map(str, ex))}-layer{layer}.{'html' if text else 'png'}")
+    G.refuse_existing(path, overwrite)
+    if text:
         from actstore.features.show import text_html
 
-        if len(ex) != 1:
-            raise click.UsageError("a text store shows one example at a time: give one --ex")
-        path = Path(out or f"ex{ex[0]}-layer{layer}.html")
-        path.write_text(
-            text_html(st, ex[0], layer, encoder=encoder, feature=feat, tokenizer=tokenizer), encoding="utf-8"
-        )
+        html = text_html(st, ex[0], layer, encoder=encoder, feature=feat, tokenizer=tokenizer)
+        from actstore.storage.files import atomic_write_bytes
+
+        atomic_write_bytes(path, html.encode("utf-8"))
     elif len(ex) > 1 or feat is not None:
-        _require("show", ("PIL",))
+        G.require_extras("show", ("PIL",))
         from actstore.features.show import images_png
 
-        path = images_png(
-            st, list(ex), layer, out or f"ex{'-'.join(map(str, ex))}-layer{layer}.png", encoder=encoder, feature=feat
-        )
+        path = images_png(st, list(ex), layer, path, encoder=encoder, feature=feat)
     else:
-        _require("show", ("torch", "PIL"))
+        G.require_extras("show", ("torch", "PIL"))
         from actstore.features.show_image import render
 
-        path = render(store, ex[0], layer, out)
-    if not quiet:
+        path = render(store, ex[0], layer, path)
+    if as_json:
+        G.echo_json({"path": str(path)})
+    elif not quiet:
         click.echo(f"wrote {path}")
