@@ -120,7 +120,8 @@ def required_argument(name: str, metavar: str, **attrs: Any) -> Callable:
 
 
 def _label(param: click.Parameter) -> str:
-    return param.opts[0] if isinstance(param, click.Option) else (param.metavar or param.name.upper())
+    """How a message names `param`: its long option (--out, not -o), or its metavar."""
+    return max(param.opts, key=len) if isinstance(param, click.Option) else (param.metavar or param.name.upper())
 
 
 # -- the output ---------------------------------------------------------------------------
