@@ -99,7 +99,7 @@ def test_no_recorded_tokenizer_is_a_clear_error(tmp_path):
 def _chromium():
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/setup.sh does)"
+        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/test_tools.sh does)"
         if os.environ.get("ACTSTORE_NO_SKIP") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
