@@ -1,12 +1,10 @@
 """The command line's grammar (docs/cli.md, "The grammar"), checked on every command the
 click group holds, by introspection: a command another module registers is checked as soon
-as it is registered. Then the grammar at work: deprecated spellings warn and still work, an
-existing output is refused unless --overwrite, --json prints one JSON document and --quiet
-nothing, on one small store."""
+as it is registered; then the parts that need no store beyond the factory's (deprecated
+spellings, missing options). tests/test_cli_workflow.py runs the grammar along a workflow."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from click.testing import CliRunner
 
 from actstore.cli import OTHER, SECTIONS, main, section_of
 from actstore.cli import grammar as G
-from factory import word_store, word_tokenizer
+from factory import vit_store
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = sorted(main.commands)
@@ -144,14 +142,7 @@ def test_docs_name_every_command_and_option(name):
     assert missing == [], f"options of actstore {name} not in the docs: {missing}"
 
 
-# -- the grammar at work ----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("grammar")
-    tok = word_tokenizer(root / "tok")
-    return word_store(root / "store", tok)
+# -- the grammar at work, without a model or the views -----------------------------------------
 
 
 def run(*args, code=0):
@@ -160,101 +151,20 @@ def run(*args, code=0):
     return res
 
 
-def test_json_and_quiet_along_a_whole_workflow(store, tmp_path):
-    """Every step prints one JSON document with --json, and nothing with --quiet."""
-    feats, site, npd = tmp_path / "feats", tmp_path / "site", tmp_path / "np"
-    steps = [
-        ("info", store),
-        ("verify", store),
-        ("features", store, "--layer", "4", "--neurons", "--top-k", "3", "--out", feats),
-        ("view", feats, "--out", site),
-        ("export-neuronpedia", feats, "--out", npd),
-        ("show", store, "--ex", "2", "--layer", "-1", "--out", tmp_path / "ex2.html"),
-        ("export-pkl", store, "--out", tmp_path / "pkl"),
-        ("import-pkl", tmp_path / "pkl", tmp_path / "back"),
-        ("cp", store, tmp_path / "copy"),
-        ("finalize", tmp_path / "copy"),
-    ]
-    answers = {}
-    for step in steps:
-        res = run(*step, "--json")
-        answers[step[0]] = json.loads(res.stdout)
-        assert "actstore:" not in res.stderr, (step[0], res.stderr)  # (progress lines may go there)
-    assert answers["features"] == {"path": str(feats), "features": 6, "tokens": 96}  # BOS left out: 12 x 8
-    assert answers["view"] == {"path": str(site / "index.html")} and (site / "index.html").exists()
-    page = (tmp_path / "ex2.html").read_text()
-    assert answers["show"] == {"path": str(tmp_path / "ex2.html")} and "zebra" in page and "<title>example 2<" in page
-    assert answers["export-neuronpedia"]["path"] == str(npd) and len(answers["export-neuronpedia"]["files"]) >= 1
-    assert answers["import-pkl"]["n_examples"] == 12 and answers["finalize"]["examples"] == 12
-    quiet = [
-        ("features", store, "--layer", "4", "--neurons", "--top-k", "3", "-o", tmp_path / "f2"),
-        ("view", tmp_path / "f2", "-o", tmp_path / "s2"),
-        ("export-neuronpedia", tmp_path / "f2", "-o", tmp_path / "np2"),
-        ("show", store, "--ex", "0", "--layer", "4", "-o", tmp_path / "ex0.html"),
-    ]
-    for step in quiet:
-        assert run(*step, "--quiet").output == "", step[0]
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["features", "{s}", "--layer", "4", "--neurons", "--out", "{o}"],
-        ["view", "{f}", "--out", "{o}"],
-        ["export-neuronpedia", "{f}", "--out", "{o}"],
-        ["show", "{s}", "--ex", "2", "--layer", "4", "--out", "{o}/page.html"],
-    ],
-    ids=lambda v: v[0],
-)
-def test_an_existing_output_is_refused_unless_overwrite(store, tmp_path, args):
-    feats = tmp_path / "feats"
-    run("features", store, "--layer", "4", "--neurons", "--top-k", "2", "-o", feats, "--quiet")
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "mine.txt").write_text("keep me")
-    (out / "page.html").write_text("an older page")
-    given = [a.format(s=store, f=feats, o=out) for a in args]
-    target = out / "page.html" if args[0] == "show" else out
-    res = run(*given, code=1)
-    assert res.output == (
-        f"actstore: error: {target} exists; pass --overwrite to replace it, or choose another --out "
-        "(nothing was written)\n"
-    )
-    assert sorted(p.name for p in out.iterdir()) == ["mine.txt", "page.html"]
-    assert (out / "page.html").read_text() == "an older page"
-    run(*given, "--overwrite", "--quiet")
-    made = {"features": "meta.json", "view": "index.html", "export-neuronpedia": "batch-0.json", "show": "page.html"}
-    assert (out / made[args[0]]).exists()
-    if args[0] == "show":
-        assert "zebra" in (out / "page.html").read_text()
-
-
-def test_deprecated_spellings_warn_and_still_work(store, tmp_path):
-    """Each old spelling gives today's result and one warning naming today's spelling."""
+def test_old_positional_output_and_option_spellings_warn_and_still_work(tmp_path):
+    store = vit_store(tmp_path / "s").path
     old = run("export-pkl", store, tmp_path / "a")  # OUT as an argument
     assert old.stderr == "actstore: warning: OUT as an argument is deprecated; use --out\n"
     assert (tmp_path / "a" / "metadata.json").exists()
     both = run("export-pkl", store, tmp_path / "b", "--out", tmp_path / "c", code=2)
     assert "OUT as an argument and --out say the same thing: give --out only" in both.output
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
-
-    keep = run("features", store, "--layer", "4", "--neurons", "-o", tmp_path / "k", "--keep-special", "--no-progress")
-    assert keep.stderr == (
-        "actstore: warning: --keep-special is deprecated; use --special keep\n"
-        "actstore: warning: --no-progress is deprecated; use --quiet\n"
-    )
-    new = run("features", store, "--layer", "4", "--neurons", "-o", tmp_path / "n", "--special", "keep", "--quiet")
-    assert new.output == ""
-    meta_old, meta_new = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("k", "n"))
-    assert meta_old["n_tokens"] == meta_new["n_tokens"] == 12 * 9  # the BOS kept: every token
-    assert "--special keep" in meta_new["command"] and "--special keep" in meta_old["command"]
-
-    runs = tmp_path / "runs"
-    link = run("link-run", "--run", runs / "r", "--train-shards", tmp_path / "nowhere", code=1)
+    link = run("link-run", "--run", tmp_path / "runs" / "r", "--train-shards", tmp_path / "nowhere", code=1)
     assert link.stderr.startswith("actstore: warning: --run is deprecated; use RUN as the first argument\n")
 
 
-def test_missing_options_are_named_together(store):
+def test_missing_options_are_named_together(tmp_path):
+    store = vit_store(tmp_path / "s").path
     res = run("features", code=2)
     assert (
         res.output.strip().splitlines()[-1] == "Error: Missing argument 'STORE' and options '--layer', '-o' / '--out'."
@@ -270,11 +180,7 @@ def test_missing_options_are_named_together(store):
 def test_importers_layer_takes_a_name(tmp_path):
     from actstore.read.layers import number_in_name
 
-    assert [number_in_name(n) for n in ("blocks.8.hook_resid_post", "model.layers.12.mlp", "transformer.h.3", "x")] == [
-        8,
-        12,
-        3,
-        None,
-    ]
+    names = ("blocks.8.hook_resid_post", "model.layers.12.mlp", "transformer.h.3", "x")
+    assert [number_in_name(n) for n in names] == [8, 12, 3, None]
     res = run("import-dictionary-learning", tmp_path, tmp_path / "s", "--layer", "embed", code=2)
     assert "'embed' is neither a layer number nor a name that holds one" in res.output
