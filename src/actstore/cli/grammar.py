@@ -57,7 +57,7 @@ def alias(
     its value (through `value`, e.g. a flag -> a --special word) to the parameter `of`, which
     must be declared with `callback=resolve` (or a callback that calls it). Giving both
     spellings is a usage error. `argument=True` makes a positional alias (an old positional
-    output); otherwise `decls` are option names.
+    output); otherwise `decls` are option names. `attrs` go to click (a type, is_flag).
     """
     spelled = decls[0] if not argument else f"{decls[0].upper()} as an argument"
     name = f"_alias_{of}_{decls[0].lstrip('-').replace('-', '_')}"
@@ -72,7 +72,13 @@ def alias(
     def deco(f: Callable) -> Callable:
         if argument:
             param = click.argument(
-                name, required=False, is_eager=True, expose_value=False, callback=remember, metavar=f"[{decls[0]}]"
+                name,
+                required=False,
+                is_eager=True,
+                expose_value=False,
+                callback=remember,
+                metavar=f"[{decls[0]}]",
+                **attrs,
             )
         else:
             param = click.option(
@@ -135,7 +141,7 @@ def out_option(help: str, *, positional: str | None = None, required: bool = Tru
         f = click.option("-o", "--out", "out", type=type, callback=resolve, help=help)(f)
         f.__click_params__[-1].required_here = required
         if positional:
-            f = alias(positional, of="out", use="--out", argument=True)(f)
+            f = alias(positional, of="out", use="--out", argument=True, type=type)(f)
         return f
 
     return deco
