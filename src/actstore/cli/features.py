@@ -10,33 +10,6 @@ import click
 from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
-# --progress/--no-progress, before --quiet: deprecated aliases of --quiet
-_PROGRESS_ALIASES = (
-    G.alias("--no-progress", of="quiet", use="--quiet", value=lambda _: True, is_flag=True, default=None),
-    G.alias(
-        "--progress",
-        of="quiet",
-        use="the default (progress is shown unless --quiet)",
-        value=lambda _: False,
-        is_flag=True,
-        default=None,
-    ),
-)
-
-
-def _progress_aliases(f):
-    for a in _PROGRESS_ALIASES:
-        f = a(f)
-    return f
-
-
-def _quiet_json(f):
-    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the text.")(f)
-    f = click.option("--quiet", is_flag=True, callback=G.resolve, help="No progress bar; nothing printed on success.")(
-        f
-    )
-    return _progress_aliases(f)
-
 
 def register(main: click.Group) -> None:
     main.add_command(features_cmd)
@@ -84,7 +57,7 @@ def register(main: click.Group) -> None:
 )
 @G.out_option("Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
 @G.overwrite_option("Replace the output of an earlier pass in OUT (default: refuse it).")
-@_quiet_json
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
 def features_cmd(
     store,
     layer,
@@ -172,7 +145,7 @@ def _command(ctx: click.Context) -> str:
     type=click.Path(exists=True),
     help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.",
 )
-@_quiet_json
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
 def view_cmd(src, out, overwrite, store_path, tokenizer, unembedding, quiet, as_json) -> None:
     """A static site of the output of `actstore features` SRC: an index sortable by max and
     density with a search box, and a page per feature. No server or internet needed."""

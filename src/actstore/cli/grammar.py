@@ -178,12 +178,26 @@ def refuse_existing(location: str | os.PathLike, overwrite: bool, *, flag: str =
 def quiet_json(
     quiet: str = "No progress, nothing printed on success.",
     json: str = "Print one JSON summary on stdout instead of the text.",
+    *,
+    old_progress: bool = False,
 ) -> Callable:
-    """Decorator: `--quiet` (parameter `quiet`) and `--json` (parameter `as_json`)."""
+    """Decorator: `--quiet` (parameter `quiet`) and `--json` (parameter `as_json`); with
+    `old_progress`, the former `--progress/--no-progress` as deprecated aliases of --quiet."""
 
     def deco(f: Callable) -> Callable:
         f = click.option("--json", "as_json", is_flag=True, help=json)(f)
-        return click.option("--quiet", is_flag=True, help=quiet)(f)
+        f = click.option("--quiet", is_flag=True, callback=resolve, help=quiet)(f)
+        if old_progress:
+            f = alias("--no-progress", of="quiet", use="--quiet", value=lambda _: True, is_flag=True, default=None)(f)
+            f = alias(
+                "--progress",
+                of="quiet",
+                use="the default (progress is shown unless --quiet)",
+                value=lambda _: False,
+                is_flag=True,
+                default=None,
+            )(f)
+        return f
 
     return deco
 
