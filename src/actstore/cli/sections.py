@@ -2,7 +2,7 @@
 
 click lists every option in one block; `SectionedCommand` prints them grouped by the
 `section` each option was declared with (`section_option`), in the order the sections first
-appear, and hides deprecated spellings from the help (they still work, with a warning).
+appear; options declared without one (--quiet, --json, --help) come last, under "Output".
 """
 
 from __future__ import annotations
@@ -34,12 +34,7 @@ class SectionedCommand(click.Command):
             rec = p.get_help_record(ctx)
             if rec is None:
                 continue
-            sections.setdefault(getattr(p, "section", "Other options"), []).append(rec)
+            sections.setdefault(getattr(p, "section", "Output"), []).append(rec)
         for name, rows in sections.items():
             with formatter.section(name):
                 formatter.write_dl(rows)
-
-
-def warn_deprecated(old: str, new: str, note: str = "") -> None:
-    """The one-line notice of an old spelling (kept one release), on stderr."""
-    click.echo(f"actstore: warning: {old} is deprecated; use {new}{note}", err=True)
