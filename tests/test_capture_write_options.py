@@ -69,7 +69,10 @@ def test_every_missing_option_is_named_at_once(tmp_path):
     res = cli("write", tmp_path / "s", "--data", "d", ok=False)
     assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == "Error: Missing options '--model', '--layers'."
     res = cli("write", ok=False)
-    assert res.output.strip().splitlines()[-1] == "Error: Missing argument 'STORE' and options '--model', '--data', '--layers'."
+    assert (
+        res.output.strip().splitlines()[-1]
+        == "Error: Missing argument 'STORE' and options '--model', '--data', '--layers'."
+    )
     assert not (tmp_path / "s").exists()
 
 

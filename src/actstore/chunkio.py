@@ -266,6 +266,22 @@ class ChunkIO:
             self._index_cache.pop(key, None)
             self._mapped.pop(key, None)
 
+    def write_shard_parts(
+        self, first_ex: int, n: int, parts: list[Any], writeback: Writeback | None = None, durable: bool = False
+    ) -> None:
+        """Write the Zarr v3 shard file of examples first_ex..first_ex+n-1 (first_ex % S == 0)
+        from its data in pieces: C-order arrays whose bytes, in order, are its n examples'
+        (layer, token, d_model) rows (a staging buffer's slab, or rows where they lie). The
+        file is put atomically, the pieces written as they are (no copy)."""
+        g = self.geo
+        assert g.shard_examples is not None and first_ex % g.shard_examples == 0 and g.zarr_format == 3
+        views = [memoryview(np.ascontiguousarray(p)).cast("B") for p in parts]
+        assert sum(v.nbytes for v in views) == n * g.n_layers * g.n_tchunks * g.chunk_nbytes
+        key = g.shard_key(first_ex)
+        self.storage.put(key, *views, g.encode_index(n), writeback=writeback, durable=durable)
+        self._index_cache.pop(key, None)
+        self._mapped.pop(key, None)
+
     def delete_example(self, ex: int) -> None:
         """Remove the chunk files of one example (used to drop an uncommitted block)."""
         for lp in range(self.geo.n_layers):

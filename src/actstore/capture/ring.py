@@ -3,12 +3,14 @@
 A `Ring` holds up to `n` slots, each one flat byte buffer (pinned memory for a CUDA
 model, so that the device-to-host copies run asynchronously) carved into the batch's
 arrays: per segment (L, b, T_pad, D) in the stored dtype, and the batch's statistics.
-The forward thread takes a slot and fills it; the writer thread gives it back once the
-batch is appended (its bytes copied on). A slot is allocated once and reused; one too
+The forward thread takes a slot and fills it; the writer lends its rows to the shard
+files and gives the slot back once they are written (a Zarr shard file of S examples
+holds the slots of its batches: the stage adds three shard files' worth of slots to
+the queue's). A slot is allocated once and reused; one too
 small for a batch is replaced; a finished ring's slots serve the process's next one
 (allocating pinned memory, or faulting in fresh pages, costs more than copying into
-them). With n = queue_size + 2 (one filling, queue_size queued,
-one being appended) the forward thread never waits here longer than it would on the queue.
+them). Beyond those, n = queue_size + 2 (one filling, queue_size queued, one being
+appended): the forward thread waits here only while the storage is behind.
 """
 
 from __future__ import annotations

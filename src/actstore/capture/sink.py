@@ -149,9 +149,12 @@ class Sink:
                 stats = running_stats(
                     [stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model, packed
                 )
-            w.append(**staged.append_kwargs(cfg.texts), batch_stats=stats, overflow=overflow)
-        finally:
+            # The rows are lent: written from the slot (or the model's outputs), the slot
+            # given back once they are (no copy into a staging buffer).
+            w.append(**staged.append_kwargs(cfg.texts), batch_stats=stats, overflow=overflow, release=staged.release)
+        except BaseException:
             staged.release()
+            raise
         b = staged.b
         n_tok = int(sum(int(s.lengths.sum()) for s in staged.segs))
         for s, seg in zip(staged.segs, cfg.segments):  # tokens of the source against tokens kept by the budget

@@ -45,7 +45,7 @@ class Staged:
     acts: dict[str, list[Any]]  # segment -> L tensors (b, T_pad, D): views of the slot, or hooked outputs
     batch: CaptureBatch
     source_dtype: str
-    slot: Slot
+    slot: Slot | None
     ring: Ring
     event: Any = None  # CUDA: the copies have landed once it completes
     packed: Any = None  # CUDA: (K, W) float64 in the slot; CPU: K futures (or tensors)
@@ -88,7 +88,10 @@ class Staged:
         return kw
 
     def release(self) -> None:
-        self.ring.give_back(self.slot)
+        """Give the slot back (once: the writer calls this when its rows are written)."""
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self.ring.give_back(slot)
 
 
 class Stage:
@@ -207,6 +210,8 @@ class Stage:
         b, t, d = out.shape
         if self.cfg is None:
             self.cfg = self.job.config(b, t, d)
+            if self.cfg.shard_examples:  # slots are lent until their shard files are written
+                self.ring.n += 3 * -(-self.cfg.shard_examples // b)  # one filling, two in flight
             self.on_config(self.cfg)
         cfg = self.cfg
         segs = plan_segments(cfg, self.batch, b, t, self.job, self._n, self.device)

@@ -50,19 +50,19 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     WHAT,
     "--model",
     required=True,
-    help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6. Required.",
+    help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.",
 )
 @section_option(
     WHAT,
     "--data",
     required=True,
-    help='A folder of images, a .jsonl of texts ({"text"}) or pairs ({"prompt", "response"}), a .txt file (a document a line), a glob of files (\'corpus/*.txt\': a document a file; quote it), a .parquet or .arrow file, a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics. Required.',
+    help='A folder of images, a .jsonl of texts ({"text"}) or pairs ({"prompt", "response"}), a .txt file (a document a line), a glob of files (\'corpus/*.txt\': a document a file; quote it), a .parquet or .arrow file, a datasets save_to_disk folder, or embedded:images | embedded:pydoc-topics.',
 )
 @section_option(
     WHAT,
     "--layers",
     required=True,
-    help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp. Required.",
+    help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp.",
 )
 @section_option(
     WHAT,

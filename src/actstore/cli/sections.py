@@ -30,11 +30,12 @@ class SectionedCommand(click.Command):
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         sections: dict[str, list[tuple[str, str]]] = {}
+        rest: list[tuple[str, str]] = []
         for p in self.get_params(ctx):
-            rec = p.get_help_record(ctx)
+            rec = p.get_help_record(ctx) if isinstance(p, click.Option) else None
             if rec is None:
                 continue
-            sections.setdefault(getattr(p, "section", "Output"), []).append(rec)
-        for name, rows in sections.items():
+            (sections.setdefault(p.section, []) if hasattr(p, "section") else rest).append(rec)
+        for name, rows in [*sections.items(), ("Output", rest)]:
             with formatter.section(name):
                 formatter.write_dl(rows)

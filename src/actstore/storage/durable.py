@@ -65,17 +65,17 @@ def syncfs(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_files(paths: set[str], top: str, threads: int = 16) -> None:
+def fsync_files(paths: set[str], top: str, threads: int = 16, made: set[str] = frozenset()) -> None:
     """Make these files durable, with the folders that name them up to `top` (their new
-    names), all at once: the fsyncs run in parallel, so the file system commits them
-    together (one journal commit for many; ext4 and xfs group concurrent fsyncs). Unlike
-    syncfs, it waits for nothing another writer of the same disk wrote. A file deleted
-    meanwhile is skipped."""
+    names) and the folders `made` since, all at once: the fsyncs run in parallel, so the
+    file system commits them together (one journal commit for many; ext4 and xfs group
+    concurrent fsyncs). Unlike syncfs, it waits for nothing another writer of the same disk
+    wrote. A file deleted meanwhile is skipped."""
     from concurrent.futures import ThreadPoolExecutor
 
     top = top.rstrip("/")
     folders: set[str] = set()
-    for p in paths:
+    for p in [*paths, *(m + "/" for m in made)]:
         d = p.rsplit("/", 1)[0]
         while d.startswith(top) and d not in folders:
             folders.add(d)

@@ -25,15 +25,8 @@ from typing import Any
 from actstore.errors import UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
-from actstore.storage.durable import (
-    fsync_files,
-    SYNC_FILE_RANGE_WRITE,
-    FileWriteback,
-    fsync_dir,
-    sync_file_range,
-    syncfs,
-    tmp_name,
-)
+from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
+from actstore.storage.durable import syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular
@@ -304,6 +297,8 @@ class LocalStorage(Storage):
             check_no_links(self._top, parent)
             os.makedirs(parent, exist_ok=True)
             self._made_dirs.add(parent)
+            if self._written is not None:
+                self._written_dirs.add(parent)  # its name, and its parents', synced by sync_written
 
     def put(
         self, key: str, *parts: Any, atomic: bool = True, durable: bool = False, writeback: Writeback | None = None
@@ -317,7 +312,8 @@ class LocalStorage(Storage):
         try:
             self._write_file(tmp, parts, durable, writeback)
             os.replace(tmp, path)
-            self._note(path, tmp)
+            if not durable:
+                self._note(path, tmp)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -326,7 +322,8 @@ class LocalStorage(Storage):
             fsync_dir(path.rsplit("/", 1)[0])
 
     def _write_file(self, path: str, parts: tuple, durable: bool, writeback: Writeback | None) -> None:
-        self._note(path)
+        if not durable:  # (a durable put syncs itself)
+            self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY | _O_NOFOLLOW)
         try:
             for part in parts:
@@ -420,24 +417,20 @@ class LocalStorage(Storage):
             syncfs(path)
 
     def track_writes(self) -> None:
-        self._written = set()
+        self._written, self._written_dirs = set(), set()
 
     def mark_written(self, key: str) -> None:
         self._note(self.path(_checked(key)))
 
-    def sync_written(self) -> None:
-        """fsync what was written since the last call, with the folders naming it, together
-        (actstore.storage.durable.fsync_files); syncfs when writes are not tracked."""
+    def sync_written(self) -> None:  # the written files and their folders at once (durable.fsync_files)
         if self._written is None:
-            self.sync()
-            return
-        paths, self._written = self._written, set()
-        fsync_files(paths, self._top)
+            return self.sync()
+        paths, self._written, made, self._written_dirs = self._written, set(), self._written_dirs, set()
+        fsync_files(paths, self._top, made=made)
 
-    def _note(self, path: str, replaced: str | None = None) -> None:
+    def _note(self, path: str, replaced: str = "") -> None:
         if self._written is not None:
-            if replaced is not None:
-                self._written.discard(replaced)  # its data now has the final name
+            self._written.discard(replaced)  # (a temporary file's data, now under its final name)
             self._written.add(path)
 
     def writeback(self) -> Writeback | None:

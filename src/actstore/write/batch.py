@@ -35,6 +35,7 @@ class Batch:
     nonfinite: dict[str, int] = field(default_factory=dict)
     overflow: dict[str, int] = field(default_factory=dict)
     truncated: dict[str, int] = field(default_factory=dict)
+    release: Any = None  # lent rows (ShardWriter.append(release=)): called once they are written
 
 
 class LayerList:

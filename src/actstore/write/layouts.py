@@ -41,6 +41,7 @@ class Layout:
     """Base: the checksum bookkeeping every layout shares."""
 
     background = False  # whether rows are written by a thread whose errors end the writer
+    borrows = False  # whether an append may lend its rows (written from where they are, later)
     files = "chunk files"  # what it writes, for error messages
 
     def __init__(self, cfg: StoreConfig):

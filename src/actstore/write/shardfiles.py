@@ -1,12 +1,18 @@
-"""ShardFiles: Zarr format 3 shard files staged whole and written by the write pipeline.
+"""ShardFiles: Zarr format 3 shard files gathered whole and written by the write pipeline.
 
-A writer gathers S examples into a staging buffer, then hands the full buffer to the
-write pipeline (actstore.write.pipeline), whose threads write (or upload) it as one shard
-file per segment while the appending thread fills and checksums the next buffer:
-converting, screening and checksumming the next batches overlaps the storage, and
-several shard files are in flight at once (one per pipeline thread). The buffer itself is
-written (or uploaded) and then reused: one copy of each byte, and memory bounded by the
-buffers (`take_buffer` waits while all are in use).
+A writer gathers S examples, then hands the whole shard file to the write pipeline
+(actstore.write.pipeline), whose threads write (or upload) it, one shard file per segment,
+while the appending thread gathers and checksums the next: converting, screening and
+checksumming the next batches overlaps the storage, and several shard files are in flight
+at once (one per pipeline thread). A shard file's data is the (example, layer) rows of its
+examples in order, gathered in one of two ways:
+
+- copied into a staging buffer (the one copy of each byte, checksummed while in the
+  cache), reused once written: memory bounded by the buffers (`take` waits while all are
+  in use);
+- lent (ShardWriter.append(release=...), what a capture does): the caller's rows are
+  written as they are, in one gathered write, and handed back (`release`) once every
+  shard file holding them is written. No copy at all.
 
 A commit covers every appended example: a partly filled shard is written as a whole
 shard file then, and replaced whole once it fills. A write error is kept and raised by
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -86,8 +93,28 @@ class StagingBuffers:
                     _spare.append(buf)
 
 
+class _Lent:
+    """A lent batch: `release` runs once no shard file still to be written holds its rows."""
+
+    def __init__(self, release: Callable[[], None]):
+        self.release = release
+        self.held = 1  # the append itself, until every shard file it reaches is counted
+        self.lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self.lock:
+            self.held += 1
+
+    def done(self) -> None:
+        with self.lock:
+            self.held -= 1
+            last = self.held == 0
+        if last:
+            self.release()
+
+
 class ShardFiles(Layout):
-    """Format 3 Zarr shard files of S examples, staged here and written by the pipeline.
+    """Format 3 Zarr shard files of S examples, gathered here and written by the pipeline.
 
     Args:
         cfg: the store configuration (shard_examples S).
@@ -100,6 +127,7 @@ class ShardFiles(Layout):
     """
 
     background = True
+    borrows = True  # appends may lend their rows (Batch.release)
     files = "shard files"
 
     def __init__(
@@ -122,68 +150,105 @@ class ShardFiles(Layout):
         # One buffer filling, one per pipeline thread writing, within the pipeline's bytes.
         n = max(2, min(pipeline.threads + 1, pipeline.max_bytes // max(file_bytes, 1) + 1))
         self.buffers = StagingBuffers(shapes, np.dtype(cfg.zarr_dtype), n)
-        self.stage = self.buffers.take()
+        self.stage: dict[str, np.ndarray] | None = None  # taken when a copied batch needs it
+        self.parts: dict[str, list] = {s.name: [] for s in cfg.segments}  # the current file's rows, in order
+        self.lent: list[_Lent] = []  # lent batches whose rows the current file holds
         self.stage_first = n_written // self.S * self.S
         self.stage_n = self.stage_written = n_written - self.stage_first
         if self.stage_n:  # resumed after a commit that wrote a partial shard: reload it
+            stage = self._stage()
             for s in cfg.segments:
                 for i in range(self.stage_n):
                     for lp in range(cfg.n_layers):
-                        io[s.name].read_into(self.stage_first + i, lp, self.stage[s.name][i, lp])
+                        io[s.name].read_into(self.stage_first + i, lp, stage[s.name][i, lp])
+                self.parts[s.name].append(stage[s.name][: self.stage_n])
 
     @property
     def at_boundary(self) -> bool:
-        """No partly filled shard file is staged (a commit now writes no shard file twice)."""
+        """No partly filled shard file is gathered (a commit now writes no shard file twice)."""
         return self.stage_n == 0
 
     def check(self) -> None:
         self.pipeline.check()
 
-    def append(self, batch: Batch, n0: int) -> None:
-        """Copy a batch into the staging buffer; hand each full buffer to the pipeline."""
-        i, b = 0, batch.b
-        while i < b:
-            k = min(b - i, self.S - self.stage_n)
-            for name, arr in batch.acts.items():
-                part = self.stage[name][self.stage_n : self.stage_n + k]
-                # The one copy, into the buffer that is written, a few examples at a time
-                # (about COPY_BYTES), each checksummed right after its copy while still in the
-                # CPU's cache (per (example, layer), the block's derived from them) while the
-                # pipeline writes: one pass over memory for both.
-                step = max(1, COPY_BYTES // max(part[:1].nbytes, 1))
-                for j in range(0, k, step):
-                    e = min(j + step, k)
-                    if isinstance(arr, LayerList):  # the layers as the capture produced them
-                        for lp, a in enumerate(arr.layers):
-                            part[j:e, lp] = a[i + j : i + e]
-                    else:
-                        part[j:e] = arr[i + j : i + e]
-                    self._add_rows(name, part[j:e])
-            self.stage_n += k
-            i += k
-            if self.stage_n == self.S:
-                self._submit(self.stage, self.stage_first, self.stage_n, release=True)
-                self.stage_first += self.stage_n
-                self.stage_n = self.stage_written = 0
-                self.stage = self.buffers.take()
+    def _stage(self) -> dict[str, np.ndarray]:
+        if self.stage is None:
+            self.stage = self.buffers.take()
+        return self.stage
 
-    def _submit(self, buf: dict[str, np.ndarray], first: int, n: int, release: bool) -> None:
-        """Write examples first..first+n-1 (the first n rows of `buf`) as one shard file per
-        segment. With release=False the buffer stays with the caller, who goes on filling
-        rows n.. once the pipeline is drained (a partial shard written at a commit)."""
+    def append(self, batch: Batch, n0: int) -> None:
+        """Gather a batch's rows (copied, or lent); hand each full shard file to the pipeline."""
+        lent = _Lent(batch.release) if batch.release is not None else None
+        i, b = 0, batch.b
+        try:
+            while i < b:
+                k = min(b - i, self.S - self.stage_n)
+                for name, arr in batch.acts.items():
+                    if lent is not None:  # the rows themselves, checksummed where they are
+                        rows = arr[i : i + k]
+                        self._add_rows(name, rows)
+                        self.parts[name].extend(rows[j, lp] for j in range(k) for lp in range(self.cfg.n_layers))
+                    else:
+                        self._copy(name, arr, i, k)
+                if lent is not None:
+                    lent.hold()
+                    self.lent.append(lent)
+                self.stage_n += k
+                i += k
+                if self.stage_n == self.S:
+                    self._submit(self.stage_first, self.stage_n, release=True)
+                    self.stage_first += self.stage_n
+                    self.stage_n = self.stage_written = 0
+        finally:
+            if lent is not None:
+                lent.done()  # (the batch's own hold: released once its files are written)
+
+    def _copy(self, name: str, arr: object, i: int, k: int) -> None:
+        """Copy rows i..i+k of `arr` into the staging buffer, a few examples at a time (about
+        COPY_BYTES), each checksummed right after its copy while still in the CPU's cache:
+        one pass over memory for both."""
+        part = self._stage()[name][self.stage_n : self.stage_n + k]
+        step = max(1, COPY_BYTES // max(part[:1].nbytes, 1))
+        for j in range(0, k, step):
+            e = min(j + step, k)
+            if isinstance(arr, LayerList):  # the layers as the capture produced them
+                for lp, a in enumerate(arr.layers):
+                    part[j:e, lp] = a[i + j : i + e]
+            else:
+                part[j:e] = arr[i + j : i + e]
+            self._add_rows(name, part[j:e])
+        self.parts[name].append(part)
+
+    def _submit(self, first: int, n: int, release: bool) -> None:
+        """Write examples first..first+n-1 (the gathered rows) as one shard file per segment.
+        With release=True the file is whole: its staging buffer and lent rows go back once
+        it is written; with release=False (a partial shard written at a commit) they stay,
+        and gathering goes on once the pipeline is drained."""
+        parts = {seg: list(rows) for seg, rows in self.parts.items()}
 
         def write() -> None:
             for seg, io in self.io.items():
-                io.write_shards(first, buf[seg][:n], writeback=self._writeback, durable=self.durable)
+                io.write_shard_parts(first, n, parts[seg], writeback=self._writeback, durable=self.durable)
 
-        done = (lambda: self.buffers.give_back(buf)) if release else None
+        done = None
+        if release:
+            stage, lent = self.stage, self.lent
+            self.stage, self.lent = None, []
+            self.parts = {seg: [] for seg in self.parts}
+
+            def done() -> None:
+                if stage is not None:
+                    self.buffers.give_back(stage)
+                for x in lent:
+                    x.done()
+
         self.pipeline.submit(write, n * self.cfg.example_bytes(), done)
 
     def flush(self, complete: bool) -> int:
         # A commit covers every appended example: a partly filled shard is written as
         # a whole shard file now and replaced whole once it fills.
         if self.stage_n > self.stage_written:
-            self._submit(self.stage, self.stage_first, self.stage_n, release=False)
+            self._submit(self.stage_first, self.stage_n, release=False)
             self.stage_written = self.stage_n
         self.pipeline.drain()
         return self.stage_first + self.stage_n
@@ -200,7 +265,11 @@ class ShardFiles(Layout):
         self.pipeline.close()
         if self._writeback is not None:
             self._writeback.close()
+        lent, self.lent = self.lent, []
+        for x in lent:  # nothing more will be written from them
+            x.done()
+        self.parts = {seg: [] for seg in self.parts}
         if self.stage is not None:  # (closed once: a buffer must never be kept twice)
             self.buffers.give_back(self.stage)
             self.stage = None
-            self.buffers.close()
+        self.buffers.close()

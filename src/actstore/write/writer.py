@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import weakref
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -234,6 +234,7 @@ class ShardWriter(ShardSetup):
         token_ids: Any = None,
         batch_stats: RunningStats | None = None,
         overflow: Mapping[str, int] | None = None,
+        release: Callable[[], None] | None = None,
         **segment_acts: Any,
     ) -> range:
         """Append a batch of examples; returns their local indices in this shard.
@@ -255,6 +256,10 @@ class ShardWriter(ShardSetup):
             batch_stats: statistics already computed for this batch (merged as is).
             overflow: {segment: values of this batch clipped to the stored dtype's range
                 before they were given here} (counted as the writer counts its own clips).
+            release: lend the activations instead of having them copied: the writer may
+                write them from where they are, later, and calls release() (once, from any
+                thread) when it no longer needs them; until then the caller must not change
+                them. Not called when append raises.
         """
         self._check_open()
         cfg = self.cfg
@@ -283,6 +288,7 @@ class ShardWriter(ShardSetup):
         # Everything is validated: from here on the batch is written.
         n0, b = self.n_written, batch.b
         self._check_background()
+        batch.release = release if self._layout.borrows else None  # rows written from where they are
         try:
             self._layout.append(batch, n0)
         except OSError as e:
@@ -308,6 +314,8 @@ class ShardWriter(ShardSetup):
         for name, lines in batch.text_lines.items():
             self._pending_text[name].extend(lines)
         self.n_written = n0 + b
+        if release is not None and batch.release is None:
+            release()  # (this layout copied the rows, or wrote them already)
         self._block_bytes += sum(a.nbytes for a in batch.acts.values())
         if self._block_bytes >= self.commit_bytes and (
             # With Zarr sharding, prefer a commit where a shard file just filled: a commit
