@@ -105,6 +105,12 @@ def forward_alone(module: torch.nn.Module, batches: list, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process, every thread (user + system)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def raw_write(folder: Path, nbytes: int) -> float:
     """One thread writing `nbytes` to a new file in 4 MiB writes, then fsync: the medium's bound."""
     buf = memoryview(os.urandom(1 << 20) * 4)
@@ -136,6 +142,7 @@ def capture(model, batches, folder: Path, layers: list[int], a, stats: bool):
         zarr_format=a.zarr_format,
         queue_size=a.queue_size,
         writer_threads=a.writer_threads,
+        writer_nice=a.writer_nice,
     )
     dt = time.perf_counter() - t0
     shutil.rmtree(store)
@@ -159,14 +166,18 @@ def run_cell(a, model_dtype: str, stats: bool, folder: Path, device: str) -> dic
         trunk = model.model
     batches = [torch.randint(0, vocab, (b, t), generator=g).to(device) for _ in range(a.batches)]
     capture(model, batches, folder, layers, a, stats)  # warm up: kernels, and the buffers a long capture reuses
-    recs, raws, fwds, results = [], [], [], []
+    recs, raws, fwds, results, cpu_rec, cpu_raw = [], [], [], [], [], []
     for _ in range(a.repeats):
         if trunk is not None:
             fwds.append(forward_alone(trunk, batches, device))
+        c0 = cpu_seconds()
         dt, res = capture(model, batches, folder, layers, a, stats)
+        cpu_rec.append(cpu_seconds() - c0)
         recs.append(dt)
         results.append(res)
+        c0 = cpu_seconds()
         raws.append(raw_write(folder, res.nbytes))
+        cpu_raw.append(cpu_seconds() - c0)
     nbytes = results[0].nbytes
     tokens = a.batches * b * t
     cell = {
@@ -183,6 +194,9 @@ def run_cell(a, model_dtype: str, stats: bool, folder: Path, device: str) -> dic
         "record_GBps": nbytes / statistics.median(recs) / 1e9,
         "raw_GBps": nbytes / statistics.median(raws) / 1e9,
         "ratio_raw_over_record": statistics.median(r / c for r, c in zip(raws, recs)),
+        "record_cpu_s": cpu_rec,  # every thread of the process (a loaded machine's wall times vary more)
+        "raw_cpu_s": cpu_raw,
+        "cpu_ratio_raw_over_record": statistics.median(r / c for r, c in zip(cpu_raw, cpu_rec)),
         "record_tokens_per_s": tokens / statistics.median(recs),
         "writer_cpu_s": [r.writer_cpu_seconds for r in results],
         "wait_s": [r.wait_seconds for r in results],
@@ -216,6 +230,13 @@ def main() -> None:
     ap.add_argument("--zarr-format", type=int, default=3)
     ap.add_argument("--queue-size", type=int, default=2)
     ap.add_argument("--writer-threads", type=int, default=None)
+    ap.add_argument(
+        "--writer-nice",
+        type=int,
+        default=0,
+        help="The writer threads' priority drop (record()'s default 10 yields to a model on the CPU; 0 here: "
+        "the raw write it is compared with runs at normal priority, and on a shared machine nice threads wait)",
+    )
     a = ap.parse_args()
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a.layers_list = [int(x) for x in a.layers.split(",")]
@@ -244,7 +265,8 @@ def main() -> None:
                     path = save("gpu", result)
                     line = (
                         f"{base} {md}->{a.dtype} stats {'on ' if st else 'off'}: record {cell['record_GBps']:.2f} GB/s, "
-                        f"raw {cell['raw_GBps']:.2f} GB/s, ratio {cell['ratio_raw_over_record']:.2f}x"
+                        f"raw {cell['raw_GBps']:.2f} GB/s, ratio {cell['ratio_raw_over_record']:.2f}x "
+                        f"(CPU time {cell['cpu_ratio_raw_over_record']:.2f}x)"
                     )
                     if "record_over_forward" in cell:
                         line += (
