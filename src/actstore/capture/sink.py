@@ -66,6 +66,11 @@ class Job:
         if self.t_chunk:  # never a chunk above the writer's default size (MAX_CHUNK_BYTES)
             item = np.dtype(spec.ACT_DTYPES[self.opts.dtype]).itemsize
             seg_kw["t_chunk"] = {k: min(v, default_t_chunk(self.segments[k], d, item)) for k, v in self.t_chunk.items()}
+        # The capture's labels are token kinds: the store says so (StoreConfig.token_label_names,
+        # where the layout has it; the attrs' `token_labels` mark capture-made stores either way).
+        names = getattr(spec, "TOKEN_KIND_NAMES", None) if self.token_labels else None
+        if names is not None:
+            seg_kw["token_label_names"] = names
         return make_config(
             layers=[hp.layer for hp in self.hooks],
             d_model=d,
