@@ -115,6 +115,11 @@ def test_special_keep_mask_drop(tmp_path, llama_dir):
     keep, mask, drop = (actstore.ActStore(tmp_path / m) for m in ("keep", "mask", "drop"))
     assert "prompt_token_labels" not in keep.config.fields and keep.config.token_labels is False
     assert mask.config.token_labels is True and mask.config.attrs["capture"]["special"] == "mask"
+    # The labels are token kinds, and the store says so: the attrs' marker of capture-made
+    # stores, and StoreConfig.token_label_names where the layout has that field.
+    assert mask.config.attrs["token_labels"]["0"] == "content"
+    assert getattr(mask.config, "token_label_names", None) in (None, {0: "content", 1: "special", 2: "template"})
+    assert getattr(keep.config, "token_label_names", None) is None
     for i in range(3):
         labels = np.asarray(mask.field("prompt_token_labels")[i, : mask.lengths(i)["prompt"]])
         assert keep.lengths(i) == mask.lengths(i)  # every token stored, unlabelled
