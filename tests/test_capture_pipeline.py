@@ -214,3 +214,27 @@ def test_values_beyond_float16_are_refused_or_clipped_to_its_maximum(tmp_path, m
     st = store.stats()
     assert (st.overflow[0], st.nonfinite[0], store.manifest.overflow["tokens"]) == (2, 0, 2)
     assert (store[0, 0][1, 2], store[1, 0][4, 7]) == (65504.0, -65504.0) and st.max[0] == 65504.0
+
+
+@pytest.mark.parametrize("layout", [{"zarr_format": 2}, {"shard_examples": 3}])
+def test_lent_rows_are_written_as_they_are_and_released_once_written(tmp_path, layout):
+    """append(release=f): a Zarr shard file is written from the caller's rows, and f runs
+    once every file holding them is written (a batch spanning two files: after both); the
+    chunk-file layout writes at once and releases before append returns."""
+    x = np.random.default_rng(6).standard_normal((7, 2, 5, 8)).astype(np.float16)
+    released: list[int] = []
+    sharded = "shard_examples" in layout
+    with actstore.ShardWriter(tmp_path / "s", layers=[0, 1], d_model=8, tokens=5, **layout) as w:
+        w.append(x[0:2].copy(), release=lambda: released.append(0))
+        assert released == ([] if sharded else [0])  # the first shard file (3 examples) is not full
+        w.append([x[2:4, 0].copy(), x[2:4, 1].copy()], release=lambda: released.append(2))  # spans files 0 and 1
+        w.commit()  # writes the partial file 1 too; its rows stay lent (it is rewritten whole)
+        assert released == [0] if sharded else released == [0, 2]
+        w.append(x[4:7].copy(), release=lambda: released.append(4))
+        with pytest.raises(actstore.AppendError):
+            w.append(x[:1, :, :4], release=lambda: released.append(-1))  # refused: never released
+    assert sorted(released) == [0, 2, 4]
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    for i in range(7):
+        np.testing.assert_array_equal(np.stack([store[i, 0], store[i, 1]]), x[i])
