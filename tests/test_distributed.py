@@ -398,7 +398,9 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
         (4, 0),
         (6, 0),
     ]  # finished shards: nothing loaded, nothing written
-    with pytest.raises(CaptureError, match="already holds shard 0; pass resume=True"):
+    with pytest.raises(
+        CaptureError, match=r"already holds shard 0 \(4 examples committed, complete\); pass resume=True"
+    ):
         record(str(model_dir), batches, tmp_path / "ray", runner="ray", workers=2, **common)
     with pytest.raises(CaptureError, match="pass a list of batches, not a generator"):
         record(str(model_dir), (b for b in batches), tmp_path / "x", runner="ray", workers=2, **common)

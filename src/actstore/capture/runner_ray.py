@@ -244,7 +244,7 @@ def record_ray(
     target = CaptureTarget(root)
     target.storage.check_access(write=True)
     if not opts.resume:
-        target.check_fresh(range(s.workers))
+        target.check_fresh(range(s.workers), resume="resume=True")
     jobs = []
     for r in range(s.workers):
         a, b = split(len(batches), s.workers, r)

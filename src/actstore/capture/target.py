@@ -57,14 +57,14 @@ class CaptureTarget:
         return sum(self.committed(r)[0] for r in shards)
 
     # ---- the rules ------------------------------------------------------------------
-    def check_fresh(self, shards: Any) -> None:
-        """A run without --resume starts no shard that exists."""
+    def check_fresh(self, shards: Any, resume: str = "--resume") -> None:
+        """A run without --resume (`resume`, as the caller spells it) starts no shard that exists."""
         for r in shards:
             if catalog.shard_exists(self.storage, r):
                 n_done, complete = self.committed(r)
                 raise CaptureError(
                     f"{self.url} already holds shard {r} ({n_done} examples committed{', complete' if complete else ''}); "
-                    "pass --resume to continue the run, or write to a new path"
+                    f"pass {resume} to continue the run, or write to a new path"
                 )
 
     def check_lease(self, shard: int) -> None:
