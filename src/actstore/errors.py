@@ -218,6 +218,15 @@ class TokenizerNotFoundError(FeatureError, FileNotFoundError):
     """The store records no tokenizer that can be loaded from files (pass --tokenizer)."""
 
 
+class OutputExistsError(FeatureError, FileExistsError):
+    """A view or export's output folder exists and --overwrite was not given, or it exists and
+    is not a folder this command wrote (it is never replaced then)."""
+
+
+class OutputBusyError(FeatureError, BlockingIOError):
+    """Another process is writing the same view or export folder now."""
+
+
 class ImportSourceError(ActstoreError, ValueError):
     """A source to import is damaged, or not in the format asked for; the message names the file."""
 

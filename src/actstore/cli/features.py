@@ -129,22 +129,40 @@ def _command(ctx: click.Context) -> str:
     return " ".join(shlex.quote(x) for x in parts)
 
 
+TOKENIZER_HELP = (
+    "Decode token ids with this tokenizer instead of the one the store records: embedded:smollm2-135m, "
+    "a hub id in the local cache, or a folder with tokenizer files. Without one, token ids are shown."
+)
+UNEMBEDDING_HELP = (
+    "W_U for logit tables of decoder directions: auto (from the model the store records, its final norm "
+    "folded in), a .npy (d_model, vocab), a safetensors file holding lm_head.weight, or a model folder."
+)
+
+
 @click.command("view")
 @click.argument("src")
 @click.option(
     "--out", required=True, type=click.Path(file_okay=False), help="The site folder to write (open OUT/index.html)."
 )
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
-@click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
+@click.option("--tokenizer", help=TOKENIZER_HELP)
+@click.option("--unembedding", help=UNEMBEDDING_HELP)
 @click.option(
-    "--unembedding",
-    type=click.Path(exists=True),
-    help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.",
+    "--neighbours",
+    type=click.IntRange(0, 100),
+    default=10,
+    show_default=True,
+    help="Decoder-cosine neighbours a feature.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing site at OUT (swapped in whole when done).")
+@click.option(
+    "--allow-store-change", is_flag=True, help="Warn, instead of refusing, when the store changed since the pass."
 )
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
-    """A static site of the output of `actstore features` SRC: an index sortable by max and
-    density with a search box, and a page per feature. No server or internet needed."""
+def view_cmd(src, out, store_path, tokenizer, unembedding, neighbours, overwrite, allow_store_change, progress) -> None:
+    """A static site of the output of `actstore features` SRC: an index of every feature
+    (virtual scrolling, search, sort, density histogram) and a page per feature, reading
+    per-feature data files. No server or internet needed: open OUT/index.html."""
     from actstore.features.site import build_site
 
     store = None
@@ -152,7 +170,17 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    index = build_site(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, progress=progress)
+    index = build_site(
+        src,
+        out,
+        store=store,
+        tokenizer=tokenizer,
+        unembedding=unembedding,
+        neighbours=neighbours,
+        overwrite=overwrite,
+        on_store_change="warn" if allow_store_change else "refuse",
+        progress=progress,
+    )
     click.echo(f"wrote {index}")
 
 

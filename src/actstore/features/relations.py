@@ -1,0 +1,96 @@
+"""How features relate, from what a pass and its encoder hold (no second pass):
+
+- decoder-cosine neighbours: the features whose decoder directions point most nearly the
+  same way (SAEs and other sources with a decoder), among the features of the pass;
+- co-occurrence: the features whose own top activations or interval samples fall on the same
+  (example, token) as this feature's top activations, with how many of them;
+- the tokens most often active: the token ids at this feature's top activations and
+  interval samples, by count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+N_NEIGHBOURS = 10
+N_COOCCURRING = 10
+N_COMMON = 10
+MAX_PER_POSITION = 256  # a position shared by more features counts for the first 256 (bounds the pairs)
+BLOCK = 1024  # rows of the cosine matrix computed at a time
+
+
+def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
+    """(F, n) indices (into W_dec's rows) and cosines of each row's nearest other rows, most
+    similar first; a zero row's cosines are 0."""
+    F = len(W_dec)
+    n = min(n, max(F - 1, 0))
+    W = np.asarray(W_dec, np.float32)
+    norms = np.linalg.norm(W, axis=1)
+    Wn = W / np.where(norms > 0, norms, 1.0)[:, None]
+    idx = np.zeros((F, n), np.int64)
+    cos = np.zeros((F, n), np.float32)
+    if n == 0:
+        return idx, cos
+    for b0 in range(0, F, BLOCK):
+        S = Wn[b0 : b0 + BLOCK] @ Wn.T  # (b, F)
+        rows = np.arange(len(S))
+        S[rows, b0 + rows] = -np.inf  # never its own neighbour
+        part = np.argpartition(-S, n - 1, axis=1)[:, :n]
+        order = np.argsort(-np.take_along_axis(S, part, axis=1), axis=1, kind="stable")
+        top = np.take_along_axis(part, order, axis=1)
+        idx[b0 : b0 + len(S)] = top
+        cos[b0 : b0 + len(S)] = np.take_along_axis(S, top, axis=1)
+    return idx, cos
+
+
+def _top_n(owner: np.ndarray, other: np.ndarray, count: np.ndarray, n: int) -> dict[int, list[tuple[int, int]]]:
+    """Per owner: the n (other, count) pairs of largest count, ties by `other`."""
+    order = np.lexsort((other, -count, owner))
+    owner, other, count = owner[order], other[order], count[order]
+    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    out: dict[int, list[tuple[int, int]]] = {}
+    for s, e in zip(starts, np.r_[starts[1:], len(owner)]):
+        out[int(owner[s])] = list(zip(other[s : min(e, s + n)].tolist(), count[s : min(e, s + n)].tolist()))
+    return out
+
+
+def cooccurring(
+    top_features: np.ndarray,
+    top_positions: np.ndarray,
+    all_features: np.ndarray,
+    all_positions: np.ndarray,
+    n: int = N_COOCCURRING,
+) -> dict[int, list[tuple[int, int]]]:
+    """Per feature f of `top_features`: the other features g (of `all_features`) at the most of
+    f's top positions, with that count. Positions are int64 keys of (example, token)."""
+    both = np.unique(np.stack([all_positions, all_features.astype(np.int64)], axis=1), axis=0)  # each pair once
+    all_positions, all_features = both[:, 0], both[:, 1]
+    keys, inv = np.unique(all_positions, return_inverse=True)
+    order = np.lexsort((all_features, inv))
+    inv_s, feat_s = inv[order], all_features[order]
+    starts = np.searchsorted(inv_s, np.arange(len(keys)))
+    ends = np.searchsorted(inv_s, np.arange(len(keys)), side="right")
+    ends = np.minimum(ends, starts + MAX_PER_POSITION)
+    where = np.searchsorted(keys, top_positions)
+    found = (where < len(keys)) & (keys[np.minimum(where, len(keys) - 1)] == top_positions)
+    pos_of = where[found]
+    f_of = top_features[found]
+    lens = (ends - starts)[pos_of]
+    own = np.repeat(f_of, lens)
+    take = np.repeat(starts[pos_of] - np.cumsum(np.r_[0, lens[:-1]]), lens) + np.arange(lens.sum())
+    other = feat_s[take]
+    keep = other != own
+    pair = np.unique(np.stack([own[keep], other[keep]], axis=1), axis=0, return_counts=True) if keep.any() else None
+    if pair is None:
+        return {}
+    (pairs, counts) = pair
+    return _top_n(pairs[:, 0], pairs[:, 1], counts, n)
+
+
+def common_tokens(features: np.ndarray, token_ids: np.ndarray, n: int = N_COMMON) -> dict[int, list[tuple[int, int]]]:
+    """Per feature: the n token ids that occur most among its rows, with their counts."""
+    ok = token_ids >= 0
+    if not ok.any():
+        return {}
+    pairs, counts = np.unique(np.stack([features[ok], token_ids[ok]], axis=1), axis=0, return_counts=True)
+    return _top_n(pairs[:, 0], pairs[:, 1], counts, n)
