@@ -37,4 +37,10 @@ pip install --no-deps "dictionary-learning==0.1.0" "nnsight==0.3.7"
 # SAEDashboard, only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
 # export back with them); --no-deps: it declares transformer-lens, a CUDA torch and more.
 pip install --no-deps "sae-dashboard==0.8.0"
+# delphi (EleutherAI), only for its LatentDataset loader (tests/test_features_exports.py reads
+# `actstore export-delphi` back with it); --no-deps: it declares vllm, bitsandbytes and more.
+# Importing delphi.latents needs these small ones (faiss and sentence-transformers are
+# imported at module level, never used by the loader).
+pip install --no-deps "eai-delphi==0.1.3" "asyncer==0.0.18" "blobfile==3.3.0" "orjson==3.13.0" \
+  "faiss-cpu==1.15.1" "sentence-transformers==6.2.0" "lxml==6.1.3" "pycryptodomex==3.24.2"
 echo "$want" > "$stamp"

@@ -14,6 +14,7 @@ def register(main: click.Group) -> None:
     main.add_command(features_cmd)
     main.add_command(view_cmd)
     main.add_command(export_neuronpedia_cmd)
+    main.add_command(export_delphi_cmd)
 
 
 @click.command("features")
@@ -190,19 +191,29 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, neighbours, overwrite
     "--out",
     required=True,
     type=click.Path(file_okay=False),
-    help="Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).",
+    help="Folder for Neuronpedia's layout (<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz) "
+    "and saedashboard/batch-<n>.json (SAEDashboard 0.8.0's JSON).",
 )
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
-@click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
+@click.option("--tokenizer", help=TOKENIZER_HELP)
+@click.option("--unembedding", help=UNEMBEDDING_HELP)
+@click.option("--model-id", help="Neuronpedia's model id (default: from the store's).")
+@click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's source set name.")
 @click.option(
-    "--unembedding",
-    type=click.Path(exists=True),
-    help="W_U (.npy or safetensors): logit tables and histograms of the decoder directions.",
+    "--creator-id",
+    default="clkht01d40000jv08hvalcvly",
+    show_default=True,
+    help="Neuronpedia user id the rows name (the default is the user a self-hosted Neuronpedia seeds).",
 )
-@click.option("--model-id", help="Neuronpedia's model id (default: the store's).")
-@click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's SAE set name.")
-def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_id, sae_set) -> None:
-    """Feature dashboards as SAEDashboard's Neuronpedia JSON, from the output of `actstore features` SRC."""
+@click.option("--overwrite", is_flag=True, help="Replace an existing export at OUT (swapped in whole when done).")
+@click.option(
+    "--allow-store-change", is_flag=True, help="Warn, instead of refusing, when the store changed since the pass."
+)
+def export_neuronpedia_cmd(
+    src, out, store_path, tokenizer, unembedding, model_id, sae_set, creator_id, overwrite, allow_store_change
+) -> None:
+    """Feature dashboards for Neuronpedia (its import layout) and SAEDashboard (its JSON), from
+    the output of `actstore features` SRC."""
     from actstore.features.export import export_neuronpedia
 
     store = None
@@ -210,7 +221,86 @@ def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_i
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    files = export_neuronpedia(
-        src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set
+    folder = export_neuronpedia(
+        src,
+        out,
+        store=store,
+        tokenizer=tokenizer,
+        unembedding=unembedding,
+        model_id=model_id,
+        sae_set=sae_set,
+        creator_id=creator_id,
+        overwrite=overwrite,
+        on_store_change="warn" if allow_store_change else "refuse",
     )
-    click.echo(f"wrote {len(files)} batch files to {out}")
+    click.echo(f"wrote {folder} (Neuronpedia) and {out}/saedashboard (SAEDashboard)")
+
+
+@click.command("export-delphi")
+@click.argument("store", type=STORE)
+@click.option("--layer", required=True, help="A stored layer number or name (e.g. blocks.8.hook_resid_post).")
+@click.option("--neurons", is_flag=True, help="Directions: the stored dimensions themselves.")
+@click.option("--sae", type=click.Path(exists=True), help="Directions: an SAELens checkpoint folder.")
+@click.option("--saev", type=click.Path(exists=True), help="Directions: a saev checkpoint file.")
+@click.option("--dictionary", type=click.Path(exists=True), help="Directions: a dictionary_learning trainer folder.")
+@click.option(
+    "--directions", type=click.Path(exists=True), help="Directions: a (d_model, F) matrix, .npy or .safetensors."
+)
+@click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
+@click.option("--hookpoint", help="The cache's module folder name (default layers.<layer>).")
+@click.option("--n-splits", type=click.IntRange(1), default=5, show_default=True, help="Latent ranges, one file each.")
+@click.option("--keep-special", is_flag=True, help="Include special and template tokens (left out by default).")
+@click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N or auto.")
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="The cache folder: OUT/<hookpoint>/<start>_<end>.safetensors.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace an existing cache at OUT (swapped in whole when done).")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def export_delphi_cmd(
+    store,
+    layer,
+    neurons,
+    sae,
+    saev,
+    dictionary,
+    directions,
+    bias,
+    hookpoint,
+    n_splits,
+    keep_special,
+    device,
+    out,
+    overwrite,
+    progress,
+) -> None:
+    """Every non-zero activation of a dictionary over LAYER of STORE as delphi's latent cache
+    (what delphi's LatentDataset reads to sample and explain latents)."""
+    from actstore.features import sources
+    from actstore.features.delphi import export_delphi
+    from actstore.opener import open as open_store
+
+    st = open_store(store)
+    enc = sources.load(
+        neurons_d_model=int(st.d_model) if neurons else None,
+        sae=sae,
+        saev=saev,
+        dictionary=dictionary,
+        directions=directions,
+        bias=bias,
+    )
+    folder = export_delphi(
+        st,
+        int(st.layer_number(layer)),
+        enc,
+        out,
+        hookpoint=hookpoint,
+        n_splits=n_splits,
+        keep_special=keep_special,
+        device=device,
+        overwrite=overwrite,
+        progress=progress,
+    )
+    click.echo(f"wrote {folder}")
