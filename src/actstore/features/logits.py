@@ -200,7 +200,7 @@ def logit_tables(
     """LogitTables of (F, d_model) directions, BLOCK directions at a time."""
     F = len(directions)
     n = min(n, unembed.W.shape[1])
-    out = {k: np.zeros((F, n), np.int64 if k.endswith("ids") else np.float32) for k in ("ti", "tv", "bi", "bv")}
+    out = {k: np.zeros((F, n), np.int64 if k.endswith("i") else np.float32) for k in ("ti", "tv", "bi", "bv")}
     hist = np.zeros((F, bins), np.int64)
     lo, hi = np.zeros(F, np.float32), np.zeros(F, np.float32)
     for b0 in range(0, F, BLOCK):

@@ -101,6 +101,7 @@
     page.innerHTML = html.join("");
     page.dataset.feature = f;
     page.dataset.ms = Math.round(performance.now());
+    page.dataset.wide = document.documentElement.scrollWidth > window.innerWidth ? "1" : "0";  // no token widens the page
   }
   function go() {
     var f = parseInt((location.hash || "#0").slice(1), 10);

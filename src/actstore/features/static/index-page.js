@@ -106,5 +106,11 @@
     var q = this.value; clearTimeout(timer);
     timer = setTimeout(function () { shown = filter(q); if (key !== "feature" || !asc) { sort(); } draw(true); }, 120);
   };
+  // index.html#q=<search>&sort=<column> (-<column>: descending): a link to a view of the index
+  var params = {};
+  location.hash.slice(1).split("&").forEach(function (kv) { var i = kv.indexOf("="); if (i > 0) { params[kv.slice(0, i)] = decodeURIComponent(kv.slice(i + 1)); } });
+  if (params.q) { document.getElementById("q").value = params.q; shown = filter(params.q); }
+  if (params.sort) { asc = params.sort.charAt(0) !== "-"; key = params.sort.replace(/^-/, ""); if (!X[key]) { key = "feature"; asc = true; } }
+  sort();
   draw(true);
 }());
