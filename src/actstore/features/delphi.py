@@ -66,18 +66,29 @@ class DelphiWriter:
         self.n_latents = n_latents
 
     def add(self, example: np.ndarray, position: np.ndarray, latent: np.ndarray, value: np.ndarray) -> None:
-        """Keep non-zeros given as coordinates (equal-length arrays)."""
-        s = self.split_of[latent]
-        order = np.argsort(s, kind="stable")  # a radix sort of uint8
-        cuts = np.searchsorted(s[order], np.arange(1, len(self.chunks)))
-        for i, idx in enumerate(np.split(order, cuts)):
-            if not len(idx):
-                continue
-            loc = np.empty((len(idx), 3), self.loc_dtype)
-            loc[:, 0] = example[idx]
-            loc[:, 1] = position[idx]
-            loc[:, 2] = latent[idx] - self.bounds[i]
-            self.chunks[i].append((loc, value[idx].astype(np.float16)))
+        """Keep non-zeros given as coordinates (equal-length arrays): one buffer a call, in
+        which each split's rows are one contiguous slice (kept as views)."""
+        n_splits = len(self.chunks)
+        value16 = np.asarray(value).astype(np.float16).view(np.uint16)  # numba moves the bits
+        loc = np.empty((len(value16), 3), self.loc_dtype)
+        act = np.empty(len(value16), np.uint16)
+        counts = _scatter(
+            np.asarray(example, np.int64),
+            np.asarray(position, np.int64),
+            np.asarray(latent, np.int64),
+            value16,
+            self.split_of,
+            self.bounds,
+            n_splits,
+            loc,
+            act,
+        )
+        act16 = act.view(np.float16)
+        o = 0
+        for i, c in enumerate(counts.tolist()):
+            if c:
+                self.chunks[i].append((loc[o : o + c], act16[o : o + c]))
+            o += c
 
     @property
     def n_nonzero(self) -> int:
@@ -99,6 +110,46 @@ class DelphiWriter:
             write_safetensors(path, tensors)
             paths.append(path)
         return paths
+
+
+def _scatter_py(example, position, latent, value16, split_of, bounds, n_splits, loc, act):  # noqa: ANN001, ANN202
+    """Each non-zero into its split's slice of loc / act (splits in order, input order within
+    a split); returns the rows of each split. The numpy reference of _scatter_blocks."""
+    split = split_of[latent]
+    order = np.argsort(split, kind="stable")
+    loc[:, 0] = example[order]
+    loc[:, 1] = position[order]
+    loc[:, 2] = latent[order] - bounds[split[order]]
+    act[:] = value16[order]
+    return np.bincount(split, minlength=n_splits)
+
+
+def _scatter_loop(example, position, latent, value16, split_of, bounds, n_splits, loc, act):  # noqa: ANN001, ANN202
+    """_scatter_py in one pass (compiled with numba): each row written at its split's cursor
+    (no sort, no temporaries)."""
+    counts = np.zeros(n_splits, np.int64)
+    for i in range(len(latent)):
+        counts[split_of[latent[i]]] += 1
+    cur = np.zeros(n_splits, np.int64)
+    for s in range(1, n_splits):
+        cur[s] = cur[s - 1] + counts[s - 1]
+    for i in range(len(latent)):
+        s = split_of[latent[i]]
+        j = cur[s]
+        cur[s] += 1
+        loc[j, 0] = example[i]
+        loc[j, 1] = position[i]
+        loc[j, 2] = latent[i] - bounds[s]
+        act[j] = value16[i]
+    return counts
+
+
+try:
+    import numba
+
+    _scatter = numba.njit(nogil=True, cache=True)(_scatter_loop)
+except ImportError:  # the numpy reference: the same arrays
+    _scatter = _scatter_py
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...], list[np.ndarray]]]) -> None:
