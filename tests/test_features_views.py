@@ -1,0 +1,312 @@
+"""The site's build and the views' edges: a build is staged and swapped in whole (killed with
+SIGKILL, out of space, or raced by a second build: the old site stays as it was), a site never
+replaces a folder it did not write, the views refuse a store that changed since the pass, a
+store without a tokenizer shows token ids, bidi controls are isolated and long tokens wrap in
+a real browser, the negative tail of a format-2 pass is shown, and the relations and logit
+tables are the arithmetic they claim."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from test_features_site import D, WORDS, _browser, _chromium, make_tokenizer, site_record, text_store  # noqa: F401
+
+import actstore
+from actstore.cli import main
+from actstore.errors import DiskFullError, FeatureError, OutputBusyError, OutputExistsError
+from actstore.features.run import run_features
+from actstore.features.site import build_site
+from actstore.features.staging import MARKER
+
+
+@pytest.fixture(scope="module")
+def feats(text_store, tmp_path_factory):  # noqa: F811
+    path, _ = text_store
+    out = tmp_path_factory.mktemp("feats") / "feat"
+    run_features(path, 4, str(out), neurons=True, top_k=3)
+    return out
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_second_build_needs_overwrite_and_never_replaces_other_folders(feats, tmp_path):
+    site = tmp_path / "site"
+    build_site(str(feats), site, plot_examples=0)
+    assert json.loads((site / MARKER).read_text()) == {"kind": "actstore view"}
+    with pytest.raises(OutputExistsError, match="exists: pass --overwrite to replace it"):
+        build_site(str(feats), site, plot_examples=0)
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--no-progress"])
+    assert res.exit_code == 1 and "pass --overwrite" in res.output
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--overwrite", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("precious")
+    with pytest.raises(OutputExistsError, match="is not a folder that actstore view wrote"):
+        build_site(str(feats), mine, overwrite=True, plot_examples=0)
+    assert (mine / "thesis.tex").read_text() == "precious"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert build_site(str(feats), empty, plot_examples=0) == empty / "index.html"  # an empty folder is used
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine", "site"]  # no stage or lock left
+
+
+def test_a_build_out_of_space_leaves_the_old_site(feats, tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    build_site(str(feats), site, plot_examples=0)
+    before = _tree(site)
+    real = Path.write_text
+    calls = {"n": 0}
+
+    def full(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(
+        DiskFullError, match=r"no space left writing .*\.staging-\d+/data/f/0/3\.js: .*site is unchanged"
+    ):
+        build_site(str(feats), site, overwrite=True, plot_examples=0)
+    monkeypatch.undo()
+    assert _tree(site) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+KILLER = """
+import os, signal, sys
+from actstore.features import sitedata
+from actstore.features.site import build_site
+real, n = sitedata.script, [0]
+def script(kind, value):
+    n[0] += 1
+    if n[0] == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(kind, value)
+sitedata.script = script
+build_site(sys.argv[1], sys.argv[2], overwrite=True, plot_examples=0)
+"""
+
+
+def test_a_killed_build_leaves_the_old_site_and_the_next_one_cleans_up(feats, tmp_path):
+    site = tmp_path / "site"
+    build_site(str(feats), site, plot_examples=0)
+    before = _tree(site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", KILLER, str(feats), str(site)], env=env, capture_output=True, timeout=300)
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert _tree(site) == before  # the old site, whole: not one page of the killed build
+    stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(".site.staging-")]
+    assert len(stale) == 1
+    build_site(str(feats), site, overwrite=True, plot_examples=0)  # the lock died with the process
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+def test_a_concurrent_build_is_refused(feats, tmp_path):
+    import fcntl
+
+    site = tmp_path / "site"
+    with open(tmp_path / ".site.lock", "w") as held:  # another build holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(OutputBusyError, match="another process is writing site now"):
+            build_site(str(feats), site, plot_examples=0)
+    assert not site.exists()
+    build_site(str(feats), site, plot_examples=0)
+
+
+def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F811
+    import shutil
+
+    path, _ = text_store
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    run_features(copy, 4, str(tmp_path / "feat"), neurons=True, top_k=2)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["created"] = "2000-01-01T00:00:00"  # another state of the store
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FeatureError, match="is no longer the state the feature pass read .* pass --allow-store-change"):
+        build_site(str(tmp_path / "feat"), tmp_path / "site")
+    res = CliRunner().invoke(
+        main, ["view", str(tmp_path / "feat"), "--out", str(tmp_path / "site"), "--allow-store-change", "--no-progress"]
+    )
+    assert res.exit_code == 0 and "actstore: warning:" in res.output and "no longer the state" in res.output
+
+
+def _odd_store(tmp_path, *, model_id):
+    """A store whose tokens include a right-to-left override, an isolate and a 10,000-character token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<bos>", "left", "\u202eright", "\u2066iso", "x" * 10000, "end"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<bos>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(tmp_path / "tok")
+    ids = np.array([[0, 1, 2, 3, 4, 5, 1, 5]] * 3)
+    x = np.zeros((3, 1, 8, 4), np.float32)
+    x[:, 0, 2, 0] = [3.0, 2.0, 1.0]  # dimension 0 fires on the override token
+    x[:, 0, 4, 1] = [1.0, 2.0, 3.0]  # dimension 1 on the long token
+    path = tmp_path / "odd"
+    with actstore.ShardWriter(path, layers=[0], d_model=4, tokens=8, token_ids=True, model_id=model_id) as w:
+        w.append(x.astype(np.float16), token_ids=ids)
+    actstore.finalize(path)
+    return path
+
+
+def test_bidi_controls_are_isolated_and_long_tokens_wrap(tmp_path, request):
+    exe = _chromium()
+    path = _odd_store(tmp_path, model_id=str(tmp_path / "tok"))
+    run_features(path, 0, str(tmp_path / "feat"), neurons=True, top_k=2)
+    site = tmp_path / "site"
+    build_site(str(tmp_path / "feat"), site, plot_examples=0)
+    prof = tmp_path / "prof"
+    for f in (0, 1):
+        dom = _browser(
+            exe,
+            prof,
+            "--virtual-time-budget=5000",
+            "--window-size=1000,800",
+            "--dump-dom",
+            url=(site / "feature.html").as_uri() + f"#{f}",
+        )
+        assert f'data-feature="{f}"' in dom and 'data-wide="0"' in dom  # nothing widens the page
+        assert '<span class="ctl" title="U+202E">U+202E</span>right' in dom  # shown, never applied
+        assert '<span class="ctl" title="U+2066">U+2066</span>iso' in dom
+        assert "\u202e" not in dom and "\u2066" not in dom
+    index = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri())
+    assert "<mark>" + "x" * 40 + "\u2026</mark>" in index  # the index cuts a long token
+
+
+def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
+    path = _odd_store(tmp_path, model_id="")
+    run_features(path, 0, str(tmp_path / "feat"), neurons=True, top_k=2)
+    build_site(str(tmp_path / "feat"), tmp_path / "site", plot_examples=0)
+    meta = (tmp_path / "site" / "data" / "meta.js").read_text()
+    assert "token ids shown: records no model id. To decode them, --tokenizer takes embedded:smollm2-135m" in meta
+    vocab = json.loads((tmp_path / "site" / "data" / "vocab.js").read_text()[len('ACTSTORE.load("vocab",') : -3])
+    assert vocab == {"ids": [0, 1, 2, 3, 4, 5], "text": ["[0]", "[1]", "[2]", "[3]", "[4]", "[5]"]}
+    with pytest.raises(FeatureError, match="cannot load the tokenizer 'nowhere'"):
+        build_site(str(tmp_path / "feat"), tmp_path / "site2", tokenizer="nowhere", plot_examples=0)
+    build_site(str(tmp_path / "feat"), tmp_path / "site3", tokenizer=str(tmp_path / "tok"), plot_examples=0)
+    assert "x" * 10000 in (tmp_path / "site3" / "data" / "vocab.js").read_text()
+
+
+def _format2(src: Path, out: Path) -> None:
+    """A format-2 pass (issue 34's --sign both) made from a format-1 one: the negative tail
+    is the positive tail's rows with their activations negated, as the `read` pass writes it."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shutil.copytree(src, out)
+    for name in ("top.parquet", "intervals.parquet"):
+        t = pq.read_table(src / name)
+        pos = t.append_column("sign", pa.array(np.ones(len(t), np.int8)))
+        neg = pos.set_column(pos.schema.get_field_index("activation"), "activation", pa.compute.negate(t["activation"]))
+        neg = neg.set_column(neg.schema.get_field_index("sign"), "sign", pa.array(-np.ones(len(t), np.int8)))
+        if name == "intervals.parquet":
+            for c in ("lo", "hi"):
+                neg = neg.set_column(neg.schema.get_field_index(c), c, pa.compute.negate(t[c]))
+        pq.write_table(pa.concat_tables([pos, neg]), out / name)
+    f = pq.read_table(src / "features.parquet")
+    f = f.append_column("min", pa.compute.negate(f["max"]))
+    f = f.append_column("n_negative", f["n_active"])
+    f = f.append_column("density_negative", f["density"])
+    f = f.append_column("mean_negative", pa.compute.negate(f["mean_active"]))
+    f = f.append_column("histogram_negative", f["histogram"])
+    pq.write_table(f, out / "features.parquet")
+    meta = json.loads((src / "meta.json").read_text())
+    meta |= {"format": "actstore-features/2", "histogram_edges_negative": meta["histogram_edges"]}
+    meta["options"]["sign"] = "both"
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
+def test_a_pass_of_both_tails_shows_the_negative_one(feats, tmp_path):
+    exe = _chromium()
+    _format2(feats, tmp_path / "feat2")
+    site = tmp_path / "site"
+    build_site(str(tmp_path / "feat2"), site, plot_examples=0)
+    rec = site_record(site, 0)
+    kinds = [g["kind"] for g in rec["groups"]]
+    assert kinds[:2] == ["top", "bottom"] and rec["stats"]["min"] == -rec["stats"]["max"]
+    bottom = [a for g, a in zip(rec["rows"]["g"], rec["rows"]["act"]) if rec["groups"][g]["kind"] == "bottom"]
+    assert bottom[0] == -6.0 and rec["hist_neg"] == rec["hist"]
+    dom = _browser(
+        exe, tmp_path / "prof", "--virtual-time-budget=5000", "--dump-dom", url=(site / "feature.html").as_uri() + "#0"
+    )
+    assert "Most negative activations" in dom and "density &lt; 0" in dom and "Negative values" in dom
+    index = _browser(
+        exe, tmp_path / "prof", "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri()
+    )
+    assert (
+        ">density &lt; 0</div>" in index and ">both tails" in index.replace("tail", " tails", 0) or "both tail" in index
+    )
+
+
+def test_neighbours_cooccurrence_and_common_tokens_are_the_arithmetic():
+    from actstore.features.relations import common_tokens, cooccurring, neighbours
+
+    W = np.array([[1, 0, 0], [0.9, 0.1, 0], [0, 1, 0], [0, 0, 0]], np.float32)
+    idx, cos = neighbours(W, 2)
+    assert idx[0].tolist() == [1, 2] and cos[0][0] == pytest.approx(0.9 / np.hypot(0.9, 0.1))
+    assert cos[3].tolist() == [0.0, 0.0]  # a zero direction is nobody's neighbour
+    # feature 7's top positions 10, 11, 12; feature 8 shares 10 and 11, feature 9 shares 12
+    co = cooccurring(
+        np.array([7, 7, 7]),
+        np.array([10, 11, 12]),
+        np.array([7, 7, 7, 8, 8, 9, 8]),
+        np.array([10, 11, 12, 10, 11, 12, 11]),
+    )
+    assert co[7] == [(8, 2), (9, 1)]
+    assert common_tokens(np.array([1, 1, 1, 2]), np.array([5, 5, 6, -1])) == {1: [(5, 2), (6, 1)]}
+
+
+def test_logit_tables_fold_the_final_norm(tmp_path):
+    """--unembedding auto from a model folder: W_U = lm_head.weight.T with the final RMSNorm's
+    weight folded in; the tables are the directions times it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actstore.features.logits import load_unembedding, logit_tables
+
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.arange(1, 9, dtype=torch.float32))
+    model.save_pretrained(tmp_path / "llama")
+
+    class Store:
+        meta = {"model_id": str(tmp_path / "llama")}
+        path = "s"
+
+    U = load_unembedding("auto", 8, Store())
+    want = model.lm_head.weight.detach().numpy().T * np.arange(1, 9, dtype=np.float32)[:, None]
+    np.testing.assert_allclose(U.W, want, rtol=1e-6)
+    assert U.norm == "rms"
+    d = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    L = logit_tables(d, U, n=4, bins=10)
+    full = d @ want
+    assert L.top_ids[1].tolist() == np.argsort(-full[1])[:4].tolist()
+    assert L.bottom_values[2][0] == pytest.approx(full[2].min(), rel=1e-5) and L.hist[0].sum() == 40
+    with pytest.raises(FeatureError, match="records no model id: pass --unembedding FILE"):
+        load_unembedding("auto", 8, type("S", (), {"meta": {}, "path": "p"})())
