@@ -15,7 +15,9 @@
   SAEDashboard JSON as Neuronpedia's own convert-saedashboard-to-neuronpedia-export.py does,
   plus the decoder-cosine neighbours (topkCosSimIndices / topkCosSimValues).
 
-Only the positive tail is exported (Neuronpedia's pages read activations as positive).
+Only the positive tail is exported (Neuronpedia's pages read activations as positive); the
+tokens the pass left out (BOS, special and template tokens) have value 0, as Neuronpedia's
+converter writes BOS with --zero-out-bos-token.
 Correlated neurons and features (Pearson over every token) are not computed: empty lists.
 """
 
@@ -163,7 +165,7 @@ def _activation(w: Any, r: int, text: dict[int, str], bin_min: float, bin_max: f
         "bin_max": bin_max,
         "bin_contains": bin_contains,
         "tokens": [text[int(t)] for t in w.ids[r][inside]],
-        "values": _round(w.acts[r][inside]),
+        "values": _round(np.where(w.off[r], 0.0, w.acts[r])[inside]),  # left-out tokens (BOS) as 0
         "qualifying_token_index": int(w.before - first),
     }
 
