@@ -65,16 +65,18 @@ def test_a_build_out_of_space_leaves_the_old_site(feats, tmp_path, monkeypatch):
     site = tmp_path / "site"
     build_site(str(feats), site, plot_examples=0)
     before = _tree(site)
-    real = Path.write_text
+    from actstore.features import site as site_module
+
+    real = site_module._write
     calls = {"n": 0}
 
-    def full(self, *a, **kw):
+    def full(path, text):
         calls["n"] += 1
-        if calls["n"] == 4:
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real(self, *a, **kw)
+        if calls["n"] == 4:  # the disk fills while the 4th feature's file is written
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, text)
 
-    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(site_module, "_write", full)
     with pytest.raises(
         DiskFullError, match=r"no space left writing .*\.staging-\d+/data/f/0/3\.js: .*site is unchanged"
     ):

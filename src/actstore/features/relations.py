@@ -31,15 +31,24 @@ def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS) -> tuple[np.ndarray, np
     cos = np.zeros((F, n), np.float32)
     if n == 0:
         return idx, cos
+    try:
+        import torch
+    except ImportError:
+        torch = None
     for b0 in range(0, F, BLOCK):
         S = Wn[b0 : b0 + BLOCK] @ Wn.T  # (b, F)
         rows = np.arange(len(S))
         S[rows, b0 + rows] = -np.inf  # never its own neighbour
+        if torch is not None:  # topk on every core
+            v, top = torch.topk(torch.from_numpy(S), n, dim=1, sorted=True)
+            idx[b0 : b0 + len(S)], cos[b0 : b0 + len(S)] = top.numpy(), v.numpy()
+            continue
         part = np.argpartition(-S, n - 1, axis=1)[:, :n]
         order = np.argsort(-np.take_along_axis(S, part, axis=1), axis=1, kind="stable")
         top = np.take_along_axis(part, order, axis=1)
         idx[b0 : b0 + len(S)] = top
         cos[b0 : b0 + len(S)] = np.take_along_axis(S, top, axis=1)
+    cos[~np.isfinite(cos)] = 0.0
     return idx, cos
 
 
@@ -63,28 +72,28 @@ def cooccurring(
 ) -> dict[int, list[tuple[int, int]]]:
     """Per feature f of `top_features`: the other features g (of `all_features`) at the most of
     f's top positions, with that count. Positions are int64 keys of (example, token)."""
-    both = np.unique(np.stack([all_positions, all_features.astype(np.int64)], axis=1), axis=0)  # each pair once
-    all_positions, all_features = both[:, 0], both[:, 1]
-    keys, inv = np.unique(all_positions, return_inverse=True)
-    order = np.lexsort((all_features, inv))
-    inv_s, feat_s = inv[order], all_features[order]
-    starts = np.searchsorted(inv_s, np.arange(len(keys)))
-    ends = np.searchsorted(inv_s, np.arange(len(keys)), side="right")
-    ends = np.minimum(ends, starts + MAX_PER_POSITION)
+    keys, pos_of = np.unique(all_positions, return_inverse=True)
+    feats, feat_of = np.unique(all_features, return_inverse=True)
+    n_f = np.int64(len(feats))
+    pair = np.unique(pos_of.astype(np.int64) * n_f + feat_of)  # each (position, feature) once, by position
+    pos_s, feat_s = pair // n_f, pair % n_f
+    starts = np.searchsorted(pos_s, np.arange(len(keys)))
+    ends = np.minimum(np.searchsorted(pos_s, np.arange(len(keys)), side="right"), starts + MAX_PER_POSITION)
     where = np.searchsorted(keys, top_positions)
     found = (where < len(keys)) & (keys[np.minimum(where, len(keys) - 1)] == top_positions)
-    pos_of = where[found]
-    f_of = top_features[found]
-    lens = (ends - starts)[pos_of]
-    own = np.repeat(f_of, lens)
-    take = np.repeat(starts[pos_of] - np.cumsum(np.r_[0, lens[:-1]]), lens) + np.arange(lens.sum())
-    other = feat_s[take]
-    keep = other != own
-    pair = np.unique(np.stack([own[keep], other[keep]], axis=1), axis=0, return_counts=True) if keep.any() else None
-    if pair is None:
+    at = where[found]
+    own = np.searchsorted(feats, top_features[found])
+    lens = (ends - starts)[at]
+    if not lens.sum():
         return {}
-    (pairs, counts) = pair
-    return _top_n(pairs[:, 0], pairs[:, 1], counts, n)
+    owner = np.repeat(own, lens)
+    take = np.repeat(starts[at] - np.cumsum(np.r_[0, lens[:-1]]), lens) + np.arange(lens.sum())
+    other = feat_s[take]
+    keep = other != owner
+    if not keep.any():
+        return {}
+    pairs, counts = np.unique(owner[keep] * n_f + other[keep], return_counts=True)
+    return _top_n(feats[pairs // n_f], feats[pairs % n_f], counts, n)
 
 
 def common_tokens(features: np.ndarray, token_ids: np.ndarray, n: int = N_COMMON) -> dict[int, list[tuple[int, int]]]:
@@ -92,5 +101,7 @@ def common_tokens(features: np.ndarray, token_ids: np.ndarray, n: int = N_COMMON
     ok = token_ids >= 0
     if not ok.any():
         return {}
-    pairs, counts = np.unique(np.stack([features[ok], token_ids[ok]], axis=1), axis=0, return_counts=True)
-    return _top_n(pairs[:, 0], pairs[:, 1], counts, n)
+    ids, id_of = np.unique(token_ids[ok], return_inverse=True)
+    m = np.int64(len(ids))
+    pairs, counts = np.unique(features[ok].astype(np.int64) * m + id_of, return_counts=True)
+    return _top_n(pairs // m, ids[pairs % m], counts, n)

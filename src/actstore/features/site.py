@@ -11,6 +11,7 @@ folder is refused while one runs.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -91,11 +92,11 @@ def build_site(
         pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
         bar = _bar(progress, len(feats), "features")
         index_text = []
+        for b in np.unique(feats // sitedata.BUCKET).tolist():
+            (stage / "data" / "f" / str(b)).mkdir(parents=True)
         for j, f in enumerate(feats.tolist()):
-            path = stage / sitedata.feature_path(f)
-            path.parent.mkdir(parents=True, exist_ok=True)
             value, text = pages.record(j, f)
-            path.write_text(sitedata.script("feature", value), encoding="utf-8")
+            _write(stage / sitedata.feature_path(f), sitedata.script("feature", value))
             index_text.append(text)
             if bar is not None:
                 bar(1)
@@ -176,6 +177,7 @@ class _FeaturePages:
         self.ids_of = dict(zip(vocab.ids.tolist(), range(len(vocab.ids))))
 
     def record(self, j: int, f: int) -> tuple[dict[str, Any], list[str]]:
+        """Feature j's value and its index snippet."""
         p, r, s, e = self.p, self.rows, int(self.starts[j]), int(self.ends[j])
         rec: dict[str, Any] = {"f": f, "stats": sitedata.stats(p, j)}
         rec["hist"] = sitedata.histogram(p.features["histogram"][j])
@@ -190,7 +192,9 @@ class _FeaturePages:
             if r.kind[i] == KIND_INTERVAL:
                 g |= {"lo": sitedata._g(r.lo[i]), "hi": sitedata._g(r.hi[i]), "exact": bool(r.exact[i])}
             groups.append(g)
-        group_of = np.cumsum(np.isin(np.arange(e - s), starts)) - 1
+        first = np.zeros(e - s, bool)
+        first[starts] = True
+        group_of = np.cumsum(first) - 1
         rec["groups"] = groups
         rec["rows"] = {
             "g": group_of.tolist(),
@@ -228,16 +232,15 @@ class _FeaturePages:
         scale = top / sitedata.ACT_LEVELS if top > 0 else 1.0
         rec["scale"] = scale
         rec["width"] = int(w.ids.shape[1])
-        rec["v"] = self.v[s:e].ravel().tolist()
-        rec["a"] = np.rint(acts / scale).astype(np.int64).ravel().tolist()
+        levels = np.clip(np.rint(acts / scale), -32767, 32767)  # left-out outliers clip at 32x the scale
+        rec["v"] = sitedata.packed(self.v[s:e].ravel(), "<i4")
+        rec["a"] = sitedata.packed(levels.ravel(), "<i2")
         rec["off"] = np.flatnonzero(w.off[s:e].ravel()).tolist()
-        docs = w.doc[s:e]
-        if (docs >= 0).any():
-            used, local = np.unique(docs[docs >= 0], return_inverse=True)
-            d = np.full(len(docs), -1, np.int64)
-            d[docs >= 0] = local
-            rec["keys"] = [w.keys[k] for k in used.tolist()]
-            rec["rows"]["doc"] = d.tolist()
+        docs = w.doc[s:e].tolist()
+        if any(d >= 0 for d in docs):
+            local: dict[int, int] = {}
+            rec["rows"]["doc"] = [-1 if d < 0 else local.setdefault(d, len(local)) for d in docs]
+            rec["keys"] = [w.keys[k] for k in local]
             if (w.doc_token[s:e] >= 0).any():
                 rec["rows"]["dt"] = w.doc_token[s:e].tolist()
         if e == s:
@@ -311,6 +314,21 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
             f"{e['path']} changed since the pass (sha256 {enc.source.get('sha256')}, meta.json has {e.get('sha256')}): rerun `actstore features`"
         )
     return enc
+
+
+def _write(path: Path, text: str) -> None:
+    """One data file (os-level: a site has one per feature); an error names the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
 
 
 def _bar(progress: bool, total: int, unit: str) -> Any:

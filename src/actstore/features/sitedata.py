@@ -34,6 +34,14 @@ def script(kind: str, value: Any) -> str:
     return f'ACTSTORE.load("{kind}",' + json.dumps(value, separators=(",", ":")).replace("</", "<\\/") + ");\n"
 
 
+def packed(values: np.ndarray, dtype: str) -> str:
+    """Integers as base64 of little-endian `dtype` ("<i2" or "<i4"): the long window arrays,
+    encoded in C (a page decodes them with ACTSTORE.ints into an Int16Array / Int32Array)."""
+    import base64
+
+    return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
 def feature_path(f: int) -> str:
     return f"data/f/{f // BUCKET}/{f}.js"
 

@@ -32,6 +32,12 @@
     return (p >= 0.01 ? p.toFixed(p >= 10 ? 1 : p >= 1 ? 2 : 3) : p.toExponential(1)) + "%";
   };
   A.int = function (n) { return Number(n).toLocaleString("en-US"); };
+  // base64 of little-endian integers (the window arrays) -> Int16Array / Int32Array
+  A.ints = function (b64, bytes) {
+    var s = atob(b64), u = new Uint8Array(s.length);
+    for (var i = 0; i < s.length; i++) { u[i] = s.charCodeAt(i); }
+    return bytes === 2 ? new Int16Array(u.buffer) : new Int32Array(u.buffer);
+  };
   A.featurePath = function (f, bucket) { return "data/f/" + Math.floor(f / bucket) + "/" + f + ".js"; };
   // a bar chart: heights on a log scale, labels on hover
   A.bars = function (counts, labels, colours, w, h) {
