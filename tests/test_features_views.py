@@ -312,3 +312,70 @@ def test_logit_tables_fold_the_final_norm(tmp_path):
     assert L.bottom_values[2][0] == pytest.approx(full[2].min(), rel=1e-5) and L.hist[0].sum() == 40
     with pytest.raises(FeatureError, match="records no model id: pass --unembedding FILE"):
         load_unembedding("auto", 8, type("S", (), {"meta": {}, "path": "p"})())
+
+
+def _chat_store(tmp_path, *, model_id):
+    """A prompt/response store whose token 0 is a BOS (label 1, norm 1000) and whose content
+    tokens have norms 1..6."""
+    make_tokenizer(tmp_path / "tok")
+    ids = {"prompt": np.array([[0, 1, 2, 3]]), "response": np.array([[4, 5, 6]])}
+    x = {"prompt": np.zeros((1, 1, 4, D), np.float32), "response": np.zeros((1, 1, 3, D), np.float32)}
+    x["prompt"][0, 0, :, 0] = [1000.0, 1.0, 2.0, 3.0]
+    x["response"][0, 0, :, 0] = [4.0, 5.0, 6.0]
+    labels = {"prompt": np.array([[1, 0, 0, 0]], np.uint8), "response": np.zeros((1, 3), np.uint8)}
+    path = tmp_path / "chat"
+    with actstore.ShardWriter(
+        path,
+        layers=[0],
+        d_model=D,
+        segments={"prompt": 4, "response": 3},
+        token_ids=True,
+        token_labels=True,
+        model_id=model_id,
+    ) as w:
+        w.append(
+            prompt=x["prompt"].astype(np.float16),
+            response=x["response"].astype(np.float16),
+            lengths={"prompt": np.array([4]), "response": np.array([3])},
+            token_ids=ids,
+            token_labels=labels,
+        )
+    actstore.finalize(path)
+    return path
+
+
+def test_show_scales_colours_by_content_tokens_and_marks_the_response(tmp_path):
+    path = _chat_store(tmp_path, model_id=str(tmp_path / "tok"))
+    out = tmp_path / "ex0.html"
+    res = CliRunner().invoke(main, ["show", str(path), "--ex", "0", "--layer", "0", "-o", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    assert "colour scale &plusmn;6 (the largest |value| of the content tokens)" in page  # not the BOS's 1000
+    assert 'class="tk special" style="background: rgba(255,110,0,0.00)" title="1000 · id 0 (special' in page
+    assert 'style="background: rgba(255,110,0,0.50)" title="3 · id 3">sat</span>' in page
+    assert '<span class="seg" title="segment response begins">response</span><span class="tk" ' in page
+    assert page.index(">sat</span>") < page.index(">response</span>") < page.index(">on</span>")  # the marker precedes the first response token
+    assert "<style>" in page and "unicode-bidi: isolate" in page
+
+
+def test_show_and_info_without_a_tokenizer_show_ids(tmp_path):
+    path = _chat_store(tmp_path, model_id="")
+    from actstore.features.show import colour_scale, text_html
+
+    page = text_html(actstore.open(path), 0, 0)
+    assert "token ids shown: records no model id. To decode them, --tokenizer takes embedded:smollm2-135m" in page
+    assert ">[5]</span>" in page
+    scale, how = colour_scale(np.array([1000.0] + [1.0] * 99), None)  # no token kinds: a robust quantile
+    assert scale == 1.0 and how == "the 98th percentile of |value|"
+    res = CliRunner().invoke(main, ["info", str(path), "--examples", "1"])
+    assert res.exit_code == 0, res.output
+    assert (
+        "first 1 examples:" in res.output
+        and "prompt: '[0][1][2][3]'" in res.output
+        and "response: '[4][5][6]'" in res.output
+    )
+    res = CliRunner().invoke(
+        main, ["info", str(path), "--examples", "1", "--tokenizer", str(tmp_path / "tok"), "--json"]
+    )
+    info = json.loads(res.output)
+    assert info["examples"][0]["segments"] == {"prompt": "<bos>thecatsat", "response": "onmatdog"}

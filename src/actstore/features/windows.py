@@ -46,7 +46,7 @@ class Windows:
     keys: list[str]
 
 
-def _labels(store: Reader) -> dict[str, np.ndarray] | None:
+def token_labels(store: Reader) -> dict[str, np.ndarray] | None:
     """Each segment's token labels (N, T_max) when the pass's default mask applies to the store."""
     from actstore.layout import spec
     from actstore.read.masks import leaves_out_special
@@ -56,7 +56,7 @@ def _labels(store: Reader) -> dict[str, np.ndarray] | None:
     return {s: np.asarray(store.field(s + spec.TOKEN_LABELS_SUFFIX)) for s in store.segments}
 
 
-def _left_out(store: Reader, labels: dict[str, np.ndarray] | None, ex: int, n: int) -> np.ndarray:
+def left_out(store: Reader, labels: dict[str, np.ndarray] | None, ex: int, n: int) -> np.ndarray:
     if labels is None:
         return np.zeros(n, bool)
     lengths = store.lengths(ex)
@@ -133,7 +133,7 @@ def text_windows(
     off = np.zeros((n, width), bool)
     doc = np.full(n, -1, np.int32)
     doc_token = np.full(n, -1, np.int64)
-    labels = _labels(store)
+    labels = token_labels(store)
     keys = _Keys(store)
     order = np.argsort(examples, kind="stable")
     bounds = np.flatnonzero(np.diff(examples[order])) + 1
@@ -149,7 +149,7 @@ def text_windows(
         clipped = np.clip(pos, 0, max(t_len - 1, 0))
         ids[grp] = np.where(inside, ex_ids[clipped], -1)
         acts[grp] = np.where(inside, values[clipped, col[:, None]], 0.0)
-        off[grp] = inside & _left_out(store, labels, ex, t_len)[clipped]
+        off[grp] = inside & left_out(store, labels, ex, t_len)[clipped]
         doc[grp], doc_token[grp] = keys.of(ex, tokens[grp].astype(np.int64))
         if progress is not None:
             progress(1)
