@@ -24,7 +24,8 @@ def _cli(*args):
     return res.output
 
 
-def test_minilm_store_features_and_site(tmp_path):
+def test_minilm_store_features_and_site(tmp_path, request):
+    from test_features_site import _browser, _chromium, screenshot, site_record
     from transformers import AutoTokenizer
 
     from actstore.inputs.embedded import minilm_folder
@@ -67,12 +68,26 @@ def test_minilm_store_features_and_site(tmp_path):
     _cli("view", tmp_path / "feats", "--out", tmp_path / "site", "--no-progress")
     tok = AutoTokenizer.from_pretrained(minilm_folder())
     row = top[(top.feature == 7) & (top["rank"] == 0)].iloc[0]
-    word = tok.decode([int(store.token_ids(int(row.example))[int(row.token)])])
-    page = (tmp_path / "site" / "f" / "7.html").read_text()
+    tid = int(store.token_ids(int(row.example))[int(row.token)])
+    word = tok.decode([tid])
+    rec = site_record(tmp_path / "site", 7)
+    assert rec["rows"]["ex"][0] == int(row.example) and rec["rows"]["act"][0] == float(f"{row.activation:.4g}")
+    assert rec["keys"][rec["rows"]["doc"][0]] == store.sample(int(row.example))["sample_key"]  # the document's key
+    exe = _chromium()
+    page = _browser(
+        exe,
+        tmp_path / "prof",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url=(tmp_path / "site" / "feature.html").as_uri() + "#7",
+    )
     assert (
-        f'class="top" style="background: rgba(255,110,0,1.00)" title="{float(row.activation):.4g}">{html.escape(word)}</span>'
+        f'class="tk fire" style="background:rgba(255,110,0,1.00)" title="{float(row.activation):.4g} · id {tid}">{html.escape(word)}</span>'
         in page
     )
+    site = (tmp_path / "site").as_uri()
+    screenshot(exe, tmp_path / "prof", site + "/index.html", "features-index.png", request, size="1280,900")
+    screenshot(exe, tmp_path / "prof", site + "/feature.html#7", "feature-page.png", request, size="1280,1500")
 
 
 def test_smollm2_tokenizer_from_its_gguf():

@@ -4,7 +4,7 @@
   var text = V.text;
   if (M.note) { document.getElementById("note").innerHTML = '<span class="note">' + A.esc(M.note) + "</span>"; }
   var enc = M.encoder || {};
-  document.getElementById("about").textContent = "layer " + M.layer + ", " + (enc.kind || "") + " " + (enc.path || "") +
+  document.getElementById("about").textContent = "layer " + M.layer + ", " + [enc.kind, enc.path].filter(Boolean).join(" ") +
     ", " + A.int(M.n_tokens || 0) + " tokens read" + (M.token_mask === "content" ? " (special and template tokens left out)" : "");
   function tok(p) { return p >= 0 && p < text.length ? text[p] : ""; }
   function card(v, label) { return '<div class="card"><b>' + v + "</b><span>" + label + "</span></div>"; }

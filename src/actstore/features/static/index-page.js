@@ -19,7 +19,7 @@
   document.getElementById("title").textContent = M.title;
   var enc = M.encoder || {};
   document.getElementById("about").innerHTML = A.esc("store " + M.store + " (manifest " + String(M.store_sha256 || "").slice(0, 12) + "), layer " + M.layer +
-    ", " + (enc.kind || "") + " " + (enc.path || "") + ", top-" + M.k + ", " + (M.sign || "positive") + " tail" + (M.sign === "both" ? "s" : "")) +
+    ", " + [enc.kind, enc.path].filter(Boolean).join(" ") + ", top-" + M.k + ", " + (M.sign || "positive") + " tail" + (M.sign === "both" ? "s" : "")) +
     (M.plots ? ' &middot; <a href="plots/plots.html">token norm plots</a>' : "");
   if (M.note) { document.getElementById("note").innerHTML = '<span class="note">' + A.esc(M.note) + "</span>"; }
 
