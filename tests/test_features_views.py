@@ -354,7 +354,9 @@ def test_show_scales_colours_by_content_tokens_and_marks_the_response(tmp_path):
     assert 'class="tk special" style="background: rgba(255,110,0,0.00)" title="1000 · id 0 (special' in page
     assert 'style="background: rgba(255,110,0,0.50)" title="3 · id 3">sat</span>' in page
     assert '<span class="seg" title="segment response begins">response</span><span class="tk" ' in page
-    assert page.index(">sat</span>") < page.index(">response</span>") < page.index(">on</span>")  # the marker precedes the first response token
+    assert (
+        page.index(">sat</span>") < page.index(">response</span>") < page.index(">on</span>")
+    )  # the marker precedes the first response token
     assert "<style>" in page and "unicode-bidi: isolate" in page
 
 
