@@ -259,7 +259,7 @@ def test_a_pass_of_both_tails_shows_the_negative_one(feats, tmp_path):
 def test_neighbours_cooccurrence_and_common_tokens_are_the_arithmetic():
     from actstore.features.relations import common_tokens, cooccurring, neighbours
 
-    W = np.array([[1, 0, 0], [0.9, 0.1, 0], [0, 1, 0], [0, 0, 0]], np.float32)
+    W = np.array([[1, 0, 0], [0.9, 0.1, 0], [0.5, 1, 0], [0, 0, 0]], np.float32)
     idx, cos = neighbours(W, 2)
     assert idx[0].tolist() == [1, 2] and cos[0][0] == pytest.approx(0.9 / np.hypot(0.9, 0.1))
     assert cos[3].tolist() == [0.0, 0.0]  # a zero direction is nobody's neighbour

@@ -53,13 +53,19 @@ def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS) -> tuple[np.ndarray, np
 
 
 def _top_n(owner: np.ndarray, other: np.ndarray, count: np.ndarray, n: int) -> dict[int, list[tuple[int, int]]]:
-    """Per owner: the n (other, count) pairs of largest count, ties by `other`."""
-    order = np.lexsort((other, -count, owner))
+    """Per owner: the n (other, count) pairs of largest count, ties by `other` (the input is
+    sorted by (owner, other), as np.unique of owner * K + other gives it)."""
+    if not len(owner):
+        return {}
+    top = np.int64(count.max()) + 1
+    order = np.argsort(owner.astype(np.int64) * top + (top - 1 - count), kind="stable")
     owner, other, count = owner[order], other[order], count[order]
     starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    rank = np.arange(len(owner)) - np.repeat(starts, np.diff(np.r_[starts, len(owner)]))
+    keep = rank < n
     out: dict[int, list[tuple[int, int]]] = {}
-    for s, e in zip(starts, np.r_[starts[1:], len(owner)]):
-        out[int(owner[s])] = list(zip(other[s : min(e, s + n)].tolist(), count[s : min(e, s + n)].tolist()))
+    for o, t, c in zip(owner[keep].tolist(), other[keep].tolist(), count[keep].tolist()):
+        out.setdefault(o, []).append((t, c))
     return out
 
 
