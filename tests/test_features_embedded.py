@@ -98,3 +98,24 @@ def test_smollm2_tokenizer_from_its_gguf():
     ids = tok("The activation store")["input_ids"]
     assert "".join(tok.decode([i]) for i in ids).strip() == "The activation store"
     assert np.all(np.asarray(ids) < tok.vocab_size + len(tok.get_added_vocab()))
+
+
+def test_unembedding_auto_from_the_embedded_smollm2():
+    """--unembedding auto for a store of the embedded SmolLM2: its tied embeddings (GGUF,
+    dequantised) times the final RMSNorm's weight, (d_model, vocab)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from actstore.features.logits import load_unembedding
+    from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
+
+    class Store:
+        meta = {"model_id": "embedded:smollm2-135m (SmolLM2-135M-Instruct Q4_1)"}
+        path = "s"
+
+    U = load_unembedding("auto", 576, Store())
+    tensors = {t.name: t for t in gguf.GGUFReader(str(smollm2_folder() / SMOLLM2_GGUF)).tensors}
+    emb = dequantize(tensors["token_embd.weight"].data, tensors["token_embd.weight"].tensor_type)
+    gamma = np.asarray(tensors["output_norm.weight"].data, np.float32)
+    assert U.W.shape == (576, 49152) and U.norm == "rms"
+    np.testing.assert_allclose(U.W[:, :100], emb[:100].T * gamma[:, None], rtol=1e-6)
