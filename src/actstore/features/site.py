@@ -151,6 +151,7 @@ def _write_data(
         "plots": bool(plots),
         "image": bool(st.config.attrs.get("image")),
         "bucket": sitedata.BUCKET,
+        "vbytes": sitedata.position_bytes(len(vocab.ids)),
         "token_mask": m.get("masks", {}).get("token_mask"),
     }
     (stage / "data").mkdir(exist_ok=True)
@@ -175,6 +176,7 @@ class _FeaturePages:
         self.starts, self.ends = rows.bounds(feats)
         self.v = vocab.positions(wins.ids) if wins is not None else None
         self.ids_of = dict(zip(vocab.ids.tolist(), range(len(vocab.ids))))
+        self.vbytes = sitedata.position_bytes(len(vocab.ids))
 
     def record(self, j: int, f: int) -> tuple[dict[str, Any], list[str]]:
         """Feature j's value and its index snippet."""
@@ -233,7 +235,7 @@ class _FeaturePages:
         rec["scale"] = scale
         rec["width"] = int(w.ids.shape[1])
         levels = np.clip(np.rint(acts / scale), -32767, 32767)  # left-out outliers clip at 32x the scale
-        rec["v"] = sitedata.packed(self.v[s:e].ravel(), "<i4")
+        rec["v"] = sitedata.packed(self.v[s:e].ravel(), "<i2" if self.vbytes == 2 else "<i4")
         rec["a"] = sitedata.packed(levels.ravel(), "<i2")
         rec["off"] = np.flatnonzero(w.off[s:e].ravel()).tolist()
         docs = w.doc[s:e].tolist()
@@ -269,6 +271,8 @@ def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.n
 def _logits(p: PassData, st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray) -> Any:
     if unembedding is None:
         return None
+    if st.config.attrs.get("image"):
+        raise FeatureError("--unembedding gives logit tables of a language model; this store holds image activations")
     if encoder.W_dec is None:
         raise FeatureError(
             f"--unembedding needs decoder directions; a {encoder.kind} source has none (SAEs and --directions have)"

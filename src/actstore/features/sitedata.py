@@ -34,6 +34,11 @@ def script(kind: str, value: Any) -> str:
     return f'ACTSTORE.load("{kind}",' + json.dumps(value, separators=(",", ":")).replace("</", "<\\/") + ");\n"
 
 
+def position_bytes(n_vocab: int) -> int:
+    """Bytes of a vocabulary position in the window arrays: 2 while they fit an int16."""
+    return 2 if n_vocab < 1 << 15 else 4
+
+
 def packed(values: np.ndarray, dtype: str) -> str:
     """Integers as base64 of little-endian `dtype` ("<i2" or "<i4"): the long window arrays,
     encoded in C (a page decodes them with ACTSTORE.ints into an Int16Array / Int32Array)."""

@@ -126,34 +126,50 @@ def text_windows(
     if not store.config.token_ids:
         raise FeatureError(f"{store.path} keeps no token ids: text context needs a store captured with token_ids")
     before, after = window
-    width = before + 1 + after
     n = len(examples)
-    ids = np.full((n, width), -1, np.int64)
-    acts = np.zeros((n, width), np.float32)
-    off = np.zeros((n, width), bool)
-    doc = np.full(n, -1, np.int32)
-    doc_token = np.full(n, -1, np.int64)
+    w = Windows(
+        ids=np.full((n, before + 1 + after), -1, np.int64),
+        acts=np.zeros((n, before + 1 + after), np.float32),
+        off=np.zeros((n, before + 1 + after), bool),
+        before=before,
+        doc=np.full(n, -1, np.int32),
+        doc_token=np.full(n, -1, np.int64),
+        keys=[],
+    )
     labels = token_labels(store)
     keys = _Keys(store)
     order = np.argsort(examples, kind="stable")
     bounds = np.flatnonzero(np.diff(examples[order])) + 1
     span = np.arange(-before, after + 1)
-    for grp in np.split(order, bounds) if n else []:
-        ex = int(examples[grp[0]])
-        feats, col = np.unique(features[grp], return_inverse=True)
-        values = encoder.encode(np.asarray(store[ex, layer], np.float32), feats)  # (T, len(feats))
-        ex_ids = np.asarray(store.token_ids(ex), np.int64)
-        t_len = len(ex_ids)
-        pos = tokens[grp].astype(np.int64)[:, None] + span  # (rows, W)
-        inside = (pos >= 0) & (pos < t_len)
-        clipped = np.clip(pos, 0, max(t_len - 1, 0))
-        ids[grp] = np.where(inside, ex_ids[clipped], -1)
-        acts[grp] = np.where(inside, values[clipped, col[:, None]], 0.0)
-        off[grp] = inside & left_out(store, labels, ex, t_len)[clipped]
-        doc[grp], doc_token[grp] = keys.of(ex, tokens[grp].astype(np.int64))
-        if progress is not None:
-            progress(1)
-    return Windows(ids, acts, off, before, doc, doc_token, keys.keys)
+    with one_blas_thread():  # an example's matmul is small: BLAS threads would only wait on each other
+        for grp in np.split(order, bounds) if n else []:
+            ex = int(examples[grp[0]])
+            feats, col = np.unique(features[grp], return_inverse=True)
+            values = encoder.encode(np.asarray(store[ex, layer], np.float32), feats)  # (T, len(feats))
+            ex_ids = np.asarray(store.token_ids(ex), np.int64)
+            t_len = len(ex_ids)
+            pos = tokens[grp].astype(np.int64)[:, None] + span  # (rows, W)
+            inside = (pos >= 0) & (pos < t_len)
+            clipped = np.clip(pos, 0, max(t_len - 1, 0))
+            w.ids[grp] = np.where(inside, ex_ids[clipped], -1)
+            w.acts[grp] = np.where(inside, values[clipped, col[:, None]], 0.0)
+            w.off[grp] = inside & left_out(store, labels, ex, t_len)[clipped]
+            w.doc[grp], w.doc_token[grp] = keys.of(ex, tokens[grp].astype(np.int64))
+            if progress is not None:
+                progress(1)
+    w.keys.extend(keys.keys)
+    return w
+
+
+def one_blas_thread() -> Any:
+    """A context in which numpy's BLAS runs on one thread (threadpoolctl; nothing without it)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(1, user_api="blas")
 
 
 def n_examples(examples: np.ndarray) -> int:
