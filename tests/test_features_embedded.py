@@ -60,12 +60,12 @@ def test_minilm_store_features_and_site(tmp_path, request):
         "3",
         "--out",
         tmp_path / "feats",
-        "--no-progress",
+        "--quiet",
     )
     top = pd.read_parquet(tmp_path / "feats" / "top.parquet")
     labels = store.field("tokens_token_labels")
     assert (labels[top.example, top.token] == 0).all()  # [CLS] / [SEP] are left out by default
-    _cli("view", tmp_path / "feats", "--out", tmp_path / "site", "--no-progress")
+    _cli("view", tmp_path / "feats", "--out", tmp_path / "site", "--quiet")
     tok = AutoTokenizer.from_pretrained(minilm_folder())
     row = top[(top.feature == 7) & (top["rank"] == 0)].iloc[0]
     tid = int(store.token_ids(int(row.example))[int(row.token)])

@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_features_site import D, WORDS, make_tokenizer, text_store  # noqa: F401
+from factory import WORDS
+from test_features_site import D, text_store  # noqa: F401
 
 import actstore
 from actstore.cli import main
@@ -75,7 +76,7 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # 
         3,
         "--out",
         tmp_path / "feat",
-        "--no-progress",
+        "--quiet",
     )
     out = _cli(
         "export-neuronpedia",
@@ -140,7 +141,7 @@ def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):  # noqa: F811
     sae = StandardSAE(StandardSAEConfig(d_in=D, d_sae=12, dtype="float32", device="cpu"))
     sae.save_model(tmp_path / "sae")
     out = tmp_path / "delphi"
-    _cli("export-delphi", path, "--layer", 4, "--sae", tmp_path / "sae", "--n-splits", 3, "--out", out, "--no-progress")
+    _cli("export-delphi", path, "--layer", 4, "--sae", tmp_path / "sae", "--n-splits", 3, "--out", out, "--quiet")
     store = actstore.open(path)
     enc = load_saelens(tmp_path / "sae")
     want = set()

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_features_site import D, WORDS, _browser, _chromium, make_tokenizer, site_record, text_store  # noqa: F401
+from factory import word_tokenizer
+from test_features_site import D, _browser, _chromium, site_record, text_store  # noqa: F401
 
 import actstore
 from actstore.cli import main
@@ -45,9 +46,9 @@ def test_a_second_build_needs_overwrite_and_never_replaces_other_folders(feats, 
     assert json.loads((site / MARKER).read_text()) == {"kind": "actstore view"}
     with pytest.raises(OutputExistsError, match="exists: pass --overwrite to replace it"):
         build_site(str(feats), site, plot_examples=0)
-    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--no-progress"])
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--quiet"])
     assert res.exit_code == 1 and "pass --overwrite" in res.output
-    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--overwrite", "--no-progress"])
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(site), "--overwrite", "--quiet"])
     assert res.exit_code == 0, res.output
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -140,7 +141,7 @@ def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F8
     with pytest.raises(FeatureError, match="is no longer the state the feature pass read .* pass --allow-store-change"):
         build_site(str(tmp_path / "feat"), tmp_path / "site")
     res = CliRunner().invoke(
-        main, ["view", str(tmp_path / "feat"), "--out", str(tmp_path / "site"), "--allow-store-change", "--no-progress"]
+        main, ["view", str(tmp_path / "feat"), "--out", str(tmp_path / "site"), "--allow-store-change", "--quiet"]
     )
     assert res.exit_code == 0 and "actstore: warning:" in res.output and "no longer the state" in res.output
 
@@ -317,7 +318,7 @@ def test_logit_tables_fold_the_final_norm(tmp_path):
 def _chat_store(tmp_path, *, model_id):
     """A prompt/response store whose token 0 is a BOS (label 1, norm 1000) and whose content
     tokens have norms 1..6."""
-    make_tokenizer(tmp_path / "tok")
+    word_tokenizer(tmp_path / "tok")
     ids = {"prompt": np.array([[0, 1, 2, 3]]), "response": np.array([[4, 5, 6]])}
     x = {"prompt": np.zeros((1, 1, 4, D), np.float32), "response": np.zeros((1, 1, 3, D), np.float32)}
     x["prompt"][0, 0, :, 0] = [1000.0, 1.0, 2.0, 3.0]

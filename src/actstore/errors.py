@@ -114,6 +114,11 @@ class LegacyExportExistsError(ActstoreError, FileExistsError):
     """The folder given to export-pkl holds a finished export or files an export did not write."""
 
 
+class OutputExistsError(ActstoreError, FileExistsError):
+    """A command's output exists and --overwrite (overwrite=True) was not given, or (views and
+    exports) it exists and is not a folder that command wrote, which is never replaced."""
+
+
 class StorageAccessError(ActstoreError, OSError):
     """A store's location cannot be reached, read or written (missing bucket, credentials,
     permissions, an unreachable endpoint); the message names the URL and the cause."""
@@ -218,12 +223,7 @@ class TokenizerNotFoundError(FeatureError, FileNotFoundError):
     """The store records no tokenizer that can be loaded from files (pass --tokenizer)."""
 
 
-class OutputExistsError(FeatureError, FileExistsError):
-    """A view or export's output folder exists and --overwrite was not given, or it exists and
-    is not a folder this command wrote (it is never replaced then)."""
-
-
-class OutputBusyError(FeatureError, BlockingIOError):
+class OutputBusyError(ActstoreError, BlockingIOError):
     """Another process is writing the same view or export folder now."""
 
 

@@ -7,6 +7,7 @@ import shlex
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
 
@@ -43,11 +44,7 @@ def register(main: click.Group) -> None:
 @click.option(
     "--segments", help="Comma-separated segments to read (default all); token positions stay those of store[ex, layer]."
 )
-@click.option(
-    "--keep-special",
-    is_flag=True,
-    help="Include special and template tokens (token label != 0), which the loaders leave out by default.",
-)
+@G.special_option(aliases=(("--keep-special", "keep"),))
 @click.option(
     "--intervals", type=int, default=5, show_default=True, help="Equal-width intervals of each feature's max to sample."
 )
@@ -59,12 +56,9 @@ def register(main: click.Group) -> None:
     show_default=True,
     help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).",
 )
-@click.option(
-    "--out",
-    required=True,
-    help="Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.",
-)
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@G.out_option("Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
+@G.overwrite_option("Replace the output of an earlier pass in OUT (default: refuse it).")
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
 def features_cmd(
     store,
     layer,
@@ -77,13 +71,15 @@ def features_cmd(
     features,
     top_k,
     segments,
-    keep_special,
+    special,
     intervals,
     per_interval,
     seed,
     device,
     out,
-    progress,
+    overwrite,
+    quiet,
+    as_json,
 ) -> None:
     """Top activations, statistics and interval samples of many directions over LAYER of STORE.
 
@@ -92,6 +88,7 @@ def features_cmd(
     """
     from actstore.features.run import run_features
 
+    G.refuse_existing(out, overwrite)
     meta = run_features(
         store,
         layer,
@@ -105,15 +102,21 @@ def features_cmd(
         features=features,
         top_k=top_k,
         segments=segments.split(",") if segments else None,
-        keep_special=keep_special,
+        keep_special=special == "keep",
         n_intervals=intervals,
         per_interval=per_interval,
         seed=seed,
         device=device,
-        progress=progress,
+        progress=not quiet,
         command=_command(click.get_current_context()),
     )
-    click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
+    if as_json:
+        G.echo_json({"path": str(out), "features": meta["n_features"], "tokens": meta["n_tokens"]})
+    elif not quiet:
+        click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
+
+
+_NOT_IN_COMMAND = ("quiet", "as_json", "overwrite")  # how to print, not what the pass computes
 
 
 def _command(ctx: click.Context) -> str:
@@ -121,11 +124,13 @@ def _command(ctx: click.Context) -> str:
     parts = ["actstore", ctx.info_name or "features"]
     for p in ctx.command.params:
         v = ctx.params.get(p.name)
+        if p.name in _NOT_IN_COMMAND or not p.expose_value:
+            continue
         if isinstance(p, click.Argument):
             parts.append(str(v))
         elif getattr(p, "is_flag", False) and not getattr(p, "secondary_opts", None):
             parts += [p.opts[0]] if v else []
-        elif v is not None and v != p.default and p.name != "progress":
+        elif v is not None and v != p.default:
             parts += [p.opts[0], str(v)]
     return " ".join(shlex.quote(x) for x in parts)
 
@@ -138,13 +143,13 @@ UNEMBEDDING_HELP = (
     "W_U for logit tables of decoder directions: auto (from the model the store records, its final norm "
     "folded in), a .npy (d_model, vocab), a safetensors file holding lm_head.weight, or a model folder."
 )
+STORE_CHANGE_HELP = "Warn, instead of refusing, when the store changed since the pass (its manifest checksum)."
 
 
 @click.command("view")
 @click.argument("src")
-@click.option(
-    "--out", required=True, type=click.Path(file_okay=False), help="The site folder to write (open OUT/index.html)."
-)
+@G.out_option("The site folder to write (open OUT/index.html).", type=click.Path(file_okay=False))
+@G.overwrite_option("Replace the site in OUT, swapped in whole when done (only a folder `view` wrote).")
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help=TOKENIZER_HELP)
 @click.option("--unembedding", help=UNEMBEDDING_HELP)
@@ -155,17 +160,17 @@ UNEMBEDDING_HELP = (
     show_default=True,
     help="Decoder-cosine neighbours a feature.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing site at OUT (swapped in whole when done).")
-@click.option(
-    "--allow-store-change", is_flag=True, help="Warn, instead of refusing, when the store changed since the pass."
-)
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def view_cmd(src, out, store_path, tokenizer, unembedding, neighbours, overwrite, allow_store_change, progress) -> None:
-    """A static site of the output of `actstore features` SRC: an index of every feature
-    (virtual scrolling, search, sort, density histogram) and a page per feature, reading
-    per-feature data files. No server or internet needed: open OUT/index.html."""
+@click.option("--allow-store-change", is_flag=True, help=STORE_CHANGE_HELP)
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
+def view_cmd(
+    src, out, overwrite, store_path, tokenizer, unembedding, neighbours, allow_store_change, quiet, as_json
+) -> None:
+    """A static site of the output of `actstore features` SRC for dictionaries of 100k+ latents:
+    an index of every feature (virtual scrolling, search, sort, the density histogram) and a
+    page per feature, reading per-feature data files. No server or internet needed."""
     from actstore.features.site import build_site
 
+    G.refuse_existing(out, overwrite)
     store = None
     if store_path:
         from actstore.opener import open as open_store
@@ -180,20 +185,22 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, neighbours, overwrite
         neighbours=neighbours,
         overwrite=overwrite,
         on_store_change="warn" if allow_store_change else "refuse",
-        progress=progress,
+        progress=not quiet,
     )
-    click.echo(f"wrote {index}")
+    if as_json:
+        G.echo_json({"path": str(index)})
+    elif not quiet:
+        click.echo(f"wrote {index}")
 
 
 @click.command("export-neuronpedia")
 @click.argument("src")
-@click.option(
-    "--out",
-    required=True,
+@G.out_option(
+    "Folder for Neuronpedia's import layout (<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz) "
+    "and SAEDashboard 0.8.0's JSON (saedashboard/batch-<n>.json).",
     type=click.Path(file_okay=False),
-    help="Folder for Neuronpedia's layout (<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz) "
-    "and saedashboard/batch-<n>.json (SAEDashboard 0.8.0's JSON).",
 )
+@G.overwrite_option("Replace an earlier export in OUT, swapped in whole when done.")
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help=TOKENIZER_HELP)
 @click.option("--unembedding", help=UNEMBEDDING_HELP)
@@ -205,17 +212,27 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, neighbours, overwrite
     show_default=True,
     help="Neuronpedia user id the rows name (the default is the user a self-hosted Neuronpedia seeds).",
 )
-@click.option("--overwrite", is_flag=True, help="Replace an existing export at OUT (swapped in whole when done).")
-@click.option(
-    "--allow-store-change", is_flag=True, help="Warn, instead of refusing, when the store changed since the pass."
-)
+@click.option("--allow-store-change", is_flag=True, help=STORE_CHANGE_HELP)
+@G.quiet_json()
 def export_neuronpedia_cmd(
-    src, out, store_path, tokenizer, unembedding, model_id, sae_set, creator_id, overwrite, allow_store_change
+    src,
+    out,
+    overwrite,
+    store_path,
+    tokenizer,
+    unembedding,
+    model_id,
+    sae_set,
+    creator_id,
+    allow_store_change,
+    quiet,
+    as_json,
 ) -> None:
     """Feature dashboards for Neuronpedia (its import layout) and SAEDashboard (its JSON), from
     the output of `actstore features` SRC."""
     from actstore.features.export import export_neuronpedia
 
+    G.refuse_existing(out, overwrite)
     store = None
     if store_path:
         from actstore.opener import open as open_store
@@ -233,7 +250,10 @@ def export_neuronpedia_cmd(
         overwrite=overwrite,
         on_store_change="warn" if allow_store_change else "refuse",
     )
-    click.echo(f"wrote {folder} (Neuronpedia) and {out}/saedashboard (SAEDashboard)")
+    if as_json:
+        G.echo_json({"path": str(out), "neuronpedia": str(folder), "saedashboard": str(out) + "/saedashboard"})
+    elif not quiet:
+        click.echo(f"wrote {folder} (Neuronpedia) and {out}/saedashboard (SAEDashboard)")
 
 
 @click.command("export-delphi")
@@ -249,16 +269,11 @@ def export_neuronpedia_cmd(
 @click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
 @click.option("--hookpoint", help="The cache's module folder name (default layers.<layer>).")
 @click.option("--n-splits", type=click.IntRange(1), default=5, show_default=True, help="Latent ranges, one file each.")
-@click.option("--keep-special", is_flag=True, help="Include special and template tokens (left out by default).")
+@G.special_option()
 @click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N or auto.")
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="The cache folder: OUT/<hookpoint>/<start>_<end>.safetensors.",
-)
-@click.option("--overwrite", is_flag=True, help="Replace an existing cache at OUT (swapped in whole when done).")
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@G.out_option("The cache folder: OUT/<hookpoint>/<start>_<end>.safetensors.", type=click.Path(file_okay=False))
+@G.overwrite_option("Replace an earlier cache in OUT, swapped in whole when done.")
+@G.quiet_json(quiet="No progress bar; nothing printed on success.")
 def export_delphi_cmd(
     store,
     layer,
@@ -270,11 +285,12 @@ def export_delphi_cmd(
     bias,
     hookpoint,
     n_splits,
-    keep_special,
+    special,
     device,
     out,
     overwrite,
-    progress,
+    quiet,
+    as_json,
 ) -> None:
     """Every non-zero activation of a dictionary over LAYER of STORE as delphi's latent cache
     (what delphi's LatentDataset reads to sample and explain latents)."""
@@ -282,6 +298,7 @@ def export_delphi_cmd(
     from actstore.features.delphi import export_delphi
     from actstore.opener import open as open_store
 
+    G.refuse_existing(out, overwrite)
     st = open_store(store)
     enc = sources.load(
         neurons_d_model=int(st.d_model) if neurons else None,
@@ -298,9 +315,12 @@ def export_delphi_cmd(
         out,
         hookpoint=hookpoint,
         n_splits=n_splits,
-        keep_special=keep_special,
+        keep_special=special == "keep",
         device=device,
         overwrite=overwrite,
-        progress=progress,
+        progress=not quiet,
     )
-    click.echo(f"wrote {folder}")
+    if as_json:
+        G.echo_json({"path": str(folder)})
+    elif not quiet:
+        click.echo(f"wrote {folder}")
