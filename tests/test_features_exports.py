@@ -121,7 +121,7 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # 
     # the same dashboards as SAEDashboard's JSON
     from sae_dashboard.neuronpedia.neuronpedia_dashboard import NeuronpediaDashboardBatch
 
-    data = json.loads((tmp_path / "np" / "saedashboard" / "batch-0.json").read_text())
+    data = json.loads((tmp_path / "np" / "batch-0.json").read_text())
     assert NeuronpediaDashboardBatch(**data).to_dict() == data
     assert [f["feature_index"] for f in data["features"]] == list(range(D))
 

@@ -262,7 +262,7 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
         main, ["export-neuronpedia", str(out), "--out", str(tmp_path / "np"), "--unembedding", str(tmp_path / "wu.npy")]
     )
     assert res.exit_code == 0, res.output
-    data = json.loads((tmp_path / "np" / "saedashboard" / "batch-0.json").read_text())
+    data = json.loads((tmp_path / "np" / "batch-0.json").read_text())
     assert NeuronpediaDashboardBatch(**data).to_dict() == data
     f0 = data["features"][0]
     assert f0["feature_index"] == 0 and f0["pos_str"][0] == "red" and f0["pos_values"][0] == 1.0

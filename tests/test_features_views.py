@@ -53,13 +53,18 @@ def test_a_second_build_needs_overwrite_and_never_replaces_other_folders(feats, 
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("precious")
-    with pytest.raises(OutputExistsError, match="is not a folder that actstore view wrote"):
-        build_site(str(feats), mine, overwrite=True, plot_examples=0)
-    assert (mine / "thesis.tex").read_text() == "precious"
+    with pytest.raises(OutputExistsError, match="exists: pass --overwrite"):
+        build_site(str(feats), mine, plot_examples=0)
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(mine), "--overwrite", "--quiet"])
+    assert res.exit_code == 0 and "was not written by this command; the old folder is kept as" in res.stderr
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("mine.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "thesis.tex").read_text() == "precious"  # never deleted: not ours
+    assert (mine / "index.html").exists() and not (mine / "thesis.tex").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
     assert build_site(str(feats), empty, plot_examples=0) == empty / "index.html"  # an empty folder is used
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "mine", "site"]  # no stage or lock left
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("mine.")) == ["empty", "mine", "site"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no stage or lock left
 
 
 def test_a_build_out_of_space_leaves_the_old_site(feats, tmp_path, monkeypatch):

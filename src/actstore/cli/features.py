@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import click
 
@@ -196,8 +197,8 @@ def view_cmd(
 @click.command("export-neuronpedia")
 @click.argument("src")
 @G.out_option(
-    "Folder for Neuronpedia's import layout (<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz) "
-    "and SAEDashboard 0.8.0's JSON (saedashboard/batch-<n>.json).",
+    "Folder for SAEDashboard 0.8.0's JSON (batch-<n>.json) and Neuronpedia's import layout "
+    "(<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz).",
     type=click.Path(file_okay=False),
 )
 @G.overwrite_option("Replace an earlier export in OUT, swapped in whole when done.")
@@ -250,10 +251,11 @@ def export_neuronpedia_cmd(
         overwrite=overwrite,
         on_store_change="warn" if allow_store_change else "refuse",
     )
+    files = sorted(Path(out).glob("batch-*.json"), key=lambda p: int(p.stem.split("-")[1]))
     if as_json:
-        G.echo_json({"path": str(out), "neuronpedia": str(folder), "saedashboard": str(out) + "/saedashboard"})
+        G.echo_json({"path": str(out), "files": [str(f) for f in files], "neuronpedia": str(folder)})
     elif not quiet:
-        click.echo(f"wrote {folder} (Neuronpedia) and {out}/saedashboard (SAEDashboard)")
+        click.echo(f"wrote {folder} (Neuronpedia's layout) and {len(files)} batch files to {out} (SAEDashboard's JSON)")
 
 
 @click.command("export-delphi")

@@ -1,6 +1,6 @@
 """`actstore export-neuronpedia`: a pass's dashboards in the two forms the field's tools read.
 
-- `OUT/saedashboard/batch-<n>.json`: the JSON of SAEDashboard 0.8.0's Neuronpedia runner
+- `OUT/batch-<n>.json`: the JSON of SAEDashboard 0.8.0's Neuronpedia runner
   (`NeuronpediaDashboardBatch`: model_id, layer, sae_set, sae_id_suffix, features), 128
   features a file. Per feature: its top activations (bin_min -1, bin_max the max, as
   SAEDashboard writes its "TOP ACTIVATIONS" group) and each interval's samples (bin_min /
@@ -145,8 +145,7 @@ def export_neuronpedia(
                 "features": features,
             }
             n = b0 // per_batch
-            (stage / "saedashboard").mkdir(exist_ok=True)
-            (stage / "saedashboard" / f"batch-{n}.json").write_text(json.dumps(batch), encoding="utf-8")
+            (stage / f"batch-{n}.json").write_text(json.dumps(batch), encoding="utf-8")
             cos = (
                 None
                 if nb is None

@@ -9,8 +9,10 @@ while the first runs.
   removed by the next build (which holds the lock).
 - The swap: one renameat2(RENAME_EXCHANGE) where Linux offers it (the target is never
   absent), else two renames; then the old folder is deleted.
-- A folder is replaced only when it holds the marker file a build of the same kind wrote,
-  or is empty, and only with `overwrite`: anything else is refused, never deleted.
+- An existing folder is replaced only with `overwrite` (an empty one needs nothing). The old
+  folder is deleted when it holds the marker file a build of the same kind wrote; any other
+  folder is kept beside the new one as `<name>.replaced-<time>` (never deleted: it was not
+  ours), and a warning says where.
 """
 
 from __future__ import annotations
@@ -74,19 +76,18 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def check_target(out: Path, kind: str, overwrite: bool) -> None:
-    """Refuse an existing `out` unless it is empty, or `overwrite` and a folder of `kind`."""
+def check_target(out: Path, kind: str, overwrite: bool) -> bool:
+    """Refuse an existing `out` unless it is empty or `overwrite`; returns whether the old
+    folder may be deleted after the swap (empty, or written by a build of `kind`)."""
     if not out.exists() and not out.is_symlink():
-        return
+        return True
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
-        return
-    if not (out.is_dir() and not out.is_symlink() and _owned(out, kind)):
-        raise OutputExistsError(
-            f"{out} exists and is not a folder that {kind} wrote (no {MARKER} of that kind): "
-            "name another --out; it is never replaced"
-        )
+        return True
     if not overwrite:
         raise OutputExistsError(f"{out} exists: pass --overwrite to replace it (it is swapped in whole at the end)")
+    if out.is_symlink() or not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a folder: name another --out; it is never replaced")
+    return _owned(out, kind)
 
 
 @contextmanager
@@ -100,7 +101,7 @@ def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False)
     fd = _lock(lock_path)
     stage = out.parent / f".{out.name}.staging-{os.getpid()}"
     try:
-        check_target(out, kind, overwrite)
+        delete_old = check_target(out, kind, overwrite)
         for pattern in (f".{out.name}.staging-*", f".{out.name}.old-*"):  # left by a killed build
             for stale in out.parent.glob(pattern):
                 shutil.rmtree(stale, ignore_errors=True)
@@ -118,20 +119,33 @@ def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-        _swap(stage, out)
+        _swap(stage, out, delete_old)
     finally:
         lock_path.unlink(missing_ok=True)  # while held: a waiter re-checks the inode
         os.close(fd)
 
 
-def _swap(stage: Path, out: Path) -> None:
-    if out.exists() and _exchange(stage, out):
-        shutil.rmtree(stage)  # now the old folder
+def _swap(stage: Path, out: Path, delete_old: bool) -> None:
+    if not out.exists():
+        os.rename(stage, out)
         return
-    if out.exists():
+    keep = None
+    if not delete_old:  # a folder this kind of build did not write: kept, renamed
+        import sys
+        import time
+
+        keep = out.parent / f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        print(
+            f"actstore: warning: {out} was not written by this command; the old folder is kept as {keep}",
+            file=sys.stderr,
+        )
+    if _exchange(stage, out):
+        old = stage  # now the old folder
+    else:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.rename(out, old)
         os.rename(stage, out)
-        shutil.rmtree(old)
+    if keep is not None:
+        os.rename(old, keep)
     else:
-        os.rename(stage, out)
+        shutil.rmtree(old)
