@@ -89,7 +89,7 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # 
         "res-6",
     )
     src = tmp_path / "np" / "tok" / "4-res-6"  # model id: the tokenizer folder's name
-    assert f"wrote {src} (Neuronpedia)" in out
+    assert f"wrote {src} (Neuronpedia's layout) and 1 batch files to {tmp_path / 'np'}" in out
     assert sorted(p.name for p in src.iterdir()) == [
         "activations",
         "features",
