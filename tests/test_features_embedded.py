@@ -71,7 +71,7 @@ def test_minilm_store_features_and_site(tmp_path, request):
     tid = int(store.token_ids(int(row.example))[int(row.token)])
     word = tok.decode([tid])
     rec = site_record(tmp_path / "site", 7)
-    assert rec["rows"]["ex"][0] == int(row.example) and rec["rows"]["act"][0] == float(f"{row.activation:.4g}")
+    assert rec["rows"]["ex"][0] == int(row.example) and rec["rows"]["act"][0] == float(row.activation)
     assert rec["keys"][rec["rows"]["doc"][0]] == store.sample(int(row.example))["sample_key"]  # the document's key
     exe = _chromium()
     page = _browser(

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from factory import word_tokenizer
+from factory import chat_word_store, odd_token_store, word_tokenizer
 from test_features_site import D, _browser, _chromium, site_record, text_store  # noqa: F401
 
 import actstore
@@ -152,28 +152,12 @@ def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F8
 
 
 def _odd_store(tmp_path, *, model_id):
-    """A store whose tokens include a right-to-left override, an isolate and a 10,000-character token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<bos>", "left", "\u202eright", "\u2066iso", "x" * 10000, "end"]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<bos>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(tmp_path / "tok")
-    ids = np.array([[0, 1, 2, 3, 4, 5, 1, 5]] * 3)
-    x = np.zeros((3, 1, 8, 4), np.float32)
-    x[:, 0, 2, 0] = [3.0, 2.0, 1.0]  # dimension 0 fires on the override token
-    x[:, 0, 4, 1] = [1.0, 2.0, 3.0]  # dimension 1 on the long token
-    path = tmp_path / "odd"
-    with actstore.ShardWriter(path, layers=[0], d_model=4, tokens=8, token_ids=True, model_id=model_id) as w:
-        w.append(x.astype(np.float16), token_ids=ids)
-    actstore.finalize(path)
-    return path
+    return odd_token_store(tmp_path / "odd", tmp_path / "tok", model_id=model_id or "")
 
 
 def test_bidi_controls_are_isolated_and_long_tokens_wrap(tmp_path, request):
     exe = _chromium()
-    path = _odd_store(tmp_path, model_id=str(tmp_path / "tok"))
+    path = odd_token_store(tmp_path / "odd", tmp_path / "tok")
     run_features(path, 0, str(tmp_path / "feat"), neurons=True, top_k=2)
     site = tmp_path / "site"
     build_site(str(tmp_path / "feat"), site, plot_examples=0)
@@ -321,33 +305,8 @@ def test_logit_tables_fold_the_final_norm(tmp_path):
 
 
 def _chat_store(tmp_path, *, model_id):
-    """A prompt/response store whose token 0 is a BOS (label 1, norm 1000) and whose content
-    tokens have norms 1..6."""
     word_tokenizer(tmp_path / "tok")
-    ids = {"prompt": np.array([[0, 1, 2, 3]]), "response": np.array([[4, 5, 6]])}
-    x = {"prompt": np.zeros((1, 1, 4, D), np.float32), "response": np.zeros((1, 1, 3, D), np.float32)}
-    x["prompt"][0, 0, :, 0] = [1000.0, 1.0, 2.0, 3.0]
-    x["response"][0, 0, :, 0] = [4.0, 5.0, 6.0]
-    labels = {"prompt": np.array([[1, 0, 0, 0]], np.uint8), "response": np.zeros((1, 3), np.uint8)}
-    path = tmp_path / "chat"
-    with actstore.ShardWriter(
-        path,
-        layers=[0],
-        d_model=D,
-        segments={"prompt": 4, "response": 3},
-        token_ids=True,
-        token_labels=True,
-        model_id=model_id,
-    ) as w:
-        w.append(
-            prompt=x["prompt"].astype(np.float16),
-            response=x["response"].astype(np.float16),
-            lengths={"prompt": np.array([4]), "response": np.array([3])},
-            token_ids=ids,
-            token_labels=labels,
-        )
-    actstore.finalize(path)
-    return path
+    return chat_word_store(tmp_path / "chat", model_id)
 
 
 def test_show_scales_colours_by_content_tokens_and_marks_the_response(tmp_path):

@@ -94,12 +94,13 @@ def build_site(
         index_text = []
         for b in np.unique(feats // sitedata.BUCKET).tolist():
             (stage / "data" / "f" / str(b)).mkdir(parents=True)
-        for j, f in enumerate(feats.tolist()):
-            value, text = pages.record(j, f)
-            _write(stage / sitedata.feature_path(f), sitedata.script("feature", value))
-            index_text.append(text)
-            if bar is not None:
-                bar(1)
+        with _Writer() as writer:  # files are created on other threads while the next records are made
+            for j, f in enumerate(feats.tolist()):
+                value, text = pages.record(j, f)
+                writer.put(stage / sitedata.feature_path(f), sitedata.script("feature", value))
+                index_text.append(text)
+                if bar is not None:
+                    bar(1)
         _write_data(stage, p, st, vocab, index_text, window, note, logit is not None, plot_examples)
         if plot_examples:
             from actstore.features.plots import write_plots
@@ -151,7 +152,6 @@ def _write_data(
         "plots": bool(plots),
         "image": bool(st.config.attrs.get("image")),
         "bucket": sitedata.BUCKET,
-        "vbytes": sitedata.position_bytes(len(vocab.ids)),
         "token_mask": m.get("masks", {}).get("token_mask"),
     }
     (stage / "data").mkdir(exist_ok=True)
@@ -186,7 +186,7 @@ class _FeaturePages:
         if p.has_negative:
             rec["hist_neg"] = sitedata.histogram(p.features["histogram_negative"][j])
         code = r.kind[s:e].astype(np.int64) * (1 << 22) + r.interval[s:e]
-        starts = np.flatnonzero(np.r_[True, code[1:] != code[:-1]]) if e > s else np.zeros(0, np.int64)
+        starts = np.flatnonzero(np.concatenate([[True], code[1:] != code[:-1]])) if e > s else np.zeros(0, np.int64)
         groups = []
         for g0 in starts.tolist():
             i = s + g0
@@ -198,12 +198,12 @@ class _FeaturePages:
         first[starts] = True
         group_of = np.cumsum(first) - 1
         rec["groups"] = groups
-        rec["rows"] = {
-            "g": group_of.tolist(),
-            "rank": r.rank[s:e].tolist(),
-            "ex": r.example[s:e].tolist(),
-            "tok": r.token[s:e].tolist(),
-            "act": [sitedata._g(a) for a in r.activation[s:e].tolist()],
+        rec["cols"] = {  # packed arrays (sitedata.pack): the page decodes them once
+            "g": sitedata.pack(group_of),
+            "rank": sitedata.pack(r.rank[s:e]),
+            "ex": sitedata.pack(r.example[s:e]),
+            "tok": sitedata.pack(r.token[s:e]),
+            "act": sitedata.pack(r.activation[s:e], "<f4"),
         }
         text = ["", "", ""]
         if self.wins is not None:
@@ -235,16 +235,17 @@ class _FeaturePages:
         rec["scale"] = scale
         rec["width"] = int(w.ids.shape[1])
         levels = np.clip(np.rint(acts / scale), -32767, 32767)  # left-out outliers clip at 32x the scale
-        rec["v"] = sitedata.packed(self.v[s:e].ravel(), "<i2" if self.vbytes == 2 else "<i4")
-        rec["a"] = sitedata.packed(levels.ravel(), "<i2")
+        cols = rec["cols"]
+        cols["v"] = sitedata.pack(self.v[s:e].ravel(), "<i2" if self.vbytes == 2 else "<i4")
+        cols["a"] = sitedata.pack(levels.ravel(), "<i2")
         rec["off"] = np.flatnonzero(w.off[s:e].ravel()).tolist()
         docs = w.doc[s:e].tolist()
         if any(d >= 0 for d in docs):
             local: dict[int, int] = {}
-            rec["rows"]["doc"] = [-1 if d < 0 else local.setdefault(d, len(local)) for d in docs]
+            cols["doc"] = sitedata.pack(np.array([-1 if d < 0 else local.setdefault(d, len(local)) for d in docs]))
             rec["keys"] = [w.keys[k] for k in local]
             if (w.doc_token[s:e] >= 0).any():
-                rec["rows"]["dt"] = w.doc_token[s:e].tolist()
+                cols["dt"] = sitedata.pack(w.doc_token[s:e])
         if e == s:
             return ["", "", ""]
         return sitedata.snippet(self.vocab.text, self.v[s], w.before)
@@ -318,6 +319,38 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
             f"{e['path']} changed since the pass (sha256 {enc.source.get('sha256')}, meta.json has {e.get('sha256')}): rerun `actstore features`"
         )
     return enc
+
+
+class _Writer:
+    """Writes files on a few threads (creating a file is a syscall that releases the GIL; a
+    site has one a feature); the first error is raised when the block ends."""
+
+    THREADS = 4
+    PENDING = 256  # files in flight at most (bounds the memory of queued texts)
+
+    def __enter__(self) -> _Writer:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="site-write")
+        self.futures: list[Any] = []
+        return self
+
+    def put(self, path: Path, text: str) -> None:
+        self.futures.append(self.pool.submit(_write, path, text))
+        if len(self.futures) >= self.PENDING:
+            self._drain(self.PENDING // 2)
+
+    def _drain(self, keep: int) -> None:
+        done, self.futures = self.futures[: len(self.futures) - keep], self.futures[len(self.futures) - keep :]
+        for fut in done:
+            fut.result()  # raises the write's error (the file named)
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None:
+                self._drain(0)
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _write(path: Path, text: str) -> None:

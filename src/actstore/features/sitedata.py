@@ -39,12 +39,36 @@ def position_bytes(n_vocab: int) -> int:
     return 2 if n_vocab < 1 << 15 else 4
 
 
-def packed(values: np.ndarray, dtype: str) -> str:
-    """Integers as base64 of little-endian `dtype` ("<i2" or "<i4"): the long window arrays,
-    encoded in C (a page decodes them with ACTSTORE.ints into an Int16Array / Int32Array)."""
+PACKED_TYPES = ("<i2", "<i4", "<f4", "<f8")  # what ACTSTORE.unpack decodes (Int16/Int32/Float32/Float64Array)
+
+
+def pack(values: np.ndarray, dtype: str | None = None) -> list[str]:
+    """An array as [dtype, base64 of its little-endian bytes] (encoded in C; a page decodes it
+    into a typed array). Integers take the narrowest of <i2, <i4 that holds them (<f8 beyond:
+    exact to 2**53)."""
     import base64
 
-    return base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")
+    values = np.asarray(values)
+    if dtype is None:
+        lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
+        dtype = "<i2" if -(1 << 15) <= lo and hi < 1 << 15 else "<i4" if -(1 << 31) <= lo and hi < 1 << 31 else "<f8"
+    if dtype not in PACKED_TYPES:
+        raise ValueError(f"dtype must be one of {list(PACKED_TYPES)}. Got {dtype!r}.")
+    return [dtype, base64.b64encode(np.ascontiguousarray(values, dtype=dtype).tobytes()).decode("ascii")]
+
+
+def unpack(rec: dict[str, Any]) -> dict[str, Any]:
+    """A feature record with its packed columns decoded: `rows` (g, rank, ex, tok, act, and doc,
+    dt where kept) as lists, `v` and `a` as arrays (what feature.html decodes; for readers)."""
+    import base64
+
+    cols = {k: np.frombuffer(base64.b64decode(b), dtype=t) for k, (t, b) in rec.get("cols", {}).items()}
+    out = {k: v for k, v in rec.items() if k != "cols"}
+    out["rows"] = {k: cols[k].tolist() for k in ("g", "rank", "ex", "tok", "act", "doc", "dt") if k in cols}
+    for k in ("v", "a"):
+        if k in cols:
+            out[k] = cols[k]
+    return out
 
 
 def feature_path(f: int) -> str:

@@ -32,11 +32,12 @@
     return (p >= 0.01 ? p.toFixed(p >= 10 ? 1 : p >= 1 ? 2 : 3) : p.toExponential(1)) + "%";
   };
   A.int = function (n) { return Number(n).toLocaleString("en-US"); };
-  // base64 of little-endian integers (the window arrays) -> Int16Array / Int32Array
-  A.ints = function (b64, bytes) {
-    var s = atob(b64), u = new Uint8Array(s.length);
+  // [dtype, base64 of little-endian values] (sitedata.pack) -> a typed array
+  var TYPES = {"<i2": Int16Array, "<i4": Int32Array, "<f4": Float32Array, "<f8": Float64Array};
+  A.unpack = function (col) {
+    var s = atob(col[1]), u = new Uint8Array(s.length);
     for (var i = 0; i < s.length; i++) { u[i] = s.charCodeAt(i); }
-    return bytes === 2 ? new Int16Array(u.buffer) : new Int32Array(u.buffer);
+    return new TYPES[col[0]](u.buffer);
   };
   A.featurePath = function (f, bucket) { return "data/f/" + Math.floor(f / bucket) + "/" + f + ".js"; };
   // a bar chart: heights on a log scale, labels on hover

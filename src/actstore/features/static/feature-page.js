@@ -68,7 +68,10 @@
     var S = R.stats, f = R.f, html = [];
     document.title = "feature " + f + " - " + M.title;
     document.getElementById("title").textContent = "Feature " + f;
-    if (R.v !== undefined) { R.v = A.ints(R.v, M.vbytes || 4); R.a = A.ints(R.a, 2); }
+    var C = R.cols || {};
+    R.rows = {};
+    ["g", "rank", "ex", "tok", "act", "doc", "dt"].forEach(function (k) { if (C[k]) { R.rows[k] = A.unpack(C[k]); } });
+    if (C.v) { R.v = A.unpack(C.v); R.a = A.unpack(C.a); }
     R.off_ = new Uint8Array(R.v ? R.v.length : 0);
     (R.off || []).forEach(function (i) { R.off_[i] = 1; });
     var cards = card(A.g(S.max), "max") + card(A.pct(S.density), "density (active &gt; 0)") + card(A.g(S.mean_active), "mean when active") +
