@@ -322,35 +322,43 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
 
 
 class _Writer:
-    """Writes files on a few threads (creating a file is a syscall that releases the GIL; a
-    site has one a feature); the first error is raised when the block ends."""
+    """Writes files in batches on a few threads while this one waits (creating a file is a
+    syscall that releases the GIL; a site has one a feature). Writing while this thread
+    computes would make each file wait for the GIL's switch interval. The first error is
+    raised (the file named)."""
 
     THREADS = 4
-    PENDING = 256  # files in flight at most (bounds the memory of queued texts)
+    BATCH = 1024  # files held before a batch is written
 
     def __enter__(self) -> _Writer:
         from concurrent.futures import ThreadPoolExecutor
 
         self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="site-write")
-        self.futures: list[Any] = []
+        self.pending: list[tuple[Path, str]] = []
         return self
 
     def put(self, path: Path, text: str) -> None:
-        self.futures.append(self.pool.submit(_write, path, text))
-        if len(self.futures) >= self.PENDING:
-            self._drain(self.PENDING // 2)
+        self.pending.append((path, text))
+        if len(self.pending) >= self.BATCH:
+            self.flush()
 
-    def _drain(self, keep: int) -> None:
-        done, self.futures = self.futures[: len(self.futures) - keep], self.futures[len(self.futures) - keep :]
-        for fut in done:
-            fut.result()  # raises the write's error (the file named)
+    def flush(self) -> None:
+        parts = [self.pending[i :: self.THREADS] for i in range(self.THREADS)]
+        self.pending = []
+        for fut in [self.pool.submit(_write_all, part) for part in parts if part]:
+            fut.result()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             if exc[0] is None:
-                self._drain(0)
+                self.flush()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _write_all(files: list[tuple[Path, str]]) -> None:
+    for path, text in files:
+        _write(path, text)
 
 
 def _write(path: Path, text: str) -> None:
