@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features.topk import FeatureTables
+from actstore.features.collect import FeatureTables
 from actstore.layout import keys
 from actstore.read.api import Reader
 from actstore.read.store import ActStore
