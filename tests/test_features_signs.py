@@ -35,7 +35,7 @@ def check(store, layer, enc, k, sign, **kw):
     ex, tok, X = oracle_tokens(store, layer, keep_special=kw.get("keep_special", False))
     A = enc.encode(X)
     want = []
-    for s in ((1,) if sign == "positive" else (-1,) if sign == "negative" else (1, -1)):
+    for s in (1,) if sign == "positive" else (-1,) if sign == "negative" else (1, -1):
         want += oracle_tail(ex, tok, A, k, s)
     want.sort(key=lambda w: (w[0], -w[1], w[2]))
     cols = ("feature", "sign", "rank", "example", "token", "activation")
