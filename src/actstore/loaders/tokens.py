@@ -112,6 +112,8 @@ class TokenStream(EpochPosition, IterableDataset):
         return_index: yield dicts {"acts", "example", "layer", "segment", "token"} instead of tensors.
         threads: I/O threads per consumer (reads, and pages made resident).
         prefetch: windows read ahead of the one being served.
+        prefetch_batches: batches made (and, with `device`, copied to it) ahead of the one
+            the loop holds (default 2).
         pin_memory: batches in pinned memory (main process, with an accelerator), for
             your own `.to(device, non_blocking=True)`.
         device: yield batches on this device (e.g. "cuda", torch.device("cuda:1")): rows
@@ -159,6 +161,7 @@ class TokenStream(EpochPosition, IterableDataset):
         return_index: bool = False,
         threads: int = 8,
         prefetch: int = 1,
+        prefetch_batches: int = 2,
         pin_memory: bool = False,
         device: str | torch.device | None = None,
         mmap: bool = True,
@@ -174,6 +177,8 @@ class TokenStream(EpochPosition, IterableDataset):
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0. Got {prefetch!r}.")
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches must be an int >= 1. Got {prefetch_batches!r}.")
         if isinstance(gather_threads, bool) or not isinstance(gather_threads, int) or not 1 <= gather_threads <= 8:
             raise ValueError(f"gather_threads must be an int in 1..8. Got {gather_threads!r}.")
         self.store = store = as_reader(store)
@@ -197,6 +202,7 @@ class TokenStream(EpochPosition, IterableDataset):
             warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=2)
             pin_memory = False
         self.threads, self.prefetch, self.pin_memory = int(threads), prefetch, bool(pin_memory)
+        self.prefetch_batches = prefetch_batches
         self.mmap, self.gather_threads = bool(mmap), gather_threads
         self.units = TokenUnits(store, self.layers, self.segments, token_mask)
         row_bytes = self.d_model * self.stored_dtype.itemsize
@@ -211,6 +217,7 @@ class TokenStream(EpochPosition, IterableDataset):
         # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
         self._spare: dict[str, Any] = {}
         self._active = 0  # iterations running (their threads use the buffers and mappings)
+        self._worker_flags = None  # under a TokenLoader: its workers' slot flags (buffers.WorkerRing)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -315,6 +322,8 @@ class TokenStream(EpochPosition, IterableDataset):
     # ---- iteration ----------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        if info is not None:
+            self._position_from_loader()
         plan = self.plan()
         if info is None:
             worker, n_workers, skip = 0, 1, self._batches_done
