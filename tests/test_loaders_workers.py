@@ -138,3 +138,23 @@ def test_worker_batches_are_unwrapped_and_their_slots_released_after_the_copy():
     got = [b for b in feeder]
     assert [float(b[0, 0]) for b in got] == [0, 1, 2, 3, 4] and released == [0, 1, 0, 1, 0]
     assert np.all([isinstance(b, torch.Tensor) for b in got])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_pair_batches_through_the_device_loader(tmp_path, num_workers):
+    from actstore.loaders.feed import DeviceLoader
+    from actstore.torch import PairDataset
+
+    store = vit_store(tmp_path / "s", n=20)
+    ds = PairDataset(store, return_mask=True)
+    kw = dict(batch_size=6, k=2, seed=4, num_workers=num_workers)
+    if num_workers:
+        kw["multiprocessing_context"] = "fork"
+    want = [{k: v.clone() for k, v in b.items()} for b in ds.loader(**kw)]
+    loader = DeviceLoader(ds.loader(**kw), CPU, prefetch=2)  # CPU stands for the device (feed._HostCopy)
+    loader.sampler.set_epoch(0)  # the DataLoader's attributes pass through
+    got = list(loader)
+    assert len(loader) == len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w)
+    assert len({b["acts"].data_ptr() for b in got}) == 4  # kept batches are distinct memory

@@ -188,3 +188,20 @@ class _Done:
 
     def synchronize(self) -> None:
         pass
+
+
+class DeviceLoader:
+    """A DataLoader whose batches arrive on `device` through a DeviceFeeder; everything
+    else (`sampler`, `len`, `dataset`) is the DataLoader's."""
+
+    def __init__(self, loader: Any, device: torch.device, *, prefetch: int = 2):
+        self.loader, self.device, self.prefetch = loader, device, prefetch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(DeviceFeeder(self.loader, self.device, prefetch=self.prefetch))

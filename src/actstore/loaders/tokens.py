@@ -49,7 +49,7 @@ def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
     return rank, world_size
 
 
-def _device(device: str | torch.device | None) -> torch.device | None:
+def cuda_device(device: str | torch.device | None) -> torch.device | None:
     """The device batches go to (None: the CPU), checked now rather than at the first batch."""
     if device is None:
         return None
@@ -63,7 +63,7 @@ def _device(device: str | torch.device | None) -> torch.device | None:
         return None
     if dev.type != "cuda":
         raise ValueError(
-            f"device={device!r}: TokenStream moves batches to 'cuda' devices (or leaves them on the CPU); "
+            f"device={device!r}: a loader moves batches to 'cuda' devices (or leaves them on the CPU); "
             f"move them to {dev.type} yourself"
         )
     if not torch.cuda.is_available():
@@ -124,6 +124,9 @@ class TokenStream(EpochPosition, IterableDataset):
             straight from the page cache (one copy per token); False reads every window
             into a buffer first (two copies), as object stores and caches always do.
         gather_threads: threads that gather each batch (1 to 8).
+        follow: stream a store that writers are still filling (training while capturing):
+            its committed blocks as they come, mixed in a pool of `buffer_bytes`, until it
+            is finalized (a FollowStream, actstore/loaders/follow.py).
         aligned: stream several sources in step, row i the same token in each: the
             `layers` of `store`, or of each store of a sequence of stores captured from
             several models on the same tokens; yields a tuple of one tensor per source
@@ -132,8 +135,19 @@ class TokenStream(EpochPosition, IterableDataset):
     """
 
     def __new__(
-        cls, store: ReaderLike | Sequence[ReaderLike] | None = None, *args: Any, aligned: bool = False, **kwargs: Any
+        cls,
+        store: ReaderLike | Sequence[ReaderLike] | None = None,
+        *args: Any,
+        aligned: bool = False,
+        follow: bool = False,
+        **kwargs: Any,
     ) -> Any:
+        if follow:
+            if args or aligned:
+                raise TypeError("TokenStream(path, follow=True) takes its options by keyword, and no aligned=True")
+            from actstore.loaders.follow import FollowStream
+
+            return FollowStream(store, **kwargs)
         if aligned:
             if args:
                 raise TypeError("TokenStream(..., aligned=True) takes its options by keyword")
@@ -167,6 +181,7 @@ class TokenStream(EpochPosition, IterableDataset):
         mmap: bool = True,
         gather_threads: int = 2,
         aligned: bool = False,
+        follow: bool = False,
     ):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
@@ -197,7 +212,7 @@ class TokenStream(EpochPosition, IterableDataset):
         if self._norm is not None and self.dtype in (torch.float16, torch.bfloat16) and dtype is None:
             self.dtype = torch.float32  # normalised values are computed and returned in float32
         self.return_index = bool(return_index)
-        self.device = _device(device)
+        self.device = cuda_device(device)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=2)
             pin_memory = False
