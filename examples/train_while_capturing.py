@@ -31,9 +31,7 @@ def tiny_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=512
-    )
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=512)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -50,7 +48,9 @@ def capture(store: Path, examples: int, sleep: float) -> None:
             yield {"input_ids": ids, "attention_mask": mask}
 
     row = TOKENS * 64 * 2  # bytes of one example's layer in float16
-    actstore.record(tiny_llama(), batches(), store, layers=[LAYER], segments={"tokens": TOKENS}, commit_bytes=2 * BATCH * row)
+    actstore.record(
+        tiny_llama(), batches(), store, layers=[LAYER], segments={"tokens": TOKENS}, commit_bytes=2 * BATCH * row
+    )
     actstore.finalize(store)
 
 
@@ -82,7 +82,16 @@ def main() -> None:
         return
     shutil.rmtree(store, ignore_errors=True)
     capturing = subprocess.Popen(
-        [sys.executable, __file__, str(store), "--capture", "--examples", str(args.examples), "--sleep", str(args.sleep)]
+        [
+            sys.executable,
+            __file__,
+            str(store),
+            "--capture",
+            "--examples",
+            str(args.examples),
+            "--sleep",
+            str(args.sleep),
+        ]
     )
     # The store appears once the capture starts writing; the stream waits for it, then for each block.
     stream = TokenStream(store, follow=True, batch_size=64, buffer_bytes=256 * 64 * 2, dtype=torch.float32)
@@ -101,13 +110,18 @@ def main() -> None:
         if not (store / "manifest.json").exists():
             before_finalize += 1
         if step % 10 == 0:
-            print(f"step {step:4d}  loss {loss.item():.4f}  tokens {seen}  blocks read {len(stream.blocks_read)}", flush=True)
+            print(
+                f"step {step:4d}  loss {loss.item():.4f}  tokens {seen}  blocks read {len(stream.blocks_read)}",
+                flush=True,
+            )
     if capturing.wait() != 0:
         sys.exit(f"the capture failed (exit code {capturing.returncode})")
     final = actstore.open(store)
     stored = int(final.segment("tokens").lengths().sum())
     print(f"trained {step} steps on {seen} tokens, {before_finalize} steps before the store was finalized")
-    print(f"the finalized store holds {len(final)} examples, {stored} tokens; loss {first_loss:.4f} -> {loss.item():.4f}")
+    print(
+        f"the finalized store holds {len(final)} examples, {stored} tokens; loss {first_loss:.4f} -> {loss.item():.4f}"
+    )
 
 
 if __name__ == "__main__":

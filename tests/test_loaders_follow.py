@@ -72,7 +72,9 @@ def test_follow_streams_every_committed_token_once_and_ends_at_finalize(tmp_path
     writer.join()
     assert all(b.dtype == torch.float16 and b.shape[1] == D for b in got)
     assert all(len(b) == 16 for b in got[:-1]) and 0 < len(got[-1]) <= 16
-    want = torch.cat(list(TokenStream(actstore.open(path), batch_size=64, shuffle=False)))  # the finalized store, content tokens
+    want = torch.cat(
+        list(TokenStream(actstore.open(path), batch_size=64, shuffle=False))
+    )  # the finalized store, content tokens
     np.testing.assert_array_equal(sorted_rows(torch.cat(got)), sorted_rows(want))
     assert len(want) > 200 and {b[0] for b in fs.blocks_read} == {0, 1}
     assert sum(b[2] - b[1] for b in fs.blocks_read) == 60  # each of the 2 x 30 examples read once
