@@ -152,3 +152,18 @@ def test_bad_sign_and_kernel_are_refused(tmp_path):
         top_activations(store, 0, neurons(D), kernel="cuda")
     with pytest.raises(FeatureError, match="kernel='torch' needs torch: pass device='cpu' or 'cuda'"):
         top_activations(store, 0, neurons(D), kernel="torch", device=None)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_mapped_and_read_groups_give_the_same_tables(tmp_path, zarr_format):
+    from actstore.features.groups import GroupReader
+
+    store = make_store(tmp_path / "s", zarr_format=zarr_format, per_shard=12, seed=6)
+    assert GroupReader(store, 2, None, False).region is not None  # this store's files can be mapped
+    enc = Encoder(kind="directions", d_in=D, n_features=6, W=np.eye(D, 6, dtype=np.float32))
+    for e in (neurons(D), enc):
+        a = top_activations(store, 2, e, k=4, sign="both", mmap=True)
+        b = top_activations(store, 2, e, k=4, sign="both", mmap=False)
+        for table in ("top", "features", "intervals"):
+            for c in getattr(a, table):
+                np.testing.assert_array_equal(getattr(a, table)[c], getattr(b, table)[c])

@@ -65,11 +65,15 @@ class HostSink:
 
     def group(self, flat: np.ndarray, rows: np.ndarray, ords: np.ndarray) -> None:
         """A group's stored rows flat (N, d) (float32 for bfloat16 stores), its kept rows and their ords."""
-        if self.direct:
-            x = flat if self.ids is None else flat[:, self.ids]
-            self.pos.update(x.T, ords, rows)
+        if self.direct:  # flat may be a whole mapped region: only the rows `rows` are read
+            if self.ids is None:
+                self.pos.update(flat.T, ords, rows)  # the stored rows, in place
+            else:
+                x = flat[rows][:, self.ids]  # copy: the kept rows' chosen features
+                self.pos.update(x.T, ords)
             if self.neg is not None:
-                self.neg.update(self._negated(x).T, ords, rows)
+                x = flat[rows] if self.ids is None else x  # copy: the kept rows
+                self.neg.update(np.negative(x, out=self._scratch_like(x)).T, ords)
             return
         if not len(rows):
             return
@@ -94,11 +98,13 @@ class HostSink:
             self.neg.update(self._negated(h), o)
 
     def _negated(self, a: np.ndarray) -> np.ndarray:
-        """-a in a reused scratch buffer (written before: no page faults)."""
+        return np.negative(a, out=self._scratch_like(a))
+
+    def _scratch_like(self, a: np.ndarray) -> np.ndarray:
+        """A reused scratch array of a's shape and dtype (written before: no page faults)."""
         if self._scratch is None or self._scratch.size < a.size or self._scratch.dtype != a.dtype:
             self._scratch = np.empty(a.size, a.dtype)
-        out = self._scratch[: a.size].reshape(a.shape)
-        return np.negative(a, out=out)
+        return self._scratch[: a.size].reshape(a.shape)
 
 
 class DeviceSink:

@@ -68,6 +68,7 @@ def top_activations(
     progress: bool | Callable[[int], Any] = False,
     kernel: str = "auto",
     sign: str = "positive",
+    mmap: bool = True,
 ) -> FeatureTables:
     """Top-k activations, statistics and interval samples of many features, in one pass.
 
@@ -94,6 +95,8 @@ def top_activations(
             when installed). The same tables either way.
         sign: "positive" (the top k of the positive values), "negative" (the bottom k of the
             negative values) or "both" (actstore.features.collect).
+        mmap: on a local store of raw chunks, map its files and read the stored rows in
+            place (actstore.features.groups); False reads them into buffers.
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
         raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
@@ -124,7 +127,9 @@ def top_activations(
         sink: Any = DeviceSink(encoder, ids, device=_device(device or "cpu"), **kw)
     else:
         sink = HostSink(encoder, ids, kernel=kernel, device=device, **kw)
-    groups = GroupReader(store, layer, segments, keep_special, device=sink.device if kernel == "torch" else None)
+    groups = GroupReader(
+        store, layer, segments, keep_special, device=sink.device if kernel == "torch" else None, mmap=mmap
+    )
     bar = _bar(progress, len(store))
     for exs, flat, rows, ords in groups:
         sink.group(flat, rows, ords)
