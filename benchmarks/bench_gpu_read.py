@@ -128,14 +128,23 @@ def bench_loader_alone(store, workers: list[int], args) -> list[dict]:
         )
         for _ in loader:  # warm: the workers start, the store's files are mapped
             pass
-        times = []
+        times, main_cpu = [], []
         for _ in range(args.repeats):
-            t0, n = time.perf_counter(), 0
+            c0, t0, n = time.process_time(), time.perf_counter(), 0
             for x in loader:
                 n += len(x)
             times.append(time.perf_counter() - t0)
+            main_cpu.append(time.process_time() - c0)  # this process's threads (the workers are others)
         t = statistics.median(times)
-        out.append({"workers": w, "tokens_per_s": n / t, "GB_per_s": n * row_bytes / t / 1e9, "epoch_s": times})
+        out.append(
+            {
+                "workers": w,
+                "tokens_per_s": n / t,
+                "GB_per_s": n * row_bytes / t / 1e9,
+                "epoch_s": times,
+                "main_cpu_s": main_cpu,
+            }
+        )
         print(f"  loader alone W={w}: {n / t / 1e6:.2f}M tokens/s ({n * row_bytes / t / 1e9:.2f} GB/s)", flush=True)
     return out
 
@@ -216,7 +225,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--workers", default="0,4,8,12")
-    ap.add_argument("--train-workers", default="0,8", help="loader workers of the loader-fed training")
+    ap.add_argument("--train-workers", default="0,8", help="loader workers of the loader-fed training ('': none)")
     ap.add_argument("--features", default="9216,32768")
     ap.add_argument("--cpu-feature-tokens", type=int, default=32768)
     ap.add_argument("--follow-blocks", type=int, default=8)
@@ -238,12 +247,12 @@ def main() -> None:
         for d in (int(x) for x in args.d_models.split(",")):
             store = make_store(root / f"d{d}", args.tokens, d)
             part: dict = {"train": []}
-            for w in (int(x) for x in args.train_workers.split(",")):
+            for w in (int(x) for x in args.train_workers.split(",") if x):
                 r = bench_train(store, dev, args, w)
                 part["train"].append(r)
                 print(f"d_model {d}, W={w}: loader-fed / resident {r['ratio_median']:.3f}x", flush=True)
                 save("gpu_read", result | {f"d{d}": part})
-            part["loader_alone"] = bench_loader_alone(store, [int(x) for x in args.workers.split(",")], args)
+            part["loader_alone"] = bench_loader_alone(store, [int(x) for x in args.workers.split(",") if x], args)
             save("gpu_read", result | {f"d{d}": part})
             part["features"] = bench_features(store, dev, args)
             result[f"d{d}"] = part
