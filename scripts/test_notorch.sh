@@ -13,7 +13,8 @@
 # test_saelens_card.py (export-saelens streams through the torch TokenStream),
 # test_features_site.py (decodes with a transformers tokenizer, reads the parquet files with
 # pandas, drives chromium) and test_features_embedded.py (captures with a real model),
-# test_data_checks.py and test_layer_parser.py (capture with tiny torch models), and
+# test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
+# test_cli_workflow.py (its word store's tokenizer is a transformers one; the feature pass and site),
 # test_remote_messages.py (moto's server), test_features_signs.py (the torch update against the
 # numba one) and test_features_faults.py (moto's server; the CLI's features encodes with torch).
 # The feature pass's oracle tests run here, but
@@ -50,7 +51,7 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
   tests/test_per_sample_chunks.py tests/test_import_dictionary_learning.py tests/test_features_topk.py tests/test_saev_checksums.py \
   tests/test_writer_options.py tests/test_per_sample_checksums.py \
-  tests/test_arguments.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py tests/test_read_mapped.py \
+  tests/test_arguments.py tests/test_cli_grammar.py tests/test_docs_claims.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py tests/test_read_mapped.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes \
   --deselect tests/test_features_topk.py::test_s3_store_matches_the_oracle \

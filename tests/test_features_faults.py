@@ -55,7 +55,7 @@ def test_a_file_size_limit_keeps_the_older_output_and_names_the_file(store, tmp_
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(
         [sys.executable, "-m", "actstore.cli", "features", str(store), "--layer", "0", "--neurons", "--top-k", "200"]
-        + ["--sign", "both", "--intervals", "20", "--per-interval", "50", "--out", str(out), "--no-progress"],
+        + ["--sign", "both", "--intervals", "20", "--per-interval", "50", "--out", str(out), "--overwrite", "--quiet"],
         capture_output=True,
         text=True,
         env=env,
