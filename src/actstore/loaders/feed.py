@@ -122,6 +122,31 @@ class DeviceFeeder:
         return _walk(batch, self.keys, lambda t: next(it)), event
 
 
+def cuda_device(device: str | torch.device | None) -> torch.device | None:
+    """The device batches go to (None: the CPU), checked now rather than at the first batch."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(
+            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e})."
+        ) from None
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(
+            f"device={device!r}: a loader moves batches to 'cuda' devices (or leaves them on the CPU); "
+            f"move them to {dev.type} yourself"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
+            "or leave device=None for CPU batches"
+        )
+    return dev
+
+
 def _walk(batch: Any, keys: tuple[str, ...] | None, fn: Callable[[torch.Tensor], Any]) -> Any:
     """The batch with fn applied to its device-bound tensors (in a fixed order)."""
     if isinstance(batch, torch.Tensor):

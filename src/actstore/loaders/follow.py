@@ -32,6 +32,7 @@ from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.loaders.buffers import TORCH_DTYPES
+from actstore.loaders.feed import DeviceFeeder, cuda_device
 from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, DEFAULT, effective_token_mask
 from actstore.read.shard import ShardReader
@@ -71,8 +72,6 @@ class FollowStream(IterableDataset):
         idle_timeout_s: float | None = 600.0,
         **unsupported: Any,
     ):
-        from actstore.loaders.tokens import cuda_device
-
         _refuse(unsupported)
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
@@ -110,8 +109,6 @@ class FollowStream(IterableDataset):
         batches = self._batches()
         if self.device is None:
             return batches
-        from actstore.loaders.feed import DeviceFeeder
-
         return iter(DeviceFeeder(batches, self.device, prefetch=self.prefetch_batches))
 
     def _batches(self) -> Iterator[torch.Tensor]:

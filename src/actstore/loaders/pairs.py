@@ -34,8 +34,8 @@ from actstore.loaders.source import (
     segment_lengths,
     stored_numpy_dtype,
 )
-from actstore.loaders.feed import DeviceLoader
-from actstore.loaders.tokens import cuda_device, dist_rank_world
+from actstore.loaders.feed import DeviceLoader, cuda_device
+from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
 from actstore.storage.forksafe import worker_context
 

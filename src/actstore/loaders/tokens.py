@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from actstore.loaders.aligned import AlignedTokenStream
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
+from actstore.loaders.feed import cuda_device
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, EpochPosition, consumed_per_worker, rank_batches
 from actstore.read.masks import DEFAULT
@@ -47,31 +48,6 @@ def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
             f"rank must be in 0..world_size-1 with world_size >= 1. Got rank={rank!r}, world_size={world_size!r}."
         )
     return rank, world_size
-
-
-def cuda_device(device: str | torch.device | None) -> torch.device | None:
-    """The device batches go to (None: the CPU), checked now rather than at the first batch."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(
-            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e})."
-        ) from None
-    if dev.type == "cpu":
-        return None
-    if dev.type != "cuda":
-        raise ValueError(
-            f"device={device!r}: a loader moves batches to 'cuda' devices (or leaves them on the CPU); "
-            f"move them to {dev.type} yourself"
-        )
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
-            "or leave device=None for CPU batches"
-        )
-    return dev
 
 
 class TokenStream(EpochPosition, IterableDataset):
