@@ -174,6 +174,7 @@ class _CudaCopy:
     pinned = True
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.stream = torch.cuda.Stream(device)
 
     def to_device(self, staged: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], Any]:
@@ -185,7 +186,7 @@ class _CudaCopy:
 
     def handed_over(self, batch: Any, event: Any) -> Any:
         """The batch made safe for the calling thread's current stream."""
-        current = torch.cuda.current_stream()
+        current = torch.cuda.current_stream(self.device)
 
         def mark(t: torch.Tensor) -> torch.Tensor:
             if t.is_cuda:
