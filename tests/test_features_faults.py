@@ -102,15 +102,20 @@ def test_enospc_keeps_the_older_output(store, tmp_path, monkeypatch):
     ]
 
 
-def test_a_folder_with_other_files_is_refused(store, tmp_path):
+def test_other_files_in_the_folder_are_kept(store, tmp_path):
     out = tmp_path / "feat"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    with pytest.raises(
-        FeatureError, match=r"holds files that are not this output's \(notes.txt\): choose another --out"
-    ):
-        run_features(store, 0, str(out), neurons=True, top_k=2)
-    assert [p.name for p in out.iterdir()] == ["notes.txt"] and no_staging_left(tmp_path)
+    (out / "notes").mkdir(parents=True)
+    (out / "notes" / "a.txt").write_text("mine")
+    (out / "readme.txt").write_text("also mine")
+    (out / TOP).write_text("an older table")
+    meta = run_features(store, 0, str(out), neurons=True, top_k=2)
+    assert sorted(p.name for p in out.iterdir()) == sorted(OURS | {"notes", "readme.txt"})
+    assert (out / "notes" / "a.txt").read_text() == "mine" and (out / "readme.txt").read_text() == "also mine"
+    assert read_meta(out) == meta and no_staging_left(tmp_path)
+    (out / "x").write_text("")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FeatureError, match="is a file: give --out a folder"):
+        run_features(store, 0, str(tmp_path / "file"), neurons=True, top_k=2)
 
 
 def test_a_failed_upload_keeps_the_older_output_on_s3(store, s3_url, monkeypatch):

@@ -2,8 +2,9 @@
 the manifest-like file that vouches for them (meta.json), so a failed run keeps the older
 output and partial files never become visible.
 
-- A local folder OUT: the files go to a sibling staging folder `.OUT.staging-*`, which is
-  then exchanged with OUT in one step (renameat2 RENAME_EXCHANGE: readers see the old
+- A local folder OUT: the files go to a sibling staging folder `.OUT.staging-*`, with
+  hard links to whatever else OUT holds (files this output does not own are kept), which
+  is then exchanged with OUT in one step (renameat2 RENAME_EXCHANGE: readers see the old
   folder or the new one, never a mix); the old folder is then removed. Where the file
   system cannot exchange, OUT is renamed aside and the staging folder renamed in its place
   (a crash between the two renames leaves the old output under `.OUT.old-*`).
@@ -38,8 +39,8 @@ def publish(storage: Storage, files: dict[str, bytes], last: str, owned: set[str
         storage: the output folder or prefix.
         files: every file of the new output (`last` among them).
         last: the file whose presence says the output is complete (meta.json).
-        owned: the names an output of this kind holds: a local folder holding anything
-            else is refused (its other files would be lost with the old folder).
+        owned: the names an output of this kind holds: anything else in a local folder is
+            carried into the new one (hard links: no data copied).
     """
     root = storage.local_root
     if root is not None:
@@ -51,13 +52,6 @@ def publish(storage: Storage, files: dict[str, bytes], last: str, owned: set[str
 def _publish_folder(root: Path, files: dict[str, bytes], last: str, owned: set[str]) -> None:
     if root.exists() and not root.is_dir():
         raise FeatureError(f"{root} is a file: give --out a folder (or a new name)")
-    if root.is_dir():
-        foreign = sorted(n for n in os.listdir(root) if n not in owned)
-        if foreign:
-            raise FeatureError(
-                f"{root} holds files that are not this output's ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}): choose another --out, or empty it"
-            )
     root.parent.mkdir(parents=True, exist_ok=True)
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging = root.parent / f".{root.name}.staging-{tag}"
@@ -65,6 +59,8 @@ def _publish_folder(root: Path, files: dict[str, bytes], last: str, owned: set[s
     try:
         for name in sorted(files, key=lambda n: n == last):  # `last` written last
             _write(staging / name, files[name], root / name)
+        if root.is_dir():
+            _carry(root, staging, owned | set(files))
         if not root.is_dir():
             os.rename(staging, root)
             return
@@ -78,6 +74,26 @@ def _publish_folder(root: Path, files: dict[str, bytes], last: str, owned: set[s
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _carry(root: Path, staging: Path, owned: set[str]) -> None:
+    """Hard-link everything of `root` that this output does not own into `staging` (a copy
+    where links cannot be made): the swap keeps a user's other files."""
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+    for entry in os.scandir(root):
+        if entry.name in owned or ".staging-" in entry.name:
+            continue
+        dst = staging / entry.name
+        if entry.is_dir(follow_symlinks=False):
+            shutil.copytree(entry.path, dst, symlinks=True, copy_function=link)
+        else:
+            link(entry.path, str(dst))
 
 
 def _write(path: Path, data: bytes, final: Path) -> None:
