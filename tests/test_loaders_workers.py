@@ -158,3 +158,18 @@ def test_pair_batches_through_the_device_loader(tmp_path, num_workers):
     for g, w in zip(got, want):
         assert sorted(g) == sorted(w) and all(torch.equal(g[k], w[k]) for k in w)
     assert len({b["acts"].data_ptr() for b in got}) == 4  # kept batches are distinct memory
+
+
+def test_the_stream_under_a_loader_stays_a_plain_dataset(tmp_path):
+    """A TokenLoader's position and slot flags live on its workers' copies of the stream:
+    the same stream under a plain DataLoader afterwards yields plain batches."""
+    from torch.utils.data import DataLoader
+
+    store = vit_store(tmp_path / "s", n=20)
+    ts = TokenStream(store, batch_size=16, seed=2)
+    first = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
+    assert ts._worker_flags is None and ts._shared_position is None
+    ts.set_epoch(0)
+    plain = list(DataLoader(ts, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert all(isinstance(b, torch.Tensor) for b in plain) and len(plain) == len(first) == 13
+    assert all(torch.equal(a, b) for a, b in zip(first, plain))

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from actstore.loaders.buffers import BufferRing, WorkerBatch, host_copy
 from actstore.loaders.feed import DeviceFeeder
@@ -78,6 +78,7 @@ class TokenLoader:
         self._dl: DataLoader | None = None
         self._ring: BufferRing | None = None
         self._flags: torch.Tensor | None = None
+        self._position: torch.Tensor | None = None  # (epoch, batches_done, num_workers) for the workers
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # the last tensor received from each worker slot
         for source in getattr(stream, "streams", [stream]):  # an AlignedTokenStream streams several sources
             multiprocessing_context = worker_context(
@@ -113,7 +114,7 @@ class TokenLoader:
                 yield _pin(batch) if self.pin_memory and s.device is None else batch
             return
         dl = self._loader()
-        s._shared_position[:] = torch.tensor([s._epoch, s._batches_done, self.num_workers])
+        self._position[:] = torch.tensor([s._epoch, s._batches_done, self.num_workers])
         device = s.device  # workers yield CPU batches; the move happens here
         if device is None:
             batches: Any = (self._received(b) for b in dl)
@@ -138,13 +139,12 @@ class TokenLoader:
             return self._dl
         s = self.stream
         if self._flags is None:
-            s._shared_position = torch.zeros(3, dtype=torch.int64).share_memory_()
+            self._position = torch.zeros(3, dtype=torch.int64).share_memory_()
             slots = self.prefetch_factor + SLOTS_BEYOND_PREFETCH
             self._flags = torch.zeros((self.num_workers, slots), dtype=torch.int8).share_memory_()
-            if not hasattr(s, "streams"):  # a plain TokenStream (an aligned one combines its sources' batches)
-                s._worker_flags = self._flags
+        plain = not hasattr(s, "streams")  # a plain TokenStream (an aligned one combines its sources' batches)
         self._dl = DataLoader(
-            s,
+            _UnderLoader(s, self._position, self._flags if plain else None),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
@@ -175,6 +175,20 @@ class TokenLoader:
         if isinstance(item, WorkerBatch):
             self._mapped[(item.worker, item.slot)] = item.batch["acts"] if isinstance(item.batch, dict) else item.batch
             self._flags[item.worker, item.slot] = 0
+
+
+class _UnderLoader(IterableDataset):
+    """The stream as a TokenLoader's workers iterate it: with the loader's position and
+    slot flags (tensors in shared memory), set on the worker's own copy of the stream, so
+    that the stream itself stays as it was for any other DataLoader."""
+
+    def __init__(self, stream: Any, position: torch.Tensor, flags: torch.Tensor | None):
+        self.stream, self.position, self.flags = stream, position, flags
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.stream
+        s._shared_position, s._worker_flags = self.position, self.flags
+        return iter(s)
 
 
 def _as_sent(batch: Any) -> Any:
