@@ -41,8 +41,8 @@ def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     )
     assert res.exit_code == 0, res.output
     top = pd.read_parquet(out / "top.parquet")
-    assert [str(t) for t in top.dtypes] == ["int32", "int32", "int64", "int32", "float32"]
-    assert list(top.columns) == ["feature", "rank", "example", "token", "activation"]
+    assert [str(t) for t in top.dtypes] == ["int32", "int8", "int32", "int64", "int32", "float32"]
+    assert list(top.columns) == ["feature", "sign", "rank", "example", "token", "activation"]
     z = top[top.feature == 0]
     # the two zebras (example 8 = shard 1's row 3, then example 2), then the 0.02 tokens, earliest first
     assert list(z.example[:2]) == [9, 2] and list(z.token[:2]) == [5, 5] and list(z["rank"]) == [0, 1, 2]

@@ -52,10 +52,18 @@ def register(main: click.Group) -> None:
 @click.option("--per-interval", type=int, default=5, show_default=True, help="Samples per interval.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option(
+    "--sign",
+    type=click.Choice(["positive", "negative", "both"]),
+    default="positive",
+    show_default=True,
+    help="Which tail: the top-k positive values, the bottom-k negative values (neurons, probes), or both.",
+)
+@click.option(
     "--device",
     default="auto",
     show_default=True,
-    help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).",
+    help="Where the pass runs: cpu (torch encode, compiled update), cuda or cuda:N (encode, top-k and statistics "
+    "on the GPU), or auto (torch on the CPU when installed, else numpy).",
 )
 @G.out_option("Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
 @G.overwrite_option("Replace the output of an earlier pass in OUT (default: refuse it).")
@@ -76,6 +84,7 @@ def features_cmd(
     intervals,
     per_interval,
     seed,
+    sign,
     device,
     out,
     overwrite,
@@ -107,6 +116,7 @@ def features_cmd(
         n_intervals=intervals,
         per_interval=per_interval,
         seed=seed,
+        sign=sign,
         device=device,
         progress=not quiet,
         command=_command(click.get_current_context()),
