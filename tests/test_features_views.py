@@ -193,57 +193,33 @@ def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
     assert "x" * 10000 in (tmp_path / "site3" / "data" / "vocab.js").read_text()
 
 
-def _format2(src: Path, out: Path) -> None:
-    """A format-2 pass (issue 34's --sign both) made from a format-1 one: the negative tail
-    is the positive tail's rows with their activations negated, as the `read` pass writes it."""
-    import shutil
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    shutil.copytree(src, out)
-    for name in ("top.parquet", "intervals.parquet"):
-        t = pq.read_table(src / name)
-        pos = t.append_column("sign", pa.array(np.ones(len(t), np.int8)))
-        neg = pos.set_column(pos.schema.get_field_index("activation"), "activation", pa.compute.negate(t["activation"]))
-        neg = neg.set_column(neg.schema.get_field_index("sign"), "sign", pa.array(-np.ones(len(t), np.int8)))
-        if name == "intervals.parquet":
-            for c in ("lo", "hi"):
-                neg = neg.set_column(neg.schema.get_field_index(c), c, pa.compute.negate(t[c]))
-        pq.write_table(pa.concat_tables([pos, neg]), out / name)
-    f = pq.read_table(src / "features.parquet")
-    f = f.append_column("min", pa.compute.negate(f["max"]))
-    f = f.append_column("n_negative", f["n_active"])
-    f = f.append_column("density_negative", f["density"])
-    f = f.append_column("mean_negative", pa.compute.negate(f["mean_active"]))
-    f = f.append_column("histogram_negative", f["histogram"])
-    pq.write_table(f, out / "features.parquet")
-    meta = json.loads((src / "meta.json").read_text())
-    meta |= {"format": "actstore-features/2", "histogram_edges_negative": meta["histogram_edges"]}
-    meta["options"]["sign"] = "both"
-    (out / "meta.json").write_text(json.dumps(meta))
-
-
-def test_a_pass_of_both_tails_shows_the_negative_one(feats, tmp_path):
+def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):  # noqa: F811
+    """A pass with --sign both (format 2: a sign column, the negative statistics): the site
+    shows the most negative activations, the negative density and histogram."""
     exe = _chromium()
-    _format2(feats, tmp_path / "feat2")
+    path, _ = text_store
+    run_features(path, 4, str(tmp_path / "feat2"), neurons=True, top_k=3, sign="both")
     site = tmp_path / "site"
     build_site(str(tmp_path / "feat2"), site, plot_examples=0)
-    rec = site_record(site, 0)
-    kinds = [g["kind"] for g in rec["groups"]]
-    assert kinds[:2] == ["top", "bottom"] and rec["stats"]["min"] == -rec["stats"]["max"]
+    rec = site_record(site, 1)  # dimension 1: noise of both signs
+    kinds = [(g["kind"], g["sign"]) for g in rec["groups"]]
+    assert kinds[:2] == [("top", 1), ("bottom", -1)] and ("interval", -1) in kinds
     bottom = [a for g, a in zip(rec["rows"]["g"], rec["rows"]["act"]) if rec["groups"][g]["kind"] == "bottom"]
-    assert bottom[0] == -6.0 and rec["hist_neg"] == rec["hist"]
+    assert bottom == sorted(bottom) and bottom[0] == pytest.approx(rec["stats"]["min"], rel=1e-3) and bottom[0] < 0
+    assert rec["stats"]["n_negative"] > 0 and rec["hist_neg"] is not None
     dom = _browser(
-        exe, tmp_path / "prof", "--virtual-time-budget=5000", "--dump-dom", url=(site / "feature.html").as_uri() + "#0"
+        exe,
+        tmp_path / "prof",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url=(site / "feature.html").as_uri() + "#1",
     )
     assert "Most negative activations" in dom and "density &lt; 0" in dom and "Negative values" in dom
+    assert 'style="background:rgba(30,110,255,1.00)"' in dom  # the most negative token, blue at full scale
     index = _browser(
         exe, tmp_path / "prof", "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri()
     )
-    assert (
-        ">density &lt; 0</div>" in index and ">both tails" in index.replace("tail", " tails", 0) or "both tail" in index
-    )
+    assert ">density &lt; 0</div>" in index and "top-3, both tails" in index
 
 
 def test_neighbours_cooccurrence_and_common_tokens_are_the_arithmetic():
