@@ -322,3 +322,17 @@ def test_show_and_info_without_a_tokenizer_show_ids(tmp_path):
     )
     info = json.loads(res.output)
     assert info["examples"][0]["segments"] == {"prompt": "<bos>thecatsat", "response": "onmatdog"}
+
+
+def test_a_table_meta_json_does_not_vouch_for_is_refused(feats, tmp_path):
+    import shutil
+
+    shutil.copytree(feats, tmp_path / "feat")
+    top = tmp_path / "feat" / "top.parquet"
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(top)
+    pq.write_table(t.slice(0, len(t) - 1), top)  # a readable table, one row short
+    with pytest.raises(FeatureError, match=r"top.parquet is not the file meta.json vouches for \(sha256 differs\)"):
+        build_site(str(tmp_path / "feat"), tmp_path / "site", plot_examples=0)
+    assert not (tmp_path / "site").exists()

@@ -73,6 +73,7 @@ def read_pass_meta(src: Any) -> dict[str, Any]:
 
 def load_pass(src: Any) -> PassData:
     """Read a pass folder or URL (`actstore features --out`)."""
+    import hashlib
     import io
 
     try:
@@ -82,11 +83,17 @@ def load_pass(src: Any) -> PassData:
     meta = read_pass_meta(src)
     storage = open_storage(src)
     cols = {}
+    sums = meta.get("files") or {}  # format 2: the sha256 of each table as published
     for name in (TOP, FEATURES, INTERVALS):
         try:
-            table = pq.read_table(io.BytesIO(storage.get(name)))
+            data = storage.get(name)
         except FileNotFoundError:
             raise FeatureError(f"{storage.url} has meta.json but no {name}: rerun `actstore features`") from None
+        if name in sums and hashlib.sha256(data).hexdigest() != sums[name]:
+            raise FeatureError(
+                f"{storage.url}/{name} is not the file meta.json vouches for (sha256 differs): rerun `actstore features`"
+            )
+        table = pq.read_table(io.BytesIO(data))
         cols[name] = {c: _column(table, c) for c in table.column_names}
     for name in (TOP, INTERVALS):
         if "sign" not in cols[name]:  # format 1: the positive tail only
