@@ -163,15 +163,8 @@ class _FeaturePages:
     """Each feature's record (data/f/...) and its index snippet, from the gathered arrays."""
 
     def __init__(self, p: PassData, rows: Rows, wins: Any, vocab: Vocab, images: Any, rel: dict, logit: Any) -> None:
-        self.p, self.rows, self.wins, self.vocab, self.images, self.rel, self.logit = (
-            p,
-            rows,
-            wins,
-            vocab,
-            images,
-            rel,
-            logit,
-        )
+        self.p, self.rows, self.wins, self.vocab = p, rows, wins, vocab
+        self.images, self.rel, self.logit = images, rel, logit
         feats = p.features["feature"].astype(np.int64)
         self.starts, self.ends = rows.bounds(feats)
         self.v = vocab.positions(wins.ids) if wins is not None else None
