@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import actstore
 
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from actstore.layout import spec
 
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
 LAYOUTS = {
@@ -93,9 +94,23 @@ def vit_store(
 
 
 def text_store(
-    path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1, t_chunk=None
+    path,
+    *,
+    n=9,
+    layers=(1, 3),
+    p_max=6,
+    r_max=4,
+    d_model=8,
+    dtype="float32",
+    labels=True,
+    seed=1,
+    t_chunk=None,
+    kinds=False,
+    zarr_format=3,
 ):
-    """A prompt/response store with random lengths, garbage past the lengths, and labels."""
+    """A prompt/response store with random lengths, garbage past the lengths, and labels:
+    classes 1..8, or with `kinds` token kinds 0..2 (token_label_names: the default mask
+    keeps label 0)."""
     rng = np.random.default_rng(seed)
     with actstore.ShardWriter(
         path,
@@ -104,8 +119,10 @@ def text_store(
         segments={"prompt": p_max, "response": r_max},
         dtype=dtype,
         token_labels=labels,
+        token_label_names=dict(spec.TOKEN_KIND_NAMES) if kinds else None,
         model_id="HuggingFaceTB/SmolLM2-135M",
         t_chunk=t_chunk,
+        zarr_format=zarr_format,
     ) as w:
         L = len(layers)
         p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
@@ -113,9 +130,10 @@ def text_store(
         lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
         kw = {}
         if labels:
+            lo, hi = (0, 3) if kinds else (1, 9)
             kw["token_labels"] = {
-                "prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
-                "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8),
+                "prompt": rng.integers(lo, hi, (n, p_max)).astype(np.uint8),
+                "response": rng.integers(lo, hi, (n, r_max)).astype(np.uint8),
             }
         w.append(prompt=p, response=r, lengths=lens, **kw)
     actstore.finalize(path)

@@ -74,8 +74,10 @@ def _rows(a: np.ndarray) -> set[bytes]:
 
 def test_the_rule(packed, tmp_path):
     assert leaves_out_special(packed) and default_token_mask(packed) == "content"
-    prs = text_store(tmp_path / "pairs")  # a prompt/response store with labels (ShardWriter, padded segments)
-    assert leaves_out_special(prs)
+    prs = text_store(tmp_path / "pairs")  # a prompt/response store whose labels are classes (ShardWriter)
+    assert not leaves_out_special(prs) and default_token_mask(prs) is None
+    kinds = text_store(tmp_path / "kinds", kinds=True)  # ... whose writer said they are token kinds
+    assert leaves_out_special(kinds) and kinds.config.token_label_names == {0: "content", 1: "special", 2: "template"}
     assert not leaves_out_special(text_store(tmp_path / "nolabels", labels=False))
     vit = vit_store(tmp_path / "vit")  # labels are classes
     assert not leaves_out_special(vit) and default_token_mask(vit) is None
