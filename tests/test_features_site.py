@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 import actstore
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.cli import main
 from actstore.features import FeatureError, TokenizerNotFoundError
 from actstore.features.context import load_tokenizer, text_windows
@@ -76,6 +77,7 @@ def text_store(tmp_path_factory):
             tokens=9,
             token_ids=True,
             token_labels=True,
+            token_label_names=TOKEN_KIND_NAMES,  # token kinds: the default mask leaves the BOS (label 1) out
             model_id=str(tok),
             world_size=2,
             zarr_format=3,

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore import ActStore, ShardWriter
 from actstore.torch import PairBatchSampler, TokenStream
 
@@ -31,6 +32,7 @@ def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **la
             t_chunk={"prompt": 4, "response": 4},
             dtype=dtype,
             token_labels=True,
+            token_label_names=TOKEN_KIND_NAMES,  # labels 0..2 are token kinds: the default mask keeps 0
             stats=stats,
             **layout,
         ) as w:

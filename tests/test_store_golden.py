@@ -98,9 +98,9 @@ def test_golden_reads_exactly(tmp_path, name, era):
         json.loads(line) for line in (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()
     ]
     per_sample = {a.split("/")[-1] for a in promised}
-    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [per_sample if era in ("today", "before-token-label-meaning") else set()] * len(
-        blocks
-    )
+    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [
+        per_sample if era in ("today", "before-token-label-meaning") else set()
+    ] * len(blocks)
     exp = expected(name)
     store = actstore.ActStore(root)
     segs = list(exp.segments)

@@ -25,8 +25,19 @@ def _common(f):
     f = click.option(
         "--layer", type=int, default=None, help="The store's layer number (default: the number in the hook's name)."
     )(f)
+    f = click.option(
+        "--commit-mb",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="Commit each shard every this many MiB of activations (default 256): a kill loses at most one "
+        "commit, and a rerun continues from the last; lower it for parts smaller than one commit.",
+    )(f)
     f = click.option("--quiet", is_flag=True, help="No progress bar, no summary.")(f)
     return f
+
+
+def _commit_bytes(commit_mb: float | None) -> int | None:
+    return None if commit_mb is None else max(1, int(commit_mb * 2**20))
 
 
 @click.command("import-activault")
@@ -35,7 +46,14 @@ def _common(f):
 @click.option("--hook", default=None, help="The hook folder's name, when SRC is a run folder.")
 @_common
 def import_activault_cmd(
-    src: str, store: str, hook: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+    src: str,
+    store: str,
+    hook: str | None,
+    workers: int,
+    zarr_format: str,
+    layer: int | None,
+    commit_mb: float | None,
+    quiet: bool,
 ) -> None:
     """Import one hook of an Activault run into STORE: SRC is the hook's folder {run}/{hook}
     (local or s3://...), or the run folder with --hook NAME.
@@ -48,7 +66,14 @@ def import_activault_cmd(
     from actstore.importers import import_activault
 
     rep = import_activault(
-        src, store, hook=hook, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+        src,
+        store,
+        hook=hook,
+        layer=layer,
+        workers=workers,
+        zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
+        progress=not quiet,
     )
     if not quiet:
         click.echo(rep.summary())
@@ -60,7 +85,14 @@ def import_activault_cmd(
 @click.option("--hook-name", default=None, help="The activation column to import (default: the folder's only one).")
 @_common
 def import_saelens_cmd(
-    src: str, store: str, hook_name: str | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+    src: str,
+    store: str,
+    hook_name: str | None,
+    workers: int,
+    zarr_format: str,
+    layer: int | None,
+    commit_mb: float | None,
+    quiet: bool,
 ) -> None:
     """Import a SAELens cached-activations dataset (a datasets save_to_disk folder, local or
     an object-store URL; also what `actstore export-saelens` writes) into STORE.
@@ -71,7 +103,14 @@ def import_saelens_cmd(
     from actstore.importers import import_saelens
 
     rep = import_saelens(
-        src, store, hook_name=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+        src,
+        store,
+        hook_name=hook_name,
+        layer=layer,
+        workers=workers,
+        zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
+        progress=not quiet,
     )
     if not quiet:
         click.echo(rep.summary())
@@ -85,7 +124,14 @@ def import_saelens_cmd(
 )
 @_common
 def import_dictionary_learning_cmd(
-    src: str, store: str, tokens_per_example: int | None, workers: int, zarr_format: str, layer: int | None, quiet: bool
+    src: str,
+    store: str,
+    tokens_per_example: int | None,
+    workers: int,
+    zarr_format: str,
+    layer: int | None,
+    commit_mb: float | None,
+    quiet: bool,
 ) -> None:
     """Import one submodule of a dictionary_learning activation cache (SRC: the folder
     {store_dir}/{submodule}_{io} with config.json and shard_N.memmap/.meta) into STORE.
@@ -103,6 +149,7 @@ def import_dictionary_learning_cmd(
         layer=layer,
         workers=workers,
         zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
     if not quiet:

@@ -42,6 +42,7 @@ class Geometry:
     dtype: str
     token_ids: bool = False
     token_labels: bool = False
+    token_label_names: dict[int, str] | None = None  # the labels are token kinds (None: classes)
     variable: bool = False
     model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
@@ -183,9 +184,11 @@ def _import_part(
         dtype=g.dtype,
         token_ids=g.token_ids,
         token_labels=g.token_labels,
+        token_label_names=g.token_label_names,
         model_id=g.model_id,
         attrs=attrs,
         resume=state == "partial",
+        overwrite=state == "unclaimed",
         zarr_format=zarr_format,
         **kw,
     )
@@ -210,7 +213,8 @@ def _import_part(
 
 
 def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr_format: int) -> str:
-    """'new', 'partial' (a killed import of this part: resumed) or 'done'."""
+    """'new', 'unclaimed' (a shard killed before its first commit, which records whose part
+    it holds: started afresh), 'partial' (a killed import of this part: resumed) or 'done'."""
     from actstore import catalog
 
     storage = open_storage(store)
@@ -221,7 +225,11 @@ def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr
     key = records.group_attrs_key(zarr_format)
     try:
         mine = records.shard_attrs_config(sh.get(key), zarr_format, sh.where(key)).attrs.get(IMPORT_ATTR)
-    except (KeyNotFound, CorruptStoreError, AttributeError):
+    except KeyNotFound:
+        if rec.n_committed == 0:
+            return "unclaimed"  # nothing committed, nothing said whose: no one's work is lost
+        mine = None
+    except (CorruptStoreError, AttributeError):
         mine = None
     want = {"kind": source.kind, "part": part.key, "fingerprint": part.fingerprint}
     if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want.items()):

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import UnsafePathError
+from actstore.errors import StorageAccessError, UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
@@ -292,7 +292,13 @@ class LocalStorage(Storage):
         parent = path.rsplit("/", 1)[0]
         if parent not in self._made_dirs:
             check_no_links(self._top, parent)
-            os.makedirs(parent, exist_ok=True)
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except (NotADirectoryError, FileExistsError):
+                raise StorageAccessError(
+                    f"cannot create the folder {parent}: {_file_on_the_way(parent)} is a file, not a folder; "
+                    "choose a path whose folders are folders (nothing was written there)"
+                ) from None
             self._made_dirs.add(parent)
 
     def put(
@@ -410,8 +416,6 @@ class LocalStorage(Storage):
 
     # ---- access -------------------------------------------------------------------
     def check_access(self, *, write: bool) -> None:
-        from actstore.errors import StorageAccessError
-
         path = Path(self._root)
         if path.exists() and not path.is_dir():
             raise StorageAccessError(
@@ -468,3 +472,12 @@ def _checked(key: str) -> str:
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
+
+
+def _file_on_the_way(folder: str) -> str:
+    """The first path on the way to `folder` that exists and is not a folder."""
+    p = Path(folder)
+    for q in [*reversed(p.parents), p]:
+        if os.path.lexists(q) and not q.is_dir():
+            return str(q)
+    return folder

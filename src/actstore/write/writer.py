@@ -373,7 +373,7 @@ class ShardWriter(ShardSetup):
                 vals = self._take_pending(name, n1 - n0)
                 arr = arrays.every_chunk(self._group, name)
                 _set_rows(arr, n1)
-                arr[n0:n1] = vals
+                self._ps_rows.write(arr, name, n0, vals)  # from its chunk's first row: nothing read back
                 ps_crc[keys.basename(name)] = per_sample_crc32c(vals, dtypes[name])
             for seg in cfg.segments:
                 _set_rows(self._group[keys.acts_array(seg.name)], n1)
@@ -397,6 +397,8 @@ class ShardWriter(ShardSetup):
             arrays.write_consolidated(self._meta)
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
+        if complete and n0:
+            self._check_committed(n1)  # committed in several commits: none of its objects was lost
         if self.fsync:
             sh.sync()
         self._lease.check()  # a writer whose shard was taken over commits nothing more
