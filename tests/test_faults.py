@@ -210,8 +210,8 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
         # is in the second batch's response segment, after its prompt chunks were written
         if not atomic:  # chunk files are written in place; records and metadata atomically
             calls.append(key)
-            if len(calls) == 60:
-                raise OSError(errno.ENOSPC, "No space left on device")
+            if len(calls) == 60:  # as a real put says it: naming the file (tests/test_disk_full_names.py)
+                raise OSError(errno.ENOSPC, "No space left on device", self.path(key))
         real(self, key, *parts, atomic=atomic, **kw)
 
     monkeypatch.setattr(LocalStorage, "put", full_on_call_60)
@@ -221,7 +221,8 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError) as ei:
         F.append_range(w, 0, 4, 8)
     assert str(ei.value) == (
-        f"out of disk space while writing chunk files of shard 0 of {root} (No space left on device); this batch of 4 examples "
+        f"out of disk space while writing chunk files of shard 0 of {root} (No space left on device: "
+        f"{root}/shards/shard-00000.zarr/{calls[-1]}); this batch of 4 examples "
         "was not added; the shard keeps its last commit (4 examples). Free space, then append again, or reopen with "
         "ShardWriter(..., shard=0, resume=True)"
     )
@@ -358,8 +359,8 @@ def test_full_disk_during_finalize_keeps_the_previous_manifest(base_plus, tmp_pa
     with pytest.raises(DiskFullError) as ei:
         finalize(root)
     assert str(ei.value) == (
-        f"out of disk space while finalizing {root} (No space left on device); the previous manifest is unchanged. "
-        f"Free space, then rerun `actstore finalize {root}`"
+        f"out of disk space while finalizing {root} (No space left on device writing {root}/manifest.json); the previous "
+        f"manifest is unchanged. Free space, then rerun `actstore finalize {root}`"
     )
     assert (root / "manifest.json").read_bytes() == before and len(ActStore(root)) == N0
     monkeypatch.undo()

@@ -200,11 +200,13 @@ def _import_part(
             update(start)
         else:
             report.count("n_written")
-        for b in source.read(part, start):
+        per = max(1, commit_bytes // w.cfg.example_bytes()) if commit_bytes else None
+        for batch in source.read(part, start):
             if probe is None and start == 0:
-                probe = _checksum(b.acts, 0, None if b.lengths is None else int(b.lengths[0]))
-            w.append(b.acts, lengths=b.lengths, token_ids=b.token_ids, token_labels=b.token_labels)
-            update(len(b.acts))
+                probe = _checksum(batch.acts, 0, None if batch.lengths is None else int(batch.lengths[0]))
+            for b in _pieces(batch, per):  # a commit may end inside a source's batch
+                w.append(b.acts, lengths=b.lengths, token_ids=b.token_ids, token_labels=b.token_labels)
+                update(len(b.acts))
         if part.n_examples is not None and w.n_written != part.n_examples:
             raise ImportSourceError(
                 f"{source.url}/{part.key} gave {w.n_written} examples; its metadata says {part.n_examples}"
@@ -238,6 +240,18 @@ def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr
             f"({'another source' if not isinstance(mine, dict) else mine.get('part')}); import into a new store path"
         )
     return "done" if rec.complete and part.n_examples in (None, rec.n_committed) else "partial"
+
+
+def _pieces(b: Examples, rows: int | None) -> Iterator[Examples]:
+    """`b` in pieces of at most `rows` examples (None: whole)."""
+    n = len(b.acts)
+    if rows is None or n <= rows:
+        yield b
+        return
+    for i in range(0, n, rows):
+        yield Examples(
+            **{k: None if v is None else v[i : i + rows] for k, v in vars(b).items()},
+        )
 
 
 def _checksum(acts: Any, row: int, length: int | None) -> int:

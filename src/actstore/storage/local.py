@@ -306,6 +306,10 @@ class LocalStorage(Storage):
     ) -> None:
         path = self.path(_checked(key))
         self._parent(path)
+        with _named(path):
+            self._put(path, parts, atomic, durable, writeback)
+
+    def _put(self, path: str, parts: tuple, atomic: bool, durable: bool, writeback: Writeback | None) -> None:
         if not atomic:
             self._write_file(path, parts, durable, writeback)
             return
@@ -342,6 +346,10 @@ class LocalStorage(Storage):
         path = self.path(_checked(key))
         self._parent(path)
         tmp = str(tmp_name(Path(path)))
+        with _named(path):
+            self._put_stream(path, tmp, parts)
+
+    def _put_stream(self, path: str, tmp: str, parts: Iterator[bytes]) -> None:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
             try:
@@ -361,7 +369,12 @@ class LocalStorage(Storage):
         path = Path(self.path(_checked(key)))
         self._parent(str(path))
         tmp = tmp_name(path)
-        tmp.write_bytes(data)
+        try:
+            with _named(str(path)):
+                tmp.write_bytes(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         try:
             os.link(tmp, path)
             return True
@@ -375,10 +388,11 @@ class LocalStorage(Storage):
         self._parent(path)
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
-            view = memoryview(data).cast("B")
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            return os.fstat(fd).st_size
+            with _named(path):
+                view = memoryview(data).cast("B")
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+                return os.fstat(fd).st_size
         finally:
             os.close(fd)
 
@@ -387,7 +401,8 @@ class LocalStorage(Storage):
         check_no_links(self._top, path.rsplit("/", 1)[0])
         fd = _open_write(path, os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
         try:
-            os.ftruncate(fd, size)
+            with _named(path):
+                os.ftruncate(fd, size)
         finally:
             os.close(fd)
 
@@ -472,6 +487,18 @@ def _checked(key: str) -> str:
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
+
+
+@contextlib.contextmanager
+def _named(path: str) -> Iterator[None]:
+    """An OSError of a write that names no file (os.write, os.fsync on a descriptor) names
+    `path`: a full disk says which file it could not write."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename and type(e).__module__ == "builtins":
+            e.filename = path
+        raise
 
 
 def _file_on_the_way(folder: str) -> str:

@@ -181,8 +181,8 @@ def _publish(storage: Storage, key: str, data: Any) -> None:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         err = DiskFullError(
-            f"out of disk space while finalizing {storage.url} ({os.strerror(e.errno)}); the previous manifest is unchanged. "
-            f"Free space, then rerun `actstore finalize {storage.url}`"
+            f"out of disk space while finalizing {storage.url} ({os.strerror(e.errno)} writing {storage.where(key)}); "
+            f"the previous manifest is unchanged. Free space, then rerun `actstore finalize {storage.url}`"
         )
-        err.errno = e.errno
+        err.errno, err.filename = e.errno, storage.where(key)
         raise err from e
