@@ -219,3 +219,48 @@ def test_another_source_is_still_refused_once_a_shard_committed(tmp_path):
     with pytest.raises(actstore.errors.StoreMismatchError):
         import_dictionary_learning(other, tmp_path / "s", progress=False)
     assert len(ActStore(tmp_path / "s")) == 8  # the store is as the first import left it
+
+
+def _limited(*args: str) -> subprocess.CompletedProcess:
+    """`actstore ARGS` in a process whose files may not grow past 64 KiB (RLIMIT_FSIZE: the
+    kernel refuses the write with EFBIG, as a full disk refuses it with ENOSPC)."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-m", "actstore.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=limit,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("zarr_format", ["3", "2"])
+def test_a_file_size_limit_during_an_import_or_a_copy_names_the_file(tmp_path, zarr_format):
+    folder, _ = write_cache(tmp_path, sizes=(5000,), d=6)  # 4096-token examples: 96 KiB a chunk
+    store = tmp_path / "s"
+    r = _limited(
+        "import-dictionary-learning",
+        str(folder),
+        str(store),
+        "--zarr-format",
+        zarr_format,
+        "--tokens-per-example",
+        "4096",
+        "--quiet",
+    )
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    chunk = "c/0/0/0/0" if zarr_format == "3" else "0.0.0.0"
+    assert f"(File too large: {store}/shards/shard-00000.zarr/arrays/tokens_activations/{chunk})" in r.stderr
+    assert not (store / "manifest.json").exists()
+    import_dictionary_learning(folder, store, tokens_per_example=4096, zarr_format=int(zarr_format), progress=False)
+    r = _limited("cp", str(store), str(tmp_path / "copy"), "--quiet")
+    assert (
+        r.returncode == 1
+        and f"File too large: '{tmp_path}/copy/shards/shard-00000.zarr/arrays/tokens_activations/" in r.stderr
+    )
