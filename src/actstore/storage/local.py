@@ -28,7 +28,15 @@ from actstore.storage.mapping import MappedFile
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, sync_file_range, syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
-from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular
+from actstore.storage.regular import (
+    READ_FLAGS,
+    check_no_links,
+    file_parent,
+    kind_of,
+    named_writes,
+    not_regular,
+    open_regular,
+)
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)  # buffers one preadv fills
@@ -296,7 +304,7 @@ class LocalStorage(Storage):
                 os.makedirs(parent, exist_ok=True)
             except (NotADirectoryError, FileExistsError):
                 raise StorageAccessError(
-                    f"cannot create the folder {parent}: {_file_on_the_way(parent)} is a file, not a folder; "
+                    f"cannot create the folder {parent}: {file_parent(os.path.join(parent, '-'))} is a file, not a folder; "
                     "choose a path whose folders are folders (nothing was written there)"
                 ) from None
             self._made_dirs.add(parent)
@@ -306,7 +314,7 @@ class LocalStorage(Storage):
     ) -> None:
         path = self.path(_checked(key))
         self._parent(path)
-        with _named(path):
+        with named_writes(path):
             self._put(path, parts, atomic, durable, writeback)
 
     def _put(self, path: str, parts: tuple, atomic: bool, durable: bool, writeback: Writeback | None) -> None:
@@ -346,7 +354,7 @@ class LocalStorage(Storage):
         path = self.path(_checked(key))
         self._parent(path)
         tmp = str(tmp_name(Path(path)))
-        with _named(path):
+        with named_writes(path):
             self._put_stream(path, tmp, parts)
 
     def _put_stream(self, path: str, tmp: str, parts: Iterator[bytes]) -> None:
@@ -370,7 +378,7 @@ class LocalStorage(Storage):
         self._parent(str(path))
         tmp = tmp_name(path)
         try:
-            with _named(str(path)):
+            with named_writes(str(path)):
                 tmp.write_bytes(data)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -388,7 +396,7 @@ class LocalStorage(Storage):
         self._parent(path)
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
-            with _named(path):
+            with named_writes(path):
                 view = memoryview(data).cast("B")
                 while view.nbytes:
                     view = view[os.write(fd, view) :]
@@ -401,7 +409,7 @@ class LocalStorage(Storage):
         check_no_links(self._top, path.rsplit("/", 1)[0])
         fd = _open_write(path, os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
         try:
-            with _named(path):
+            with named_writes(path):
                 os.ftruncate(fd, size)
         finally:
             os.close(fd)
@@ -487,24 +495,3 @@ def _checked(key: str) -> str:
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
-
-
-@contextlib.contextmanager
-def _named(path: str) -> Iterator[None]:
-    """An OSError of a write that names no file (os.write, os.fsync on a descriptor) names
-    `path`: a full disk says which file it could not write."""
-    try:
-        yield
-    except OSError as e:
-        if not e.filename and type(e).__module__ == "builtins":
-            e.filename = path
-        raise
-
-
-def _file_on_the_way(folder: str) -> str:
-    """The first path on the way to `folder` that exists and is not a folder."""
-    p = Path(folder)
-    for q in [*reversed(p.parents), p]:
-        if os.path.lexists(q) and not q.is_dir():
-            return str(q)
-    return folder
