@@ -13,8 +13,10 @@
 # test_saelens_card.py (export-saelens streams through the torch TokenStream),
 # test_features_site.py (decodes with a transformers tokenizer, reads the parquet files with
 # pandas, drives chromium) and test_features_embedded.py (captures with a real model),
-# test_data_checks.py and test_layer_parser.py (capture with tiny torch models), and
-# test_remote_messages.py (moto's server). The feature pass's oracle tests run here, but
+# test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
+# test_remote_messages.py and test_lost_objects.py (moto's server), test_import_integrity.py
+# (Activault megabatches and SAELens caches are torch files) and test_hostile_inputs.py (its
+# torch-version and --bias cases load torch). The feature pass's oracle tests run here, but
 # for their S3 case (moto's server) and their compiled-kernel cases (numba comes with the views
 # extra; test_features_kernel.py compares it with the numpy reference). Deselected by name: the embedded-images export
 # (its images need Pillow) and the txt-folder message of `actstore write` (needs torch).
