@@ -1,6 +1,6 @@
 """Record a model's residual stream from your own batches with actstore.record.
 
-Runs offline on the embedded MiniLM (BERT) shipped by scripts/setup.sh:
+Runs offline on the embedded MiniLM (BERT) installed by `bash scripts/setup.sh dev`:
     python examples/capture_record.py [STORE]
 """
 

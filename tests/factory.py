@@ -6,6 +6,14 @@ from a seed; and the layouts every feature is combined with.
 - `text_store`: prompt/response segments of random lengths, garbage past the lengths, labels;
 - `qa_store`: two padded segments with a text field and statistics, in several shards,
   commits every 600 bytes (resume, copy and object-storage tests);
+- `pairs_store`: the loaders' prompt/response store: three layers, lengths that may be 0,
+  token-kind labels 0..2, two token chunks a segment, statistics;
+- `plain_vit_store`: one fixed segment and nothing else (no labels, no CLS attribute);
+- `word_tokenizer` / `word_store`: a word-level tokenizer over WORDS and a store of its
+  token ids (BOS labelled special; dimension 0 fires on "zebra"), for views that decode;
+- `image_store`: a ViT-like store whose examples are images on disk (and one embedded image);
+- `tagged_store`: vectors that say which token they are ([token id, layer, example, segment,
+  position, noise...], float32, token ids), for streams that must align tokens;
 - `store_cases` / `writer_kwargs`: a hypothesis strategy over every store configuration
   and layout, and the writer arguments of a drawn case;
 - `random_acts` / `expected_view`: values representable in a dtype, and what reads return.
@@ -166,6 +174,165 @@ def qa_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=8, layers=(2
                 )
     if finalize:
         actstore.finalize(path)
+    return Path(path)
+
+
+def pairs_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **layout):
+    """Two shards of a prompt/response store with random lengths (some 0) and token-kind
+    labels 0..2 (token_label_names: the default mask keeps label 0) (`layout`: ShardWriter's
+    zarr_format, shard_examples...)."""
+    rng = np.random.default_rng(seed)
+    for shard in range(shards):
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=[2, 5, 9],
+            d_model=d,
+            segments={"prompt": 9, "response": 4},
+            t_chunk={"prompt": 4, "response": 4},
+            dtype=dtype,
+            token_labels=True,
+            token_label_names=dict(spec.TOKEN_KIND_NAMES),
+            stats=stats,
+            **layout,
+        ) as w:
+            w.append(
+                prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
+                response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
+                lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
+                token_labels={
+                    "prompt": rng.integers(0, 3, (n, 9)).astype(np.uint8),
+                    "response": rng.integers(0, 3, (n, 4)).astype(np.uint8),
+                },
+            )
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+def plain_vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1, stats=True, **layout):
+    """One fixed segment of t tokens, nothing else; the chunk-file layout unless `layout` names another."""
+    rng = np.random.default_rng(seed)
+    layout = {"zarr_format": 2, **layout}
+    with actstore.ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=stats, **layout) as w:
+        w.append(rng.standard_normal((n, len(layers), t, d)).astype(np.float16))
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+TAGGED_SEGMENTS = {"prompt": 9, "response": 4}  # the segments of `tagged_store`
+
+
+def tagged_store(path, *, d=6, seed=0, shards=2, n=7, layers=(2, 5, 9), ids_seed=None, scale=1.0, **layout):
+    """A store whose vectors say which token they are: [token id, layer, example, segment,
+    position, noise...] (float32, exact). Token ids are random per (example, position)."""
+    rng = np.random.default_rng(seed)
+    ids_rng = np.random.default_rng(100 if ids_seed is None else ids_seed)
+    len_rng = np.random.default_rng(7)
+    ex0 = 0
+    for shard in range(shards):
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=list(layers),
+            d_model=d,
+            segments=TAGGED_SEGMENTS,
+            t_chunk={"prompt": 4, "response": 4},
+            dtype="float32",
+            token_ids=True,
+            stats=True,
+            **layout,
+        ) as w:
+            acts, ids = {}, {}
+            for si, (name, t) in enumerate(TAGGED_SEGMENTS.items()):
+                tid = ids_rng.integers(0, 50_000, (n, t))
+                a = rng.standard_normal((n, len(layers), t, d)).astype(np.float32) * scale
+                a[..., 0] = tid[:, None, :]
+                a[..., 1] = np.asarray(layers)[None, :, None]
+                a[..., 2] = (ex0 + np.arange(n))[:, None, None]
+                a[..., 3] = si
+                a[..., 4] = np.arange(t)[None, None, :]
+                acts[name], ids[name] = a, tid
+            lens = {"prompt": len_rng.integers(0, 10, n), "response": len_rng.integers(0, 5, n)}
+            w.append(**acts, lengths=lens, token_ids=ids)
+        ex0 += n
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+# The vocabulary of `word_tokenizer`; dimension 0 of `word_store` fires on the last word.
+WORDS = ["<bos>", "the", "cat", "sat", "on", "mat", "dog", "ran", "far", "away", "red", "blue", "green", "sun"]
+WORDS += ["moon", "zebra"]
+
+
+def word_tokenizer(folder) -> Path:
+    """A word-level transformers tokenizer over WORDS (`<bos>` = id 0), saved in `folder`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>").save_pretrained(folder)
+    return Path(folder)
+
+
+def word_store(path, tokenizer, *, d_model=6) -> Path:
+    """Two shards of 6 'sentences' of 9 token ids of `word_tokenizer` (its folder is the model
+    id): token 0 is <bos> (label 1, token kinds) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
+    rng = np.random.default_rng(0)
+    for shard in range(2):
+        n = 6
+        ids = rng.integers(1, len(WORDS) - 1, (n, 9))
+        ids[:, 0] = 0
+        ids[2 + shard, 5] = len(WORDS) - 1  # one zebra per shard
+        x = rng.standard_normal((n, 1, 9, d_model)).astype(np.float32) * 0.1
+        x[:, 0, :, 0] = (ids == len(WORDS) - 1) * (5.0 + shard) + 0.01 * (ids % 3)
+        x[:, 0, 0, :] = 50.0  # a huge BOS: left out by the default mask
+        labels = (ids == 0).astype(np.uint8)
+        with actstore.ShardWriter(
+            path,
+            shard=shard,
+            layers=[4],
+            d_model=d_model,
+            tokens=9,
+            token_ids=True,
+            token_labels=True,
+            token_label_names=dict(spec.TOKEN_KIND_NAMES),  # token kinds: the default mask leaves the BOS out
+            model_id=str(tokenizer),
+            world_size=2,
+            zarr_format=3,
+        ) as w:
+            w.append(x.astype(np.float16), token_ids=ids, token_labels=labels)
+    actstore.finalize(path)
+    return Path(path)
+
+
+def image_store(path, images, *, d_model=6) -> Path:
+    """A ViT-like store (1 CLS + 3x3 patches, layer 11) of 4 random images written into the
+    folder `images` and one embedded image; dimension 1 fires on example 1's patch (1, 2),
+    dimension 0 on example 4's (the embedded image) patch (0, 0). Needs Pillow."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    refs = []
+    for i in range(4):
+        p = Path(images) / f"im{i}.png"
+        Image.fromarray(rng.integers(0, 255, (30, 30, 3), dtype=np.uint8)).save(p)
+        refs.append({"path": str(p)})
+    refs.append({"embedded": "skimage:camera"})  # an embedded image (actstore write --data embedded:images)
+    x = rng.standard_normal((5, 1, 10, d_model)).astype(np.float32) * 0.1
+    x[1, 0, 1 + 5, 1] = 9.0  # example 1, patch (1, 2)
+    x[4, 0, 1 + 0, 0] = 7.0  # example 4 (the embedded image), patch (0, 0)
+    with actstore.ShardWriter(
+        path,
+        layers=[11],
+        d_model=d_model,
+        tokens=10,
+        texts=("image",),
+        model_id="a-vit",
+        attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}},
+    ) as w:
+        w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(5)])
+    actstore.finalize(path)
     return Path(path)
 
 

@@ -138,6 +138,48 @@ def test_no_import_circles():
             visit(m)
 
 
+# The only modules that import torch at their top (docs/architecture.md, "Rules"); every
+# other use imports it inside the function that needs it, so `import actstore` works without.
+TORCH_AT_TOP = ("actstore.loaders", "actstore.torch", "actstore.trainers.sparsify")
+# Imports the design rules out though the layers would allow them: the views read stores
+# and inputs, never capture.
+NEVER = {"actstore.features": ("actstore.capture",)}
+
+
+def test_torch_is_imported_at_the_top_only_where_the_doc_says():
+    bad = []
+    for m, path in MODULES.items():
+        if m.startswith(TORCH_AT_TOP):
+            continue
+        for node in _outside_functions(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "torch" or n.startswith("torch.") for n in names):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "torch imported at a module's top (import it inside the function that needs it):\n" + "\n".join(bad)
+
+
+def _outside_functions(tree: ast.AST):
+    """Every node that runs when the module is imported (under if/try too), not inside a function."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_the_views_never_import_capture():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line}: {m} imports {target}"
+        for m, path in MODULES.items()
+        for prefix, banned in NEVER.items()
+        if m.startswith(prefix)
+        for target, line in _imports(m, path)
+        if target.startswith(banned)
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_modules_stay_small():
     big = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules over {MAX_LINES} lines: {big}"

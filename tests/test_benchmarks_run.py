@@ -377,3 +377,20 @@ def test_bench_scale(tmp_path):
     assert 0 < req["writer_one_commit"]["total"] and [s["shards"] for s in req["stores"]] == [1, 2]
     assert all(s["open"]["total"] == 1 for s in req["stores"])  # the manifest alone
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_gpu_read(tmp_path):
+    """The CPU parts of the GPU read benchmark: loader-fed training against resident batches,
+    the loader alone, the feature pass on the CPU, the follow stream's latency."""
+    args = ["--tokens", "8192", "--d-models", "32", "--features", "128", "--workers", "0,1", "--train-workers", "0"]
+    args += ["--batch", "256", "--expansion", "2", "--k", "4", "--repeats", "1", "--cpu-feature-tokens", "2048"]
+    d = run_bench("gpu_read", args + ["--follow-blocks", "3", "--follow-gap", "0.1", "--dir", str(tmp_path)], tmp_path)
+    assert d["device"] == "cpu" and d["follow"]["blocks"] == 3 and len(d["follow"]["latency_s"]) == 3
+    assert d["follow"]["tokens"] == 3 * 8 * 128 and positive(d["follow"]["max_s"])
+    part = d["d32"]
+    (train,) = part["train"]
+    assert train["tokens"] == 8192 and train["features"] == 64 and positive(train["ratio_median"])
+    assert [r["workers"] for r in part["loader_alone"]] == [0, 1]
+    assert positive(*(r["tokens_per_s"] for r in part["loader_alone"]))
+    (feat,) = part["features"]
+    assert feat["features"] == 128 and feat["cpu_tokens"] == 2048 and "gpu_s" not in feat and positive(feat["cpu_s"])

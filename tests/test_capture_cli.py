@@ -423,7 +423,8 @@ def test_chat_template_needs_prompts(tmp_path, llama_dir):
 def test_docs_name_every_write_option():
     from pathlib import Path
 
-    from actstore.cli.capture import show_cmd, write_cmd
+    from actstore.cli.capture import write_cmd
+    from actstore.cli.views import show_cmd
 
     root = Path(__file__).resolve().parents[1]
     docs = (root / "docs" / "cli.md").read_text() + (root / "docs" / "capture.md").read_text()

@@ -54,3 +54,19 @@ def test_finalize_then_info_json_and_text(store_path, rng):
 def test_help_lists_core_commands():
     r = _cli("--help")
     assert r.returncode == 0 and "finalize" in r.stdout and "info" in r.stdout
+
+
+def test_info_prints_a_packed_corpus_packing(tmp_path):
+    """`info` shows in text what --json shows: how a --pack / --chunk corpus was cut."""
+    from factory import vit_store
+
+    packing = {"mode": "pack", "context": 5, "documents": 1234, "tokens": 56789, "windows": 13, "window_bos": 1}
+    path = vit_store(tmp_path / "s", cls=None, attrs={"packing": packing}).path
+    r = _cli("info", str(path))
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stdout.splitlines() if x.startswith("packing")]
+    assert line == [
+        "packing      --pack --context 5: 1,234 documents, 56,789 tokens in 13 windows; "
+        "each window starts with token 1 (labelled special)"
+    ]
+    assert json.loads(_cli("info", "--json", str(path)).stdout)["attrs"]["packing"] == packing

@@ -55,6 +55,7 @@ def test_finalize_and_export_saev_print_one_json_summary(tmp_path):
         [
             "export-saev",
             str(path),
+            "--out",
             str(tmp_path / "dump"),
             "--cls",
             "none",
@@ -96,19 +97,19 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
         ["verify", path],
         ["verify", "--deep", path],
         ["cp", path, tmp_path / "copy"],
-        ["export-pkl", path, tmp_path / "pkl"],
+        ["export-pkl", path, "--out", tmp_path / "pkl"],
         ["import-pkl", tmp_path / "pkl", tmp_path / "from-pkl"],
     ]  # (export-saelens, which needs torch: tests/test_saelens.py)
     for args in runs:
         res = r.invoke(main, [*map(str, args), "--quiet"])
         assert (res.exit_code, res.output) == (0, ""), (args, res.output)
-    res = r.invoke(main, ["export-saev", str(path), str(saev_root), "--quiet"])
+    res = r.invoke(main, ["export-saev", str(path), "-o", str(saev_root), "--quiet"])
     assert res.exit_code == 0 and res.output == f"{saev_root / res.output.strip().rsplit('/', 1)[-1]}\n"
     directory = res.output.strip()
     for args in (
         ["verify-saev", directory],
         ["import-saev", directory, tmp_path / "imported"],
-        ["link-run", "--run", tmp_path / "runs" / "saev" / "runs" / "r", "--train-shards", directory],
+        ["link-run", tmp_path / "runs" / "saev" / "runs" / "r", "--train-shards", directory],
     ):
         res = r.invoke(main, [*map(str, args), "--quiet"])
         assert (res.exit_code, res.output) == (0, ""), (args, res.output)
@@ -120,7 +121,9 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
 
 def test_io_errors_are_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
-    res = CliRunner().invoke(main, ["export-pkl", str(_tiny_store(tmp_path / "s")), str(tmp_path / "file" / "out")])
+    res = CliRunner().invoke(
+        main, ["export-pkl", str(_tiny_store(tmp_path / "s")), "--out", str(tmp_path / "file" / "out")]
+    )
     assert (
         res.exit_code == 1 and res.output.startswith("actstore: error: ") and len(res.output.strip().splitlines()) == 1
     ), res.output

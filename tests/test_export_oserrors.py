@@ -67,7 +67,7 @@ def _cli_limited(*args) -> subprocess.CompletedProcess:
 
 def test_export_saev_past_a_file_size_limit_names_the_file_and_the_fix(store, tmp_path):
     dump = tmp_path / "dump"
-    r = _cli_limited("export-saev", store, dump, "--quiet", "--protocol", "2.0")
+    r = _cli_limited("export-saev", store, "--out", dump, "--quiet", "--protocol", "2.0")
     assert r.returncode == 1 and r.stdout == ""
     (target,) = [p for p in dump.iterdir()] or [None]  # the <HASH> directory is not there
     assert target is None
@@ -85,7 +85,7 @@ def test_export_saev_past_a_file_size_limit_names_the_file_and_the_fix(store, tm
 
 def test_export_saelens_past_a_file_size_limit_names_the_file_and_the_fix(store, tmp_path):
     out = tmp_path / "sl"
-    r = _cli_limited("export-saelens", store, out, "--layer", "1", "--context-size", "16", "--quiet")
+    r = _cli_limited("export-saelens", store, "--out", out, "--layer", "1", "--context-size", "16", "--quiet")
     assert r.returncode == 1 and not out.exists() and list(tmp_path.iterdir()) == []
     line = r.stderr.strip()
     assert line.startswith(
@@ -100,7 +100,7 @@ def test_export_saelens_past_a_file_size_limit_names_the_file_and_the_fix(store,
 
 def test_export_pkl_past_a_file_size_limit_names_the_file_and_what_is_left(store, tmp_path):
     out = tmp_path / "pkl"
-    r = _cli_limited("export-pkl", store, out, "--no-compress", "--quiet")
+    r = _cli_limited("export-pkl", store, "--out", out, "--no-compress", "--quiet")
     assert r.returncode == 1 and not (out / "metadata.json").exists()
     line = r.stderr.strip()
     assert line.startswith(f"actstore: error: exporting {store} to pkl: File too large writing {out}/shard_0001.pkl"), (

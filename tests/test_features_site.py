@@ -16,75 +16,21 @@ import pytest
 from click.testing import CliRunner
 
 import actstore
-from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.cli import main
 from actstore.features import FeatureError, TokenizerNotFoundError
 from actstore.features.context import load_tokenizer, text_windows
 from actstore.features.site import build_site
+from factory import WORDS, image_store, word_store, word_tokenizer
 
-WORDS = [
-    "<bos>",
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "mat",
-    "dog",
-    "ran",
-    "far",
-    "away",
-    "red",
-    "blue",
-    "green",
-    "sun",
-    "moon",
-    "zebra",
-]
-D = 6
-
-
-def make_tokenizer(folder):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
-    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>").save_pretrained(folder)
-    return folder
+D = 6  # word_store's and image_store's d_model
 
 
 @pytest.fixture(scope="module")
 def text_store(tmp_path_factory):
     """Two shards of 'sentences': token 0 is <bos> (label 1); dimension 0 fires on 'zebra'."""
     root = tmp_path_factory.mktemp("txt")
-    tok = make_tokenizer(root / "tok")
-    path = root / "store"
-    rng = np.random.default_rng(0)
-    for shard in range(2):
-        n = 6
-        ids = rng.integers(1, len(WORDS) - 1, (n, 9))
-        ids[:, 0] = 0
-        ids[2 + shard, 5] = len(WORDS) - 1  # one zebra per shard
-        x = rng.standard_normal((n, 1, 9, D)).astype(np.float32) * 0.1
-        x[:, 0, :, 0] = (ids == len(WORDS) - 1) * (5.0 + shard) + 0.01 * (ids % 3)
-        x[:, 0, 0, :] = 50.0  # a huge BOS: left out by the default mask
-        labels = (ids == 0).astype(np.uint8)
-        with actstore.ShardWriter(
-            path,
-            shard=shard,
-            layers=[4],
-            d_model=D,
-            tokens=9,
-            token_ids=True,
-            token_labels=True,
-            token_label_names=TOKEN_KIND_NAMES,  # token kinds: the default mask leaves the BOS (label 1) out
-            model_id=str(tok),
-            world_size=2,
-            zarr_format=3,
-        ) as w:
-            w.append(x.astype(np.float16), token_ids=ids, token_labels=labels)
-    actstore.finalize(path)
-    return path, tok
+    tok = word_tokenizer(root / "tok")
+    return word_store(root / "store", tok, d_model=D), tok
 
 
 def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
@@ -95,8 +41,8 @@ def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     )
     assert res.exit_code == 0, res.output
     top = pd.read_parquet(out / "top.parquet")
-    assert [str(t) for t in top.dtypes] == ["int32", "int32", "int64", "int32", "float32"]
-    assert list(top.columns) == ["feature", "rank", "example", "token", "activation"]
+    assert [str(t) for t in top.dtypes] == ["int32", "int8", "int32", "int64", "int32", "float32"]
+    assert list(top.columns) == ["feature", "sign", "rank", "example", "token", "activation"]
     z = top[top.feature == 0]
     # the two zebras (example 8 = shard 1's row 3, then example 2), then the 0.02 tokens, earliest first
     assert list(z.example[:2]) == [9, 2] and list(z.token[:2]) == [5, 5] and list(z["rank"]) == [0, 1, 2]
@@ -153,7 +99,7 @@ def test_no_recorded_tokenizer_is_a_clear_error(tmp_path):
 def _chromium():
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/setup.sh does)"
+        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/test_tools.sh does)"
         if os.environ.get("ACTSTORE_NO_SKIP") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
@@ -213,32 +159,8 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
 @pytest.fixture(scope="module")
 def vit_store(tmp_path_factory):
     """A ViT-like store: 1 CLS + 3x3 patches of images on disk; dimension 1 fires on one patch."""
-    from PIL import Image
-
     root = tmp_path_factory.mktemp("vit")
-    rng = np.random.default_rng(2)
-    refs = []
-    for i in range(4):
-        p = root / f"im{i}.png"
-        Image.fromarray(rng.integers(0, 255, (30, 30, 3), dtype=np.uint8)).save(p)
-        refs.append({"path": str(p)})
-    refs.append({"embedded": "skimage:camera"})  # an embedded image (actstore write --data embedded:images)
-    x = rng.standard_normal((5, 1, 10, D)).astype(np.float32) * 0.1
-    x[1, 0, 1 + 5, 1] = 9.0  # example 1, patch (1, 2)
-    x[4, 0, 1 + 0, 0] = 7.0  # example 4 (the embedded image), patch (0, 0)
-    path = root / "store"
-    with actstore.ShardWriter(
-        path,
-        layers=[11],
-        d_model=D,
-        tokens=10,
-        texts=("image",),
-        model_id="a-vit",
-        attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}},
-    ) as w:
-        w.append(x.astype(np.float16), texts={"image": refs}, sample_keys=[f"im{i}" for i in range(5)])
-    actstore.finalize(path)
-    return path
+    return image_store(root / "store", root, d_model=D)
 
 
 def test_vit_site_shows_heatmaps(vit_store, tmp_path):
@@ -428,7 +350,7 @@ def test_packed_windows_map_to_documents(tmp_path):
     position there (token_origins)."""
     from actstore.features import neurons
 
-    tok_dir = make_tokenizer(tmp_path / "tok")
+    tok_dir = word_tokenizer(tmp_path / "tok")
     path = tmp_path / "packed"
     ids = np.array([[3, 4, 5, 7, 1, 2], [6, 2, 7, 1, 1, 1]])
     runs = [[[0, "doc-a", 5, 3], [1, "doc-b", 0, 3]], [[1, "doc-b", 3, 2], [2, "doc-c", 0, 4]]]

@@ -133,9 +133,13 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
     ident = _mutate(json.loads((store / spec.IDENTITY_FILE).read_text()), data)
     (root / spec.IDENTITY_FILE).write_text(json.dumps(ident))
     try:
-        read_identity(LocalStorage(root))
+        cfg = read_identity(LocalStorage(root))
     except STORE_ERRORS:
         pass
+    else:  # what parsed is a configuration a writer could have made
+        assert cfg.layers and all(type(x) is int for x in cfg.layers) and len(set(cfg.layers)) == len(cfg.layers)
+        assert type(cfg.d_model) is int and cfg.d_model >= 1 and cfg.dtype in spec.ACT_DTYPES
+        assert cfg.segments and all(type(g.t_max) is int and g.t_max >= 1 for g in cfg.segments)
     commit = _mutate(json.loads((sdir / spec.COMMIT_FILE).read_text()), data)
     (root / spec.COMMIT_FILE).write_text(json.dumps(commit))
     try:
@@ -224,6 +228,15 @@ def test_fuzz_legacy_metadata(data):
     assert md.shards and all(set(s.layers) == set(md.layers) for s in md.shards)
 
 
+def _admitted(obj) -> bool:
+    """Whether `obj` is built only of plain containers, scalars and numpy arrays."""
+    if isinstance(obj, dict):
+        return all(_admitted(k) and _admitted(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return all(_admitted(v) for v in obj)
+    return obj is None or isinstance(obj, (str, bytes, int, float, complex, np.ndarray, np.generic, np.dtype))
+
+
 _valid_pickles = [
     pickle.dumps(
         {"layer_1": [{"sample_idx": 0, "activation": np.ones((2, 3), np.float32), "shape": (2, 3)}]}, protocol=p
@@ -247,8 +260,10 @@ def test_fuzz_restricted_unpickler(data):
     try:
         from actstore.legacy import load_shard_bytes
 
-        load_shard_bytes(blob, compressed=compressed, where="fuzz", max_bytes=1 << 16)
+        loaded = load_shard_bytes(blob, compressed=compressed, where="fuzz", max_bytes=1 << 16)
     except LegacyFormatError:
         pass
+    else:  # a damaged pickle that still loads built nothing but what the unpickler admits
+        assert _admitted(loaded), repr(loaded)[:300]
     with pytest.raises(LegacyFormatError):
         restricted_loads(data.draw(st.binary(max_size=40)) + b"\x00garbage-without-stop")

@@ -122,7 +122,7 @@ def test_run_folder_with_hook_and_other_dtypes_via_cli(tmp_path, dtype):
     res = CliRunner().invoke(main, ["import-activault", str(tmp_path / "run"), str(tmp_path / "t"), "--quiet"])
     assert res.exit_code == 1
     assert (
-        "has no metadata.json: it is a run folder: pass --hook NAME, one of ['models.layers.3.mlp.post', 'models.layers.7.attn']"
+        "has no metadata.json: it is a run folder: pass --hook-name NAME, one of ['models.layers.3.mlp.post', 'models.layers.7.attn']"
         in res.output
     )
 

@@ -22,14 +22,14 @@ from actstore.cli import main
 from actstore.errors import LeaseLostError, NotFinalizedError, ShardBusyError, ShardExistsError
 from actstore.layout import keys
 from actstore.layout.leases import Lease, dump_lease
-from tests.writer_proc import LAYERS, D, T, example_data
+from writer_proc import LAYERS, D, T, example_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.writer_proc", *args],
+        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

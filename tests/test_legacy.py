@@ -373,7 +373,9 @@ def test_cli_import_and_export(legacy, tmp_path):
         f"imported {src} -> {tmp_path / 's'}: 8 examples from 2 legacy shards (2 written now, 0 already imported), "
         f"{sum((src / f).stat().st_size for f in ('shard_0001.pkl.gz', 'shard_0002.pkl.gz'))} bytes read"
     )
-    r = CliRunner().invoke(main, ["export-pkl", str(tmp_path / "s"), str(tmp_path / "o"), "--examples-per-shard", "4"])
+    r = CliRunner().invoke(
+        main, ["export-pkl", str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--examples-per-shard", "4"]
+    )
     assert r.exit_code == 0 and r.output.startswith(
         f"exported {tmp_path / 's'} -> {tmp_path / 'o'}: 8 examples in 2 pkl shards"
     )

@@ -16,46 +16,10 @@ from actstore import ActStore, ShardWriter
 from actstore.loaders.aligned import AlignedTokenStream, AlignmentError
 from actstore.loaders.source import stats_tables
 from actstore.torch import TokenStream
+from factory import tagged_store
 
 LAYERS = [2, 5, 9]
 SEGS = {"prompt": 9, "response": 4}
-
-
-def tagged_store(path, *, d=6, seed=0, shards=2, n=7, layers=LAYERS, ids_seed=None, scale=1.0, **layout):
-    """A store whose vectors say which token they are: [token id, layer, example, segment,
-    position, noise...] (float32, exact). Token ids are random per (example, position)."""
-    rng = np.random.default_rng(seed)
-    ids_rng = np.random.default_rng(100 if ids_seed is None else ids_seed)
-    len_rng = np.random.default_rng(7)
-    ex0 = 0
-    for shard in range(shards):
-        with ShardWriter(
-            path,
-            shard=shard,
-            layers=list(layers),
-            d_model=d,
-            segments=SEGS,
-            t_chunk={"prompt": 4, "response": 4},
-            dtype="float32",
-            token_ids=True,
-            stats=True,
-            **layout,
-        ) as w:
-            acts, ids = {}, {}
-            for si, (name, t) in enumerate(SEGS.items()):
-                tid = ids_rng.integers(0, 50_000, (n, t))
-                a = rng.standard_normal((n, len(layers), t, d)).astype(np.float32) * scale
-                a[..., 0] = tid[:, None, :]
-                a[..., 1] = np.asarray(layers)[None, :, None]
-                a[..., 2] = (ex0 + np.arange(n))[:, None, None]
-                a[..., 3] = si
-                a[..., 4] = np.arange(t)[None, None, :]
-                acts[name], ids[name] = a, tid
-            lens = {"prompt": len_rng.integers(0, 10, n), "response": len_rng.integers(0, 5, n)}
-            w.append(**acts, lengths=lens, token_ids=ids)
-        ex0 += n
-    actstore.finalize(path)
-    return ActStore(path)
 
 
 def every_token(store):

@@ -9,11 +9,11 @@ import torch
 
 from actstore.loaders.buffers import BufferRing
 from actstore.torch import TokenStream
-from test_loaders_tokens import vit_store as tokens_vit_store
+from factory import plain_vit_store
 
 
 def vit_store(path):
-    return tokens_vit_store(path, n=10, seed=2)
+    return plain_vit_store(path, n=10, seed=2)
 
 
 @pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), None])

@@ -19,13 +19,12 @@ from actstore.read.batched import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream
-from factory import LAYOUTS
-from test_loaders_tokens import qa_store
-from test_loaders_tokens import vit_store as tokens_vit_store
+from factory import LAYOUTS, plain_vit_store
+from factory import pairs_store as qa_store
 
 
 def vit_store(path, layout="v2", n=12):
-    return tokens_vit_store(path, n=n, stats=False, **LAYOUTS[layout])
+    return plain_vit_store(path, n=n, stats=False, **LAYOUTS[layout])
 
 
 def epoch(store, **kw):

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.torch import PairBatchSampler, PairDataset, PairIndex
-from tests.test_loaders_tokens import qa_store, vit_store
+from factory import pairs_store as qa_store
+from factory import plain_vit_store as vit_store
 
 
 def check_batch(store, ds, batch):

@@ -13,49 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.layout.spec import TOKEN_KIND_NAMES
-from actstore import ActStore, ShardWriter
+from actstore import ActStore
 from actstore.torch import PairBatchSampler, TokenStream
-
-
-def qa_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **layout):
-    """Two shards of a prompt/response store with random lengths (some 0) and labels
-    (`layout`: ShardWriter's zarr_format, shard_examples...)."""
-    rng = np.random.default_rng(seed)
-    for shard in range(shards):
-        with ShardWriter(
-            path,
-            shard=shard,
-            layers=[2, 5, 9],
-            d_model=d,
-            segments={"prompt": 9, "response": 4},
-            t_chunk={"prompt": 4, "response": 4},
-            dtype=dtype,
-            token_labels=True,
-            token_label_names=TOKEN_KIND_NAMES,  # labels 0..2 are token kinds: the default mask keeps 0
-            stats=stats,
-            **layout,
-        ) as w:
-            w.append(
-                prompt=rng.standard_normal((n, 3, 9, d)).astype(np.float32),
-                response=rng.standard_normal((n, 3, 4, d)).astype(np.float32),
-                lengths={"prompt": rng.integers(0, 10, n), "response": rng.integers(0, 5, n)},
-                token_labels={
-                    "prompt": rng.integers(0, 3, (n, 9)).astype(np.uint8),
-                    "response": rng.integers(0, 3, (n, 4)).astype(np.uint8),
-                },
-            )
-    actstore.finalize(path)
-    return ActStore(path)
-
-
-def vit_store(path, n=12, t=5, d=6, layers=(0, 1), seed=1, stats=True, **layout):
-    rng = np.random.default_rng(seed)
-    layout = {"zarr_format": 2, **layout}  # the chunk-file layout unless a test names another
-    with ShardWriter(path, shard=0, layers=list(layers), d_model=d, tokens=t, stats=stats, **layout) as w:
-        w.append(rng.standard_normal((n, len(layers), t, d)).astype(np.float16))
-    actstore.finalize(path)
-    return ActStore(path)
+from factory import pairs_store as qa_store
+from factory import plain_vit_store as vit_store
 
 
 def expected_rows(store, layers=None, segments=None, keep=None):

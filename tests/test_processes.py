@@ -14,7 +14,7 @@ import pytest
 import actstore
 from actstore import ActStore
 from actstore.errors import NotFinalizedError
-from tests.writer_proc import LAYERS, example_data
+from writer_proc import LAYERS, example_data
 
 pytestmark = pytest.mark.slow  # racing writer processes
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.writer_proc", *args],
+        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -78,7 +78,7 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, trial):
     with pytest.raises(NotFinalizedError, match=r"shard 0 \(\d+ examples committed\) not closed"):
         actstore.finalize(path)
     r = subprocess.run(
-        [sys.executable, "-m", "tests.writer_proc", path, "0", "0", str(total), "--resume"],
+        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), path, "0", "0", str(total), "--resume"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -16,7 +16,7 @@ from actstore.storage import ObjectStorage
 from actstore.torch import PairDataset, TokenStream
 from faultproxy import FaultProxy
 from factory import LAYOUTS
-from test_loaders_tokens import qa_store
+from factory import pairs_store as qa_store
 
 
 def batches(store, **kw):

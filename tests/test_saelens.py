@@ -179,6 +179,7 @@ def test_cli_and_errors(store, tmp_path):
         main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3", "--json", "--quiet"]
     )
     assert res.exit_code == 0, res.output
+    assert res.stderr == "actstore: warning: OUT as an argument is deprecated; use --out\n"  # for one release
     s = json.loads(res.stdout)
     content = sum(
         int((store.field(f"{g}_token_labels")[i, : store.lengths(i)[g]] == 0).sum())
@@ -191,15 +192,35 @@ def test_cli_and_errors(store, tmp_path):
     assert s["config"]["hook_name"] == "blocks.3.hook_resid_post"
     every = CliRunner().invoke(
         main,
-        ["export-saelens", str(store.path), str(tmp_path / "k"), "--layer", "3", "--json", "--quiet", "--keep-special"],
+        [
+            "export-saelens",
+            str(store.path),
+            "-o",
+            str(tmp_path / "k"),
+            "--layer",
+            "3",
+            "--json",
+            "--quiet",
+            "--special",
+            "keep",
+        ],
     )
     assert every.exit_code == 0 and json.loads(every.stdout)["tokens"] == len(_real(store, 3)[1])
     quiet = CliRunner().invoke(
-        main, ["export-saelens", str(store.path), str(tmp_path / "q"), "--layer", "3", "--quiet"]
+        main, ["export-saelens", str(store.path), "--out", str(tmp_path / "q"), "--layer", "3", "--quiet"]
     )
     assert (quiet.exit_code, quiet.output) == (0, "") and (tmp_path / "q" / "saelens_config.json").exists()
-    again = CliRunner().invoke(main, ["export-saelens", str(store.path), str(tmp_path / "o"), "--layer", "3"])
+    again = CliRunner().invoke(main, ["export-saelens", str(store.path), "-o", str(tmp_path / "o"), "--layer", "3"])
     assert again.exit_code == 1 and "exists and is not empty; export to a new folder" in again.output
+    assert "or replace it with --overwrite" in again.output
+    before = (tmp_path / "o" / "saelens_config.json").read_bytes()
+    over = CliRunner().invoke(
+        main, ["export-saelens", str(store.path), "-o", str(tmp_path / "o"), "--layer", "0", "--overwrite", "--json"]
+    )
+    assert over.exit_code == 0, over.output
+    config = json.loads((tmp_path / "o" / "saelens_config.json").read_bytes())
+    assert config["hook_name"] == "blocks.0.hook_resid_post" and before != json.dumps(config).encode()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".o.tmp", ".o.old"))]  # swapped in whole
     with pytest.raises(LayerNotFoundError, match=r"layer 5 is not stored; this store holds layers \[0, 3\]"):
         export_saelens(store, tmp_path / "x", layer=5, progress=False)
     with pytest.raises(SaelensExportError, match="context_size must be a positive int"):

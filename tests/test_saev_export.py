@@ -299,7 +299,7 @@ def test_family_is_guessed_from_the_model_id(tmp_path):
         (
             {},
             {"cls": None},
-            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass cls='keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)",
+            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass cls (--cls): 'keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)",
         ),
         (
             {"patches_per_shard": 9},
@@ -338,6 +338,25 @@ def test_bad_options_are_clear_errors(tmp_path, kwargs, store_kw, message):
         export_saev(store, d, progress=False, **{"patches_per_shard": 30, **kwargs})
     assert str(e.value) == message.replace("{d}", str(d))
     assert not d.exists() or os.listdir(d) == []
+
+
+def test_every_missing_export_option_is_named_at_once(tmp_path):
+    """A store written from Python records no saev metadata: one attempt names --cls, --family,
+    --ckpt and --dataset together (not one per run)."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    store = vit_store(tmp_path / "s", cls=None, model_id=None, attrs={"dataset": None})
+    with pytest.raises(SaevOptionError) as e:
+        export_saev(store, tmp_path / "d", progress=False)
+    assert str(e.value).startswith("4 export options need a value: the store does not say whether token 0")
+    res = CliRunner().invoke(main, ["export-saev", str(store.path), "--out", str(tmp_path / "d")])
+    assert res.exit_code == 1 and len(res.output.splitlines()) == 1, res.output
+    assert [f for f in ("--cls", "--family", "--ckpt", "--dataset") if f"pass {f}" not in res.output] == []
+    given = ["--cls", "keep", "--family", "dinov2", "--ckpt", "x/y", "--dataset", str(tmp_path)]
+    ok = CliRunner().invoke(main, ["export-saev", str(store.path), "--out", str(tmp_path / "d"), *given, "--json"])
+    assert ok.exit_code == 0 and json.loads(ok.stdout)["examples"] == len(store), ok.output
 
 
 def test_unknown_layer_and_segment_name_what_exists(tmp_path):

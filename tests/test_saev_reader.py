@@ -164,6 +164,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     args = [
         "export-saev",
         str(store.path),
+        "--out",
         str(dump),
         "--protocol",
         "2.1",
@@ -177,7 +178,8 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
         "3",
         "--segments",
         "response,prompt",
-        "--keep-special",  # text_store's random labels are not token kinds: every real token
+        "--special",
+        "keep",  # text_store's random labels are not token kinds: every real token
         "--quiet",
     ]
     res = r.invoke(main, args)
@@ -197,7 +199,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     bad = r.invoke(main, ["verify-saev", path])
     assert bad.exit_code == 1
     assert bad.stdout.splitlines() == [f"labels.bin: 3 bytes, expected {n} (n_examples {n} x 1 content tokens, uint8)"]
-    err = r.invoke(main, ["export-saev", str(store.path), str(tmp_path / "x"), "--keep-special", "--quiet"])
+    err = r.invoke(main, ["export-saev", str(store.path), "-o", str(tmp_path / "x"), "--special", "keep", "--quiet"])
     assert err.exit_code == 1
     assert err.stderr == (
         "actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
@@ -211,7 +213,7 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
         " in ", " into "
     )
     monkeypatch.setenv("SAEV_NFS", str(tmp_path / "nfs"))
-    lr = r.invoke(main, ["link-run", "--run", "r1", "--train-shards", path])
+    lr = r.invoke(main, ["link-run", "r1", "--train-shards", path])
     assert lr.exit_code == 0 and lr.stdout.strip() == str(tmp_path / "nfs" / "saev" / "runs" / "r1")
     assert verify_saev(path).problems == []
 

@@ -14,12 +14,9 @@ from actstore import ActStore, ShardWriter, finalize
 from actstore.errors import ShardBusyError, ShardExistsError
 from actstore.verify import verify_store
 from actstore.write import setup
+from factory import LAYOUTS as FACTORY_LAYOUTS
 
-LAYOUTS = {
-    "v2": {},
-    "v3-sharded": {"zarr_format": 3, "shard_examples": 4},
-    "zarr-engine": {"engine": "zarr"},
-}
+LAYOUTS = {**FACTORY_LAYOUTS, "zarr-engine": {"engine": "zarr"}}  # + zarr-python's arrays of the default layout
 
 
 def _writer(root, **kw) -> ShardWriter:

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from actstore.errors import StorageAccessError
 from actstore.storage import KeyNotFound, ObjectStorage, Storage, open_storage
 from actstore.storage.cache import CachedStorage, ReadOnlyCacheError
 from actstore.storage.cachedir import HEADER, LOW_WATER, RESCAN_FRACTION
@@ -158,8 +159,9 @@ def test_s3_second_epoch_reads_with_the_server_gone(s3_url, tmp_path, monkeypatc
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     quick = {"max_retries": 0, "retry_timeout": timedelta(seconds=2)}
     dead = ObjectStorage(s3_url, retry_config=quick)
-    with pytest.raises(Exception):  # noqa: B017 - whatever obstore raises: the server is gone
+    with pytest.raises(StorageAccessError) as gone:  # the server is gone: named, with the URL
         dead.get("shards/s0/c/0")
+    assert "shards/s0/c/0" in str(gone.value) and not isinstance(gone.value, KeyNotFound)
     cold = CachedStorage(dead, tmp_path / "cache", max_bytes=MiB, namespace="gen-1", cacheable=data_only)
     assert [cold.get(f"shards/s0/c/{i}") for i in range(4)] == [payload(i) for i in range(4)]
     assert cold.child("shards").child("s0").size("c/1") == 1000  # child of a child: the same keys

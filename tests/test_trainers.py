@@ -12,7 +12,7 @@ import torch
 
 from actstore.loaders.aligned import AlignmentError
 from actstore.trainers import DictionaryLearningSource, paired_source, sparsify_inputs
-from test_loaders_aligned import tagged_store
+from factory import tagged_store
 
 
 def test_dictionary_learning_trains_from_a_store(tmp_path):

@@ -15,11 +15,10 @@ import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout import spec
 from actstore.layout.arrays import decode_keys
-from factory import random_acts
+from factory import LAYOUTS, random_acts
 
 LAYERS = [2, 5, 9]
 HOOKS = {"2": "model.layers.2", "5": "model.layers.5"}  # layer 9 unnamed: falls back to "layer 9"
-LAYOUTS = {"v2": {}, "v3": {"zarr_format": 3}, "v3-sharded": {"zarr_format": 3, "shard_examples": 2}}
 
 
 def _qa_store(path, dtype="float32", **kw):

@@ -1,6 +1,6 @@
 """A writer process for multi-process tests: deterministic data per global example id.
 
-python -m tests.writer_proc STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W]
+python tests/writer_proc.py STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W]
 writes examples FIRST..FIRST+COUNT-1 as shard SHARD; example id k holds example_data(k).
 With --resume it continues after the shard's last committed example.
 """

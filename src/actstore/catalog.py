@@ -40,6 +40,12 @@ def has_identity(storage: Storage) -> bool:
 
 def read_manifest(storage: Storage) -> records.Manifest:
     """The validated manifest of a finalized store."""
+    return read_manifest_bytes(storage)[0]
+
+
+def read_manifest_bytes(storage: Storage) -> tuple[records.Manifest, bytes]:
+    """The validated manifest of a finalized store and the bytes it was parsed from (their
+    sha256 names the exact state a reader opened)."""
     try:
         data = storage.get(keys.MANIFEST)
     except KeyNotFound:
@@ -49,7 +55,7 @@ def read_manifest(storage: Storage) -> records.Manifest:
                 f"run `actstore finalize {storage.url}` once every writer has closed"
             ) from None
         raise StoreNotFoundError(f"{storage.url} is not an actstore store (no {keys.MANIFEST})") from None
-    return records.parse_manifest(data, storage.where(keys.MANIFEST), storage.url)
+    return records.parse_manifest(data, storage.where(keys.MANIFEST), storage.url), data
 
 
 def shard_numbers(storage: Storage) -> list[int]:

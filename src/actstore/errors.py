@@ -118,6 +118,10 @@ class LegacyExportExistsError(ActstoreError, FileExistsError):
     """The folder given to export-pkl holds a finished export or files an export did not write."""
 
 
+class OutputExistsError(ActstoreError, FileExistsError):
+    """A command's output exists and --overwrite (overwrite=True) was not given."""
+
+
 class StorageAccessError(ActstoreError, OSError):
     """A store's location cannot be reached, read or written (missing bucket, credentials,
     permissions, an unreachable endpoint); the message names the URL and the cause."""

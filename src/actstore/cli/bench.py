@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
+
+from actstore.cli import grammar as G
 
 BENCH_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
 
@@ -28,12 +32,12 @@ def available() -> list[str]:
     multiple=True,
     help="Extra argument passed to every script (repeatable), e.g. --arg=--examples=500.",
 )
-@click.option(
-    "--quiet",
-    is_flag=True,
-    help="Print nothing but a failed script's error output (results still go to bench-results/).",
+@G.quiet_json(
+    quiet="Print nothing but a failed script's error output (results still go to bench-results/).",
+    json="Run the scripts quietly and print one JSON document: each benchmark's bench-results/<name>.json "
+    "(null where it wrote none) and the failed ones.",
 )
-def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], quiet: bool) -> None:
+def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], quiet: bool, as_json: bool) -> None:
     """Run benchmarks (all, or NAMES such as `store export loaders capture`).
 
     Each benchmark measures actstore against the physical limit in the same run (raw
@@ -44,11 +48,13 @@ def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], q
     if not have:
         raise click.ClickException(f"no benchmarks found in {BENCH_DIR}: `actstore bench` runs from a source checkout")
     if list_only:
-        click.echo("\n".join(have))
+        click.echo(json.dumps(have) if as_json else "\n".join(have))
         return
     unknown = [n for n in names if n not in have]
     if unknown:
         raise click.ClickException(f"unknown benchmark(s) {unknown}; available: {have}")
+    quiet = quiet or as_json
+    started = time.time()
     failed = []
     for name in names or have:
         if not quiet:
@@ -63,5 +69,18 @@ def bench_cmd(names: tuple[str, ...], list_only: bool, extra: tuple[str, ...], q
             failed.append(name)
             if quiet:
                 click.echo(r.stderr[-4000:], err=True)
+    if as_json:
+        G.echo_json({"benchmarks": {n: _result(n, started) for n in names or have}, "failed": failed})
     if failed:
         raise click.ClickException(f"benchmarks failed: {failed}")
+
+
+def _result(name: str, since: float):
+    """What benchmark `name` wrote to bench-results/<name>.json since `since` (None: nothing)."""
+    path = BENCH_DIR.parent / "bench-results" / f"{name}.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -7,6 +7,7 @@ import shlex
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
 
@@ -42,28 +43,29 @@ def register(main: click.Group) -> None:
 @click.option(
     "--segments", help="Comma-separated segments to read (default all); token positions stay those of store[ex, layer]."
 )
-@click.option(
-    "--keep-special",
-    is_flag=True,
-    help="Include special and template tokens (token label != 0), which the loaders leave out by default.",
-)
+@G.special_option(aliases=(("--keep-special", "keep"),))
 @click.option(
     "--intervals", type=int, default=5, show_default=True, help="Equal-width intervals of each feature's max to sample."
 )
 @click.option("--per-interval", type=int, default=5, show_default=True, help="Samples per interval.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed.")
 @click.option(
+    "--sign",
+    type=click.Choice(["positive", "negative", "both"]),
+    default="positive",
+    show_default=True,
+    help="Which tail: the top-k positive values, the bottom-k negative values (neurons, probes), or both.",
+)
+@click.option(
     "--device",
     default="auto",
     show_default=True,
-    help="Where the encode runs: cpu, cuda, cuda:N (torch), or auto (torch on the CPU when installed, else numpy).",
+    help="Where the pass runs: cpu (torch encode, compiled update), cuda or cuda:N (encode, top-k and statistics "
+    "on the GPU), or auto (torch on the CPU when installed, else numpy).",
 )
-@click.option(
-    "--out",
-    required=True,
-    help="Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.",
-)
-@click.option("--progress/--no-progress", default=True, show_default=True)
+@G.out_option("Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
+@G.overwrite_option("Replace the output of an earlier pass in OUT (default: refuse it).")
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
 def features_cmd(
     store,
     layer,
@@ -76,13 +78,16 @@ def features_cmd(
     features,
     top_k,
     segments,
-    keep_special,
+    special,
     intervals,
     per_interval,
     seed,
+    sign,
     device,
     out,
-    progress,
+    overwrite,
+    quiet,
+    as_json,
 ) -> None:
     """Top activations, statistics and interval samples of many directions over LAYER of STORE.
 
@@ -91,6 +96,7 @@ def features_cmd(
     """
     from actstore.features.run import run_features
 
+    G.refuse_existing(out, overwrite)
     meta = run_features(
         store,
         layer,
@@ -104,15 +110,22 @@ def features_cmd(
         features=features,
         top_k=top_k,
         segments=segments.split(",") if segments else None,
-        keep_special=keep_special,
+        keep_special=special == "keep",
         n_intervals=intervals,
         per_interval=per_interval,
         seed=seed,
+        sign=sign,
         device=device,
-        progress=progress,
+        progress=not quiet,
         command=_command(click.get_current_context()),
     )
-    click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
+    if as_json:
+        G.echo_json({"path": str(out), "features": meta["n_features"], "tokens": meta["n_tokens"]})
+    elif not quiet:
+        click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
+
+
+_NOT_IN_COMMAND = ("quiet", "as_json", "overwrite")  # how to print, not what the pass computes
 
 
 def _command(ctx: click.Context) -> str:
@@ -120,20 +133,21 @@ def _command(ctx: click.Context) -> str:
     parts = ["actstore", ctx.info_name or "features"]
     for p in ctx.command.params:
         v = ctx.params.get(p.name)
+        if p.name in _NOT_IN_COMMAND or not p.expose_value:
+            continue
         if isinstance(p, click.Argument):
             parts.append(str(v))
         elif getattr(p, "is_flag", False) and not getattr(p, "secondary_opts", None):
             parts += [p.opts[0]] if v else []
-        elif v is not None and v != p.default and p.name != "progress":
+        elif v is not None and v != p.default:
             parts += [p.opts[0], str(v)]
     return " ".join(shlex.quote(x) for x in parts)
 
 
 @click.command("view")
 @click.argument("src")
-@click.option(
-    "--out", required=True, type=click.Path(file_okay=False), help="The site folder to write (open OUT/index.html)."
-)
+@G.out_option("The site folder to write (open OUT/index.html).", type=click.Path(file_okay=False))
+@G.overwrite_option("Replace the site in OUT (default: refuse a folder that is not empty).")
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
 @click.option(
@@ -141,29 +155,29 @@ def _command(ctx: click.Context) -> str:
     type=click.Path(exists=True),
     help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.",
 )
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
+@G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
+def view_cmd(src, out, overwrite, store_path, tokenizer, unembedding, quiet, as_json) -> None:
     """A static site of the output of `actstore features` SRC: an index sortable by max and
     density with a search box, and a page per feature. No server or internet needed."""
     from actstore.features.site import build_site
 
+    G.refuse_existing(out, overwrite)
     store = None
     if store_path:
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    index = build_site(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, progress=progress)
-    click.echo(f"wrote {index}")
+    index = build_site(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, progress=not quiet)
+    if as_json:
+        G.echo_json({"path": str(index)})
+    elif not quiet:
+        click.echo(f"wrote {index}")
 
 
 @click.command("export-neuronpedia")
 @click.argument("src")
-@click.option(
-    "--out",
-    required=True,
-    type=click.Path(file_okay=False),
-    help="Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).",
-)
+@G.out_option("Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).", type=click.Path(file_okay=False))
+@G.overwrite_option("Replace an earlier export in OUT (default: refuse a folder that is not empty).")
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
 @click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
 @click.option(
@@ -173,10 +187,14 @@ def view_cmd(src, out, store_path, tokenizer, unembedding, progress) -> None:
 )
 @click.option("--model-id", help="Neuronpedia's model id (default: the store's).")
 @click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's SAE set name.")
-def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_id, sae_set) -> None:
+@G.quiet_json()
+def export_neuronpedia_cmd(
+    src, out, overwrite, store_path, tokenizer, unembedding, model_id, sae_set, quiet, as_json
+) -> None:
     """Feature dashboards as SAEDashboard's Neuronpedia JSON, from the output of `actstore features` SRC."""
     from actstore.features.export import export_neuronpedia
 
+    G.refuse_existing(out, overwrite)
     store = None
     if store_path:
         from actstore.opener import open as open_store
@@ -185,4 +203,7 @@ def export_neuronpedia_cmd(src, out, store_path, tokenizer, unembedding, model_i
     files = export_neuronpedia(
         src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set
     )
-    click.echo(f"wrote {len(files)} batch files to {out}")
+    if as_json:
+        G.echo_json({"path": str(out), "files": [str(f) for f in files]})
+    elif not quiet:
+        click.echo(f"wrote {len(files)} batch files to {out}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from actstore.cli import grammar as G
+
 
 def register(main: click.Group) -> None:
     main.add_command(import_activault_cmd)
@@ -23,7 +25,11 @@ def _common(f):
         help="2: one file per chunk; 3: sharded (fewer, larger files).",
     )(f)
     f = click.option(
-        "--layer", type=int, default=None, help="The store's layer number (default: the number in the hook's name)."
+        "--layer",
+        default=None,
+        callback=_layer_number,
+        help="The store's layer: a number, or a name whose number it takes (blocks.8.hook_resid_post -> 8). "
+        "Default: the number in the hook's name.",
     )(f)
     f = click.option(
         "--commit-mb",
@@ -32,31 +38,54 @@ def _common(f):
         help="Commit each shard every this many MiB of activations (default 256): a kill loses at most one "
         "commit, and a rerun continues from the last; lower it for parts smaller than one commit.",
     )(f)
-    f = click.option("--quiet", is_flag=True, help="No progress bar, no summary.")(f)
-    return f
+    return G.quiet_json(quiet="No progress bar, no summary.")(f)
 
 
 def _commit_bytes(commit_mb: float | None) -> int | None:
     return None if commit_mb is None else max(1, int(commit_mb * 2**20))
 
 
+def _layer_number(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """--layer of a new store: a number, or a name that carries one (actstore.read.layers)."""
+    from actstore.read.layers import number_in_name
+
+    if value is None:
+        return None
+    text = value.strip()
+    if text.lstrip("+-").isdigit():
+        return int(text)
+    number = number_in_name(text)
+    if number is None:
+        raise click.BadParameter(f"{value!r} is neither a layer number nor a name that holds one (blocks.8....)")
+    return number
+
+
+def _report(rep, quiet: bool, as_json: bool) -> None:
+    if as_json:
+        G.echo_json(rep)
+    elif not quiet:
+        click.echo(rep.summary())
+
+
 @click.command("import-activault")
 @click.argument("src")
 @click.argument("store")
-@click.option("--hook", default=None, help="The hook folder's name, when SRC is a run folder.")
+@click.option("--hook-name", default=None, callback=G.resolve, help="The hook folder's name, when SRC is a run folder.")
+@G.alias("--hook", of="hook_name", use="--hook-name", type=str, default=None)
 @_common
 def import_activault_cmd(
     src: str,
     store: str,
-    hook: str | None,
+    hook_name: str | None,
     workers: int,
     zarr_format: str,
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Import one hook of an Activault run into STORE: SRC is the hook's folder {run}/{hook}
-    (local or s3://...), or the run folder with --hook NAME.
+    (local or s3://...), or the run folder with --hook-name NAME.
 
     Each .saved.pt megabatch becomes one writer shard: sequences -> examples, input ids ->
     token ids, values in the source's dtype. Files are checked against metadata.json before
@@ -68,15 +97,14 @@ def import_activault_cmd(
     rep = import_activault(
         src,
         store,
-        hook=hook,
+        hook=hook_name,
         layer=layer,
         workers=workers,
         zarr_format=int(zarr_format),
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
-    if not quiet:
-        click.echo(rep.summary())
+    _report(rep, quiet, as_json)
 
 
 @click.command("import-saelens")
@@ -93,6 +121,7 @@ def import_saelens_cmd(
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Import a SAELens cached-activations dataset (a datasets save_to_disk folder, local or
     an object-store URL; also what `actstore export-saelens` writes) into STORE.
@@ -112,8 +141,7 @@ def import_saelens_cmd(
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
-    if not quiet:
-        click.echo(rep.summary())
+    _report(rep, quiet, as_json)
 
 
 @click.command("import-dictionary-learning")
@@ -132,6 +160,7 @@ def import_dictionary_learning_cmd(
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
+    as_json: bool,
 ) -> None:
     """Import one submodule of a dictionary_learning activation cache (SRC: the folder
     {store_dir}/{submodule}_{io} with config.json and shard_N.memmap/.meta) into STORE.
@@ -152,5 +181,4 @@ def import_dictionary_learning_cmd(
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
-    if not quiet:
-        click.echo(rep.summary())
+    _report(rep, quiet, as_json)

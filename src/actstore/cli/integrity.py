@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
 from actstore.layout import spec
@@ -111,9 +112,16 @@ def _verify_saelens(path: str, as_json: bool, quiet: bool) -> None:
     show_default=True,
     help="Refuse a shard whose pickle builds more objects.",
 )
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@G.quiet_json(quiet="No progress bar, no summary.")
 def import_pkl_cmd(
-    source: str, store: str, dtype: str, tokens: int | None, max_shard_bytes: int | None, max_objects: int, quiet: bool
+    source: str,
+    store: str,
+    dtype: str,
+    tokens: int | None,
+    max_shard_bytes: int | None,
+    max_objects: int,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
     """Import the legacy pkl.gz directory SOURCE (metadata.json + shard_NNNN.pkl.gz) into STORE.
 
@@ -134,22 +142,26 @@ def import_pkl_cmd(
             max_objects=max_objects,
             progress=bar.update,
         )
-    if not quiet:
+    if as_json:
+        G.echo_json({**G.report_fields(report), "network": network_counts()})
+    elif not quiet:
         click.echo(report.summary())
 
 
 @click.command("export-pkl")
 @click.argument("store", type=STORE)
-@click.argument("out", type=click.Path(file_okay=False))
+@G.out_option(
+    "The folder to write (metadata.json + shard_NNNN.pkl.gz).", positional="OUT", type=click.Path(file_okay=False)
+)
 @click.option("--examples-per-shard", type=int, default=100, show_default=True, help="Records per shard file.")
 @click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")
-@click.option("--overwrite", is_flag=True, help="Replace a finished export in OUT.")
+@G.overwrite_option("Replace a finished export in OUT (default: refuse it).")
 @click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
 def export_pkl_cmd(
     store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool
 ) -> None:
-    """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT.
+    """Write STORE in the legacy pkl.gz format (metadata.json + shard_NNNN.pkl.gz) into OUT (--out).
 
     For tools that still read that format. Activations are float32 [T_i, D] per (example,
     layer); metadata.json lists sha256 checksums and is written last.
@@ -166,9 +178,6 @@ def export_pkl_cmd(
             progress=bar.update,
         )
     if as_json:
-        import dataclasses
-        import json
-
-        click.echo(json.dumps({**dataclasses.asdict(report), "network": network_counts()}, default=str))
+        G.echo_json({**G.report_fields(report), "network": network_counts()})
     elif not quiet:
         click.echo(report.summary())

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 from actstore.storage.retry import counts as network_counts
 
@@ -16,7 +17,10 @@ def register(main: click.Group) -> None:
 
 @click.command("export-saelens")
 @click.argument("store", type=STORE)
-@click.argument("out", type=click.Path(file_okay=False))
+@G.out_option(
+    "The folder to write (a datasets save_to_disk folder).", positional="OUT", type=click.Path(file_okay=False)
+)
+@G.overwrite_option("Replace an earlier export in OUT (default: refuse a folder that is not empty).")
 @click.option(
     "--layer",
     required=True,
@@ -38,30 +42,30 @@ def register(main: click.Group) -> None:
     show_default=True,
     help="Column dtype (float16: exact for float16 stores, half the disk).",
 )
-@click.option(
-    "--skip-special/--keep-special",
-    default=None,
-    help="Leave out (default for a text store whose labels mark token kinds) or keep the tokens labelled special "
-    "or chat template, such as the BOS that starts every --pack/--chunk window.",
+@G.special_option(
+    help="Tokens labelled special or chat template, such as the BOS that starts every --pack/--chunk window: keep "
+    "them, or drop them (the default for a text store whose labels mark token kinds).",
+    aliases=(("--skip-special", "drop"), ("--keep-special", "keep")),
 )
 @click.option("--quiet", is_flag=True, help="No progress bar, no config printed.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the SAELens config) on stdout.")
 def export_saelens_cmd(
     store: str,
     out: str,
+    overwrite: bool,
     layer: str,
     hook_name: str | None,
     context_size: int,
     seed: int,
     dtype: str,
-    skip_special: bool | None,
+    special: str | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Write LAYER of STORE to OUT as the dataset SAELens trains from with use_cached_activations.
+    """Write LAYER of STORE to OUT (--out) as the dataset SAELens trains from with use_cached_activations.
 
-    Real tokens only (no padding; for a text store with token labels, no special or
-    chat-template tokens unless --keep-special), shuffled at token level with SEED, packed into rows of
+    Real tokens only (no padding; for a text store whose labels mark token kinds, no special
+    or chat-template tokens unless --special keep), shuffled at token level with SEED, packed into rows of
     CONTEXT_SIZE tokens, with token ids. Prints the SAELens config to use (also written to
     OUT/saelens_config.json).
     """
@@ -75,7 +79,8 @@ def export_saelens_cmd(
         context_size=context_size,
         seed=seed,
         dtype=dtype,
-        skip_special=skip_special,
+        skip_special=None if special is None else special == "drop",
+        overwrite=overwrite,
         progress=not quiet,
     )
     if as_json:

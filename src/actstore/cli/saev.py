@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 from actstore.read.layers import parse_layer_list
 
@@ -28,7 +29,12 @@ def _names(value: str | None) -> list[str] | None:
 
 @click.command("export-saev")
 @click.argument("store", type=STORE)
-@click.argument("dump_to", required=False, type=click.Path(file_okay=False))
+@G.out_option(
+    "DUMP_TO: the folder the <HASH> directory goes into (default: $SAEV_SCRATCH/saev/shards).",
+    positional="DUMP_TO",
+    required=False,
+    type=click.Path(file_okay=False),
+)
 @click.option(
     "--protocol",
     type=click.Choice(["auto", *P.PROTOCOLS]),
@@ -69,7 +75,10 @@ def _names(value: str | None) -> list[str] | None:
     default=None,
     help="Write labels.bin from the store's per-token labels (default: when stored).",
 )
-@click.option("--overwrite", is_flag=True, help="Rebuild and replace an existing <HASH> directory.")
+@G.overwrite_option(
+    "Rebuild and replace an existing <HASH> directory (without it, one that verifies is returned as it is, "
+    "one that does not is refused)."
+)
 @click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
 @click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
 @click.option("--quiet", is_flag=True, help="No progress bar, no summary line: only the directory is printed.")
@@ -80,15 +89,14 @@ def _names(value: str | None) -> list[str] | None:
     default=None,
     help="Stores with padded (text) segments: real tokens packed this many to an exported example (default 1).",
 )
-@click.option(
-    "--keep-special",
-    is_flag=True,
-    help="Text stores with token labels: also export BOS, special and chat-template tokens (left out by default, "
-    "as by the loaders; every --pack/--chunk window starts with a BOS).",
+@G.special_option(
+    help="Text stores whose labels mark token kinds: keep (also export BOS, special and chat-template tokens) or "
+    "drop them (the default, as the loaders do; every --pack/--chunk window starts with a BOS).",
+    aliases=(("--keep-special", "keep"),),
 )
 def export_cmd(
     store,
-    dump_to,
+    out,
     protocol,
     layers,
     segments,
@@ -106,16 +114,18 @@ def export_cmd(
     quiet,
     as_json,
     tokens_per_example,
-    keep_special,
+    special,
 ) -> None:
-    """Export STORE as saev shards in DUMP_TO/<HASH> (default DUMP_TO: $SAEV_SCRATCH/saev/shards).
+    """Export STORE as saev shards in DUMP_TO/<HASH> (--out DUMP_TO; default $SAEV_SCRATCH/saev/shards).
 
     Float32 shards in the store's example order; the directory is built beside its target
-    and renamed into place when complete. Rerunning with the same inputs returns the
-    existing directory after verifying it. Prints the directory.
+    and renamed into place when complete. The directory is named by the hash of its inputs:
+    rerunning with the same inputs returns the existing directory after verifying it
+    (nothing is replaced). Prints the directory.
     """
     from actstore.saev import export_saev
 
+    dump_to = out
     if dataset is None:
         dataset = _embedded_dataset(store, dump_to)
     res = export_saev(
@@ -137,11 +147,9 @@ def export_cmd(
         fsync=not no_fsync,
         progress=not quiet,
         tokens_per_example=tokens_per_example,
-        keep_special=keep_special,
+        keep_special=special == "keep",
     )
     if as_json:
-        import json
-
         click.echo(
             json.dumps(
                 {
@@ -216,19 +224,22 @@ def verify_cmd(directory, values, as_json, quiet) -> None:
     show_default=True,
     help="Stored dtype of the new store.",
 )
-@click.option("--overwrite", is_flag=True, help="Replace the store's shard 0 if it exists (not a finalized one).")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-def import_cmd(directory, store, dtype, overwrite, quiet) -> None:
+@G.overwrite_option("Replace the store's shard 0 if it exists (not a finalized one).")
+@G.quiet_json(quiet="No progress bar, no summary.")
+def import_cmd(directory, store, dtype, overwrite, quiet, as_json) -> None:
     """Convert the saev shard DIRECTORY into a new actstore STORE (finalized)."""
     from actstore.saev import import_saev
 
     st = import_saev(directory, store, dtype=dtype, overwrite=overwrite, progress=not quiet)
-    if not quiet:
+    if as_json:
+        G.echo_json({"store": str(store), "examples": len(st)})
+    elif not quiet:
         click.echo(f"imported {len(st)} examples into {store}")
 
 
 @click.command("link-run")
-@click.option("--run", required=True, help="<runs_root>/<run_id>, or a bare run id under $SAEV_NFS/saev/runs.")
+@G.required_argument("run", "RUN")
+@G.alias("--run", of="run", use="RUN as the first argument")
 @click.option(
     "--train-shards", required=True, help="A saev <HASH> directory, or a bare hash under $SAEV_SCRATCH/saev/shards."
 )
@@ -239,11 +250,14 @@ def import_cmd(directory, store, dtype, overwrite, quiet) -> None:
     help="Training data set root (default: from the shards' metadata).",
 )
 @click.option("--val-dataset", type=click.Path(exists=True, file_okay=False), help="Validation data set root.")
-@click.option("--quiet", is_flag=True, help="Do not print the run directory.")
-def link_run_cmd(run, train_shards, val_shards, dataset, val_dataset, quiet) -> None:
-    """Create a run directory: checkpoint/, inference/ and links/ to the shards and data sets."""
+@G.quiet_json(quiet="Do not print the run directory.", json='Print {"path": RUN_DIR} on stdout.')
+def link_run_cmd(run, train_shards, val_shards, dataset, val_dataset, quiet, as_json) -> None:
+    """Create the run directory RUN (<runs_root>/<run_id>, or a bare run id under
+    $SAEV_NFS/saev/runs): checkpoint/, inference/ and links/ to the shards and data sets."""
     from actstore.saev import link_run
 
     run_dir = link_run(run, train_shards=train_shards, val_shards=val_shards, dataset=dataset, val_dataset=val_dataset)
-    if not quiet:
+    if as_json:
+        G.echo_json({"path": str(run_dir)})
+    elif not quiet:
         click.echo(str(run_dir))

@@ -33,13 +33,16 @@ def run_features(
     n_intervals: int = 5,
     per_interval: int = 5,
     seed: int = 0,
+    sign: str = "positive",
     device: str | None = "auto",
     command: str | None = None,
     progress: bool = False,
     store: Reader | None = None,
 ) -> dict[str, Any]:
     """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content.
-    `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already."""
+    `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already.
+    meta.json names the store state the pass read: the sha256 of the manifest bytes the
+    store was opened with (a finalize during the pass does not change it)."""
     if store is None:
         from actstore.opener import open as open_store
 
@@ -71,6 +74,7 @@ def run_features(
         n_intervals=n_intervals,
         per_interval=per_interval,
         seed=seed,
+        sign=sign,
         device=device,
         progress=progress,
     )
@@ -90,11 +94,16 @@ def run_features(
             "n_intervals": n_intervals,
             "per_interval": per_interval,
             "seed": seed,
+            "sign": sign,
         },
         "command": command,
         "actstore_version": __version__,
     }
-    return write_tables(tables, out, meta)
+    from actstore.storage.files import export_os_errors
+
+    kept = f"Nothing was published to {out} (an older output there is unchanged)"
+    with export_os_errors(f"writing the feature tables of {store.path}", out, "the same command", left=kept):
+        return write_tables(tables, out, meta)
 
 
 def _absolute(path: Any) -> str:

@@ -54,7 +54,7 @@ def text_html(
         )
     what = "token L2 norm" if feature is None else f"{'dimension' if encoder is None else 'feature'} {feature}"
     return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>example {ex}</title></head>'
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>example {ex}</title></head>'
         '<body style="font-family: sans-serif">'
         f"<h1>Example {ex}, layer {layer}</h1><p>{html.escape(what)}; scale &plusmn;{scale:.4g}</p>"
         '<p style="font-family: monospace; white-space: pre-wrap; line-height: 1.7">'

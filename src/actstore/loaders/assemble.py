@@ -14,15 +14,17 @@ batch, and the pinned buffer is reused only once that event has completed.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from torch.utils.data import get_worker_info
 
 from actstore.dtypes import TORCH_GRAIN
-from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
+from actstore.loaders.buffers import TORCH_DTYPES, BufferRing, WorkerBatch, WorkerRing
 from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.loaders.state import StreamState
 
@@ -52,24 +54,41 @@ class BatchMaker:
         ring: the ring of a previous epoch of this stream, to reuse.
     """
 
-    def __init__(self, ts: StreamState, in_worker: bool, ring: BufferRing | None = None):
+    def __init__(self, ts: StreamState, in_worker: bool, ring: BufferRing | WorkerRing | None = None):
         self.ts, self.in_worker = ts, in_worker
         dev = None if in_worker else ts.device
         self.device = dev if dev is not None and dev.type != "cpu" else None
         stored = TORCH_DTYPES[ts.store.dtype]
         dtype = stored if self.device is not None else ts.dtype
-        pin = self.device is not None or (ts.pin_memory and not in_worker)
-        if ring is None or ring.dtype != dtype or ring.pin != pin or ring.shared != in_worker:
-            ring = BufferRing(6, dtype, pin=pin, shared=in_worker)
+        info = get_worker_info() if in_worker else None
+        self.worker = info.id if info is not None else None
+        if info is not None and ts._worker_flags is not None:  # under a TokenLoader: reused shared slots
+            if not (isinstance(ring, WorkerRing) and ring.dtype == dtype and ring.flags is ts._worker_flags):
+                ring = WorkerRing(ts._worker_flags, info.id, dtype)
+        else:
+            pin = self.device is not None or (ts.pin_memory and not in_worker)
+            if not isinstance(ring, BufferRing) or ring.dtype != dtype or ring.pin != pin or ring.shared != in_worker:
+                ring = BufferRing(ts.prefetch_batches + 4, dtype, pin=pin, shared=in_worker)
         self.ring = ring
         self.scratch = torch.empty((ts.batch_size, ts.d_model), dtype=stored) if dtype != stored else None
-        self.helper = (
-            ThreadPoolExecutor(ts.gather_threads - 1, thread_name_prefix="actstore-gather")
-            if ts.gather_threads > 1
-            else None
-        )
+        n_gather = _gather_threads(ts.gather_threads, info.num_workers if info is not None else 0)
+        self.helper = ThreadPoolExecutor(n_gather - 1, thread_name_prefix="actstore-gather") if n_gather > 1 else None
+        self.n_gather = n_gather
         self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
         self._norm_dev: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def started(self, stop: threading.Event) -> None:
+        """A new iteration of this consumer: a worker's slots are all free again (the
+        DataLoader discarded the last iteration's batches), and waiting for one ends with `stop`."""
+        if isinstance(self.ring, WorkerRing):
+            self.ring.clear()
+            self.ring.stop = stop
+
+    def sent(self, batch: Any) -> Any:
+        """The batch as the consumer hands it on: from a worker's reused slot, with its number."""
+        if isinstance(self.ring, WorkerRing):
+            return WorkerBatch(self.worker, self.ring.last, batch)
+        return batch
 
     def close(self) -> None:
         if self.helper is not None:
@@ -112,7 +131,7 @@ class BatchMaker:
             np.take(src, idx, axis=0, out=dst, mode="clip")  # rows are in range: no check needed
             return
         job = _Split(src, idx, dst)
-        for _ in range(self.ts.gather_threads - 1):
+        for _ in range(self.n_gather - 1):
             self.helper.submit(job.work)
         job.work()
         job.wait()
@@ -168,6 +187,16 @@ class _Split:
         with self.cond:
             while self.running:
                 self.cond.wait()
+
+
+def _gather_threads(asked: int, n_workers: int) -> int:
+    """Gather threads of one consumer: as asked in the main process; in a DataLoader worker
+    at most the cores per worker (the workers are the parallelism: more threads than cores
+    only crowd out each other, the main process and the training loop)."""
+    if not n_workers:
+        return asked
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(asked, cores // (n_workers + 1)))
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:

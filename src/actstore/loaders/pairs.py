@@ -34,6 +34,7 @@ from actstore.loaders.source import (
     segment_lengths,
     stored_numpy_dtype,
 )
+from actstore.loaders.feed import DeviceLoader, cuda_device
 from actstore.loaders.tokens import dist_rank_world
 from actstore.loaders.windows import TaskPacker
 from actstore.storage.forksafe import worker_context
@@ -196,11 +197,19 @@ class PairDataset(Dataset):
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        device: str | torch.device | None = None,
+        prefetch_batches: int = 2,
         **dataloader_kwargs: Any,
-    ) -> DataLoader:
+    ) -> DataLoader | DeviceLoader:
         """A DataLoader yielding batch dicts; extra keyword arguments go to DataLoader (for a
         store in object storage, workers start by "forkserver" unless told otherwise, and
-        "fork" is refused: obstore's client does not survive fork)."""
+        "fork" is refused: obstore's client does not survive fork).
+
+        device: deliver the batches' tensors on this device ("cuda", "cuda:1"): each batch
+        is copied into a pinned ring and to the device on a side stream while the previous
+        one trains, `prefetch_batches` ahead (actstore.loaders.feed.DeviceLoader, which
+        passes `sampler`, `len` and the rest through to the DataLoader)."""
+        dev = cuda_device(device)
         smp = self.sampler(
             batch_size=batch_size,
             k=k,
@@ -219,7 +228,10 @@ class PairDataset(Dataset):
                 dataloader_kwargs["num_workers"],
                 dataloader_kwargs.get("multiprocessing_context"),
             )
-        return DataLoader(self, sampler=smp, batch_size=None, **dataloader_kwargs)
+        if dev is not None:
+            dataloader_kwargs["pin_memory"] = False  # the feeder copies into its own pinned ring
+        dl = DataLoader(self, sampler=smp, batch_size=None, **dataloader_kwargs)
+        return dl if dev is None else DeviceLoader(dl, dev, prefetch=prefetch_batches)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from actstore.loaders.assemble import BatchMaker, OnDevice
+from actstore.loaders.buffers import Stopped
 from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits
 from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
@@ -97,8 +98,9 @@ class TokenPipeline:
         self.ahead: tuple | None = None
         self.epoch_read = False  # the reader has read every window of this epoch
         self.served = False  # the loop has taken every batch of this epoch
-        self.out: queue.Queue = queue.Queue(maxsize=2)
+        self.out: queue.Queue = queue.Queue(maxsize=ts.prefetch_batches)
         self.stop = threading.Event()
+        self.maker.started(self.stop)
         self.threads = [
             threading.Thread(
                 target=self._guard, args=(self._read_windows, self.full), daemon=True, name="actstore-reader"
@@ -230,8 +232,10 @@ class TokenPipeline:
                     batch = self.maker.make(slot, rows, keys)
                     if ts.return_index:
                         batch = _index_dict(batch, ts.units, index, rows)
-                    if not self._put(self.out, batch):
+                    if not self._put(self.out, self.maker.sent(batch)):
                         return
+            except Stopped:
+                return  # the iteration ended while a worker waited for a free slot
             finally:
                 slot.release()
             first = 0

@@ -33,6 +33,7 @@ class StreamState(Protocol):
     gather_threads: int
     threads: int
     prefetch: int
+    prefetch_batches: int
     mmap: bool
     pin_memory: bool
     return_index: bool
@@ -43,6 +44,7 @@ class StreamState(Protocol):
     _spare: dict[str, Any]  # a stopped pipeline's slots and mappings, or the next epoch's pipeline
     _batches_done: int  # batches of this epoch the loop consumed
     _num_workers: int  # the DataLoader worker count the saved position refers to
+    _worker_flags: Any  # under a TokenLoader with workers: their slot flags (buffers.WorkerRing)
 
     def plan(self, epoch: int | None = None) -> EpochPlan: ...
 

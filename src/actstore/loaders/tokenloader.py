@@ -1,5 +1,14 @@
 """TokenLoader: a torch DataLoader over a TokenStream that counts what the loop consumed,
-so that `state_dict()` is exact with any number of workers."""
+so that `state_dict()` is exact with any number of workers.
+
+With workers, the DataLoader's worker processes persist from epoch to epoch (they keep
+the store open, its files mapped and their buffers): the loader writes the position into
+a small tensor the workers share before each iteration (EpochPosition). Each worker
+gathers its batches into shared-memory slots it reuses (buffers.WorkerRing); the main
+process copies a batch out of its slot at once (into a ring of its own, pinned with
+pin_memory, or into the DeviceFeeder's pinned ring on its way to the device: feed.py) and
+hands the slot back. So no batch costs fresh memory, in the workers or here.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +17,15 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
+from actstore.loaders.buffers import BufferRing, WorkerBatch, host_copy
+from actstore.loaders.feed import DeviceFeeder
 from actstore.loaders.state import StreamState
 from actstore.storage.forksafe import worker_context
+
+DEFAULT_PREFETCH_FACTOR = 2  # the DataLoader's: batches each worker prepares ahead
+SLOTS_BEYOND_PREFETCH = 5  # a worker's slots besides the prefetched ones (its queue, the one being made, sent)
 
 
 class TokenLoader:
@@ -31,6 +45,8 @@ class TokenLoader:
             object storage the default is "forkserver" and "fork" is refused: obstore's
             client does not survive fork.
         timeout: seconds to wait for a worker's batch (0: forever).
+        persistent_workers: keep the worker processes from epoch to epoch (default); False
+            starts them anew each epoch (each reopens the store and maps its files again).
     """
 
     def __init__(
@@ -42,6 +58,7 @@ class TokenLoader:
         prefetch_factor: int | None = None,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        persistent_workers: bool = True,
     ):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0. Got {num_workers!r}.")
@@ -56,7 +73,13 @@ class TokenLoader:
         self.stream = stream
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor = prefetch_factor or DEFAULT_PREFETCH_FACTOR
+        self.persistent_workers = bool(persistent_workers)
+        self._dl: DataLoader | None = None
+        self._ring: BufferRing | None = None
+        self._flags: torch.Tensor | None = None
+        self._position: torch.Tensor | None = None  # (epoch, batches_done, num_workers) for the workers
+        self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # the last tensor received from each worker slot
         for source in getattr(stream, "streams", [stream]):  # an AlignedTokenStream streams several sources
             multiprocessing_context = worker_context(
                 getattr(source.store, "storage", None), num_workers, multiprocessing_context
@@ -90,26 +113,88 @@ class TokenLoader:
             for batch in s:  # the stream counts consumed batches itself
                 yield _pin(batch) if self.pin_memory and s.device is None else batch
             return
-        device = s.device  # workers yield CPU batches; the move happens here, from pinned memory
-        dl = DataLoader(
-            s,
+        dl = self._loader()
+        self._position[:] = torch.tensor([s._epoch, s._batches_done, self.num_workers])
+        device = s.device  # workers yield CPU batches; the move happens here
+        if device is None:
+            batches: Any = (self._received(b) for b in dl)
+        else:
+            prefetch = getattr(s, "prefetch_batches", 2)
+            batches = DeviceFeeder(
+                (_as_sent(b) for b in dl),
+                device,
+                prefetch=prefetch,
+                keys=("acts",),
+                unwrap=lambda b: b.batch if isinstance(b, WorkerBatch) else b,
+                on_copied=self._release,
+            )
+        for batch in batches:
+            s._batches_done += 1
+            yield batch
+        s._end_epoch()
+
+    def _loader(self) -> DataLoader:
+        """The DataLoader (made once: its workers persist), and what it shares with them."""
+        if self._dl is not None and self.persistent_workers:
+            return self._dl
+        s = self.stream
+        if self._flags is None:
+            self._position = torch.zeros(3, dtype=torch.int64).share_memory_()
+            slots = self.prefetch_factor + SLOTS_BEYOND_PREFETCH
+            self._flags = torch.zeros((self.num_workers, slots), dtype=torch.int8).share_memory_()
+        plain = not hasattr(s, "streams")  # a plain TokenStream (an aligned one combines its sources' batches)
+        self._dl = DataLoader(
+            _UnderLoader(s, self._position, self._flags if plain else None),
             batch_size=None,
             num_workers=self.num_workers,
-            pin_memory=self.pin_memory or device is not None,
             prefetch_factor=self.prefetch_factor,
             multiprocessing_context=self.multiprocessing_context,
             timeout=self.timeout,
-            persistent_workers=False,
+            persistent_workers=self.persistent_workers,
         )
-        for batch in dl:
-            s._batches_done += 1
-            batch = _as_sent(batch)
-            yield batch if device is None else _to(batch, device)
-        s._end_epoch()
+        return self._dl
+
+    def _received(self, item: Any) -> Any:
+        """A worker's batch as the loop gets it: copied out of the worker's slot into this
+        process's ring (pinned with pin_memory), the slot handed back."""
+        item = _as_sent(item)
+        if not isinstance(item, WorkerBatch):
+            return _pin(item) if self.pin_memory else item
+        acts = item.batch["acts"] if isinstance(item.batch, dict) else item.batch
+        if self._ring is None or self._ring.dtype != acts.dtype:
+            self._ring = BufferRing(self.prefetch_factor + 4, acts.dtype, pin=self.pin_memory)
+        out = self._ring.take(tuple(acts.shape))
+        host_copy(out, acts)  # copy: out of the worker's slot (no fresh memory on either side)
+        self._release(item)
+        return {**item.batch, "acts": out} if isinstance(item.batch, dict) else out
+
+    def _release(self, item: Any) -> None:
+        """Hand a worker's slot back, keeping the received tensor: while it lives, torch
+        maps the slot's shared memory once (its cache of received storages), instead of
+        mapping it again, page by page, for every batch sent from it."""
+        if isinstance(item, WorkerBatch):
+            self._mapped[(item.worker, item.slot)] = item.batch["acts"] if isinstance(item.batch, dict) else item.batch
+            self._flags[item.worker, item.slot] = 0
+
+
+class _UnderLoader(IterableDataset):
+    """The stream as a TokenLoader's workers iterate it: with the loader's position and
+    slot flags (tensors in shared memory), set on the worker's own copy of the stream, so
+    that the stream itself stays as it was for any other DataLoader."""
+
+    def __init__(self, stream: Any, position: torch.Tensor, flags: torch.Tensor | None):
+        self.stream, self.position, self.flags = stream, position, flags
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.stream
+        s._shared_position, s._worker_flags = self.position, self.flags
+        return iter(s)
 
 
 def _as_sent(batch: Any) -> Any:
     """The batch as the worker yielded it: the DataLoader turns an aligned stream's tuple into a list."""
+    if isinstance(batch, WorkerBatch):
+        return batch
     if isinstance(batch, list):
         return tuple(batch)
     if isinstance(batch, dict) and isinstance(batch.get("acts"), list):
@@ -117,18 +202,10 @@ def _as_sent(batch: Any) -> Any:
     return batch
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    """The batch's activations on `device` (an asynchronous copy from pinned memory)."""
-    if isinstance(batch, dict):
-        return {**batch, "acts": _to(batch["acts"], device)}
-    if isinstance(batch, (tuple, list)):  # an aligned stream's tensors, one per source
-        return tuple(t.to(device, non_blocking=True) for t in batch)
-    return batch.to(device, non_blocking=True)
-
-
 def _pin(batch: Any) -> Any:
+    """The batch in pinned memory (a tensor already pinned, e.g. from a pinned ring, as it is)."""
     if isinstance(batch, dict):
         return {k: _pin(v) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return tuple(t.pin_memory() for t in batch)
-    return batch.pin_memory()
+        return tuple(_pin(t) for t in batch)
+    return batch if batch.is_pinned() else batch.pin_memory()

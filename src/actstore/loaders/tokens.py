@@ -19,6 +19,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from actstore.loaders.aligned import AlignedTokenStream
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
+from actstore.loaders.feed import cuda_device
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, EpochPosition, consumed_per_worker, rank_batches
 from actstore.read.masks import DEFAULT
@@ -47,31 +48,6 @@ def dist_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]
             f"rank must be in 0..world_size-1 with world_size >= 1. Got rank={rank!r}, world_size={world_size!r}."
         )
     return rank, world_size
-
-
-def _device(device: str | torch.device | None) -> torch.device | None:
-    """The device batches go to (None: the CPU), checked now rather than at the first batch."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(
-            f"device must be None, 'cpu', 'cuda', 'cuda:N' or a torch.device. Got {device!r} ({e})."
-        ) from None
-    if dev.type == "cpu":
-        return None
-    if dev.type != "cuda":
-        raise ValueError(
-            f"device={device!r}: TokenStream moves batches to 'cuda' devices (or leaves them on the CPU); "
-            f"move them to {dev.type} yourself"
-        )
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
-            "or leave device=None for CPU batches"
-        )
-    return dev
 
 
 class TokenStream(EpochPosition, IterableDataset):
@@ -112,6 +88,8 @@ class TokenStream(EpochPosition, IterableDataset):
         return_index: yield dicts {"acts", "example", "layer", "segment", "token"} instead of tensors.
         threads: I/O threads per consumer (reads, and pages made resident).
         prefetch: windows read ahead of the one being served.
+        prefetch_batches: batches made (and, with `device`, copied to it) ahead of the one
+            the loop holds (default 2).
         pin_memory: batches in pinned memory (main process, with an accelerator), for
             your own `.to(device, non_blocking=True)`.
         device: yield batches on this device (e.g. "cuda", torch.device("cuda:1")): rows
@@ -122,6 +100,9 @@ class TokenStream(EpochPosition, IterableDataset):
             straight from the page cache (one copy per token); False reads every window
             into a buffer first (two copies), as object stores and caches always do.
         gather_threads: threads that gather each batch (1 to 8).
+        follow: stream a store that writers are still filling (training while capturing):
+            its committed blocks as they come, mixed in a pool of `buffer_bytes`, until it
+            is finalized (a FollowStream, actstore/loaders/follow.py).
         aligned: stream several sources in step, row i the same token in each: the
             `layers` of `store`, or of each store of a sequence of stores captured from
             several models on the same tokens; yields a tuple of one tensor per source
@@ -130,8 +111,19 @@ class TokenStream(EpochPosition, IterableDataset):
     """
 
     def __new__(
-        cls, store: ReaderLike | Sequence[ReaderLike] | None = None, *args: Any, aligned: bool = False, **kwargs: Any
+        cls,
+        store: ReaderLike | Sequence[ReaderLike] | None = None,
+        *args: Any,
+        aligned: bool = False,
+        follow: bool = False,
+        **kwargs: Any,
     ) -> Any:
+        if follow:
+            if args or aligned:
+                raise TypeError("TokenStream(path, follow=True) takes its options by keyword, and no aligned=True")
+            from actstore.loaders.follow import FollowStream
+
+            return FollowStream(store, **kwargs)
         if aligned:
             if args:
                 raise TypeError("TokenStream(..., aligned=True) takes its options by keyword")
@@ -159,11 +151,13 @@ class TokenStream(EpochPosition, IterableDataset):
         return_index: bool = False,
         threads: int = 8,
         prefetch: int = 1,
+        prefetch_batches: int = 2,
         pin_memory: bool = False,
         device: str | torch.device | None = None,
         mmap: bool = True,
         gather_threads: int = 2,
         aligned: bool = False,
+        follow: bool = False,
     ):
         for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes), ("threads", threads)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
@@ -174,6 +168,8 @@ class TokenStream(EpochPosition, IterableDataset):
             raise ValueError(f"seed must be a non-negative int. Got {seed!r}.")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0. Got {prefetch!r}.")
+        if isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, int) or prefetch_batches < 1:
+            raise ValueError(f"prefetch_batches must be an int >= 1. Got {prefetch_batches!r}.")
         if isinstance(gather_threads, bool) or not isinstance(gather_threads, int) or not 1 <= gather_threads <= 8:
             raise ValueError(f"gather_threads must be an int in 1..8. Got {gather_threads!r}.")
         self.store = store = as_reader(store)
@@ -192,11 +188,12 @@ class TokenStream(EpochPosition, IterableDataset):
         if self._norm is not None and self.dtype in (torch.float16, torch.bfloat16) and dtype is None:
             self.dtype = torch.float32  # normalised values are computed and returned in float32
         self.return_index = bool(return_index)
-        self.device = _device(device)
+        self.device = cuda_device(device)
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but no accelerator is available: batches are not pinned", stacklevel=2)
             pin_memory = False
         self.threads, self.prefetch, self.pin_memory = int(threads), prefetch, bool(pin_memory)
+        self.prefetch_batches = prefetch_batches
         self.mmap, self.gather_threads = bool(mmap), gather_threads
         self.units = TokenUnits(store, self.layers, self.segments, token_mask)
         row_bytes = self.d_model * self.stored_dtype.itemsize
@@ -211,6 +208,7 @@ class TokenStream(EpochPosition, IterableDataset):
         # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
         self._spare: dict[str, Any] = {}
         self._active = 0  # iterations running (their threads use the buffers and mappings)
+        self._worker_flags = None  # under a TokenLoader: its workers' slot flags (buffers.WorkerRing)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -315,6 +313,8 @@ class TokenStream(EpochPosition, IterableDataset):
     # ---- iteration ----------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
+        if info is not None:
+            self._position_from_loader()
         plan = self.plan()
         if info is None:
             worker, n_workers, skip = 0, 1, self._batches_done

@@ -121,6 +121,9 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"layer {n:<6} = {', '.join(names)}")
     if info.get("mask_line"):
         lines.append(f"mask         {info['mask_line'].removeprefix('default mask: ')}")
+    packing = info.get("attrs", {}).get("packing")
+    if isinstance(packing, dict):
+        lines.append(_packing(packing))
     if info.get("token_ids"):
         lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
@@ -141,3 +144,14 @@ def format_info(info: dict[str, Any]) -> str:
                 f"  {key:<22}{st['count']:>12,}{st['mean_norm']:>12.4g}{st['mean_std']:>12.4g}{st['min']:>12.4g}{st['max']:>12.4g}{st['nonfinite']:>12}{st.get('overflow', 0):>10}"
             )
     return "\n".join(lines)
+
+
+def _packing(p: dict[str, Any]) -> str:
+    """The corpus line of a --pack / --chunk store (its attrs['packing'])."""
+    line = f"packing      --{p.get('mode')} --context {p.get('context')}"
+    if all(isinstance(p.get(k), int) for k in ("documents", "tokens", "windows")):
+        line += f": {p['documents']:,} documents, {p['tokens']:,} tokens in {p['windows']:,} windows"
+    if "window_bos" in p:  # the token id each window starts with, or None (--no-window-bos)
+        bos = p["window_bos"]
+        line += f"; each window starts with token {bos} (labelled special)" if bos is not None else "; no window BOS"
+    return line

@@ -52,3 +52,13 @@ def resolve_layer(value: Any, stored: Sequence[int], names: Mapping[str, int]) -
 def parse_layer_list(text: str) -> list[int | str]:
     """A command line's comma-separated layers: numbers (as ints) and names (as strings)."""
     return [int(x) if _NUMBER.fullmatch(x) else x for x in (p.strip() for p in text.split(",")) if x]
+
+
+_NUMBER_IN_NAME = re.compile(r"(?:^|\.)(?:blocks|layers|layer|h)\.(\d+)(?:\.|$)")
+
+
+def number_in_name(name: str) -> int | None:
+    """The block number a layer name carries (`blocks.8.hook_resid_post`, `model.layers.8.mlp`,
+    `transformer.h.8` -> 8), or None: how a new store numbers a layer given by name."""
+    m = _NUMBER_IN_NAME.search(name)
+    return int(m.group(1)) if m else None

@@ -6,6 +6,7 @@ directly (actstore.chunkio); compressed arrays go through zarr-python.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -102,7 +103,8 @@ class ActStore(Reader):
             _refuse_saev_dir(local)
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
-        self.manifest: Manifest = catalog.read_manifest(self.storage)
+        self.manifest, data = self._read_manifest()
+        self.manifest_sha256 = hashlib.sha256(data).hexdigest()  # the exact state opened (consumers record it)
         if self._cache is not None:
             self.storage = _cached(self.storage, *self._cache)
         for entry in self.manifest.shards:  # a shard folder that leaves the store is refused up front
@@ -117,6 +119,11 @@ class ActStore(Reader):
             from actstore.verify import verify_store
 
             verify_store(self._location, deep=self._verify == "deep", raise_on_error=True)
+
+    def _read_manifest(self) -> tuple[Manifest, bytes]:
+        """The manifest this reader serves and its bytes (a live view of a store still being
+        written builds its own: actstore.loaders.follow)."""
+        return catalog.read_manifest_bytes(self.storage)
 
     # ---- pickling: only the location travels ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -65,6 +65,7 @@ def export_saelens(
     seed: int = 0,
     dtype: str = "float32",
     skip_special: bool | None = None,
+    overwrite: bool = False,
     progress: bool = True,
 ) -> SaelensExport:
     """Write layer `layer` of `store` (an ActStore, a path or a URL) to `out` for SAELens.
@@ -81,6 +82,8 @@ def export_saelens(
             --pack/--chunk window starts with one). Default (None): as the loaders'
             default mask (actstore.read.masks), True for a text store whose labels mark
             token kinds, False otherwise; False keeps every token.
+        overwrite: replace an earlier export in `out` (swapped in whole once the new one is
+            complete); without it, a folder that is not empty is refused.
 
     Raises:
         DiskFullError / ExportWriteError naming the file and the fix when a write fails
@@ -99,6 +102,7 @@ def export_saelens(
             seed=seed,
             dtype=dtype,
             skip_special=skip_special,
+            overwrite=overwrite,
             progress=progress,
         )
 
@@ -113,9 +117,11 @@ def _export(
     seed: int,
     dtype: str,
     skip_special: bool | None,
+    overwrite: bool,
     progress: bool,
 ) -> SaelensExport:
     from actstore.loaders import TokenStream
+    from actstore.saev.publish import publish
 
     number = store.layer_number(layer)
     layer_position(store.layers, number)  # raises LayerNotFoundError listing the stored layers
@@ -135,8 +141,10 @@ def _export(
 
         say(f"export-saelens {hook}: {masks.summarize(store).line(keep_all=not skip_special)}")
     out = Path(os.path.abspath(out))
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise SaelensExportError(f"{out} exists and is not empty; export to a new folder (or delete it first)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (overwrite and out.is_dir()):
+        raise SaelensExportError(
+            f"{out} exists and is not empty; export to a new folder, or replace it with overwrite=True (--overwrite)"
+        )
     C, D = context_size, store.d_model
     ids_of = _token_id_table(store)
     import torch
@@ -229,9 +237,10 @@ def _export(
             ),
             encoding="utf-8",
         )
-        if out.exists():
+        if out.exists() and not any(out.iterdir()):
             out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        if not publish(tmp, out, replace=overwrite):  # an earlier export is swapped out whole, then deleted
+            raise SaelensExportError(f"{out} appeared while exporting; export to a new folder or pass --overwrite")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

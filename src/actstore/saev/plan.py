@@ -132,7 +132,14 @@ def make_plan(
         raise SaevOptionError(f"store {store.path} holds no examples; there is nothing to export")
     layers_t = _layers(layers, store)
     seg_names = _segments(segments, cfg)
-    cls_mode = _cls_mode(cls, attrs, [cfg.segment(s) for s in seg_names])
+    text = any(not cfg.segment(s).fixed for s in seg_names)  # padded segments: real tokens packed
+    # What saev's metadata needs and the store may not record: every gap named at once.
+    cls_mode, family_v, ckpt_v, dataset_v = _all_or_raise(
+        lambda: _cls_mode(cls, attrs, [cfg.segment(s) for s in seg_names]),
+        lambda: _family(family, attrs, cfg.model_id, protocol, text=text),
+        lambda: _ckpt(ckpt, attrs, cfg.model_id),
+        lambda: _dataset(dataset, attrs),
+    )
     parts, t_total = _parts(seg_names, cfg, cls_mode)
     cls_token = cls_mode == "keep"
     content = t_total - int(cls_token)
@@ -190,8 +197,8 @@ def make_plan(
         )
     want_labels = _labels(labels, cfg)
     values = {
-        "family": _family(family, attrs, cfg.model_id, protocol, text=offsets is not None),
-        "ckpt": _ckpt(ckpt, attrs, cfg.model_id),
+        "family": family_v,
+        "ckpt": ckpt_v,
         "layers": list(layers_t),
         P.CONTENT_KEY[protocol]: content,
         "cls_token": cls_token,
@@ -204,7 +211,7 @@ def make_plan(
             protocol,
             _default_data(store, seg_names, cls_mode, packed=offsets is not None, content=keep is not None),
         ),
-        "dataset": _dataset(dataset, attrs),
+        "dataset": dataset_v,
         "pixel_agg": _pixel_agg(pixel_agg, attrs, protocol),
         "dtype": P.DTYPE,
         "protocol": protocol,
@@ -291,6 +298,21 @@ def _segments(segments: Sequence[str] | None, cfg: Any) -> list[str]:
     return names
 
 
+def _all_or_raise(*checks: Any) -> list[Any]:
+    """Each check's value; when some raise SaevOptionError, one error naming every one of them."""
+    values, problems = [], []
+    for check in checks:
+        try:
+            values.append(check())
+        except SaevOptionError as e:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise SaevOptionError(problems[0])
+    if problems:
+        raise SaevOptionError(f"{len(problems)} export options need a value: " + "; and ".join(problems))
+    return values
+
+
 def _cls_mode(cls: str | bool | None, attrs: dict[str, Any], segs: list[Any]) -> str:
     if cls is True or cls is False:
         cls = "keep" if cls else "none"
@@ -301,8 +323,8 @@ def _cls_mode(cls: str | bool | None, attrs: dict[str, Any], segs: list[Any]) ->
         if all(not s.fixed for s in segs):
             return "none"  # padded text segments: no CLS token
         raise SaevOptionError(
-            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass "
-            "cls='keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)"
+            "the store does not say whether token 0 is a CLS token (no boolean attrs['cls_token']); pass cls (--cls): "
+            "'keep' (CLS exported at token 0), 'drop' (CLS left out) or 'none' (no CLS: every token is content)"
         )
     if cls not in CLS_MODES:
         raise SaevOptionError(f"cls must be one of {list(CLS_MODES)}. Got {cls!r}.")

@@ -1,0 +1,334 @@
+"""FollowStream (`TokenStream(path, follow=True)`): training while capturing.
+
+It streams the committed blocks of a store that writers are still filling, and ends once
+the store is finalized and every example it publishes has been streamed. A reader thread
+looks at the writer shards' commit records every `poll_s` seconds; the examples a commit
+adds are read at once (their shard read through a ShardReader of the committed prefix,
+which is what finalize would publish) into a pool of at most `buffer_bytes` of token
+vectors. A batch is drawn at random from the pool once the pool is full, or when the
+store is finalized (the pool is then drained): each batch mixes a window of the most
+recently committed tokens. Every kept token vector is yielded exactly once.
+
+What it cannot do, and says so when asked: resume (the order depends on when blocks were
+committed), DataLoader workers and ranks (one process reads the growing store), and
+normalisation (the store's statistics exist once it is finalized).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+from actstore import catalog
+from actstore.errors import NotFinalizedError, SegmentNotFoundError
+from actstore.layout import keys, spec
+from actstore.layout.config import StoreConfig
+from actstore.layout.records import ShardEntry
+from actstore.loaders.buffers import TORCH_DTYPES
+from actstore.loaders.feed import DeviceFeeder, cuda_device
+from actstore.read.layers import resolve_layer
+from actstore.read.masks import CONTENT, DEFAULT, effective_token_mask
+from actstore.read.shard import ShardReader
+from actstore.storage import Storage, open_storage
+
+READ_EXAMPLES = 64  # examples of a shard read together
+
+
+class FollowStream(IterableDataset):
+    """Batches (batch_size, D) of the token vectors of a store being written (see the
+    module docstring).
+
+    Args:
+        store: the store's location (a folder, a URL, a Storage); it may not exist yet.
+        batch_size, layers, segments, seed, buffer_bytes, dtype, device, prefetch_batches:
+            as TokenStream's (buffer_bytes: the pool a batch is drawn from).
+        token_mask: "default", "all" (None), "content" or a per-token field name.
+        poll_s: how often the commit records are read.
+        idle_timeout_s: give up (NotFinalizedError) when no block was committed for this
+            long and the store is not finalized (None: wait forever).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        *,
+        batch_size: int = 4096,
+        layers: Sequence[Any] | Any = None,
+        segments: Sequence[str] | str | None = None,
+        seed: int = 0,
+        buffer_bytes: int = 256 * 2**20,
+        token_mask: Any = DEFAULT,
+        dtype: torch.dtype | None = None,
+        device: Any = None,
+        prefetch_batches: int = 2,
+        poll_s: float = 0.1,
+        idle_timeout_s: float | None = 600.0,
+        **unsupported: Any,
+    ):
+        _refuse(unsupported)
+        for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+                raise ValueError(f"{name} must be a positive int. Got {v!r}.")
+        if not (isinstance(token_mask, str) or token_mask is None):
+            raise ValueError(
+                "a follow stream takes token_mask 'default', 'all', 'content' or a per-token field name "
+                f"(examples are numbered only once the store is finalized). Got {type(token_mask).__name__}."
+            )
+        self.location = getattr(store, "storage", store)
+        self.batch_size, self.seed, self.buffer_bytes = int(batch_size), int(seed), int(buffer_bytes)
+        self.layers_asked, self.segments_asked, self.token_mask = layers, segments, token_mask
+        self.dtype, self.device, self.prefetch_batches = dtype, cuda_device(device), prefetch_batches
+        self.poll_s, self.idle_timeout_s = float(poll_s), idle_timeout_s
+        self.blocks_read: list[tuple[int, int, int, float]] = []  # (shard, first, stop, time.monotonic()) per read
+        self._iterations = 0
+
+    def loader(self, num_workers: int = 0, **kwargs: Any) -> FollowStream:
+        """The stream itself: a growing store is read by one process."""
+        if num_workers:
+            raise ValueError(
+                "a follow stream reads the growing store in this process: num_workers must be 0 "
+                "(its reader thread keeps up with capture); iterate the stream itself"
+            )
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        raise ValueError(
+            "a follow stream cannot be resumed: its order depends on when each block was committed; "
+            "once the store is finalized, train on TokenStream(store), which resumes exactly"
+        )
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self._iterations += 1
+        batches = self._batches()
+        if self.device is None:
+            return batches
+        return iter(DeviceFeeder(batches, self.device, prefetch=self.prefetch_batches))
+
+    def _batches(self) -> Iterator[torch.Tensor]:
+        storage = open_storage(self.location)
+        cfg = self._wait_for_identity(storage)
+        pool = _Pool(self, cfg)
+        reader = threading.Thread(target=pool.run, args=(storage,), daemon=True, name="actstore-follow")
+        reader.start()
+        try:
+            yield from pool.serve()
+        finally:
+            pool.stop.set()
+            with pool.cond:
+                pool.cond.notify_all()
+            reader.join()
+
+    def _wait_for_identity(self, storage: Storage) -> StoreConfig:
+        t0 = time.monotonic()
+        while not catalog.has_identity(storage):
+            if self.idle_timeout_s is not None and time.monotonic() - t0 > self.idle_timeout_s:
+                raise NotFinalizedError(
+                    f"{storage.url} holds no store after {self.idle_timeout_s:g} s: start its writers, or check the path"
+                )
+            time.sleep(self.poll_s)
+        return catalog.read_identity(storage)
+
+
+class _Pool:
+    """The reader thread's state and the pool of token vectors it fills."""
+
+    def __init__(self, fs: FollowStream, cfg: StoreConfig):
+        self.fs, self.cfg = fs, cfg
+        names: dict[str, int] = {}
+        asked = fs.layers_asked
+        asked = list(cfg.layers) if asked is None else [asked] if isinstance(asked, (int, str)) else list(asked)
+        self.layers = [resolve_layer(x, cfg.layers, names) for x in asked]
+        seg_names = [s.name for s in cfg.segments]
+        picked = (
+            seg_names
+            if fs.segments_asked is None
+            else [fs.segments_asked]
+            if isinstance(fs.segments_asked, str)
+            else list(fs.segments_asked)
+        )
+        missing = [s for s in picked if s not in seg_names]
+        if missing or not picked:
+            raise SegmentNotFoundError(
+                f"segments {missing or picked} are not in this store; it has segments {seg_names}"
+            )
+        self.segs = [cfg.segment(s) for s in picked]
+        self.mask = effective_token_mask(SimpleNamespace(config=cfg), fs.token_mask)
+        self.np_dtype = np.dtype(spec.ACT_DTYPES[cfg.dtype])
+        self.d = int(cfg.d_model)
+        row_bytes = self.d * self.np_dtype.itemsize
+        self.unit_max = READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)  # rows of one read
+        self.cap = max(fs.buffer_bytes // row_bytes, 2 * fs.batch_size) + self.unit_max
+        self.rows = np.empty((self.cap, self.d), self.np_dtype)
+        self.n = 0
+        self.done = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.stop = threading.Event()
+        self.rng = np.random.default_rng([fs.seed, fs._iterations])
+        self.out_dtype = TORCH_DTYPES[cfg.dtype] if fs.dtype is None else fs.dtype
+
+    # ---- the reader thread ---------------------------------------------------------
+    def run(self, storage: Storage) -> None:
+        try:
+            self._follow(storage)
+        except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+        else:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def _follow(self, storage: Storage) -> None:
+        seen: dict[int, int] = {}
+        last_new = time.monotonic()
+        while not self.stop.is_set():
+            manifest = _manifest(storage)  # read before the commits: it covers no more than they do
+            grew = False
+            for number in catalog.shard_numbers(storage):
+                shard = catalog.shard_storage(storage, number)
+                if shard.kind(keys.COMMIT) is None:
+                    continue
+                rec = catalog.read_commit(shard)
+                if rec.n_committed > seen.get(number, 0):
+                    self._read(storage, number, rec, seen.get(number, 0))
+                    seen[number] = rec.n_committed
+                    grew = True
+            if (
+                manifest is not None
+                and manifest.partial is None
+                and all(seen.get(e.shard, 0) >= e.n_examples for e in manifest.shards)
+            ):
+                return  # finalized, and every published example was streamed
+            if grew:
+                last_new = time.monotonic()
+            elif self.fs.idle_timeout_s is not None and time.monotonic() - last_new > self.fs.idle_timeout_s:
+                raise NotFinalizedError(
+                    f"no block was committed to {storage.url} for {self.fs.idle_timeout_s:g} s and it is not finalized: "
+                    "are its writers running? (finalize it when they are done)"
+                )
+            if not grew:
+                self.stop.wait(self.fs.poll_s)
+
+    def _read(self, storage: Storage, number: int, rec: Any, first: int) -> None:
+        """Read the examples first..rec.n_committed of a shard into the pool."""
+        entry = ShardEntry(
+            shard=number,
+            name=keys.shard_name(number),
+            start=0,
+            n_examples=rec.n_committed,
+            complete=rec.complete,
+            n_blocks=rec.n_blocks,
+            crc32c=0,
+            nbytes=0,
+        )
+        reader = ShardReader(storage, entry, self.cfg)
+        lens = {s.name: reader.lengths(s) for s in self.segs}
+        keep = {s.name: self._keep(reader, s.name) for s in self.segs}
+        for lo in range(first, rec.n_committed, READ_EXAMPLES):
+            hi = min(rec.n_committed, lo + READ_EXAMPLES)
+            parts = []
+            for layer in self.layers:
+                lp = self.cfg.layers.index(layer)
+                for seg in self.segs:
+                    t_pad = seg.n_chunks * seg.t_chunk
+                    buf = np.empty((hi - lo, t_pad, self.d), self.np_dtype)
+                    reader.read_many(seg, [(e, lp, buf[e - lo]) for e in range(lo, hi)])
+                    within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]
+                    if keep[seg.name] is not None:
+                        within[:, : seg.t_max] &= keep[seg.name][lo:hi]
+                    parts.append(buf[within])  # copy: the kept rows
+            self._add(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            self.fs.blocks_read.append((number, lo, hi, time.monotonic()))
+
+    def _keep(self, reader: ShardReader, seg: str) -> np.ndarray | None:
+        if self.mask is None:
+            return None
+        name = f"{seg}{spec.TOKEN_LABELS_SUFFIX}" if self.mask == CONTENT else f"{seg}_{self.mask}"
+        arr = np.asarray(reader.per_sample(name))
+        return arr == 0 if self.mask == CONTENT else arr != 0
+
+    def _add(self, rows: np.ndarray) -> None:
+        """Rows into the pool, waiting while it has no room (the loop has not drawn yet)."""
+        at = 0
+        while at < len(rows):
+            with self.cond:
+                while self.n == self.cap and not self.stop.is_set():
+                    self.cond.wait(0.1)
+                if self.stop.is_set():
+                    return
+                k = min(len(rows) - at, self.cap - self.n)
+                self.rows[self.n : self.n + k] = rows[at : at + k]
+                self.n += k
+                at += k
+                self.cond.notify_all()
+
+    # ---- the loop's side -----------------------------------------------------------
+    def serve(self) -> Iterator[torch.Tensor]:
+        b = self.fs.batch_size
+        full = self.cap - self.unit_max  # the reader cannot be sure to add a read's rows beyond this
+        while True:
+            with self.cond:
+                while not (self.error or self.n >= full or self.done):
+                    self.cond.wait(0.1)
+                if self.error is not None:
+                    raise self.error
+                if self.done and not self.n:
+                    return
+                batch = self._draw(min(b, self.n))
+                self.cond.notify_all()
+            yield batch
+
+    def _draw(self, b: int) -> torch.Tensor:
+        """b rows drawn at random from the pool (a copy), the pool compacted."""
+        n = self.n
+        take = self.rng.choice(n, b, replace=False)
+        out = torch.from_numpy(self.rows[take])  # copy: the batch
+        drawn = np.zeros(n, bool)
+        drawn[take] = True
+        holes = take[take < n - b]
+        tail = np.arange(n - b, n)[~drawn[n - b :]]
+        self.rows[holes] = self.rows[tail]  # copy: the pool's last rows into the holes
+        self.n = n - b
+        if self.cfg.dtype == "bfloat16":
+            out = out.view(torch.bfloat16)
+        return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+
+def _manifest(storage: Storage) -> Any:
+    if not storage.exists(keys.MANIFEST):
+        return None
+    return catalog.read_manifest(storage)
+
+
+def _refuse(unsupported: dict[str, Any]) -> None:
+    """Options a follow stream cannot honour, refused by name (a TokenStream's defaults pass;
+    the reading knobs of a finalized store's stream are ignored)."""
+    ignored = {"threads", "prefetch", "mmap", "gather_threads"}
+    fine = {"shuffle": True, "run_bytes": 0, "drop_last": False, "rank": 0, "world_size": 1, "return_index": False}
+    fine |= {"normalize": None, "pin_memory": False}
+    why = {
+        "normalize": "the store's statistics exist once it is finalized; normalise in your loop",
+        "rank": "one process reads the growing store",
+        "world_size": "one process reads the growing store",
+        "return_index": "examples are numbered only once the store is finalized",
+        "shuffle": "its order is the order of the commits, mixed in the pool",
+        "drop_last": "the last batch is what is left when the store is finalized",
+        "run_bytes": "units are read as they are committed",
+        "pin_memory": "pass device='cuda' for batches copied there from pinned memory",
+    }
+    for k, v in unsupported.items():
+        if k in ignored or (k in ("rank", "world_size") and v is None):
+            continue
+        if k not in fine:
+            raise TypeError(f"TokenStream(..., follow=True) got an unexpected option {k!r}")
+        if v != fine[k]:
+            raise ValueError(f"TokenStream(..., follow=True) cannot take {k}={v!r}: {why[k]}")
