@@ -203,14 +203,15 @@ def test_full_disk_during_write_is_clear_and_resumable(tmp_path, limit, doing, t
 def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
     from actstore.storage import LocalStorage
 
-    real, calls = LocalStorage.put, []
+    real, calls, failed = LocalStorage.put, [], []
 
     def full_on_call_60(self, key, *parts, atomic=True, **kw):
         # 8 chunk files per example (prompt 2 layers x 3, response 2 x 1), 4 per batch: call 60
         # is in the second batch's response segment, after its prompt chunks were written
         if not atomic:  # chunk files are written in place; records and metadata atomically
             calls.append(key)
-            if len(calls) == 60:  # as a real put says it: naming the file (tests/test_disk_full_names.py)
+            if len(calls) == 60:  # as a real put says it: naming the file (LocalStorage names every write's)
+                failed.append(self.path(key))
                 raise OSError(errno.ENOSPC, "No space left on device", self.path(key))
         real(self, key, *parts, atomic=atomic, **kw)
 
@@ -222,7 +223,7 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
         F.append_range(w, 0, 4, 8)
     assert str(ei.value) == (
         f"out of disk space while writing chunk files of shard 0 of {root} (No space left on device: "
-        f"{root}/shards/shard-00000.zarr/{calls[-1]}); this batch of 4 examples "
+        f"{failed[0]}); this batch of 4 examples "
         "was not added; the shard keeps its last commit (4 examples). Free space, then append again, or reopen with "
         "ShardWriter(..., shard=0, resume=True)"
     )

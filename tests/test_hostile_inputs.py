@@ -27,6 +27,7 @@ from hostile import everything, outcome, run_cli, same
 
 SH0 = "shards/shard-00000.zarr"
 LAYOUTS = {"v3-sharded": {"zarr_format": 3, "shard_examples": 4}, "v2": {"zarr_format": 2}}
+SAEV_OPTIONS = {"family": "clip", "ckpt": "probe/model", "dataset": "/data/probe"}  # what the store does not record
 
 
 def _store(path: Path, layout: str) -> Path:
@@ -190,7 +191,11 @@ def test_sample_and_texts_on_a_fifo_text_file_give_the_error_not_a_hang(store):
 def test_export_saev_with_a_huge_budget_fails_at_once(store, tmp_path, budget):
     kind, e = outcome(
         lambda: actstore.export_saev(
-            actstore.ActStore(store), tmp_path / "d" / "saev" / "shards", patches_per_shard=budget, progress=False
+            actstore.ActStore(store),
+            tmp_path / "d" / "saev" / "shards",
+            patches_per_shard=budget,
+            progress=False,
+            **SAEV_OPTIONS,
         ),
         limit=5.0,
         what="export-saev with a huge budget",
@@ -201,8 +206,14 @@ def test_export_saev_with_a_huge_budget_fails_at_once(store, tmp_path, budget):
     )
     assert not (tmp_path / "d").exists() or not any((tmp_path / "d").rglob("acts*.bin"))
     code, out = run_cli(
-        "export-saev", str(store), str(tmp_path / "e" / "saev" / "shards"), "--patches-per-shard", str(budget)
+        "export-saev",
+        str(store),
+        str(tmp_path / "e" / "saev" / "shards"),
+        "--patches-per-shard",
+        str(budget),
+        *(f"--{k}={v}" for k, v in SAEV_OPTIONS.items()),
     )
+
     assert code == 1 and "makes every shard file" in out
 
 
@@ -226,7 +237,15 @@ def test_verify_of_a_shard_whose_commit_record_is_damaged_never_calls_its_statis
 def test_before_and_after_a_refused_input_the_store_reads_as_written(store, tmp_path):
     built = everything(store)
     for args in (
-        ["export-saev", str(store), str(tmp_path / "x" / "saev" / "shards"), "--patches-per-shard", str(10**12)],
+        [
+            "export-saev",
+            str(store),
+            str(tmp_path / "x" / "saev" / "shards"),
+            "--patches-per-shard",
+            str(10**12),
+            "--family",
+            "clip",
+        ],
         ["info", str(store)],
     ):
         run_cli(*args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -255,8 +256,10 @@ def test_a_file_size_limit_during_an_import_or_a_copy_names_the_file(tmp_path, z
         "--quiet",
     )
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    chunk = "c/0/0/0/0" if zarr_format == "3" else "0.0.0.0"
-    assert f"(File too large: {store}/shards/shard-00000.zarr/arrays/tokens_activations/{chunk})" in r.stderr
+    chunk = r"c/0/0/0/0" if zarr_format == "3" else r"\d+\.0\.0\.0"  # chunk files go up on several threads
+    assert re.search(
+        rf"\(File too large: {store}/shards/shard-00000\.zarr/arrays/tokens_activations/{chunk}\)", r.stderr
+    )
     assert not (store / "manifest.json").exists()
     import_dictionary_learning(folder, store, tokens_per_example=4096, zarr_format=int(zarr_format), progress=False)
     r = _limited("cp", str(store), str(tmp_path / "copy"), "--quiet")
