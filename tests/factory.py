@@ -336,6 +336,58 @@ def image_store(path, images, *, d_model=6) -> Path:
     return Path(path)
 
 
+def odd_token_store(path, tokenizer_folder, *, model_id: str | None = None) -> Path:
+    """Tokens a page must not let loose: a right-to-left override, an isolate and a
+    10,000-character token, in 3 examples of 8 tokens (a word-level tokenizer of its own saved
+    in `tokenizer_folder`; `model_id` "" records none). Dimension 0 fires on the override token,
+    dimension 1 on the long one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<bos>", "left", "\u202eright", "\u2066iso", "x" * 10000, "end"]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<bos>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk).save_pretrained(tokenizer_folder)
+    ids = np.array([[0, 1, 2, 3, 4, 5, 1, 5]] * 3)
+    x = np.zeros((3, 1, 8, 4), np.float32)
+    x[:, 0, 2, 0] = [3.0, 2.0, 1.0]
+    x[:, 0, 4, 1] = [1.0, 2.0, 3.0]
+    mid = str(tokenizer_folder) if model_id is None else model_id
+    with actstore.ShardWriter(path, layers=[0], d_model=4, tokens=8, token_ids=True, model_id=mid) as w:
+        w.append(x.astype(np.float16), token_ids=ids)
+    actstore.finalize(path)
+    return Path(path)
+
+
+def chat_word_store(path, model_id: str, *, d_model=6) -> Path:
+    """One prompt/response example of `word_tokenizer` ids: a BOS (label 1, dimension 0 =
+    1000) then content tokens whose dimension 0 is 1..6 (prompt: 3 tokens, response: 3)."""
+    ids = {"prompt": np.array([[0, 1, 2, 3]]), "response": np.array([[4, 5, 6]])}
+    prompt = np.zeros((1, 1, 4, d_model), np.float32)
+    response = np.zeros((1, 1, 3, d_model), np.float32)
+    prompt[0, 0, :, 0] = [1000.0, 1.0, 2.0, 3.0]
+    response[0, 0, :, 0] = [4.0, 5.0, 6.0]
+    labels = {"prompt": np.array([[1, 0, 0, 0]], np.uint8), "response": np.zeros((1, 3), np.uint8)}
+    with actstore.ShardWriter(
+        path,
+        layers=[0],
+        d_model=d_model,
+        segments={"prompt": 4, "response": 3},
+        token_ids=True,
+        token_labels=True,
+        model_id=model_id,
+    ) as w:
+        w.append(
+            prompt=prompt.astype(np.float16),
+            response=response.astype(np.float16),
+            lengths={"prompt": np.array([4]), "response": np.array([3])},
+            token_ids=ids,
+            token_labels=labels,
+        )
+    actstore.finalize(path)
+    return Path(path)
+
+
 @st.composite
 def store_cases(draw):
     """A hypothesis strategy: a store's shape, dtype, segments, layout, writers and batches."""

@@ -379,6 +379,17 @@ def test_bench_scale(tmp_path):
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_views(tmp_path):
+    """bench_views.py at toy sizes: the view, the index in chromium and the delphi writer."""
+    args = ["--features", "64", "--examples", "16", "--tokens", "16", "--d-model", "16", "--index-features", "2000"]
+    args += ["--delphi-tokens", "8192", "--delphi-latents", "256"]
+    res = run_bench("views", args, tmp_path)
+    v, d = res["view"], res["delphi"]
+    assert v["features"] == 64 and positive(v["view_s"], v["bytes_on_disk_per_feature"], v["raw_write_same_bytes_s"])
+    assert res["index"]["features"] == 2000 and positive(res["index"]["first_draw_ms"])
+    assert d["nonzeros"] == int(4096 * 256 * 0.01) * 2 and positive(d["ours_s"], d["ratio_vs_ready_arrays"])
+
+
 def test_bench_gpu_read(tmp_path):
     """The CPU parts of the GPU read benchmark: loader-fed training against resident batches,
     the loader alone, the feature pass on the CPU, the follow stream's latency."""

@@ -360,10 +360,10 @@ def test_datasets_folder(tmp_path, llama_dir):
 
 def test_show_colours_a_text_stores_tokens(tmp_path, llama_dir):
     """A text store shows as an HTML page of its decoded tokens (the tokenizer the store
-    records), each coloured by a dimension with the value on hover."""
-    import html
-
+    records), each coloured by a dimension with the value and the id on hover."""
     from transformers import AutoTokenizer
+
+    from actstore.features.show import shown
 
     data = write_jsonl(tmp_path / "t.jsonl", SENTENCES[:2])
     cli("write", tmp_path / "s", "--model", llama_dir, "--data", data, "--layers", "1", "--quiet")
@@ -372,7 +372,7 @@ def test_show_colours_a_text_stores_tokens(tmp_path, llama_dir):
     store = actstore.ActStore(tmp_path / "s")
     tok = AutoTokenizer.from_pretrained(llama_dir)
     for i, v in zip(store.token_ids(1), np.asarray(store[1, 1], np.float32)[:, 3]):
-        assert f'title="{float(v):.4g}">{html.escape(tok.decode([int(i)]))}</span>' in page
+        assert f'title="{float(v):.4g} · id {int(i)}' in page and f">{shown(tok.decode([int(i)]))}</span>" in page
     res = cli("show", tmp_path / "s", "--ex", "0", "--ex", "1", "--layer", "1", ok=False)
     assert res.exit_code != 0 and "a text store shows one example at a time" in res.output
 

@@ -24,7 +24,8 @@ def _cli(*args):
     return res.output
 
 
-def test_minilm_store_features_and_site(tmp_path):
+def test_minilm_store_features_and_site(tmp_path, request):
+    from test_features_site import _browser, _chromium, screenshot, site_record
     from transformers import AutoTokenizer
 
     from actstore.inputs.embedded import minilm_folder
@@ -59,20 +60,34 @@ def test_minilm_store_features_and_site(tmp_path):
         "3",
         "--out",
         tmp_path / "feats",
-        "--no-progress",
+        "--quiet",
     )
     top = pd.read_parquet(tmp_path / "feats" / "top.parquet")
     labels = store.field("tokens_token_labels")
     assert (labels[top.example, top.token] == 0).all()  # [CLS] / [SEP] are left out by default
-    _cli("view", tmp_path / "feats", "--out", tmp_path / "site", "--no-progress")
+    _cli("view", tmp_path / "feats", "--out", tmp_path / "site", "--quiet")
     tok = AutoTokenizer.from_pretrained(minilm_folder())
     row = top[(top.feature == 7) & (top["rank"] == 0)].iloc[0]
-    word = tok.decode([int(store.token_ids(int(row.example))[int(row.token)])])
-    page = (tmp_path / "site" / "f" / "7.html").read_text()
+    tid = int(store.token_ids(int(row.example))[int(row.token)])
+    word = tok.decode([tid])
+    rec = site_record(tmp_path / "site", 7)
+    assert rec["rows"]["ex"][0] == int(row.example) and rec["rows"]["act"][0] == float(row.activation)
+    assert rec["keys"][rec["rows"]["doc"][0]] == store.sample(int(row.example))["sample_key"]  # the document's key
+    exe = _chromium()
+    page = _browser(
+        exe,
+        tmp_path / "prof",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url=(tmp_path / "site" / "feature.html").as_uri() + "#7",
+    )
     assert (
-        f'class="top" style="background: rgba(255,110,0,1.00)" title="{float(row.activation):.4g}">{html.escape(word)}</span>'
+        f'class="tk fire" style="background:rgba(255,110,0,1.00)" title="{float(row.activation):.4g} · id {tid}">{html.escape(word)}</span>'
         in page
     )
+    site = (tmp_path / "site").as_uri()
+    screenshot(exe, tmp_path / "prof", site + "/index.html", "features-index.png", request, size="1280,900")
+    screenshot(exe, tmp_path / "prof", site + "/feature.html#7", "feature-page.png", request, size="1280,1500")
 
 
 def test_smollm2_tokenizer_from_its_gguf():
@@ -83,3 +98,24 @@ def test_smollm2_tokenizer_from_its_gguf():
     ids = tok("The activation store")["input_ids"]
     assert "".join(tok.decode([i]) for i in ids).strip() == "The activation store"
     assert np.all(np.asarray(ids) < tok.vocab_size + len(tok.get_added_vocab()))
+
+
+def test_unembedding_auto_from_the_embedded_smollm2():
+    """--unembedding auto for a store of the embedded SmolLM2: its tied embeddings (GGUF,
+    dequantised) times the final RMSNorm's weight, (d_model, vocab)."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from actstore.features.logits import load_unembedding
+    from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
+
+    class Store:
+        meta = {"model_id": "embedded:smollm2-135m (SmolLM2-135M-Instruct Q4_1)"}
+        path = "s"
+
+    U = load_unembedding("auto", 576, Store())
+    tensors = {t.name: t for t in gguf.GGUFReader(str(smollm2_folder() / SMOLLM2_GGUF)).tensors}
+    emb = dequantize(tensors["token_embd.weight"].data, tensors["token_embd.weight"].tensor_type)
+    gamma = np.asarray(tensors["output_norm.weight"].data, np.float32)
+    assert U.W.shape == (576, 49152) and U.norm == "rms"
+    np.testing.assert_allclose(U.W[:, :100], emb[:100].T * gamma[:, None], rtol=1e-6)

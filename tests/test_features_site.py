@@ -37,7 +37,7 @@ def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     path, _ = text_store
     out = tmp_path / "feat"
     res = CliRunner().invoke(
-        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]
+        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--quiet"]
     )
     assert res.exit_code == 0, res.output
     top = pd.read_parquet(out / "top.parquet")
@@ -55,7 +55,7 @@ def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
     assert len(meta["store"]["sha256"]) == 64 and meta["command"].startswith("actstore features")
     first = (out / "top.parquet").read_bytes()
     CliRunner().invoke(
-        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"]
+        main, ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--quiet"]
     )
     assert (out / "top.parquet").read_bytes() == first  # the same command gives the same files
 
@@ -118,6 +118,25 @@ def _browser(exe, *args, url):
     return res.stdout
 
 
+def site_record(site, f):
+    """The JSON value of a site's data script data/f/<bucket>/<f>.js (what feature.html renders),
+    its packed columns decoded."""
+    from actstore.features.sitedata import unpack
+
+    text = (site / "data" / "f" / str(f // 1000) / f"{f}.js").read_text()
+    assert text.startswith('ACTSTORE.load("feature",') and text.endswith(");\n")
+    return unpack(json.loads(text[len('ACTSTORE.load("feature",') : -3]))
+
+
+def screenshot(exe, prof, url, name, request, size="1200,900"):
+    """A screenshot kept in docs/img (the pages as a researcher sees them)."""
+    shot = request.config.rootpath / "docs" / "img" / name
+    shot.parent.mkdir(exist_ok=True)
+    _browser(exe, prof, f"--screenshot={shot}", f"--window-size={size}", "--virtual-time-budget=5000", url=url)
+    assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return shot
+
+
 def test_site_in_headless_chromium(text_store, tmp_path, request):
     exe = _chromium()
     path, _ = text_store
@@ -126,34 +145,33 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
         CliRunner()
         .invoke(
             main,
-            ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--no-progress"],
+            ["features", str(path), "--layer", "4", "--neurons", "--top-k", "3", "--out", str(out), "--quiet"],
         )
         .exit_code
         == 0
     )
-    res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--no-progress"])
+    res = CliRunner().invoke(main, ["view", str(out), "--out", str(tmp_path / "site"), "--quiet"])
     assert res.exit_code == 0, res.output
     site = tmp_path / "site"
+    assert not (site / "f").exists() and len(list((site / "data" / "f" / "0").glob("*.js"))) == D  # data, not pages
     prof = tmp_path / "profile"
     dom = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri())
-    assert "6 of 6 features" in dom  # the script ran and drew the table from data/index.js
-    assert 'href="f/0.html"' in dom and "zebra" in dom
-    page = _browser(exe, prof, "--dump-dom", url=(site / "f" / "0.html").as_uri())
+    assert "6 of 6 features" in dom  # the script ran and drew the rows from data/index.js
+    assert 'href="feature.html#0"' in dom and "<mark>zebra</mark>" in dom  # the token that fired, marked
+    assert "dead (never active)" in dom and "dense (active on &gt; 10.0%)" in dom
+    page = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "feature.html").as_uri() + "#0")
     # the top example's decoded text, with the top token marked and its value on hover
     ids = actstore.open(path).token_ids(9)
-    assert "Feature 0" in page and "<svg" in page
+    assert '<h1 id="title">Feature 0</h1>' in page and "<svg" in page and 'data-feature="0"' in page
     text = page.split("Top activations", 1)[1]
     for w in [WORDS[i] for i in ids[1:6]]:
         assert f">{w}</span>" in text
-    assert 'class="top" style="background: rgba(255,110,0,1.00)" title="6">zebra<' in text
-    assert (
-        'class="off" style="background: rgba(255,110,0,0.00)" title="50 (left out)">&lt;bos&gt;</span>' in text
-    )  # BOS: greyed
-    shots = request.config.rootpath / "test-output"
-    shots.mkdir(exist_ok=True)
-    shot = shots / "features-page.png"
-    _browser(exe, prof, f"--screenshot={shot}", "--window-size=1200,900", url=(site / "f" / "0.html").as_uri())
-    assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert 'class="tk fire" style="background:rgba(255,110,0,1.00)" title="6 · id 15">zebra<' in text
+    assert 'class="tk off" style="background:rgba(255,110,0,0.00)" title="50 (left out by the pass)' in text  # BOS
+    assert "68.8%" in page  # density in percent
+    rec = site_record(site, 0)
+    assert rec["rows"]["ex"][:2] == [9, 2] and rec["stats"]["density"] == pytest.approx(66 / 96)
+    screenshot(exe, prof, (site / "feature.html").as_uri() + "#0", "feature-page-small.png", request)
 
 
 @pytest.fixture(scope="module")
@@ -172,21 +190,24 @@ def test_vit_site_shows_heatmaps(vit_store, tmp_path):
     out = tmp_path / "feat"
     run_features(vit_store, 11, str(out), neurons=True, top_k=2)
     index = build_site(str(out), tmp_path / "site")
-    page = (index.parent / "f" / "1.html").read_text()
-    assert 'src="../img/t1-' in page
-    img_name = page.split('src="../', 1)[1].split('"', 1)[0]
-    img = np.asarray(Image.open(index.parent / img_name).convert("RGB"))
+    site = index.parent
+    rec = site_record(site, 1)
+    assert rec["img"][0].startswith("img/1-")
+    img = np.asarray(Image.open(site / rec["img"][0]).convert("RGB"))
     assert img.shape == (56, 56, 3)
     # the top patch (row 1, col 2 of 3x3 over 56 px) is outlined in green
     assert (img[int(56 / 3) + 1, int(2 * 56 / 3) + 5] == [0, 255, 0]).all()
-    dom = _browser(exe, tmp_path / "profile", "--dump-dom", url=(index.parent / "f" / "1.html").as_uri())
-    assert 'class="heat"' in dom and "<td>9</td>" in dom
-    page0 = (index.parent / "f" / "0.html").read_text()  # feature 0's top example is the embedded camera image
-    first = page0.split('src="../', 1)[1].split('"', 1)[0]
-    cam = np.asarray(Image.open(index.parent / first).convert("RGB"))
-    assert (
-        "<td>7</td>" in page0 and cam.shape == (56, 56, 3) and (cam[1, 5] == [0, 255, 0]).all()
-    )  # patch (0, 0) outlined
+    dom = _browser(
+        exe,
+        tmp_path / "profile",
+        "--virtual-time-budget=5000",
+        "--dump-dom",
+        url=(site / "feature.html").as_uri() + "#1",
+    )
+    assert 'class="heat"' in dom and '<td class="num">9</td>' in dom
+    rec0 = site_record(site, 0)  # feature 0's top example is the embedded camera image
+    cam = np.asarray(Image.open(site / rec0["img"][0]).convert("RGB"))
+    assert rec0["rows"]["act"][0] == 7 and cam.shape == (56, 56, 3) and (cam[1, 5] == [0, 255, 0]).all()  # patch (0, 0)
 
 
 def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
@@ -202,7 +223,9 @@ def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
     run_features(path, 4, str(local), neurons=True, top_k=2)
     pd.testing.assert_frame_equal(top, pd.read_parquet(local / "top.parquet"))
     index = build_site(url, tmp_path / "site")
-    assert "zebra" in (index.parent / "f" / "0.html").read_text()
+    rec = site_record(index.parent, 0)
+    vocab = (index.parent / "data" / "vocab.js").read_text()
+    assert rec["rows"]["ex"][0] == 9 and '"zebra"' in vocab
 
 
 def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
@@ -232,7 +255,7 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
                 "2",
                 "--out",
                 str(out),
-                "--no-progress",
+                "--quiet",
             ],
         )
         .exit_code
@@ -258,12 +281,14 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
     # the site's logit table: the decoder direction of feature 0 raises "red" most
     res = CliRunner().invoke(
         main,
-        ["view", str(out), "--out", str(tmp_path / "site"), "--unembedding", str(tmp_path / "wu.npy"), "--no-progress"],
+        ["view", str(out), "--out", str(tmp_path / "site"), "--unembedding", str(tmp_path / "wu.npy"), "--quiet"],
     )
     assert res.exit_code == 0, res.output
-    page = (tmp_path / "site" / "f" / "0.html").read_text()
-    logits = page.split("Logits of the decoder direction", 1)[1].split("Top activations", 1)[0]
-    assert '<th class="text">positive</th>' in logits and '<td class="text ctx">red</td><td>1.000</td>' in logits
+    rec = site_record(tmp_path / "site", 0)
+    vocab = json.loads((tmp_path / "site" / "data" / "vocab.js").read_text()[len('ACTSTORE.load("vocab",') : -3])
+    pos, value = rec["logits"]["pos"][0]
+    assert vocab["text"][pos] == "red" and value == 1.0
+    assert rec["nb"][0][1] == 0.0  # the identity directions are orthogonal
 
 
 def test_several_images_share_one_colour_scale(vit_store, tmp_path):
@@ -302,7 +327,7 @@ def test_several_images_share_one_colour_scale(vit_store, tmp_path):
     assert not np.array_equal(canvas[24:80, 8:64], alone)  # its own scale would look different
 
 
-def test_info_plots_show_the_window_start_outlier(text_store, tmp_path):
+def test_info_plots_count_the_tokens_the_features_count(text_store, tmp_path):
     import re
 
     path, _ = text_store
@@ -311,38 +336,76 @@ def test_info_plots_show_the_window_start_outlier(text_store, tmp_path):
     assert f"plots: {tmp_path / 'plots'}/plots.html" in res.output
     svg = (tmp_path / "plots" / "positions.svg").read_text()
     pts = [tuple(map(float, p.split(","))) for p in re.search(r'points="([^"]+)"', svg).group(1).split()]
-    assert (
-        len(pts) == 9 and pts[0][1] == 22.0 and all(y > 150 for _, y in pts[1:])
-    )  # token 0 (BOS, norm ~122) at the top
+    # token 0 (BOS, norm ~122, label 1) is left out as the feature pass leaves it out: the
+    # zebras' position 5 is the highest, position 0 has no tokens
+    assert len(pts) == 9 and pts[0][1] == 166.0 and pts[5][1] == 22.0
     norms = (tmp_path / "plots" / "norms.svg").read_text()
     assert norms.count("<polyline") == 1 and "layer 4" in norms
-    assert 'src="norms.svg"' in (tmp_path / "plots" / "plots.html").read_text()
+    page = (tmp_path / "plots" / "plots.html").read_text()
+    assert 'src="norms.svg"' in page and "12 of 12 examples, spread evenly; 96 content tokens (BOS" in page
 
 
-def test_index_of_16384_features_draws_one_page(tmp_path):
-    """The index loads its rows as one script and draws a page of them: 16,384 features make
-    an index.js of about a megabyte and a table of PER_PAGE rows; searching and sorting run
-    in the page."""
-    from actstore.features.site import PER_PAGE, write_index
+def test_index_of_16384_features_draws_only_what_shows(tmp_path):
+    """The index reads its columns as one script and draws only the rows in view (a virtual
+    list): 16,384 features make an index.js under 2 MB and a page of a few dozen row elements;
+    searching by condition and sorting run in the page (index.html#q=...&sort=-max)."""
+    import re
+    import shutil as sh
+
+    from actstore.features import sitedata
+    from actstore.features.site import ASSETS, STATIC
 
     exe = _chromium()
     rng = np.random.default_rng(0)
-    rows = [[f, float(rng.random() * 10), float(rng.random()), 1.0, f"tok{f}"] for f in range(16384)]
-    meta = {
-        "store": {"path": "x", "sha256": "0" * 64},
-        "layer": 3,
-        "encoder": {"kind": "saelens", "path": "sae"},
-        "n_features": 16384,
-        "n_tokens": 10**6,
-        "options": {"k": 20},
+    n = 16384
+    site = tmp_path / "site"
+    (site / "data").mkdir(parents=True)
+    for name in ASSETS:
+        sh.copyfile(STATIC / name, site / name)
+    density = rng.random(n) * 0.02
+    density[:100] = 0.0  # dead
+    density[100:130] = 0.5  # dense
+    index = {
+        "feature": list(range(n)),
+        "max": [round(float(v), 3) for v in rng.random(n) * 10],
+        "density": density.tolist(),
+        "mean": [1.0] * n,
+        "n_active": [int(d * 1e6) for d in density],
+        "text": [["the cat ", f"tok{f}", " sat"] for f in range(n)],
     }
-    index = write_index(tmp_path / "site", rows, meta, title="t")
-    assert (index.parent / "data" / "index.js").stat().st_size < 2**21
-    dom = _browser(exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=index.as_uri())
-    assert "16384 of 16384 features" in dom and "page 1 of 164" in dom
-    import re
-
-    assert len(re.findall(r'<a href="f/\d+\.html">', dom)) == PER_PAGE and 'data-ms="' in dom
+    meta = {
+        "title": "t",
+        "store": "x",
+        "layer": 3,
+        "encoder": {"kind": "saelens"},
+        "n_features": n,
+        "n_tokens": 10**6,
+        "k": 20,
+        "edges": [1.0],
+        "window": [12, 4],
+        "dense": 0.1,
+        "bucket": 1000,
+        "plots": False,
+    }
+    for name, value in (("meta", meta), ("index", index)):
+        (site / "data" / f"{name}.js").write_text(sitedata.script(name, value))
+    assert (site / "data" / "index.js").stat().st_size < 2**21
+    dom = _browser(
+        exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri()
+    )
+    assert (
+        "16,384 of 16,384 features" in dom
+        and "<b>100</b><span>dead (never active)" in dom
+        and "<b>30</b><span>dense" in dom
+    )
+    drawn = re.findall(r'<a class="vrow" [^>]*href="feature.html#(\d+)"', dom)
+    assert 10 < len(drawn) < 100 and drawn[0] == "0" and 'data-ms="' in dom
+    url = (site / "index.html").as_uri() + "#q=density>1%20tok1&sort=-max"
+    dom = _browser(exe, tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=url)
+    want = [f for f in range(n) if density[f] > 0.01 and "tok1" in f"tok{f}"]
+    drawn = [int(f) for f in re.findall(r'<a class="vrow" [^>]*href="feature.html#(\d+)"', dom)]
+    assert f"{len(want):,} of 16,384 features" in dom
+    assert drawn == sorted(want, key=lambda f: (-index["max"][f], f))[: len(drawn)]  # ties by feature id
 
 
 def test_packed_windows_map_to_documents(tmp_path):
@@ -375,7 +438,7 @@ def test_packed_windows_map_to_documents(tmp_path):
         load_tokenizer(store),
         window=(2, 1),
     )[0]
-    assert (rec["document"], rec["doc_token"]) == (1, 1)
+    assert (rec["key"], rec["doc_token"]) == ("doc-b", 1)
     assert rec["tokens"] == [WORDS[i] for i in ids[0, 2:6]] and rec["acts"][rec["center"]] == 3.0
 
 

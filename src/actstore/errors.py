@@ -119,7 +119,8 @@ class LegacyExportExistsError(ActstoreError, FileExistsError):
 
 
 class OutputExistsError(ActstoreError, FileExistsError):
-    """A command's output exists and --overwrite (overwrite=True) was not given."""
+    """A command's output exists and --overwrite (overwrite=True) was not given, or (views and
+    exports) it exists and is not a folder that command wrote, which is never replaced."""
 
 
 class StorageAccessError(ActstoreError, OSError):
@@ -224,6 +225,10 @@ class EncoderError(FeatureError):
 
 class TokenizerNotFoundError(FeatureError, FileNotFoundError):
     """The store records no tokenizer that can be loaded from files (pass --tokenizer)."""
+
+
+class OutputBusyError(ActstoreError, BlockingIOError):
+    """Another process is writing the same view or export folder now."""
 
 
 class ImportSourceError(ActstoreError, ValueError):

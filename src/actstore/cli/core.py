@@ -74,9 +74,31 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
     show_default=True,
     help="Examples read for --plots, spread evenly over the store.",
 )
-def info_cmd(store: str, as_json: bool, quiet: bool, plots_dir: str | None, plot_examples: int) -> None:
+@click.option(
+    "--examples", "n_texts", type=click.IntRange(0), default=0, help="Also print the first N examples' texts."
+)
+@click.option(
+    "--tokenizer",
+    help="With --examples: decode with this tokenizer (embedded:smollm2-135m, a cached hub id, a folder).",
+)
+def info_cmd(
+    store: str,
+    as_json: bool,
+    quiet: bool,
+    plots_dir: str | None,
+    plot_examples: int,
+    n_texts: int,
+    tokenizer: str | None,
+) -> None:
     """Describe STORE: examples, layers, segments, shapes, dtype, sizes, truncation, shards."""
     info = store_info(store)
+    if n_texts:
+        from actstore.features.show import example_texts
+        from actstore.opener import open as open_store
+
+        info["examples"], note = example_texts(open_store(store), n_texts, tokenizer=tokenizer)
+        if note:
+            info["examples_note"] = note
     if plots_dir:
         from actstore.features.plots import write_plots
         from actstore.opener import open as open_store
@@ -84,8 +106,22 @@ def info_cmd(store: str, as_json: bool, quiet: bool, plots_dir: str | None, plot
         info["plots"] = [str(p) for p in write_plots(open_store(store), plots_dir, max_examples=plot_examples)]
     if quiet:
         return
-    click.echo(
-        json.dumps(info, indent=1)
-        if as_json
-        else format_info(info) + (f"\nplots: {plots_dir}/plots.html" if plots_dir else "")
-    )
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    click.echo(format_info(info) + (f"\nplots: {plots_dir}/plots.html" if plots_dir else ""))
+    if n_texts:
+        click.echo(_texts(info["examples"], info.get("examples_note")))
+
+
+def _texts(examples: list[dict], note: str | None) -> str:
+    """The --examples lines: each example's key, then each segment's text (or text fields)."""
+    lines = [f"first {len(examples)} examples:"] + ([f"  ({note})"] if note else [])
+    for rec in examples:
+        lines.append(f"  example {rec['example']}" + (f" ({rec['key']})" if "key" in rec else "") + ":")
+        for name, text in (rec.get("segments") or rec.get("texts") or {}).items():
+            text = str(text)
+            lines.append(
+                f"    {name}: {text[:400]!r}" + (f" ... ({len(text):,} characters)" if len(text) > 400 else "")
+            )
+    return "\n".join(lines)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 import click
 
@@ -15,6 +16,7 @@ def register(main: click.Group) -> None:
     main.add_command(features_cmd)
     main.add_command(view_cmd)
     main.add_command(export_neuronpedia_cmd)
+    main.add_command(export_delphi_cmd)
 
 
 @click.command("features")
@@ -144,21 +146,39 @@ def _command(ctx: click.Context) -> str:
     return " ".join(shlex.quote(x) for x in parts)
 
 
+TOKENIZER_HELP = (
+    "Decode token ids with this tokenizer instead of the one the store records: embedded:smollm2-135m, "
+    "a hub id in the local cache, or a folder with tokenizer files. Without one, token ids are shown."
+)
+UNEMBEDDING_HELP = (
+    "W_U for logit tables of decoder directions: auto (from the model the store records, its final norm "
+    "folded in), a .npy (d_model, vocab), a safetensors file holding lm_head.weight, or a model folder."
+)
+STORE_CHANGE_HELP = "Warn, instead of refusing, when the store changed since the pass (its manifest checksum)."
+
+
 @click.command("view")
 @click.argument("src")
 @G.out_option("The site folder to write (open OUT/index.html).", type=click.Path(file_okay=False))
-@G.overwrite_option("Replace the site in OUT (default: refuse a folder that is not empty).")
+@G.overwrite_option("Replace the site in OUT, swapped in whole when done (only a folder `view` wrote).")
 @click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
-@click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
+@click.option("--tokenizer", help=TOKENIZER_HELP)
+@click.option("--unembedding", help=UNEMBEDDING_HELP)
 @click.option(
-    "--unembedding",
-    type=click.Path(exists=True),
-    help="W_U (.npy or safetensors with lm_head.weight): logit tables of decoder directions.",
+    "--neighbours",
+    type=click.IntRange(0, 100),
+    default=10,
+    show_default=True,
+    help="Decoder-cosine neighbours a feature.",
 )
+@click.option("--allow-store-change", is_flag=True, help=STORE_CHANGE_HELP)
 @G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
-def view_cmd(src, out, overwrite, store_path, tokenizer, unembedding, quiet, as_json) -> None:
-    """A static site of the output of `actstore features` SRC: an index sortable by max and
-    density with a search box, and a page per feature. No server or internet needed."""
+def view_cmd(
+    src, out, overwrite, store_path, tokenizer, unembedding, neighbours, allow_store_change, quiet, as_json
+) -> None:
+    """A static site of the output of `actstore features` SRC for dictionaries of 100k+ latents:
+    an index of every feature (virtual scrolling, search, sort, the density histogram) and a
+    page per feature, reading per-feature data files. No server or internet needed."""
     from actstore.features.site import build_site
 
     G.refuse_existing(out, overwrite)
@@ -167,7 +187,17 @@ def view_cmd(src, out, overwrite, store_path, tokenizer, unembedding, quiet, as_
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    index = build_site(src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, progress=not quiet)
+    index = build_site(
+        src,
+        out,
+        store=store,
+        tokenizer=tokenizer,
+        unembedding=unembedding,
+        neighbours=neighbours,
+        overwrite=overwrite,
+        on_store_change="warn" if allow_store_change else "refuse",
+        progress=not quiet,
+    )
     if as_json:
         G.echo_json({"path": str(index)})
     elif not quiet:
@@ -176,22 +206,41 @@ def view_cmd(src, out, overwrite, store_path, tokenizer, unembedding, quiet, as_
 
 @click.command("export-neuronpedia")
 @click.argument("src")
-@G.out_option("Folder for batch-<n>.json (SAEDashboard 0.8.0's Neuronpedia format).", type=click.Path(file_okay=False))
-@G.overwrite_option("Replace an earlier export in OUT (default: refuse a folder that is not empty).")
-@click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
-@click.option("--tokenizer", help="A tokenizer folder or cached hub id, instead of the one the store records.")
-@click.option(
-    "--unembedding",
-    type=click.Path(exists=True),
-    help="W_U (.npy or safetensors): logit tables and histograms of the decoder directions.",
+@G.out_option(
+    "Folder for SAEDashboard 0.8.0's JSON (batch-<n>.json) and Neuronpedia's import layout "
+    "(<model>/<layer>-<set>/{features,activations}/batch-<n>.jsonl.gz).",
+    type=click.Path(file_okay=False),
 )
-@click.option("--model-id", help="Neuronpedia's model id (default: the store's).")
-@click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's SAE set name.")
+@G.overwrite_option("Replace an earlier export in OUT, swapped in whole when done.")
+@click.option("--store", "store_path", help="The store (default: the one SRC/meta.json names).")
+@click.option("--tokenizer", help=TOKENIZER_HELP)
+@click.option("--unembedding", help=UNEMBEDDING_HELP)
+@click.option("--model-id", help="Neuronpedia's model id (default: from the store's).")
+@click.option("--sae-set", default="actstore", show_default=True, help="Neuronpedia's source set name.")
+@click.option(
+    "--creator-id",
+    default="clkht01d40000jv08hvalcvly",
+    show_default=True,
+    help="Neuronpedia user id the rows name (the default is the user a self-hosted Neuronpedia seeds).",
+)
+@click.option("--allow-store-change", is_flag=True, help=STORE_CHANGE_HELP)
 @G.quiet_json()
 def export_neuronpedia_cmd(
-    src, out, overwrite, store_path, tokenizer, unembedding, model_id, sae_set, quiet, as_json
+    src,
+    out,
+    overwrite,
+    store_path,
+    tokenizer,
+    unembedding,
+    model_id,
+    sae_set,
+    creator_id,
+    allow_store_change,
+    quiet,
+    as_json,
 ) -> None:
-    """Feature dashboards as SAEDashboard's Neuronpedia JSON, from the output of `actstore features` SRC."""
+    """Feature dashboards for Neuronpedia (its import layout) and SAEDashboard (its JSON), from
+    the output of `actstore features` SRC."""
     from actstore.features.export import export_neuronpedia
 
     G.refuse_existing(out, overwrite)
@@ -200,10 +249,90 @@ def export_neuronpedia_cmd(
         from actstore.opener import open as open_store
 
         store = open_store(store_path)
-    files = export_neuronpedia(
-        src, out, store=store, tokenizer=tokenizer, unembedding=unembedding, model_id=model_id, sae_set=sae_set
+    folder = export_neuronpedia(
+        src,
+        out,
+        store=store,
+        tokenizer=tokenizer,
+        unembedding=unembedding,
+        model_id=model_id,
+        sae_set=sae_set,
+        creator_id=creator_id,
+        overwrite=overwrite,
+        on_store_change="warn" if allow_store_change else "refuse",
+    )
+    files = sorted(Path(out).glob("batch-*.json"), key=lambda p: int(p.stem.split("-")[1]))
+    if as_json:
+        G.echo_json({"path": str(out), "files": [str(f) for f in files], "neuronpedia": str(folder)})
+    elif not quiet:
+        click.echo(f"wrote {folder} (Neuronpedia's layout) and {len(files)} batch files to {out} (SAEDashboard's JSON)")
+
+
+@click.command("export-delphi")
+@click.argument("store", type=STORE)
+@click.option("--layer", required=True, help="A stored layer number or name (e.g. blocks.8.hook_resid_post).")
+@click.option("--neurons", is_flag=True, help="Directions: the stored dimensions themselves.")
+@click.option("--sae", type=click.Path(exists=True), help="Directions: an SAELens checkpoint folder.")
+@click.option("--saev", type=click.Path(exists=True), help="Directions: a saev checkpoint file.")
+@click.option("--dictionary", type=click.Path(exists=True), help="Directions: a dictionary_learning trainer folder.")
+@click.option(
+    "--directions", type=click.Path(exists=True), help="Directions: a (d_model, F) matrix, .npy or .safetensors."
+)
+@click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
+@click.option("--hookpoint", help="The cache's module folder name (default layers.<layer>).")
+@click.option("--n-splits", type=click.IntRange(1), default=5, show_default=True, help="Latent ranges, one file each.")
+@G.special_option()
+@click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N or auto.")
+@G.out_option("The cache folder: OUT/<hookpoint>/<start>_<end>.safetensors.", type=click.Path(file_okay=False))
+@G.overwrite_option("Replace an earlier cache in OUT, swapped in whole when done.")
+@G.quiet_json(quiet="No progress bar; nothing printed on success.")
+def export_delphi_cmd(
+    store,
+    layer,
+    neurons,
+    sae,
+    saev,
+    dictionary,
+    directions,
+    bias,
+    hookpoint,
+    n_splits,
+    special,
+    device,
+    out,
+    overwrite,
+    quiet,
+    as_json,
+) -> None:
+    """Every non-zero activation of a dictionary over LAYER of STORE as delphi's latent cache
+    (what delphi's LatentDataset reads to sample and explain latents)."""
+    from actstore.features import sources
+    from actstore.features.delphi import export_delphi
+    from actstore.opener import open as open_store
+
+    G.refuse_existing(out, overwrite)
+    st = open_store(store)
+    enc = sources.load(
+        neurons_d_model=int(st.d_model) if neurons else None,
+        sae=sae,
+        saev=saev,
+        dictionary=dictionary,
+        directions=directions,
+        bias=bias,
+    )
+    folder = export_delphi(
+        st,
+        int(st.layer_number(layer)),
+        enc,
+        out,
+        hookpoint=hookpoint,
+        n_splits=n_splits,
+        keep_special=special == "keep",
+        device=device,
+        overwrite=overwrite,
+        progress=not quiet,
     )
     if as_json:
-        G.echo_json({"path": str(out), "files": [str(f) for f in files]})
+        G.echo_json({"path": str(folder)})
     elif not quiet:
-        click.echo(f"wrote {len(files)} batch files to {out}")
+        click.echo(f"wrote {folder}")

@@ -36,7 +36,11 @@ def register(main: click.Group) -> None:
     help="With --feature: an SAELens checkpoint folder whose latent colours the tokens.",
 )
 @click.option("--feature", type=int, help="With --sae: the latent to show.")
-@click.option("--tokenizer", help="Text stores: a tokenizer folder or cached hub id instead of the recorded one.")
+@click.option(
+    "--tokenizer",
+    help="Text stores: decode with this tokenizer instead of the recorded one: embedded:smollm2-135m, a hub id in "
+    "the local cache, or a folder with tokenizer files (without one, token ids are shown).",
+)
 @G.out_option(
     "File to write (default exN-layerL.png, or .html for text stores).", required=False, type=click.Path(dir_okay=False)
 )

@@ -1,67 +1,71 @@
-"""Dashboards for the tools people already use: the feature JSON that SAEDashboard's
-Neuronpedia runner writes (`batch-<n>.json`, SAEDashboard 0.8.0's NeuronpediaDashboardBatch:
-model_id, layer, sae_set, sae_id_suffix, features), which Neuronpedia's bulk import and
-SAEDashboard's `neuronpedia_export` read, so dashboards are uploaded instead of recomputed.
+"""`actstore export-neuronpedia`: a pass's dashboards in the two forms the field's tools read.
 
-Per feature: its top activations (bin_min -1, bin_max the max, bin_contains -1, as
-SAEDashboard writes its "TOP ACTIVATIONS" group) and each interval's samples (bin_min / bin_max
-the interval, bin_contains the fraction of the feature's active tokens in it, estimated from
-the histogram), each with its token window, values and the top token's index; frac_nonzero
-(density); the activation histogram (bar values: bin centres, heights: counts); with the
-decoder and an unembedding, the top positive / negative logits and their histogram; the
-decoder direction's largest neuron alignments. Correlations are not computed (empty lists).
+- `OUT/batch-<n>.json`: the JSON of SAEDashboard 0.8.0's Neuronpedia runner
+  (`NeuronpediaDashboardBatch`: model_id, layer, sae_set, sae_id_suffix, features), 128
+  features a file. Per feature: its top activations (bin_min -1, bin_max the max, as
+  SAEDashboard writes its "TOP ACTIVATIONS" group) and each interval's samples (bin_min /
+  bin_max the interval, bin_contains the fraction of the feature's active tokens in it, from
+  the histogram), each with its token window, values and the top token's index;
+  frac_nonzero; the activation histogram; with the decoder and an unembedding, the top
+  positive / negative logits and their histogram; the decoder's largest neuron alignments.
+- `OUT/<model>/<layer>-<source set>/`: Neuronpedia's export layout, which its importer
+  (apps/webapp/app/api/admin/import) reads: model.jsonl, sourceset.jsonl, source.jsonl,
+  release.jsonl, and `features/` and `activations/` of `batch-<n>.jsonl.gz` with one row of
+  its `Neuron` / `Activation` tables a line (actstore.features.neuronpedia), made from the
+  SAEDashboard JSON as Neuronpedia's own convert-saedashboard-to-neuronpedia-export.py does,
+  plus the decoder-cosine neighbours (topkCosSimIndices / topkCosSimValues).
+
+Only the positive tail is exported (Neuronpedia's pages read activations as positive); the
+tokens the pass left out (BOS, special and template tokens) have value 0, as Neuronpedia's
+converter writes BOS with --zero-out-bos-token.
+Correlated neurons and features (Pearson over every token) are not computed: empty lists.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from actstore.features import context
-from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
-from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
+from actstore.features import context, neuronpedia, relations
+from actstore.features.encoders import Encoder
+from actstore.features.passdata import check_store, load_pass, open_store_of
+from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
+from actstore.features.staging import staged_folder
+from actstore.features.windows import text_windows
 from actstore.read.api import ReaderLike
 
 SAEDASHBOARD_VERSION = "0.8.0"
 FEATURES_PER_BATCH = 128  # SAEDashboard's n_features_at_a_time default
+WINDOW = (32, 8)  # tokens before and after each activation (Neuronpedia shows longer contexts than the site)
+KIND = "actstore export-neuronpedia"
 
 
 def _round(xs: Any, nd: int = 3) -> list[float]:
     return [round(float(x), nd) for x in xs]
 
 
-def _activation(rec: dict[str, Any], bin_min: float, bin_max: float, bin_contains: float) -> dict[str, Any]:
-    return {
-        "bin_min": bin_min,
-        "bin_max": bin_max,
-        "bin_contains": bin_contains,
-        "tokens": list(rec["tokens"]),
-        "values": _round(rec["acts"]),
-        "qualifying_token_index": int(rec["center"]),
-    }
+def _centres(edges: np.ndarray) -> np.ndarray:
+    return (np.concatenate([[0.0], edges]) + np.concatenate([edges, [edges[-1] * 2]])) / 2
 
 
 def _histogram(counts: np.ndarray, edges: np.ndarray) -> tuple[list[float], list[float]]:
-    lo = np.concatenate([[0.0], edges])
-    hi = np.concatenate([edges, [edges[-1] * 2]])
     nz = np.flatnonzero(counts)
-    return _round((lo[nz] + hi[nz]) / 2, 6), [float(c) for c in counts[nz]]
+    return _round(_centres(edges)[nz], 6), [float(c) for c in counts[nz]]
 
 
 def _contains(counts: np.ndarray, edges: np.ndarray, lo: float, hi: float) -> float:
-    centres = (np.concatenate([[0.0], edges]) + np.concatenate([edges, [edges[-1] * 2]])) / 2
+    centres = _centres(edges)
     total = counts.sum()
     return round(float(counts[(centres > lo) & (centres <= hi)].sum() / total), 4) if total else 0.0
 
 
 def export_neuronpedia(
-    src: str,
-    out: str | os.PathLike,
+    src: Any,
+    out: str | Path,
     *,
     store: ReaderLike | None = None,
     encoder: Encoder | None = None,
@@ -69,104 +73,143 @@ def export_neuronpedia(
     unembedding: str | None = None,
     model_id: str | None = None,
     sae_set: str = "actstore",
+    creator_id: str = neuronpedia.DEFAULT_CREATOR_ID,
     per_batch: int = FEATURES_PER_BATCH,
-) -> list[Path]:
-    """Write `batch-<n>.json` files of `per_batch` features each into folder `out`; returns them."""
-    from actstore.features.site import _columns, _group, _open, encoder_from_meta
+    overwrite: bool = False,
+    on_store_change: str = "refuse",
+) -> Path:
+    """Write both layouts into folder `out` (staged, swapped in whole); returns the
+    Neuronpedia source folder (`out/<model>/<layer>-<sae_set>`)."""
+    from actstore.features.site import encoder_from_meta
 
-    meta = read_meta(src)
-    store = _open(meta, store)
-    if store.config.attrs.get("image"):
+    p = load_pass(src)
+    st = open_store_of(p.meta, store)
+    check_store(p.meta, st, on_store_change)
+    if st.config.attrs.get("image"):
         raise FeatureError(
             "the Neuronpedia export holds token windows: it takes text stores (use `actstore view` for a ViT store)"
         )
-    encoder = encoder or encoder_from_meta(meta, store)
-    tok = context.load_tokenizer(store, tokenizer)
-    layer = int(meta["layer"])
-    top, feats, ivs = (_columns(read_table(src, n)) for n in (TOP, FEATURES, INTERVALS))
-    edges = np.asarray(meta["histogram_edges"], np.float64)
-    top_ctx = context.text_windows(store, layer, encoder, top, tok)
-    iv_ctx = context.text_windows(store, layer, encoder, ivs, tok)
-    W_U = context.load_unembedding(unembedding, encoder.d_in) if unembedding and encoder.W_dec is not None else None
-    by_top, by_iv = _group(top["feature"]), _group(ivs["feature"])
-    n_tokens = max((sum(v["t_max"] for v in store.meta["segments"].values()),), default=0)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for b0 in range(0, len(feats["feature"]), per_batch):
-        features = []
-        for j in range(b0, min(b0 + per_batch, len(feats["feature"]))):
-            f = int(feats["feature"][j])
-            counts = np.asarray(feats["histogram"][j])
-            values, heights = _histogram(counts, edges)
-            acts = [_activation(top_ctx[i], -1, round(float(feats["max"][j]), 3), -1) for i in by_top.get(f, [])]
-            acts += [
-                _activation(
-                    iv_ctx[i],
-                    round(float(ivs["lo"][i]), 3),
-                    round(float(ivs["hi"][i]), 3),
-                    _contains(counts, edges, float(ivs["lo"][i]), float(ivs["hi"][i])),
-                )
-                for i in by_iv.get(f, [])
-            ]
-            feature = {
-                "feature_index": f,
-                "neuron_alignment_indices": [],
-                "neuron_alignment_values": [],
-                "neuron_alignment_l1": [],
-                "correlated_neurons_indices": [],
-                "correlated_neurons_l1": [],
-                "correlated_neurons_pearson": [],
-                "correlated_features_indices": [],
-                "correlated_features_l1": [],
-                "correlated_features_pearson": [],
-                "neg_str": [],
-                "neg_values": [],
-                "pos_str": [],
-                "pos_values": [],
-                "frac_nonzero": float(feats["density"][j]),
-                "freq_hist_data_bar_values": values,
-                "freq_hist_data_bar_heights": heights,
-                "logits_hist_data_bar_heights": [],
-                "logits_hist_data_bar_values": [],
-                "n_prompts_total": int(meta["store"]["n_examples"]),
-                "n_tokens_in_prompt": int(n_tokens),
-                "dataset": str(store.meta.get("dataset") or store.meta.get("source") or ""),
-                "decoder_weights_dist": [],
-                "activations": acts,
-                "vector": [],
+    encoder = encoder or encoder_from_meta(p.meta, st)
+    tok = context.load_tokenizer(st, tokenizer)
+    layer = int(p.meta["layer"])
+    rows = gather_rows(p)
+    rows_pos = np.flatnonzero(rows.sign > 0)
+    w = text_windows(
+        st, layer, encoder, rows.feature[rows_pos], rows.example[rows_pos], rows.token[rows_pos], window=WINDOW
+    )
+    ids = np.unique(w.ids[w.ids >= 0])
+    text = dict(zip(ids.tolist(), tok.batch_decode([[i] for i in ids.tolist()])))
+    feats = p.features["feature"].astype(np.int64)
+    logit = None
+    if unembedding is not None and encoder.W_dec is not None:
+        from actstore.features.logits import load_unembedding, logit_tables
+
+        logit = logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
+        more = np.unique(np.concatenate([logit.top_ids.ravel(), logit.bottom_ids.ravel()]))
+        text |= dict(zip(more.tolist(), tok.batch_decode([[i] for i in more.tolist()])))
+    nb = relations.neighbours(encoder.W_dec[feats]) if encoder.W_dec is not None and len(feats) > 1 else None
+    edges = np.asarray(p.meta["histogram_edges"], np.float64)
+    starts = np.searchsorted(rows.feature[rows_pos], feats)
+    ends = np.searchsorted(rows.feature[rows_pos], feats, side="right")
+    model = neuronpedia.model_name(model_id or str(st.meta.get("model_id") or ""))
+    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+        source = neuronpedia.Source(stage, model, layer, sae_set, creator_id, st, p.meta)
+        for b0 in range(0, len(feats), per_batch):
+            features = []
+            for j in range(b0, min(b0 + per_batch, len(feats))):
+                f = int(feats[j])
+                counts = np.asarray(p.features["histogram"][j])
+                values, heights = _histogram(counts, edges)
+                acts = []
+                for r in range(int(starts[j]), int(ends[j])):
+                    i = rows_pos[r]
+                    if rows.kind[i] == KIND_TOP:
+                        bins = (-1, round(float(p.features["max"][j]), 3), -1)
+                    elif rows.kind[i] == KIND_INTERVAL:
+                        lo, hi = float(rows.lo[i]), float(rows.hi[i])
+                        bins = (round(lo, 3), round(hi, 3), _contains(counts, edges, lo, hi))
+                    else:
+                        continue
+                    acts.append(_activation(w, r, text, *bins))
+                feature = _feature(f, float(p.features["density"][j]), values, heights, acts, p, st)
+                if encoder.W_dec is not None:
+                    feature |= _alignment(encoder.W_dec[f])
+                if logit is not None:
+                    feature |= _logits(logit, j, text)
+                features.append(feature)
+            batch = {
+                "model_id": model_id or str(st.meta.get("model_id") or ""),
+                "layer": layer,
+                "sae_set": sae_set,
+                "sae_id_suffix": None,
+                "features": features,
             }
-            if encoder.W_dec is not None:
-                d = encoder.W_dec[f]
-                idx = np.argsort(-np.abs(d), kind="stable")[:3]
-                feature |= {
-                    "neuron_alignment_indices": [int(i) for i in idx],
-                    "neuron_alignment_values": _round(d[idx]),
-                    "neuron_alignment_l1": _round(np.abs(d[idx]) / max(float(np.abs(d).sum()), 1e-30)),
-                }
-            if W_U is not None:
-                table = context.logit_table(encoder.W_dec[f], W_U, tok)
-                logits = encoder.W_dec[f].astype(np.float32) @ W_U
-                h, e = np.histogram(logits, bins=40)
-                feature |= {
-                    "pos_str": [t for t, _ in table["positive"]],
-                    "pos_values": _round(v for _, v in table["positive"]),
-                    "neg_str": [t for t, _ in table["negative"]],
-                    "neg_values": _round(v for _, v in table["negative"]),
-                    "logits_hist_data_bar_heights": [float(x) for x in h],
-                    "logits_hist_data_bar_values": _round((e[:-1] + e[1:]) / 2),
-                }
-            features.append(feature)
-        batch = {
-            "model_id": model_id or str(store.meta.get("model_id") or ""),
-            "layer": layer,
-            "sae_set": sae_set,
-            "sae_id_suffix": None,
-            "features": features,
-        }
-        path = out / f"batch-{b0 // per_batch}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(batch), encoding="utf-8")
-        os.replace(tmp, path)  # a batch file is whole or absent
-        written.append(path)
-    return written
+            n = b0 // per_batch
+            (stage / f"batch-{n}.json").write_text(json.dumps(batch), encoding="utf-8")
+            cos = (
+                None
+                if nb is None
+                else {int(feats[j]): (feats[nb[0][j]], nb[1][j]) for j in range(b0, b0 + len(features))}
+            )
+            source.write_batch(n, features, cos)
+        folder = source.folder.relative_to(stage)
+    return Path(out) / folder
+
+
+def _activation(w: Any, r: int, text: dict[int, str], bin_min: float, bin_max: float, bin_contains: float) -> dict:
+    inside = w.ids[r] >= 0
+    first = int(np.argmax(inside))
+    return {
+        "bin_min": bin_min,
+        "bin_max": bin_max,
+        "bin_contains": bin_contains,
+        "tokens": [text[int(t)] for t in w.ids[r][inside]],
+        "values": _round(np.where(w.off[r], 0.0, w.acts[r])[inside]),  # left-out tokens (BOS) as 0
+        "qualifying_token_index": int(w.before - first),
+    }
+
+
+def _feature(f: int, density: float, values: list, heights: list, acts: list, p: Any, st: Any) -> dict[str, Any]:
+    n_tokens = sum(v["t_max"] for v in st.meta["segments"].values())
+    empty = (
+        "neuron_alignment_indices neuron_alignment_values neuron_alignment_l1 correlated_neurons_indices "
+        "correlated_neurons_l1 correlated_neurons_pearson correlated_features_indices correlated_features_l1 "
+        "correlated_features_pearson neg_str neg_values pos_str pos_values"
+    ).split()
+    return {
+        "feature_index": f,
+        **{k: [] for k in empty},
+        "frac_nonzero": density,
+        "freq_hist_data_bar_values": values,
+        "freq_hist_data_bar_heights": heights,
+        "logits_hist_data_bar_heights": [],
+        "logits_hist_data_bar_values": [],
+        "n_prompts_total": int(p.meta["store"]["n_examples"]),
+        "n_tokens_in_prompt": int(n_tokens),
+        "dataset": str(st.meta.get("dataset") or st.meta.get("source") or ""),
+        "decoder_weights_dist": [],
+        "activations": acts,
+        "vector": [],
+    }
+
+
+def _alignment(d: np.ndarray) -> dict[str, Any]:
+    idx = np.argsort(-np.abs(d), kind="stable")[:3]
+    return {
+        "neuron_alignment_indices": [int(i) for i in idx],
+        "neuron_alignment_values": _round(d[idx]),
+        "neuron_alignment_l1": _round(np.abs(d[idx]) / max(float(np.abs(d).sum()), 1e-30)),
+    }
+
+
+def _logits(L: Any, j: int, text: dict[int, str]) -> dict[str, Any]:
+    width = (float(L.hi[j]) - float(L.lo[j])) / len(L.hist[j])
+    centres = float(L.lo[j]) + width * (np.arange(len(L.hist[j])) + 0.5)
+    return {
+        "pos_str": [text[int(t)] for t in L.top_ids[j]],
+        "pos_values": _round(L.top_values[j]),
+        "neg_str": [text[int(t)] for t in L.bottom_ids[j]],
+        "neg_values": _round(L.bottom_values[j]),
+        "logits_hist_data_bar_heights": [float(x) for x in L.hist[j]],
+        "logits_hist_data_bar_values": _round(centres),
+    }

@@ -2,12 +2,15 @@
 site's plots page): the distribution of token norms per layer, and the mean norm by token
 position (outliers at a window's start show). Plain SVG, no plotting library.
 
-Norms are of the real tokens (every segment, padding never read) of up to `max_examples`
-examples spread evenly over the store (all of them when the store is smaller).
+Norms are of the tokens the feature pass and the loaders read by default (every segment,
+padding never read; in a text store whose labels mark token kinds, BOS, special and template
+tokens are left out) of up to `max_examples` examples spread evenly over the store (all of
+them when the store is smaller).
 """
 
 from __future__ import annotations
 
+import html
 import os
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,10 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
     """Per layer: `norms` (every real token's L2 norm over the examples read), `position_mean`
     and `position_count` (by token position in `store[ex, layer]`). `store`: a Reader, or
     a store's path or URL."""
+    from actstore.features.windows import left_out, token_labels
+
     store = as_reader(store)
+    labels = token_labels(store)
     n = len(store)
     exs = (
         np.unique(np.linspace(0, n - 1, num=min(n, max_examples)).round().astype(np.int64))
@@ -38,12 +44,13 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
         for ex in exs:
             x = np.asarray(store[int(ex), layer], np.float32)
             v = np.linalg.norm(x, axis=1)
-            norms.append(v)
+            keep = ~left_out(store, labels, int(ex), len(v))
+            norms.append(v[keep])
             if len(v) > len(sums):
                 sums = np.pad(sums, (0, len(v) - len(sums)))
                 counts = np.pad(counts, (0, len(v) - len(counts)))
-            sums[: len(v)] += v
-            counts[: len(v)] += 1
+            sums[: len(v)] += np.where(keep, v, 0.0)
+            counts[: len(v)] += keep
         allv = np.concatenate(norms) if norms else np.zeros(0, np.float32)
         out[int(layer)] = {
             "norms": allv,
@@ -119,10 +126,23 @@ def write_plots(
     stats = norm_stats(store, layers=layers, max_examples=max_examples)
     files = {"norms.svg": norms_svg(stats), "positions.svg": positions_svg(stats)}
     n_read = min(len(store), max_examples)
+    n_tokens = sum(len(s["norms"]) for s in stats.values()) // max(len(stats), 1)
+    from actstore.read.masks import leaves_out_special
+
+    which = (
+        "content tokens (BOS, special and template tokens left out, as the feature pass and the loaders read them)"
+        if leaves_out_special(store)
+        else "every real token (padding never read)"
+    )
+    css = (Path(__file__).with_name("static") / "style.css").read_text()
     files["plots.html"] = (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>store plots</title></head><body>'
-        f"<h1>Token norms</h1><p>{n_read} of {len(store)} examples, every real token.</p>"
-        '<p><img src="norms.svg" alt="norms"></p><p><img src="positions.svg" alt="norm by position"></p></body></html>\n'
+        '<!doctype html><html lang="en"><head><meta charset="utf-8"><title>store plots</title>'
+        f"<style>{css} img {{ border: 1px solid var(--line); border-radius: 6px; background: #fff; }}</style></head>"
+        f'<body><header><h1>Token norms</h1><p class="meta">{html.escape(str(store.path))}: {n_read:,} of '
+        f"{len(store):,} examples, spread evenly; {n_tokens:,} {which}.</p></header><main>"
+        '<div class="row2"><div><h2>Distribution of token norms</h2><img src="norms.svg" alt="norms"></div>'
+        '<div><h2>Mean norm by position</h2><img src="positions.svg" alt="norm by position"></div></div>'
+        "</main></body></html>\n"
     )
     paths = []
     for name, text in files.items():

@@ -1,189 +1,294 @@
-"""`actstore view`: a static site from the files of a feature pass (actstore.features.tables).
+"""`actstore view`: a static site of a feature pass that scales to dictionaries of 100k+
+latents. The pages are shipped with actstore (actstore/features/static: index.html,
+feature.html, their scripts and style; nothing fetched from the internet, no build step);
+a build writes only data (actstore.features.sitedata): one small script per feature, an
+index of columns, the decoded vocabulary. The pages work from file:// and any static host.
 
-SITE/index.html lists the features from `data/index.js` (a script, so that the page works
-from file:// where fetch is refused), sorted and filtered in the page, a page of rows at a
-time: 16,384 features are one array of about 1 MB. SITE/f/<feature>.html is rendered here
-(Jinja2 templates shipped in actstore/features/templates/): statistics, an SVG histogram,
-the top examples with each token's activation as its colour (the value on hover) or an
-image heatmap, interval samples and, given the decoder and an unembedding, logit tables.
-Nothing is fetched from the internet; no build step.
+The build is staged beside the target and swapped in whole (actstore.features.staging): a
+killed or out-of-space build leaves the old site as it was, and a second build into the same
+folder is refused while one runs.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from actstore.features import context
-from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError
-from actstore.features.tables import FEATURES, INTERVALS, TOP, read_meta, read_table
-from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.features import context, relations, sitedata
+from actstore.features.encoders import Encoder
+from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
+from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
+from actstore.features.staging import staged_folder
+from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows
+from actstore.read.api import Reader, ReaderLike
 
-PER_PAGE = 100
-HIST_W, HIST_H = 480, 120
-
-
-def _env() -> Any:
-    try:
-        import jinja2
-    except ImportError:
-        raise FeatureError("actstore view needs jinja2: pip install 'actstore[views]'") from None
-    return jinja2.Environment(loader=jinja2.PackageLoader("actstore.features", "templates"), autoescape=True)
-
-
-def histogram_svg(counts: np.ndarray, edges: list[float]) -> str:
-    """An inline SVG bar chart of counts on log bins (bins 0 and -1: below / above the edges)."""
-    nz = np.flatnonzero(counts)
-    if not len(nz):
-        return "<p class='meta'>no positive activations</p>"
-    lo, hi = nz[0], nz[-1] + 1
-    c = counts[lo:hi].astype(float)
-    w = HIST_W / len(c)
-    bars = []
-    for i, v in enumerate(c):
-        h = 0 if v == 0 else max(1.0, (np.log1p(v) / np.log1p(c.max())) * (HIST_H - 20))
-        left = "0" if lo + i == 0 else f"{edges[lo + i - 1]:.3g}"
-        bars.append(
-            f'<rect x="{i * w:.1f}" y="{HIST_H - 15 - h:.1f}" width="{max(w - 1, 1):.1f}" height="{h:.1f}" fill="#e8740c">'
-            f"<title>[{left}, ...): {int(v)}</title></rect>"
-        )
-    first = "0" if lo == 0 else f"{edges[lo - 1]:.3g}"
-    last = f"{edges[min(hi - 1, len(edges) - 1)]:.3g}"
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{HIST_W}" height="{HIST_H}" role="img" aria-label="histogram">'
-        + "".join(bars)
-        + f'<text x="0" y="{HIST_H - 2}" font-size="10">{first}</text>'
-        f'<text x="{HIST_W}" y="{HIST_H - 2}" font-size="10" text-anchor="end">{last}</text></svg>'
-    )
-
-
-def _spans(rec: dict[str, Any], vmax: float) -> list[dict[str, Any]]:
-    """Each token's text, value, colour strength and marks; the tokens the pass left out
-    (specials) are greyed, uncoloured."""
-    out = []
-    for i, (t, a) in enumerate(zip(rec["tokens"], rec["acts"])):
-        off = rec.get("left_out", [False] * len(rec["tokens"]))[i]
-        alpha = 0.0 if off or vmax <= 0 else min(1.0, max(0.0, a / vmax))
-        out.append({"text": t, "act": a, "alpha": f"{alpha:.2f}", "top": i == rec["center"], "off": off})
-    return out
-
-
-def _columns(table: Any) -> dict[str, np.ndarray]:
-    return {n: table.column(n).to_numpy(zero_copy_only=False) for n in table.column_names}
+STATIC = Path(__file__).with_name("static")
+ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
+DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
+KIND = "actstore view"
 
 
 def build_site(
-    src: str,
-    out: str | os.PathLike,
+    src: Any,
+    out: str | Path,
     *,
     store: ReaderLike | None = None,
     encoder: Encoder | None = None,
     tokenizer: str | None = None,
     unembedding: str | None = None,
-    window: tuple[int, int] = context.DEFAULT_WINDOW,
+    window: tuple[int, int] = DEFAULT_WINDOW,
     plot_examples: int = 200,
+    neighbours: int = relations.N_NEIGHBOURS,
+    overwrite: bool = False,
+    on_store_change: str = "refuse",
     progress: bool = False,
 ) -> Path:
-    """Render the site of feature-pass output `src` into folder `out`; returns index.html.
+    """Write the site of feature-pass output `src` as folder `out`; returns its index.html.
 
     Args:
         src: the folder or URL that `actstore features` wrote.
-        out: the site folder (created; files in it are replaced).
-        store: the store, a Reader or its path or URL (default: the one meta.json names, opened).
+        out: the site folder; an existing site is replaced only with `overwrite`.
+        store: the store, a Reader or its path or URL (default: the one meta.json names).
         encoder: the encoder (default: reloaded from meta.json's source, checksum checked).
-        tokenizer: a tokenizer folder or id overriding the store's (text stores).
-        unembedding: W_U (.npy or safetensors) for logit tables of the decoder directions.
-        plot_examples: examples read for the plots page (token norms; 0: no plots).
+        tokenizer: a tokenizer overriding the store's: "embedded:smollm2-135m", a hub id
+            in the local cache or a folder. Without one the pages show token ids.
+        unembedding: W_U for the logit tables: "auto" (the store's model), a .npy, a
+            safetensors file or a model folder.
+        neighbours: decoder-cosine neighbours listed per feature (0: none computed).
+        on_store_change: "refuse" or "warn" when the store is not the state the pass read.
     """
-    meta = read_meta(src)
-    store = _open(meta, store)
+    p = load_pass(src)
+    st = open_store_of(p.meta, store)
+    check_store(p.meta, st, on_store_change)
     if encoder is None:
-        encoder = encoder_from_meta(meta, store)
-    layer = int(meta["layer"])
-    top = _columns(read_table(src, TOP))
-    feats = _columns(read_table(src, FEATURES))
-    ivs = _columns(read_table(src, INTERVALS))
-    is_image = bool(store.config.attrs.get("image"))
-    tok = None if is_image else context.load_tokenizer(store, tokenizer)
-    logits_of = None
-    if unembedding is not None and encoder.W_dec is not None and tok is not None:
-        W_U = context.load_unembedding(unembedding, encoder.d_in)
-        logits_of = lambda f: context.logit_table(encoder.W_dec[f], W_U, tok)  # noqa: E731
-    out = Path(out)
-    (out / "f").mkdir(parents=True, exist_ok=True)
-    (out / "data").mkdir(exist_ok=True)
-    env = _env()
-    title = f"Features of layer {layer}"
-    ctx_top = _contexts(store, layer, encoder, top, tok, window, out, feats, "t")
-    ctx_iv = _contexts(store, layer, encoder, ivs, tok, window, out, feats, "i")
-    page = env.get_template("feature.html")
-    by_feature_top = _group(top["feature"])
-    by_feature_iv = _group(ivs["feature"])
-    rows = []
-    n_f = len(feats["feature"])
-    bar = _bar(progress, n_f)
-    for j in range(n_f):
-        f = int(feats["feature"][j])
-        fd = {c: (feats[c][j] if c != "histogram" else None) for c in feats}
-        tops = [ctx_top[i] | {"rank": int(top["rank"][i])} for i in by_feature_top.get(f, [])]
-        intervals = []
-        for i in by_feature_iv.get(f, []):
-            key = int(ivs["interval"][i])
-            if not intervals or intervals[-1]["key"] != key:
-                intervals.append(
-                    {
-                        "key": key,
-                        "lo": float(ivs["lo"][i]),
-                        "hi": float(ivs["hi"][i]),
-                        "exact": bool(ivs["exact"][i]),
-                        "rows": [],
-                    }
-                )
-            intervals[-1]["rows"].append(ctx_iv[i])
-        prev_f = int(feats["feature"][j - 1]) if j else None
-        next_f = int(feats["feature"][j + 1]) if j + 1 < n_f else None
-        html = page.render(
-            title=title,
-            f=fd,
-            prev_f=prev_f,
-            next_f=next_f,
-            top=tops,
-            intervals=intervals,
-            histogram=histogram_svg(np.asarray(feats["histogram"][j]), meta["histogram_edges"]),
-            logits=logits_of(f) if logits_of else None,
+        encoder = encoder_from_meta(p.meta, st)
+    is_image = bool(st.config.attrs.get("image"))
+    tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
+    rows = sitedata.gather_rows(p)
+    feats = p.features["feature"].astype(np.int64)
+    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+        for name in ASSETS:
+            shutil.copyfile(STATIC / name, stage / name)
+        if is_image:
+            images = _images(st, p, encoder, rows, stage)
+            wins, vocab = None, Vocab(np.zeros(0, np.int64), None)
+        else:
+            bar = _bar(progress, n_examples(rows.example), "examples")
+            wins = text_windows(
+                st, p.meta["layer"], encoder, rows.feature, rows.example, rows.token, window=window, progress=bar
+            )
+            images = None
+        logit = _logits(p, st, encoder, unembedding, feats)
+        if wins is not None:
+            extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
+            vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
+        rel = _relations(p, encoder, rows, wins, feats, neighbours)
+        pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
+        bar = _bar(progress, len(feats), "features")
+        index_text = []
+        for b in np.unique(feats // sitedata.BUCKET).tolist():
+            (stage / "data" / "f" / str(b)).mkdir(parents=True)
+        with _Writer() as writer:  # files are created on other threads while the next records are made
+            for j, f in enumerate(feats.tolist()):
+                value, text = pages.record(j, f)
+                writer.put(stage / sitedata.feature_path(f), sitedata.script("feature", value))
+                index_text.append(text)
+                if bar is not None:
+                    bar(1)
+        _write_data(stage, p, st, vocab, index_text, window, note, logit is not None, plot_examples)
+        if plot_examples:
+            from actstore.features.plots import write_plots
+
+            write_plots(st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples)
+    return Path(out) / "index.html"
+
+
+def _write_data(
+    stage: Path,
+    p: PassData,
+    st: Reader,
+    vocab: Vocab,
+    text: list[Any],
+    window: Any,
+    note: Any,
+    logits: bool,
+    plots: int,
+) -> None:
+    """data/meta.js, data/index.js and data/vocab.js."""
+    c = p.features
+    index = {
+        "feature": c["feature"].tolist(),
+        "max": [sitedata._g(v) for v in c["max"].tolist()],
+        "density": c["density"].tolist(),
+        "mean": [sitedata._g(v) for v in c["mean_active"].tolist()],
+        "n_active": c["n_active"].tolist(),
+        "text": text,
+    }
+    if p.has_negative:
+        index |= {"min": [sitedata._g(v) for v in c["min"].tolist()], "density_neg": c["density_negative"].tolist()}
+    m = p.meta
+    meta = {
+        "title": f"Features of layer {m['layer']}",
+        "store": str(m["store"]["path"]),
+        "store_sha256": m["store"].get("sha256"),
+        "layer": m["layer"],
+        "encoder": {k: m["encoder"].get(k) for k in ("kind", "path", "n_features", "activation")},
+        "n_features": p.n_features,
+        "n_tokens": m.get("n_tokens"),
+        "k": m.get("options", {}).get("k"),
+        "sign": m.get("options", {}).get("sign", "positive"),
+        "edges": m["histogram_edges"],
+        "edges_negative": m.get("histogram_edges_negative"),
+        "window": list(window),
+        "note": note,
+        "dense": DENSE,
+        "logits": logits,
+        "plots": bool(plots),
+        "image": bool(st.config.attrs.get("image")),
+        "bucket": sitedata.BUCKET,
+        "token_mask": m.get("masks", {}).get("token_mask"),
+    }
+    (stage / "data").mkdir(exist_ok=True)
+    for name, value in (("meta", meta), ("index", index), ("vocab", vocab.value())):
+        (stage / "data" / f"{name}.js").write_text(sitedata.script(name, value), encoding="utf-8")
+
+
+class _FeaturePages:
+    """Each feature's record (data/f/...) and its index snippet, from the gathered arrays."""
+
+    def __init__(self, p: PassData, rows: Rows, wins: Any, vocab: Vocab, images: Any, rel: dict, logit: Any) -> None:
+        self.p, self.rows, self.wins, self.vocab = p, rows, wins, vocab
+        self.images, self.rel, self.logit = images, rel, logit
+        feats = p.features["feature"].astype(np.int64)
+        self.starts, self.ends = rows.bounds(feats)
+        self.v = vocab.positions(wins.ids) if wins is not None else None
+        self.ids_of = dict(zip(vocab.ids.tolist(), range(len(vocab.ids))))
+        self.vbytes = sitedata.position_bytes(len(vocab.ids))
+
+    def record(self, j: int, f: int) -> tuple[dict[str, Any], list[str]]:
+        """Feature j's value and its index snippet."""
+        p, r, s, e = self.p, self.rows, int(self.starts[j]), int(self.ends[j])
+        rec: dict[str, Any] = {"f": f, "stats": sitedata.stats(p, j)}
+        rec["hist"] = sitedata.histogram(p.features["histogram"][j])
+        if p.has_negative:
+            rec["hist_neg"] = sitedata.histogram(p.features["histogram_negative"][j])
+        code = r.kind[s:e].astype(np.int64) * (1 << 22) + r.interval[s:e]
+        starts = np.flatnonzero(np.concatenate([[True], code[1:] != code[:-1]])) if e > s else np.zeros(0, np.int64)
+        groups = []
+        for g0 in starts.tolist():
+            i = s + g0
+            g = {"kind": ("top", "bottom", "interval")[int(r.kind[i])], "sign": int(r.sign[i])}
+            if r.kind[i] == KIND_INTERVAL:
+                g |= {"lo": sitedata._g(r.lo[i]), "hi": sitedata._g(r.hi[i]), "exact": bool(r.exact[i])}
+            groups.append(g)
+        first = np.zeros(e - s, bool)
+        first[starts] = True
+        group_of = np.cumsum(first) - 1
+        rec["groups"] = groups
+        rec["cols"] = {  # packed arrays (sitedata.pack): the page decodes them once
+            "g": sitedata.pack(group_of),
+            "rank": sitedata.pack(r.rank[s:e]),
+            "ex": sitedata.pack(r.example[s:e]),
+            "tok": sitedata.pack(r.token[s:e]),
+            "act": sitedata.pack(r.activation[s:e], "<f4"),
+        }
+        text = ["", "", ""]
+        if self.wins is not None:
+            text = self._windows(rec, s, e)
+        elif self.images is not None:
+            rec["img"] = self.images[s:e]
+        for key in ("common", "nb", "co"):
+            if f in self.rel.get(key, {}):
+                rec[key] = self.rel[key][f]
+        if "common" in rec:
+            rec["common"] = [[self.ids_of.get(t, -1), n] for t, n in rec["common"]]
+        if self.logit is not None:
+            L = self.logit
+            rec["logits"] = {
+                "pos": [[self.ids_of[int(t)], sitedata._g(v)] for t, v in zip(L.top_ids[j], L.top_values[j])],
+                "neg": [[self.ids_of[int(t)], sitedata._g(v)] for t, v in zip(L.bottom_ids[j], L.bottom_values[j])],
+                "hist": [sitedata._g(L.lo[j]), sitedata._g(L.hi[j]), L.hist[j].tolist()],
+            }
+        return rec, text
+
+    def _windows(self, rec: dict[str, Any], s: int, e: int) -> list[str]:
+        """Windows of rows s:e into rec (vocab positions, integer activations, left-out
+        tokens, document keys); returns the index snippet of the feature's first row."""
+        w = self.wins
+        acts = w.acts[s:e]
+        shown = np.abs(acts[~w.off[s:e]])  # left-out tokens (a BOS outlier) do not set the scale
+        top = float(shown.max()) if shown.size else 0.0
+        scale = top / sitedata.ACT_LEVELS if top > 0 else 1.0
+        rec["scale"] = scale
+        rec["width"] = int(w.ids.shape[1])
+        levels = np.clip(np.rint(acts / scale), -32767, 32767)  # left-out outliers clip at 32x the scale
+        cols = rec["cols"]
+        cols["v"] = sitedata.pack(self.v[s:e].ravel(), "<i2" if self.vbytes == 2 else "<i4")
+        cols["a"] = sitedata.pack(levels.ravel(), "<i2")
+        rec["off"] = np.flatnonzero(w.off[s:e].ravel()).tolist()
+        docs = w.doc[s:e].tolist()
+        if any(d >= 0 for d in docs):
+            local: dict[int, int] = {}
+            cols["doc"] = sitedata.pack(np.array([-1 if d < 0 else local.setdefault(d, len(local)) for d in docs]))
+            rec["keys"] = [w.keys[k] for k in local]
+            if (w.doc_token[s:e] >= 0).any():
+                cols["dt"] = sitedata.pack(w.doc_token[s:e])
+        if e == s:
+            return ["", "", ""]
+        return sitedata.snippet(self.vocab.text, self.v[s], w.before)
+
+
+def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.ndarray, n_nb: int) -> dict:
+    """Per feature: decoder neighbours (nb), co-occurring features (co), common tokens (common)."""
+    out: dict[str, dict[int, Any]] = {}
+    if encoder.W_dec is not None and n_nb > 0 and len(feats) > 1:
+        idx, cos = relations.neighbours(encoder.W_dec[feats], n_nb)
+        out["nb"] = {
+            int(f): [[int(feats[i]), round(float(c), 4)] for i, c in zip(idx[j], cos[j])] for j, f in enumerate(feats)
+        }
+    span = int(rows.token.max()) + 1 if len(rows) else 1
+    pos = rows.example * span + rows.token
+    top = rows.kind == KIND_TOP
+    out["co"] = relations.cooccurring(rows.feature[top], pos[top], rows.feature, pos)
+    if wins is not None:
+        positive = rows.sign > 0
+        out["common"] = relations.common_tokens(rows.feature[positive], wins.ids[positive, wins.before])
+    return out
+
+
+def _logits(p: PassData, st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray) -> Any:
+    if unembedding is None:
+        return None
+    if st.config.attrs.get("image"):
+        raise FeatureError("--unembedding gives logit tables of a language model; this store holds image activations")
+    if encoder.W_dec is None:
+        raise FeatureError(
+            f"--unembedding needs decoder directions; a {encoder.kind} source has none (SAEs and --directions have)"
         )
-        _put(out / "f" / f"{f}.html", html)
-        first = tops[0] if tops else {}
-        text = "".join(first.get("tokens", [])) if first.get("tokens") else ""
-        rows.append([f, float(fd["max"]), float(fd["density"]), float(fd["mean_active"]), text])
-        if bar is not None:
-            bar(1)
-    if plot_examples:
-        from actstore.features.plots import write_plots
+    from actstore.features.logits import load_unembedding, logit_tables
 
-        write_plots(store, out / "plots", layers=[layer], max_examples=plot_examples)
-    return write_index(out, rows, meta, title=title, plots=bool(plot_examples))
+    return logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
 
 
-def write_index(out: Path, rows: list[list[Any]], meta: dict[str, Any], *, title: str, plots: bool = False) -> Path:
-    """index.html, style.css and data/index.js (rows: [feature, max, density, mean_active,
-    top example text]); the page draws PER_PAGE rows at a time."""
-    (out / "data").mkdir(parents=True, exist_ok=True)
-    _put(out / "data" / "index.js", "window.ACTSTORE_FEATURES = " + json.dumps(rows, separators=(",", ":")) + ";\n")
-    _put(out / "style.css", (Path(__file__).with_name("templates") / "base.css").read_text())
-    index = (
-        _env()
-        .get_template("index.html")
-        .render(title=title, meta=meta | {"k": meta["options"]["k"]}, per_page=PER_PAGE, plots=plots)
-    )
-    _put(out / "index.html", index)
-    return out / "index.html"
+def _images(st: Reader, p: PassData, encoder: Encoder, rows: Rows, stage: Path) -> list[str]:
+    """A heatmap PNG of every row (ViT stores), on its feature's scale (0 to its max)."""
+    from actstore.features.images import heatmap_png
+
+    vmax = dict(zip(p.features["feature"].tolist(), p.features["max"].tolist()))
+    (stage / "img").mkdir()
+    names = []
+    for i in range(len(rows)):
+        f, ex = int(rows.feature[i]), int(rows.example[i])
+        name = f"img/{f}-{i}.png"
+        heatmap_png(st, int(p.meta["layer"]), encoder, f, ex, stage / name, vmax=vmax[f])
+        names.append(name)
+    return names
 
 
 def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
@@ -201,68 +306,64 @@ def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
     return enc
 
 
-def _open(meta: dict[str, Any], store: ReaderLike | None) -> Reader:
-    """`store` as a Reader, or (None) the store the pass's meta.json names, opened."""
-    if store is not None:
-        return as_reader(store)
-    from actstore.opener import open as open_store
+class _Writer:
+    """Writes files in batches on a few threads while this one waits (creating a file is a
+    syscall that releases the GIL; a site has one a feature). Writing while this thread
+    computes would make each file wait for the GIL's switch interval. The first error is
+    raised (the file named)."""
 
-    return open_store(meta["store"]["path"])
+    THREADS = 4
+    BATCH = 1024  # files held before a batch is written
 
+    def __enter__(self) -> _Writer:
+        from concurrent.futures import ThreadPoolExecutor
 
-def _group(col: np.ndarray) -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for i, f in enumerate(col.tolist()):
-        out.setdefault(f, []).append(i)
-    return out
+        self.pool = ThreadPoolExecutor(self.THREADS, thread_name_prefix="site-write")
+        self.pending: list[tuple[Path, str]] = []
+        return self
 
+    def put(self, path: Path, text: str) -> None:
+        self.pending.append((path, text))
+        if len(self.pending) >= self.BATCH:
+            self.flush()
 
-def _contexts(
-    store: Reader,
-    layer: int,
-    enc: Encoder,
-    rows: dict[str, np.ndarray],
-    tok: Any,
-    window: tuple[int, int],
-    out: Path,
-    feats: dict[str, np.ndarray],
-    tag: str,
-) -> list[dict[str, Any]]:
-    """The context record of every row: token spans (text) or a heatmap file (ViT)."""
-    vmax = dict(zip(feats["feature"].tolist(), feats["max"].tolist()))
-    if tok is not None:
-        recs = context.text_windows(store, layer, enc, rows, tok, window=window)
-        return [r | {"spans": _spans(r, vmax[r["feature"]])} for r in recs]
-    from actstore.features.images import heatmap_png
+    def flush(self) -> None:
+        parts = [self.pending[i :: self.THREADS] for i in range(self.THREADS)]
+        self.pending = []
+        for fut in [self.pool.submit(_write_all, part) for part in parts if part]:
+            fut.result()
 
-    (out / "img").mkdir(exist_ok=True)
-    recs = []
-    for i in range(len(rows["feature"])):
-        f, ex = int(rows["feature"][i]), int(rows["example"][i])
-        name = f"img/{tag}{f}-{i}.png"
-        width = heatmap_png(store, layer, enc, f, ex, out / name, vmax=vmax[f])
-        recs.append(
-            {
-                "feature": f,
-                "example": ex,
-                "token": int(rows["token"][i]),
-                "activation": float(rows["activation"][i]),
-                "image": name,
-                "width": width,
-            }
-        )
-    return recs
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None:
+                self.flush()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _put(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)  # a page is whole or absent
+def _write_all(files: list[tuple[Path, str]]) -> None:
+    for path, text in files:
+        _write(path, text)
 
 
-def _bar(progress: bool, total: int) -> Any:
+def _write(path: Path, text: str) -> None:
+    """One data file (os-level: a site has one per feature); an error names the file."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+
+
+def _bar(progress: bool, total: int, unit: str) -> Any:
     if not progress:
         return None
     from actstore.progress import bar
 
-    return bar(total=total, desc="pages", unit="page", file=sys.stderr).update
+    return bar(total=total, desc=unit, unit=unit[:-1], file=sys.stderr).update

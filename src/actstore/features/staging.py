@@ -1,0 +1,151 @@
+"""Output folders written whole: a view or export is built in a staging folder beside its
+target and swapped in at the end, so a killed or out-of-space build leaves the old folder
+as it was (never a mix of two builds), and a second build into the same folder is refused
+while the first runs.
+
+- The lock: `.<name>.lock` beside the target, held with flock (released by the kernel when
+  the process dies, so a killed build never blocks the next one).
+- The stage: `.<name>.staging-<pid>` beside the target; a stage left by a killed build is
+  removed by the next build (which holds the lock).
+- The swap: one renameat2(RENAME_EXCHANGE) where Linux offers it (the target is never
+  absent), else two renames; then the old folder is deleted.
+- An existing folder is replaced only with `overwrite` (an empty one needs nothing). The old
+  folder is deleted when it holds the marker file a build of the same kind wrote; any other
+  folder is kept beside the new one as `<name>.replaced-<time>` (never deleted: it was not
+  ours), and a warning says where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from actstore.errors import DiskFullError, OutputBusyError, OutputExistsError
+
+MARKER = ".actstore-output"  # {"kind": ...}: this folder was written by that command
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _lock(path: Path) -> int:
+    """An exclusive flock on `path` (created), or OutputBusyError at once."""
+    import fcntl
+
+    for _ in range(3):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputBusyError(
+                f"another process is writing {path.name[1:-5]} now (it holds {path}); wait for it to finish"
+            ) from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd  # still the file at that name (a finishing build unlinks it)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    raise OutputBusyError(f"cannot take the lock {path}: other builds keep replacing it")
+
+
+def _owned(out: Path, kind: str) -> bool:
+    try:
+        return json.loads((out / MARKER).read_text()).get("kind") == kind
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def check_target(out: Path, kind: str, overwrite: bool) -> bool:
+    """Refuse an existing `out` unless it is empty or `overwrite`; returns whether the old
+    folder may be deleted after the swap (empty, or written by a build of `kind`)."""
+    if not out.exists() and not out.is_symlink():
+        return True
+    if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+        return True
+    if not overwrite:
+        raise OutputExistsError(f"{out} exists: pass --overwrite to replace it (it is swapped in whole at the end)")
+    if out.is_symlink() or not out.is_dir():
+        raise OutputExistsError(f"{out} exists and is not a folder: name another --out; it is never replaced")
+    return _owned(out, kind)
+
+
+@contextmanager
+def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False) -> Iterator[Path]:
+    """Yield an empty staging folder beside `out`; when the block ends without an error it
+    becomes `out` in one swap (the old folder is deleted after), else it is deleted and `out`
+    is untouched. A write that runs out of space becomes a DiskFullError naming the file."""
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = out.parent / f".{out.name}.lock"
+    fd = _lock(lock_path)
+    stage = out.parent / f".{out.name}.staging-{os.getpid()}"
+    try:
+        delete_old = check_target(out, kind, overwrite)
+        for pattern in (f".{out.name}.staging-*", f".{out.name}.old-*"):  # left by a killed build
+            for stale in out.parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
+        stage.mkdir()
+        try:
+            yield stage
+            (stage / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
+        except OSError as e:
+            shutil.rmtree(stage, ignore_errors=True)
+            if e.errno in _FULL:
+                raise DiskFullError(
+                    f"no space left writing {e.filename or stage}: {out} is unchanged; free space and rerun"
+                ) from None
+            raise
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        _swap(stage, out, delete_old)
+    finally:
+        lock_path.unlink(missing_ok=True)  # while held: a waiter re-checks the inode
+        os.close(fd)
+
+
+def _swap(stage: Path, out: Path, delete_old: bool) -> None:
+    if not out.exists():
+        os.rename(stage, out)
+        return
+    keep = None
+    if not delete_old:  # a folder this kind of build did not write: kept, renamed
+        import sys
+        import time
+
+        keep = out.parent / f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        print(
+            f"actstore: warning: {out} was not written by this command; the old folder is kept as {keep}",
+            file=sys.stderr,
+        )
+    if _exchange(stage, out):
+        old = stage  # now the old folder
+    else:
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(stage, out)
+    if keep is not None:
+        os.rename(old, keep)
+    else:
+        shutil.rmtree(old)

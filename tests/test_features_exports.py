@@ -1,0 +1,205 @@
+"""The exports other tools read: Neuronpedia's import layout (every line's keys are columns of
+the table its importer inserts into, as Neuronpedia's Prisma schema and converter define them)
+and delphi's latent cache, read back by delphi's own LatentDataset (eai-delphi 0.1.3, installed
+by scripts/setup.sh without its heavy dependencies) and by safetensors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from factory import WORDS
+from test_features_site import D, text_store  # noqa: F401
+
+import actstore
+from actstore.cli import main
+
+# Columns of Neuronpedia's tables (apps/webapp/prisma/schema.prisma at hijohnnylin/neuronpedia
+# ebb8426f): the importer inserts a line's keys that are columns, so every key must be one.
+NEURON_COLUMNS = set(
+    "modelId layer index sourceSetName creatorId createdAt maxActApprox hasVector vector vectorLabel "
+    "vectorDefaultSteerStrength hookName topkCosSimIndices topkCosSimValues neuron_alignment_indices "
+    "neuron_alignment_values neuron_alignment_l1 correlated_neurons_indices correlated_neurons_pearson "
+    "correlated_neurons_l1 correlated_features_indices correlated_features_pearson correlated_features_l1 "
+    "neg_str neg_values pos_str pos_values frac_nonzero freq_hist_data_bar_heights freq_hist_data_bar_values "
+    "logits_hist_data_bar_heights logits_hist_data_bar_values decoder_weights_dist umap_cluster "
+    "umap_log_feature_sparsity umap_x umap_y".split()
+)
+NEURON_REQUIRED = {"modelId", "layer", "index"}
+ACTIVATION_COLUMNS = set(
+    "id tokens dataIndex index layer modelId dataSource maxValue maxValueTokenIndex minValue values dfaValues "
+    "dfaTargetIndex dfaMaxValue zQIndices zKIndices zValues creatorId createdAt lossValues logitContributions "
+    "binMin binMax binContains qualifyingTokenIndex".split()
+)
+ACTIVATION_REQUIRED = {
+    "id",
+    "tokens",
+    "index",
+    "layer",
+    "modelId",
+    "maxValue",
+    "maxValueTokenIndex",
+    "minValue",
+    "values",
+    "creatorId",
+}
+
+
+def _cli(*args):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    return res.output
+
+
+def _jsonl_gz(path):
+    return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
+
+
+def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # noqa: F811
+    path, tok = text_store
+    np.save(tmp_path / "dirs.npy", np.eye(D, dtype=np.float32))
+    W_U = np.zeros((D, len(WORDS)), np.float32)
+    for i in range(D):
+        W_U[i, 10 + i] = 1.0
+    np.save(tmp_path / "wu.npy", W_U)
+    _cli(
+        "features",
+        path,
+        "--layer",
+        4,
+        "--directions",
+        tmp_path / "dirs.npy",
+        "--top-k",
+        3,
+        "--out",
+        tmp_path / "feat",
+        "--quiet",
+    )
+    out = _cli(
+        "export-neuronpedia",
+        tmp_path / "feat",
+        "--out",
+        tmp_path / "np",
+        "--unembedding",
+        tmp_path / "wu.npy",
+        "--sae-set",
+        "res-6",
+    )
+    src = tmp_path / "np" / "tok" / "4-res-6"  # model id: the tokenizer folder's name
+    assert f"wrote {src} (Neuronpedia's layout) and 1 batch files to {tmp_path / 'np'}" in out
+    assert sorted(p.name for p in src.iterdir()) == [
+        "activations",
+        "features",
+        "model.jsonl",
+        "release.jsonl",
+        "source.jsonl",
+        "sourceset.jsonl",
+    ]
+    source = json.loads((src / "source.jsonl").read_text())
+    assert source["id"] == "4-res-6" and source["modelId"] == "tok" and source["setName"] == "res-6"
+    assert json.loads((src / "sourceset.jsonl").read_text())["name"] == "res-6"
+    neurons = _jsonl_gz(src / "features" / "batch-0.jsonl.gz")
+    acts = _jsonl_gz(src / "activations" / "batch-0.jsonl.gz")
+    assert [n["index"] for n in neurons] == [str(f) for f in range(D)]
+    for n in neurons:
+        assert NEURON_REQUIRED <= set(n) <= NEURON_COLUMNS and n["layer"] == "4-res-6" and n["modelId"] == "tok"
+    for a in acts:
+        assert ACTIVATION_REQUIRED <= set(a) <= ACTIVATION_COLUMNS
+        assert a["maxValue"] == max(a["values"]) and a["values"][a["maxValueTokenIndex"]] == a["maxValue"]
+        assert len(a["tokens"]) == len(a["values"]) and all(isinstance(t, str) for t in a["tokens"])
+    assert len({a["id"] for a in acts}) == len(acts) and all(len(a["id"]) == 25 for a in acts)
+    f0 = neurons[0]
+    assert f0["pos_str"][0] == "red" and f0["topkCosSimValues"][0] == 0.0 and len(f0["topkCosSimIndices"]) == D - 1
+    top0 = [a for a in acts if a["index"] == "0" and a["binMin"] == -1]
+    assert (
+        len(top0) == 3 and top0[0]["tokens"][top0[0]["qualifyingTokenIndex"]] == "zebra" and top0[0]["maxValue"] == 6.0
+    )
+    assert f0["maxActApprox"] == 6.0
+    # the same dashboards as SAEDashboard's JSON
+    from sae_dashboard.neuronpedia.neuronpedia_dashboard import NeuronpediaDashboardBatch
+
+    data = json.loads((tmp_path / "np" / "batch-0.json").read_text())
+    assert NeuronpediaDashboardBatch(**data).to_dict() == data
+    assert [f["feature_index"] for f in data["features"]] == list(range(D))
+
+
+def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):  # noqa: F811
+    """Every non-zero of the SAE over the store's content tokens, in delphi's split files,
+    as delphi's own LatentDataset loads and samples them."""
+    from safetensors.numpy import load_file
+    from sae_lens import StandardSAE, StandardSAEConfig
+
+    from actstore.features import load_saelens
+
+    path, tok_dir = text_store
+    import torch
+
+    torch.manual_seed(0)
+    sae = StandardSAE(StandardSAEConfig(d_in=D, d_sae=12, dtype="float32", device="cpu"))
+    sae.save_model(tmp_path / "sae")
+    out = tmp_path / "delphi"
+    _cli("export-delphi", path, "--layer", 4, "--sae", tmp_path / "sae", "--n-splits", 3, "--out", out, "--quiet")
+    store = actstore.open(path)
+    enc = load_saelens(tmp_path / "sae")
+    want = set()
+    for ex in range(len(store)):
+        z = enc.encode(np.asarray(store[ex, 4], np.float32))
+        z[0] = 0  # BOS (label 1) is left out, as the feature pass leaves it out
+        for t, f in zip(*np.nonzero(z)):
+            want.add((ex, int(t), int(f), float(np.float16(z[t, f]))))
+    got = set()
+    files = sorted((out / "layers.4").glob("*.safetensors"))
+    assert [p.name for p in files] == ["0_3.safetensors", "4_7.safetensors", "8_11.safetensors"]
+    for p in files:
+        start = int(p.stem.split("_")[0])
+        t = load_file(p)
+        assert t["locations"].dtype == np.uint16 and t["activations"].dtype == np.float16
+        np.testing.assert_array_equal(t["tokens"][:, :9], np.stack([store.token_ids(e) for e in range(len(store))]))
+        for (ex, pos, lat), a in zip(t["locations"].tolist(), t["activations"].tolist()):
+            got.add((ex, pos, lat + start, a))
+    assert got == want and len(want) > 20
+    cfg = json.loads((out / "layers.4" / "config.json").read_text())
+    assert cfg["cache_ctx_len"] == 9 and cfg["n_splits"] == 3 and cfg["model_name"] == str(tok_dir)
+
+    from delphi.config import ConstructorConfig, SamplerConfig
+    from delphi.latents.loader import LatentDataset
+    from transformers import AutoTokenizer
+
+    ds = LatentDataset(
+        out,
+        SamplerConfig(n_examples_train=2, n_examples_test=2, n_quantiles=2, train_type="top"),
+        ConstructorConfig(example_ctx_len=3, min_examples=1, n_non_activating=1),
+        tokenizer=AutoTokenizer.from_pretrained(tok_dir),
+        modules=["layers.4"],
+    )
+    assert ds.tokens.shape == (12, 9)
+    records = list(ds)
+    by_latent = {}
+    for ex, pos, lat, a in want:
+        by_latent.setdefault(lat, []).append(a)
+    assert {r.latent.latent_index for r in records} == {lat for lat, v in by_latent.items() if v}
+    for r in records:
+        assert r.per_token_frequency == pytest.approx(len(by_latent[r.latent.latent_index]) / (12 * 9))
+        top = max(float(e.activations.max()) for e in r.train)
+        assert top == pytest.approx(max(by_latent[r.latent.latent_index]), rel=1e-3)
+
+
+def test_delphi_writer_compiled_and_reference_agree():
+    """The compiled scatter and its numpy reference give the same split slices."""
+    from actstore.features.delphi import DelphiWriter, _scatter_py
+
+    rng = np.random.default_rng(3)
+    n = 5000
+    args = [rng.integers(0, 50, n), rng.integers(0, 30, n), rng.integers(0, 1000, n), rng.random(n).astype(np.float32)]
+    w = DelphiWriter(1000, 50, 30, n_splits=4)
+    w.add(*args)
+    loc = np.empty((n, 3), np.uint16)
+    act = np.empty(n, np.uint16)
+    counts = _scatter_py(*args[:3], args[3].astype(np.float16).view(np.uint16), w.split_of, w.bounds, 4, loc, act)
+    np.testing.assert_array_equal(np.concatenate([c[0] for split in w.chunks for c in split]), loc)
+    np.testing.assert_array_equal(np.concatenate([c[1] for split in w.chunks for c in split]).view(np.uint16), act)
+    assert [sum(len(c[1]) for c in split) for split in w.chunks] == counts.tolist()
+    assert (loc[:, 2] < 250).all()  # latents relative to their split's start
