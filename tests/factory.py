@@ -375,6 +375,7 @@ def chat_word_store(path, model_id: str, *, d_model=6) -> Path:
         segments={"prompt": 4, "response": 3},
         token_ids=True,
         token_labels=True,
+        token_label_names=dict(spec.TOKEN_KIND_NAMES),  # the BOS is a special token: a kind, not a class
         model_id=model_id,
     ) as w:
         w.append(
