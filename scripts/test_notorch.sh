@@ -15,8 +15,10 @@
 # pandas, drives chromium) and test_features_embedded.py (captures with a real model),
 # test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
 # test_cli_workflow.py (its word store's tokenizer is a transformers one; the feature pass and site),
-# test_remote_messages.py (moto's server), test_features_signs.py (the torch update against the
-# numba one) and test_features_faults.py (moto's server; the CLI's features encodes with torch).
+# test_remote_messages.py and test_lost_objects.py (moto's server), test_features_signs.py (the
+# torch update against the numba one), test_features_faults.py (moto's server; the CLI's features
+# encodes with torch), test_import_integrity.py (Activault megabatches and SAELens caches are
+# torch files) and test_hostile_inputs.py (its torch-version and --bias cases load torch).
 # The feature pass's oracle tests run here, but
 # for their S3 case (moto's server) and their compiled-kernel cases (numba comes with the views
 # extra; test_features_kernel.py compares it with the numpy reference). Deselected by name: the embedded-images export

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import actstore
 
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
+from actstore.layout import spec
 
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
 LAYOUTS = {
@@ -101,9 +102,23 @@ def vit_store(
 
 
 def text_store(
-    path, *, n=9, layers=(1, 3), p_max=6, r_max=4, d_model=8, dtype="float32", labels=True, seed=1, t_chunk=None
+    path,
+    *,
+    n=9,
+    layers=(1, 3),
+    p_max=6,
+    r_max=4,
+    d_model=8,
+    dtype="float32",
+    labels=True,
+    seed=1,
+    t_chunk=None,
+    kinds=False,
+    zarr_format=3,
 ):
-    """A prompt/response store with random lengths, garbage past the lengths, and labels."""
+    """A prompt/response store with random lengths, garbage past the lengths, and labels:
+    classes 1..8, or with `kinds` token kinds 0..2 (token_label_names: the default mask
+    keeps label 0)."""
     rng = np.random.default_rng(seed)
     with actstore.ShardWriter(
         path,
@@ -112,8 +127,10 @@ def text_store(
         segments={"prompt": p_max, "response": r_max},
         dtype=dtype,
         token_labels=labels,
+        token_label_names=dict(spec.TOKEN_KIND_NAMES) if kinds else None,
         model_id="HuggingFaceTB/SmolLM2-135M",
         t_chunk=t_chunk,
+        zarr_format=zarr_format,
     ) as w:
         L = len(layers)
         p = (rng.standard_normal((n, L, p_max, d_model)) * 2).astype(np.float32)
@@ -121,9 +138,10 @@ def text_store(
         lens = {"prompt": rng.integers(1, p_max + 1, n), "response": rng.integers(0, r_max + 1, n)}
         kw = {}
         if labels:
+            lo, hi = (0, 3) if kinds else (1, 9)
             kw["token_labels"] = {
-                "prompt": rng.integers(1, 9, (n, p_max)).astype(np.uint8),
-                "response": rng.integers(1, 9, (n, r_max)).astype(np.uint8),
+                "prompt": rng.integers(lo, hi, (n, p_max)).astype(np.uint8),
+                "response": rng.integers(lo, hi, (n, r_max)).astype(np.uint8),
             }
         w.append(prompt=p, response=r, lengths=lens, **kw)
     actstore.finalize(path)
@@ -160,8 +178,9 @@ def qa_store(path, *, shards=(0, 1), finalize=True, seed=0, d_model=8, layers=(2
 
 
 def pairs_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, **layout):
-    """Two shards of a prompt/response store with random lengths (some 0) and labels
-    (`layout`: ShardWriter's zarr_format, shard_examples...)."""
+    """Two shards of a prompt/response store with random lengths (some 0) and token-kind
+    labels 0..2 (token_label_names: the default mask keeps label 0) (`layout`: ShardWriter's
+    zarr_format, shard_examples...)."""
     rng = np.random.default_rng(seed)
     for shard in range(shards):
         with actstore.ShardWriter(
@@ -173,6 +192,7 @@ def pairs_store(path, seed=0, shards=2, n=7, d=8, dtype="float16", stats=True, *
             t_chunk={"prompt": 4, "response": 4},
             dtype=dtype,
             token_labels=True,
+            token_label_names=dict(spec.TOKEN_KIND_NAMES),
             stats=stats,
             **layout,
         ) as w:
@@ -257,7 +277,7 @@ def word_tokenizer(folder) -> Path:
 
 def word_store(path, tokenizer, *, d_model=6) -> Path:
     """Two shards of 6 'sentences' of 9 token ids of `word_tokenizer` (its folder is the model
-    id): token 0 is <bos> (label 1) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
+    id): token 0 is <bos> (label 1, token kinds) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
     rng = np.random.default_rng(0)
     for shard in range(2):
         n = 6
@@ -276,6 +296,7 @@ def word_store(path, tokenizer, *, d_model=6) -> Path:
             tokens=9,
             token_ids=True,
             token_labels=True,
+            token_label_names=dict(spec.TOKEN_KIND_NAMES),  # token kinds: the default mask leaves the BOS out
             model_id=str(tokenizer),
             world_size=2,
             zarr_format=3,
@@ -354,6 +375,7 @@ def chat_word_store(path, model_id: str, *, d_model=6) -> Path:
         segments={"prompt": 4, "response": 3},
         token_ids=True,
         token_labels=True,
+        token_label_names=dict(spec.TOKEN_KIND_NAMES),  # the BOS is a special token: a kind, not a class
         model_id=model_id,
     ) as w:
         w.append(

@@ -74,8 +74,10 @@ def _rows(a: np.ndarray) -> set[bytes]:
 
 def test_the_rule(packed, tmp_path):
     assert leaves_out_special(packed) and default_token_mask(packed) == "content"
-    prs = text_store(tmp_path / "pairs")  # a prompt/response store with labels (ShardWriter, padded segments)
-    assert leaves_out_special(prs)
+    prs = text_store(tmp_path / "pairs")  # a prompt/response store whose labels are classes (ShardWriter)
+    assert not leaves_out_special(prs) and default_token_mask(prs) is None
+    kinds = text_store(tmp_path / "kinds", kinds=True)  # ... whose writer said they are token kinds
+    assert leaves_out_special(kinds) and kinds.config.token_label_names == {0: "content", 1: "special", 2: "template"}
     assert not leaves_out_special(text_store(tmp_path / "nolabels", labels=False))
     vit = vit_store(tmp_path / "vit")  # labels are classes
     assert not leaves_out_special(vit) and default_token_mask(vit) is None
@@ -212,3 +214,183 @@ def test_vit_stores_are_read_whole(tmp_path):
     assert len(actstore.open(out)) == 4 and "special_tokens" not in str(
         json.loads((actstore.open(out).path / "metadata.json").read_text())["data"]
     )
+
+
+# ---- labels are data unless the store says otherwise (issue 35) ---------------------------
+def _classes_store(path, zarr_format):
+    """19 prompt/response examples whose labels 0..9 are a probing data set's classes (ShardWriter,
+    no token_label_names): the issue's store, of which a saev export kept 15 of 169 real tokens."""
+    rng = np.random.default_rng(5)
+    n = 19
+    with actstore.ShardWriter(
+        path,
+        layers=[0, 1],
+        d_model=4,
+        segments={"prompt": 8, "response": 6},
+        token_labels=True,
+        stats=True,
+        zarr_format=zarr_format,
+        model_id="probe/model",
+        attrs={"dataset": "/data/probe"},
+    ) as w:
+        w.append(
+            prompt=rng.standard_normal((n, 2, 8, 4)).astype(np.float16),
+            response=rng.standard_normal((n, 2, 6, 4)).astype(np.float16),
+            lengths={"prompt": rng.integers(1, 9, n), "response": rng.integers(0, 7, n)},
+            token_labels={"prompt": rng.integers(0, 10, (n, 8)), "response": rng.integers(0, 10, (n, 6))},
+        )
+    actstore.finalize(path)
+    return actstore.ActStore(path)
+
+
+@pytest.mark.parametrize("zarr_format", [3, 2])
+def test_class_labels_are_data_every_consumer_reads_every_real_token(tmp_path, zarr_format):
+    store = _classes_store(tmp_path / "s", zarr_format)
+    lens = {s: store.field(f"{s}_len") for s in store.segments}
+    real = int(sum(v.sum() for v in lens.values()))
+    labels = store.field("prompt_token_labels")
+    assert store.config.token_label_names is None and (labels > 0).any() and (labels == 0).any()
+    assert default_token_mask(store) is None and not leaves_out_special(store)
+    assert TokenStream(store, batch_size=8, layers=[0]).n_tokens == real
+    idx = PairIndex(np.arange(len(store)), np.zeros((len(store), 1), np.int64))
+    mask = PairDataset(store, return_mask=True)[idx]["mask"].numpy()
+    within = np.concatenate(
+        [np.arange(store.config.segment(s).t_max)[None, :] < lens[s][:, None] for s in store.segments], axis=1
+    )
+    np.testing.assert_array_equal(mask, within)
+    st = store.stats()
+    assert sum(int(st.count[st.keys.index(f"layer0/{s}")]) for s in store.segments) == real
+    out = cli(
+        "export-saev",
+        store.path,
+        tmp_path / "e" / "saev" / "shards",
+        "--family",
+        "clip",
+        "--layers",
+        "0",
+        "--quiet",
+    ).output.split()[-1]
+    assert len(actstore.open(out)) == real  # the issue's export kept label 0 only: 15 of 169
+    info = json.loads(cli("info", store.path, "--json").output)
+    assert info["mask"] == {
+        "keeps": "every real token (its token labels are classes: data, not a mask)",
+        "tokens": real,
+        "left_out": 0,
+    }
+    assert (
+        f"mask         every real token (its token labels are classes: data, not a mask): all {real:,} real tokens"
+        in (cli("info", store.path).output)
+    )
+
+
+def test_a_writer_that_says_its_labels_are_token_kinds_gets_the_content_mask(tmp_path):
+    kinds = {0: "content", 1: "special", 2: "template"}
+    with actstore.ShardWriter(
+        tmp_path / "s", layers=[3], d_model=4, tokens=6, token_labels=True, token_label_names=kinds, stats=True
+    ) as w:
+        w.append(np.ones((5, 1, 6, 4), np.float16), token_labels=np.tile([1, 0, 0, 2, 0, 0], (5, 1)))
+    actstore.finalize(tmp_path / "s")
+    store = actstore.ActStore(tmp_path / "s")
+    doc = json.loads((tmp_path / "s" / "actstore.json").read_text())
+    assert doc["config"]["token_labels"] == {
+        "meaning": "kinds",
+        "names": {"0": "content", "1": "special", "2": "template"},
+    }
+    assert store.config.token_label_names == kinds and default_token_mask(store) == "content"
+    assert TokenStream(store, batch_size=4).n_tokens == 5 * 4
+    assert store.stats().count.tolist() == [20]
+    info = json.loads(cli("info", store.path, "--json").output)
+    assert info["mask"] == {
+        "keeps": "content tokens, label 0 (its labels are token kinds: 0 content, 1 special, 2 template)",
+        "tokens": 30,
+        "left_out": 10,
+    }
+    assert "leaves out 10 of 30 real tokens (33.3%)" in info["mask_line"]
+
+
+@pytest.mark.parametrize(
+    "names,says",
+    [
+        ({1: "special"}, "must name label 0"),
+        ({0: ""}, "names of 1..64 characters"),
+        ({256: "x", 0: "content"}, "labels 0..255"),
+        ({True: "x"}, "labels 0..255"),
+    ],
+)
+def test_token_label_names_are_checked(tmp_path, names, says):
+    with pytest.raises(ValueError, match=says):
+        actstore.ShardWriter(
+            tmp_path / "s", layers=[0], d_model=4, tokens=3, token_labels=True, token_label_names=names
+        )
+    with pytest.raises(ValueError, match="pass token_labels=True too"):
+        actstore.ShardWriter(tmp_path / "t", layers=[0], d_model=4, tokens=3, token_label_names={0: "content"})
+    assert not (tmp_path / "s").exists() and not (tmp_path / "t").exists()
+
+
+def _as_written_before(root):
+    """Rewrite a store's configuration as versions before the meaning was recorded wrote it:
+    `token_labels: true` (actstore.json, manifest.json, each shard's group attributes)."""
+    from pathlib import Path
+
+    def plain(cfg):
+        if isinstance(cfg.get("token_labels"), dict):
+            cfg["token_labels"] = True
+
+    root = Path(root)
+    for p in [root / "actstore.json", root / "manifest.json"]:
+        doc = json.loads(p.read_text())
+        plain(doc["config"])
+        p.write_text(json.dumps(doc))
+    for p in root.glob("shards/*/zarr.json"):
+        doc = json.loads(p.read_text())
+        plain(doc["attributes"]["actstore"]["config"])
+        p.write_text(json.dumps(doc))
+
+
+def test_a_capture_made_store_written_before_reads_as_token_kinds(packed, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(packed.path, old)
+    _as_written_before(old)
+    assert json.loads((old / "manifest.json").read_text())["config"]["token_labels"] is True
+    assert json.loads((old / "manifest.json").read_text())["config"]["attrs"]["token_labels"]["0"] == "content"
+    store = actstore.ActStore(old)
+    assert store.config.token_label_names == {0: "content", 1: "special", 2: "template"}
+    assert default_token_mask(store) == "content"
+    x, content, _, _ = _real(store, 0)
+    assert TokenStream(store, batch_size=5, layers=[0]).n_tokens == int(content.sum()) < len(x)
+    from actstore.verify import verify_store
+
+    assert verify_store(old).ok  # the config of every copy still agrees
+
+
+def test_the_commands_say_which_tokens_the_mask_keeps(packed, tmp_path):
+    res = CliRunner().invoke(
+        main,
+        ["export-saev", str(packed.path), str(tmp_path / "a" / "saev" / "shards"), "--family", "clip", "--layers", "0"],
+    )
+    assert res.exit_code == 0, res.output
+    x, content, _, _ = _real(packed, 0)
+    left = len(x) - int(content.sum())
+    assert (
+        f"default mask: content tokens, label 0 (its labels are token kinds: 0 content, 1 special, 2 template): leaves out {left:,} of {len(x):,} real tokens"
+        in res.stderr
+    )
+    every = CliRunner().invoke(
+        main,
+        [
+            "export-saev",
+            str(packed.path),
+            str(tmp_path / "b" / "saev" / "shards"),
+            "--family",
+            "clip",
+            "--layers",
+            "0",
+            "--keep-special",
+        ],
+    )
+    assert (
+        every.exit_code == 0 and "mask: every real token (asked for: the default mask, content tokens" in every.stderr
+    )
+    assert f"would leave out {left:,} of {len(x):,} real tokens)" in every.stderr

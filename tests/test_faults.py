@@ -203,15 +203,16 @@ def test_full_disk_during_write_is_clear_and_resumable(tmp_path, limit, doing, t
 def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
     from actstore.storage import LocalStorage
 
-    real, calls = LocalStorage.put, []
+    real, calls, failed = LocalStorage.put, [], []
 
     def full_on_call_60(self, key, *parts, atomic=True, **kw):
         # 8 chunk files per example (prompt 2 layers x 3, response 2 x 1), 4 per batch: call 60
         # is in the second batch's response segment, after its prompt chunks were written
         if not atomic:  # chunk files are written in place; records and metadata atomically
             calls.append(key)
-            if len(calls) == 60:
-                raise OSError(errno.ENOSPC, "No space left on device")
+            if len(calls) == 60:  # as a real put says it: naming the file (LocalStorage names every write's)
+                failed.append(self.path(key))
+                raise OSError(errno.ENOSPC, "No space left on device", self.path(key))
         real(self, key, *parts, atomic=atomic, **kw)
 
     monkeypatch.setattr(LocalStorage, "put", full_on_call_60)
@@ -221,7 +222,8 @@ def test_enospc_mid_append_leaves_a_consistent_writer(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError) as ei:
         F.append_range(w, 0, 4, 8)
     assert str(ei.value) == (
-        f"out of disk space while writing chunk files of shard 0 of {root} (No space left on device); this batch of 4 examples "
+        f"out of disk space while writing chunk files of shard 0 of {root} (No space left on device: "
+        f"{failed[0]}); this batch of 4 examples "
         "was not added; the shard keeps its last commit (4 examples). Free space, then append again, or reopen with "
         "ShardWriter(..., shard=0, resume=True)"
     )
@@ -358,8 +360,8 @@ def test_full_disk_during_finalize_keeps_the_previous_manifest(base_plus, tmp_pa
     with pytest.raises(DiskFullError) as ei:
         finalize(root)
     assert str(ei.value) == (
-        f"out of disk space while finalizing {root} (No space left on device); the previous manifest is unchanged. "
-        f"Free space, then rerun `actstore finalize {root}`"
+        f"out of disk space while finalizing {root} (No space left on device writing {root}/manifest.json); the previous "
+        f"manifest is unchanged. Free space, then rerun `actstore finalize {root}`"
     )
     assert (root / "manifest.json").read_bytes() == before and len(ActStore(root)) == N0
     monkeypatch.undo()

@@ -207,7 +207,9 @@ def test_bad_direction_sources(tmp_path):
         load_directions(tmp_path / "w3.npy")
     np.save(tmp_path / "w.npy", np.zeros((4, 3), np.float32))
     np.save(tmp_path / "b.npy", np.zeros(4, np.float32))
-    with pytest.raises(EncoderError, match=r"the bias has 4 values but the directions matrix \(4, 3\) has F=3"):
+    with pytest.raises(
+        EncoderError, match=r"the bias in .*b\.npy has 4 values but the directions matrix \(4, 3\) of .*w\.npy has F=3"
+    ):  # both files named
         load_directions(tmp_path / "w.npy", tmp_path / "b.npy")
     np.save(tmp_path / "nan.npy", np.full((4, 3), np.nan, np.float32))
     with pytest.raises(EncoderError, match="NaN or infinite"):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import actstore
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.features import top_activations
 from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 from actstore.features.encoders import Encoder, neurons
@@ -29,6 +30,7 @@ def make_store(path, *, zarr_format=2, n_shards=3, per_shard=7, dtype="float16",
             segments={"prompt": 5, "response": 3},
             dtype=dtype,
             token_labels=True,
+            token_label_names=TOKEN_KIND_NAMES,  # token kinds: the default mask keeps label 0
             zarr_format=zarr_format,
             world_size=n_shards,
             t_chunk={"prompt": 2, "response": 3},

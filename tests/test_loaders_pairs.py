@@ -45,7 +45,7 @@ def check_batch(store, ds, batch):
                 )
         if "mask" in batch:
             # The default mask: real tokens, and of those content only (label 0) where the labels mark token kinds.
-            kinds = store.config.labels_mark_kinds
+            kinds = store.config.default_keeps is not None
             want_mask = np.concatenate(
                 [
                     (np.arange(s.t_max) < lens[s.name])

@@ -198,3 +198,39 @@ def test_a_runs_counts_are_its_own_plus_those_of_writers_in_other_processes(monk
     worker_b = {"reset": 1, "retried": 1}
     got = retry.counts_since(before, worker_a, worker_b)
     assert got == {"retried": 5, "recovered": 2, "reset": 2, "cut": 2, "timeout": 1, "refused": 0, "unresolved": 0}
+
+
+def test_an_endpoint_that_goes_away_mid_write_costs_one_deadline_not_one_per_operation(
+    s3_endpoint, s3_url, monkeypatch, policy
+):
+    """A writer's commit, its cleanup and the next write each used to wait out the deadline
+    (374 s of 120 s budgets): after the first gives up, the endpoint is down until it answers."""
+    import numpy as np
+
+    import actstore
+
+    with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0, keepalive=False) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        w = actstore.ShardWriter(_storage(s3_url), layers=[0], d_model=4, tokens=3, zarr_format=2)
+        w.append(np.ones((2, 1, 3, 4), np.float16))
+        w.commit()
+        w.append(np.ones((2, 1, 3, 4), np.float16))  # chunk files written, not yet committed
+    # the proxy is gone: its port refuses (an endpoint that went away)
+    waited_out = []  # each request that retried until the deadline
+    plain = retry._Attempts.gave_up  # noqa: SLF001
+
+    def gave_up(self, *args):
+        waited_out.append(self.down is None)
+        return plain(self, *args)
+
+    monkeypatch.setattr(retry._Attempts, "gave_up", gave_up)  # noqa: SLF001
+    with pytest.raises(StorageAccessError) as first:
+        w.close()  # the commit's puts, then the lease's release
+    assert "connection failures in" in str(first.value) and "refused" in str(first.value)
+    assert waited_out[0] and not any(waited_out[1:]), waited_out  # one deadline, not one per request
+    t = time.monotonic()
+    with pytest.raises(StorageAccessError, match=r"the endpoint stopped answering \(cannot .* after \d+ s of retries"):
+        _storage(s3_url).get("k")  # the next operation: one try, at once, naming what gave up
+    assert time.monotonic() - t < 1.0
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)  # the endpoint is back: requests go through again
+    assert _storage(s3_url).list_dir("shards") == ["shard-00000.zarr"]

@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import actstore
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.cli import main
 from actstore.errors import LayerNotFoundError
 from actstore.saelens import SaelensExportError, export_saelens, saelens_data_provider
@@ -34,6 +35,7 @@ def store(tmp_path_factory):
         segments={"prompt": 6, "response": 4},
         token_ids=True,
         token_labels=True,
+        token_label_names=TOKEN_KIND_NAMES,  # labels 0..2 are token kinds: the default mask keeps 0
         model_id="tiny",
         attrs={"hook_names": {"0": "blocks.0.hook_resid_post", "3": "blocks.3.hook_resid_post"}},
     ) as w:

@@ -41,7 +41,7 @@ def proxy(s3_endpoint, monkeypatch):
 
 
 def test_a_one_commit_shard_costs_at_most_20_requests_and_puts_each_metadata_document_once(s3_url, proxy):
-    _writer(s3_url)
+    _writer(s3_url, stats=True)  # its statistics file is one of the 20
     reqs = _requests(proxy, 0)
     data = [r for r in reqs if r[0] == "PUT" and re.search(r"_activations/c/", r[1])]
     per_sample_chunks = [
@@ -49,7 +49,7 @@ def test_a_one_commit_shard_costs_at_most_20_requests_and_puts_each_metadata_doc
     ]
     assert len(data) == 1 and len(per_sample_chunks) == 3  # one Zarr shard file; one chunk per per-sample array
     fixed = len(reqs) - len(data) - len(per_sample_chunks)
-    assert fixed <= 20, reqs
+    assert fixed <= 19, reqs  # a listing claims the store (no HEAD first); the lease goes with one DELETE
     meta = collections.Counter(p for m, p in reqs if m == "PUT" and p.endswith("zarr.json"))
     assert len(meta) == 6 and set(meta.values()) == {1}, meta  # root, arrays group, four arrays: each put once
     assert not [r for r in reqs if r[0] == "HEAD" and "/shards/" in r[1]]  # nothing of the shard is asked about first

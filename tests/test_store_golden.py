@@ -11,7 +11,11 @@ temporary folder and checks that
 - today's writer, given the same batches, writes every file byte for byte as the golden
   one (after the generator's normalisation of `created`, `updated` and `actstore_version`).
 
-tests/golden/before-every-chunk/ keeps the same stores as written before per-sample arrays
+tests/golden/before-token-label-meaning/ keeps the stores as written before the configuration
+said what token labels mean (format.md, section 3): store-v2's labels (1..9, written by a
+ShardWriter) were then taken for token kinds, so its statistics cover no token (none is label
+0); today they are classes and its statistics cover every real token; both read exactly, and
+the old store's labels read as classes. tests/golden/before-every-chunk/ keeps the same stores as written before per-sample arrays
 carried `actstore_every_chunk` (format.md, section 3), and tests/golden/before-per-sample-checksums/
 as written before block records carried `per_sample_crc32c` and per-sample chunks were sized
 to PER_SAMPLE_CHUNK_BYTES (they were up to 4 MiB): today's reader reads them exactly too.
@@ -60,6 +64,7 @@ def expected(name: str):
 
 ERAS = {
     "today": GOLDEN,
+    "before-token-label-meaning": GOLDEN / "before-token-label-meaning",
     "before-per-sample-checksums": GOLDEN / "before-per-sample-checksums",
     "before-every-chunk": GOLDEN / "before-every-chunk",
 }
@@ -93,9 +98,9 @@ def test_golden_reads_exactly(tmp_path, name, era):
         json.loads(line) for line in (root / "shards/shard-00000.zarr/meta/blocks.jsonl").read_text().splitlines()
     ]
     per_sample = {a.split("/")[-1] for a in promised}
-    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [per_sample if era == "today" else set()] * len(
-        blocks
-    )
+    assert [set(b.get("per_sample_crc32c", ())) for b in blocks] == [
+        per_sample if era in ("today", "before-token-label-meaning") else set()
+    ] * len(blocks)
     exp = expected(name)
     store = actstore.ActStore(root)
     segs = list(exp.segments)
@@ -150,7 +155,11 @@ def test_golden_reads_exactly(tmp_path, name, era):
         "actstore_version": gen.FIXED_VERSION,
         **exp.attrs,
     }
-    _check_stats(store, exp, content_only=era == "today")  # an older store's statistics cover every real token
+    # Statistics cover every real token, except in the stores written while any labels were
+    # taken for token kinds (store-v2's are classes, so there they covered label 0: none).
+    _check_stats(store, exp, content_only=era == "before-token-label-meaning")
+    assert store.config.token_label_names is None  # labels, where there are any, are classes
+
     report = verify_store(root, deep=True)
     assert report.problems == [], report.summary()
 
@@ -163,12 +172,8 @@ def _check_stats(store, exp, content_only: bool = True) -> None:
     assert st is not None
     for s in exp.segments:
         mask = np.arange(exp.acts[s].shape[2])[None, :] < exp.lengths[s][:, None]  # stored (non-padding) tokens
-        if (
-            content_only
-            and exp.token_labels
-            and not any(k in exp.attrs for k in ("image", "cls_token", "saev_protocol"))
-        ):
-            mask = mask & (exp.token_labels[s] == 0)  # labels marking token kinds: statistics over content tokens only
+        if content_only and exp.token_labels:
+            mask = mask & (exp.token_labels[s] == 0)  # labels read as token kinds: statistics over label 0 only
         for lp, layer in enumerate(exp.layers):
             v = exp.acts[s][:, lp][mask].astype(np.float64)  # (count, D)
             key = f"layer{layer}/{s}"

@@ -66,6 +66,10 @@ class SegmentNotFoundError(ActstoreError, KeyError):
     """A segment name that the store does not hold."""
 
 
+class FieldNotFoundError(ActstoreError, KeyError):
+    """A per-sample field or text field name that the store does not hold."""
+
+
 class FormatVersionError(ActstoreError, ValueError):
     """A store written by a newer (or unknown) version of the format."""
 

@@ -23,6 +23,11 @@ def notes() -> str:
     return ", ".join(s for s in (fn() for fn in _notes) if s)
 
 
+def say(line: str) -> None:
+    """One line on stderr before a command's bar (what it reads, e.g. its token mask)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 class _Lines:
     """A stream for tqdm that turns its carriage-return redraws into whole lines."""
 

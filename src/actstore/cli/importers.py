@@ -31,7 +31,18 @@ def _common(f):
         help="The store's layer: a number, or a name whose number it takes (blocks.8.hook_resid_post -> 8). "
         "Default: the number in the hook's name.",
     )(f)
+    f = click.option(
+        "--commit-mb",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="Commit each shard every this many MiB of activations (default 256): a kill loses at most one "
+        "commit, and a rerun continues from the last; lower it for parts smaller than one commit.",
+    )(f)
     return G.quiet_json(quiet="No progress bar, no summary.")(f)
+
+
+def _commit_bytes(commit_mb: float | None) -> int | None:
+    return None if commit_mb is None else max(1, int(commit_mb * 2**20))
 
 
 def _layer_number(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -69,6 +80,7 @@ def import_activault_cmd(
     workers: int,
     zarr_format: str,
     layer: int | None,
+    commit_mb: float | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -83,7 +95,14 @@ def import_activault_cmd(
     from actstore.importers import import_activault
 
     rep = import_activault(
-        src, store, hook=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+        src,
+        store,
+        hook=hook_name,
+        layer=layer,
+        workers=workers,
+        zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
+        progress=not quiet,
     )
     _report(rep, quiet, as_json)
 
@@ -100,6 +119,7 @@ def import_saelens_cmd(
     workers: int,
     zarr_format: str,
     layer: int | None,
+    commit_mb: float | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -112,7 +132,14 @@ def import_saelens_cmd(
     from actstore.importers import import_saelens
 
     rep = import_saelens(
-        src, store, hook_name=hook_name, layer=layer, workers=workers, zarr_format=int(zarr_format), progress=not quiet
+        src,
+        store,
+        hook_name=hook_name,
+        layer=layer,
+        workers=workers,
+        zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
+        progress=not quiet,
     )
     _report(rep, quiet, as_json)
 
@@ -131,6 +158,7 @@ def import_dictionary_learning_cmd(
     workers: int,
     zarr_format: str,
     layer: int | None,
+    commit_mb: float | None,
     quiet: bool,
     as_json: bool,
 ) -> None:
@@ -150,6 +178,7 @@ def import_dictionary_learning_cmd(
         layer=layer,
         workers=workers,
         zarr_format=int(zarr_format),
+        commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
     _report(rep, quiet, as_json)

@@ -58,6 +58,11 @@ def run_features(
     if isinstance(layer, str) and layer.lstrip("-").isdigit():
         layer = int(layer)
     layer_n = int(store.layer_number(layer))
+    if progress:
+        from actstore.progress import say
+        from actstore.read.masks import summarize
+
+        say(f"features layer {layer_n}: {summarize(store).line(keep_all=keep_special)}")
     tables = top_activations(
         store,
         layer_n,

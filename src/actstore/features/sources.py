@@ -154,6 +154,11 @@ def _torch_state(path: Path, payload: bytes | None = None) -> dict[str, Any]:
 
     import torch
 
+    if torch.__version__ < "2.6":  # TorchVersion compares as a version
+        raise EncoderError(
+            f"torch {torch.__version__} is older than 2.6, whose weights-only loader can be made to run code "
+            f"(CVE-2025-32434); {path} is not loaded with it: upgrade torch (pip install 'torch>=2.6')"
+        )
     try:
         src = io.BytesIO(payload) if payload is not None else str(path)
         state = torch.load(src, weights_only=True, map_location="cpu")
@@ -282,13 +287,18 @@ def load_directions(path: str | Path, bias: str | Path | None = None) -> Encoder
     W = _f32(W, f"the directions in {path}")
     if W.ndim != 2:
         raise EncoderError(f"{path} holds an array of shape {W.shape}: directions must be a (d_model, F) matrix")
+    bias_from = path if bias is None else Path(bias)
     if bias is not None:
-        b = np.load(bias, allow_pickle=False)
+        try:
+            b = np.load(bias_from, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as e:
+            raise EncoderError(f"--bias {bias_from} is not a readable .npy file of (F,) values: {e}") from None
     if b is not None:
-        b = _f32(b, "the bias").reshape(-1)
+        b = _f32(b, f"the bias in {bias_from}").reshape(-1)
         if b.shape != (W.shape[1],):
             raise EncoderError(
-                f"the bias has {b.size} values but the directions matrix {W.shape} has F={W.shape[1]} columns"
+                f"the bias in {bias_from} has {b.size} values but the directions matrix {W.shape} of {path} "
+                f"has F={W.shape[1]} columns: give a bias of {W.shape[1]} values"
             )
     files = [path] + ([Path(bias)] if bias is not None else [])
     return Encoder(

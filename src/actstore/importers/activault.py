@@ -34,6 +34,7 @@ from typing import Any
 
 from actstore.errors import ActivaultFormatError
 from actstore.importers.driver import Examples, Geometry, Part
+from actstore.importers.files import local_file, local_size, read_bytes
 from actstore.storage import KeyNotFound, open_storage
 
 METADATA, STATISTICS = "metadata.json", "statistics.json"
@@ -84,6 +85,8 @@ class ActivaultSource:
         T, D, dtype = m["sequence_length"], m["d_in"], DTYPES[m["dtype"]]
         self.states_bytes = self.n_per_file * T * D * ITEMSIZE[dtype]
         files = sorted(k for k in entries if k.endswith(SUFFIX))
+        if storage.local_root is not None:  # links are followed only inside the folder
+            entries.update({k: local_size(storage, k, self.url, ActivaultFormatError) for k in files})
         self.parts = [self._part(k, entries[k]) for k in files]
         if layer is None:
             nums = re.findall(r"\d+", self.hook)
@@ -131,9 +134,15 @@ class ActivaultSource:
         import torch
 
         where = f"{self.url}/{part.key}"
+        if torch.__version__ < "2.6":  # TorchVersion compares as a version
+            raise ActivaultFormatError(
+                f"torch {torch.__version__} is older than 2.6, whose weights-only loader can be made to run code "
+                f"(CVE-2025-32434); {where} is not loaded with it: upgrade torch (pip install 'torch>=2.6')"
+            )
         try:
             if self.storage.local_root is not None:  # mapped: the tensors' pages are read as they are written
-                return torch.load(self.storage.local_root / part.key, map_location="cpu", weights_only=True, mmap=True)
+                path = local_file(self.storage, part.key, self.url, ActivaultFormatError)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             data = self.storage.get(part.key, max_bytes=part_size(part))
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
@@ -157,7 +166,7 @@ def part_size(part: Part) -> int:
 def _json(storage: Any, key: str, url: str) -> Any:
     where = f"{url}/{key}"
     try:
-        raw = storage.get(key, max_bytes=MAX_JSON_BYTES)
+        raw = read_bytes(storage, key, url, MAX_JSON_BYTES, ActivaultFormatError)
     except KeyNotFound:
         raise ActivaultFormatError(f"{where} is missing") from None
     try:

@@ -31,6 +31,7 @@ import numpy as np
 
 from actstore.errors import DictionaryLearningCacheError
 from actstore.importers.driver import Examples, Geometry, Part
+from actstore.importers.files import local_file, local_size, read_bytes
 from actstore.storage import KeyNotFound, open_storage
 
 CONFIG = "config.json"
@@ -113,7 +114,7 @@ class DictionaryLearningSource:
 
     def _json(self, key: str) -> Any:
         try:
-            raw = self.storage.get(key, max_bytes=1 << 20)
+            raw = read_bytes(self.storage, key, self.url, 1 << 20, DictionaryLearningCacheError)
         except KeyNotFound:
             raise DictionaryLearningCacheError(
                 f"{self.url}/{key} is missing: pass one submodule's folder "
@@ -138,8 +139,8 @@ class DictionaryLearningSource:
             raise DictionaryLearningCacheError(
                 f"{self.url}/{meta}: shape {shape!r}; expected [n_tokens, {self.d}] (d_model of {CONFIG})"
             )
-        size = (self.root / data).stat().st_size
-        if size != shape[0] * self.d * 4:
+        size = local_size(self.storage, data, self.url, DictionaryLearningCacheError)
+        if size != shape[0] * self.d * 4 and not (shape[0] == 0 and size <= 1):  # numpy maps 0 rows as 1 byte
             raise DictionaryLearningCacheError(
                 f"{self.url}/{data} has {size} bytes; {meta} says {shape[0]} x {self.d} float32 = "
                 f"{shape[0] * self.d * 4} bytes (truncated or replaced?)"
@@ -149,7 +150,13 @@ class DictionaryLearningSource:
     def read(self, part: Part, start: int) -> Iterator[Examples]:
         i = self.parts.index(part)
         n, T, D = self.shapes[i], self.T, self.d
-        mm = np.memmap(self.root / part.key, dtype=np.float32, mode="r", shape=(n, D))
+        if n == 0:
+            return  # an empty shard (collect's last one, when the tokens filled the others): no example
+        path = local_file(self.storage, part.key, self.url, DictionaryLearningCacheError)
+        try:
+            mm = np.memmap(path, dtype=np.float32, mode="r", shape=(n, D))
+        except (OSError, ValueError) as e:
+            raise DictionaryLearningCacheError(f"{self.url}/{part.key} cannot be memory-mapped ({e})") from None
         per = max(1, BATCH_TOKENS // T)
         for e0 in range(start, part.n_examples, per):
             e1 = min(e0 + per, part.n_examples)

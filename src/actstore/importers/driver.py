@@ -42,6 +42,7 @@ class Geometry:
     dtype: str
     token_ids: bool = False
     token_labels: bool = False
+    token_label_names: dict[int, str] | None = None  # the labels are token kinds (None: classes)
     variable: bool = False
     model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
@@ -183,9 +184,11 @@ def _import_part(
         dtype=g.dtype,
         token_ids=g.token_ids,
         token_labels=g.token_labels,
+        token_label_names=g.token_label_names,
         model_id=g.model_id,
         attrs=attrs,
         resume=state == "partial",
+        overwrite=state == "unclaimed",
         zarr_format=zarr_format,
         **kw,
     )
@@ -197,11 +200,13 @@ def _import_part(
             update(start)
         else:
             report.count("n_written")
-        for b in source.read(part, start):
+        per = max(1, commit_bytes // w.cfg.example_bytes()) if commit_bytes else None
+        for batch in source.read(part, start):
             if probe is None and start == 0:
-                probe = _checksum(b.acts, 0, None if b.lengths is None else int(b.lengths[0]))
-            w.append(b.acts, lengths=b.lengths, token_ids=b.token_ids, token_labels=b.token_labels)
-            update(len(b.acts))
+                probe = _checksum(batch.acts, 0, None if batch.lengths is None else int(batch.lengths[0]))
+            for b in _pieces(batch, per):  # a commit may end inside a source's batch
+                w.append(b.acts, lengths=b.lengths, token_ids=b.token_ids, token_labels=b.token_labels)
+                update(len(b.acts))
         if part.n_examples is not None and w.n_written != part.n_examples:
             raise ImportSourceError(
                 f"{source.url}/{part.key} gave {w.n_written} examples; its metadata says {part.n_examples}"
@@ -210,7 +215,8 @@ def _import_part(
 
 
 def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr_format: int) -> str:
-    """'new', 'partial' (a killed import of this part: resumed) or 'done'."""
+    """'new', 'unclaimed' (a shard killed before its first commit, which records whose part
+    it holds: started afresh), 'partial' (a killed import of this part: resumed) or 'done'."""
     from actstore import catalog
 
     storage = open_storage(store)
@@ -221,7 +227,11 @@ def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr
     key = records.group_attrs_key(zarr_format)
     try:
         mine = records.shard_attrs_config(sh.get(key), zarr_format, sh.where(key)).attrs.get(IMPORT_ATTR)
-    except (KeyNotFound, CorruptStoreError, AttributeError):
+    except KeyNotFound:
+        if rec.n_committed == 0:
+            return "unclaimed"  # nothing committed, nothing said whose: no one's work is lost
+        mine = None
+    except (CorruptStoreError, AttributeError):
         mine = None
     want = {"kind": source.kind, "part": part.key, "fingerprint": part.fingerprint}
     if not isinstance(mine, dict) or any(mine.get(k) != v for k, v in want.items()):
@@ -230,6 +240,18 @@ def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr
             f"({'another source' if not isinstance(mine, dict) else mine.get('part')}); import into a new store path"
         )
     return "done" if rec.complete and part.n_examples in (None, rec.n_committed) else "partial"
+
+
+def _pieces(b: Examples, rows: int | None) -> Iterator[Examples]:
+    """`b` in pieces of at most `rows` examples (None: whole)."""
+    n = len(b.acts)
+    if rows is None or n <= rows:
+        yield b
+        return
+    for i in range(0, n, rows):
+        yield Examples(
+            **{k: None if v is None else v[i : i + rows] for k, v in vars(b).items()},
+        )
 
 
 def _checksum(acts: Any, row: int, length: int | None) -> int:

@@ -28,6 +28,8 @@ import numpy as np
 
 from actstore.errors import SaelensDatasetError
 from actstore.importers.driver import Examples, Geometry, Part
+from actstore.importers.files import local_file, local_size, read_bytes
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.storage import KeyNotFound, open_storage
 
 STATE, INFO, CONFIG = "state.json", "dataset_info.json", "saelens_config.json"
@@ -100,6 +102,8 @@ class SaelensSource:
             raise SaelensDatasetError(
                 f"{self.url}/{STATE} lists {missing}, which are not in the folder (it holds {sorted(sizes)})"
             )
+        if storage.local_root is not None:  # links are followed only inside the folder
+            sizes.update({n: local_size(storage, n, self.url, SaelensDatasetError) for n in names})
         self.parts = [Part(key=n, n_examples=self._count(n), fingerprint=str(sizes[n])) for n in names]
         config = self._json(CONFIG) if CONFIG in sizes else {}
         if isinstance(config, dict) and isinstance(config.get("files"), list):
@@ -117,6 +121,7 @@ class SaelensSource:
             dtype=dtype,
             token_ids=self.ids_mode,
             token_labels=labels,
+            token_label_names=dict(TOKEN_KIND_NAMES) if labels else None,  # export-saelens's codes: token kinds
             variable=self.has_ids,
             model_id=config.get("model_name") if isinstance(config, dict) else None,
             attrs={
@@ -150,7 +155,7 @@ class SaelensSource:
     def _json(self, key: str) -> Any:
         where = f"{self.url}/{key}"
         try:
-            raw = self.storage.get(key, max_bytes=MAX_JSON_BYTES)
+            raw = read_bytes(self.storage, key, self.url, MAX_JSON_BYTES, SaelensDatasetError)
         except KeyNotFound:
             raise SaelensDatasetError(
                 f"{where} is missing: {self.url} is not a datasets save_to_disk folder "
@@ -167,7 +172,8 @@ class SaelensSource:
         where = f"{self.url}/{key}"
         try:
             if self.storage.local_root is not None:
-                src: Any = pa.memory_map(str(self.storage.local_root / key))  # zero-copy
+                path = local_file(self.storage, key, self.url, SaelensDatasetError)
+                src: Any = pa.memory_map(str(path))  # zero-copy
             else:
                 src = pa.PythonFile(io.BufferedReader(_RangeFile(self.storage, key), READ_BYTES), mode="r")
             reader = pa.ipc.open_stream(src)

@@ -91,9 +91,11 @@ def _names(codecs: Any) -> list[Any]:
     return [c.get("name") if isinstance(c, dict) else c for c in codecs]
 
 
-def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list[str]:
+def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int, complete: bool = False) -> list[str]:
     """What is wrong with array metadata `meta` for the array `want` of a store of Zarr
-    format `zarr_format` publishing `n` examples (empty: nothing)."""
+    format `zarr_format` publishing `n` examples (empty: nothing). A `complete` shard's
+    arrays hold exactly `n` examples (its writer's last commit set every shape); a shard
+    whose writer never closed may hold uncommitted examples beyond them."""
     if not isinstance(meta, dict):
         return [f"metadata that is not a JSON object ({type(meta).__name__})"]
     fmt = meta.get("zarr_format")
@@ -111,6 +113,8 @@ def array_problems(meta: Any, want: ArraySpec, zarr_format: int, n: int) -> list
         ]
     if shape[0] < n:
         return [f"{shape[0]} examples; {n} are published"]
+    if complete and shape[0] != n:
+        return [f"{shape[0]} examples; the shard is complete with {n} (its writer set every shape to that)"]
     try:
         dtype = declared_dtype(meta)
     except (ValueError, KeyError) as e:
@@ -209,6 +213,13 @@ def _codec_problems(meta: dict[str, Any], want: ArraySpec) -> list[str]:
         if inner is None or _names(index) not in (["bytes"], ["bytes", "crc32c"]):
             return [
                 f"codecs {_names(codecs)}; the store config says Zarr shards (sharding_indexed, index codecs bytes + crc32c)"
+            ]
+        sconf = codecs[0]["configuration"]
+        endian = (index[0].get("configuration") or {}).get("endian") if isinstance(index[0], dict) else None
+        if endian != "little" or sconf.get("index_location", "end") != "end":
+            return [
+                f"a Zarr shard index {endian!r} endian at {sconf.get('index_location', 'end')!r}; actstore writes "
+                "it little endian at the end (another byte order or place reads every offset wrong)"
             ]
         codecs = inner
     names = _names(codecs)

@@ -43,6 +43,9 @@ class StoreConfig:
     model_id: str | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
     token_ids: bool = False  # a per-token int32 vocabulary id array per segment
+    # What the labels mean: {label: name} of token kinds (0 content, 1 special, 2 template),
+    # which the default mask reads by (actstore.read.masks); None: the labels are classes.
+    token_label_names: Mapping[int, str] | None = None
 
     @property
     def n_layers(self) -> int:
@@ -61,13 +64,11 @@ class StoreConfig:
         return sum(s.t_max for s in self.segments)
 
     @property
-    def labels_mark_kinds(self) -> bool:
-        """Whether the per-token labels mark token kinds (0 content, 1 special token, 2 chat
-        template: a text store's), so that "label 0" is the content mask that every reader
-        applies by default (actstore.read.masks). False without labels, and for an image
-        store, whose labels are classes (a saev labels.bin), not a mask: one whose attrs
-        describe images (IMAGE_ATTRS: "image", "cls_token", "saev_protocol")."""
-        return bool(self.token_labels) and not any(k in self.attrs for k in spec.IMAGE_ATTRS)
+    def default_keeps(self) -> int | None:
+        """The label that the default mask keeps (spec.CONTENT_LABEL) when the labels are
+        token kinds; None when a reader reads every token (no labels, or labels that are
+        classes: data, not a mask)."""
+        return spec.CONTENT_LABEL if self.token_label_names is not None else None
 
     def segment(self, name: str) -> SegmentSpec:
         for s in self.segments:
@@ -90,6 +91,12 @@ class StoreConfig:
         d["fields"] = dict(self.fields)
         d["texts"] = list(self.texts)
         d["attrs"] = dict(self.attrs)
+        del d["token_label_names"]
+        if self.token_label_names is not None:
+            d["token_labels"] = {
+                "meaning": spec.TOKEN_LABELS_KINDS,
+                "names": {str(k): v for k, v in sorted(self.token_label_names.items())},
+            }
         if not self.token_ids:
             del d["token_ids"]  # optional: stores without token ids keep their bytes
         return d
@@ -118,6 +125,7 @@ class StoreConfig:
                     fixed=bool(s["fixed"]),
                 )
             )
+        labels, names = parse_token_labels(d["token_labels"])
         return make_config(
             layers=d["layers"],
             d_model=d["d_model"],
@@ -127,10 +135,11 @@ class StoreConfig:
             shard_examples=d["shard_examples"],
             fields=d["fields"],
             texts=d["texts"],
-            token_labels=d["token_labels"],
+            token_labels=labels,
             model_id=d["model_id"],
             attrs=d["attrs"],
             token_ids=_bool_field(d, "token_ids"),
+            token_label_names=names,
         )
 
     def differences(self, other: StoreConfig) -> list[str]:
@@ -150,6 +159,54 @@ class StoreConfig:
                 f"{where} already holds a different actstore store ({'; '.join(diffs)}). "
                 "Write to a new path, or match the existing store's configuration."
             )
+
+
+def parse_token_labels(value: Any) -> tuple[bool, dict[int, str] | None]:
+    """The config's `token_labels` as (labels stored, kind names or None): `false`, `true`
+    (classes) or {"meaning": "kinds", "names": {"0": "content", ...}}."""
+    if isinstance(value, bool):
+        return value, None
+    if not isinstance(value, dict) or set(value) != set(spec.TOKEN_LABELS_FIELDS):
+        raise ValueError(
+            f'token_labels must be true, false or {{"meaning": "{spec.TOKEN_LABELS_KINDS}", "names": {{label: name}}}}. '
+            f"Got {value!r}."
+        )
+    if value["meaning"] != spec.TOKEN_LABELS_KINDS:
+        raise ValueError(f"token_labels meaning must be {spec.TOKEN_LABELS_KINDS!r}. Got {value['meaning']!r}.")
+    names = value["names"]
+    if not isinstance(names, dict) or not all(isinstance(k, str) and k.isdigit() for k in names):
+        raise ValueError(f"token_labels names must map labels (digits) to names. Got {names!r}.")
+    return True, parse_token_label_names({int(k): v for k, v in names.items()})
+
+
+def parse_token_label_names(value: Any) -> dict[int, str]:
+    """{label: name} of token kinds: labels 0..255 (uint8), non-empty names, label 0 (the
+    content that the default mask keeps) among them."""
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(
+            f"token_label_names must map token labels to names, e.g. {spec.TOKEN_KIND_NAMES}. Got {value!r}."
+        )
+    out = {}
+    for k, v in value.items():
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= 255:
+            raise ValueError(f"token_label_names keys must be labels 0..255 (uint8). Got {k!r}.")
+        if not isinstance(v, str) or not v or len(v) > 64:
+            raise ValueError(f"token_label_names values must be names of 1..64 characters. Got {v!r} for label {k}.")
+        out[int(k)] = v
+    if spec.CONTENT_LABEL not in out:
+        raise ValueError(
+            f"token_label_names must name label {spec.CONTENT_LABEL}, the content tokens the default mask keeps. Got {value!r}."
+        )
+    return dict(sorted(out.items()))
+
+
+def legacy_kind_names(attrs: Mapping[str, Any]) -> dict[int, str] | None:
+    """Kind names of a store written before the config recorded them: capture-made stores
+    carry attrs `token_labels` {"0": "content", ...}; every other store's labels are classes."""
+    meaning = attrs.get(spec.LEGACY_KINDS_ATTR)
+    if isinstance(meaning, Mapping) and meaning.get(str(spec.CONTENT_LABEL)) == spec.TOKEN_KIND_NAMES[0]:
+        return dict(spec.TOKEN_KIND_NAMES)
+    return None
 
 
 def parse_positive_int(name: str, value: Any) -> int:
@@ -217,6 +274,7 @@ def make_config(
     model_id: str | None = None,
     attrs: Mapping[str, Any] | None = None,
     token_ids: bool = False,
+    token_label_names: Mapping[int, str] | None = None,
 ) -> StoreConfig:
     """Validate writer arguments and build a StoreConfig (see ShardWriter for the meaning)."""
     layers_t = parse_layers(layers)
@@ -265,6 +323,14 @@ def make_config(
     text_names = tuple(parse_segment_name(t) for t in texts)
     if len(set(text_names)) != len(text_names):
         raise ValueError(f"texts must be distinct names. Got {list(texts)}.")
+    token_labels = bool(token_labels)
+    attrs = dict(attrs or {})
+    if token_label_names is not None:
+        if not token_labels:
+            raise ValueError("token_label_names says what the per-token labels mean; pass token_labels=True too")
+        token_label_names = parse_token_label_names(token_label_names)
+    elif token_labels:
+        token_label_names = legacy_kind_names(attrs)
     return StoreConfig(
         layers=layers_t,
         d_model=d_model,
@@ -274,10 +340,11 @@ def make_config(
         shard_examples=shard_examples,
         fields=fields_d,
         texts=text_names,
-        token_labels=bool(token_labels),
+        token_labels=token_labels,
         model_id=model_id,
-        attrs=dict(attrs or {}),
+        attrs=attrs,
         token_ids=bool(token_ids),
+        token_label_names=token_label_names,
     )
 
 

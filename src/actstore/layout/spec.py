@@ -33,9 +33,16 @@ STATS_FILE_FORMAT = "meta/stats-{:012d}.npz"
 ACTS_SUFFIX = "_activations"
 LEN_SUFFIX = "_len"
 TOKEN_LABELS_SUFFIX = "_token_labels"
-# attrs that mark an image store (a ViT capture, a saev directory or its import): its token
-# labels are classes; any other store's labels mark token kinds (0 content, 1 special, 2 template).
-IMAGE_ATTRS = ("image", "cls_token", "saev_protocol")
+# What a store's per-token labels mean (the config's `token_labels`, section 1.2): `true` =
+# classes (data: no reader masks by them); an object {"meaning": TOKEN_LABELS_KINDS, "names":
+# {label: name}} = token kinds, of which the default mask keeps label CONTENT_LABEL only.
+TOKEN_LABELS_FIELDS = ("meaning", "names")
+TOKEN_LABELS_KINDS = "kinds"
+CONTENT_LABEL = 0
+TOKEN_KIND_NAMES = {0: "content", 1: "special", 2: "template"}  # what the capture records
+# Stores written before the config said so: capture-made ones carry this attr, whose label
+# "0" is "content" (the capture's TOKEN_LABEL_MEANING); their labels read as token kinds.
+LEGACY_KINDS_ATTR = "token_labels"
 TOKEN_IDS_SUFFIX = "_token_ids"  # per token: the model's vocabulary id (int32; padding 0)
 TOKEN_ID_DTYPE = "<i4"
 SAMPLE_KEY = "sample_key"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from actstore.read.masks import summarize
 from actstore.read.store import ActStore
 
 
@@ -21,6 +22,7 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
     )
     n_tokens = sum(tokens.values())
     stats = store.stats()
+    mask = summarize(store)
     return {
         "path": store.storage.url,
         "n_examples": n,
@@ -56,6 +58,8 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "world_size": store.manifest.world_size,
         "layer_names": store.layer_names(),
         "token_ids": cfg.token_ids,
+        "mask": mask.to_json(),  # which tokens the readers' default mask keeps, and how many it leaves out
+        "mask_line": mask.line(),
         "partial": (
             {
                 "missing_ranks": list(store.manifest.partial.missing_ranks),
@@ -115,6 +119,8 @@ def format_info(info: dict[str, Any]) -> str:
         by_layer.setdefault(n, []).append(name)
     for n, names in sorted(by_layer.items()):
         lines.append(f"layer {n:<6} = {', '.join(names)}")
+    if info.get("mask_line"):
+        lines.append(f"mask         {info['mask_line'].removeprefix('default mask: ')}")
     packing = info.get("attrs", {}).get("packing")
     if isinstance(packing, dict):
         lines.append(_packing(packing))

@@ -19,7 +19,7 @@ from actstore.index import ExampleIndex, layer_position
 from actstore.read.interface import Reader
 from actstore.read.select import is_pair, select
 from actstore.layout import saevspec as P
-from actstore.errors import SaevFormatError
+from actstore.errors import FieldNotFoundError, SaevFormatError
 from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 
 SEGMENT = spec.DEFAULT_SEGMENT
@@ -214,7 +214,9 @@ class SaevStore(Reader):
             out = np.zeros((len(self), self.tokens_per_example), dtype=np.uint8)
             out[:, 1:] = lab
             return out
-        raise KeyError(f"no per-sample field {name!r}; this saev directory has {list(self.field_names())}")
+        raise FieldNotFoundError(
+            f"no per-sample field {name!r} in {self.path}; this saev directory has {list(self.field_names())}"
+        )
 
     def field_names(self) -> tuple[str, ...]:
         """`tokens_len`, and `tokens_token_labels` where labels.bin exists."""

@@ -123,7 +123,9 @@ class ShardReader:
 
     def _check_meta(self, rel: str, meta: Any) -> None:
         """Every metadata field that decides how the array's bytes are read, as the format says."""
-        problems = array_problems(meta, self._specs[rel], self.cfg.zarr_format, self.entry.n_examples)
+        problems = array_problems(
+            meta, self._specs[rel], self.cfg.zarr_format, self.entry.n_examples, complete=self.entry.complete
+        )
         if problems:
             raise CorruptStoreError(
                 f"array {self.storage.where(rel)} has {problems[0]}; its metadata was altered (run `actstore verify`)"

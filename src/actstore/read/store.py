@@ -17,7 +17,7 @@ import numpy as np
 from actstore import catalog
 from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import StoreNotFoundError
+from actstore.errors import FieldNotFoundError, StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
@@ -332,7 +332,9 @@ class ActStore(Reader):
                 ]
             )
         if name not in self.field_names():
-            raise KeyError(f"no per-sample field {name!r}; this store has {list(self.field_names())}")
+            raise FieldNotFoundError(
+                f"no per-sample field {name!r} in {self.path}; it has {list(self.field_names())} (store.field(name))"
+            )
         return self._global_per_sample(name)
 
     def field_names(self) -> tuple[str, ...]:
@@ -346,11 +348,13 @@ class ActStore(Reader):
         return tuple(names)
 
     def texts(self, name: str) -> Iterator[Any]:
-        """Every value of text field `name`, in global example order."""
+        """Every value of text field `name`, in global example order (an unknown name is
+        refused at the call, before anything is read)."""
         if name not in self.config.texts:
-            raise KeyError(f"no text field {name!r}; this store has {list(self.config.texts)}")
-        for pos in range(len(self.manifest.shards)):
-            yield from self._shard(pos).texts(name)
+            raise FieldNotFoundError(
+                f"no text field {name!r} in {self.path}; it has {list(self.config.texts)} (store.texts(name))"
+            )
+        return (value for pos in range(len(self.manifest.shards)) for value in self._shard(pos).texts(name))
 
     def to_xarray(self, ex: int | None = None, segment: str | None = None, *, chunks: Any = None):
         """The whole store as a lazy xarray.Dataset; nothing is read until it is indexed.

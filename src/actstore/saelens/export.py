@@ -136,6 +136,10 @@ def _export(
         skip_special = masks.leaves_out_special(store)
     if skip_special and not store.config.token_labels:
         raise SaelensExportError("skip_special needs per-token labels; this store has none")
+    if progress:
+        from actstore.progress import say
+
+        say(f"export-saelens {hook}: {masks.summarize(store).line(keep_all=not skip_special)}")
     out = Path(os.path.abspath(out))
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (overwrite and out.is_dir()):
         raise SaelensExportError(

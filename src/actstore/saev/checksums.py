@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout.checksum import crc32c
+from actstore.layout.checksum import crc32c, extend_zeros
 from actstore.layout import saevspec as P
 from actstore.errors import SaevFormatError
 from actstore.read.saevschema import read_json, regular_size
 
 ALGORITHM = "crc32c"
 _BLOCK = 16 * 2**20  # bytes per read
-_ZEROS = bytes(_BLOCK)
 
 
 class FileCrc:
@@ -42,11 +41,11 @@ class FileCrc:
         self.nbytes += view.nbytes
 
     def pad_to(self, size: int) -> None:
-        """As if zeros filled the file up to `size` bytes (a sparse hole reads as zeros)."""
-        while self.nbytes < size:
-            n = min(_BLOCK, size - self.nbytes)
-            self.crc = crc32c(memoryview(_ZEROS)[:n], self.crc)
-            self.nbytes += n
+        """As if zeros filled the file up to `size` bytes (a sparse hole reads as zeros),
+        computed, not read: O(log size)."""
+        if size > self.nbytes:
+            self.crc = extend_zeros(self.crc, size - self.nbytes)
+            self.nbytes = size
 
     def record(self) -> dict[str, int]:
         return {"bytes": self.nbytes, "crc32c": self.crc}

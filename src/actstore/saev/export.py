@@ -19,6 +19,8 @@ from actstore.layout import saevspec as P
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.store import ActStore
 from actstore.saev.checksums import file_crc, sidecar_bytes
+from actstore.progress import say
+from actstore.read.masks import summarize
 from actstore.storage.files import export_os_errors
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import DEFAULT_BATCH_BYTES, ExportPlan, SaevExportOptions, make_plan
@@ -151,6 +153,8 @@ def export_saev(
         warnings.warn(
             f"store {store.path} holds {nonfinite} NaN or infinite values; they are exported as they are", stacklevel=2
         )
+    if o.progress:
+        say(f"export-saev {plan.hash[:8]}: {summarize(store).line(keep_all=o.keep_special)}")
     with export_os_errors(f"exporting {store.path} to saev", target, "the same export-saev command"):
         published = _build(
             store,

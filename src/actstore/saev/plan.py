@@ -72,6 +72,10 @@ class ExportPlan:
 
 
 DEFAULT_BATCH_BYTES = 32 * 2**20  # float32 bytes per work unit of the export's pipeline
+# Bytes of one exported shard file, at most: every file, the last one included, takes the
+# full (examples_per_shard, L, T, D) shape (zero padding, a sparse hole), and saev's
+# readers map each file whole. A budget beyond it is refused before anything is written.
+MAX_SHARD_FILE_BYTES = 2**40
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +186,14 @@ def make_plan(
         raise SaevOptionError(
             f"patches_per_shard {patches_per_shard} is smaller than one example ({geom.tokens_per_example} tokens "
             f"x {geom.n_layers} layers = {need}); raise it to at least {need}"
+        )
+    if geom.shard_nbytes > MAX_SHARD_FILE_BYTES:
+        most = MAX_SHARD_FILE_BYTES // geom.example_nbytes * geom.tokens_per_example * geom.n_layers
+        whole = n * geom.tokens_per_example * geom.n_layers
+        raise SaevOptionError(
+            f"patches_per_shard {patches_per_shard} makes every shard file {geom.shard_nbytes:,} bytes (zero-padded "
+            f"past the data: saev's readers map each file whole); at most {MAX_SHARD_FILE_BYTES:,} bytes per file: "
+            f"pass at most {most:,} ({min(most, whole):,} holds this whole export in one file), or leave it out"
         )
     want_labels = _labels(labels, cfg)
     values = {

@@ -22,14 +22,22 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import UnsafePathError
+from actstore.errors import StorageAccessError, UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
 from actstore.storage.durable import syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
-from actstore.storage.regular import READ_FLAGS, check_no_links, kind_of, not_regular, open_regular
+from actstore.storage.regular import (
+    READ_FLAGS,
+    check_no_links,
+    file_parent,
+    kind_of,
+    named_writes,
+    not_regular,
+    open_regular,
+)
 
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)  # buffers one preadv fills
@@ -295,7 +303,13 @@ class LocalStorage(Storage):
         parent = path.rsplit("/", 1)[0]
         if parent not in self._made_dirs:
             check_no_links(self._top, parent)
-            os.makedirs(parent, exist_ok=True)
+            try:
+                os.makedirs(parent, exist_ok=True)
+            except (NotADirectoryError, FileExistsError):
+                raise StorageAccessError(
+                    f"cannot create the folder {parent}: {file_parent(os.path.join(parent, '-'))} is a file, not a folder; "
+                    "choose a path whose folders are folders (nothing was written there)"
+                ) from None
             self._made_dirs.add(parent)
             if self._written is not None:
                 self._written_dirs.add(parent)  # its name, and its parents', synced by sync_written
@@ -305,6 +319,10 @@ class LocalStorage(Storage):
     ) -> None:
         path = self.path(_checked(key))
         self._parent(path)
+        with named_writes(path):
+            self._put(path, parts, atomic, durable, writeback)
+
+    def _put(self, path: str, parts: tuple, atomic: bool, durable: bool, writeback: Writeback | None) -> None:
         if not atomic:
             self._write_file(path, parts, durable, writeback)
             return
@@ -345,6 +363,10 @@ class LocalStorage(Storage):
         path = self.path(_checked(key))
         self._parent(path)
         tmp = str(tmp_name(Path(path)))
+        with named_writes(path):
+            self._put_stream(path, tmp, parts)
+
+    def _put_stream(self, path: str, tmp: str, parts: Iterator[bytes]) -> None:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
             try:
@@ -364,7 +386,12 @@ class LocalStorage(Storage):
         path = Path(self.path(_checked(key)))
         self._parent(str(path))
         tmp = tmp_name(path)
-        tmp.write_bytes(data)
+        try:
+            with named_writes(str(path)):
+                tmp.write_bytes(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         try:
             os.link(tmp, path)
             return True
@@ -379,10 +406,11 @@ class LocalStorage(Storage):
         self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
-            view = memoryview(data).cast("B")
-            while view.nbytes:
-                view = view[os.write(fd, view) :]
-            return os.fstat(fd).st_size
+            with named_writes(path):
+                view = memoryview(data).cast("B")
+                while view.nbytes:
+                    view = view[os.write(fd, view) :]
+                return os.fstat(fd).st_size
         finally:
             os.close(fd)
 
@@ -392,7 +420,8 @@ class LocalStorage(Storage):
         check_no_links(self._top, path.rsplit("/", 1)[0])
         fd = _open_write(path, os.O_WRONLY | _O_BINARY | _O_NOFOLLOW)
         try:
-            os.ftruncate(fd, size)
+            with named_writes(path):
+                os.ftruncate(fd, size)
         finally:
             os.close(fd)
 
@@ -438,8 +467,6 @@ class LocalStorage(Storage):
 
     # ---- access -------------------------------------------------------------------
     def check_access(self, *, write: bool) -> None:
-        from actstore.errors import StorageAccessError
-
         path = Path(self._root)
         if path.exists() and not path.is_dir():
             raise StorageAccessError(

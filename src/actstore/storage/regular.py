@@ -11,9 +11,11 @@ folder between the store's root and the file is a link.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 
 from actstore.errors import ActstoreError, CorruptStoreError, UnsafePathError
 
@@ -90,7 +92,7 @@ def not_regular(
     except FileNotFoundError:
         st = None
     except NotADirectoryError:
-        return error(f"{_file_parent(path)} is a file where a folder belongs (it holds {path}); {hint}")
+        return error(f"{file_parent(path)} is a file where a folder belongs (it holds {path}); {hint}")
     except OSError as e:
         return error(f"{path} cannot be read ({e.strerror}); {hint}")
     if st is not None and stat.S_ISLNK(st.st_mode) or err == errno.ELOOP:
@@ -103,14 +105,14 @@ def not_regular(
         return cls(f"{path} is a symbolic link where a file belongs; refusing to follow it; {hint}")
     if st is None:
         if err == errno.ENOTDIR:
-            return error(f"{_file_parent(path)} is a file where a folder belongs (it holds {path}); {hint}")
+            return error(f"{file_parent(path)} is a file where a folder belongs (it holds {path}); {hint}")
         return error(f"{path} does not exist; {hint}")
     if not stat.S_ISREG(st.st_mode):
         return error(f"{path} is {describe(st.st_mode)} where a file belongs; {hint}")
     return error(f"{path} cannot be read ({os.strerror(err) if err else 'unknown error'}); {hint}")
 
 
-def _file_parent(path: str) -> str:
+def file_parent(path: str) -> str:
     """The first component of `path` (from the top) that is a file, not a folder."""
     parts = path.split(os.sep)
     for i in range(1, len(parts)):
@@ -144,3 +146,15 @@ def check_no_links(top: str, folder: str) -> None:
             )
         if not stat.S_ISDIR(mode):
             raise CorruptStoreError(f"{path} is {describe(mode)} where the store has a folder; {STORE_HINT}")
+
+
+@contextlib.contextmanager
+def named_writes(path: str) -> Iterator[None]:
+    """An OSError of a write that names no file (os.write, os.fsync on a descriptor) names
+    `path`: a full disk says which file it could not write."""
+    try:
+        yield
+    except OSError as e:
+        if not e.filename and type(e).__module__ == "builtins":
+            e.filename = path
+        raise

@@ -14,7 +14,11 @@ caller's error says so at once.
 
 After the deadline the request raises StorageAccessError saying what happened and how often
 (`cannot read URL: 9 connection failures in 120 s (7 connection resets, 2 responses cut
-midway); the last: Connection reset by peer ...`). `counts()` gives this process's totals,
+midway); the last: Connection reset by peer ...`). Once one request of an endpoint gave up,
+the endpoint is down for this process until a request of it succeeds: further requests
+(the next write, a writer's cleanup) are tried once and fail at once, naming the request
+that waited out the deadline, so an endpoint that went away costs one deadline, not one
+per operation. `counts()` gives this process's totals,
 which progress bars show and the CLI's `--json` summaries report as `network`.
 """
 
@@ -95,6 +99,7 @@ _policy: RetryPolicy | None = None
 _lock = threading.Lock()
 _counts: Counter = Counter()  # this process's failures by kind, "retried" and "recovered" requests
 _reached: set[str] = set()  # roots (scheme://bucket) that answered a request in this process
+_down: dict[str, str] = {}  # roots whose last request gave up after its deadline -> what it said
 
 
 def policy() -> RetryPolicy:
@@ -131,6 +136,7 @@ def counts_since(before: dict[str, int], *others: dict[str, int]) -> dict[str, i
 def reset_counts() -> None:
     with _lock:
         _counts.clear()
+        _down.clear()
 
 
 def kind(e: BaseException) -> str | None:
@@ -166,6 +172,10 @@ class _Attempts:
 
     def __init__(self, root: str, deadline_s: float | None = None):
         self.root, self.p, self.start = root, policy(), time.monotonic()
+        with _lock:
+            self.down = _down.get(root)  # an earlier request gave up: one try, no retries
+        if self.down is not None:
+            deadline_s = 0.0
         if deadline_s is not None and deadline_s < self.p.deadline_s:
             self.p = RetryPolicy(
                 deadline_s=deadline_s,
@@ -189,7 +199,11 @@ class _Attempts:
         with _lock:
             _counts[k] += 1
         if self.n >= self.p.attempts or elapsed + wait > self.p.deadline_s:
-            raise self.gave_up(e, what, where, elapsed) from None
+            err = self.gave_up(e, what, where, elapsed)
+            if self.down is None:
+                with _lock:
+                    _down[self.root] = f"cannot {what} {where} after {elapsed:.0f} s of retries"
+            raise err from None
         with _lock:
             _counts["retried"] += 1
         return wait
@@ -197,10 +211,17 @@ class _Attempts:
     def succeeded(self) -> None:
         with _lock:
             _reached.add(self.root)
+            _down.pop(self.root, None)
             if self.failures:
                 _counts["recovered"] += 1
 
     def gave_up(self, e: BaseException, what: str, where: str, elapsed: float) -> StorageAccessError:
+        if self.down is not None:
+            return StorageAccessError(
+                f"cannot {what} {where}: the endpoint stopped answering ({self.down}; tried once more now: "
+                f"{last_cause(e)}); not retried again until it answers. Try again later, or let requests retry "
+                f"longer ({DEADLINE_ENV}, now {policy().deadline_s:g} s)"
+            )
         total = sum(self.failures.values())
         kinds = ", ".join(f"{n} {LABELS[k] if n > 1 else ONE[k]}" for k, n in self.failures.most_common())
         return StorageAccessError(

@@ -66,7 +66,9 @@ class ActsCheck:
         meta = self._meta()
         if meta is None:
             return False
-        problems = array_problems(meta, array_specs(self.cfg)[self.array], self.cfg.zarr_format, self.ctx.n)
+        problems = array_problems(
+            meta, array_specs(self.cfg)[self.array], self.cfg.zarr_format, self.ctx.n, complete=self.ctx.complete
+        )
         problems += filter(None, [attrs_problem(self.ctx, self.array, meta, self.cfg)])
         if problems:
             self.add(ERROR, "array-meta", problems[0], self.akey)

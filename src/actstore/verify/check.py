@@ -79,6 +79,12 @@ class ShardCtx:
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if rel else self.prefix
 
+    @property
+    def complete(self) -> bool:
+        """Whether the shard's writer closed it with exactly the examples checked (its last
+        commit set every array's shape to them)."""
+        return self.rec is not None and self.rec.complete and self.rec.n_committed == self.n
+
     def global_index(self, local: int) -> int | None:
         return None if self.start is None else self.start + local
 

@@ -245,7 +245,16 @@ def _check_dir_entries(v: Checker, ctx: ShardCtx) -> None:
                     shard=ctx.shard,
                 )
             elif sub == keys.META_DIR and keys.is_shard_stats_file(name):
-                if name != current_stats:
+                if ctx.rec is None:  # the record naming the live statistics is damaged: any may be it
+                    v.add(
+                        WARNING,
+                        "stale-stats",
+                        f"{name} is a statistics file; the commit record that names the live one is damaged, so "
+                        "this may be it: keep it",
+                        key,
+                        shard=ctx.shard,
+                    )
+                elif name != current_stats:
                     v.add(
                         WARNING,
                         "stale-stats",
@@ -293,7 +302,7 @@ def _check_per_sample(v: Checker, ctx: ShardCtx, deep: bool, blocks: list[Block]
                 **where,
             )
             continue
-        problems = array_problems(meta, specs[array], v.cfg.zarr_format, ctx.n)
+        problems = array_problems(meta, specs[array], v.cfg.zarr_format, ctx.n, complete=ctx.complete)
         if problems:
             v.add(ERROR, "array-meta", f"per-sample array {name} has {problems[0]}", key, **where)
             continue

@@ -128,6 +128,14 @@ def _check_root(v: Checker, manifest: Manifest | None) -> None:
                     f"{name} is the temporary file of an interrupted write (finalize killed?); safe to delete",
                     name,
                 )
+        elif keys.is_store_stats_file(name) and manifest is None and v.listing.kind(keys.MANIFEST) is not None:
+            v.add(  # the manifest that names the live statistics is damaged: this may be them
+                WARNING,
+                "stale-stats",
+                f"{name} holds statistics of a finalize; {keys.MANIFEST}, which names the live ones, is damaged, so "
+                "these may be them: keep it (`actstore finalize` rewrites the manifest)",
+                name,
+            )
         elif keys.is_store_stats_file(name):
             v.add(
                 WARNING,

@@ -8,12 +8,13 @@ from typing import Any
 
 from actstore import catalog
 from actstore._version import __version__
-from actstore.errors import CorruptStoreError, DiskFullError, NotFinalizedError, StoreNotFoundError
+from actstore.errors import ActstoreError, CorruptStoreError, DiskFullError, NotFinalizedError, StoreNotFoundError
 from actstore.layout import keys, records
 from actstore.layout.checksum import crc32c
 from actstore.layout.records import Manifest, ShardEntry
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage, open_storage
+from actstore.write.committed import check_per_sample
 
 __all__ = ["Manifest", "ShardEntry", "finalize", "load_manifest"]
 
@@ -40,6 +41,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     numbers = catalog.shard_numbers(storage)
     if not numbers:
         raise CorruptStoreError(f"{storage.url} has no writer shards in {keys.SHARDS}/; write some before finalizing")
+    published = _published(storage)
     entries, incomplete, incomplete_numbers, worlds = [], [], [], {}
     truncated, nonfinite, overflow = (dict.fromkeys((s.name for s in cfg.segments), 0) for _ in range(3))
     stats: RunningStats | None = None
@@ -57,6 +59,8 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
                 continue
         blocks = catalog.read_blocks(shard, rec.n_blocks)
         records.check_blocks_tile(blocks, rec.n_committed, shard.url)
+        if published.get(number) != (len(blocks), records.blocks_checksum(blocks)):  # new blocks: checked once
+            check_per_sample(shard, cfg, blocks, rec.n_committed, f"shard {number} of {storage.url}")
         entries.append(
             ShardEntry(
                 shard=number,
@@ -124,6 +128,16 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     return records.parse_manifest(records.dump_manifest(manifest), storage.where(keys.MANIFEST), storage.url)
 
 
+def _published(storage: Storage) -> dict[int, tuple[int, int]]:
+    """shard -> (blocks, their checksum) as the current manifest publishes them (none when
+    there is no manifest, or a damaged one)."""
+    try:
+        m = catalog.read_manifest(storage)
+    except (ActstoreError, OSError, ValueError):
+        return {}
+    return {e.shard: (e.n_blocks, e.crc32c) for e in m.shards}
+
+
 def _world(url: str, worlds: dict[int, list[int]], numbers: list[int]) -> tuple[int | None, list[int]]:
     """The world size the shards record (one for all) and its ranks without a shard."""
     if not worlds:
@@ -167,8 +181,8 @@ def _publish(storage: Storage, key: str, data: Any) -> None:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise
         err = DiskFullError(
-            f"out of disk space while finalizing {storage.url} ({os.strerror(e.errno)}); the previous manifest is unchanged. "
-            f"Free space, then rerun `actstore finalize {storage.url}`"
+            f"out of disk space while finalizing {storage.url} ({os.strerror(e.errno)} writing {storage.where(key)}); "
+            f"the previous manifest is unchanged. Free space, then rerun `actstore finalize {storage.url}`"
         )
-        err.errno = e.errno
+        err.errno, err.filename = e.errno, storage.where(key)
         raise err from e

@@ -12,10 +12,11 @@ from actstore.storage import Storage
 def claim_store(storage: Storage, cfg: StoreConfig) -> StoreConfig:
     """Create the store's identity record (create-only), or check that the existing store
     has `cfg`; returns the store's configuration."""
-    if not storage.exists(keys.IDENTITY):
+    names = storage.list_dir()  # one listing answers both: is it a store, and is it empty (no HEAD first)
+    if keys.IDENTITY not in names:
         foreign = [
             n
-            for n in storage.list_dir()
+            for n in names
             if n not in (keys.IDENTITY, keys.SHARDS, keys.MANIFEST, keys.LEASES) and not keys.is_temporary(n)
         ]
         if foreign:

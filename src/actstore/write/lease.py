@@ -191,12 +191,12 @@ class ShardLease:
         _LIVE_TOKENS.discard(self.lease.token)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        try:  # (after a takeover our file is a lower generation: deleting it is harmless)
-            held = parse_lease(self.storage.get(self.key), self.storage.where(self.key))
-            if held.token == self.lease.token:
-                self.storage.delete(self.key)
-        except (FileNotFoundError, CorruptStoreError, OSError):
-            pass  # gone or unreadable: a later taker replaces it
+        # Our generation's file is ours or gone: a taker puts a higher generation (create-only)
+        # and deletes the lower ones. So it is deleted without reading it first.
+        try:
+            self.storage.delete(self.key)
+        except (FileNotFoundError, OSError):
+            pass  # gone, or the storage unreachable: a later taker replaces it
 
 
 def _busy_message(what: str, held: Lease) -> str:

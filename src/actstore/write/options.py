@@ -72,6 +72,7 @@ CONFIG_KEYWORDS = (
     "texts",
     "token_labels",
     "token_ids",
+    "token_label_names",
     "model_id",
     "attrs",
 )

@@ -9,6 +9,7 @@ arrays shrunk, texts, block records and checksums cut back).
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any
 
 from actstore import catalog
@@ -16,7 +17,8 @@ from actstore.write import zarr_arrays as arrays
 from actstore.chunkio import ChunkIO, drop_chunks
 from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsError, StoreMismatchError
 from actstore.layout import jsonio, keys, records, spec
-from actstore.layout.chunks import array_meta_key, geometry_from_metadata
+from actstore.layout.chunks import array_meta_key, geometry_from_metadata, key_scheme, row_chunk_key
+from actstore.write.committed import PerSampleRows, committed_keys, missing_objects, refuse_missing
 from actstore.stats import read_stats
 from actstore.write.layouts import ChunkFiles, Layout, ZarrArrays
 from actstore.write.metabuffer import MetaBufferStore
@@ -175,6 +177,7 @@ class ShardSetup:
     def _open_layout(self) -> None:
         if not hasattr(self, "_group"):
             self._group = self._open_group()
+        self._ps_rows = PerSampleRows(self.sh, self._meta.read)  # per-sample commits read nothing back
         cfg = self.cfg
         cls = self._layout_class()
         if cls is ZarrArrays:
@@ -209,6 +212,21 @@ class ShardSetup:
         names.append(keys.field_array(spec.SAMPLE_KEY))
         names += [keys.field_array(f) for f in self.cfg.fields]
         return names
+
+    def _check_committed(self, n: int) -> None:
+        """Before the commit record that completes a shard committed in several commits: every
+        object of its n examples is still there (actstore.write.committed), else raise."""
+        per_sample = []
+        for name in self._per_sample_names():
+            arr = self._group[name]
+            fmt, sep = key_scheme(jsonio.loads(self._meta.read(array_meta_key(name, arr.metadata.zarr_format)), name))
+            per_sample.append((int(arr.chunks[0]), partial(row_chunk_key, name, fmt, sep, len(arr.shape))))
+        io = getattr(self._layout, "io", None) or {}
+        want = committed_keys(n, per_sample=per_sample, activations=[c.geo for c in io.values()])
+        want += [k for k, v in self._meta.written.items() if v is not None]
+        want += [keys.BLOCKS, *(keys.text_file(t) for t in self.cfg.texts)]
+        want += [keys.EL_CRC] if self._el_crc_file else []
+        refuse_missing(self.sh, missing_objects(self.sh, want), self.shard, n)
 
     def _resize_all(self, n: int) -> None:
         for name in self._per_sample_names() + [keys.acts_array(s.name) for s in self.cfg.segments]:

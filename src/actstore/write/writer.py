@@ -72,7 +72,11 @@ class ShardWriter(ShardSetup):
             writes each full one.
         fields: per-sample numeric fields {name: dtype}, e.g. {"label": "int64", "split": "int8"}.
         texts: names of per-sample JSON text fields, written to text/<name>.jsonl.
-        token_labels: store a uint8 label per token (saev labels.bin).
+        token_labels: store a uint8 label per token (saev labels.bin): classes, data that
+            no reader masks by, unless token_label_names says they are token kinds.
+        token_label_names: {label: name} when the labels are token kinds, e.g.
+            spec.TOKEN_KIND_NAMES {0: "content", 1: "special", 2: "template"}: the
+            readers' default mask then keeps label 0 only (actstore.read.masks).
         token_ids: store the vocabulary id of every token (int32; LLM stores).
         model_id, attrs: global metadata (free-form attrs, JSON-serialisable).
         resume: continue an existing shard after its last committed example.
@@ -85,7 +89,7 @@ class ShardWriter(ShardSetup):
         engine: "auto", "direct" (write chunk files) or "zarr" (write through zarr-python).
         stats: keep running statistics per (layer, segment) of the stored vectors that
             the readers' default mask keeps (actstore.read.masks): every real token, and
-            only the content tokens (label 0) of a text store whose labels mark token kinds
+            only the content tokens (label 0) of a store whose labels are token kinds
             (so BOS, special and chat-template tokens never shift `normalize=`).
         fsync: durable against power loss, not only crashes: each Zarr shard file is
             synced on its I/O thread as it is written (beside the next writes), and every
@@ -118,6 +122,7 @@ class ShardWriter(ShardSetup):
         texts: Sequence[str] | None = None,
         token_labels: bool | None = None,
         token_ids: bool | None = None,
+        token_label_names: Mapping[int, str] | None = None,
         model_id: str | None = None,
         attrs: Mapping[str, Any] | None = None,
         resume: bool | None = None,
@@ -305,7 +310,7 @@ class ShardWriter(ShardSetup):
             self.overflow[seg.name] += batch.overflow[seg.name] + int((overflow or {}).get(seg.name, 0))
             self.truncated[seg.name] += batch.truncated[seg.name]
             if self.stats is not None and batch_stats is None:
-                labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.labels_mark_kinds else None
+                labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.default_keeps is not None else None
                 update_masked(self.stats, self.cfg, seg, batch.acts[seg.name], batch.lengths[seg.name], labels)
         if batch_stats is not None and self.stats is not None:
             self.stats.merge(batch_stats)
@@ -386,7 +391,7 @@ class ShardWriter(ShardSetup):
                 vals = self._take_pending(name, n1 - n0)
                 arr = arrays.every_chunk(self._group, name)
                 _set_rows(arr, n1)
-                arr[n0:n1] = vals
+                self._ps_rows.write(arr, name, n0, vals)  # from its chunk's first row: nothing read back
                 ps_crc[keys.basename(name)] = per_sample_crc32c(vals, dtypes[name])
             for seg in cfg.segments:
                 _set_rows(self._group[keys.acts_array(seg.name)], n1)
@@ -410,6 +415,8 @@ class ShardWriter(ShardSetup):
             arrays.write_consolidated(self._meta)
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
+        if complete and n0:
+            self._check_committed(n1)  # committed in several commits: none of its objects was lost
         if self.fsync:
             sh.sync_written()  # a group commit: every file of the block synced at once, not the disk
             self.storage.sync_written()
