@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class ActstoreError(Exception):
     """Base of every error actstore raises on purpose."""
@@ -99,6 +101,14 @@ class VerificationError(CorruptStoreError):
 
 class DiskFullError(ActstoreError, OSError):
     """A write failed for lack of space (ENOSPC, EDQUOT) or a file-size limit (EFBIG)."""
+
+    @classmethod
+    def of(cls, e: OSError, doing: str, then: str) -> DiskFullError:
+        """The error for `e` met while `doing`, naming its file and what to do `then`."""
+        where = f": {e.filename}" if e.filename else ""
+        err = cls(f"out of disk space while {doing} ({os.strerror(e.errno)}{where}); {then}")
+        err.errno = e.errno
+        return err
 
 
 class ExportWriteError(ActstoreError, OSError):

@@ -14,7 +14,6 @@ behaviours are options of the object, not environment switches:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import shutil
 import stat
@@ -25,6 +24,7 @@ from typing import Any
 from actstore.errors import StorageAccessError, UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
+from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
 from actstore.storage.durable import syncfs, tmp_name
 from actstore.storage.regular import O_BINARY as _O_BINARY
@@ -37,10 +37,8 @@ from actstore.storage.regular import (
     named_writes,
     not_regular,
     open_regular,
+    open_write as _open_write,
 )
-
-_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16)  # buffers one preadv fills
 
 
 class LocalStorage(Storage):
@@ -62,7 +60,7 @@ class LocalStorage(Storage):
         self._root = str(root).rstrip("/") + "/" if str(root) != "/" else "/"
         self._top = top if top is not None else self._root
         self.eager_writeback = eager_writeback and sync_file_range is not None
-        self.read_nowait = read_nowait and bool(_RWF_NOWAIT) and hasattr(os, "preadv")
+        self.read_nowait = read_nowait and bool(RWF_NOWAIT) and hasattr(os, "preadv")
         self._made_dirs: set[str] = set()
         self._written: set[str] | None = None  # paths written since the last sync_written (when tracked)
 
@@ -152,24 +150,10 @@ class LocalStorage(Storage):
             fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
             fd = self._open_regular(key)
-        counts: list[int] = []
         try:
-            i = 0
-            while i < len(ranges):
-                start, first = ranges[i]
-                bufs, end = [first], start + len(first)
-                j = i + 1
-                while j < len(ranges) and ranges[j][0] == end and len(bufs) < _IOV_MAX:
-                    bufs.append(ranges[j][1])
-                    end += len(ranges[j][1])
-                    j += 1
-                n = os.preadv(fd, bufs, start)
-                if n < end - start:
-                    self._check_regular(fd, key)
-                for b in bufs:
-                    counts.append(min(len(b), max(0, n)))
-                    n -= len(b)
-                i = j
+            counts, short = preadv_runs(fd, ranges)
+            if short:
+                self._check_regular(fd, key)
         except OSError as e:
             raise not_regular(self.path(key), e.errno) from None
         finally:
@@ -226,16 +210,12 @@ class LocalStorage(Storage):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or (offset == 0 and st.st_size != len(dest)):
                 return False
-            n = os.preadv(fd, [dest], offset, _RWF_NOWAIT)
-        except BlockingIOError:
-            return False
-        except OSError as e:
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                self.read_nowait = False  # this kernel or file system cannot tell: never again
-            return False  # read_into explains anything else
+            got = pread_cached(fd, dest, offset)
         finally:
             os.close(fd)
-        return n == len(dest)
+        if got is None:
+            self.read_nowait = False  # this kernel or file system cannot tell: never again
+        return bool(got)
 
     def size(self, key: str) -> int | None:
         try:
@@ -497,19 +477,6 @@ class LocalStorage(Storage):
         return atomic_local_store(
             self.path(_checked(prefix)) if prefix else self._root, top=self._top, storage_class=LocalStorage
         )
-
-
-def _open_write(path: str, flags: int) -> int:
-    """os.open for writing; a symbolic link at `path` (O_NOFOLLOW) is the project's error."""
-    try:
-        return os.open(path, flags, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafePathError(
-                f"{path} is a symbolic link; actstore never writes through links (it could write "
-                "outside the store): delete the link"
-            ) from None
-        raise
 
 
 def _parents(root: str, prefix: str) -> Iterator[str]:

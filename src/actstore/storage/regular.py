@@ -158,3 +158,16 @@ def named_writes(path: str) -> Iterator[None]:
         if not e.filename and type(e).__module__ == "builtins":
             e.filename = path
         raise
+
+
+def open_write(path: str, flags: int) -> int:
+    """os.open for writing; a symbolic link at `path` (O_NOFOLLOW) is the project's error."""
+    try:
+        return os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(
+                f"{path} is a symbolic link; actstore never writes through links (it could write "
+                "outside the store): delete the link"
+            ) from None
+        raise

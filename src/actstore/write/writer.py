@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import weakref
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -298,7 +297,7 @@ class ShardWriter(ShardSetup):
             self._layout.append(batch, n0)
         except OSError as e:
             if e.errno in _DISK_FULL_ERRNOS:
-                raise self._disk_full(
+                raise DiskFullError.of(
                     e,
                     f"writing chunk files of shard {self.shard} of {self.root}",
                     f"this batch of {b} examples was not added; the shard keeps its last commit ({self.n_committed} examples). "
@@ -338,12 +337,6 @@ class ShardWriter(ShardSetup):
             self._close_files()  # a file is missing past the last commit: only a resume continues
             self._fail_since_commit(e, f"writing {self._layout.files} of shard {self.shard} of {self.root}")
 
-    def _disk_full(self, e: OSError, doing: str, then: str) -> DiskFullError:
-        where = f": {e.filename}" if e.filename else ""
-        err = DiskFullError(f"out of disk space while {doing} ({os.strerror(e.errno)}{where}); {then}")
-        err.errno = e.errno
-        return err
-
     # ---- commit -------------------------------------------------------------------
     def commit(self) -> None:
         """Make every appended example durable and visible to finalize (one block)."""
@@ -365,7 +358,7 @@ class ShardWriter(ShardSetup):
             raise e
         lost = self.n_written - self.n_committed
         self._close_files()
-        raise self._disk_full(
+        raise DiskFullError.of(
             e,
             doing,
             f"the shard keeps its last commit ({self.n_committed} examples); the {lost} examples appended since "
