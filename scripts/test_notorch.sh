@@ -12,7 +12,9 @@
 # commands of docs/ need torch), test_crosscoder_example.py (its script trains with torch),
 # test_saelens_card.py (export-saelens streams through the torch TokenStream),
 # test_features_site.py (decodes with a transformers tokenizer, reads the parquet files with
-# pandas, drives chromium) and test_features_embedded.py (captures with a real model),
+# pandas, drives chromium), test_features_views.py and test_features_exports.py (build on
+# test_features_site.py's stores, tokenizer and browser; delphi's loader imports torch) and
+# test_features_embedded.py (captures with a real model),
 # test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
 # test_cli_workflow.py (its word store's tokenizer is a transformers one; the feature pass and site),
 # test_remote_messages.py and test_lost_objects.py (moto's server), test_features_signs.py (the

@@ -202,9 +202,11 @@ def test_cli_export_verify_import_link(tmp_path, monkeypatch):
     err = r.invoke(main, ["export-saev", str(store.path), "-o", str(tmp_path / "x"), "--special", "keep", "--quiet"])
     assert err.exit_code == 1
     assert err.stderr == (
-        "actstore: error: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev family: saev's protocol 2.0 lists "
-        "only the vision families ['clip', 'siglip', 'dinov2']; pass one as a label (--family, e.g. clip: the shards "
-        "read the same whichever is named), the model stays named in ckpt\n"
+        "actstore: error: 2 export options need a value: a text store ('HuggingFaceTB/SmolLM2-135M') has no saev "
+        "family: saev's protocol 2.0 lists only the vision families ['clip', 'siglip', 'dinov2']; pass one as a label "
+        "(--family, e.g. clip: the shards read the same whichever is named), the model stays named in ckpt; and the "
+        "store does not record its dataset root (attrs['dataset']); pass --dataset, the absolute path of the original "
+        "data set (saev links it for visuals)\n"
     )
     with open(os.path.join(path, "labels.bin"), "wb") as f:  # as exported (its checksum sidecar says so)
         f.write(labels)

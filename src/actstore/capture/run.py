@@ -95,6 +95,11 @@ def write(o: CaptureOptions) -> dict[str, Any]:
 
         finalize(target.url)
         summary["finalized"] = True
+        from actstore.read.masks import summarize
+        from actstore.read.store import ActStore
+
+        mask = summarize(ActStore(target.url))  # which tokens every reader's default mask keeps
+        summary["mask"], summary["mask_line"] = mask.to_json(), mask.line()
     # connection failures and retries: this process's, and those of writers in other processes
     apart = [r.network for r in results] if multi else []
     summary["network"] = retry.counts_since(net0, *apart)

@@ -356,6 +356,8 @@ def write_cmd(store: str, **kw) -> None:
         f"{s['examples']} examples in shard(s) {s['shards']}"
         + ("; finalized" if s["finalized"] else f"; run `actstore finalize {store}` once every writer is done")
     )
+    if s.get("mask_line"):
+        click.echo(s["mask_line"])
     if s["truncated_tokens"]:
         pct = 100 * s["truncated_tokens"] / s["source_tokens"]
         click.echo(
