@@ -138,15 +138,22 @@ class ShardLease:
                 renewed=time.time(),
                 ttl=ttl,
             )
-            if storage.put_if_absent(keys.lease_key(shard, gen), dump_lease(lease)):
-                _LIVE_TOKENS.add(token)
+            # Live before it is visible: a writer of this process that reads the lease
+            # between the put and the registration would take it for a dead holder's.
+            _LIVE_TOKENS.add(token)
+            try:
+                taken = storage.put_if_absent(keys.lease_key(shard, gen), dump_lease(lease))
+            except BaseException:
+                _LIVE_TOKENS.discard(token)
+                raise
+            if taken:
                 for old in gens:  # the dead holders' files: ours is the highest now
                     try:
                         storage.delete(keys.lease_key(shard, old))
                     except FileNotFoundError:
                         pass
                 return cls(storage, lease)
-            # another writer took this generation first: the next look names it
+            _LIVE_TOKENS.discard(token)  # another writer took this generation first: the next look names it
         held = current(storage, shard)
         raise ShardBusyError(
             _busy_message(what, held)
