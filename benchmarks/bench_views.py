@@ -206,10 +206,10 @@ def bench_delphi(root: Path, n_tokens: int, F: int, density: float) -> dict:
     calls = n_tokens // per_call
     ex0, pos = tok // ctx, tok % ctx  # per_call is a multiple of ctx: a call's examples are offsets of these
     t0 = time.perf_counter()
-    w = DelphiWriter(F, n_ex, ctx)
+    w = DelphiWriter(root / "delphi" / "layers.6", F, n_ex, ctx)
     for c in range(calls):
         w.add(c * (per_call // ctx) + ex0, pos, lat, val)
-    w.write(root / "delphi" / "layers.6", None)
+    w.finish(None)
     ours_s = time.perf_counter() - t0
     nnz = w.n_nonzero
     del w

@@ -187,19 +187,82 @@ def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):  # noqa: F811
         assert top == pytest.approx(max(by_latent[r.latent.latent_index]), rel=1e-3)
 
 
-def test_delphi_writer_compiled_and_reference_agree():
-    """The compiled scatter and its numpy reference give the same split slices."""
+def test_delphi_writer_files_hold_the_reference_scatter_of_every_call(tmp_path):
+    """The split files, written as calls arrive (two calls here), hold what the numpy
+    reference scatter gives for each call, in call order; safetensors reads them; the side
+    files are gone."""
+    from safetensors.numpy import load_file
+
     from actstore.features.delphi import DelphiWriter, _scatter_py
 
     rng = np.random.default_rng(3)
     n = 5000
-    args = [rng.integers(0, 50, n), rng.integers(0, 30, n), rng.integers(0, 1000, n), rng.random(n).astype(np.float32)]
-    w = DelphiWriter(1000, 50, 30, n_splits=4)
-    w.add(*args)
-    loc = np.empty((n, 3), np.uint16)
-    act = np.empty(n, np.uint16)
-    counts = _scatter_py(*args[:3], args[3].astype(np.float16).view(np.uint16), w.split_of, w.bounds, 4, loc, act)
-    np.testing.assert_array_equal(np.concatenate([c[0] for split in w.chunks for c in split]), loc)
-    np.testing.assert_array_equal(np.concatenate([c[1] for split in w.chunks for c in split]).view(np.uint16), act)
-    assert [sum(len(c[1]) for c in split) for split in w.chunks] == counts.tolist()
-    assert (loc[:, 2] < 250).all()  # latents relative to their split's start
+    calls = [
+        [rng.integers(0, 50, n), rng.integers(0, 30, n), rng.integers(0, 1000, n), rng.random(n).astype(np.float32)]
+        for _ in range(2)
+    ]
+    w = DelphiWriter(tmp_path / "d", 1000, 50, 30, n_splits=4)
+    for args in calls:
+        w.add(*args)
+    tokens = rng.integers(0, 49152, (50, 30)).astype(np.int32)
+    paths = w.finish(tokens)
+    assert [p.name for p in paths] == [
+        "0_249.safetensors",
+        "250_499.safetensors",
+        "500_749.safetensors",
+        "750_999.safetensors",
+    ]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(p.name for p in paths)
+    want_loc: list[list[np.ndarray]] = [[] for _ in range(4)]
+    want_act: list[list[np.ndarray]] = [[] for _ in range(4)]
+    for args in calls:
+        loc = np.empty((4, n, 3), np.uint16)
+        act = np.empty((4, n), np.uint16)
+        counts = np.zeros(4, np.int64)
+        _scatter_py(*args, w.split_of, w.bounds, loc, act, counts)
+        for i, c in enumerate(counts.tolist()):
+            want_loc[i].append(loc[i, :c])
+            want_act[i].append(act[i, :c])
+    for i, path in enumerate(paths):
+        got = load_file(path)
+        assert got["locations"].dtype == np.uint16 and got["activations"].dtype == np.float16
+        np.testing.assert_array_equal(got["locations"], np.concatenate(want_loc[i]))
+        np.testing.assert_array_equal(got["activations"].view(np.uint16), np.concatenate(want_act[i]))
+        np.testing.assert_array_equal(got["tokens"], tokens)
+        assert (got["locations"][:, 2] < 250).all()  # latents relative to their split's start
+    assert w.n_nonzero == 2 * n
+
+
+def test_delphi_float16_cast_is_numpys_for_every_kind_of_float32():
+    """The compiled scatter's float32 -> float16 cast gives numpy's bits: zeros, subnormals of
+    both formats, the halfway cases of rounding to even, overflow to infinity, NaN."""
+    from actstore.features.delphi import _scatter_compiled
+
+    assert _scatter_compiled is not None  # numba is a dependency of the views
+    rng = np.random.default_rng(5)
+    bits = np.concatenate(
+        [
+            rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32),  # every exponent
+            (rng.integers(0x30000000, 0x48000000, 1_000_000, dtype=np.uint64) & ~np.uint64(0xFFF)).astype(np.uint32)
+            | np.uint32(0x1000),  # exact halfway cases near float16's range
+            np.arange(0x38000000 - 4096, 0x38000000 + 4096, dtype=np.uint32),  # the subnormal edge
+            np.arange(0x477FE000, 0x47801000, dtype=np.uint32),  # the overflow edge
+            np.array(
+                [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0x33000000, 0x33000001], np.uint32
+            ),
+        ]
+    )
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)])
+    value = bits.view(np.float32)
+    n = len(value)
+    loc = np.empty((1, n, 3), np.uint32)
+    act = np.empty((1, n), np.uint16)
+    counts = np.zeros(1, np.int64)
+    zeros = np.zeros(n, np.int64)
+    _scatter_compiled(zeros, zeros, zeros, bits, np.zeros(1, np.int32), np.array([0, 1]), loc, act, counts)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = value.astype(np.float16).view(np.uint16)
+    nan = np.isnan(value)
+    np.testing.assert_array_equal(act[0][~nan], want[~nan])
+    assert np.isnan(act[0][nan].view(np.float16)).all()
+    assert counts.tolist() == [n]

@@ -129,8 +129,13 @@ def site_record(site, f):
 
 
 def screenshot(exe, prof, url, name, request, size="1200,900"):
-    """A screenshot kept in docs/img (the pages as a researcher sees them)."""
-    shot = request.config.rootpath / "docs" / "img" / name
+    """A screenshot of the page, checked to be a real picture; with ACTSTORE_SCREENSHOTS=1 it
+    replaces docs/img/NAME (the pages as a researcher sees them), else it stays in tmp_path
+    (a test run leaves the repository as it was)."""
+    if os.environ.get("ACTSTORE_SCREENSHOTS") == "1":
+        shot = request.config.rootpath / "docs" / "img" / name
+    else:
+        shot = request.getfixturevalue("tmp_path") / "screenshots" / name
     shot.parent.mkdir(exist_ok=True)
     _browser(exe, prof, f"--screenshot={shot}", f"--window-size={size}", "--virtual-time-budget=5000", url=url)
     assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,16 +13,19 @@ delphi's latent cache (EleutherAI/delphi, eai-delphi 0.1.3: delphi/latents/cache
 Rows are the example and position of `store[ex, layer]`; the tokens the loaders' default
 mask leaves out (BOS, specials, chat template) have no activations unless `keep_special`.
 Everything non-zero is kept (not only a top k): delphi samples its examples from quantiles
-of all of them. The non-zeros are held in memory until the end (14 bytes each at most, as
-delphi's own cache holds them) and each file is written header first, then its tensors from
-the kept chunks without joining them (safetensors' byte layout; `safetensors.numpy.load_file`
-and delphi read it).
+of all of them. The non-zeros go to their split files as each batch is encoded (memory stays
+that of one batch; delphi's own cache holds them all), in safetensors' byte layout with the
+header written last into space reserved for it (`safetensors.numpy.load_file` and delphi
+read it). The folder is staged beside OUT and swapped in whole when complete.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,128 +52,263 @@ def split_bounds(n_latents: int, n_splits: int) -> np.ndarray:
     return np.linspace(0, n_latents, n_splits + 1).astype(np.int64)
 
 
-class DelphiWriter:
-    """Collects non-zero activations (example, position, latent, value) and writes the split
-    files. `add` takes them as coordinate arrays in any order within a call; calls in
-    example order keep each file's rows in (example, position) order, as delphi's are."""
+BUFFER_ROWS = 1 << 23  # non-zeros a call scatters at a time, over all splits
+HEADER_BYTES = 1024  # reserved at the start of a split file for its header (8-byte length + JSON)
 
-    def __init__(self, n_latents: int, n_examples: int, ctx_len: int, n_splits: int = N_SPLITS) -> None:
+
+class DelphiWriter:
+    """Writes delphi's split files while non-zero activations (example, position, latent,
+    value) arrive: `add` takes them as coordinate arrays in any order within a call (calls in
+    example order keep each file's rows in (example, position) order, as delphi's are) and
+    appends each split's rows to its file at once; `finish` completes the files. Memory stays
+    that of one call whatever the number of non-zeros.
+
+    A split file is written in the order safetensors allows and delphi reads: the header's
+    space reserved, the locations appended as they come, the activations kept in a side file
+    beside it (a quarter of the bytes) and copied after them in the kernel at the end, then
+    the tokens, then the header (padded with spaces to its reserved size, as the format
+    permits)."""
+
+    def __init__(self, folder: Path, n_latents: int, n_examples: int, ctx_len: int, n_splits: int = N_SPLITS) -> None:
         if not 1 <= n_splits <= n_latents:
             raise FeatureError(f"n_splits must be in 1..{n_latents} (the latents). Got {n_splits}.")
         self.bounds = split_bounds(n_latents, n_splits)
         widest = int(np.diff(self.bounds).max())
         small = max(n_examples, ctx_len, widest) <= 1 << 16
         self.loc_dtype = np.dtype(np.uint16 if small else np.uint32)
-        self.split_of = np.repeat(np.arange(n_splits, dtype=np.uint8), np.diff(self.bounds))
-        self.chunks: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n_splits)]
+        self.split_of = np.repeat(np.arange(n_splits, dtype=np.int32), np.diff(self.bounds))
         self.n_latents = n_latents
+        self.counts = np.zeros(n_splits, np.int64)
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.paths = [self.folder / f"{b}_{e - 1}.safetensors" for b, e in zip(self.bounds[:-1], self.bounds[1:])]
+        self._loc: list[Any] = []
+        self._act: list[Any] = []
+        try:
+            for path in self.paths:
+                f = open(path, "w+b")
+                self._loc.append(f)
+                f.seek(HEADER_BYTES)
+                self._act.append(open(path.with_name(f".{path.name}.activations"), "w+b"))
+        except BaseException:
+            self.close()
+            raise
+        # Two sets of row blocks, reused: one is filled while the other is written. A set has
+        # a block per (scatter thread, split): the threads fill theirs from consecutive parts
+        # of a call, and the write takes each split's blocks in thread order.
+        self._threads = min(4, os.cpu_count() or 1) if _scatter_compiled is not None else 1
+        self._bufs = [self._blocks(0) for _ in range(2)]
+        self._turn = 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="actstore-delphi")
+        self._cpu = ThreadPoolExecutor(self._threads, thread_name_prefix="actstore-delphi-scatter")
+        self._pending: Future | None = None
+
+    def _blocks(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        n_splits = len(self.paths)
+        return (
+            np.empty((self._threads, n_splits, rows, 3), self.loc_dtype),
+            np.empty((self._threads, n_splits, rows), np.uint16),
+        )
 
     def add(self, example: np.ndarray, position: np.ndarray, latent: np.ndarray, value: np.ndarray) -> None:
-        """Keep non-zeros given as coordinates (equal-length arrays): one buffer a call, in
-        which each split's rows are one contiguous slice (kept as views)."""
-        n_splits = len(self.chunks)
-        value16 = np.asarray(value).astype(np.float16).view(np.uint16)  # numba moves the bits
-        loc = np.empty((len(value16), 3), self.loc_dtype)
-        act = np.empty(len(value16), np.uint16)
-        counts = _scatter(
-            np.asarray(example, np.int64),
-            np.asarray(position, np.int64),
-            np.asarray(latent, np.int64),
-            value16,
-            self.split_of,
-            self.bounds,
-            n_splits,
-            loc,
-            act,
-        )
-        act16 = act.view(np.float16)
-        o = 0
-        for i, c in enumerate(counts.tolist()):
-            if c:
-                self.chunks[i].append((loc[o : o + c], act16[o : o + c]))
-            o += c
+        """Append non-zeros given as coordinates (equal-length arrays) to their splits' files:
+        scattered (on threads) into one set of row blocks while the previous set is written."""
+        example, position, latent = (np.asarray(a, np.int64) for a in (example, position, latent))
+        value = np.asarray(value)
+        n_splits, k = len(self.paths), self._threads
+        step = max(k, BUFFER_ROWS // n_splits)  # the rows of a call's part: the buffers stay bounded
+        for o in range(0, len(value), step):
+            n = min(step, len(value) - o)
+            rows = -(-n // k)
+            loc, act = self._bufs[self._turn]
+            if act.shape[2] < rows:
+                loc, act = self._bufs[self._turn] = self._blocks(rows)
+            counts = np.zeros((k, n_splits), np.int64)
+
+            def scatter(t: int, o: int = o, rows: int = rows, loc: np.ndarray = loc, act: np.ndarray = act) -> None:
+                p = slice(o + t * rows, min(o + (t + 1) * rows, o + n))
+                _scatter(
+                    example[p], position[p], latent[p], value[p], self.split_of, self.bounds, loc[t], act[t], counts[t]
+                )
+
+            for f in [self._cpu.submit(scatter, t) for t in range(k)]:
+                f.result()
+            self._wait()  # the other set's write: then this set goes
+            self._pending = self._io.submit(self._write, loc, act, counts)
+            self._turn ^= 1
+            self.counts += counts.sum(axis=0)
+
+    def _write(self, loc: np.ndarray, act: np.ndarray, counts: np.ndarray) -> None:
+        for i in range(counts.shape[1]):
+            for t in range(counts.shape[0]):
+                c = int(counts[t, i])
+                if c:
+                    self._loc[i].write(memoryview(loc[t, i, :c]).cast("B"))
+                    self._act[i].write(memoryview(act[t, i, :c]).cast("B"))
+
+    def _wait(self) -> None:
+        """Wait for the write in flight (its error raised here)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     @property
     def n_nonzero(self) -> int:
-        return sum(len(a) for split in self.chunks for _, a in split)
+        return int(self.counts.sum())
 
-    def write(self, folder: Path, tokens: np.ndarray | None) -> list[Path]:
-        """One safetensors file a split into `folder`; returns them."""
-        folder.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for i, chunks in enumerate(self.chunks):
-            start, end = int(self.bounds[i]), int(self.bounds[i + 1]) - 1
-            tensors: list[tuple[str, np.dtype, tuple[int, ...], list[np.ndarray]]] = [
-                ("activations", np.dtype(np.float16), (sum(len(a) for _, a in chunks),), [a for _, a in chunks]),
-                ("locations", self.loc_dtype, (sum(len(loc) for loc, _ in chunks), 3), [loc for loc, _ in chunks]),
-            ]
-            if tokens is not None:
-                tensors.append(("tokens", np.dtype(np.int32), tokens.shape, [tokens]))
-            path = folder / f"{start}_{end}.safetensors"
-            write_safetensors(path, tensors)
-            paths.append(path)
-        return paths
+    def finish(self, tokens: np.ndarray | None) -> list[Path]:
+        """Complete every split file (activations, tokens, header); returns their paths."""
+        try:
+            self._wait()
+            for i, path in enumerate(self.paths):
+                n = int(self.counts[i])
+                tensors: list[tuple[str, np.dtype, tuple[int, ...]]] = [
+                    ("locations", self.loc_dtype, (n, 3)),
+                    ("activations", np.dtype(np.float16), (n,)),
+                ]
+                if tokens is not None:
+                    tensors.append(("tokens", np.dtype(np.int32), tokens.shape))
+                f, side = self._loc[i], self._act[i]
+                side.flush()
+                f.flush()
+                _append_file(f, side, 2 * n)
+                if tokens is not None:
+                    f.write(memoryview(np.ascontiguousarray(tokens, np.int32)).cast("B"))
+                f.seek(0)
+                f.write(_header(path, tensors, HEADER_BYTES))
+        finally:
+            self.close()
+        return self.paths
+
+    def close(self) -> None:
+        """Close the files and drop the side files (idempotent)."""
+        if getattr(self, "_io", None) is not None:
+            self._io.shutdown(wait=True)  # a write in flight ends before its file closes
+            self._cpu.shutdown(wait=True)
+            self._io = None
+        for f in self._loc:
+            f.close()
+        for f in self._act:
+            f.close()
+            Path(f.name).unlink(missing_ok=True)
+        self._loc, self._act = [], []
 
 
-def _scatter_py(example, position, latent, value16, split_of, bounds, n_splits, loc, act):  # noqa: ANN001, ANN202
-    """Each non-zero into its split's slice of loc / act (splits in order, input order within
-    a split); returns the rows of each split. The numpy reference of _scatter_blocks."""
+def _append_file(dst: Any, src: Any, n: int) -> None:
+    """Append the first n bytes of file src to file dst (both flushed): in the kernel where it can."""
+    src.seek(0)
+    done = 0
+    try:
+        while done < n:
+            k = os.copy_file_range(src.fileno(), dst.fileno(), n - done, done, dst.tell())
+            if k == 0:
+                break
+            done += k
+            dst.seek(k, os.SEEK_CUR)
+    except (AttributeError, OSError) as e:  # no copy_file_range here (or not between these files)
+        if isinstance(e, OSError) and e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    src.seek(done)
+    while done < n:
+        chunk = src.read(min(n - done, 16 << 20))
+        if not chunk:
+            raise FeatureError(f"{src.name} ended after {done} of {n} bytes")
+        dst.write(chunk)
+        done += len(chunk)
+    dst.flush()
+
+
+def _header(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...]]], size: int | None = None) -> bytes:
+    """A safetensors header for tensors laid out in the given order: the 8-byte length, then
+    the JSON padded with spaces to 8 bytes (or to `size` bytes in all)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape in tensors:
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    pad = -len(text) % 8 if size is None else size - 8 - len(text)
+    if pad < 0:
+        raise FeatureError(f"{path}: the safetensors header needs {len(text) + 8} bytes, more than {size}")
+    return struct.pack("<Q", len(text) + pad) + text + b" " * pad
+
+
+def _scatter_py(example, position, latent, value, split_of, bounds, loc, act, counts):  # noqa: ANN001, ANN202
+    """Each non-zero appended to its split's rows of loc (splits, rows, 3) / act (splits,
+    rows) of float16 bits, in input order within a split, counts[split] advanced: the numpy
+    reference of the compiled _scatter_loop."""
     split = split_of[latent]
-    order = np.argsort(split, kind="stable")
-    loc[:, 0] = example[order]
-    loc[:, 1] = position[order]
-    loc[:, 2] = latent[order] - bounds[split[order]]
-    act[:] = value16[order]
-    return np.bincount(split, minlength=n_splits)
+    value16 = np.asarray(value).astype(np.float16).view(np.uint16)
+    for s in range(loc.shape[0]):
+        m = split == s
+        c, k = int(counts[s]), int(m.sum())
+        loc[s, c : c + k, 0] = example[m]
+        loc[s, c : c + k, 1] = position[m]
+        loc[s, c : c + k, 2] = latent[m] - bounds[s]
+        act[s, c : c + k] = value16[m]
+        counts[s] += k
 
 
-def _scatter_loop(example, position, latent, value16, split_of, bounds, n_splits, loc, act):  # noqa: ANN001, ANN202
-    """_scatter_py in one pass (compiled with numba): each row written at its split's cursor
-    (no sort, no temporaries)."""
-    counts = np.zeros(n_splits, np.int64)
-    for i in range(len(latent)):
-        counts[split_of[latent[i]]] += 1
-    cur = np.zeros(n_splits, np.int64)
-    for s in range(1, n_splits):
-        cur[s] = cur[s - 1] + counts[s - 1]
+def _half_bits(f):  # noqa: ANN001, ANN202
+    """The float16 bits of the float32 whose bits are f (an int), rounded to nearest even,
+    overflow to infinity, NaN kept NaN: numpy's npy_floatbits_to_halfbits, step by step."""
+    f = np.uint32(f)
+    sgn = np.uint32((f & np.uint32(0x80000000)) >> np.uint32(16))
+    exp = f & np.uint32(0x7F800000)
+    if exp >= np.uint32(0x47800000):  # infinity, NaN, or too large
+        sig = f & np.uint32(0x007FFFFF)
+        if exp == np.uint32(0x7F800000) and sig != 0:
+            h = np.uint32(0x7C00) + (sig >> np.uint32(13))
+            if h == np.uint32(0x7C00):
+                h += np.uint32(1)
+            return np.uint16(sgn + h)
+        return np.uint16(sgn + np.uint32(0x7C00))
+    if exp <= np.uint32(0x38000000):  # a float16 subnormal or zero
+        if exp < np.uint32(0x33000000):
+            return np.uint16(sgn)
+        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
+        sig = sig >> (np.uint32(113) - (exp >> np.uint32(23)))
+        if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000) or (f & np.uint32(0x7FF)) != 0:
+            sig += np.uint32(0x1000)
+        return np.uint16(sgn + (sig >> np.uint32(13)))
+    hexp = (exp - np.uint32(0x38000000)) >> np.uint32(13)
+    sig = f & np.uint32(0x007FFFFF)
+    if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
+        sig += np.uint32(0x1000)
+    return np.uint16(sgn + hexp + (sig >> np.uint32(13)))  # a carry out of the significand raises the exponent
+
+
+def _scatter_loop(example, position, latent, bits, split_of, bounds, loc, act, counts):  # noqa: ANN001, ANN202
+    """_scatter_py in one pass (compiled with numba): each non-zero written at its split's
+    cursor, its float32 value (given as its bits) cast to float16 on the way."""
     for i in range(len(latent)):
         s = split_of[latent[i]]
-        j = cur[s]
-        cur[s] += 1
-        loc[j, 0] = example[i]
-        loc[j, 1] = position[i]
-        loc[j, 2] = latent[i] - bounds[s]
-        act[j] = value16[i]
-    return counts
+        j = counts[s]
+        counts[s] = j + 1
+        loc[s, j, 0] = example[i]
+        loc[s, j, 1] = position[i]
+        loc[s, j, 2] = latent[i] - bounds[s]
+        act[s, j] = _half_bits(bits[i])
 
 
 try:
     import numba
 
-    _scatter = numba.njit(nogil=True, cache=True)(_scatter_loop)
+    _half_bits = numba.njit(inline="always", cache=True)(_half_bits)
+    _scatter_compiled = numba.njit(nogil=True, cache=True)(_scatter_loop)
 except ImportError:  # the numpy reference: the same arrays
-    _scatter = _scatter_py
+    _scatter_compiled = None
 
 
-def write_safetensors(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...], list[np.ndarray]]]) -> None:
-    """A safetensors file of tensors given as lists of C-contiguous chunks (name, dtype,
-    shape, chunks), written without joining the chunks: the 8-byte header length, the JSON
-    header (padded with spaces to 8 bytes), then each tensor's bytes in order."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, dtype, shape, chunks in tensors:
-        n = sum(c.nbytes for c in chunks)
-        if n != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-            raise FeatureError(f"{path}: tensor {name} has {n} bytes for shape {shape}")
-        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for _, dtype, _, chunks in tensors:
-            for c in chunks:
-                f.write(memoryview(np.ascontiguousarray(c, dtype=dtype)).cast("B"))
+def _scatter(example, position, latent, value, split_of, bounds, loc, act, counts) -> None:  # noqa: ANN001
+    """Append each non-zero to its split's rows (the compiled loop for float32 values, else
+    the numpy reference)."""
+    value = np.asarray(value)
+    if _scatter_compiled is None or value.dtype != np.float32:
+        _scatter_py(example, position, latent, value, split_of, bounds, loc, act, counts)
+    else:
+        _scatter_compiled(example, position, latent, value.view(np.uint32), split_of, bounds, loc, act, counts)
 
 
 def export_delphi(
@@ -204,9 +342,33 @@ def export_delphi(
         raise FeatureError(f"the hookpoint must be a folder name (like layers.6). Got {hookpoint!r}.")
     n = len(store)
     ctx_len = sum(s.t_max for s in store.config.segments)
-    writer = DelphiWriter(encoder.n_features, n, ctx_len, n_splits)
     tokens = np.full((n, ctx_len), pad_token_id, np.int32)
     labels = _labels(store) if leaves_out_special(store) and not keep_special else None
+    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+        writer = DelphiWriter(stage / hookpoint, encoder.n_features, n, ctx_len, n_splits)
+        try:
+            n_tokens = _pass(store, layer, encoder, writer, tokens, labels, device, progress)
+            writer.finish(tokens)
+        finally:
+            writer.close()
+        config = _config(store, layer, encoder, ctx_len, n_tokens, n_splits, model_name, pad_token_id)
+        (stage / hookpoint / "config.json").write_text(json.dumps(config, indent=4), encoding="utf-8")
+    return Path(out) / hookpoint
+
+
+def _pass(
+    store: Reader,
+    layer: int,
+    encoder: Encoder,
+    writer: DelphiWriter,
+    tokens: np.ndarray,
+    labels: Any,
+    device: Any,
+    progress: bool,
+) -> int:
+    """Encode every example of `layer` in batches into `writer`, its token ids into `tokens`;
+    returns the number of tokens."""
+    n = len(store)
     bar = _bar(progress, n)
     batch: list[tuple[int, np.ndarray]] = []
     size = n_tokens = 0
@@ -222,7 +384,21 @@ def export_delphi(
             batch, size = [], 0
         if bar is not None:
             bar(1)
-    config = {
+    return n_tokens
+
+
+def _config(
+    store: Reader,
+    layer: int,
+    encoder: Encoder,
+    ctx_len: int,
+    n_tokens: int,
+    n_splits: int,
+    model_name: str | None,
+    pad_token_id: int,
+) -> dict[str, Any]:
+    """delphi's CacheConfig fields (as its save_config writes them) and where they came from."""
+    return {
         "dataset_repo": str(store.meta.get("dataset") or store.path),
         "dataset_split": "",
         "dataset_name": "",
@@ -235,10 +411,6 @@ def export_delphi(
         "pad_token_id": pad_token_id,
         "actstore": {"store": str(store.path), "layer": layer, "encoder": encoder.describe()},
     }
-    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
-        writer.write(stage / hookpoint, tokens)
-        (stage / hookpoint / "config.json").write_text(json.dumps(config, indent=4), encoding="utf-8")
-    return Path(out) / hookpoint
 
 
 def _labels(store: Reader) -> list[np.ndarray]:
