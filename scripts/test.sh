@@ -12,6 +12,14 @@ args=("$@")
 if [ "${1:-}" = "--fast" ]; then
   args=(-m "not slow" "${@:2}")
 fi
+# Test files run in parallel processes (pytest-xdist, a file's tests in one process, so its
+# fixtures are made once): much of the suite waits on servers, subprocesses and the disk,
+# so 3 processes on 2 cores halve the wall time. ACTSTORE_TEST_WORKERS=N sets the number,
+# 0 runs in this process (for a debugger).
+workers=${ACTSTORE_TEST_WORKERS:-$(python3 -c "import os; print(min(8, max(3, os.cpu_count() or 1)))")}
+if [ "$workers" -gt 0 ]; then
+  args=(-n "$workers" --dist loadfile "${args[@]}")
+fi
 set +e
 .venv/bin/python -m pytest -q "${args[@]}"
 rc=$?

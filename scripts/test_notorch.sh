@@ -36,7 +36,7 @@ stamp=.venv-notorch/.actstore-setup
 want=$(cat pyproject.toml scripts/test_notorch.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv-notorch/bin/python ] || "$PY" -m venv .venv-notorch
-  .venv-notorch/bin/python -m pip --disable-pip-version-check -q install -e . pytest hypothesis ruff \
+  .venv-notorch/bin/python -m pip --disable-pip-version-check -q install -e . pytest pytest-xdist hypothesis ruff \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi
@@ -45,7 +45,7 @@ if .venv-notorch/bin/python -c "import torch" 2>/dev/null; then
   exit 1
 fi
 # Deselected: the two tests of these files that use torch (a DataLoader; torch's half cast).
-ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider \
+ACTSTORE_NO_SKIP=1 .venv-notorch/bin/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile \
   tests/test_notorch.py tests/test_dtypes.py tests/test_architecture.py tests/test_cli_core.py tests/test_examples.py \
   tests/test_checksum.py tests/test_cli_output.py tests/test_faults.py tests/test_format_doc.py tests/test_fuzz.py tests/test_index.py tests/test_leases.py tests/test_legacy.py \
   tests/test_open.py tests/test_processes.py tests/test_roundtrip.py tests/test_saev_common.py tests/test_saev_export.py \

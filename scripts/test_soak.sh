@@ -4,4 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export ACTSTORE_NO_SKIP=1
-.venv/bin/python -m pytest -q -m soak tests/test_flaky_network.py "$@"
+workers=${ACTSTORE_TEST_WORKERS:-$(python3 -c "import os; print(min(6, max(3, os.cpu_count() or 1)))")}
+xdist=()
+if [ "$workers" -gt 0 ]; then
+  xdist=(-n "$workers" --dist load)  # the six jobs' trials side by side, each process its own S3 server
+fi
+.venv/bin/python -m pytest -q "${xdist[@]}" -m soak tests/test_flaky_network.py "$@"

@@ -15,11 +15,11 @@ stamp=.venv312/.actstore-setup
 want=$(cat pyproject.toml scripts/test_zarr_latest.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x .venv312/bin/python ] || "$PY" -m venv .venv312
-  .venv312/bin/python -m pip --disable-pip-version-check -q install "zarr>=3.2" -e . pytest hypothesis \
+  .venv312/bin/python -m pip --disable-pip-version-check -q install "zarr>=3.2" -e . pytest pytest-xdist hypothesis \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi
 .venv312/bin/python -c "import zarr, sys; print(f'zarr {zarr.__version__} on Python {sys.version.split()[0]}')"
-ACTSTORE_NO_SKIP=1 .venv312/bin/python -m pytest -q -p no:cacheprovider \
+ACTSTORE_NO_SKIP=1 .venv312/bin/python -m pytest -q -p no:cacheprovider -n 3 --dist loadfile \
   tests/test_roundtrip.py tests/test_zarr_compat.py tests/test_processes.py tests/test_index.py tests/test_format_doc.py \
   tests/test_hostile_meta.py tests/test_hostile_files.py tests/test_per_sample_chunks.py tests/test_store_golden.py
