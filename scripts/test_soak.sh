@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The soak trials (pytest marker `soak`): each job over a flaky network 10 times, exact every
-# time (tests/test_flaky_network.py). CI runs it after the test command; about 6 minutes here.
+# time (tests/test_flaky_network.py). CI runs it after the test command; about 3 minutes here (3 processes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export ACTSTORE_NO_SKIP=1
