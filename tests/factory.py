@@ -445,3 +445,16 @@ def writer_kwargs(case):
         kw["zarr_format"] = 3
         kw["shard_examples"] = 2
     return kw
+
+
+def cli(*args, ok: bool = True):
+    """`actstore ARGS` run in this process (click's runner, every argument str()-ed); with
+    ok, its exit code must be 0 (the output and exception shown otherwise)."""
+    from click.testing import CliRunner
+
+    from actstore.cli import main
+
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    if ok:
+        assert res.exit_code == 0, res.output + repr(res.exception)
+    return res

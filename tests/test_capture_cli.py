@@ -9,12 +9,11 @@ import re
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from PIL import Image
 
 import actstore
-from actstore.cli import main
 from actstore.read.info import store_info
+from factory import cli
 from test_capture_support import (
     PAIRS,
     SENTENCES,
@@ -27,13 +26,6 @@ from test_capture_support import (
     tiny_llama,
     write_jsonl,
 )
-
-
-def cli(*args: str, ok: bool = True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 def assert_f16_close(got: np.ndarray, ref: np.ndarray) -> None:

@@ -10,25 +10,17 @@ import json
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 import actstore
 from actstore.capture import CaptureError, CaptureOptions
-from actstore.cli import main
 from test_capture_support import PAIRS, SENTENCES, make_tokenizer, save_dinov2, save_llama, tiny_llama, write_jsonl
+from factory import cli
 
 DEFAULT_SYSTEM = (
     "{% if messages[0]['role'] != 'system' %}<s> system : we are water people </s>{% endif %}"
     "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s>{% endfor %}"
     "{% if add_generation_prompt %} assistant :{% endif %}"
 )
-
-
-def cli(*args, ok: bool = True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

@@ -6,21 +6,13 @@ with counts; a misspelled TransformerLens hook name gets the closest names."""
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
 import actstore
 from actstore.capture import run as run_mod
-from actstore.cli import main
 from test_capture_support import SENTENCES, save_llama, tiny_llama
+from factory import cli
 
 LATIN = "caf\u00e9 na\u00efve d\u00e9j\u00e0 vu"
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

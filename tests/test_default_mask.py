@@ -19,17 +19,10 @@ from actstore.cli import main
 from actstore.loaders.pairs import PairDataset, PairIndex
 from actstore.loaders.tokens import TokenStream
 from actstore.read.masks import default_token_mask, leaves_out_special
-from factory import text_store, vit_store
+from factory import text_store, vit_store, cli
 from test_capture_support import SENTENCES, save_llama, write_jsonl
 
 DOCS = [" ".join(SENTENCES[(k + j) % len(SENTENCES)] for j in range(1 + k % 3)) for k in range(6)]
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

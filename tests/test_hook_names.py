@@ -6,21 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 import actstore
-from actstore.cli import main
 from actstore.errors import LayerNotFoundError
 from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from factory import cli
 
 NAMES = ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.0.hook_mlp_out", "blocks.0.hook_attn_out"]
-
-
-def cli(*args, ok: bool = True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

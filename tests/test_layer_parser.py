@@ -10,19 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import actstore
-from actstore.cli import main
 from actstore.errors import LayerNotFoundError
 from test_capture_support import make_images, save_dinov2
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
+from factory import cli
 
 
 @pytest.fixture(scope="module")

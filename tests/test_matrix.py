@@ -14,16 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 import actstore
 import emulators
 import s3server
-from actstore.cli import main
 from actstore.loaders.pairs import PairDataset
 from actstore.loaders.tokens import TokenStream
 from test_capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
 from watchdog import within
+from factory import cli
 
 STORAGES = ("local", "s3", "gs", "az")
 LAYOUTS = {"chunks": ["--zarr-format", "2"], "sharded": ["--zarr-format", "3", "--shard-examples", "4"]}
@@ -31,13 +30,6 @@ DATA = ("vit", "packed", "pairs")
 CELLS = list(itertools.product(STORAGES, LAYOUTS, DATA))
 IDS = ["-".join(c) for c in CELLS]
 GUARD_S = 120
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

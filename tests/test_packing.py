@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,20 +18,13 @@ import actstore
 from actstore.inputs.data import load_source
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
-from actstore.cli import main
 from actstore.verify import verify_store
 from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from factory import cli
 
 DOCS = [
     " ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 4)) for k in range(9)
 ]  # 9 documents of varied length
-
-
-def cli(*args, ok: bool = True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 @pytest.fixture(scope="module")

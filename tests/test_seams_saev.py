@@ -9,19 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
 import actstore
-from actstore.cli import main
 from actstore.saev import export_saev, verify_saev
-from factory import vit_store
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
+from factory import vit_store, cli
 
 
 def test_export_of_an_embedded_images_store_needs_no_options_and_verifies(tmp_path):

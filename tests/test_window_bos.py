@@ -7,24 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 from tokenizers import processors
 
 import actstore
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
-from actstore.cli import main
 from actstore.loaders.tokens import TokenStream
 from test_capture_support import SENTENCES, tiny_llama, write_jsonl
+from factory import cli
 
 DOCS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 3)) for k in range(6)]
-
-
-def cli(*args, ok=True):
-    res = CliRunner().invoke(main, [str(a) for a in args])
-    if ok:
-        assert res.exit_code == 0, res.output + repr(res.exception)
-    return res
 
 
 def _no_bos(tok):

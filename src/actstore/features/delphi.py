@@ -77,11 +77,19 @@ class DelphiWriter:
         small = max(n_examples, ctx_len, widest) <= 1 << 16
         self.loc_dtype = np.dtype(np.uint16 if small else np.uint32)
         self.split_of = np.repeat(np.arange(n_splits, dtype=np.int32), np.diff(self.bounds))
-        self.n_latents = n_latents
         self.counts = np.zeros(n_splits, np.int64)
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.paths = [self.folder / f"{b}_{e - 1}.safetensors" for b, e in zip(self.bounds[:-1], self.bounds[1:])]
+        # Two sets of row blocks, reused: one is filled while the other is written. A set has
+        # a block per (scatter thread, split): the threads fill theirs from consecutive parts
+        # of a call, and the write takes each split's blocks in thread order.
+        self._threads = min(4, os.cpu_count() or 1) if _scatter_compiled is not None else 1
+        self._bufs = [self._blocks(0) for _ in range(2)]
+        self._turn = 0
+        self._io: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="actstore-delphi")
+        self._cpu = ThreadPoolExecutor(self._threads, thread_name_prefix="actstore-delphi-scatter")
+        self._pending: Future | None = None
         self._loc: list[Any] = []
         self._act: list[Any] = []
         try:
@@ -93,15 +101,6 @@ class DelphiWriter:
         except BaseException:
             self.close()
             raise
-        # Two sets of row blocks, reused: one is filled while the other is written. A set has
-        # a block per (scatter thread, split): the threads fill theirs from consecutive parts
-        # of a call, and the write takes each split's blocks in thread order.
-        self._threads = min(4, os.cpu_count() or 1) if _scatter_compiled is not None else 1
-        self._bufs = [self._blocks(0) for _ in range(2)]
-        self._turn = 0
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="actstore-delphi")
-        self._cpu = ThreadPoolExecutor(self._threads, thread_name_prefix="actstore-delphi-scatter")
-        self._pending: Future | None = None
 
     def _blocks(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         n_splits = len(self.paths)
@@ -182,7 +181,7 @@ class DelphiWriter:
 
     def close(self) -> None:
         """Close the files and drop the side files (idempotent)."""
-        if getattr(self, "_io", None) is not None:
+        if self._io is not None:
             self._io.shutdown(wait=True)  # a write in flight ends before its file closes
             self._cpu.shutdown(wait=True)
             self._io = None

@@ -73,7 +73,7 @@ class HostSink:
                 self.pos.update(x.T, ords)
             if self.neg is not None:
                 x = flat[rows] if self.ids is None else x  # copy: the kept rows
-                self.neg.update(np.negative(x, out=self._scratch_like(x)).T, ords)
+                self.neg.update(self._negated(x).T, ords)
             return
         if not len(rows):
             return

@@ -15,6 +15,7 @@ it when the main process is done with one.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from typing import Any, NamedTuple
@@ -157,3 +158,15 @@ class WorkerRing:
 
 class Stopped(Exception):
     """A worker's iteration ended while it waited for a slot."""
+
+
+def put_until_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
+    """Put `item` into the bounded queue `q`, waiting for room until `stop` is set; whether
+    it went in (a consumer that stopped never leaves its producer blocked)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            pass
+    return False

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from actstore.loaders.buffers import BufferRing, host_copy
+from actstore.loaders.buffers import put_until_stopped as _put
 
 _END = object()
 
@@ -156,16 +157,6 @@ def _walk(batch: Any, keys: tuple[str, ...] | None, fn: Callable[[torch.Tensor],
     if isinstance(batch, dict):
         return {k: (_walk(v, None, fn) if keys is None or k in keys else v) for k, v in batch.items()}
     return batch
-
-
-def _put(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            pass
-    return False
 
 
 class _CudaCopy:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from actstore.loaders.assemble import BatchMaker, OnDevice
-from actstore.loaders.buffers import Stopped
+from actstore.loaders.buffers import Stopped, put_until_stopped
 from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits
 from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
@@ -164,13 +164,7 @@ class TokenPipeline:
                     return _STOP
 
     def _put(self, q: queue.Queue, item: Any) -> bool:
-        while not self.stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+        return put_until_stopped(q, item, self.stop)
 
     def _guard(self, target: Any, q: queue.Queue) -> None:
         try:
