@@ -17,9 +17,6 @@ An OS error while writing names the final file the staged one stands for.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import errno
 import os
 import shutil
 import uuid
@@ -27,9 +24,7 @@ from pathlib import Path
 
 from actstore.errors import FeatureError
 from actstore.storage import Storage
-
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
+from actstore.storage.durable import exchange_paths
 
 
 def publish(storage: Storage, files: dict[str, bytes], last: str, owned: set[str]) -> None:
@@ -64,7 +59,7 @@ def _publish_folder(root: Path, files: dict[str, bytes], last: str, owned: set[s
         if not root.is_dir():
             os.rename(staging, root)
             return
-        if _exchange(staging, root):
+        if exchange_paths(staging, root):
             shutil.rmtree(staging, ignore_errors=True)  # now the old output
             return
         old = root.parent / f".{root.name}.old-{tag}"
@@ -105,24 +100,6 @@ def _write(path: Path, data: bytes, final: Path) -> None:
     except OSError as e:
         e.filename = str(final)
         raise
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two folders atomically (Linux renameat2); False where it is not available."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return False
-    libc = ctypes.CDLL(libc_name, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is None:
-        return False
-    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False  # no exchange on this kernel or file system: rename in two steps
-    raise OSError(err, os.strerror(err), str(b))
 
 
 def _publish_prefix(storage: Storage, files: dict[str, bytes], last: str) -> None:

@@ -17,7 +17,6 @@ while the first runs.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -27,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from actstore.errors import DiskFullError, OutputBusyError, OutputExistsError
+from actstore.storage.durable import exchange_paths
 
 MARKER = ".actstore-output"  # {"kind": ...}: this folder was written by that command
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -59,21 +59,6 @@ def _owned(out: Path, kind: str) -> bool:
         return json.loads((out / MARKER).read_text()).get("kind") == kind
     except (OSError, ValueError, AttributeError):
         return False
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
 
 
 def check_target(out: Path, kind: str, overwrite: bool) -> bool:
@@ -139,7 +124,7 @@ def _swap(stage: Path, out: Path, delete_old: bool) -> None:
             f"actstore: warning: {out} was not written by this command; the old folder is kept as {keep}",
             file=sys.stderr,
         )
-    if _exchange(stage, out):
+    if exchange_paths(stage, out):
         old = stage  # now the old folder
     else:
         old = out.parent / f".{out.name}.old-{os.getpid()}"

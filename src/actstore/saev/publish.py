@@ -5,7 +5,6 @@ build of the same hash on the same host once its process is gone.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -13,11 +12,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from actstore.storage.durable import fsync_dir
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-_libc = None
+from actstore.storage.durable import exchange_paths, fsync_dir
 
 
 def temp_dir(parent: Path, name: str) -> Path:
@@ -57,7 +52,7 @@ def publish(tmp: Path, target: Path, *, replace: bool) -> bool:
                 raise
             if not replace:
                 return False
-    if _exchange(tmp, target):
+    if exchange_paths(tmp, target):
         shutil.rmtree(tmp)  # now holds the old directory
     else:
         old = target.parent / f".{target.name}.old-{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -66,20 +61,6 @@ def publish(tmp: Path, target: Path, *, replace: bool) -> bool:
         shutil.rmtree(old)
     fsync_dir(target.parent)
     return True
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.renameat2  # noqa: B018  (AttributeError on old C libraries)
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc:
-        return False
-    rc = _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    return rc == 0
 
 
 def _host() -> str:

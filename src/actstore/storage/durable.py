@@ -4,6 +4,7 @@ thread that starts written files' writeback (Linux sync_file_range)."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import queue
 import threading
@@ -17,6 +18,7 @@ __all__ = [
     "SYNC_FILE_RANGE_WRITE",
     "FileWriteback",
     "fsync_dir",
+    "exchange_paths",
     "fsync_files",
     "sync_file_range",
     "syncfs",
@@ -37,6 +39,22 @@ def _load_libc_fn(name: str, argtypes: list) -> Any:
 
 sync_file_range = _load_libc_fn("sync_file_range", [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint])
 _syncfs = _load_libc_fn("syncfs", [ctypes.c_int])
+_renameat2 = _load_libc_fn("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+
+
+def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE): readers see one or the
+    other, never neither. False where the C library, kernel or file system has no exchange
+    (the caller renames in two steps); any other failure raises OSError naming `b`."""
+    if _renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if _renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def tmp_name(path: Path) -> Path:
