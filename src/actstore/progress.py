@@ -57,6 +57,14 @@ def bar(**kw: Any) -> Any:
     return _bar_class()(file=stream, **kw)
 
 
+def updater(progress: Any, total: int, desc: str, unit: str) -> Callable[[int], Any] | None:
+    """What a long function with a `progress` argument calls as it goes: `progress` itself
+    when it is a callable, a new bar's `update` when it is true, else None."""
+    if callable(progress):
+        return progress
+    return bar(total=total, desc=desc, unit=unit).update if progress else None
+
+
 _BAR = None
 
 

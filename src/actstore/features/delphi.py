@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
+from actstore.progress import updater
 from actstore.features.encoders import Encoder
 from actstore.features.staging import staged_folder
 from actstore.read.api import Reader
@@ -368,7 +369,7 @@ def _pass(
     """Encode every example of `layer` in batches into `writer`, its token ids into `tokens`;
     returns the number of tokens."""
     n = len(store)
-    bar = _bar(progress, n)
+    bar = updater(progress, n, "examples", "example")
     batch: list[tuple[int, np.ndarray]] = []
     size = n_tokens = 0
     for ex in range(n):
@@ -434,13 +435,3 @@ def _encode(writer: DelphiWriter, encoder: Encoder, batch: list, labels: Any, st
 def _content(store: Reader, labels: list[np.ndarray], ex: int) -> np.ndarray:
     lengths = store.lengths(ex)
     return np.concatenate([lab[ex, : lengths[s]] == 0 for lab, s in zip(labels, store.segments)])
-
-
-def _bar(progress: bool, total: int) -> Any:
-    if not progress:
-        return None
-    import sys
-
-    from actstore.progress import bar
-
-    return bar(total=total, desc="examples", unit="example", file=sys.stderr).update

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from actstore.errors import FeatureError
+from actstore.progress import updater
 from actstore.features import context, relations, sitedata
 from actstore.features.encoders import Encoder
 from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
@@ -79,7 +79,7 @@ def build_site(
             images = _images(st, p, encoder, rows, stage)
             wins, vocab = None, Vocab(np.zeros(0, np.int64), None)
         else:
-            bar = _bar(progress, n_examples(rows.example), "examples")
+            bar = updater(progress, n_examples(rows.example), "examples", "example")
             wins = text_windows(
                 st, p.meta["layer"], encoder, rows.feature, rows.example, rows.token, window=window, progress=bar
             )
@@ -90,7 +90,7 @@ def build_site(
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
         rel = _relations(p, encoder, rows, wins, feats, neighbours)
         pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
-        bar = _bar(progress, len(feats), "features")
+        bar = updater(progress, len(feats), "features", "feature")
         index_text = []
         for b in np.unique(feats // sitedata.BUCKET).tolist():
             (stage / "data" / "f" / str(b)).mkdir(parents=True)
@@ -359,11 +359,3 @@ def _write(path: Path, text: str) -> None:
     except OSError as e:
         e.filename = e.filename or str(path)
         raise
-
-
-def _bar(progress: bool, total: int, unit: str) -> Any:
-    if not progress:
-        return None
-    from actstore.progress import bar
-
-    return bar(total=total, desc=unit, unit=unit[:-1], file=sys.stderr).update

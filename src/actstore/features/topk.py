@@ -11,13 +11,13 @@ values, never tokens x features. The tables are built by actstore.features.colle
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from actstore.errors import FeatureError, LayerNotFoundError
+from actstore.progress import updater
 from actstore.features.collect import SIGNS, FeatureTables, build_tables
 from actstore.features.encoders import Encoder
 from actstore.features.groups import GroupReader
@@ -130,7 +130,7 @@ def top_activations(
     groups = GroupReader(
         store, layer, segments, keep_special, device=sink.device if kernel == "torch" else None, mmap=mmap
     )
-    bar = _bar(progress, len(store))
+    bar = updater(progress, len(store), "features", "ex")
     for exs, flat, rows, ords in groups:
         sink.group(flat, rows, ords)
         if bar is not None:
@@ -160,14 +160,3 @@ def _pick_device(device: str | None) -> str | None:
     import importlib.util
 
     return "cpu" if importlib.util.find_spec("torch") is not None else None
-
-
-def _bar(progress: Any, total: int) -> Callable[[int], Any] | None:
-    if callable(progress):
-        return progress
-    if progress:
-        from actstore.progress import bar
-
-        b = bar(total=total, desc="features", unit="ex", file=sys.stderr)
-        return b.update
-    return None
