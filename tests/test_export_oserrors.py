@@ -89,7 +89,7 @@ def test_export_saelens_past_a_file_size_limit_names_the_file_and_the_fix(store,
     assert r.returncode == 1 and not out.exists() and list(tmp_path.iterdir()) == []
     line = r.stderr.strip()
     assert line.startswith(
-        f"actstore: error: exporting {store} for SAELens: File too large writing {tmp_path}/.sl.tmp-"
+        f"actstore: error: exporting {store} for SAELens: File too large writing {tmp_path}/.sl.staging-"
     ), line
     assert line.endswith(
         f"/part-00000.arrow: a file-size limit (ulimit -f) was reached. Nothing was published to {out} and "

@@ -119,6 +119,50 @@ def test_an_import_killed_before_its_first_commit_reruns_to_the_end(tmp_path, ki
     check(store)
 
 
+# The import in a child process whose claim of shard 0 is delayed inside its create-only put:
+# the commit record's temporary file is written, its link to meta/commit.json not yet made.
+CLAIM_SCRIPT = """
+import os, sys, time
+real = os.link
+def link(src, dst, **kw):
+    if str(dst).endswith("shard-00000.zarr/meta/commit.json"):
+        print("claiming", flush=True)
+        time.sleep(600)
+    return real(src, dst, **kw)
+os.link = link
+from actstore.cli import main
+main(["import-saelens", sys.argv[1], sys.argv[2], "--workers", "1", "--quiet"])
+"""
+
+
+def test_import_saelens_killed_inside_the_shard_claim_reruns_to_the_end(tmp_path):
+    src, check = _saelens(tmp_path)
+    store = tmp_path / "s"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLAIM_SCRIPT, str(src), str(store)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "claiming"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    meta = store / "shards" / "shard-00000.zarr" / "meta"
+    left = os.listdir(meta)
+    assert len(left) == 1 and left[0].startswith(".commit.json.tmp-")  # inside the claim: no commit record
+    res = CliRunner().invoke(main, ["verify", str(store)])
+    assert res.exit_code == 0, res.output  # a recognised state: warnings only
+    assert "resumable" in res.output and "killed inside the claim" in res.output
+    assert "not a writer shard" not in res.output
+    res = CliRunner().invoke(main, ["import-saelens", str(src), str(store)])
+    assert res.exit_code == 0, res.output
+    assert "verified" in res.output and "not a writer shard" not in res.output
+    assert not [n for n in os.listdir(meta) if n.startswith(".")]  # the dead claim's temporary file dropped
+    check(store)
+
+
 @pytest.mark.parametrize("kind", list(SOURCES))
 def test_commit_mb_commits_a_part_in_several_blocks(tmp_path, kind):
     make, command, _ = SOURCES[kind]

@@ -55,13 +55,13 @@ def test_sigkill_leaves_no_hash_directory_and_rerun_completes(tmp_path):
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     left = os.listdir(dump)
-    assert len(left) == 1 and left[0].startswith(".") and ".tmp-" in left[0]  # only the hidden build directory
+    assert len(left) == 1 and left[0].startswith(".") and ".staging-" in left[0]  # only the hidden stage
     assert (dump / left[0] / "acts000000.bin").exists()  # it really was killed mid-way
 
     res = export_saev(store, dump, patches_per_shard=30, progress=False)
     assert not res.reused
     assert os.listdir(dump) == [res.hash]  # the dead build's directory was removed
-    assert left[0].startswith(f".{res.hash}.tmp-")
+    assert left[0].startswith(f".{res.hash}.staging-")
     assert verify_saev(res.path, values=True).problems == []
     fresh = export_saev(store, tmp_path / "fresh", patches_per_shard=30, progress=False)
     assert dir_files(fresh.path) == dir_files(res.path)

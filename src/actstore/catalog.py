@@ -55,7 +55,19 @@ def read_manifest_bytes(storage: Storage) -> tuple[records.Manifest, bytes]:
                 f"run `actstore finalize {storage.url}` once every writer has closed"
             ) from None
         raise StoreNotFoundError(f"{storage.url} is not an actstore store (no {keys.MANIFEST})") from None
-    return records.parse_manifest(data, storage.where(keys.MANIFEST), storage.url), data
+    manifest = records.parse_manifest(data, storage.where(keys.MANIFEST), storage.url)
+    return _without_claims(manifest), data
+
+
+def _without_claims(m: records.Manifest) -> records.Manifest:
+    """The manifest without entries of shards that were only claimed (no example, never
+    closed: an older finalize --allow-partial published them), which hold no arrays: every
+    reader skips them alike, as finalize now leaves them out."""
+    if all(e.n_examples or e.complete for e in m.shards):
+        return m
+    from dataclasses import replace
+
+    return replace(m, shards=tuple(e for e in m.shards if e.n_examples or e.complete))
 
 
 def shard_numbers(storage: Storage) -> list[int]:
@@ -87,6 +99,18 @@ def committed(storage: Storage, shard: int) -> tuple[int, bool]:
         return 0, False
     rec = read_commit(sh)
     return rec.n_committed, rec.complete
+
+
+def claim_pending(shard: Storage) -> bool:
+    """Whether a started shard folder holds no commit record and nothing but temporary
+    files: a claim under way, or a writer killed inside its claim (a new writer claims it
+    afresh; finalize and verify treat it as a shard with nothing committed). Names only: a
+    racing claimant deletes its temporary file at any time."""
+    if shard.exists(keys.COMMIT):
+        return False
+    if shard.list_dir("") not in ([], [keys.META_DIR]):
+        return False
+    return all(keys.is_temporary(n) for n in shard.list_dir(keys.META_DIR))
 
 
 def shard_exists(storage: Storage, shard: int) -> bool:

@@ -2,12 +2,12 @@
 the manifest-like file that vouches for them (meta.json), so a failed run keeps the older
 output and partial files never become visible.
 
-- A local folder OUT: the files go to a sibling staging folder `.OUT.staging-*`, with
-  hard links to whatever else OUT holds (files this output does not own are kept), which
-  is then exchanged with OUT in one step (renameat2 RENAME_EXCHANGE: readers see the old
-  folder or the new one, never a mix); the old folder is then removed. Where the file
-  system cannot exchange, OUT is renamed aside and the staging folder renamed in its place
-  (a crash between the two renames leaves the old output under `.OUT.old-*`).
+- A local folder OUT: the files go to a stage beside it (actstore.storage.swap, the one
+  publication step), with hard links to whatever else OUT holds (files this output does not
+  own are kept), which is then exchanged with OUT in one step (renameat2 RENAME_EXCHANGE:
+  readers see the old folder or the new one, never a mix; where the file system cannot
+  exchange, two renames); the old folder is then removed (every file of it this output
+  does not own is in the new one). What a killed run left is settled by the next one.
 - An object-store prefix: the files are uploaded under `OUT/.staging-*/` first (a failure
   there leaves the older output as it was); then meta.json is deleted, the files are put
   under their names (from memory) and meta.json last; the staged copies are deleted.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from actstore.errors import FeatureError
 from actstore.storage import Storage
-from actstore.storage.durable import exchange_paths
+from actstore.storage.swap import make_stage, recover, swap_in
 
 
 def publish(storage: Storage, files: dict[str, bytes], last: str, owned: set[str]) -> None:
@@ -48,27 +48,23 @@ def _publish_folder(root: Path, files: dict[str, bytes], last: str, owned: set[s
     if root.exists() and not root.is_dir():
         raise FeatureError(f"{root} is a file: give --out a folder (or a new name)")
     root.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging = root.parent / f".{root.name}.staging-{tag}"
-    staging.mkdir()
+    recover(root, _carried)
+    staging = make_stage(root)
     try:
         for name in sorted(files, key=lambda n: n == last):  # `last` written last
             _write(staging / name, files[name], root / name)
         if root.is_dir():
             _carry(root, staging, owned | set(files))
-        if not root.is_dir():
-            os.rename(staging, root)
-            return
-        if exchange_paths(staging, root):
-            shutil.rmtree(staging, ignore_errors=True)  # now the old output
-            return
-        old = root.parent / f".{root.name}.old-{tag}"
-        os.rename(root, old)
-        os.rename(staging, root)
-        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    swap_in(staging, root, _carried)
+
+
+def _carried(old: Path) -> bool:
+    """An output folder swapped out is deleted: every file of it this output does not own
+    was carried into the new one (hard links) before the swap."""
+    return True
 
 
 def _carry(root: Path, staging: Path, owned: set[str]) -> None:

@@ -5,10 +5,11 @@ while the first runs.
 
 - The lock: `.<name>.lock` beside the target, held with flock (released by the kernel when
   the process dies, so a killed build never blocks the next one).
-- The stage: `.<name>.staging-<pid>` beside the target; a stage left by a killed build is
-  removed by the next build (which holds the lock).
-- The swap: one renameat2(RENAME_EXCHANGE) where Linux offers it (the target is never
-  absent), else two renames; then the old folder is deleted.
+- The stage and the swap: actstore.storage.swap (the one publication step): a marked
+  stage beside the target, swapped in by one renameat2(RENAME_EXCHANGE) where Linux offers
+  it (the target is never absent), else two renames. What a killed build left (a stage, or
+  the old folder under a stage's or an `.old-` name) is settled by the next build (which
+  holds the lock): restored, renamed aside, or deleted only when provably ours.
 - An existing folder is replaced only with `overwrite` (an empty one needs nothing). The old
   folder is deleted when it holds the marker file a build of the same kind wrote; any other
   folder is kept beside the new one as `<name>.replaced-<time>` (never deleted: it was not
@@ -21,12 +22,13 @@ import errno
 import json
 import os
 import shutil
+from functools import partial
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from actstore.errors import DiskFullError, OutputBusyError, OutputExistsError
-from actstore.storage.durable import exchange_paths
+from actstore.storage.swap import make_stage, recover, swap_in
 
 MARKER = ".actstore-output"  # {"kind": ...}: this folder was written by that command
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -61,18 +63,16 @@ def _owned(out: Path, kind: str) -> bool:
         return False
 
 
-def check_target(out: Path, kind: str, overwrite: bool) -> bool:
-    """Refuse an existing `out` unless it is empty or `overwrite`; returns whether the old
-    folder may be deleted after the swap (empty, or written by a build of `kind`)."""
+def check_target(out: Path, overwrite: bool) -> None:
+    """Refuse an existing `out` unless it is an empty folder or `overwrite`."""
     if not out.exists() and not out.is_symlink():
-        return True
+        return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
-        return True
+        return
     if not overwrite:
         raise OutputExistsError(f"{out} exists: pass --overwrite to replace it (it is swapped in whole at the end)")
     if out.is_symlink() or not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a folder: name another --out; it is never replaced")
-    return _owned(out, kind)
 
 
 @contextmanager
@@ -84,13 +84,11 @@ def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False)
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
     fd = _lock(lock_path)
-    stage = out.parent / f".{out.name}.staging-{os.getpid()}"
+    ours = partial(_owned, kind=kind)
     try:
-        delete_old = check_target(out, kind, overwrite)
-        for pattern in (f".{out.name}.staging-*", f".{out.name}.old-*"):  # left by a killed build
-            for stale in out.parent.glob(pattern):
-                shutil.rmtree(stale, ignore_errors=True)
-        stage.mkdir()
+        recover(out, ours)  # what a killed build left: under the lock, no build of `out` runs
+        check_target(out, overwrite)
+        stage = make_stage(out)
         try:
             yield stage
             (stage / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
@@ -104,33 +102,7 @@ def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-        _swap(stage, out, delete_old)
+        swap_in(stage, out, ours)
     finally:
         lock_path.unlink(missing_ok=True)  # while held: a waiter re-checks the inode
         os.close(fd)
-
-
-def _swap(stage: Path, out: Path, delete_old: bool) -> None:
-    if not out.exists():
-        os.rename(stage, out)
-        return
-    keep = None
-    if not delete_old:  # a folder this kind of build did not write: kept, renamed
-        import sys
-        import time
-
-        keep = out.parent / f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        print(
-            f"actstore: warning: {out} was not written by this command; the old folder is kept as {keep}",
-            file=sys.stderr,
-        )
-    if exchange_paths(stage, out):
-        old = stage  # now the old folder
-    else:
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-        os.rename(stage, out)
-    if keep is not None:
-        os.rename(old, keep)
-    else:
-        shutil.rmtree(old)

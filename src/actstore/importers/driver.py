@@ -215,14 +215,17 @@ def _import_part(
 
 
 def _existing(store: str | os.PathLike, i: int, part: Part, source: Source, zarr_format: int) -> str:
-    """'new', 'unclaimed' (a shard killed before its first commit, which records whose part
-    it holds: started afresh), 'partial' (a killed import of this part: resumed) or 'done'."""
+    """'new' (no shard, or one whose writer was killed inside its claim), 'unclaimed' (a
+    shard killed before its first commit, which records whose part it holds: started
+    afresh), 'partial' (a killed import of this part: resumed) or 'done'."""
     from actstore import catalog
 
     storage = open_storage(store)
     if not catalog.shard_exists(storage, i):
         return "new"
     sh = catalog.shard_storage(storage, i)
+    if catalog.claim_pending(sh):
+        return "new"  # killed inside its claim: the writer claims it afresh, as `write --resume` does
     rec = catalog.read_commit(sh)
     key = records.group_attrs_key(zarr_format)
     try:

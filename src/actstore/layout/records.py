@@ -76,6 +76,12 @@ class Commit:
     format_version: int = spec.FORMAT_VERSION
     world_size: int | None = None  # the number of ranks of the run (shard = rank); None: unranked
 
+    @property
+    def claimed_only(self) -> bool:
+        """Claimed, nothing committed yet: a writer creating the shard, or one killed before
+        its first commit (resumable; finalize --allow-partial leaves it out)."""
+        return self.n_committed == 0 and not self.complete
+
 
 def dump_commit(c: Commit) -> bytes:
     d = asdict(c)

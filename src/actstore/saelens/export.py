@@ -10,8 +10,9 @@ last row is filled up with token id -1 and zero vectors, as are the rows added t
 row count a multiple of `store_batch_size_prompts` (SAELens never reads the remainder).
 Token ids are the store's (`ActStore.token_ids`) where it keeps them; otherwise -2 for a
 content token, -3 a special token, -4 a chat-template token (from the token labels).
-Built with pyarrow from flat numpy buffers; published by renaming a finished temporary
-directory, so a killed export leaves nothing that looks complete. saelens_config.json
+Built with pyarrow from flat numpy buffers; published by swapping in a finished stage
+(actstore.storage.swap), so a killed export leaves nothing that looks complete and never a
+folder lost: one that is not an export is kept aside. saelens_config.json
 records the row count and each data file's size and sha256, which `actstore verify OUT`
 (`verify_saelens_folder`) checks.
 """
@@ -33,7 +34,7 @@ from actstore.index import layer_position
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read import masks
 from actstore.saelens.card import dataset_card
-from actstore.saelens.check import file_record
+from actstore.saelens.check import CONFIG, file_record
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, sync_file_range
 from actstore.storage.files import export_os_errors
 
@@ -121,7 +122,7 @@ def _export(
     progress: bool,
 ) -> SaelensExport:
     from actstore.loaders import TokenStream
-    from actstore.saev.publish import publish
+    from actstore.saev.publish import publish, remove_stale, temp_dir
 
     number = store.layer_number(layer)
     layer_position(store.layers, number)  # raises LayerNotFoundError listing the stored layers
@@ -162,8 +163,9 @@ def _export(
         threads=2,
         dtype=torch.float32 if dtype == "float32" else torch.float16,
     )
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(out.parent, out.name, marker=CONFIG)  # what a killed export left: settled
+    tmp = temp_dir(out.parent, out.name)
     try:
         writer = _ArrowFiles(tmp, hook, C, D, np_dtype)
         carry_x, carry_id = np.zeros((0, D), np_dtype), np.zeros(0, np.int32)
@@ -220,7 +222,7 @@ def _export(
                 "license": "",
             },
         )
-        _write_json(tmp / "saelens_config.json", config)
+        _write_json(tmp / CONFIG, config)
         (tmp / "README.md").write_text(
             dataset_card(
                 store=store,
@@ -239,7 +241,7 @@ def _export(
         )
         if out.exists() and not any(out.iterdir()):
             out.rmdir()  # empty (checked above)
-        if not publish(tmp, out, replace=overwrite):  # an earlier export is swapped out whole, then deleted
+        if not publish(tmp, out, replace=overwrite, marker=CONFIG):  # an earlier export is swapped out whole
             raise SaelensExportError(f"{out} appeared while exporting; export to a new folder or pass --overwrite")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,8 @@ from actstore.read.masks import summarize
 from actstore.storage.files import export_os_errors
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import DEFAULT_BATCH_BYTES, ExportPlan, SaevExportOptions, make_plan
-from actstore.saev.publish import fsync_dir, publish, remove_stale, temp_dir
+from actstore.saev.publish import publish, remove_stale, temp_dir
+from actstore.storage.durable import fsync_dir
 from actstore.saev.verify import verify_saev
 
 

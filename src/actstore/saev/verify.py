@@ -11,6 +11,7 @@ import numpy as np
 from actstore.layout import saevspec as P
 from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 from actstore.saev import checksums
+from actstore.storage.swap import STAGE_MARKER
 
 _BLOCK = 16 * 2**20  # bytes per read when scanning padding or values
 
@@ -89,15 +90,27 @@ def verify_saev(
     else:
         names, problems = check_shards_json(entries, geom, proto)
         report.problems += problems
-    report.problems += _check_files(root, names, geom, md.get("layers"), values=values, progress=progress)
+    staged = published_as is not None  # a stage holds its marker until it is swapped in
+    report.problems += _check_files(
+        root, names, geom, md.get("layers"), values=values, progress=progress, staged=staged
+    )
     return report
 
 
 def _check_files(
-    root: Path, names: list[str], geom: P.ShardGeometry | None, layers: list, *, values: bool, progress: bool
+    root: Path,
+    names: list[str],
+    geom: P.ShardGeometry | None,
+    layers: list,
+    *,
+    values: bool,
+    progress: bool,
+    staged: bool = False,
 ) -> list[str]:
     problems = []
     allowed = {P.METADATA_FILE, P.SHARDS_FILE, P.LABELS_FILE, P.OFFSETS_FILE, P.CHECKSUMS_FILE, *names}
+    if staged:
+        allowed.add(STAGE_MARKER)
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if entry.name not in allowed:
             kind = "directory" if entry.is_dir(follow_symlinks=False) else "file"

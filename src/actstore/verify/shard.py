@@ -21,6 +21,10 @@ from actstore.verify.check import Checker, ShardCtx, array_entries, attrs_proble
 from actstore.verify.report import ERROR, WARNING
 
 _ZARR_META = set(keys.ZARR_NAMES)
+_RESUMABLE = (
+    "nothing of it is published or lost; `actstore write --resume` (ShardWriter(..., resume=True)) or a rerun "
+    "of the import continues it, and `actstore finalize --allow-partial` leaves it out"
+)
 
 
 def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
@@ -33,6 +37,15 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
         return
     if v.listing.kind(prefix) == "link":
         v.symlink(prefix, shard)
+    if entry is None and catalog.claim_pending(sh):
+        v.add(
+            WARNING,
+            "resumable",
+            f"shard {name} is being claimed, or its writer was killed inside the claim: {_RESUMABLE}",
+            prefix,
+            shard=shard,
+        )
+        return
     try:
         rec = catalog.read_commit(sh)
     except FormatVersionError:
@@ -41,6 +54,16 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
         v.add(ERROR, "commit", str(e), f"{prefix}/{keys.COMMIT}", shard=shard)
         rec = None
     if entry is None and rec is None:
+        return
+    if rec is not None and rec.claimed_only and (entry is None or entry.n_examples == 0):
+        v.add(
+            WARNING,
+            "resumable",
+            f"shard {name} was claimed but nothing is committed yet (a writer creating it, or one killed before "
+            f"its first commit): {_RESUMABLE}",
+            f"{prefix}/{keys.COMMIT}",
+            shard=shard,
+        )
         return
     n = entry.n_examples if entry is not None else rec.n_committed
     n_blocks = entry.n_blocks if entry is not None else rec.n_blocks

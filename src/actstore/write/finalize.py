@@ -26,8 +26,10 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         path: the store root.
         allow_partial: publish what is committed even though shards are unfinished: the
             committed prefix of shards whose writer never closed, and no shard at all for
-            ranks of the recorded world size that never wrote one. The manifest records
-            what is missing (`partial`); `info` shows it and `verify --strict` refuses it.
+            ranks of the recorded world size that never wrote one. A shard that was only
+            claimed (nothing committed: a writer creating it, or killed before its first
+            commit) is left out. The manifest records what is missing (`partial`); `info`
+            shows it and `verify --strict` refuses it.
             By default either is an error that names the shards and ranks.
 
     Returns:
@@ -49,14 +51,18 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
     start = 0
     for number in numbers:
         shard = catalog.shard_storage(storage, number)
+        if catalog.claim_pending(shard):  # a writer inside its claim (or killed there)
+            incomplete.append(f"shard {number} (being claimed, nothing committed)")
+            incomplete_numbers.append(number)
+            continue
         rec = catalog.read_commit(shard)
         if rec.world_size is not None:
             worlds.setdefault(rec.world_size, []).append(number)
         if not rec.complete:
             incomplete.append(f"shard {number} ({rec.n_committed} examples committed)")
             incomplete_numbers.append(number)
-            if not allow_partial:
-                continue
+            if not allow_partial or rec.claimed_only:
+                continue  # a shard with nothing committed is left out: it holds no arrays yet
         blocks = catalog.read_blocks(shard, rec.n_blocks)
         records.check_blocks_tile(blocks, rec.n_committed, shard.url)
         if published.get(number) != (len(blocks), records.blocks_checksum(blocks)):  # new blocks: checked once
@@ -97,6 +103,11 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
             "Run or resume those writers to the end (`actstore write --resume` with the same --rank/--world-size, "
             "or ShardWriter(..., resume=True) and close it), "
             "or pass allow_partial=True (`actstore finalize --allow-partial`) to publish only what was committed, recorded as partial."
+        )
+    if not entries:
+        raise NotFinalizedError(
+            f"cannot finalize {storage.url}: no shard has committed an example yet ({', '.join(incomplete)}); "
+            "let the writers commit (or resume them), then finalize"
         )
     partial = (
         records.Partial(missing_ranks=tuple(missing), incomplete_shards=tuple(incomplete_numbers))

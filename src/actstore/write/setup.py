@@ -46,14 +46,9 @@ class ShardSetup:
             )
 
     def _claimed(self) -> bool:
-        """Whether the shard is taken: its commit record, or (a damaged shard) anything but
-        the temporary file of a claim under way, which the claim itself decides. (Names
-        only: a racing claimant deletes its temporary file at any time.)"""
-        if self.sh.exists(keys.COMMIT):
-            return True
-        if self.sh.list_dir("") not in ([], [keys.META_DIR]):
-            return True
-        return any(not keys.is_temporary(n) for n in self.sh.list_dir(keys.META_DIR))
+        """Whether the shard is taken: anything but the temporary file of a claim under way,
+        which the claim itself decides (catalog.claim_pending)."""
+        return not catalog.claim_pending(self.sh)
 
     def _create(self) -> None:
         """Claim the shard (a create-only put of its commit record), then create its arrays."""
