@@ -78,6 +78,8 @@ def test_image_folder_store_equals_hidden_states_and_show(tmp_path, dino_dir, im
     with Image.open(png) as im:
         assert im.size[0] > 2 * 2 * 28 and im.mode == "RGB"
         arr = np.asarray(im)
+        drawn = {k: v for k, v in im.text.items() if k.startswith("actstore:")}  # the state it was drawn from
+    assert drawn == {"actstore:store": str(out), "actstore:manifest_sha256": store.manifest_sha256}
     assert len(np.unique(arr.reshape(-1, 3), axis=0)) > 50  # a picture, not a blank canvas
 
 

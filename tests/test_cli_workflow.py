@@ -10,6 +10,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+import actstore
 from actstore.cli import main
 from factory import word_store, word_tokenizer
 
@@ -50,7 +51,13 @@ def test_json_and_quiet_along_a_whole_workflow(store, tmp_path):
     assert answers["features"] == {"path": str(feats), "features": 6, "tokens": 96}  # BOS left out: 12 x 8
     assert answers["view"] == {"path": str(site / "index.html")} and (site / "index.html").exists()
     page = (tmp_path / "ex2.html").read_text()
-    assert answers["show"] == {"path": str(tmp_path / "ex2.html")} and "zebra" in page and "<title>example 2<" in page
+    drawn = actstore.ActStore(store).manifest_sha256  # the state the page was drawn from, recorded
+    assert answers["show"] == {"path": str(tmp_path / "ex2.html"), "manifest_sha256": drawn}
+    assert (
+        "zebra" in page
+        and "<title>example 2<" in page
+        and f'<meta name="actstore:manifest_sha256" content="{drawn}">' in page
+    )
     assert answers["export-neuronpedia"]["path"] == str(npd) and len(answers["export-neuronpedia"]["files"]) >= 1
     assert answers["import-pkl"]["n_examples"] == 12 and answers["finalize"]["examples"] == 12
     quiet = [

@@ -1,6 +1,6 @@
 """`actstore features` under faults: a full disk (a real file-size limit, and ENOSPC from a
 stand-in) or a failing upload keeps the older output whole and names the file; a finalize
-during the pass does not make meta.json name a state the tables were not read from; an
+during the pass is refused (nothing published, both states named); an
 unknown encoder kind in meta.json is a FeatureError naming it; format-1 folders read as +1."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.errors import DiskFullError, FeatureError
+from actstore.errors import DiskFullError, FeatureError, StoreChangedError
 from actstore.features import publish, sources
 from actstore.features.run import run_features
 from actstore.features.tables import FEATURES, INTERVALS, META, TOP, read_meta, read_table
@@ -164,7 +164,7 @@ def _shard(path, shard: int, n: int) -> None:
         )
 
 
-def test_meta_names_the_manifest_the_pass_opened_though_a_finalize_ran_during_it(tmp_path):
+def test_a_finalize_during_the_pass_is_refused_naming_both_states(tmp_path):
     path = tmp_path / "s"
     _shard(path, 0, 40)
     _shard(path, 1, 40)
@@ -179,11 +179,19 @@ def test_meta_names_the_manifest_the_pass_opened_though_a_finalize_ran_during_it
             _shard(path, 2, 9)
             actstore.finalize(path)
 
-    meta = run_features(path, 0, str(tmp_path / "feat"), neurons=True, store=store, progress=finalize_again)
+    out = tmp_path / "feat"
+    with pytest.raises(StoreChangedError) as e:
+        run_features(path, 0, str(out), neurons=True, store=store, progress=finalize_again)
     sha = __import__("hashlib").sha256
+    now = sha((path / "manifest.json").read_bytes()).hexdigest()
     assert done and actstore.open(path).manifest.n_examples == 89
-    assert meta["store"]["sha256"] == sha(opened).hexdigest() == store.manifest_sha256
-    assert meta["store"]["n_examples"] == 80  # the tables and meta.json describe the state opened
+    assert str(e.value).startswith(
+        f"{path} changed while the feature pass read it (manifest sha256 {sha(opened).hexdigest()[:12]}... when the "
+        f"read began; manifest sha256 {now[:12]}... at the end): nothing was published"
+    )
+    assert not out.exists() and no_staging_left(tmp_path)
+    meta = run_features(path, 0, str(out), neurons=True)  # the rerun reads the state as it is now
+    assert meta["store"]["sha256"] == now and meta["store"]["n_examples"] == 89
 
 
 def test_an_unknown_encoder_kind_is_a_feature_error_naming_it(store, tmp_path):

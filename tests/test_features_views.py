@@ -151,6 +151,80 @@ def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F8
     assert res.exit_code == 0 and "actstore: warning:" in res.output and "no longer the state" in res.output
 
 
+def _another_finalize(store: Path, other: Path) -> None:
+    """Replace the store at `store` by `other`: the same examples, another finalize."""
+    import shutil
+
+    shutil.copytree(store, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["created"] = "2000-01-01T00:00:00"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(store)
+    os.rename(other, store)
+
+
+def test_a_view_whose_store_is_replaced_mid_build_is_refused_naming_both_states(text_store, tmp_path, monkeypatch):  # noqa: F811
+    import hashlib
+    import shutil
+
+    from actstore.errors import StoreChangedError
+    from actstore.features import sitedata
+
+    path, _ = text_store
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    run_features(copy, 4, str(tmp_path / "feat"), neurons=True, top_k=2)
+    site = tmp_path / "site"
+    build_site(str(tmp_path / "feat"), site, plot_examples=0)
+    before, began = _tree(site), hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest()
+    real, n = sitedata.script, [0]
+
+    def script(kind, value):  # while the 4th page is made, the store is replaced
+        n[0] += 1
+        if n[0] == 4:
+            _another_finalize(copy, tmp_path / "other")
+        return real(kind, value)
+
+    monkeypatch.setattr(sitedata, "script", script)
+    with pytest.raises(StoreChangedError) as e:
+        build_site(str(tmp_path / "feat"), site, overwrite=True, plot_examples=0)
+    now = hashlib.sha256((copy / "manifest.json").read_bytes()).hexdigest()
+    assert n[0] > 4 and began != now
+    assert str(e.value) == (
+        f"{copy} changed while `actstore view` read it (manifest sha256 {began[:12]}... when the read began; "
+        f"manifest sha256 {now[:12]}... at the end): nothing was published, so what is there is unchanged; "
+        "rerun once the store stays as it is"
+    )
+    assert _tree(site) == before and sorted(p.name for p in tmp_path.iterdir()) == ["feat", "site", "store"]
+
+
+def test_show_records_the_state_it_drew_and_refuses_a_changed_store(tmp_path, monkeypatch):
+    from actstore.features import show
+
+    path = _chat_store(tmp_path, model_id=str(tmp_path / "tok"))
+    st = actstore.ActStore(path)
+    page = show.text_html(st, 0, 0)
+    assert (
+        f'<meta name="actstore:store" content="{path}"><meta name="actstore:manifest_sha256" content="{st.manifest_sha256}">'
+        in page
+    )
+    real = show._values
+
+    def values(store, *a):  # the store is finalized again while the example is read
+        v = real(store, *a)
+        _another_finalize(path, tmp_path / "other")
+        return v
+
+    monkeypatch.setattr(show, "_values", values)
+    out = tmp_path / "ex0.html"
+    res = CliRunner().invoke(main, ["show", str(path), "--ex", "0", "--layer", "0", "-o", str(out)])
+    assert res.exit_code == 1 and not out.exists(), res.output
+    assert (
+        f"actstore: error: {path} changed while `actstore show` read it (manifest sha256 {st.manifest_sha256[:12]}"
+        in res.output
+    )
+
+
 def _odd_store(tmp_path, *, model_id):
     return odd_token_store(tmp_path / "odd", tmp_path / "tok", model_id=model_id or "")
 

@@ -270,3 +270,8 @@ class AlignmentError(ActstoreError, ValueError):
 
 class ForkedClientError(ActstoreError, RuntimeError):
     """An object store was used in a process forked after obstore had started (it would hang)."""
+
+
+class StoreChangedError(ActstoreError, RuntimeError):
+    """The store changed while a view, export or `show` read it (its manifest is not the one
+    the read began with): nothing was published."""

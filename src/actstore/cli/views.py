@@ -64,7 +64,9 @@ def show_cmd(
     store, its tokens coloured by the norm, a dimension or an SAE latent (an HTML page).
 
     The image is re-read from the reference the store keeps (a file path, an embedded
-    image or a datasets row); text is decoded with the tokenizer the store records.
+    image or a datasets row); text is decoded with the tokenizer the store records. The
+    output records the store state it was drawn from (the manifest's sha256: PNG text
+    chunks, HTML meta tags); a store that changed while it was read writes nothing.
     """
     from actstore.opener import open as open_store
 
@@ -100,8 +102,11 @@ def show_cmd(
         G.require_extras("show", ("torch", "PIL"))
         from actstore.features.show_image import render
 
-        path = render(store, ex[0], layer, path)
+        from actstore.read.store import ActStore
+
+        # Drawn from the store opened above, whose state the picture records.
+        path = render(st if isinstance(st, ActStore) else store, ex[0], layer, path)
     if as_json:
-        G.echo_json({"path": str(path)})
+        G.echo_json({"path": str(path), "manifest_sha256": getattr(st, "manifest_sha256", None)})
     elif not quiet:
         click.echo(f"wrote {path}")

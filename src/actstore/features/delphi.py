@@ -344,7 +344,7 @@ def export_delphi(
     ctx_len = sum(s.t_max for s in store.config.segments)
     tokens = np.full((n, ctx_len), pad_token_id, np.int32)
     labels = _labels(store) if leaves_out_special(store) and not keep_special else None
-    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+    with staged_folder(out, kind=KIND, overwrite=overwrite, source=store) as stage:
         writer = DelphiWriter(stage / hookpoint, encoder.n_features, n, ctx_len, n_splits)
         try:
             n_tokens = _pass(store, layer, encoder, writer, tokens, labels, device, progress)

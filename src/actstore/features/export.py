@@ -112,7 +112,7 @@ def export_neuronpedia(
     starts = np.searchsorted(rows.feature[rows_pos], feats)
     ends = np.searchsorted(rows.feature[rows_pos], feats, side="right")
     model = neuronpedia.model_name(model_id or str(st.meta.get("model_id") or ""))
-    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+    with staged_folder(out, kind=KIND, overwrite=overwrite, source=st) as stage:
         source = neuronpedia.Source(stage, model, layer, sae_set, creator_id, st, p.meta)
         for b0 in range(0, len(feats), per_batch):
             features = []

@@ -13,6 +13,7 @@ from actstore.features.tables import store_checksum, write_tables
 from actstore.features.topk import top_activations
 from actstore.read.masks import leaves_out_special
 from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.state import check_unchanged
 
 
 def run_features(
@@ -42,7 +43,8 @@ def run_features(
     """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content.
     `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already.
     meta.json names the store state the pass read: the sha256 of the manifest bytes the
-    store was opened with (a finalize during the pass does not change it)."""
+    store was opened with; a store finalized again, replaced or deleted during the pass is
+    refused (StoreChangedError naming both states) and nothing is published."""
     if store is None:
         from actstore.opener import open as open_store
 
@@ -78,6 +80,7 @@ def run_features(
         device=device,
         progress=progress,
     )
+    check_unchanged(store, "the feature pass")  # the tables are of the state meta.json names, or nothing is published
     labels = leaves_out_special(store)
     meta = {
         "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},

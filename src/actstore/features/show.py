@@ -106,10 +106,15 @@ def text_html(
             f'<span class="{cls}" style="background: rgba({rgb},{alpha:.2f})" title="{title}">{shown(t)}</span>'
         )
     what = "token L2 norm" if feature is None else f"{'dimension' if encoder is None else 'feature'} {feature}"
+    from actstore.features.show_image import drawn_from
+
+    state = "".join(
+        f'<meta name="actstore:{k}" content="{html.escape(v)}">' for k, v in drawn_from(store).items()
+    )  # the state the page was drawn from
     css = (Path(__file__).with_name("static") / "style.css").read_text()
     notes = f'<p><span class="note">{html.escape(note)}</span></p>' if note else ""
     return (
-        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>example {ex}</title>'
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8">{state}<title>example {ex}</title>'
         f"<style>{css}{SHOW_CSS}</style></head><body><header><h1>Example {ex}, layer {layer}</h1>"
         f'<p class="meta">{html.escape(what)}; colour scale &plusmn;{scale:.4g} ({how}); '
         f"{len(ids)} tokens of {html.escape(str(store.path))}</p>{notes}</header>"
@@ -159,12 +164,9 @@ def images_png(
     canvas.paste(Image.fromarray(colormap(np.linspace(1, 0, w))[:, None, :].repeat(bar_w, axis=1)), (bx, head))
     draw.text((bx + bar_w + 4, head), f"{hi:.3g}", fill=(0, 0, 0))
     draw.text((bx + bar_w + 4, head + w - 12), f"{lo:.3g}", fill=(0, 0, 0))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    canvas.save(tmp, format="PNG")
-    os.replace(tmp, out)  # never a half-written picture
-    return out
+    from actstore.features.show_image import drawn_from, save_png
+
+    return save_png(canvas, Path(out), drawn_from(store))
 
 
 def example_texts(store: Reader, n: int, *, tokenizer: str | None = None) -> tuple[list[dict[str, Any]], str | None]:

@@ -1,16 +1,24 @@
-"""`actstore show`: a PNG of per-patch activation norms laid over the image a ViT saw."""
+"""`actstore show`: a PNG of per-patch activation norms laid over the image a ViT saw.
+
+Every picture and page `show` writes records the store state it was drawn from (the store
+and the sha256 of its manifest: PNG text chunks `actstore:store`, `actstore:manifest_sha256`;
+an HTML page's meta tags of the same names), checked unchanged since the store was opened
+(a store finalized again, replaced or deleted meanwhile is a StoreChangedError: nothing is
+written)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from actstore.errors import CaptureError
+from actstore.read.state import check_unchanged
 
 if TYPE_CHECKING:
+    from actstore.read.interface import Reader
     from actstore.read.store import ActStore
 
 # A perceptually ordered dark-to-bright map (inferno's anchors), interpolated to 256 steps.
@@ -55,8 +63,29 @@ def patch_norms(store: ActStore, ex: int, layer: int) -> tuple[np.ndarray, np.nd
     return norms[prefix:].reshape(gh, gw), norms[:prefix], im
 
 
-def render(path: str | os.PathLike, ex: int, layer: int | str, out: str | os.PathLike | None = None) -> Path:
-    """Write the picture for (ex, layer) of the store at `path`; returns the PNG's path.
+def drawn_from(store: Reader) -> dict[str, str]:
+    """The state a picture was drawn from, checked unchanged since `store` was opened."""
+    return {"store": str(store.path), "manifest_sha256": check_unchanged(store, "`actstore show`") or ""}
+
+
+def save_png(canvas: Any, out: Path, state: dict[str, str]) -> Path:
+    """Write `canvas` as the PNG `out` whole (a temporary name, then a rename), with `state`
+    as its text chunks `actstore:<key>`."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for key, value in state.items():
+        info.add_text(f"actstore:{key}", value)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    canvas.save(tmp, format="PNG", pnginfo=info)
+    os.replace(tmp, out)  # never a half-written picture
+    return out
+
+
+def render(path: str | os.PathLike | ActStore, ex: int, layer: int | str, out: str | os.PathLike | None = None) -> Path:
+    """Write the picture for (ex, layer) of the store at `path` (or an open ActStore);
+    returns the PNG's path, which records the store state it was drawn from.
 
     Left: the image as the model saw it (resized, centre-cropped). Middle: per-patch L2
     norms of the activations over it. Right: the colour scale from min to max norm.
@@ -67,7 +96,8 @@ def render(path: str | os.PathLike, ex: int, layer: int | str, out: str | os.Pat
     from actstore.inputs.prepare import crop_pixels
     from actstore.read.store import ActStore
 
-    store = ActStore(path)
+    store = path if isinstance(path, ActStore) else ActStore(path)
+    path = store.path
     layer = store.layer_number(layer)  # a number, -1 or a name (actstore.read.layers)
     grid, prefix_norms, im = patch_norms(store, ex, layer)
     sample = store.sample(ex)
@@ -104,8 +134,4 @@ def render(path: str | os.PathLike, ex: int, layer: int | str, out: str | os.Pat
         fill=(0, 0, 0),
     )
     out_path = Path(out) if out is not None else Path(f"ex{ex}-layer{layer}.png")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
-    canvas.save(tmp, format="PNG")
-    os.replace(tmp, out_path)  # never a half-written picture
-    return out_path
+    return save_png(canvas, out_path, drawn_from(store))

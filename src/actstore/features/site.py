@@ -72,7 +72,7 @@ def build_site(
     tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
     rows = sitedata.gather_rows(p)
     feats = p.features["feature"].astype(np.int64)
-    with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
+    with staged_folder(out, kind=KIND, overwrite=overwrite, source=st) as stage:
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
         if is_image:

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from actstore.errors import DiskFullError, OutputBusyError, OutputExistsError
+from actstore.read.interface import Reader
+from actstore.read.state import check_unchanged
 from actstore.storage.swap import make_stage, recover, swap_in
 
 MARKER = ".actstore-output"  # {"kind": ...}: this folder was written by that command
@@ -76,10 +78,14 @@ def check_target(out: Path, overwrite: bool) -> None:
 
 
 @contextmanager
-def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False) -> Iterator[Path]:
+def staged_folder(
+    out: str | os.PathLike, *, kind: str, overwrite: bool = False, source: Reader | None = None
+) -> Iterator[Path]:
     """Yield an empty staging folder beside `out`; when the block ends without an error it
     becomes `out` in one swap (the old folder is deleted after), else it is deleted and `out`
-    is untouched. A write that runs out of space becomes a DiskFullError naming the file."""
+    is untouched. A write that runs out of space becomes a DiskFullError naming the file. A
+    `source` store that is no longer the state it was opened in when the block ends is a
+    StoreChangedError (actstore.read.state): the build is not published."""
     out = Path(out).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out.parent / f".{out.name}.lock"
@@ -91,6 +97,8 @@ def staged_folder(out: str | os.PathLike, *, kind: str, overwrite: bool = False)
         stage = make_stage(out)
         try:
             yield stage
+            if source is not None:
+                check_unchanged(source, f"`{kind}`")
             (stage / MARKER).write_text(json.dumps({"kind": kind}) + "\n")
         except OSError as e:
             shutil.rmtree(stage, ignore_errors=True)

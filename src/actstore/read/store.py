@@ -125,6 +125,14 @@ class ActStore(Reader):
         written builds its own: actstore.loaders.follow)."""
         return catalog.read_manifest_bytes(self.storage)
 
+    def manifest_sha256_now(self) -> str | None:
+        """The sha256 of the manifest bytes at the store's location now (None: there is
+        none, e.g. the store was deleted); `manifest_sha256` is the state it was opened in."""
+        try:
+            return hashlib.sha256(self._storage_opened.get(keys.MANIFEST)).hexdigest()
+        except FileNotFoundError:
+            return None
+
     # ---- pickling: only the location travels ---------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         # A store in object storage travels as its Storage, which carries the provider

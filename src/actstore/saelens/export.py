@@ -33,6 +33,7 @@ from actstore.errors import SaelensExportError
 from actstore.index import layer_position
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read import masks
+from actstore.read.state import check_unchanged
 from actstore.saelens.card import dataset_card
 from actstore.saelens.check import CONFIG, file_record
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, sync_file_range
@@ -239,6 +240,7 @@ def _export(
             ),
             encoding="utf-8",
         )
+        check_unchanged(store, "export-saelens")  # the rows are of the state the export began with
         if out.exists() and not any(out.iterdir()):
             out.rmdir()  # empty (checked above)
         if not publish(tmp, out, replace=overwrite, marker=CONFIG):  # an earlier export is swapped out whole

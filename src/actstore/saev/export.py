@@ -18,6 +18,7 @@ from actstore.errors import SaevExistsError, SaevExportError, SaevOptionError
 from actstore.layout import saevspec as P
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.store import ActStore
+from actstore.read.state import check_unchanged
 from actstore.saev.checksums import file_crc, sidecar_bytes
 from actstore.progress import say
 from actstore.read.masks import summarize
@@ -203,6 +204,7 @@ def _build(
         write_small(tmp / P.SHARDS_FILE, P.shards_bytes(counts, protocol), fsync)
         write_small(tmp / P.METADATA_FILE, P.metadata_bytes(plan.metadata, protocol), fsync)
         _verified(tmp, target)
+        check_unchanged(store, "export-saev")  # the files are of the state the export began with
         if fsync:
             fsync_dir(tmp)
         published = publish(tmp, target, replace=overwrite)
