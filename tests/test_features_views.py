@@ -121,6 +121,50 @@ def test_a_killed_build_leaves_the_old_site_and_the_next_one_cleans_up(feats, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
 
 
+SWAP_KILLER = """
+import os, signal, sys
+from actstore.storage import durable, swap
+from actstore.features.site import build_site
+if sys.argv[3] == "0":
+    durable._renameat2 = None  # a file system without an atomic exchange
+real_exchange, real_rename = swap.exchange_paths, os.rename
+def exchange_paths(a, b):
+    done = real_exchange(a, b)
+    if done:  # the new site is in, the user's folder under the stage's name
+        os.kill(os.getpid(), signal.SIGKILL)
+    return done
+def rename(a, b):
+    real_rename(a, b)
+    if os.path.basename(b) == "mine":  # the fallback: the new site renamed in, the old folder aside
+        os.kill(os.getpid(), signal.SIGKILL)
+swap.exchange_paths, os.rename = exchange_paths, rename
+build_site(sys.argv[1], sys.argv[2], overwrite=True, plot_examples=0)
+"""
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_view_overwrite_killed_in_the_swap_window_never_loses_the_users_folder(feats, tmp_path, exchange):
+    mine = tmp_path / "mine"
+    (mine / "figs").mkdir(parents=True)
+    (mine / "thesis.tex").write_text("precious")
+    (mine / "figs" / "a.png").write_bytes(b"png")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run(
+        [sys.executable, "-c", SWAP_KILLER, str(feats), str(mine), "1" if exchange else "0"],
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert r.returncode == -9, r.stderr[-2000:]
+    assert (mine / "index.html").exists()  # killed with the new site in place
+    res = CliRunner().invoke(main, ["view", str(feats), "--out", str(mine), "--overwrite", "--quiet"])
+    assert res.exit_code == 0, res.output
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("mine.replaced-")]
+    assert len(kept) == 1 and _tree(kept[0]) == {"thesis.tex": b"precious", "figs/a.png": b"png"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", kept[0].name]  # no stage, nothing deleted
+    assert (mine / "index.html").exists() and not (mine / "thesis.tex").exists()
+
+
 def test_a_concurrent_build_is_refused(feats, tmp_path):
     import fcntl
 

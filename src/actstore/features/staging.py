@@ -22,9 +22,9 @@ import errno
 import json
 import os
 import shutil
-from functools import partial
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 from actstore.errors import DiskFullError, OutputBusyError, OutputExistsError
