@@ -262,8 +262,12 @@ def special_option(
 def check_missing(command: click.Command, name: str, args: Sequence[str], parent: click.Context) -> None:
     """Name every missing required parameter of `command` in one usage error (click names the
     first only), before click parses `args`. A parameter is required when click's `required`
-    or the grammar's `required_here` says so; an alias given stands for its parameter."""
-    ctx = click.Context(command, info_name=name, parent=parent, resilient_parsing=True)
+    or the grammar's `required_here` says so; an alias given stands for its parameter. It
+    runs only on a line click parses: a typo (`--jsn`) is left to click's own answer, "No
+    such option: --jsn Did you mean --json?", not reported as missing parameters."""
+    # Not resilient: a resilient parse swallows the typo's error and stops there, so the
+    # arguments after it would look missing (`info STORE --jsn` -> "Missing argument 'STORE'").
+    ctx = click.Context(command, info_name=name, parent=parent)
     try:
         opts, _, _ = command.make_parser(ctx).parse_args(args=list(args))
     except click.UsageError:
