@@ -435,7 +435,8 @@ def test_writing_over_an_existing_store_needs_resume(tmp_path, dino_dir, images)
     assert res.exit_code == 1
     assert (
         res.output.strip()
-        == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
+        == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, "
+        f"or remove {out} or write to a new path to start over"
     )
     np.testing.assert_array_equal(actstore.ActStore(out)[2, 0], before)
 

@@ -32,6 +32,11 @@ STATIC = Path(__file__).with_name("static")
 ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
 DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
+NO_IDS_NOTE = (
+    "this store keeps no token ids: rows name the example and the token's position in it, and each token "
+    "of a row's context shows as its position [N]; a store written with token ids (actstore write, or "
+    "ShardWriter(token_ids=True) with the ids appended) shows text"
+)
 
 
 def build_site(
@@ -70,6 +75,9 @@ def build_site(
         encoder = encoder_from_meta(p.meta, st)
     is_image = bool(st.config.attrs.get("image"))
     tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
+    positions = not is_image and not st.config.token_ids  # (a ShardWriter store written without token ids)
+    if positions:
+        tok, note = None, NO_IDS_NOTE
     rows = sitedata.gather_rows(p)
     feats = p.features["feature"].astype(np.int64)
     with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
@@ -81,7 +89,15 @@ def build_site(
         else:
             bar = updater(progress, n_examples(rows.example), "examples", "example")
             wins = text_windows(
-                st, p.meta["layer"], encoder, rows.feature, rows.example, rows.token, window=window, progress=bar
+                st,
+                p.meta["layer"],
+                encoder,
+                rows.feature,
+                rows.example,
+                rows.token,
+                window=window,
+                progress=bar,
+                positions=positions,
             )
             images = None
         logit = _logits(p, st, encoder, unembedding, feats)
