@@ -80,6 +80,7 @@ def build_site(
         tok, note = None, NO_IDS_NOTE
     rows = sitedata.gather_rows(p)
     feats = p.features["feature"].astype(np.int64)
+    logit = _logits(st, encoder, unembedding, feats, is_image)  # (before any work: a W_U that cannot apply fails now)
     with staged_folder(out, kind=KIND, overwrite=overwrite) as stage:
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
@@ -100,7 +101,6 @@ def build_site(
                 positions=positions,
             )
             images = None
-        logit = _logits(p, st, encoder, unembedding, feats)
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
@@ -278,17 +278,12 @@ def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.n
     return out
 
 
-def _logits(p: PassData, st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray) -> Any:
+def _logits(st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray, image: bool) -> Any:
+    from actstore.features.logits import applicable_unembedding, load_unembedding, logit_tables
+
+    unembedding = applicable_unembedding(unembedding, encoder, image)
     if unembedding is None:
         return None
-    if st.config.attrs.get("image"):
-        raise FeatureError("--unembedding gives logit tables of a language model; this store holds image activations")
-    if encoder.W_dec is None:
-        raise FeatureError(
-            f"--unembedding needs decoder directions; a {encoder.kind} source has none (SAEs and --directions have)"
-        )
-    from actstore.features.logits import load_unembedding, logit_tables
-
     return logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
 
 
