@@ -79,16 +79,7 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
     export-saev the directory it made, verify the problems it finds)."""
     from actstore.cli import bench
 
-    path = tmp_path / "s"
-    with actstore.ShardWriter(
-        path,
-        layers=[0],
-        d_model=4,
-        tokens=3,
-        model_id="tiny",
-        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
-    ) as w:
-        w.append(np.ones((4, 1, 3, 4), np.float16))
+    path = _saev_ready_store(tmp_path / "s")
     r = CliRunner()
     saev_root = tmp_path / "saev" / "shards"
     runs = [
@@ -140,16 +131,7 @@ def test_saev_bars_on_a_pipe_are_whole_lines(tmp_path, monkeypatch):
     """verify-saev and import-saev draw their bars through actstore.progress: into a pipe (the
     runner's stderr is no terminal) whole lines, never a carriage return."""
     monkeypatch.setattr(progress, "PIPE_INTERVAL", 0.0)  # a line at once, as a long run would print
-    path = tmp_path / "s"
-    with actstore.ShardWriter(
-        path,
-        layers=[0],
-        d_model=4,
-        tokens=3,
-        model_id="tiny",
-        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
-    ) as w:
-        w.append(np.ones((4, 1, 3, 4), np.float16))
+    path = _saev_ready_store(tmp_path / "s")
     actstore.finalize(path)
     r = CliRunner()
     directory = r.invoke(main, ["export-saev", str(path), "-o", str(tmp_path / "saev"), "--quiet"]).output.strip()
@@ -193,3 +175,17 @@ def test_every_bar_goes_through_actstore_progress():
             elif isinstance(n, ast.Constant) and isinstance(n.value, str) and "\r" in n.value and id(n) not in allowed:
                 offenders.append(f"{path.relative_to(src)}:{n.lineno}: writes a carriage return")
     assert offenders == [], offenders
+
+
+def _saev_ready_store(path):
+    """An unfinalized store that records what export-saev needs (model, CLS, family, dataset)."""
+    with actstore.ShardWriter(
+        path,
+        layers=[0],
+        d_model=4,
+        tokens=3,
+        model_id="tiny",
+        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
+    ) as w:
+        w.append(np.ones((4, 1, 3, 4), np.float16))
+    return path
