@@ -73,6 +73,8 @@ def test_a_missing_module_that_is_no_optional_package_is_left_alone():
     assert G.missing_module("x", ModuleNotFoundError("no", name="not_a_package_of_ours")) is None
     said = G.missing_module("features", ModuleNotFoundError("no", name="safetensors.numpy"))
     assert said == f"`actstore features` needs safetensors, not installed here: pip install 'actstore[views]'{ALSO}"
+    said = G.missing_module("write", ModuleNotFoundError("no", name="ray"))
+    assert said == "`actstore write` needs ray, not installed here: pip install 'actstore[ray]'"  # research has no ray
 
 
 @pytest.mark.parametrize("name", sorted(G.NEEDS))
@@ -102,7 +104,7 @@ def test_the_extras_hold_what_the_cli_names():
         missing = {G.OPTIONAL[m][0].lower() for m in modules} - _packages(extra)
         assert missing == set(), f"actstore {name}: [{extra}] lacks {missing}"
     research = _packages(G.RESEARCH)
-    for extra in ("capture", "views", "saelens"):
+    for extra in G._IN_RESEARCH:
         assert _packages(extra) <= research, f"[research] lacks {_packages(extra) - research} of [{extra}]"
     assert "datasets" in research  # export-saelens's, which only the dev extra had
     for doc in ("README.md", "docs/cli.md", "docs/export.md"):

@@ -264,7 +264,7 @@ def check_missing(command: click.Command, name: str, args: Sequence[str], parent
     first only), before click parses `args`. A parameter is required when click's `required`
     or the grammar's `required_here` says so; an alias given stands for its parameter. It
     runs only on a line click parses: a typo (`--jsn`) is left to click's own answer, "No
-    such option: --jsn Did you mean --json?", not reported as missing parameters."""
+    such option '--jsn'. Did you mean '--json'?", not reported as missing parameters."""
     # Not resilient: a resilient parse swallows the typo's error and stops there, so the
     # arguments after it would look missing (`info STORE --jsn` -> "Missing argument 'STORE'").
     ctx = click.Context(command, info_name=name, parent=parent)
@@ -319,6 +319,7 @@ OPTIONAL = {
     "gguf": ("gguf", "embedded"),
 }
 RESEARCH = "research"  # the extra of the whole loop: capture, views, exports
+_IN_RESEARCH = ("torch", "capture", "views", "saelens")  # the extras `research` holds
 
 # What a command needs whatever its options, checked before it starts (`guard_extras`):
 # (import names, the extra that brings them all). A need that depends on the options is
@@ -335,7 +336,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
 def needs_message(command: str, missing: Sequence[str], extra: str) -> str:
     """The one line that refuses `actstore COMMAND` for want of `missing` (import names)."""
     names = " and ".join(OPTIONAL.get(m, (m,))[0] for m in missing)
-    also = "" if extra == RESEARCH else f" (or 'actstore[{RESEARCH}]': capture, views and every export)"
+    also = f" (or 'actstore[{RESEARCH}]': capture, views and every export)" if extra in _IN_RESEARCH else ""
     return f"`actstore {command}` needs {names}, not installed here: pip install 'actstore[{extra}]'{also}"
 
 
@@ -360,8 +361,9 @@ def guard_extras(group: click.Group) -> None:
     """Make every command of NEEDS refuse, before it starts (after its line is parsed, so
     that --help works anywhere), when a package it needs is missing."""
     for name, (modules, extra) in NEEDS.items():
-        command = group.commands[name]
-        command.callback = _guarded(command.callback, name, modules, extra)
+        command = group.commands.get(name)
+        if command is not None:  # (a command module that is not there registered nothing)
+            command.callback = _guarded(command.callback, name, modules, extra)
 
 
 def _guarded(callback: Callable, name: str, modules: tuple[str, ...], extra: str) -> Callable:
