@@ -17,6 +17,7 @@
 # test_features_embedded.py (captures with a real model),
 # test_data_checks.py and test_layer_parser.py (capture with tiny torch models),
 # test_cli_workflow.py (its word store's tokenizer is a transformers one; the feature pass and site),
+# test_cli_extras.py (its word store's tokenizer is a transformers one; export-saelens streams through torch),
 # test_remote_messages.py and test_lost_objects.py (moto's server), test_features_signs.py (the
 # torch update against the numba one), test_features_faults.py (moto's server; the CLI's features
 # encodes with torch), test_import_integrity.py (Activault megabatches and SAELens caches are

@@ -306,3 +306,48 @@ def test_resume_closes_a_shard_whose_examples_were_all_committed(tmp_path):
     with torch.inference_mode():
         hs = model(batches[1], output_hidden_states=True).hidden_states
     np.testing.assert_array_equal(store[3, 0], hs[1][1].numpy())
+
+
+def test_a_failed_record_says_what_it_left_and_a_rerun_names_resume_and_removal(tmp_path):
+    """record() failing midway adds to its error the store, the shard's committed examples and
+    how to go on; a plain rerun is refused with both ways; resume=True with the batches after
+    the committed ones completes the shard as one run would have."""
+    from actstore.capture.record import committed
+    from actstore.errors import ShardExistsError
+
+    model, _ = tiny_llama(layers=3)  # (layer 1 is not the last block: no final norm)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(4, model.config.vocab_size, (2, 5), generator=g) for _ in range(4)]
+    path = tmp_path / "s"
+
+    def fails_at_batch_2():
+        yield from batches[:2]
+        deadline = time.monotonic() + 60
+        while committed(path, 0)[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer thread commits both batches
+        raise RuntimeError("the data source went away")
+
+    with pytest.raises(RuntimeError, match="the data source went away") as info:
+        actstore.record(model, fails_at_batch_2(), path, layers=[0, 1], dtype="float32", commit_bytes=1)
+    assert info.value.__notes__ == [
+        f"the run left {path} unfinalized (shard 0: 4 examples committed); rerun with resume=True to continue it, "
+        f"or remove {path} to start over"
+    ]
+    with pytest.raises(ShardExistsError) as refused:
+        actstore.record(model, batches, path, layers=[0, 1], dtype="float32")
+    assert str(refused.value) == (
+        f"{path} already holds shard 0 (4 examples committed, left unfinished by an earlier run); "
+        f"pass resume=True to continue the run, or remove {path} or write to a new path to start over"
+    )
+    assert not hasattr(refused.value, "__notes__")  # the refused rerun changed nothing
+    assert committed(path, 0) == (4, False)
+    n_done = committed(path, 0)[0]
+    res = actstore.record(model, batches[n_done // 2 :], path, layers=[0, 1], dtype="float32", resume=True)
+    assert (res.n_before, res.n_written) == (4, 4) and committed(path, 0) == (8, True)
+    actstore.finalize(path)
+    store = actstore.ActStore(path)
+    with torch.inference_mode():
+        for b, ids in enumerate(batches):
+            hs = model(ids, output_hidden_states=True).hidden_states
+            for j in range(2):
+                np.testing.assert_array_equal(store[b * 2 + j, 1], hs[2][j].numpy())

@@ -437,7 +437,8 @@ def test_writing_over_an_existing_store_needs_resume(tmp_path, dino_dir, images)
     assert res.exit_code == 1
     assert (
         res.output.strip()
-        == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, or write to a new path"
+        == f"actstore: error: {out} already holds shard 0 (6 examples committed, complete); pass --resume to continue the run, "
+        f"or remove {out} or write to a new path to start over"
     )
     np.testing.assert_array_equal(actstore.ActStore(out)[2, 0], before)
 
@@ -675,3 +676,45 @@ def test_budgets_and_truncation_count_stored_tokens_only(tmp_path, llama_dir):
     assert (
         s["truncated_tokens"] == sum(max(len(c) - 2, 0) for c in content) + sum(max(len(r) - 2, 0) for r in r_ids) > 0
     )
+
+
+def test_a_write_that_fails_midway_says_what_it_left_and_the_rerun_names_both_ways(tmp_path, llama_dir, monkeypatch):
+    """The data file changes under a running `write` after 4 examples were committed: the one
+    error line says what the run left and how to go on; a rerun without --resume is refused
+    naming --resume and removing the store; --resume completes it."""
+    import time
+
+    from actstore.capture.record import committed
+    from actstore.inputs import data as data_mod
+
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES[:6]])
+    out = tmp_path / "s"
+    args = ["write", out, "--model", llama_dir, "--data", texts, "--layers", "0", "--batch-size", "2"]
+    args += ["--p-max", "16", "--commit-mb", "0.000001", "--quiet"]
+    read = data_mod._LineIndex.read
+
+    def changed_after_4(self, i):
+        if i < 4:
+            return read(self, i)
+        deadline = time.monotonic() + 60
+        while committed(out, 0)[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the writer thread commits the first two batches
+        return b'{"text": broken'
+
+    with monkeypatch.context() as mp:
+        mp.setattr(data_mod._LineIndex, "read", changed_after_4)
+        res = cli(*args, ok=False)
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1, res.output
+    assert res.output.startswith(f"actstore: error: {texts} changed while being read (record 4: "), res.output
+    assert res.output.strip().endswith(
+        f"; rerun with --resume; the run left {out} unfinalized (shard 0: 4 examples committed); "
+        f"rerun with --resume to continue it, or remove {out} to start over"
+    ), res.output
+    assert committed(out, 0) == (4, False)
+    res = cli(*args, ok=False)
+    assert res.exit_code == 1 and res.output.strip() == (
+        f"actstore: error: {out} already holds shard 0 (4 examples committed, left unfinished by an earlier run); "
+        f"pass --resume to continue the run, or remove {out} or write to a new path to start over"
+    )
+    cli(*args, "--resume")
+    assert len(actstore.ActStore(out)) == 6

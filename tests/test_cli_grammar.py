@@ -133,6 +133,29 @@ def test_every_missing_parameter_is_named_at_once(name):
 
 
 @pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("typo", ["--jsn", "--quite"])
+def test_a_typo_gets_clicks_own_answer(name, typo):
+    """An unknown option is click's "No such option" naming it (and what it resembles), exit 2,
+    wherever it stands: never "Missing argument" for the arguments a failed pre-check lost."""
+    longs = sorted({o for p in _cmd(name).params if isinstance(p, click.Option) for o in p.opts + p.secondary_opts})
+    expected = click.NoSuchOption(typo, possibilities=[o for o in longs if o.startswith("--")]).format_message()
+    assert typo in expected and ("--json" if typo == "--jsn" else "--quiet") in expected, expected
+    positionals = [f"ARG{i}" for i in range(len(_arguments(name)))]
+    for line in ([*positionals, typo], [typo, *positionals]):
+        res = CliRunner().invoke(main, [name, *line])
+        assert res.exit_code == 2, res.output
+        assert res.output.strip().splitlines()[-1] == f"Error: {expected}", (line, res.output)
+
+
+def test_a_typo_after_the_store_is_not_a_missing_store():
+    res = CliRunner().invoke(main, ["info", "STORE", "--jsn"])
+    assert res.exit_code == 2 and "Missing" not in res.output, res.output
+    assert res.output.strip().splitlines()[-1] == "Error: No such option '--jsn'. Did you mean '--json'?"
+    res = CliRunner().invoke(main, ["features", "STORE", "--layers", "8"])
+    assert res.output.strip().splitlines()[-1] == "Error: No such option '--layers'. Did you mean '--layer'?"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
 def test_docs_name_every_command_and_option(name):
     docs = (ROOT / "docs" / "cli.md").read_text()
     if name == "write":  # write's many options are explained in docs/capture.md

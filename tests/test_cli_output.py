@@ -79,16 +79,7 @@ def test_quiet_commands_print_nothing_on_success(tmp_path):
     export-saev the directory it made, verify the problems it finds)."""
     from actstore.cli import bench
 
-    path = tmp_path / "s"
-    with actstore.ShardWriter(
-        path,
-        layers=[0],
-        d_model=4,
-        tokens=3,
-        model_id="tiny",
-        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
-    ) as w:
-        w.append(np.ones((4, 1, 3, 4), np.float16))
+    path = _saev_ready_store(tmp_path / "s")
     r = CliRunner()
     saev_root = tmp_path / "saev" / "shards"
     runs = [
@@ -133,4 +124,68 @@ def _tiny_store(path):
     with actstore.ShardWriter(path, layers=[0], d_model=4, tokens=3) as w:
         w.append(np.ones((2, 1, 3, 4), np.float16))
     actstore.finalize(path)
+    return path
+
+
+def test_saev_bars_on_a_pipe_are_whole_lines(tmp_path, monkeypatch):
+    """verify-saev and import-saev draw their bars through actstore.progress: into a pipe (the
+    runner's stderr is no terminal) whole lines, never a carriage return."""
+    monkeypatch.setattr(progress, "PIPE_INTERVAL", 0.0)  # a line at once, as a long run would print
+    path = _saev_ready_store(tmp_path / "s")
+    actstore.finalize(path)
+    r = CliRunner()
+    directory = r.invoke(main, ["export-saev", str(path), "-o", str(tmp_path / "saev"), "--quiet"]).output.strip()
+    for args, desc in (
+        (["verify-saev", directory, "--values"], "verify values:"),
+        (["import-saev", directory, str(tmp_path / "imported")], "import saev"),
+    ):
+        res = r.invoke(main, args)
+        assert res.exit_code == 0, res.output
+        assert "\r" not in res.stderr, (args, res.stderr)
+        lines = [line for line in res.stderr.splitlines() if line.startswith(desc)]
+        assert lines and "100%" in lines[-1], (args, res.stderr)
+
+
+def test_every_bar_goes_through_actstore_progress():
+    """No module draws its own tqdm bar or writes a carriage return: actstore.progress decides
+    (a live bar on a terminal, plain lines in a pipe). A '\\r' in a string is allowed only as
+    what input text is stripped of or split at."""
+    import ast
+    from pathlib import Path
+
+    src = Path(actstore.__file__).parent
+    offenders = []
+    for path in sorted(src.rglob("*.py")):
+        if path == src / "progress.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        allowed = {
+            id(a)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("strip", "rstrip", "lstrip", "split", "splitlines", "replace", "endswith")
+            for a in n.args
+        }
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.Import, ast.ImportFrom)):
+                names = [n.module or ""] if isinstance(n, ast.ImportFrom) else [a.name for a in n.names]
+                if any(m.split(".")[0] == "tqdm" for m in names):
+                    offenders.append(f"{path.relative_to(src)}:{n.lineno}: imports tqdm")
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str) and "\r" in n.value and id(n) not in allowed:
+                offenders.append(f"{path.relative_to(src)}:{n.lineno}: writes a carriage return")
+    assert offenders == [], offenders
+
+
+def _saev_ready_store(path):
+    """An unfinalized store that records what export-saev needs (model, CLS, family, dataset)."""
+    with actstore.ShardWriter(
+        path,
+        layers=[0],
+        d_model=4,
+        tokens=3,
+        model_id="tiny",
+        attrs={"cls_token": False, "family": "clip", "dataset": "/d"},
+    ) as w:
+        w.append(np.ones((4, 1, 3, 4), np.float16))
     return path

@@ -311,6 +311,79 @@ def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
     assert "x" * 10000 in (tmp_path / "site3" / "data" / "vocab.js").read_text()
 
 
+def test_a_store_without_token_ids_shows_example_and_position_rows(tmp_path):
+    """A ShardWriter store written without token ids: the site names each row by (example,
+    position), shows a row's context as positions [N] (never decoded with the store's
+    tokenizer, which would read them as ids) and says so in a note; text views still refuse."""
+    from actstore.features.site import NO_IDS_NOTE
+    from actstore.features.windows import DEFAULT_WINDOW
+
+    tok = word_tokenizer(tmp_path / "tok")  # a tokenizer that loads: it must not decode positions
+    rng = np.random.default_rng(3)
+    with actstore.ShardWriter(tmp_path / "s", layers=[2], d_model=6, tokens=7, model_id=str(tok)) as w:
+        w.append(rng.standard_normal((9, 1, 7, 6)).astype(np.float32))
+    actstore.finalize(tmp_path / "s")
+    assert not actstore.ActStore(tmp_path / "s").config.token_ids
+    run_features(tmp_path / "s", 2, str(tmp_path / "feat"), neurons=True, top_k=3)
+    res = CliRunner().invoke(main, ["view", str(tmp_path / "feat"), "-o", str(tmp_path / "site"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "site" / "data" / "meta.js").read_text()[len('ACTSTORE.load("meta",') : -3])
+    assert meta["note"] == NO_IDS_NOTE
+    vocab = json.loads((tmp_path / "site" / "data" / "vocab.js").read_text()[len('ACTSTORE.load("vocab",') : -3])
+    assert vocab == {"ids": list(range(7)), "text": [f"[{t}]" for t in range(7)]}
+    before, after = DEFAULT_WINDOW
+    for f in range(6):
+        rec = site_record(tmp_path / "site", f)
+        rows, width = rec["rows"], rec["width"]
+        v = np.asarray(rec["v"]).reshape(-1, width)
+        assert width == before + 1 + after and len(v) == len(rows["tok"]) > 0
+        for i, t in enumerate(rows["tok"]):
+            shown = [vocab["text"][p] if p >= 0 else None for p in v[i].tolist()]
+            want = [f"[{t + d}]" if 0 <= t + d < 7 else None for d in range(-before, after + 1)]
+            assert shown == want, (f, i)
+    from actstore.features.windows import text_windows
+
+    with pytest.raises(FeatureError, match="keeps no token ids: text context needs a store captured with token_ids"):
+        text_windows(actstore.ActStore(tmp_path / "s"), 2, None, np.zeros(1, int), np.zeros(1, int), np.zeros(1, int))
+
+
+def test_unembedding_auto_applies_where_it_can_and_a_named_one_is_refused_before_any_work(feats, tmp_path, monkeypatch):
+    """--unembedding auto (the README's spelling) on a neurons pass builds the site without
+    logit tables; a W_U named for a source without decoder directions (or an image store) is
+    refused in one line before any window is read."""
+    from actstore.features import export as export_mod
+    from actstore.features import site as site_mod
+    from actstore.features.logits import applicable_unembedding
+
+    res = CliRunner().invoke(main, ["view", str(feats), "-o", str(tmp_path / "site"), "--unembedding", "auto"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "site" / "data" / "meta.js").read_text()[len('ACTSTORE.load("meta",') : -3])
+    assert meta["logits"] is False
+    np.save(tmp_path / "wu.npy", np.eye(D, 5, dtype=np.float32))
+
+    def no_work(*a, **kw):
+        raise AssertionError("the windows were read before the refusal")
+
+    monkeypatch.setattr(site_mod, "text_windows", no_work)
+    monkeypatch.setattr(export_mod, "text_windows", no_work)
+    said = (
+        "actstore: error: --unembedding gives logit tables of decoder directions through a language model's W_U; "
+        "a neurons source has no decoder directions (SAEs and --directions have): leave it out "
+        "(--unembedding auto draws them only where they apply)\n"
+    )
+    for command in ("view", "export-neuronpedia"):
+        out = tmp_path / f"{command}-wu"
+        res = CliRunner().invoke(main, [command, str(feats), "-o", str(out), "--unembedding", str(tmp_path / "wu.npy")])
+        assert (res.exit_code, res.output) == (1, said), res.output
+        assert not out.exists()
+    neurons = type("E", (), {"W_dec": None, "kind": "neurons"})()
+    sae = type("E", (), {"W_dec": np.eye(3), "kind": "sae"})()
+    assert [applicable_unembedding(u, sae, False) for u in (None, "auto", "wu.npy")] == [None, "auto", "wu.npy"]
+    assert applicable_unembedding("auto", neurons, False) is None and applicable_unembedding("auto", sae, True) is None
+    with pytest.raises(FeatureError, match="; this store holds image activations: leave it out"):
+        applicable_unembedding("wu.npy", sae, True)
+
+
 def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):  # noqa: F811
     """A pass with --sign both (format 2: a sign column, the negative statistics): the site
     shows the most negative activations, the negative density and histogram."""

@@ -109,6 +109,13 @@ CASES = [
         "--generate makes responses for prompts; {dino} is an image model",
     ),
     (
+        "generate_given_response",
+        None,
+        ["--model", "{llama}", "--data", "{data}", "--layers", "0", "--generate", "4"],
+        "--generate makes each prompt's response, but {data}:1 gives one: leave out --generate to capture the given "
+        'responses, or remove the "response" fields to generate them',
+    ),
+    (
         "pack_images",
         None,
         ["--model", "{dino}", "--data", "{imgs}", "--layers", "0", "--pack", "--context", "8"],
@@ -226,3 +233,30 @@ def test_the_checks_run_before_torch_is_imported(env):
         timeout=120,
     )
     assert res.stdout.strip().splitlines()[-1] == "exit 1 []", res.stdout + res.stderr[-2000:]
+
+
+def test_the_first_given_response_is_found_in_every_pair_source(tmp_path):
+    """--generate's refusal names the first record that gives a response: a jsonl line, a
+    datasets row, a file of a glob; --max-examples that stops before it lets --generate run."""
+    import datasets
+
+    from actstore.inputs.data import load_source
+
+    rows = [{"prompt": "a"}, {"prompt": "b", "response": None}, {"prompt": "c", "response": "x"}, {"prompt": "d"}]
+    one = write_jsonl(tmp_path / "one.jsonl", rows)
+    src = load_source(str(one))
+    assert src.kind == "pair" and src.given_response == (2, f"{one}:3")
+    assert src.limit(2).given_response is None and src.limit(3).given_response == (2, f"{one}:3")
+    assert load_source(str(write_jsonl(tmp_path / "none.jsonl", rows[:2]))).given_response is None
+    (tmp_path / "g").mkdir()
+    write_jsonl(tmp_path / "g" / "a.jsonl", rows[:2])
+    write_jsonl(tmp_path / "g" / "b.jsonl", rows)
+    assert load_source(str(tmp_path / "g" / "*.jsonl")).given_response == (4, f"{tmp_path / 'g' / 'b.jsonl'}:3")
+    folder = tmp_path / "ds"
+    datasets.Dataset.from_list([{"prompt": r["prompt"], "response": r.get("response")} for r in rows]).save_to_disk(
+        str(folder)
+    )
+    assert load_source(str(folder)).given_response == (2, f"{folder} row 2 (column 'response')")
+    folder2 = tmp_path / "ds2"
+    datasets.Dataset.from_list([{"prompt": "a", "response": None}]).save_to_disk(str(folder2))
+    assert load_source(str(folder2)).given_response is None

@@ -96,6 +96,11 @@ def check_data(o: Any, source: Any, modality: str | None) -> None:
         raise CaptureError("--drop cls leaves out a ViT's CLS token (token 0); --data holds texts (use --drop bos)")
     if o.generate and source.kind == "image":
         raise CaptureError("--generate makes responses for prompts; --data holds images")
+    if o.generate and source.given_response is not None:
+        raise CaptureError(
+            f"--generate makes each prompt's response, but {source.given_response[1]} gives one: "
+            'leave out --generate to capture the given responses, or remove the "response" fields to generate them'
+        )
     if modality is not None:
         want = "image" if source.kind == "image" else "text"
         if modality != want:

@@ -85,7 +85,10 @@ def record(
 
     Returns:
         A RecordResult (with runner="ray", one per writer, in rank order). The shard is
-        closed (complete) when every batch was written.
+        closed (complete) when every batch was written. A call that fails after it wrote
+        to the store adds a note to the error saying what it left (the shard and its
+        committed examples) and how to go on: resume=True with the batches after the
+        committed ones (committed()), or remove the store.
     """
     settings = _renamed(settings)
     opts = make_options(options, settings)
@@ -110,7 +113,28 @@ def record(
         attrs=dict(attrs or {}),
         token_ids=bool(opts.token_ids),
     )
-    return loop.run(job, batches, progress, io_progress)
+    if not opts.resume:  # what an earlier run left: refused, naming resume=True and removing it
+        job.target.check_fresh([shard], resume="resume=True")
+    before = (job.target.holds(shard), job.target.committed(shard))
+    try:
+        return loop.run(job, batches, progress, io_progress)
+    except BaseException as e:
+        _say_what_is_left(e, job.target, shard, before)
+        raise
+
+
+def _say_what_is_left(e: BaseException, target: CaptureTarget, shard: int, before: tuple[Any, ...]) -> None:
+    """Add to `e` (a note: its traceback shows it, the CLI prints it) what this failed call
+    left in the store and how to go on, when it changed the shard. (The CLI says --resume
+    for resume=True: actstore.cli.wording.)"""
+    try:
+        if (target.holds(shard), target.committed(shard)) == before:
+            return  # (e.g. a refused rerun: the shard is as it was)
+        note = target.left_behind([shard], "resume=True")
+    except Exception:  # noqa: BLE001 - the store cannot be read now: the error itself says more
+        return
+    if note:
+        e.add_note(note)
 
 
 def _renamed(settings: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from actstore import catalog
-from actstore.errors import CaptureError, ShardBusyError
+from actstore.errors import ShardBusyError, ShardExistsError
 from actstore.layout.config import StoreConfig
 from actstore.storage import open_storage
 
@@ -56,15 +56,32 @@ class CaptureTarget:
     def committed_total(self, shards: range) -> int:
         return sum(self.committed(r)[0] for r in shards)
 
+    def holds(self, shard: int) -> bool:
+        """Whether the store has shard `shard` (committed examples or not)."""
+        return catalog.shard_exists(self.storage, shard)
+
+    def left_behind(self, shards: Any, resume: str) -> str | None:
+        """What a failed run left in the store and how to go on (`resume`: how the caller
+        spells resuming); None when none of `shards` exists."""
+        held = [(r, *self.committed(r)) for r in shards if self.holds(r)]
+        if not held:
+            return None
+        what = ", ".join(f"shard {r}: {n} examples committed{', complete' if done else ''}" for r, n, done in held)
+        return (
+            f"the run left {self.root} unfinalized ({what}); rerun with {resume} to continue it, "
+            f"or remove {self.root} to start over"
+        )
+
     # ---- the rules ------------------------------------------------------------------
     def check_fresh(self, shards: Any, resume: str = "--resume") -> None:
         """A run without --resume (`resume`, as the caller spells it) starts no shard that exists."""
         for r in shards:
-            if catalog.shard_exists(self.storage, r):
+            if self.holds(r):
                 n_done, complete = self.committed(r)
-                raise CaptureError(
-                    f"{self.url} already holds shard {r} ({n_done} examples committed{', complete' if complete else ''}); "
-                    f"pass {resume} to continue the run, or write to a new path"
+                state = "complete" if complete else "left unfinished by an earlier run"
+                raise ShardExistsError(
+                    f"{self.url} already holds shard {r} ({n_done} examples committed, {state}); "
+                    f"pass {resume} to continue the run, or remove {self.url} or write to a new path to start over"
                 )
 
     def check_lease(self, shard: int) -> None:

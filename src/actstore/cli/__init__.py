@@ -79,11 +79,20 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except ModuleNotFoundError as e:  # an optional package: one line naming the extra that installs it
+            from actstore.cli.grammar import missing_module
+
+            said = missing_module(ctx.invoked_subcommand, e)
+            if said is None:
+                raise
+            click.echo(f"actstore: error: {said}", err=True)
+            sys.exit(1)
         except (ActstoreError, OSError, ValueError) as e:  # bad input or a failing disk: one line, no traceback
             from actstore.cli.wording import cli_words
 
             sub = self.get_command(ctx, ctx.invoked_subcommand) if ctx.invoked_subcommand else None
-            click.echo(f"actstore: error: {cli_words(str(e), sub)}", err=True)
+            said = "; ".join([str(e), *getattr(e, "__notes__", ())])  # a note: what a failed write left
+            click.echo(f"actstore: error: {cli_words(said, sub)}", err=True)
             sys.exit(1)
 
 
@@ -107,6 +116,8 @@ for _name in COMMAND_MODULES:
     if importlib.util.find_spec(f"actstore.cli.{_name}") is not None:
         importlib.import_module(f"actstore.cli.{_name}").register(main)
 
-from actstore.cli.params import bound_integers  # noqa: E402 - after every command is registered
+from actstore.cli.grammar import guard_extras  # noqa: E402 - after every command is registered
+from actstore.cli.params import bound_integers  # noqa: E402
 
 bound_integers(main)
+guard_extras(main)

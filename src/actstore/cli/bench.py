@@ -23,7 +23,7 @@ def available() -> list[str]:
     return sorted(p.stem.removeprefix("bench_") for p in BENCH_DIR.glob("bench_*.py")) if BENCH_DIR.is_dir() else []
 
 
-@click.command("bench", context_settings={"ignore_unknown_options": True})
+@click.command("bench")
 @click.argument("names", nargs=-1)
 @click.option("--list", "list_only", is_flag=True, help="List the benchmarks and exit.")
 @click.option(

@@ -170,7 +170,7 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     type=int,
     default=0,
     show_default=True,
-    help="Generate N response tokens per prompt (greedy unless --temperature) instead of reading responses.",
+    help='Generate N response tokens per prompt (greedy unless --temperature) instead of reading responses; data that gives a "response" is refused (leave out --generate to capture it).',
 )
 @section_option(
     TEXTS,

@@ -262,8 +262,12 @@ def special_option(
 def check_missing(command: click.Command, name: str, args: Sequence[str], parent: click.Context) -> None:
     """Name every missing required parameter of `command` in one usage error (click names the
     first only), before click parses `args`. A parameter is required when click's `required`
-    or the grammar's `required_here` says so; an alias given stands for its parameter."""
-    ctx = click.Context(command, info_name=name, parent=parent, resilient_parsing=True)
+    or the grammar's `required_here` says so; an alias given stands for its parameter. It
+    runs only on a line click parses: a typo (`--jsn`) is left to click's own answer, "No
+    such option '--jsn'. Did you mean '--json'?", not reported as missing parameters."""
+    # Not resilient: a resilient parse swallows the typo's error and stops there, so the
+    # arguments after it would look missing (`info STORE --jsn` -> "Missing argument 'STORE'").
+    ctx = click.Context(command, info_name=name, parent=parent)
     try:
         opts, _, _ = command.make_parser(ctx).parse_args(args=list(args))
     except click.UsageError:
@@ -300,14 +304,74 @@ def _unset(value: Any) -> bool:
     return value is None or value == () or isinstance(value, enum.Enum)
 
 
-def require_extras(command: str, modules: tuple[str, ...]) -> None:
+# The optional packages, by import name: (what pip installs, the extra of pyproject.toml that
+# brings it). The `research` extra brings every one but ray's and the embedded models'.
+OPTIONAL = {
+    "torch": ("torch", "torch"),
+    "transformers": ("transformers", "capture"),
+    "PIL": ("pillow", "capture"),
+    "datasets": ("datasets", "saelens"),
+    "pyarrow": ("pyarrow", "views"),
+    "safetensors": ("safetensors", "views"),
+    "numba": ("numba", "views"),
+    "threadpoolctl": ("threadpoolctl", "views"),
+    "ray": ("ray", "ray"),
+    "gguf": ("gguf", "embedded"),
+}
+RESEARCH = "research"  # the extra of the whole loop: capture, views, exports
+_IN_RESEARCH = ("torch", "capture", "views", "saelens")  # the extras `research` holds
+
+# What a command needs whatever its options, checked before it starts (`guard_extras`):
+# (import names, the extra that brings them all). A need that depends on the options is
+# checked where it arises (`write`, `show`), and an import that fails anyway is named by
+# the group (`missing_module`).
+NEEDS: dict[str, tuple[tuple[str, ...], str]] = {
+    "export-saelens": (("torch", "datasets", "pyarrow"), "saelens"),
+    "features": (("pyarrow",), "views"),
+    "view": (("pyarrow",), "views"),
+    "export-neuronpedia": (("pyarrow",), "views"),
+}
+
+
+def needs_message(command: str, missing: Sequence[str], extra: str) -> str:
+    """The one line that refuses `actstore COMMAND` for want of `missing` (import names)."""
+    names = " and ".join(OPTIONAL.get(m, (m,))[0] for m in missing)
+    also = f" (or 'actstore[{RESEARCH}]': capture, views and every export)" if extra in _IN_RESEARCH else ""
+    return f"`actstore {command}` needs {names}, not installed here: pip install 'actstore[{extra}]'{also}"
+
+
+def require_extras(command: str, modules: tuple[str, ...], extra: str = "capture") -> None:
     """Exit 1 with the install command when a package `command` needs is missing (the core
     install, `pip install actstore`, has no torch)."""
-    missing = [{"PIL": "pillow"}.get(m, m) for m in modules if importlib.util.find_spec(m) is None]
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        click.echo(
-            f"actstore: error: `actstore {command}` needs {' and '.join(missing)}, not installed here: "
-            "pip install 'actstore[capture]'",
-            err=True,
-        )
+        click.echo(f"actstore: error: {needs_message(command, missing, extra)}", err=True)
         sys.exit(1)
+
+
+def missing_module(command: str | None, error: ModuleNotFoundError) -> str | None:
+    """The one line for an optional package an import found missing (None: not one of them)."""
+    top = (error.name or "").partition(".")[0]
+    if top not in OPTIONAL:
+        return None
+    return needs_message(command or "", [top], OPTIONAL[top][1])
+
+
+def guard_extras(group: click.Group) -> None:
+    """Make every command of NEEDS refuse, before it starts (after its line is parsed, so
+    that --help works anywhere), when a package it needs is missing."""
+    for name, (modules, extra) in NEEDS.items():
+        command = group.commands.get(name)
+        if command is not None:  # (a command module that is not there registered nothing)
+            command.callback = _guarded(command.callback, name, modules, extra)
+
+
+def _guarded(callback: Callable, name: str, modules: tuple[str, ...], extra: str) -> Callable:
+    import functools
+
+    @functools.wraps(callback)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        require_extras(name, modules, extra)
+        return callback(*args, **kwargs)
+
+    return run

@@ -32,6 +32,7 @@ import numpy as np
 from actstore.errors import FeatureError
 from actstore.features import context, neuronpedia, relations
 from actstore.features.encoders import Encoder
+from actstore.features.logits import applicable_unembedding
 from actstore.features.passdata import check_store, load_pass, open_store_of
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.staging import staged_folder
@@ -90,6 +91,7 @@ def export_neuronpedia(
             "the Neuronpedia export holds token windows: it takes text stores (use `actstore view` for a ViT store)"
         )
     encoder = encoder or encoder_from_meta(p.meta, st)
+    unembedding = applicable_unembedding(unembedding, encoder, image=False)  # before any work
     tok = context.load_tokenizer(st, tokenizer)
     layer = int(p.meta["layer"])
     rows = gather_rows(p)
@@ -101,7 +103,7 @@ def export_neuronpedia(
     text = dict(zip(ids.tolist(), tok.batch_decode([[i] for i in ids.tolist()])))
     feats = p.features["feature"].astype(np.int64)
     logit = None
-    if unembedding is not None and encoder.W_dec is not None:
+    if unembedding is not None:
         from actstore.features.logits import load_unembedding, logit_tables
 
         logit = logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))

@@ -219,3 +219,26 @@ def logit_tables(
         idx += np.arange(len(L))[:, None] * bins  # one bincount for the block's rows
         hist[sl] = np.bincount(idx.ravel(), minlength=len(L) * bins).reshape(len(L), bins)
     return LogitTables(out["ti"], out["tv"], out["bi"], out["bv"], hist, lo, hi)
+
+
+def applicable_unembedding(unembedding: str | None, encoder: Any, image: bool) -> str | None:
+    """The W_U a view uses, checked before any work: None when there is none to use.
+
+    "auto" means "where it applies": a source with decoder directions on a text store; for
+    --neurons (no decoder) or an image store it is None (no logit tables). A W_U named
+    explicitly that cannot apply is refused, naming why.
+    """
+    if unembedding is None:
+        return None
+    if image:
+        why = "this store holds image activations"
+    elif encoder.W_dec is None:
+        why = f"a {encoder.kind} source has no decoder directions (SAEs and --directions have)"
+    else:
+        return unembedding
+    if unembedding == "auto":
+        return None
+    raise FeatureError(
+        f"--unembedding gives logit tables of decoder directions through a language model's W_U; {why}: "
+        "leave it out (--unembedding auto draws them only where they apply)"
+    )

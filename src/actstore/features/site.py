@@ -32,6 +32,11 @@ STATIC = Path(__file__).with_name("static")
 ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
 DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
+NO_IDS_NOTE = (
+    "this store keeps no token ids: rows name the example and the token's position in it, and each token "
+    "of a row's context shows as its position [N]; a store written with token ids (actstore write, or "
+    "ShardWriter(token_ids=True) with the ids appended) shows text"
+)
 
 
 def build_site(
@@ -70,8 +75,12 @@ def build_site(
         encoder = encoder_from_meta(p.meta, st)
     is_image = bool(st.config.attrs.get("image"))
     tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
+    positions = not is_image and not st.config.token_ids  # (a ShardWriter store written without token ids)
+    if positions:
+        tok, note = None, NO_IDS_NOTE
     rows = sitedata.gather_rows(p)
     feats = p.features["feature"].astype(np.int64)
+    logit = _logits(st, encoder, unembedding, feats, is_image)  # (before any work: a W_U that cannot apply fails now)
     with staged_folder(out, kind=KIND, overwrite=overwrite, source=st) as stage:
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
@@ -81,10 +90,17 @@ def build_site(
         else:
             bar = updater(progress, n_examples(rows.example), "examples", "example")
             wins = text_windows(
-                st, p.meta["layer"], encoder, rows.feature, rows.example, rows.token, window=window, progress=bar
+                st,
+                p.meta["layer"],
+                encoder,
+                rows.feature,
+                rows.example,
+                rows.token,
+                window=window,
+                progress=bar,
+                positions=positions,
             )
             images = None
-        logit = _logits(p, st, encoder, unembedding, feats)
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
@@ -262,17 +278,12 @@ def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.n
     return out
 
 
-def _logits(p: PassData, st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray) -> Any:
+def _logits(st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray, image: bool) -> Any:
+    from actstore.features.logits import applicable_unembedding, load_unembedding, logit_tables
+
+    unembedding = applicable_unembedding(unembedding, encoder, image)
     if unembedding is None:
         return None
-    if st.config.attrs.get("image"):
-        raise FeatureError("--unembedding gives logit tables of a language model; this store holds image activations")
-    if encoder.W_dec is None:
-        raise FeatureError(
-            f"--unembedding needs decoder directions; a {encoder.kind} source has none (SAEs and --directions have)"
-        )
-    from actstore.features.logits import load_unembedding, logit_tables
-
     return logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
 
 

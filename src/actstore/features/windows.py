@@ -117,14 +117,19 @@ def text_windows(
     *,
     window: tuple[int, int] = DEFAULT_WINDOW,
     progress: Any = None,
+    positions: bool = False,
 ) -> Windows:
     """The windows of rows (features[i], examples[i], tokens[i]) of a text store.
 
     Args:
         progress: called with the number of examples done since the last call (a bar).
+        positions: for a store that keeps no token ids, each token's position in its
+            example stands in for its id (the site shows them with a note; they must not
+            be decoded). Without it such a store is refused.
     """
-    if not store.config.token_ids:
+    if not store.config.token_ids and not positions:
         raise FeatureError(f"{store.path} keeps no token ids: text context needs a store captured with token_ids")
+    positions = positions and not store.config.token_ids
     before, after = window
     n = len(examples)
     w = Windows(
@@ -146,7 +151,7 @@ def text_windows(
             ex = int(examples[grp[0]])
             feats, col = np.unique(features[grp], return_inverse=True)
             values = encoder.encode(np.asarray(store[ex, layer], np.float32), feats)  # (T, len(feats))
-            ex_ids = np.asarray(store.token_ids(ex), np.int64)
+            ex_ids = np.arange(len(values)) if positions else np.asarray(store.token_ids(ex), np.int64)
             t_len = len(ex_ids)
             pos = tokens[grp].astype(np.int64)[:, None] + span  # (rows, W)
             inside = (pos >= 0) & (pos < t_len)

@@ -33,12 +33,16 @@ class Source:
         name: the --data value, recorded in the store's attrs["source"].
         n: number of records.
         get: record i (a dict; see the module docstring).
+        given_response: (record index, where) of the first pair record that gives a
+            response (`qa.jsonl:3`, or a dataset's column), so that --generate can refuse to
+            replace it; None when no record gives one.
     """
 
     kind: str
     name: str
     n: int
     get: Callable[[int], dict[str, Any]]
+    given_response: tuple[int, str] | None = None
 
     def __len__(self) -> int:
         return self.n
@@ -48,7 +52,8 @@ class Source:
             return self
         if max_examples <= 0:
             raise DataError(f"--max-examples must be a positive int. Got {max_examples}.")
-        return Source(kind=self.kind, name=self.name, n=max_examples, get=self.get)
+        given = self.given_response if self.given_response and self.given_response[0] < max_examples else None
+        return Source(kind=self.kind, name=self.name, n=max_examples, get=self.get, given_response=given)
 
 
 def load_source(spec: str, text_field: str | None = None, decoding: Decoding | None = None) -> Source:
@@ -273,7 +278,10 @@ def _glob(spec: str, text_field: str | None, decoding: Decoding) -> Source:
         rec["key"] = _key(f"{k}:{rec['key']}")
         return rec
 
-    return Source(kind=kinds.pop(), name=spec, n=int(offsets[-1]), get=get)
+    given = next(
+        ((int(o) + p.given_response[0], p.given_response[1]) for o, p in zip(offsets, parts) if p.given_response), None
+    )
+    return Source(kind=kinds.pop(), name=spec, n=int(offsets[-1]), get=get, given_response=given)
 
 
 def _columnar(path: Path, text_field: str) -> Source:
@@ -327,6 +335,7 @@ def _jsonl(path: Path, text_field: str | None = None) -> Source:
     named) and keeps only each record's byte range; records are read back one by one."""
     lines = _LineIndex(path)
     kinds = set()
+    given = None
 
     def record(obj: Any, where: str, i: int) -> tuple[dict[str, Any], str]:
         if text_field is not None:
@@ -342,7 +351,10 @@ def _jsonl(path: Path, text_field: str | None = None) -> Source:
             obj = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-        kinds.add(record(obj, f"{path}:{lineno}", i)[1])
+        rec, kind = record(obj, f"{path}:{lineno}", i)
+        kinds.add(kind)
+        if given is None and rec.get("response") is not None:
+            given = (i, f"{path}:{lineno}")
     if len(kinds) > 1:
         raise DataError(f"{path} mixes plain texts and prompt/response pairs; use one kind per file")
 
@@ -352,7 +364,7 @@ def _jsonl(path: Path, text_field: str | None = None) -> Source:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DataError(f"{path} changed while being read (record {i}: {e}); rerun with --resume") from None
 
-    return Source(kind=kinds.pop() if kinds else "text", name=str(path), n=len(lines), get=get)
+    return Source(kind=kinds.pop() if kinds else "text", name=str(path), n=len(lines), get=get, given_response=given)
 
 
 class _LineIndex:
@@ -443,6 +455,7 @@ def _hf_datasets(path: Path, text_field: str | None = None) -> Source:
             get=lambda i: (
                 lambda r: {"key": _row_key(pairs, i, r), "prompt": r["prompt"], "response": r.get("response")}
             )(pairs[i]),
+            given_response=_first_response(ds, path) if "response" in cols else None,
         )
     if "text" in cols:
         text = ds.select_columns(["text", *keys])
@@ -450,6 +463,12 @@ def _hf_datasets(path: Path, text_field: str | None = None) -> Source:
     raise DataError(
         f"{path}: a datasets folder needs an 'image', 'text' or 'prompt' column (or --text-field NAME); it has {sorted(cols)}"
     )
+
+
+def _first_response(ds: Any, path: Path) -> tuple[int, str] | None:
+    """(row, where) of the first row whose 'response' is not null (one column read)."""
+    valid = np.flatnonzero(np.asarray(ds.data.column("response").is_valid()))
+    return (int(valid[0]), f"{path} row {int(valid[0])} (column 'response')") if valid.size else None
 
 
 def _text_row(ds: Any, i: int, field: str, path: Path) -> dict[str, Any]:

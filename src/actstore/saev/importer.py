@@ -44,7 +44,7 @@ def import_saev(
         progress: show a progress bar.
         batch_bytes: float32 bytes appended per batch.
     """
-    from tqdm import tqdm
+    from actstore.progress import bar as progress_bar  # a live bar on a terminal, lines in a pipe
 
     from actstore.read.store import ActStore
 
@@ -66,7 +66,12 @@ def import_saev(
         attrs=dict(cfg.attrs),
         overwrite=overwrite,
     )
-    with w, tqdm(total=len(src), unit="ex", desc=f"import saev {Path(saev_dir).name[:8]}", disable=not progress) as bar:
+    with (
+        w,
+        progress_bar(
+            total=len(src), unit="ex", desc=f"import saev {Path(saev_dir).name[:8]}", disable=not progress
+        ) as bar,
+    ):
         for start in range(0, len(src), batch):
             stop = min(start + batch, len(src))
             acts = _examples(src, start, stop)

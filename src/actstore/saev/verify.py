@@ -202,14 +202,14 @@ def _is_zero(path: Path, start: int, stop: int) -> bool:
 def _check_values(
     root: Path, sized: list[tuple[int, str]], counts: list[int], geom: P.ShardGeometry, layers: list, progress: bool
 ) -> list[str]:
-    from tqdm import tqdm
+    from actstore.progress import bar as progress_bar  # a live bar on a terminal, lines in a pipe
 
     problems = []
     vec = geom.d_model * P.ITEMSIZE
     block = max(vec, _BLOCK // vec * vec)
     total = sum(counts[i] * geom.example_nbytes for i, _ in sized if i < len(counts))
     buf = np.empty(block // P.ITEMSIZE, dtype="<f4")
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify values", disable=not progress) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc="verify values", disable=not progress) as bar:
         for i, name in sized:
             if i >= len(counts):
                 continue
