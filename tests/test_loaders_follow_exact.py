@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -47,7 +48,7 @@ def streamed(batches: list[torch.Tensor]) -> list[bytes]:
 
 
 def stream(path, **kw):
-    opts = dict(batch_size=4, buffer_bytes=40 * D * 2, poll_s=0.01, idle_timeout_s=600, token_mask="all")
+    opts = dict(batch_size=4, buffer_bytes=40 * D * 2, poll_s=0.01, idle_timeout_s=60, token_mask="all")
     return TokenStream(path, follow=True, **{**opts, **kw})
 
 
@@ -106,11 +107,13 @@ def test_a_shard_rewritten_inside_a_read_is_never_mixed(tmp_path, monkeypatch):
     w1.append(a)
     w1.commit()
     fired = []
+    closed = threading.Event()  # w1 gave its lease back: the rewrite may take it
 
     class RewritingReader(follow.ShardReader):
         def read_many(self, seg, items):
             if items[0][0] >= PER_BLOCK and not fired:  # reading the second block
                 fired.append(True)
+                assert closed.wait(60)
                 with writer(path, overwrite=True) as w2:
                     w2.append(c)
             return super().read_many(seg, items)
@@ -121,6 +124,7 @@ def test_a_shard_rewritten_inside_a_read_is_never_mixed(tmp_path, monkeypatch):
     got = [next(it).clone()]
     w1.append(b)
     w1.close()
+    closed.set()
     with pytest.raises(
         ShardRewrittenError,
         match=r"shard 0 of .* was rewritten or deleted while it was followed .*took 5 of its examples in 1 block,",
@@ -190,7 +194,7 @@ def test_a_store_deleted_while_followed_is_named_at_once(tmp_path, monkeypatch):
         StoreNotFoundError,
         match=r"s was deleted while it was followed \(its actstore.json is gone\) after this stream took 5 examples",
     ):
-        list(stream(path))
+        list(stream(path, idle_timeout_s=600))
     assert looks == [5]  # named at the next poll, not after the idle timeout (600 s)
 
 
@@ -219,7 +223,7 @@ def test_a_writer_whose_lease_expires_is_reported_then_not_after_the_idle_timeou
         match=r"shard 0 of .* is not complete \(5 examples committed\) and its writer \(pid 1 on host elsewhere, writing since x\) "
         r"is dead: its lease was last renewed 7\d\d\d s ago and expires after 3600 s; resume it",
     ):
-        list(stream(path))
+        list(stream(path, idle_timeout_s=600))
     assert looks == [5, 5]  # waited while the lease was valid, reported at the next look after it expired
 
 
@@ -229,12 +233,14 @@ def test_a_dead_writer_on_this_host_and_a_shard_no_writer_holds_are_reported_at_
     with pytest.raises(
         NotFinalizedError, match="no writer holds it: its writer stopped or was killed before closing it"
     ):
-        list(stream(path))
+        list(stream(path, idle_timeout_s=600))
     gone = subprocess.Popen(["true"])  # a process that has exited: its pid holds no writer
     gone.wait()
-    put_lease(path, host=leases.host_name(), pid=gone.pid, renewed=time.time())
+    put_lease(
+        path, host=leases.host_name(), pid=gone.pid, pid_start=1, renewed=time.time()
+    )  # (a reused pid started later)
     with pytest.raises(NotFinalizedError, match=rf"its writer \(pid {gone.pid} on host .*\) has exited; resume it"):
-        list(stream(path))
+        list(stream(path, idle_timeout_s=600))
 
 
 @pytest.mark.parametrize(

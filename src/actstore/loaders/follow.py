@@ -262,8 +262,8 @@ class _Pool:
             raise
         if rec.n_committed < t.n or blocks[: len(t.blocks)] != t.blocks:
             raise _Changed("its block records changed")
-        t.commit = rec
         if rec.n_committed == t.n:
+            t.commit = rec
             return False
         try:
             self._read(storage, number, rec, blocks, t)
@@ -271,6 +271,7 @@ class _Pool:
             if same_generation(shard, blocks):
                 raise  # damage, not a change
             raise _Changed(f"reading it failed: {e}") from None
+        t.commit = rec  # (only now: a read given up is tried again at the next look)
         return True
 
     def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
