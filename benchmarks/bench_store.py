@@ -141,6 +141,7 @@ def bench_write(
 
 def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layout: str) -> dict:
     store = actstore.ActStore(root / f"store-{layout}")
+    checked = actstore.ActStore(root / f"store-{layout}", verify="reads")  # every read checked against its crc32c
     raw = np.memmap(
         root / "raw.bin", dtype=np.float16, mode="r", shape=(n, n_layers, store.config.segments[0].t_max, store.d_model)
     )
@@ -152,6 +153,7 @@ def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layou
     assert np.array_equal(store[ex, l], raw[ex, l]) and np.array_equal(z[ex, l], raw[ex, l])
     for ex, l in pairs:  # warm every page the timed loops touch
         store[ex, l]
+        checked[ex, l]
         np.array(raw[ex, l])
 
     def timed(fn, qs):
@@ -166,6 +168,7 @@ def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layou
     for name, fn, qs in (
         ("memmap", lambda e, l: np.array(raw[e, l]), pairs),
         ("actstore", lambda e, l: store[e, l], pairs),
+        ("actstore_verify_reads", lambda e, l: checked[e, l], pairs),
         ("zarr", lambda e, l: z[e, l], pairs[: max(200, queries // 10)]),
     ):
         ts = timed(fn, qs)
@@ -177,6 +180,7 @@ def bench_read(root: Path, n: int, n_layers: int, queries: int, seed: int, layou
         }
     res["actstore_p50_vs_memmap"] = res["actstore"]["p50_us"] / res["memmap"]["p50_us"]
     res["zarr_p50_vs_actstore"] = res["zarr"]["p50_us"] / res["actstore"]["p50_us"]
+    res["verify_reads_p50_vs_memmap"] = res["actstore_verify_reads"]["p50_us"] / res["memmap"]["p50_us"]
     return res
 
 
@@ -253,7 +257,8 @@ def main() -> None:
             print(
                 f"[{layout}] warm random store[ex, layer] p50: memmap {r['memmap']['p50_us']:.0f} us, actstore {r['actstore']['p50_us']:.0f} us "
                 f"({r['actstore_p50_vs_memmap']:.2f}x memmap), zarr-python {r['zarr']['p50_us']:.0f} us "
-                f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore)"
+                f"({r['zarr_p50_vs_actstore']:.1f}x slower than actstore); verify='reads' "
+                f"{r['actstore_verify_reads']['p50_us']:.0f} us ({r['verify_reads_p50_vs_memmap']:.2f}x memmap)"
             )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -224,7 +224,7 @@ def test_bad_direction_sources(tmp_path):
 def test_cuda_device(tmp_path):
     """--device cuda: the same values as the CPU where an accelerator is present, a clear
     error before any work where none is."""
-    from actstore.features import FeatureError
+    from actstore.errors import DeviceError
 
     sae, folder = _saelens("jumprelu", tmp_path)
     enc = load_saelens(folder)
@@ -232,7 +232,7 @@ def test_cuda_device(tmp_path):
     if torch.cuda.is_available():
         np.testing.assert_allclose(enc.encode(x, device="cuda"), enc.encode(x, device="cpu"), rtol=1e-4, atol=1e-4)
     else:
-        with pytest.raises(FeatureError, match="--device cuda: no CUDA device is available here; use --device cpu"):
+        with pytest.raises(DeviceError, match=r"--device cuda: torch .* sees no CUDA device here; use cpu"):
             enc.encode(x, device="cuda")
 
 

@@ -57,7 +57,7 @@ def test_verify_modes_on_an_actstore_store(pair):
     assert len(actstore.open(store_path, verify="fast")) == 6
     with pytest.raises(VerificationError, match=r"failed verification \(deep\)"):
         actstore.open(store_path, verify="deep")
-    with pytest.raises(ValueError, match=r"verify must be one of \[None, 'fast', 'deep'\]. Got 'full'."):
+    with pytest.raises(ValueError, match=r"verify must be one of \[None, 'fast', 'deep', 'reads'\]. Got 'full'."):
         actstore.open(store_path, verify="full")
 
 

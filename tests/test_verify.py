@@ -141,7 +141,7 @@ def test_verify_on_open_deep_and_bad_mode(store):
         VerificationError, match=r"failed verification \(deep\): 1 error, the first: crc32c of \(example 0, layer 2\)"
     ):
         ActStore(store, verify="deep")
-    with pytest.raises(ValueError, match=r"^verify must be one of \[None, 'fast', 'deep'\]. Got 'full'.$"):
+    with pytest.raises(ValueError, match=r"^verify must be one of \[None, 'fast', 'deep', 'reads'\]. Got 'full'.$"):
         ActStore(store, verify="full")
 
 

@@ -133,6 +133,11 @@ class OutputExistsError(ActstoreError, FileExistsError):
     exports) it exists and is not a folder that command wrote, which is never replaced."""
 
 
+class DeviceError(ActstoreError, ValueError):
+    """A device option that is not 'cpu', 'cuda' or 'cuda:N' among the visible CUDA devices
+    (actstore.devices.parse_device names the value and the allowed ones)."""
+
+
 class StorageAccessError(ActstoreError, OSError):
     """A store's location cannot be reached, read or written (missing bucket, credentials,
     permissions, an unreachable endpoint); the message names the URL and the cause."""
@@ -162,6 +167,11 @@ class CopyVerifyError(CorruptStoreError):
 
 class TokenMaskError(ActstoreError, KeyError):
     """token_mask names a per-token array that the store does not hold."""
+
+
+class ShardRewrittenError(ActstoreError, RuntimeError):
+    """A shard whose rows a follow stream took was rewritten or deleted under it: what it
+    yielded is not the store's data (the message names the shard)."""
 
 
 # ---- saev export and reading ---------------------------------------------------------

@@ -14,8 +14,7 @@ import os
 from actstore.errors import VerificationError
 from actstore.read.api import Reader, as_reader
 from actstore.read.saevstore import is_saev_dir
-
-VERIFY_MODES = (None, "fast", "deep")
+from actstore.read.store import VERIFY_MODES
 
 
 def open(path: str | os.PathLike, *, verify: str | None = None) -> Reader:
@@ -26,7 +25,9 @@ def open(path: str | os.PathLike, *, verify: str | None = None) -> Reader:
         verify: None (the default: only what opening checks), "fast" (every file present at
             its size; for saev every rule of `actstore verify-saev`) or "deep" (also every
             byte: chunk crc32c values for an actstore store, every activation finite for a
-            saev directory). Damage raises VerificationError holding the report.
+            saev directory). Damage raises VerificationError holding the report. "reads" (an
+            actstore store): every activation read is checked against its writer's crc32c
+            as it is read (CorruptChunkError), docs/format.md section 3.4.
 
     Returns:
         An ActStore, or a SaevStore for a saev directory.
@@ -36,6 +37,10 @@ def open(path: str | os.PathLike, *, verify: str | None = None) -> Reader:
     if verify not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {list(VERIFY_MODES)}. Got {verify!r}.")
     if is_saev_dir(path):
+        if verify == "reads":
+            raise ValueError(
+                "verify='reads' checks an actstore store's reads; verify a saev directory with 'fast' or 'deep'"
+            )
         if verify is not None:
             _verify_saev(path, deep=verify == "deep")
         return as_reader(path)

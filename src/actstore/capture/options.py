@@ -9,12 +9,15 @@ travels on as `writer_options()` (actstore.write.options.WriterOptions).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from actstore.devices import parse_device
 from actstore.errors import CaptureError
 from actstore.layout import spec
+from actstore.write.options import MAX_THREADS
 
 RUNNERS = ("local", "ray")
 SPECIAL = ("keep", "mask", "drop")  # special and template tokens: stored as content, labelled, left out
@@ -156,10 +159,12 @@ class CaptureOptions:
                 f"{n('cpus_per_worker')} must be positive and {n('gpus_per_worker')} non-negative. "
                 f"Got {self.cpus_per_worker}, {self.gpus_per_worker}."
             )
-        if not 0 <= self.temperature or not 0 < self.top_p <= 1:
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise CaptureError(
-                f"{n('temperature')} must be >= 0 and {n('top_p')} in (0, 1]. Got {self.temperature}, {self.top_p}."
+                f"{n('temperature')} must be a finite number >= 0 (0: greedy). Got {self.temperature!r}."
             )
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
+            raise CaptureError(f"{n('top_p')} must be a number in (0, 1] (1: no nucleus cut). Got {self.top_p!r}.")
         if (self.temperature or self.top_p != 1.0) and not self.generate:
             raise CaptureError(f"{n('temperature')} and {n('top_p')} sample the responses of {n('generate')} N")
         if self.system is not None and not self.chat_template:
@@ -176,6 +181,10 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _check_ints(o: CaptureOptions, n: Any) -> None:
     if not _int(o.writer_nice) or not 0 <= o.writer_nice <= 19:
         raise ValueError(f"{n('writer_nice')} must be an int in 0..19. Got {o.writer_nice!r}.")
@@ -187,6 +196,11 @@ def _check_ints(o: CaptureOptions, n: Any) -> None:
         v = getattr(o, f)
         if v is not None and (not _int(v) or v < 1):
             raise CaptureError(f"{n(f)} must be a positive int. Got {v!r}.")
+    if o.writer_threads is not None and o.writer_threads > MAX_THREADS:
+        raise CaptureError(
+            f"{n('writer_threads')} must be an int in 1..{MAX_THREADS} (threads beyond the cores only take memory). "
+            f"Got {o.writer_threads!r}."
+        )
     if not _int(o.generate) or o.generate < 0:
         raise CaptureError(f"{n('generate')} must be a non-negative int. Got {o.generate!r}.")
 
@@ -213,6 +227,7 @@ def check_job(o: CaptureOptions) -> None:
     from actstore.capture import ranks
 
     o.check(names="cli")
+    parse_device(o.device, name="--device", visible=o.runner == "local")  # the workers' devices are theirs to check
     if (o.workers > 1 or o.runner == "ray") and (o.rank is not None or o.world_size is not None):
         raise CaptureError(
             "use either --workers N (writers started by actstore) or --rank/--world-size (one writer per launch), not both"

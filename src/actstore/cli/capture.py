@@ -11,7 +11,7 @@ import click
 
 from actstore.capture.options import DEFAULT_QUEUE, DEFAULT_WRITER_NICE, RUNNERS, SPECIAL
 from actstore.cli import grammar as G
-from actstore.cli.params import NEW_STORE
+from actstore.cli.params import DEVICE, DEVICE_SPELLING, NEW_STORE, FiniteFloat
 from actstore.cli.sections import SectionedCommand, section_option
 from actstore.layout import spec
 from actstore.read.layers import parse_layer_list
@@ -92,7 +92,14 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     show_default=True,
     help="Values beyond the stored dtype's range: stop with an error, or clip and count them.",
 )
-@section_option(MODEL, "--device", default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
+@section_option(
+    MODEL,
+    "--device",
+    type=DEVICE_SPELLING,
+    default="cpu",
+    show_default=True,
+    help="cpu, cuda or cuda:N (N among the CUDA devices torch sees here, or on each Ray worker).",
+)
 @section_option(
     MODEL,
     "--model-dtype",
@@ -175,7 +182,7 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
 @section_option(
     TEXTS,
     "--temperature",
-    type=float,
+    type=FiniteFloat(0.0),
     default=0.0,
     show_default=True,
     help="With --generate: sample at this temperature (0: greedy).",
@@ -183,7 +190,7 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
 @section_option(
     TEXTS,
     "--top-p",
-    type=float,
+    type=FiniteFloat(0.0, 1.0, open_low=True),
     default=1.0,
     show_default=True,
     help="With --generate and --temperature: nucleus sampling's probability mass.",
@@ -374,6 +381,8 @@ def options(store: str, kw: dict):
         G.deprecated("--drop", "--special drop (which leaves out every special and template token)")
     if kw["system"] is not None and kw["no_system"]:
         raise click.UsageError("give --system TEXT or --no-system, not both")
+    if (kw["runner"] or "local") == "local":
+        DEVICE.convert(kw["device"], None, None)  # a CUDA device torch sees here (Ray workers check theirs)
     taken = {"store", "as_json", "quiet", "layers", "runner", "drop", "system", "no_system", "no_stats"}
     taken |= {"no_window_bos", "no_finalize", "commit_mb", "zarr_format", "shard_examples"}
     return CaptureOptions(

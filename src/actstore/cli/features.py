@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from actstore.cli import grammar as G
-from actstore.cli.params import STORE
+from actstore.cli.params import DEVICE_OR_AUTO, STORE
 
 
 def register(main: click.Group) -> None:
@@ -60,6 +60,7 @@ def register(main: click.Group) -> None:
 )
 @click.option(
     "--device",
+    type=DEVICE_OR_AUTO,
     default="auto",
     show_default=True,
     help="Where the pass runs: cpu (torch encode, compiled update), cuda or cuda:N (encode, top-k and statistics "
@@ -282,7 +283,13 @@ def export_neuronpedia_cmd(
 @click.option("--hookpoint", help="The cache's module folder name (default layers.<layer>).")
 @click.option("--n-splits", type=click.IntRange(1), default=5, show_default=True, help="Latent ranges, one file each.")
 @G.special_option()
-@click.option("--device", default="auto", show_default=True, help="Where the encode runs: cpu, cuda, cuda:N or auto.")
+@click.option(
+    "--device",
+    type=DEVICE_OR_AUTO,
+    default="auto",
+    show_default=True,
+    help="Where the encode runs: cpu, cuda, cuda:N or auto.",
+)
 @G.out_option("The cache folder: OUT/<hookpoint>/<start>_<end>.safetensors.", type=click.Path(file_okay=False))
 @G.overwrite_option("Replace an earlier cache in OUT, swapped in whole when done.")
 @G.quiet_json(quiet="No progress bar; nothing printed on success.")

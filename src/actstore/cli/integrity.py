@@ -31,7 +31,10 @@ def _bar(total: int | None, unit: str, quiet: bool, desc: str):
 @click.command("verify")
 @click.argument("store", type=STORE)
 @click.option(
-    "--deep", is_flag=True, help="Also read every published chunk and recompute its crc32c (reads the whole store)."
+    "--deep",
+    is_flag=True,
+    help="Also read every published chunk and recompute its crc32c (reads the whole store). Plain reads do not "
+    "(a flipped bit in a chunk reads back as it is); ActStore(path, verify='reads') checks every read instead.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")

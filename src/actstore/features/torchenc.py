@@ -8,20 +8,19 @@ from typing import Any
 
 import numpy as np
 
+from actstore.devices import parse_device
 from actstore.errors import FeatureError
 
 _CACHE: dict[tuple[int, str], dict[str, Any]] = {}
 
 
 def _device(device: str) -> Any:
+    device = parse_device(device, name="--device")
     try:
         import torch
     except ImportError:
         raise FeatureError(f"--device {device} needs torch: pip install 'actstore[torch]'") from None
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FeatureError(f"--device {device}: no CUDA device is available here; use --device cpu")
-    return dev
+    return torch.device(device)
 
 
 def _weights(enc: Any, dev: Any) -> dict[str, Any]:

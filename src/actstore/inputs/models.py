@@ -112,14 +112,9 @@ def _load(name: str, device: str, torch_dtype: str) -> LoadedModel:
 
 
 def _check_device(device: str) -> None:
-    import torch
+    from actstore.devices import parse_device
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(
-            f"device {device!r} asked for but torch sees no CUDA GPU (torch {torch.__version__}); use --device cpu"
-        )
-    if not (device == "cpu" or device.startswith("cuda")):
-        raise ModelLoadError(f"device must be 'cpu', 'cuda' or 'cuda:N'. Got {device!r}.")
+    parse_device(device)
 
 
 def _load_embedded(which: str) -> LoadedModel:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from actstore.devices import parse_device
+
 from actstore.loaders.buffers import BufferRing, host_copy
 from actstore.loaders.buffers import put_until_stopped as _put
 
@@ -145,6 +147,7 @@ def cuda_device(device: str | torch.device | None) -> torch.device | None:
             f"device={device!r} but torch.cuda.is_available() is False: install a CUDA build of torch, "
             "or leave device=None for CPU batches"
         )
+    parse_device(str(dev))  # cuda:N among the devices torch sees
     return dev
 
 

@@ -7,7 +7,10 @@ adds are read at once (their shard read through a ShardReader of the committed p
 which is what finalize would publish) into a pool of at most `buffer_bytes` of token
 vectors. A batch is drawn at random from the pool once the pool is full, or when the
 store is finalized (the pool is then drained): each batch mixes a window of the most
-recently committed tokens. Every kept token vector is yielded exactly once.
+recently committed tokens. Every kept token vector is yielded exactly once, and only
+rows of the shard generations the store publishes: a shard rewritten or deleted under the
+stream, a store deleted, or a writer that died end it with an error naming them
+(actstore.loaders.followcheck says how each is seen).
 
 What it cannot do, and says so when asked: resume (the order depends on when blocks were
 committed), DataLoader workers and ranks (one process reads the growing store), and
@@ -27,12 +30,22 @@ import torch
 from torch.utils.data import IterableDataset
 
 from actstore import catalog
-from actstore.errors import NotFinalizedError, SegmentNotFoundError
+from actstore.errors import ActstoreError, NotFinalizedError, SegmentNotFoundError
 from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import ShardEntry
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.feed import DeviceFeeder, cuda_device
+from actstore.loaders.followcheck import (
+    LEASE_CHECK_S,
+    Taken,
+    all_published_taken,
+    check_seconds,
+    check_writers,
+    gone,
+    same_generation,
+    vanished,
+)
 from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, DEFAULT, effective_token_mask
 from actstore.read.shard import ShardReader
@@ -50,9 +63,11 @@ class FollowStream(IterableDataset):
         batch_size, layers, segments, seed, buffer_bytes, dtype, device, prefetch_batches:
             as TokenStream's (buffer_bytes: the pool a batch is drawn from).
         token_mask: "default", "all" (None), "content" or a per-token field name.
-        poll_s: how often the commit records are read.
+        poll_s: how often the commit records are read (seconds, > 0).
         idle_timeout_s: give up (NotFinalizedError) when no block was committed for this
-            long and the store is not finalized (None: wait forever).
+            long and the store is not finalized (seconds, >= 0; None: wait forever). A
+            writer found dead (its lease) ends the stream sooner, as does a store deleted
+            (StoreNotFoundError) or a shard rewritten under it (ShardRewrittenError).
     """
 
     def __init__(
@@ -85,7 +100,8 @@ class FollowStream(IterableDataset):
         self.batch_size, self.seed, self.buffer_bytes = int(batch_size), int(seed), int(buffer_bytes)
         self.layers_asked, self.segments_asked, self.token_mask = layers, segments, token_mask
         self.dtype, self.device, self.prefetch_batches = dtype, cuda_device(device), prefetch_batches
-        self.poll_s, self.idle_timeout_s = float(poll_s), idle_timeout_s
+        self.poll_s = check_seconds("poll_s", poll_s, positive=True)
+        self.idle_timeout_s = check_seconds("idle_timeout_s", idle_timeout_s, positive=False, none_means="wait forever")
         self.blocks_read: list[tuple[int, int, int, float]] = []  # (shard, first, stop, time.monotonic()) per read
         self._iterations = 0
 
@@ -171,6 +187,7 @@ class _Pool:
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         self.stop = threading.Event()
+        self.piece_bytes = max(fs.buffer_bytes // 4, 1)  # rows read before the shard is checked and they are taken
         self.rng = np.random.default_rng([fs.seed, fs._iterations])
         self.out_dtype = TORCH_DTYPES[cfg.dtype] if fs.dtype is None else fs.dtype
 
@@ -188,38 +205,78 @@ class _Pool:
                 self.cond.notify_all()
 
     def _follow(self, storage: Storage) -> None:
-        seen: dict[int, int] = {}
+        taken: dict[int, Taken] = {}
         last_new = time.monotonic()
+        next_writers_check = last_new
         while not self.stop.is_set():
+            if not catalog.has_identity(storage):
+                raise vanished(storage, taken)
             manifest = _manifest(storage)  # read before the commits: it covers no more than they do
+            numbers = catalog.shard_numbers(storage)
+            for number in sorted(set(taken) - set(numbers)):
+                if taken[number].n:
+                    raise gone(storage, number, taken, "its folder is gone")
             grew = False
-            for number in catalog.shard_numbers(storage):
-                shard = catalog.shard_storage(storage, number)
-                if shard.kind(keys.COMMIT) is None:
-                    continue
-                rec = catalog.read_commit(shard)
-                if rec.n_committed > seen.get(number, 0):
-                    self._read(storage, number, rec, seen.get(number, 0))
-                    seen[number] = rec.n_committed
-                    grew = True
-            if (
-                manifest is not None
-                and manifest.partial is None
-                and all(seen.get(e.shard, 0) >= e.n_examples for e in manifest.shards)
-            ):
-                return  # finalized, and every published example was streamed
+            for number in numbers:
+                grew |= self._poll_shard(storage, number, taken)
+            if manifest is not None and manifest.partial is None and all_published_taken(storage, manifest, taken):
+                return  # finalized, and every published example was streamed (each exactly the published one)
+            now = time.monotonic()
             if grew:
-                last_new = time.monotonic()
-            elif self.fs.idle_timeout_s is not None and time.monotonic() - last_new > self.fs.idle_timeout_s:
+                last_new = now
+                continue
+            if now >= next_writers_check:
+                check_writers(storage, taken)
+                next_writers_check = now + LEASE_CHECK_S
+            if self.fs.idle_timeout_s is not None and now - last_new > self.fs.idle_timeout_s:
                 raise NotFinalizedError(
                     f"no block was committed to {storage.url} for {self.fs.idle_timeout_s:g} s and it is not finalized: "
                     "are its writers running? (finalize it when they are done)"
                 )
-            if not grew:
-                self.stop.wait(self.fs.poll_s)
+            self.stop.wait(self.fs.poll_s)
 
-    def _read(self, storage: Storage, number: int, rec: Any, first: int) -> None:
-        """Read the examples first..rec.n_committed of a shard into the pool."""
+    def _poll_shard(self, storage: Storage, number: int, taken: dict[int, Taken]) -> bool:
+        """Take the rows a shard committed since the last look; whether there were any."""
+        t = taken.setdefault(number, Taken())
+        try:
+            return self._take(storage, number, t)
+        except _Changed as c:
+            if not catalog.has_identity(storage):
+                raise vanished(storage, taken) from None
+            if t.n:
+                raise gone(storage, number, taken, str(c)) from None
+            return False  # it changed before anything was taken from it: look again at the next poll
+
+    def _take(self, storage: Storage, number: int, t: Taken) -> bool:
+        shard = catalog.shard_storage(storage, number)
+        try:
+            if shard.kind(keys.COMMIT) is None:
+                raise _Changed("its commit record is gone")
+            rec = catalog.read_commit(shard)
+            if rec == t.commit:
+                return False
+            blocks = catalog.read_blocks(shard, rec.n_blocks)
+        except (ActstoreError, OSError) as e:
+            if t.n or not catalog.has_identity(storage) or shard.kind(keys.COMMIT) is None:
+                raise _Changed(f"reading its records failed: {e}") from None
+            raise
+        if rec.n_committed < t.n or blocks[: len(t.blocks)] != t.blocks:
+            raise _Changed("its block records changed")
+        if rec.n_committed == t.n:
+            t.commit = rec
+            return False
+        try:
+            self._read(storage, number, rec, blocks, t)
+        except (ActstoreError, OSError) as e:
+            if same_generation(shard, blocks):
+                raise  # damage, not a change
+            raise _Changed(f"reading it failed: {e}") from None
+        t.commit = rec  # (only now: a read given up is tried again at the next look)
+        return True
+
+    def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
+        """Take the examples t.n..rec.n_committed of a shard into the pool, a piece of about
+        piece_bytes at a time, each once the shard holds the same block records after it was read."""
         entry = ShardEntry(
             shard=number,
             name=keys.shard_name(number),
@@ -233,21 +290,37 @@ class _Pool:
         reader = ShardReader(storage, entry, self.cfg)
         lens = {s.name: reader.lengths(s) for s in self.segs}
         keep = {s.name: self._keep(reader, s.name) for s in self.segs}
-        for lo in range(first, rec.n_committed, READ_EXAMPLES):
+        shard = catalog.shard_storage(storage, number)
+        piece: list[np.ndarray] = []
+        units: list[tuple[int, int, int, float]] = []
+        for lo in range(t.n, rec.n_committed, READ_EXAMPLES):
             hi = min(rec.n_committed, lo + READ_EXAMPLES)
-            parts = []
-            for layer in self.layers:
-                lp = self.cfg.layers.index(layer)
-                for seg in self.segs:
-                    t_pad = seg.n_chunks * seg.t_chunk
-                    buf = np.empty((hi - lo, t_pad, self.d), self.np_dtype)
-                    reader.read_many(seg, [(e, lp, buf[e - lo]) for e in range(lo, hi)])
-                    within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]
-                    if keep[seg.name] is not None:
-                        within[:, : seg.t_max] &= keep[seg.name][lo:hi]
-                    parts.append(buf[within])  # copy: the kept rows
-            self._add(np.concatenate(parts) if len(parts) > 1 else parts[0])
-            self.fs.blocks_read.append((number, lo, hi, time.monotonic()))
+            piece.append(self._read_unit(reader, lens, keep, lo, hi))
+            units.append((number, lo, hi, time.monotonic()))
+            if hi < rec.n_committed and sum(p.nbytes for p in piece) < self.piece_bytes:
+                continue
+            if not same_generation(shard, blocks):  # the rows read are this generation's: only then taken
+                raise _Changed("its block records changed while it was read")
+            for rows in piece:
+                self._add(rows)
+            t.n, t.blocks = hi, blocks
+            self.fs.blocks_read.extend(units)
+            piece, units = [], []
+
+    def _read_unit(self, reader: ShardReader, lens: dict, keep: dict, lo: int, hi: int) -> np.ndarray:
+        """The kept token vectors of examples lo..hi-1 (a copy)."""
+        parts = []
+        for layer in self.layers:
+            lp = self.cfg.layers.index(layer)
+            for seg in self.segs:
+                t_pad = seg.n_chunks * seg.t_chunk
+                buf = np.empty((hi - lo, t_pad, self.d), self.np_dtype)
+                reader.read_many(seg, [(e, lp, buf[e - lo]) for e in range(lo, hi)])
+                within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]
+                if keep[seg.name] is not None:
+                    within[:, : seg.t_max] &= keep[seg.name][lo:hi]
+                parts.append(buf[within])  # copy: the kept rows
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _keep(self, reader: ShardReader, seg: str) -> np.ndarray | None:
         if self.mask is None:
@@ -301,6 +374,10 @@ class _Pool:
         if self.cfg.dtype == "bfloat16":
             out = out.view(torch.bfloat16)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
+
+
+class _Changed(Exception):
+    """A shard changed under a look or a read (raised and caught in _Pool only)."""
 
 
 def _manifest(storage: Storage) -> Any:

@@ -26,7 +26,7 @@ def as_reader(source: ReaderLike, *, verify: str | None = None) -> Reader:
         source: a Reader (returned as it is), or the location of a store: a local folder
             (an actstore store, or a saev shard directory: a SaevStore), a URL
             (`s3://...`, `gs://...`, `az://...`, `file://...`) or a Storage.
-        verify: None, "fast" or "deep", for an actstore store opened here (see ActStore);
+        verify: None, "fast", "deep" or "reads", for an actstore store opened here (see ActStore);
             saev directories are verified by actstore.open.
 
     Raises:

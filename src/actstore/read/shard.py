@@ -46,9 +46,16 @@ class ShardReader:
         storage: the store's Storage.
         entry: the shard's manifest entry.
         cfg: the store configuration.
+        check_reads: check every activation read against the writer's crc32c of its
+            (example, segment, layer) (`ActStore(path, verify="reads")`); the fast paths
+            that copy from the page cache without a read (read_mapped, read_cached,
+            map_chunks) then decline, and a read of fewer rows than the padded segment
+            reads the rest to check it.
     """
 
-    def __init__(self, storage: Storage, entry: ShardEntry, cfg: StoreConfig):
+    def __init__(self, storage: Storage, entry: ShardEntry, cfg: StoreConfig, *, check_reads: bool = False):
+        self.check_reads = check_reads
+        self._el_crcs: np.ndarray | None = None
         self.storage = catalog.shard_storage(storage, entry.name)
         self.where = self.storage.url
         self.entry = entry
@@ -227,18 +234,18 @@ class ShardReader:
         of them when out has n_chunks * t_chunk rows or more, the rest of `out` untouched)."""
         io = self.io[seg.name]
         if io is not None:
-            if io.read_into(local, lp, out):
-                self._check_absent(seg, local, lp, out)
+            if io.read_into(local, lp, out) or self.check_reads:
+                self._check_crc(seg, local, lp, out)
             return
         self._read_zarr(seg, local, lp, out)
-        if self._zarr_absent(seg, local, lp):
-            self._check_absent(seg, local, lp, out)
+        if self.check_reads or self._zarr_absent(seg, local, lp):
+            self._check_crc(seg, local, lp, out)
 
     def read_mapped(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
         """read_padded as one copy from a mapped local shard file when every byte is in the
         page cache (ChunkIO.read_mapped); False (nothing read) otherwise: then read_padded."""
         io = self.io[seg.name]
-        return io is not None and io.read_mapped(local, lp, out)
+        return io is not None and not self.check_reads and io.read_mapped(local, lp, out)
 
     def _read_zarr(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
         z = self._zarr.get(seg.name)
@@ -265,10 +272,11 @@ class ShardReader:
             return self.storage.size(f"{head}{local // shards[0]}{sep}0{sep}0{sep}0") is None
         return any(self.storage.size(f"{head}{local}{sep}{lp}{sep}{tc}{sep}0") is None for tc in range(seg.n_chunks))
 
-    def _check_absent(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
-        """Absent chunks read as zeros: right where the writer omitted chunks of zeros (zarr
-        does), damage where a chunk file was deleted. The writer's crc32c of the whole padded
-        (example, layer) says which; a shard without per-example checksums cannot tell."""
+    def _check_crc(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
+        """Check a read against the writer's crc32c of the whole padded (example, layer):
+        after a read that met absent chunks (they read as zeros: right where the writer
+        omitted chunks of zeros, as zarr does, damage where a chunk file was deleted), and
+        after every read when `check_reads`. A shard without per-example checksums cannot tell."""
         want = self._el_crc(seg, local, lp)
         if want is None:
             return
@@ -279,15 +287,25 @@ class ShardReader:
             io = self.io[seg.name]
             io.read_into(local, lp, full) if io is not None else self._read_zarr(seg, local, lp, full)
         got = crc32c(np.ascontiguousarray(full[:rows]))
-        if got != want:
+        if got == want:
+            return
+        where = f"(example {local} of shard {self.where}, layer {self.cfg.layers[lp]}, segment {seg.name!r})"
+        if self.check_reads:
             raise CorruptChunkError(
-                f"a chunk of (example {local} of shard {self.where}, layer {self.cfg.layers[lp]}, segment {seg.name!r}) is "
-                f"missing and reads as zeros, but the writer recorded crc32c {want:#010x} for it, not {got:#010x}: "
-                "a chunk file was deleted; run `actstore verify`"
+                f"the chunk bytes of {where} read back differ from what its writer wrote: it recorded crc32c "
+                f"{want:#010x}, the read gives {got:#010x}; run `actstore verify --deep` for every damaged chunk"
             )
+        raise CorruptChunkError(
+            f"a chunk of {where} is missing and reads as zeros, but the writer recorded crc32c {want:#010x} for it, "
+            f"not {got:#010x}: a chunk file was deleted; run `actstore verify`"
+        )
 
     def _el_crc(self, seg: SegmentSpec, local: int, lp: int) -> int | None:
-        """The writer's crc32c of one (example, segment, layer), or None (no checksums file)."""
+        """The writer's crc32c of one (example, segment, layer), or None (no checksums file):
+        one ranged read, or (checking every read) the shard's whole file, read once."""
+        si = [s.name for s in self.cfg.segments].index(seg.name)
+        if self._el_crcs is not None:
+            return int(self._el_crcs[local, si, lp])
         size = self.storage.size(keys.EL_CRC)
         if size is None:
             return None
@@ -296,7 +314,11 @@ class ShardReader:
             raise CorruptStoreError(
                 f"{self.storage.where(keys.EL_CRC)} has {size} bytes; {self.entry.n_examples} examples need {need}"
             )
-        si = [s.name for s in self.cfg.segments].index(seg.name)
+        if self.check_reads:
+            self._el_crcs = records.parse_el_crcs(
+                self.storage.get_range(keys.EL_CRC, 0, need), self.entry.n_examples, self.cfg
+            )
+            return int(self._el_crcs[local, si, lp])
         return int.from_bytes(
             self.storage.get_range(keys.EL_CRC, records.el_crc_offset(local, si, lp, self.cfg), 4), "little"
         )
@@ -328,7 +350,7 @@ class ShardReader:
 
     def read_cached(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> bool:
         io = self.io[seg.name]
-        return io is not None and io.read_cached(local, lp, out)
+        return io is not None and not self.check_reads and io.read_cached(local, lp, out)
 
     def read_many(self, seg: SegmentSpec, items: list[tuple[int, int, np.ndarray]]) -> None:
         """read_padded of many (local, lp, out): the chunks of one object read together."""
@@ -337,8 +359,9 @@ class ShardReader:
             for local, lp, out in items:
                 self.read_padded(seg, local, lp, out)
         else:
-            for local, lp, out in read_many(io, items):  # a chunk read as zeros: omitted, or deleted?
-                self._check_absent(seg, local, lp, out)
+            absent = read_many(io, items)  # a chunk read as zeros: omitted, or deleted?
+            for local, lp, out in items if self.check_reads else absent:
+                self._check_crc(seg, local, lp, out)
 
     def files(self, seg: SegmentSpec) -> tuple[int, int] | None:
         """(number of files, largest file's bytes) of a segment's raw chunks on a local disk,
@@ -354,7 +377,9 @@ class ShardReader:
 
     def map_chunks(self, seg: SegmentSpec, region: FileRegion, local: int, lp: int) -> list[MappedChunk] | None:
         io = self.io[seg.name]
-        return None if io is None else map_chunks(io, region, local, lp)  # None: read instead (e.g. an absent chunk)
+        if io is None or self.check_reads:
+            return None  # read instead (e.g. an absent chunk, or reads that are checked)
+        return map_chunks(io, region, local, lp)
 
     # ---- texts ----------------------------------------------------------------------
     def text(self, name: str, local: int) -> Any:

@@ -58,6 +58,9 @@ class SegmentView:
         return self._store._global_per_sample(self.name + spec.LEN_SUFFIX)
 
 
+VERIFY_MODES = (None, "fast", "deep", "reads")  # what `verify=` takes (False: None)
+
+
 class ActStore(Reader):
     """A finalized actstore store, read-only: a Reader (actstore.read.interface).
 
@@ -70,7 +73,9 @@ class ActStore(Reader):
             (`s3://bucket/prefix`, `gs://...`, `az://...`, `file://...`), or a Storage
             (e.g. `LocalStorage(path, read_nowait=False)`).
         verify: None, "fast" or "deep": verify the store before use (raises
-            VerificationError holding the report).
+            VerificationError holding the report); "reads": check every activation read
+            against its writer's crc32c as it is read (docs/format.md, section 3.4, says
+            what reads check without it).
         cache_dir: a local folder keeping the chunk bytes read (e.g. of a store in object
             storage), so that later reads (the next epoch, other DataLoader workers) come
             from local disk; least recently used entries go first beyond `cache_bytes`.
@@ -86,8 +91,8 @@ class ActStore(Reader):
         cache_dir: str | os.PathLike | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
-        if verify not in (None, False, "fast", "deep"):
-            raise ValueError(f"verify must be one of [None, 'fast', 'deep']. Got {verify!r}.")
+        if verify not in VERIFY_MODES and verify is not False:
+            raise ValueError(f"verify must be one of {list(VERIFY_MODES)}. Got {verify!r}.")
         self._location = path if isinstance(path, (str, Storage)) else os.fspath(path)
         self._verify = verify
         self._cache = (os.fspath(cache_dir), int(cache_bytes)) if cache_dir is not None else None
@@ -115,7 +120,7 @@ class ActStore(Reader):
         self._segs = {s.name: s for s in self.config.segments}
         self._one_seg = self.config.segments[0] if len(self._segs) == 1 else None
         self._act_dtype = np.dtype(spec.ACT_DTYPES[self.config.dtype])
-        if self._verify:
+        if self._verify in ("fast", "deep"):
             from actstore.verify import verify_store
 
             verify_store(self._location, deep=self._verify == "deep", raise_on_error=True)
@@ -138,7 +143,7 @@ class ActStore(Reader):
         # A store in object storage travels as its Storage, which carries the provider
         # settings of this process's environment to the worker that unpickles it.
         remote = self._storage_opened if self._storage_opened.local_root is None else self._location
-        return {"path": remote, "verify": None, "cache": self._cache}
+        return {"path": remote, "verify": "reads" if self._verify == "reads" else None, "cache": self._cache}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._location = state["path"]
@@ -430,7 +435,7 @@ class ActStore(Reader):
     def _shard(self, pos: int) -> ShardReader:
         sh = self._shards.get(pos)
         if sh is None:
-            sh = ShardReader(self.storage, self.manifest.shards[pos], self.config)
+            sh = ShardReader(self.storage, self.manifest.shards[pos], self.config, check_reads=self._verify == "reads")
             self._shards[pos] = sh
         return sh
 

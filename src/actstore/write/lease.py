@@ -27,6 +27,11 @@ _LIVE_TOKENS: set[str] = set()  # tokens of the leases this process's open write
 _HOST = socket.gethostname()
 
 
+def host_name() -> str:
+    """This host's name, as leases record it."""
+    return _HOST
+
+
 def lease_ttl() -> float:
     """The TTL of new leases: ACTSTORE_LEASE_TTL seconds, else the format's default."""
     v = os.environ.get("ACTSTORE_LEASE_TTL")

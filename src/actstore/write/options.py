@@ -19,6 +19,9 @@ ON_OVERFLOW = ("raise", "clip")
 ENGINES = ("auto", "direct", "zarr")
 
 
+MAX_THREADS = 256  # threads of one process (a writer's I/O threads, --threads): beyond this a value is a typo
+
+
 @dataclass(frozen=True, kw_only=True)
 class WriterOptions:
     """How one writer writes its shard (ShardWriter's Args describe each field)."""
@@ -49,6 +52,8 @@ class WriterOptions:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive int or None. Got {v!r}.")
+        if self.io_threads is not None and self.io_threads > MAX_THREADS:
+            raise ValueError(f"io_threads must be an int in 1..{MAX_THREADS} or None. Got {self.io_threads!r}.")
 
     def check_rank(self, shard: int) -> None:
         """world_size fits shard number `shard` (the shard number is the rank)."""
