@@ -24,12 +24,14 @@ from actstore.features import context, relations, sitedata
 from actstore.features.encoders import Encoder
 from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
+from actstore.features.sitevision import VisionPages
 from actstore.features.staging import staged_folder
+from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
 from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows
 from actstore.read.api import Reader, ReaderLike
 
 STATIC = Path(__file__).with_name("static")
-ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
+ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "vision.js", "style.css")
 DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
 
@@ -47,6 +49,7 @@ def build_site(
     neighbours: int = relations.N_NEIGHBOURS,
     overwrite: bool = False,
     on_store_change: str = "refuse",
+    thumb_size: int = DEFAULT_THUMB,
     progress: bool = False,
 ) -> Path:
     """Write the site of feature-pass output `src` as folder `out`; returns its index.html.
@@ -62,6 +65,7 @@ def build_site(
             safetensors file or a model folder.
         neighbours: decoder-cosine neighbours listed per feature (0: none computed).
         on_store_change: "refuse" or "warn" when the store is not the state the pass read.
+        thumb_size: ViT stores: the side in pixels of each image's thumbnail (written once).
     """
     p = load_pass(src)
     st = open_store_of(p.meta, store)
@@ -69,6 +73,8 @@ def build_site(
     if encoder is None:
         encoder = encoder_from_meta(p.meta, st)
     is_image = bool(st.config.attrs.get("image"))
+    if is_image:
+        parse_size(thumb_size)  # before any work
     tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
     rows = sitedata.gather_rows(p)
     feats = p.features["feature"].astype(np.int64)
@@ -76,7 +82,9 @@ def build_site(
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
         if is_image:
-            images = _images(st, p, encoder, rows, stage)
+            images = VisionPages(
+                st, int(p.meta["layer"]), encoder, rows, stage, thumb_size=thumb_size, progress=progress
+            )
             wins, vocab = None, Vocab(np.zeros(0, np.int64), None)
         else:
             bar = updater(progress, n_examples(rows.example), "examples", "example")
@@ -101,7 +109,7 @@ def build_site(
                 index_text.append(text)
                 if bar is not None:
                     bar(1)
-        _write_data(stage, p, st, vocab, index_text, window, note, logit is not None, plot_examples)
+        _write_data(stage, p, images, vocab, index_text, window, note, logit is not None, plot_examples)
         if plot_examples:
             from actstore.features.plots import write_plots
 
@@ -112,7 +120,7 @@ def build_site(
 def _write_data(
     stage: Path,
     p: PassData,
-    st: Reader,
+    images: VisionPages | None,
     vocab: Vocab,
     text: list[Any],
     window: Any,
@@ -150,7 +158,7 @@ def _write_data(
         "dense": DENSE,
         "logits": logits,
         "plots": bool(plots),
-        "image": bool(st.config.attrs.get("image")),
+        "image": images.meta() if images is not None else False,
         "bucket": sitedata.BUCKET,
         "token_mask": m.get("masks", {}).get("token_mask"),
     }
@@ -202,7 +210,7 @@ class _FeaturePages:
         if self.wins is not None:
             text = self._windows(rec, s, e)
         elif self.images is not None:
-            rec["img"] = self.images[s:e]
+            text = self.images.record(rec, f, s, e)
         for key in ("common", "nb", "co"):
             if f in self.rel.get(key, {}):
                 rec[key] = self.rel[key][f]
@@ -274,21 +282,6 @@ def _logits(p: PassData, st: Reader, encoder: Encoder, unembedding: Any, feats: 
     from actstore.features.logits import load_unembedding, logit_tables
 
     return logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
-
-
-def _images(st: Reader, p: PassData, encoder: Encoder, rows: Rows, stage: Path) -> list[str]:
-    """A heatmap PNG of every row (ViT stores), on its feature's scale (0 to its max)."""
-    from actstore.features.images import heatmap_png
-
-    vmax = dict(zip(p.features["feature"].tolist(), p.features["max"].tolist()))
-    (stage / "img").mkdir()
-    names = []
-    for i in range(len(rows)):
-        f, ex = int(rows.feature[i]), int(rows.example[i])
-        name = f"img/{f}-{i}.png"
-        heatmap_png(st, int(p.meta["layer"]), encoder, f, ex, stage / name, vmax=vmax[f])
-        names.append(name)
-    return names
 
 
 def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
