@@ -20,7 +20,7 @@ from actstore.read.api import Reader
 
 DEFAULT_SIZE = 224  # thumbnail pixels (the common ViT input size: drawn 1:1)
 MIN_SIZE, MAX_SIZE = 16, 1024
-QUALITY = 90  # JPEG quality of the thumbnails
+QUALITY = 90  # JPEG quality of the thumbnails (colour kept at full resolution: 4:4:4)
 BUCKET = 1000  # thumbnails per img/ folder
 THREADS = 4  # decoding, resizing and encoding release the GIL
 
@@ -120,4 +120,4 @@ def _write(path: Path, ref: dict[str, Any], model_size: int, size: int) -> None:
     img = Image.fromarray(ref_pixels(ref, model_size))
     if size != model_size:
         img = img.resize((size, size), Image.BICUBIC)
-    img.save(path, format="JPEG", quality=QUALITY)  # inside the site's staging folder: published whole
+    img.save(path, format="JPEG", quality=QUALITY, subsampling=0)  # inside the site's staging folder: published whole

@@ -1,0 +1,208 @@
+"""`actstore view` of a ViT store: each image is written once as a thumbnail, a feature's
+per-patch activations are data in its record (equal to the store's activations), rows name
+the image and the patch, and the page draws the heatmaps on canvases in a real headless
+browser (Debian's chromium), checked pixel by pixel in a screenshot."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import actstore
+from actstore.cli import main
+from actstore.features.run import run_features
+from actstore.features.site import build_site
+from factory import image_store
+from test_features_site import _browser, _chromium, site_record
+
+D = 6  # image_store's d_model
+GRID, PREFIX = 3, 1  # image_store: 1 CLS + 3x3 patches of a 28-pixel image
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    """The store, its neurons' pass (top 2) and the site with 84-pixel thumbnails."""
+    root = tmp_path_factory.mktemp("vit")
+    store = image_store(root / "store", root, d_model=D)
+    run_features(store, 11, str(root / "feat"), neurons=True, top_k=2)
+    site = build_site(str(root / "feat"), root / "site", thumb_size=84).parent
+    return store, root / "feat", site
+
+
+def _grids(rec):
+    """(images, n_patches) float32 patch values of a record, from its dense or sparse form."""
+    n = len(rec["images"])
+    out = np.zeros((n, GRID * GRID), np.float32)
+    if "pi" in rec:
+        out.reshape(-1)[rec["pi"]] = rec["pv"]
+    else:
+        out[:] = rec["pv"].reshape(n, GRID * GRID)
+    return out
+
+
+def test_patch_values_are_the_stored_activations(vit):
+    store_path, _, site = vit
+    store = actstore.open(store_path)
+    keys = store.field("sample_key")
+    for f in range(D):
+        rec = site_record(site, f)
+        assert "pi" not in rec  # a neuron is non-zero on every patch: the dense form is smaller
+        grids = _grids(rec)
+        exs = sorted(set(rec["rows"]["ex"]))
+        assert [name for _, name in rec["images"]] == [str(keys[e]) for e in exs]  # one per distinct example
+        for k, ex in enumerate(exs):
+            want = np.asarray(store[ex, 11], np.float32)[PREFIX:, f]  # float16 in the store: exact
+            np.testing.assert_array_equal(grids[k], want)
+        for r, ex in enumerate(rec["rows"]["ex"]):  # each row points at its example's image
+            assert exs[rec["rows"]["im"][r]] == ex
+
+
+def test_sparse_patch_values_of_an_sae(vit, tmp_path):
+    """A ReLU SAE is zero on most patches: only the non-zero values are written, and they are
+    float16 of relu(x W_enc + b_enc), computed here with numpy."""
+    from safetensors.numpy import save_file
+
+    store_path, _, _ = vit
+    rng = np.random.default_rng(5)
+    F = 16
+    W = rng.standard_normal((D, F)).astype(np.float32)
+    b = np.full(F, -1.5, np.float32)
+    sae = tmp_path / "sae"
+    sae.mkdir()
+    save_file(
+        {"W_enc": W, "b_enc": b, "W_dec": np.ascontiguousarray(W.T), "b_dec": np.zeros(D, np.float32)},
+        sae / "sae_weights.safetensors",
+    )
+    (sae / "cfg.json").write_text(json.dumps({"architecture": "standard", "d_in": D, "d_sae": F, "dtype": "float32"}))
+    run_features(store_path, 11, str(tmp_path / "feat"), sae=str(sae), top_k=3, per_interval=0)
+    site = build_site(str(tmp_path / "feat"), tmp_path / "site", plot_examples=0).parent
+    store = actstore.open(store_path)
+    n_sparse = 0
+    for f in range(F):
+        rec = site_record(site, f)
+        if not rec["rows"]["ex"]:
+            continue
+        n_sparse += "pi" in rec
+        grids = _grids(rec)
+        for k, ex in enumerate(sorted(set(rec["rows"]["ex"]))):
+            x = np.asarray(store[ex, 11], np.float32)[PREFIX:]
+            want = np.maximum(x @ W[:, f] + b[f], 0).astype(np.float16).astype(np.float32)
+            np.testing.assert_allclose(grids[k], want, rtol=0, atol=float(np.abs(want).max()) * 2**-10)
+    assert n_sparse > 0
+
+
+def test_each_image_is_written_once(tmp_path):
+    """Examples that share an image reference share its thumbnail; the thumbnail is the image
+    as the model saw it (centre-cropped), at --thumb-size pixels."""
+    from PIL import Image
+
+    from actstore.features.context import image_pixels
+
+    rng = np.random.default_rng(3)
+    refs = []
+    yy, xx = np.mgrid[0:40, 0:30]
+    for i in range(3):  # smooth and distinct (JPEG keeps them within a few levels)
+        p = tmp_path / f"pic{i}.png"
+        rgb = np.stack([xx * 8, yy * 6, np.full_like(xx, 80 * i)], axis=2) if i != 1 else np.stack([255 - yy * 6, xx * 8, yy * 3], axis=2)
+        Image.fromarray(rgb.astype(np.uint8)).save(p)
+        refs.append({"path": str(p)})
+    refs = [refs[0], refs[1], refs[0], refs[2], refs[1], {"embedded": "skimage:camera"}]  # 4 distinct images
+    x = rng.standard_normal((len(refs), 1, 10, D)).astype(np.float16)
+    path = tmp_path / "store"
+    with actstore.ShardWriter(
+        path,
+        layers=[11],
+        d_model=D,
+        tokens=10,
+        texts=("image",),
+        attrs={"image": {"size": 28, "patch_size": 14, "grid": [3, 3], "prefix_tokens": 1}},
+    ) as w:
+        w.append(x, texts={"image": refs}, sample_keys=["", "b", "", "d", "e", ""])
+    actstore.finalize(path)
+    run_features(path, 11, str(tmp_path / "feat"), neurons=True, top_k=6)
+    res = CliRunner().invoke(
+        main, ["view", str(tmp_path / "feat"), "--out", str(tmp_path / "site"), "--thumb-size", "56", "--quiet"]
+    )
+    assert res.exit_code == 0, res.output
+    site = tmp_path / "site"
+    files = sorted(p.relative_to(site).as_posix() for p in (site / "img").rglob("*") if p.is_file())
+    assert files == ["img/0/0.jpg", "img/0/1.jpg", "img/0/2.jpg", "img/0/3.jpg"]
+    rec = site_record(site, 0)
+    assert len(set(rec["rows"]["ex"])) == 6  # every example is among feature 0's rows
+    by_ex = dict(zip(sorted(set(rec["rows"]["ex"])), rec["images"]))
+    # file numbers follow the references; names: the sample key, else the file's or embedded name
+    assert by_ex == {
+        0: [0, "pic0.png"],
+        1: [1, "b"],
+        2: [0, "pic0.png"],
+        3: [2, "d"],
+        4: [1, "e"],
+        5: [3, "skimage:camera"],
+    }
+    store = actstore.open(path)
+    want = {
+        ex: np.asarray(Image.fromarray(image_pixels(store, ex, 28)).resize((56, 56), Image.BICUBIC), np.float32)
+        for ex in (0, 1, 3, 5)
+    }
+    for ex in want:
+        thumb = np.asarray(Image.open(site / f"img/0/{by_ex[ex][0]}.jpg").convert("RGB"), np.float32)
+        err = {other: np.abs(thumb - w).mean() for other, w in want.items()}
+        assert thumb.shape == (56, 56, 3) and err[ex] < 4 and min(v for o, v in err.items() if o != ex) > 20
+    res = CliRunner().invoke(main, ["view", str(tmp_path / "feat"), "--out", str(tmp_path / "s2"), "--thumb-size", "8"])
+    assert res.exit_code == 1 and "--thumb-size must be an int in [16, 1024] pixels. Got 8." in res.output
+    assert not (tmp_path / "s2").exists()
+
+
+def test_rows_name_the_image_and_the_patch(vit):
+    _, _, site = vit
+    index = (site / "data" / "index.js").read_text()
+    value = json.loads(index[len('ACTSTORE.load("index",') : -3])
+    # feature 1's top activation: example 1 ("im1"), patch (1, 2); feature 0's: the embedded camera, (0, 0)
+    assert value["text"][1] == ["", "im1", " (1, 2)"] and value["text"][0] == ["", "im4", " (0, 0)"]
+    meta = json.loads((site / "data" / "meta.js").read_text()[len('ACTSTORE.load("meta",') : -3])
+    assert meta["image"] == {"grid": [3, 3], "prefix": 1, "cls": False, "thumb": 84, "bucket": 1000, "n_images": 5}
+
+
+def _box(dom, name):
+    """(x, y, w, h) of the canvas whose card names image `name` (the page records it)."""
+    m = re.search(r'<canvas class="heat"[^>]*data-box="(\d+),(\d+),(\d+),(\d+)"[^>]*></canvas><figcaption><b class="iname"[^>]*>' + name + "<", dom)
+    assert m, f"no drawn canvas for {name}"
+    return tuple(int(v) for v in m.groups())
+
+
+def test_feature_page_draws_heatmaps_on_canvases(vit, tmp_path):
+    """Feature 1 fires 9.0 on example 1's patch (1, 2): on the page that patch is orange over
+    the thumbnail (alpha 0.85 at the feature's max) and outlined in green; a patch near 0 shows
+    the thumbnail as it is."""
+    from PIL import Image
+
+    _, _, site = vit
+    exe = _chromium()
+    url = (site / "feature.html").as_uri() + "#1"
+    dom = _browser(exe, tmp_path / "prof", "--window-size=1200,2400", "--virtual-time-budget=5000", "--dump-dom", url=url)
+    n_canvas = dom.count('<canvas class="heat"')
+    assert n_canvas >= 2 and f'data-drawn="{n_canvas}"' in dom and dom.count('data-drawn="1"') == n_canvas
+    assert "<b " in dom and ">im1</b>" in dom and '<span class="prow">#0 (1, 2) 9</span>' in dom
+    shot = tmp_path / "page.png"
+    _browser(exe, tmp_path / "prof", f"--screenshot={shot}", "--window-size=1200,2400", "--virtual-time-budget=5000", url=url)
+    page = np.asarray(Image.open(shot).convert("RGB"), np.float32)
+    x, y, w, h = _box(dom, "im1")
+    assert (w, h) == (84, 84)
+    rec = site_record(site, 1)
+    k = [name for _, name in rec["images"]].index("im1")
+    thumb = np.asarray(Image.open(site / f"img/0/{rec['images'][k][0]}.jpg").convert("RGB"), np.float32)
+    cell = 28  # 84 pixels / 3 patches
+    inner = (slice(8, 20), slice(8, 20))  # inside a patch, clear of the outline
+
+    def patch(img, r, c, dx=0, dy=0):
+        return img[dy + r * cell : dy + (r + 1) * cell, dx + c * cell : dx + (c + 1) * cell][inner]
+
+    hot = 0.15 * patch(thumb, 1, 2) + 0.85 * np.array([255, 110, 0], np.float32)
+    assert np.abs(patch(page, 1, 2, x, y) - hot).mean() < 4
+    assert np.abs(patch(page, 0, 0, x, y) - patch(thumb, 0, 0)).mean() < 6  # |value| ~0.1 of 9: nearly clear
+    outline = page[y + cell + 10, x + 2 * cell + 1]  # the left edge of patch (1, 2)
+    assert outline[1] > 200 and outline[0] < 80 and outline[2] < 80
