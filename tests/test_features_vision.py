@@ -107,7 +107,11 @@ def test_each_image_is_written_once(tmp_path):
     yy, xx = np.mgrid[0:40, 0:30]
     for i in range(3):  # smooth and distinct (JPEG keeps them within a few levels)
         p = tmp_path / f"pic{i}.png"
-        rgb = np.stack([xx * 8, yy * 6, np.full_like(xx, 80 * i)], axis=2) if i != 1 else np.stack([255 - yy * 6, xx * 8, yy * 3], axis=2)
+        rgb = (
+            np.stack([xx * 8, yy * 6, np.full_like(xx, 80 * i)], axis=2)
+            if i != 1
+            else np.stack([255 - yy * 6, xx * 8, yy * 3], axis=2)
+        )
         Image.fromarray(rgb.astype(np.uint8)).save(p)
         refs.append({"path": str(p)})
     refs = [refs[0], refs[1], refs[0], refs[2], refs[1], {"embedded": "skimage:camera"}]  # 4 distinct images
@@ -169,7 +173,12 @@ def test_rows_name_the_image_and_the_patch(vit):
 
 def _box(dom, name):
     """(x, y, w, h) of the canvas whose card names image `name` (the page records it)."""
-    m = re.search(r'<canvas class="heat"[^>]*data-box="(\d+),(\d+),(\d+),(\d+)"[^>]*></canvas><figcaption><b class="iname"[^>]*>' + name + "<", dom)
+    m = re.search(
+        r'<canvas class="heat"[^>]*data-box="(\d+),(\d+),(\d+),(\d+)"[^>]*></canvas><figcaption><b class="iname"[^>]*>'
+        + name
+        + "<",
+        dom,
+    )
     assert m, f"no drawn canvas for {name}"
     return tuple(int(v) for v in m.groups())
 
@@ -183,12 +192,16 @@ def test_feature_page_draws_heatmaps_on_canvases(vit, tmp_path):
     _, _, site = vit
     exe = _chromium()
     url = (site / "feature.html").as_uri() + "#1"
-    dom = _browser(exe, tmp_path / "prof", "--window-size=1200,2400", "--virtual-time-budget=5000", "--dump-dom", url=url)
+    dom = _browser(
+        exe, tmp_path / "prof", "--window-size=1200,2400", "--virtual-time-budget=5000", "--dump-dom", url=url
+    )
     n_canvas = dom.count('<canvas class="heat"')
     assert n_canvas >= 2 and f'data-drawn="{n_canvas}"' in dom and dom.count('data-drawn="1"') == n_canvas
     assert "<b " in dom and ">im1</b>" in dom and '<span class="prow">#0 (1, 2) 9</span>' in dom
     shot = tmp_path / "page.png"
-    _browser(exe, tmp_path / "prof", f"--screenshot={shot}", "--window-size=1200,2400", "--virtual-time-budget=5000", url=url)
+    _browser(
+        exe, tmp_path / "prof", f"--screenshot={shot}", "--window-size=1200,2400", "--virtual-time-budget=5000", url=url
+    )
     page = np.asarray(Image.open(shot).convert("RGB"), np.float32)
     x, y, w, h = _box(dom, "im1")
     assert (w, h) == (84, 84)
