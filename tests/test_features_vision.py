@@ -219,3 +219,42 @@ def test_feature_page_draws_heatmaps_on_canvases(vit, tmp_path):
     assert np.abs(patch(page, 0, 0, x, y) - patch(thumb, 0, 0)).mean() < 6  # |value| ~0.1 of 9: nearly clear
     outline = page[y + cell + 10, x + 2 * cell + 1]  # the left edge of patch (1, 2)
     assert outline[1] > 200 and outline[0] < 80 and outline[2] < 80
+
+
+class _Bar:
+    """A stand-in for actstore.progress.bar that records each bar and its updates."""
+
+    made: list[_Bar] = []
+
+    def __init__(self, **kw):
+        self.desc, self.total, self.done = kw["desc"], kw["total"], 0
+        _Bar.made.append(self)
+
+    def update(self, n=1):
+        self.done += n
+
+
+def test_every_long_step_of_view_and_features_shows_progress(vit, tmp_path, monkeypatch):
+    """A bar on each step that grows with the data, for images and for text, each ending at
+    its total."""
+    import actstore.progress
+    from factory import word_store, word_tokenizer
+
+    monkeypatch.setattr(actstore.progress, "bar", _Bar)
+    store, feat, _ = vit
+    _Bar.made = []
+    build_site(str(feat), tmp_path / "site", progress=True)
+    assert [(b.desc, b.total, b.done) for b in _Bar.made] == [
+        ("patches", 5, 5),  # the distinct examples of the rows, each read once
+        ("images", 5, 5),  # the distinct images, each written once
+        ("features", D, D),
+        ("plots", 5, 5),
+    ]
+    text = word_store(tmp_path / "txt", word_tokenizer(tmp_path / "tok"), d_model=D)
+    _Bar.made = []
+    run_features(text, 4, str(tmp_path / "tfeat"), neurons=True, top_k=2, progress=True)
+    assert [(b.desc, b.total, b.done) for b in _Bar.made] == [("features", 12, 12)]  # the pass, by example
+    _Bar.made = []
+    build_site(str(tmp_path / "tfeat"), tmp_path / "tsite", progress=True)
+    assert [b.desc for b in _Bar.made] == ["examples", "features", "plots"]
+    assert all(b.done == b.total > 0 for b in _Bar.made)

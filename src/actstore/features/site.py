@@ -113,7 +113,9 @@ def build_site(
         if plot_examples:
             from actstore.features.plots import write_plots
 
-            write_plots(st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples)
+            write_plots(
+                st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples, progress=progress
+            )
     return Path(out) / "index.html"
 
 
