@@ -9,7 +9,8 @@ file:// may not fetch).
 - `data/f/<feature // 1000>/<feature>.js`: a feature's statistics, histograms, rows (top and
   bottom activations, interval samples) with their windows as vocab positions and
   activations (integers of `scale`), document keys, the tokens most often active, decoder
-  neighbours, co-occurring features and logit tables.
+  neighbours, co-occurring features and logit tables; of a ViT store, its images and their
+  per-patch values instead of windows (actstore.features.sitevision), the images in `img/`.
 """
 
 from __future__ import annotations
