@@ -149,10 +149,10 @@ def test_dinov2_store_vision_site(tmp_path, request):
     shown = set(top.example) | set(pd.read_parquet(tmp_path / "f" / "intervals.parquet").example)
     assert len(list((site / "img").rglob("*.jpg"))) == len(shown)  # the 21 images hold 21 references: one file each
     keys = store.field("sample_key")
-    rec = site_record(site, 2)
+    rec = site_record(site, 6)
     assert [name for _, name in rec["images"]] == [str(keys[e]) for e in sorted(set(rec["rows"]["ex"]))]
     exe = _chromium()
-    url = (site / "feature.html").as_uri() + "#2"
+    url = (site / "feature.html").as_uri() + "#6"
     page = _browser(
         exe, tmp_path / "prof", "--window-size=1280,1600", "--virtual-time-budget=8000", "--dump-dom", url=url
     )
