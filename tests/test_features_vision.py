@@ -258,3 +258,33 @@ def test_every_long_step_of_view_and_features_shows_progress(vit, tmp_path, monk
     build_site(str(tmp_path / "tfeat"), tmp_path / "tsite", progress=True)
     assert [b.desc for b in _Bar.made] == ["examples", "features", "plots"]
     assert all(b.done == b.total > 0 for b in _Bar.made)
+
+
+def test_the_page_decodes_every_float16_exactly(tmp_path):
+    """The pages' decoder of packed float16 (common.js) gives each of the 65,536 bit
+    patterns the value numpy gives it (NaNs as NaN), in chromium."""
+    import shutil
+
+    from actstore.features import sitedata
+    from actstore.features.site import STATIC
+
+    exe = _chromium()
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    half = bits.view(np.float16)
+    shutil.copyfile(STATIC / "common.js", tmp_path / "common.js")
+    (tmp_path / "data.js").write_text(
+        "var H = "
+        + json.dumps(sitedata.pack(half, "<f2"))
+        + ", F = "
+        + json.dumps(sitedata.pack(half.astype(np.float32), "<f4"))
+        + ";\n"
+    )
+    (tmp_path / "t.html").write_text(
+        '<!doctype html><body><p id="out"></p><script src="common.js"></script><script src="data.js"></script><script>'
+        "var h = ACTSTORE.unpack(H), f = ACTSTORE.unpack(F), bad = 0;"
+        "for (var i = 0; i < h.length; i++) { if (!(h[i] === f[i] || (h[i] !== h[i] && f[i] !== f[i]))) { bad++; } }"
+        'document.getElementById("out").textContent = "decoded " + h.length + " bad " + bad;'
+        "</script></body>"
+    )
+    dom = _browser(exe, tmp_path / "prof", "--dump-dom", url=(tmp_path / "t.html").as_uri())
+    assert "decoded 65536 bad 0" in dom
