@@ -61,23 +61,30 @@ def test_patch_values_are_the_stored_activations(vit):
             assert exs[rec["rows"]["im"][r]] == ex
 
 
+def _sae(folder, F):
+    """An SAELens folder of a ReLU SAE whose bias keeps most patches at 0; (folder, W_enc, b_enc)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(5)
+    W = rng.standard_normal((D, F)).astype(np.float32)
+    b = np.full(F, -1.5, np.float32)
+    folder.mkdir()
+    save_file(
+        {"W_enc": W, "b_enc": b, "W_dec": np.ascontiguousarray(W.T), "b_dec": np.zeros(D, np.float32)},
+        folder / "sae_weights.safetensors",
+    )
+    (folder / "cfg.json").write_text(
+        json.dumps({"architecture": "standard", "d_in": D, "d_sae": F, "dtype": "float32"})
+    )
+    return folder, W, b
+
+
 def test_sparse_patch_values_of_an_sae(vit, tmp_path):
     """A ReLU SAE is zero on most patches: only the non-zero values are written, and they are
     float16 of relu(x W_enc + b_enc), computed here with numpy."""
-    from safetensors.numpy import save_file
-
     store_path, _, _ = vit
-    rng = np.random.default_rng(5)
     F = 16
-    W = rng.standard_normal((D, F)).astype(np.float32)
-    b = np.full(F, -1.5, np.float32)
-    sae = tmp_path / "sae"
-    sae.mkdir()
-    save_file(
-        {"W_enc": W, "b_enc": b, "W_dec": np.ascontiguousarray(W.T), "b_dec": np.zeros(D, np.float32)},
-        sae / "sae_weights.safetensors",
-    )
-    (sae / "cfg.json").write_text(json.dumps({"architecture": "standard", "d_in": D, "d_sae": F, "dtype": "float32"}))
+    sae, W, b = _sae(tmp_path / "sae", F)
     run_features(store_path, 11, str(tmp_path / "feat"), sae=str(sae), top_k=3, per_interval=0)
     site = build_site(str(tmp_path / "feat"), tmp_path / "site", plot_examples=0).parent
     store = actstore.open(store_path)
@@ -258,6 +265,15 @@ def test_every_long_step_of_view_and_features_shows_progress(vit, tmp_path, monk
     build_site(str(tmp_path / "tfeat"), tmp_path / "tsite", progress=True)
     assert [b.desc for b in _Bar.made] == ["examples", "features", "plots"]
     assert all(b.done == b.total > 0 for b in _Bar.made)
+    sae, _, _ = _sae(tmp_path / "sae", 8)  # with a decoder: its cosine neighbours too
+    run_features(store, 11, str(tmp_path / "sfeat"), sae=str(sae), top_k=2)
+    _Bar.made = []
+    build_site(str(tmp_path / "sfeat"), tmp_path / "ssite", progress=True)
+    assert [(b.desc, b.total, b.done) for b in _Bar.made][2:] == [
+        ("neighbours", 8, 8),
+        ("features", 8, 8),
+        ("plots", 5, 5),
+    ]
 
 
 def test_the_page_decodes_every_float16_exactly(tmp_path):

@@ -96,7 +96,7 @@ def build_site(
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
-        rel = _relations(p, encoder, rows, wins, feats, neighbours)
+        rel = _relations(p, encoder, rows, wins, feats, neighbours, progress)
         pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
         bar = updater(progress, len(feats), "features", "feature")
         index_text = []
@@ -254,11 +254,13 @@ class _FeaturePages:
         return sitedata.snippet(self.vocab.text, self.v[s], w.before)
 
 
-def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.ndarray, n_nb: int) -> dict:
+def _relations(
+    p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.ndarray, n_nb: int, progress: Any
+) -> dict:
     """Per feature: decoder neighbours (nb), co-occurring features (co), common tokens (common)."""
     out: dict[str, dict[int, Any]] = {}
     if encoder.W_dec is not None and n_nb > 0 and len(feats) > 1:
-        idx, cos = relations.neighbours(encoder.W_dec[feats], n_nb)
+        idx, cos = relations.neighbours(encoder.W_dec[feats], n_nb, progress=progress)
         out["nb"] = {
             int(f): [[int(feats[i]), round(float(c), 4)] for i, c in zip(idx[j], cos[j])] for j, f in enumerate(feats)
         }
