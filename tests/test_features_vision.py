@@ -304,3 +304,23 @@ def test_the_page_decodes_every_float16_exactly(tmp_path):
     )
     dom = _browser(exe, tmp_path / "prof", "--dump-dom", url=(tmp_path / "t.html").as_uri())
     assert "decoded 65536 bad 0" in dom
+
+
+def test_embedded_sklearn_images_load_as_sklearn_loads_them(tmp_path):
+    """sklearn:china and sklearn:flower are the pixels of sklearn's load_sample_images, read
+    without importing sklearn.datasets (it imports scipy: seconds of a view's thumbnails)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_sample_images
+
+    code = (
+        "import sys, numpy as np; from actstore.inputs.embedded import load_embedded_image as L; "
+        "a = [L('sklearn:china'), L('sklearn:flower')]; np.save(sys.argv[1], np.stack(a)); "
+        "print('sklearn.datasets' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a.npy")], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), np.stack(load_sample_images().images))
