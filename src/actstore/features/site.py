@@ -2,7 +2,8 @@
 latents. The pages are shipped with actstore (actstore/features/static: index.html,
 feature.html, their scripts and style; nothing fetched from the internet, no build step);
 a build writes only data (actstore.features.sitedata): one small script per feature, an
-index of columns, the decoded vocabulary. The pages work from file:// and any static host.
+index of columns, the decoded vocabulary, and for a ViT store each image once
+(actstore.features.sitevision: the pages draw the heatmaps). The pages work from file:// and any static host.
 
 The build is staged beside the target and swapped in whole (actstore.features.staging): a
 killed or out-of-space build leaves the old site as it was, and a second build into the same
