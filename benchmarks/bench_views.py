@@ -16,8 +16,19 @@
   split, the same dtypes): ratio = ours / safetensors (target <= 2). The encode itself is
   the SAE's matmul, measured by bench_features.py.
 
+- vit: `build_site` of an SAE of --features latents (as in view) over a synthetic ViT store of
+  --vit-examples images x 257 tokens (1 CLS + 16x16 patches of 224 pixels, d_model
+  --vit-d-model), each example its own 256-pixel JPEG on disk; reported: seconds, bytes on
+  disk a feature without the images, the images' bytes and count (each image is written once,
+  a 224-pixel thumbnail). Targets: <= 60 s and <= 15 KB a feature plus the images once.
+- demo: the demo's store (scripts/demo.sh: embedded:dinov2-s14 over embedded:images, 21
+  images; captured here unless --demo-store names it), `actstore features --layer 11
+  --neurons` (384 neurons) and then the command `actstore view` timed as a user runs it;
+  reported: seconds and bytes on disk. Targets: <= 30 s and <= 60 MB.
+
 Run: .venv/bin/python benchmarks/bench_views.py [--features 16384] [--examples 2000] [--tokens 128]
      [--d-model 128] [--index-features 131072] [--delphi-tokens 1000000] [--delphi-latents 16384]
+     [--vit-examples 1000] [--vit-d-model 128] [--demo-store DIR] [--only view|index|delphi|vit|demo]
 """
 
 from __future__ import annotations
@@ -117,6 +128,109 @@ def bench_view(root: Path, a: argparse.Namespace) -> dict:
         "files": n_files,
         "raw_write_same_bytes_s": round(raw_s, 3),
         "target": "view_s <= 30 and bytes_on_disk_per_feature <= 15360 at 16,384 features",
+    }
+
+
+def make_vit_store(path: Path, images: Path, n: int, d: int) -> None:
+    """n examples of 1 CLS + 16x16 patches, each from its own smooth 256-pixel JPEG."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images.mkdir(parents=True)
+    yy, xx = np.mgrid[0:256, 0:256] / 255.0
+    refs, keys = [], []
+    for i in range(n):
+        a = rng.uniform(0, 1, (4, 3))  # a different colour gradient each
+        rgb = a[0] + a[1] * xx[..., None] + a[2] * yy[..., None] + 0.2 * np.sin(xx[..., None] * 12 * a[3])
+        name = f"im{i:05d}.jpg"
+        Image.fromarray((np.clip(rgb / rgb.max(), 0, 1) * 255).astype(np.uint8)).save(images / name, quality=90)
+        refs.append({"path": str(images / name)})
+        keys.append(name)
+    attrs = {"image": {"size": 224, "patch_size": 14, "grid": [16, 16], "prefix_tokens": 1}, "cls_token": True}
+    with actstore.ShardWriter(path, layers=[6], d_model=d, tokens=257, texts=("image",), attrs=attrs) as w:
+        for s in range(0, n, 64):
+            b = min(64, n - s)
+            x = rng.standard_normal((b, 1, 257, d)).astype(np.float16)
+            w.append(x, texts={"image": refs[s : s + b]}, sample_keys=keys[s : s + b])
+    actstore.finalize(path)
+
+
+def _site_sizes(site: Path, F: int) -> dict:
+    """Bytes on disk a feature (the site without img/) and the images'."""
+    img = du(site / "img")
+    return {
+        "bytes_on_disk_per_feature": round((du(site) - img) / F),
+        "images": sum(len(fs) for _, _, fs in os.walk(site / "img")),
+        "image_bytes_on_disk": img,
+        "site_bytes_on_disk": du(site),
+    }
+
+
+def bench_vit(root: Path, a: argparse.Namespace) -> dict:
+    from actstore.features.run import run_features
+    from actstore.features.site import build_site
+
+    pass_s = None
+    if not (root / "feat" / "meta.json").exists():  # --work keeps the store and the pass for reruns
+        make_sae(root / "sae", a.vit_d_model, a.features)
+        make_vit_store(root / "store", root / "images", a.vit_examples, a.vit_d_model)
+        t0 = time.perf_counter()
+        run_features(str(root / "store"), 6, str(root / "feat"), sae=str(root / "sae"), top_k=20)
+        pass_s = round(time.perf_counter() - t0, 2)
+    shutil.rmtree(root / "site", ignore_errors=True)
+    t0, c0 = time.perf_counter(), time.process_time()
+    build_site(str(root / "feat"), root / "site", plot_examples=0)
+    view_s, view_cpu_s = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "features": a.features,
+        "examples": a.vit_examples,
+        "tokens": a.vit_examples * 257,
+        "pass_s": pass_s,
+        "view_s": round(view_s, 2),
+        "view_cpu_s": round(view_cpu_s, 2),
+        **_site_sizes(root / "site", a.features),
+        "target": "view_s <= 60 and bytes_on_disk_per_feature <= 15360 (plus the images once) at 16,384 latents",
+    }
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the finished child processes."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def bench_demo(root: Path, a: argparse.Namespace) -> dict:
+    """The demo's store, its 384 neurons of layer 11, and `actstore view` as a user runs it."""
+    cli = [str(Path(sys.executable).with_name("actstore"))]
+    env = os.environ | {"HF_HUB_OFFLINE": "1"}
+    store = Path(a.demo_store) if a.demo_store else root / "demo-store"
+    capture_s = None
+    if not (store / "manifest.json").exists() and not a.demo_store:
+        t0 = time.perf_counter()
+        args = ["write", str(store), "--model", "embedded:dinov2-s14", "--data", "embedded:images"]
+        subprocess.run([*cli, *args, "--layers", "6,11", "--batch-size", "8", "--quiet"], check=True, env=env)
+        capture_s = round(time.perf_counter() - t0, 2)
+    for old in ("feat", "site"):
+        shutil.rmtree(root / old, ignore_errors=True)
+    t0 = time.perf_counter()
+    feat = [*cli, "features", str(store), "--layer", "11", "--neurons", "--out", str(root / "feat"), "--quiet"]
+    subprocess.run(feat, check=True, env=env)
+    pass_s = time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), _children_cpu()
+    subprocess.run([*cli, "view", str(root / "feat"), "--out", str(root / "site"), "--quiet"], check=True, env=env)
+    view_s, view_cpu_s = time.perf_counter() - t0, _children_cpu() - c0
+    sizes = _site_sizes(root / "site", 384)
+    return {
+        "store": str(store),
+        "capture_s": capture_s,
+        "features_cli_s": round(pass_s, 2),
+        "view_cli_s": round(view_s, 2),
+        "view_cli_cpu_s": round(view_cpu_s, 2),
+        "files": sum(len(fs) for _, _, fs in os.walk(root / "site")),
+        **sizes,
+        "target": "view_cli_s <= 30 and site_bytes_on_disk <= 60 MB (was 1,246 s and 2.4 GB in 17,460 PNGs)",
     }
 
 
@@ -267,10 +381,13 @@ def main() -> None:
     ap.add_argument("--delphi-tokens", type=int, default=1_000_000)
     ap.add_argument("--delphi-latents", type=int, default=16384)
     ap.add_argument("--delphi-density", type=float, default=0.01)
-    ap.add_argument("--only", choices=["view", "index", "delphi"], action="append")
+    ap.add_argument("--vit-examples", type=int, default=1000)
+    ap.add_argument("--vit-d-model", type=int, default=128)
+    ap.add_argument("--demo-store", help="The demo's store (default: captured with embedded:dinov2-s14).")
+    ap.add_argument("--only", choices=["view", "index", "delphi", "vit", "demo"], action="append")
     ap.add_argument("--work", help="Keep the view's store and pass in this folder (reruns skip them).")
     a = ap.parse_args()
-    todo = a.only or ["view", "index", "delphi"]
+    todo = a.only or ["view", "index", "delphi", "vit", "demo"]
     out = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("ACTSTORE_BENCH_DIR")) as tmp:
         root = Path(tmp)
@@ -283,6 +400,12 @@ def main() -> None:
         if "delphi" in todo:
             out["delphi"] = bench_delphi(root / "d", a.delphi_tokens, a.delphi_latents, a.delphi_density)
             print("delphi", out["delphi"], flush=True)
+        if "vit" in todo:
+            out["vit"] = bench_vit(Path(a.work) / "vit" if a.work else root / "vit", a)
+            print("vit", out["vit"], flush=True)
+        if "demo" in todo:
+            out["demo"] = bench_demo(Path(a.work) / "demo" if a.work else root / "demo", a)
+            print("demo", out["demo"], flush=True)
     out["load"] = os.getloadavg()
     print(save("views", {"machine": machine(), **out}))
 

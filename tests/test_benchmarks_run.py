@@ -397,14 +397,17 @@ def test_bench_scale(tmp_path):
 
 
 def test_bench_views(tmp_path):
-    """bench_views.py at toy sizes: the view, the index in chromium and the delphi writer."""
+    """bench_views.py at toy sizes: the view, the index in chromium, the delphi writer and the
+    vision site (the demo's store needs the embedded ViT: its own run)."""
     args = ["--features", "64", "--examples", "16", "--tokens", "16", "--d-model", "16", "--index-features", "2000"]
-    args += ["--delphi-tokens", "8192", "--delphi-latents", "256"]
+    args += ["--delphi-tokens", "8192", "--delphi-latents", "256", "--vit-examples", "6", "--vit-d-model", "16"]
+    args += ["--only", "view", "--only", "index", "--only", "delphi", "--only", "vit"]
     res = run_bench("views", args, tmp_path)
-    v, d = res["view"], res["delphi"]
+    v, d, vit = res["view"], res["delphi"], res["vit"]
     assert v["features"] == 64 and positive(v["view_s"], v["bytes_on_disk_per_feature"], v["raw_write_same_bytes_s"])
     assert res["index"]["features"] == 2000 and positive(res["index"]["first_draw_ms"])
     assert d["nonzeros"] == int(4096 * 256 * 0.01) * 2 and positive(d["ours_s"], d["ratio_vs_ready_arrays"])
+    assert vit["tokens"] == 6 * 257 and vit["images"] == 6 and positive(vit["view_s"], vit["bytes_on_disk_per_feature"])
 
 
 def test_bench_gpu_read(tmp_path):

@@ -119,3 +119,46 @@ def test_unembedding_auto_from_the_embedded_smollm2():
     gamma = np.asarray(tensors["output_norm.weight"].data, np.float32)
     assert U.W.shape == (576, 49152) and U.norm == "rms"
     np.testing.assert_allclose(U.W[:, :100], emb[:100].T * gamma[:, None], rtol=1e-6)
+
+
+def test_dinov2_store_vision_site(tmp_path, request):
+    """The demo's store (DINOv2-S/14 over the embedded images): a feature page draws every
+    image of its rows on a canvas, each image written once, named by its sample key."""
+    from test_features_site import _browser, _chromium, screenshot, site_record
+
+    out = tmp_path / "vit"
+    _cli("write", out, "--model", "embedded:dinov2-s14", "--data", "embedded:images", "--layers", "11", "--quiet")
+    store = actstore.open(out)
+    _cli(
+        "features",
+        out,
+        "--layer",
+        "11",
+        "--neurons",
+        "--features",
+        "0-15",
+        "--top-k",
+        "12",
+        "--out",
+        tmp_path / "f",
+        "--quiet",
+    )
+    _cli("view", tmp_path / "f", "--out", tmp_path / "site", "--quiet")
+    site = tmp_path / "site"
+    top = pd.read_parquet(tmp_path / "f" / "top.parquet")
+    shown = set(top.example) | set(pd.read_parquet(tmp_path / "f" / "intervals.parquet").example)
+    assert len(list((site / "img").rglob("*.jpg"))) == len(shown)  # the 21 images hold 21 references: one file each
+    keys = store.field("sample_key")
+    rec = site_record(site, 6)
+    assert [name for _, name in rec["images"]] == [str(keys[e]) for e in sorted(set(rec["rows"]["ex"]))]
+    exe = _chromium()
+    url = (site / "feature.html").as_uri() + "#6"
+    page = _browser(
+        exe, tmp_path / "prof", "--window-size=1280,1600", "--virtual-time-budget=8000", "--dump-dom", url=url
+    )
+    n = page.count('<canvas class="heat"')
+    assert n == len(set(zip(rec["rows"]["g"], rec["rows"]["im"])))  # a card per image of each group
+    assert f'data-drawn="{n}"' in page and page.count('data-drawn="1"') == n
+    name = str(keys[rec["rows"]["ex"][0]])
+    assert f">{name}</b>" in page
+    screenshot(exe, tmp_path / "prof", url, "feature-page-vision.png", request, size="1280,1500")

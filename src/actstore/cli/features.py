@@ -173,9 +173,16 @@ STORE_CHANGE_HELP = "Warn, instead of refusing, when the store changed since the
     help="Decoder-cosine neighbours a feature.",
 )
 @click.option("--allow-store-change", is_flag=True, help=STORE_CHANGE_HELP)
+@click.option(
+    "--thumb-size",
+    type=int,
+    default=224,
+    show_default=True,
+    help="ViT stores: the side in pixels of each image's thumbnail (written once; the pages draw the heatmaps).",
+)
 @G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
 def view_cmd(
-    src, out, overwrite, store_path, tokenizer, unembedding, neighbours, allow_store_change, quiet, as_json
+    src, out, overwrite, store_path, tokenizer, unembedding, neighbours, allow_store_change, thumb_size, quiet, as_json
 ) -> None:
     """A static site of the output of `actstore features` SRC for dictionaries of 100k+ latents:
     an index of every feature (virtual scrolling, search, sort, the density histogram) and a
@@ -197,6 +204,7 @@ def view_cmd(
         neighbours=neighbours,
         overwrite=overwrite,
         on_store_change="warn" if allow_store_change else "refuse",
+        thumb_size=thumb_size,
         progress=not quiet,
     )
     if as_json:

@@ -117,32 +117,30 @@ def text_windows(
     return out
 
 
-def patch_grid(store: Reader, layer: int, encoder: Encoder, feature: int, ex: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """(grid_h, grid_w) activations of one feature over the patches of ViT example `ex`, and
-    the store's image attrs (size, grid, prefix_tokens)."""
-    im = store.config.attrs.get("image")
-    if not im:
-        raise FeatureError(f"{store.path} holds no image activations (no 'image' attrs)")
-    gh, gw = im["grid"]
-    prefix = int(im["prefix_tokens"])
-    acts = encoder.encode(np.asarray(store[ex, layer], np.float32), np.asarray([feature]))[:, 0]
-    if len(acts) != prefix + gh * gw:
-        raise FeatureError(f"example {ex} has {len(acts)} tokens; the attrs promise {prefix} + {gh}x{gw} patches")
-    return acts[prefix:].reshape(gh, gw), im
-
-
-def image_pixels(store: Reader, ex: int, size: int) -> np.ndarray:
-    """The (size, size, 3) uint8 image the ViT saw for example `ex` (from its sample's reference,
-    which only an actstore store keeps: ActStore.sample)."""
-    from actstore.inputs.data import load_image
-    from actstore.inputs.prepare import crop_pixels
-
+def image_ref(store: Reader, ex: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the sample, its image reference) of ViT example `ex` (only an actstore store keeps
+    references: ActStore.sample)."""
     if not isinstance(store, ActStore):
         raise FeatureError(
             f"{store.path} is a {type(store).__name__}, which keeps no image references: "
             "images need the actstore store the ViT activations were captured into"
         )
-    ref = store.sample(ex).get("image")
+    sample = store.sample(ex)
+    ref = sample.get("image")
     if not isinstance(ref, dict):
         raise FeatureError(f"example {ex} of {store.path} has no image reference (text field 'image')")
+    return sample, ref
+
+
+def ref_pixels(ref: dict[str, Any], size: int) -> np.ndarray:
+    """The (size, size, 3) uint8 image the ViT saw for image reference `ref` (resized and
+    centre-cropped as the capture did)."""
+    from actstore.inputs.data import load_image
+    from actstore.inputs.prepare import crop_pixels
+
     return crop_pixels(load_image(ref), size)
+
+
+def image_pixels(store: Reader, ex: int, size: int) -> np.ndarray:
+    """The (size, size, 3) uint8 image the ViT saw for example `ex`."""
+    return ref_pixels(image_ref(store, ex)[1], size)

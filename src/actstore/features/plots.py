@@ -24,10 +24,14 @@ N_BINS = 60
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
-def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 1000) -> dict[int, dict[str, np.ndarray]]:
+def norm_stats(
+    store: ReaderLike, *, layers: Any = None, max_examples: int = 1000, progress: Any = None
+) -> dict[int, dict[str, np.ndarray]]:
     """Per layer: `norms` (every real token's L2 norm over the examples read), `position_mean`
     and `position_count` (by token position in `store[ex, layer]`). `store`: a Reader, or
-    a store's path or URL."""
+    a store's path or URL; `progress`: True for a bar on stderr, or a callable taking the
+    examples read."""
+    from actstore.progress import updater
     from actstore.features.windows import left_out, token_labels
 
     store = as_reader(store)
@@ -39,7 +43,9 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
         else np.zeros(0, np.int64)
     )
     out = {}
-    for layer in store.layers if layers is None else layers:
+    layers = list(store.layers if layers is None else layers)
+    bar = updater(progress, len(exs) * len(layers), "plots", "example")
+    for layer in layers:
         norms, sums, counts = [], np.zeros(0), np.zeros(0, np.int64)
         for ex in exs:
             x = np.asarray(store[int(ex), layer], np.float32)
@@ -51,6 +57,8 @@ def norm_stats(store: ReaderLike, *, layers: Any = None, max_examples: int = 100
                 counts = np.pad(counts, (0, len(v) - len(counts)))
             sums[: len(v)] += np.where(keep, v, 0.0)
             counts[: len(v)] += keep
+            if bar is not None:
+                bar(1)
         allv = np.concatenate(norms) if norms else np.zeros(0, np.float32)
         out[int(layer)] = {
             "norms": allv,
@@ -117,13 +125,14 @@ def _line(parts: list[str], i: int, layer: Any, xs: np.ndarray, ys: np.ndarray) 
 
 
 def write_plots(
-    store: ReaderLike, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000
+    store: ReaderLike, out: str | os.PathLike, *, layers: Any = None, max_examples: int = 1000, progress: Any = None
 ) -> list[Path]:
-    """norms.svg, positions.svg and plots.html (both) in folder `out`; returns their paths."""
+    """norms.svg, positions.svg and plots.html (both) in folder `out`; returns their paths
+    (`progress` as norm_stats takes it)."""
     store = as_reader(store)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stats = norm_stats(store, layers=layers, max_examples=max_examples)
+    stats = norm_stats(store, layers=layers, max_examples=max_examples, progress=progress)
     files = {"norms.svg": norms_svg(stats), "positions.svg": positions_svg(stats)}
     n_read = min(len(store), max_examples)
     n_tokens = sum(len(s["norms"]) for s in stats.values()) // max(len(stats), 1)

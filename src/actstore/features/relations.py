@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 N_NEIGHBOURS = 10
@@ -19,9 +21,12 @@ MAX_PER_POSITION = 256  # a position shared by more features counts for the firs
 BLOCK = 1024  # rows of the cosine matrix computed at a time
 
 
-def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS) -> tuple[np.ndarray, np.ndarray]:
+def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS, *, progress: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(F, n) indices (into W_dec's rows) and cosines of each row's nearest other rows, most
-    similar first; a zero row's cosines are 0."""
+    similar first; a zero row's cosines are 0. `progress`: True for a bar on stderr, or a
+    callable taking the rows done."""
+    from actstore.progress import updater
+
     F = len(W_dec)
     n = min(n, max(F - 1, 0))
     W = np.asarray(W_dec, np.float32)
@@ -35,7 +40,10 @@ def neighbours(W_dec: np.ndarray, n: int = N_NEIGHBOURS) -> tuple[np.ndarray, np
         import torch
     except ImportError:
         torch = None
+    bar = updater(progress, F, "neighbours", "feature")
     for b0 in range(0, F, BLOCK):
+        if bar is not None:
+            bar(min(BLOCK, F - b0))
         S = Wn[b0 : b0 + BLOCK] @ Wn.T  # (b, F)
         rows = np.arange(len(S))
         S[rows, b0 + rows] = -np.inf  # never its own neighbour

@@ -2,7 +2,8 @@
 latents. The pages are shipped with actstore (actstore/features/static: index.html,
 feature.html, their scripts and style; nothing fetched from the internet, no build step);
 a build writes only data (actstore.features.sitedata): one small script per feature, an
-index of columns, the decoded vocabulary. The pages work from file:// and any static host.
+index of columns, the decoded vocabulary, and for a ViT store each image once
+(actstore.features.sitevision: the pages draw the heatmaps). The pages work from file:// and any static host.
 
 The build is staged beside the target and swapped in whole (actstore.features.staging): a
 killed or out-of-space build leaves the old site as it was, and a second build into the same
@@ -24,12 +25,14 @@ from actstore.features import context, relations, sitedata
 from actstore.features.encoders import Encoder
 from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
+from actstore.features.sitevision import VisionPages
 from actstore.features.staging import staged_folder
+from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
 from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows
 from actstore.read.api import Reader, ReaderLike
 
 STATIC = Path(__file__).with_name("static")
-ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
+ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "vision.js", "style.css")
 DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
 NO_IDS_NOTE = (
@@ -52,6 +55,7 @@ def build_site(
     neighbours: int = relations.N_NEIGHBOURS,
     overwrite: bool = False,
     on_store_change: str = "refuse",
+    thumb_size: int = DEFAULT_THUMB,
     progress: bool = False,
 ) -> Path:
     """Write the site of feature-pass output `src` as folder `out`; returns its index.html.
@@ -67,6 +71,7 @@ def build_site(
             safetensors file or a model folder.
         neighbours: decoder-cosine neighbours listed per feature (0: none computed).
         on_store_change: "refuse" or "warn" when the store is not the state the pass read.
+        thumb_size: ViT stores: the side in pixels of each image's thumbnail (written once).
     """
     p = load_pass(src)
     st = open_store_of(p.meta, store)
@@ -74,6 +79,8 @@ def build_site(
     if encoder is None:
         encoder = encoder_from_meta(p.meta, st)
     is_image = bool(st.config.attrs.get("image"))
+    if is_image:
+        parse_size(thumb_size)  # before any work
     tok, note = (None, None) if is_image else context.tokenizer_or_note(st, tokenizer)
     positions = not is_image and not st.config.token_ids  # (a ShardWriter store written without token ids)
     if positions:
@@ -85,7 +92,9 @@ def build_site(
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
         if is_image:
-            images = _images(st, p, encoder, rows, stage)
+            images = VisionPages(
+                st, int(p.meta["layer"]), encoder, rows, stage, thumb_size=thumb_size, progress=progress
+            )
             wins, vocab = None, Vocab(np.zeros(0, np.int64), None)
         else:
             bar = updater(progress, n_examples(rows.example), "examples", "example")
@@ -104,7 +113,7 @@ def build_site(
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
-        rel = _relations(p, encoder, rows, wins, feats, neighbours)
+        rel = _relations(p, encoder, rows, wins, feats, neighbours, progress)
         pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
         bar = updater(progress, len(feats), "features", "feature")
         index_text = []
@@ -117,18 +126,20 @@ def build_site(
                 index_text.append(text)
                 if bar is not None:
                     bar(1)
-        _write_data(stage, p, st, vocab, index_text, window, note, logit is not None, plot_examples)
+        _write_data(stage, p, images, vocab, index_text, window, note, logit is not None, plot_examples)
         if plot_examples:
             from actstore.features.plots import write_plots
 
-            write_plots(st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples)
+            write_plots(
+                st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples, progress=progress
+            )
     return Path(out) / "index.html"
 
 
 def _write_data(
     stage: Path,
     p: PassData,
-    st: Reader,
+    images: VisionPages | None,
     vocab: Vocab,
     text: list[Any],
     window: Any,
@@ -166,7 +177,7 @@ def _write_data(
         "dense": DENSE,
         "logits": logits,
         "plots": bool(plots),
-        "image": bool(st.config.attrs.get("image")),
+        "image": images.meta() if images is not None else False,
         "bucket": sitedata.BUCKET,
         "token_mask": m.get("masks", {}).get("token_mask"),
     }
@@ -218,7 +229,7 @@ class _FeaturePages:
         if self.wins is not None:
             text = self._windows(rec, s, e)
         elif self.images is not None:
-            rec["img"] = self.images[s:e]
+            text = self.images.record(rec, f, s, e)
         for key in ("common", "nb", "co"):
             if f in self.rel.get(key, {}):
                 rec[key] = self.rel[key][f]
@@ -260,11 +271,13 @@ class _FeaturePages:
         return sitedata.snippet(self.vocab.text, self.v[s], w.before)
 
 
-def _relations(p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.ndarray, n_nb: int) -> dict:
+def _relations(
+    p: PassData, encoder: Encoder, rows: Rows, wins: Any, feats: np.ndarray, n_nb: int, progress: Any
+) -> dict:
     """Per feature: decoder neighbours (nb), co-occurring features (co), common tokens (common)."""
     out: dict[str, dict[int, Any]] = {}
     if encoder.W_dec is not None and n_nb > 0 and len(feats) > 1:
-        idx, cos = relations.neighbours(encoder.W_dec[feats], n_nb)
+        idx, cos = relations.neighbours(encoder.W_dec[feats], n_nb, progress=progress)
         out["nb"] = {
             int(f): [[int(feats[i]), round(float(c), 4)] for i, c in zip(idx[j], cos[j])] for j, f in enumerate(feats)
         }
@@ -285,21 +298,6 @@ def _logits(st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray, i
     if unembedding is None:
         return None
     return logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
-
-
-def _images(st: Reader, p: PassData, encoder: Encoder, rows: Rows, stage: Path) -> list[str]:
-    """A heatmap PNG of every row (ViT stores), on its feature's scale (0 to its max)."""
-    from actstore.features.images import heatmap_png
-
-    vmax = dict(zip(p.features["feature"].tolist(), p.features["max"].tolist()))
-    (stage / "img").mkdir()
-    names = []
-    for i in range(len(rows)):
-        f, ex = int(rows.feature[i]), int(rows.example[i])
-        name = f"img/{f}-{i}.png"
-        heatmap_png(st, int(p.meta["layer"]), encoder, f, ex, stage / name, vmax=vmax[f])
-        names.append(name)
-    return names
 
 
 def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:

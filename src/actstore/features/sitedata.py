@@ -9,7 +9,8 @@ file:// may not fetch).
 - `data/f/<feature // 1000>/<feature>.js`: a feature's statistics, histograms, rows (top and
   bottom activations, interval samples) with their windows as vocab positions and
   activations (integers of `scale`), document keys, the tokens most often active, decoder
-  neighbours, co-occurring features and logit tables.
+  neighbours, co-occurring features and logit tables; of a ViT store, its images and their
+  per-patch values instead of windows (actstore.features.sitevision), the images in `img/`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def position_bytes(n_vocab: int) -> int:
     return 2 if n_vocab < 1 << 15 else 4
 
 
-PACKED_TYPES = ("<i2", "<i4", "<f4", "<f8")  # what ACTSTORE.unpack decodes (Int16/Int32/Float32/Float64Array)
+PACKED_TYPES = ("<i2", "<i4", "<f2", "<f4", "<f8")  # what ACTSTORE.unpack decodes (<f2: float16, to numbers)
 
 
 def pack(values: np.ndarray, dtype: str | None = None) -> list[str]:
@@ -59,13 +60,14 @@ def pack(values: np.ndarray, dtype: str | None = None) -> list[str]:
 
 def unpack(rec: dict[str, Any]) -> dict[str, Any]:
     """A feature record with its packed columns decoded: `rows` (g, rank, ex, tok, act, and doc,
-    dt where kept) as lists, `v` and `a` as arrays (what feature.html decodes; for readers)."""
+    dt, im where kept) as lists, `v`, `a`, `pi`, `pv` as arrays (what feature.html decodes; for
+    readers)."""
     import base64
 
     cols = {k: np.frombuffer(base64.b64decode(b), dtype=t) for k, (t, b) in rec.get("cols", {}).items()}
     out = {k: v for k, v in rec.items() if k != "cols"}
-    out["rows"] = {k: cols[k].tolist() for k in ("g", "rank", "ex", "tok", "act", "doc", "dt") if k in cols}
-    for k in ("v", "a"):
+    out["rows"] = {k: cols[k].tolist() for k in ("g", "rank", "ex", "tok", "act", "doc", "dt", "im") if k in cols}
+    for k in ("v", "a", "pi", "pv"):
         if k in cols:
             out[k] = cols[k]
     return out

@@ -173,15 +173,21 @@ def embedded_images() -> list[tuple[str, Callable[[], np.ndarray]]]:
             )
         )
     for i, name in enumerate(SKLEARN_IMAGES):
-        items.append(
-            (
-                f"sklearn:{name}",
-                lambda i=i: _rgb(
-                    _need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i]
-                ),
-            )
-        )
+        items.append((f"sklearn:{name}", lambda i=i, n=name: _rgb(_sklearn_image(i, n))))
     return items
+
+
+def _sklearn_image(i: int, name: str) -> np.ndarray:
+    """scikit-learn's sample image `name` read as `load_sample_images` reads it (np.asarray of
+    PIL's image of its JPEG) without importing sklearn.datasets, which imports scipy (seconds);
+    a package laid out otherwise is read by its own loader."""
+    path = package_dir("sklearn", "scikit-learn") / "datasets" / "images" / f"{name}.jpg"
+    if not path.is_file():
+        return _need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i]
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return np.asarray(im)
 
 
 def load_embedded_image(ref: str) -> np.ndarray:

@@ -34,10 +34,19 @@
   A.int = function (n) { return Number(n).toLocaleString("en-US"); };
   // [dtype, base64 of little-endian values] (sitedata.pack) -> a typed array
   var TYPES = {"<i2": Int16Array, "<i4": Int32Array, "<f4": Float32Array, "<f8": Float64Array};
+  // float16 -> Float32Array (browsers without Float16Array included)
+  function half(u16) {
+    var out = new Float32Array(u16.length);
+    for (var i = 0; i < u16.length; i++) {
+      var h = u16[i], e = (h >> 10) & 31, m = h & 1023, s = h & 32768 ? -1 : 1;
+      out[i] = e === 0 ? s * m * Math.pow(2, -24) : e === 31 ? (m ? NaN : s * Infinity) : s * (1024 + m) * Math.pow(2, e - 25);
+    }
+    return out;
+  }
   A.unpack = function (col) {
     var s = atob(col[1]), u = new Uint8Array(s.length);
     for (var i = 0; i < s.length; i++) { u[i] = s.charCodeAt(i); }
-    return new TYPES[col[0]](u.buffer);
+    return col[0] === "<f2" ? half(new Uint16Array(u.buffer)) : new TYPES[col[0]](u.buffer);
   };
   A.featurePath = function (f, bucket) { return "data/f/" + Math.floor(f / bucket) + "/" + f + ".js"; };
   // a bar chart: heights on a log scale, labels on hover

@@ -70,7 +70,7 @@
     document.getElementById("title").textContent = "Feature " + f;
     var C = R.cols || {};
     R.rows = {};
-    ["g", "rank", "ex", "tok", "act", "doc", "dt"].forEach(function (k) { if (C[k]) { R.rows[k] = A.unpack(C[k]); } });
+    ["g", "rank", "ex", "tok", "act", "doc", "dt", "im"].forEach(function (k) { if (C[k]) { R.rows[k] = A.unpack(C[k]); } });
     if (C.v) { R.v = A.unpack(C.v); R.a = A.unpack(C.a); }
     R.off_ = new Uint8Array(R.v ? R.v.length : 0);
     (R.off || []).forEach(function (i) { R.off_[i] = 1; });
@@ -94,15 +94,17 @@
     var groups = R.groups.map(function () { return []; });
     R.rows.g.forEach(function (g, r) { groups[g].push(r); });
     R.groups.forEach(function (g, gi) {
-      html.push("<h2>" + groupTitle(g) + '</h2><table class="t examples"><tr><th class="num">#</th><th class="num">activation</th><th>document</th><th>context</th></tr>');
+      html.push("<h2>" + groupTitle(g) + "</h2>");
+      if (R.images) { html.push(A.vision.grid(R, groups[gi])); return; }
+      html.push('<table class="t examples"><tr><th class="num">#</th><th class="num">activation</th><th>document</th><th>context</th></tr>');
       groups[gi].forEach(function (r) {
-        var body = R.img ? '<img class="heat" src="' + A.esc(R.img[r]) + '" alt="example ' + R.rows.ex[r] + '">' : context(R, r, ref);
         html.push('<tr><td class="num">' + R.rows.rank[r] + '</td><td class="num">' + A.g(R.rows.act[r]) + '</td><td class="key">' + where(R, r) +
-          '</td><td class="ctx">' + body + "</td></tr>");
+          '</td><td class="ctx">' + context(R, r, ref) + "</td></tr>");
       });
       html.push("</table>");
     });
     page.innerHTML = html.join("");
+    if (R.images) { A.vision.draw(R, page, ref); }
     page.dataset.feature = f;
     page.dataset.ms = Math.round(performance.now());
     page.dataset.wide = document.documentElement.scrollWidth > window.innerWidth ? "1" : "0";  // no token widens the page

@@ -12,7 +12,7 @@
   if (neg) { cols.push({k: "density_neg", name: "density < 0", w: "86px", f: function (i) { return A.pct(X.density_neg[i]); }}); }
   cols.push({k: "mean", name: "mean active", w: "86px", f: function (i) { return A.g(X.mean[i]); }});
   cols.push({k: "n_active", name: "active", w: "80px", f: function (i) { return A.int(X.n_active[i]); }});
-  cols.push({k: "text", name: "top activation in context", w: "minmax(0, 1fr)", f: function (i) {
+  cols.push({k: "text", name: M.image ? "top activation: image and patch (row, column)" : "top activation in context", w: "minmax(0, 1fr)", f: function (i) {
     var t = X.text[i]; return '<span class="tk">' + A.line(t[0]) + "</span><mark>" + A.line(t[1]) + '</mark><span class="tk">' + A.line(t[2]) + "</span>"; }});
   document.documentElement.style.setProperty("--cols", cols.map(function (c) { return c.w; }).join(" "));
   document.title = M.title;
