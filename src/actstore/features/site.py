@@ -90,7 +90,9 @@ def build_site(
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
             vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tt)
-        pieces = None if wins is None else window_pieces(tt, wins)  # every row's text, in one batch
+        pieces = None
+        if wins is not None:  # every row's text, its window decoded whole
+            pieces = window_pieces(tt, wins, progress=updater(progress, len(rows), "windows decoded", "window"))
         rel = _relations(p, encoder, rows, wins, feats, neighbours)
         pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit, pieces)
         bar = updater(progress, len(feats), "features", "feature")

@@ -24,6 +24,7 @@ from actstore.read.api import Reader
 from actstore.read.store import ActStore
 
 DEFAULT_WINDOW = (12, 4)  # tokens shown before and after the row's token
+PIECES_BATCH = 8192  # windows decoded in one batch (one progress step)
 
 
 @dataclass(frozen=True)
@@ -53,17 +54,22 @@ class Windows:
     tail: np.ndarray
 
 
-def window_pieces(tt: TokenText, w: Windows, rows: Any = None) -> list[Pieces]:
-    """The display pieces of windows `rows` (default: all), one per column inside the example
-    (the -1 columns have none): each decoded whole, from the character boundaries around it."""
-    rows = range(len(w.ids)) if rows is None else rows
-    seqs, spans = [], []
-    for r in rows:
-        lead, ids, tail = w.lead[r], w.ids[r], w.tail[r]
-        lead, ids, tail = lead[lead >= 0], ids[ids >= 0], tail[tail >= 0]
-        seqs.append(np.concatenate([lead, ids, tail]).tolist())
-        spans.append((len(lead), len(lead) + len(ids)))
-    return tt.windows(seqs, spans)
+def window_pieces(tt: TokenText, w: Windows, *, progress: Any = None) -> list[Pieces]:
+    """The display pieces of every window, one per column inside the example (the -1 columns
+    have none): each decoded whole, from the character boundaries around it, in batches of
+    PIECES_BATCH windows (`progress` is called with the number done since its last call)."""
+    out: list[Pieces] = []
+    for b0 in range(0, len(w.ids), PIECES_BATCH):
+        seqs, spans = [], []
+        for r in range(b0, min(b0 + PIECES_BATCH, len(w.ids))):
+            lead, ids, tail = w.lead[r], w.ids[r], w.tail[r]
+            lead, ids, tail = lead[lead >= 0], ids[ids >= 0], tail[tail >= 0]
+            seqs.append(np.concatenate([lead, ids, tail]).tolist())
+            spans.append((len(lead), len(lead) + len(ids)))
+        out += tt.windows(seqs, spans)
+        if progress is not None:
+            progress(len(seqs))
+    return out
 
 
 def token_labels(store: Reader) -> dict[str, np.ndarray] | None:
