@@ -242,3 +242,29 @@ def test_neuronpedia_windows_and_logits_are_the_decode(case):
     folder = next(out.glob("*/*/activations"))
     for line in gzip.decompress(next(folder.glob("*.jsonl.gz")).read_bytes()).splitlines():
         assert "\ufffd" not in "".join(json.loads(line)["tokens"])
+
+
+def test_right_to_left_tokens_read_right_to_left_in_chromium(tmp_path):
+    """The site's style lets a right-to-left text's tokens take part in the bidi order: the
+    tokens of "مرحبا بالعالم" are drawn right to left, as the text is (each token isolated,
+    they were drawn left to right: "عالمبال حبامر")."""
+    exe = _chromium()
+    from actstore.features.site import STATIC
+
+    tokens = ["مر", "حبا", " بال", "عالم"]
+    spans = "".join(f'<span class="tk">{t}</span>' for t in tokens)
+    measure = (
+        "var x = Array.from(document.querySelectorAll('.tk')).map(function (s) {"
+        " return Math.round(s.getBoundingClientRect().left); });"
+        "document.body.dataset.x = x.join(',');"
+    )
+    page = tmp_path / "rtl.html"
+    page.write_text(
+        f'<!doctype html><html><head><meta charset="utf-8"><link rel="stylesheet" href="{(STATIC / "style.css").as_uri()}">'
+        f'</head><body><table class="t examples"><tr><td class="ctx">{spans}</td></tr></table>'
+        f"<script>{measure}</script></body></html>",
+        encoding="utf-8",
+    )
+    dom = _browser(exe, tmp_path / "prof", "--virtual-time-budget=3000", "--dump-dom", url=page.as_uri())
+    x = [int(v) for v in re.search(r'data-x="([-\d,]+)"', dom).group(1).split(",")]
+    assert x == sorted(x, reverse=True) and len(set(x)) == len(tokens)  # each token left of the one before it

@@ -132,8 +132,6 @@ PART_TITLE = " (holds part of a character that shows on a later token)"
 SHOW_CSS = (
     ".tk.special { outline: 1px dashed #98a2b3; color: #667085; }"
     ".tk.clip { box-shadow: inset 0 -3px 0 #b42318; }"
-    ".tk.part { display: inline-block; min-width: 4px; min-height: 1em; vertical-align: text-bottom;"
-    " border-bottom: 2px dotted #98a2b3; }"
     ".seg { display: inline-block; margin: 0 4px; padding: 0 6px; border-left: 3px solid #175cd3; color: #175cd3;"
     " font: 600 11px system-ui, sans-serif; background: #eff8ff; }"
 )
