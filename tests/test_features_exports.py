@@ -115,7 +115,7 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # 
     assert f0["pos_str"][0] == "red" and f0["topkCosSimValues"][0] == 0.0 and len(f0["topkCosSimIndices"]) == D - 1
     top0 = [a for a in acts if a["index"] == "0" and a["binMin"] == -1]
     assert (
-        len(top0) == 3 and top0[0]["tokens"][top0[0]["qualifyingTokenIndex"]] == "zebra" and top0[0]["maxValue"] == 6.0
+        len(top0) == 3 and top0[0]["tokens"][top0[0]["qualifyingTokenIndex"]] == " zebra" and top0[0]["maxValue"] == 6.0
     )
     assert f0["maxActApprox"] == 6.0
     # the same dashboards as SAEDashboard's JSON

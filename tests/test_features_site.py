@@ -81,7 +81,9 @@ def test_context_windows_decode_the_stored_ids(text_store):
     )
     r = recs[0]
     ids = store.token_ids(2)
-    assert r["tokens"] == [WORDS[i] for i in ids[2:7]] and r["tokens"][r["center"]] == "zebra"
+    # pieces of the window's decoded text: the word-level decode puts a space between words
+    assert r["tokens"] == [WORDS[ids[2]]] + [" " + WORDS[i] for i in ids[3:7]] and r["tokens"][r["center"]] == " zebra"
+    assert "".join(r["tokens"]) == tok.decode(ids[2:7]) and r["partial"] == [False] * 5
     np.testing.assert_array_equal(r["acts"], np.asarray(store[2, 4], np.float32)[2:7, 0])
 
 
@@ -162,7 +164,7 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     prof = tmp_path / "profile"
     dom = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri())
     assert "6 of 6 features" in dom  # the script ran and drew the rows from data/index.js
-    assert 'href="feature.html#0"' in dom and "<mark>zebra</mark>" in dom  # the token that fired, marked
+    assert 'href="feature.html#0"' in dom and "<mark> zebra</mark>" in dom  # the token that fired, marked
     assert "dead (never active)" in dom and "dense (active on &gt; 10.0%)" in dom
     page = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "feature.html").as_uri() + "#0")
     # the top example's decoded text, with the top token marked and its value on hover
@@ -170,8 +172,8 @@ def test_site_in_headless_chromium(text_store, tmp_path, request):
     assert '<h1 id="title">Feature 0</h1>' in page and "<svg" in page and 'data-feature="0"' in page
     text = page.split("Top activations", 1)[1]
     for w in [WORDS[i] for i in ids[1:6]]:
-        assert f">{w}</span>" in text
-    assert 'class="tk fire" style="background:rgba(255,110,0,1.00)" title="6 · id 15">zebra<' in text
+        assert f"> {w}</span>" in text  # each word's piece of the decoded text: " " + word
+    assert 'class="tk fire" style="background:rgba(255,110,0,1.00)" title="6 · id 15"> zebra<' in text
     assert 'class="tk off" style="background:rgba(255,110,0,0.00)" title="50 (left out by the pass)' in text  # BOS
     assert "68.8%" in page  # density in percent
     rec = site_record(site, 0)
@@ -249,7 +251,7 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
     top = f0["activations"][0]
     assert (
         top["bin_min"] == -1
-        and top["tokens"][top["qualifying_token_index"]] == "zebra"
+        and top["tokens"][top["qualifying_token_index"]] == " zebra"
         and top["values"][top["qualifying_token_index"]] == 6.0
     )
     feats = pd.read_parquet(out / "features.parquet")
@@ -415,7 +417,8 @@ def test_packed_windows_map_to_documents(tmp_path):
         window=(2, 1),
     )[0]
     assert (rec["key"], rec["doc_token"]) == ("doc-b", 1)
-    assert rec["tokens"] == [WORDS[i] for i in ids[0, 2:6]] and rec["acts"][rec["center"]] == 3.0
+    assert rec["tokens"] == [WORDS[ids[0, 2]]] + [" " + WORDS[i] for i in ids[0, 3:6]]
+    assert rec["acts"][rec["center"]] == 3.0
 
 
 def test_bad_direction_source_writes_nothing(text_store, tmp_path):

@@ -294,7 +294,7 @@ def test_bidi_controls_are_isolated_and_long_tokens_wrap(tmp_path, request):
         assert '<span class="ctl" title="U+2066">U+2066</span>iso' in dom
         assert "\u202e" not in dom and "\u2066" not in dom
     index = _browser(exe, prof, "--virtual-time-budget=5000", "--dump-dom", url=(site / "index.html").as_uri())
-    assert "<mark>" + "x" * 40 + "\u2026</mark>" in index  # the index cuts a long token
+    assert "<mark> " + "x" * 39 + "\u2026</mark>" in index  # the index cuts a long token (" " + its word)
 
 
 def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
@@ -304,7 +304,12 @@ def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
     meta = (tmp_path / "site" / "data" / "meta.js").read_text()
     assert "token ids shown: records no model id. To decode them, --tokenizer takes embedded:smollm2-135m" in meta
     vocab = json.loads((tmp_path / "site" / "data" / "vocab.js").read_text()[len('ACTSTORE.load("vocab",') : -3])
-    assert vocab == {"ids": [0, 1, 2, 3, 4, 5], "text": ["[0]", "[1]", "[2]", "[3]", "[4]", "[5]"]}
+    assert vocab == {
+        "ids": [0, 1, 2, 3, 4, 5],
+        "text": ["[0]", "[1]", "[2]", "[3]", "[4]", "[5]"],
+        "ctx": {},
+        "raw": [],
+    }
     with pytest.raises(FeatureError, match="cannot load the tokenizer 'nowhere'"):
         build_site(str(tmp_path / "feat"), tmp_path / "site2", tokenizer="nowhere", plot_examples=0)
     build_site(str(tmp_path / "feat"), tmp_path / "site3", tokenizer=str(tmp_path / "tok"), plot_examples=0)
@@ -484,10 +489,11 @@ def test_show_scales_colours_by_content_tokens_and_marks_the_response(tmp_path):
     page = out.read_text()
     assert "colour scale &plusmn;6 (the largest |value| of the content tokens)" in page  # not the BOS's 1000
     assert 'class="tk special" style="background: rgba(255,110,0,0.00)" title="1000 · id 0 (special' in page
-    assert 'style="background: rgba(255,110,0,0.50)" title="3 · id 3">sat</span>' in page
+    # each token's piece of the example's decoded text ("<bos> the cat sat on mat dog")
+    assert 'style="background: rgba(255,110,0,0.50)" title="3 · id 3"> sat</span>' in page
     assert '<span class="seg" title="segment response begins">response</span><span class="tk" ' in page
     assert (
-        page.index(">sat</span>") < page.index(">response</span>") < page.index(">on</span>")
+        page.index("> sat</span>") < page.index(">response</span>") < page.index("> on</span>")
     )  # the marker precedes the first response token
     assert "<style>" in page and "unicode-bidi: isolate" in page
 
@@ -512,7 +518,8 @@ def test_show_and_info_without_a_tokenizer_show_ids(tmp_path):
         main, ["info", str(path), "--examples", "1", "--tokenizer", str(tmp_path / "tok"), "--json"]
     )
     info = json.loads(res.output)
-    assert info["examples"][0]["segments"] == {"prompt": "<bos>thecatsat", "response": "onmatdog"}
+    # the example's decoded text, cut where the response begins (per-token decodes joined gave "<bos>thecatsat")
+    assert info["examples"][0]["segments"] == {"prompt": "<bos> the cat sat", "response": " on mat dog"}
 
 
 def test_a_table_meta_json_does_not_vouch_for_is_refused(feats, tmp_path):

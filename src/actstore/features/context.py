@@ -15,6 +15,7 @@ import numpy as np
 
 from actstore.features.encoders import Encoder
 from actstore.errors import FeatureError, TokenizerNotFoundError
+from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
 from actstore.features.windows import DEFAULT_WINDOW
 from actstore.read.store import ActStore
@@ -51,13 +52,6 @@ def load_tokenizer(store: Reader, tokenizer: str | None = None) -> Any:
         ) from None
 
 
-def token_texts(tok: Any, ids: np.ndarray) -> list[str]:
-    """Each id decoded alone (what it adds to the text); without a tokenizer, `[id]`."""
-    if tok is None:
-        return [f"[{int(i)}]" for i in ids]
-    return tok.batch_decode([[int(i)] for i in ids])
-
-
 TOKENIZER_FORMS = (
     "--tokenizer takes embedded:smollm2-135m (or embedded:minilm-l6), a hub id in the local cache, "
     "or a folder holding tokenizer files"
@@ -85,13 +79,16 @@ def text_windows(
     *,
     window: tuple[int, int] = DEFAULT_WINDOW,
 ) -> list[dict[str, Any]]:
-    """One record per row (feature, example, token, activation): the decoded tokens around
-    the position with each one's activation for that feature, which the pass left out, and,
-    for packed stores, the document and position the row's token came from
-    (actstore.features.windows computes them as arrays)."""
+    """One record per row (feature, example, token, activation): the tokens around the
+    position as display pieces (`tokens`, joining to the window's decoded text; `partial`:
+    the tokens whose character shows on a later token) with each one's activation for that
+    feature, which the pass left out, and, for packed stores, the document and position the
+    row's token came from (actstore.features.windows computes them as arrays)."""
     from actstore.features.windows import text_windows as arrays
+    from actstore.features.windows import window_pieces
 
     w = arrays(store, layer, encoder, rows["feature"], rows["example"], rows["token"], window=window)
+    pieces = window_pieces(TokenText(tok), w)
     out = []
     for i in range(len(rows["example"])):
         inside = w.ids[i] >= 0
@@ -102,7 +99,8 @@ def text_windows(
             "example": int(rows["example"][i]),
             "token": int(rows["token"][i]),
             "activation": float(rows["activation"][i]),
-            "tokens": token_texts(tok, ids),
+            "tokens": pieces[i].text,
+            "partial": pieces[i].partial.tolist(),
             "ids": [int(t) for t in ids],
             "acts": [float(a) for a in w.acts[i][inside]],
             "center": w.before - first,

@@ -15,6 +15,11 @@
   SAEDashboard JSON as Neuronpedia's own convert-saedashboard-to-neuronpedia-export.py does,
   plus the decoder-cosine neighbours (topkCosSimIndices / topkCosSimValues).
 
+A window's tokens are pieces of its decoded text (actstore.inputs.tokentext): they join to
+`tokenizer.decode` of its ids; a token holding part of a character has the text before that
+character (often ""), the character is on the token that completes it. A logit table's
+token alone that holds part of a character is written as its bytes (`\xe4`), never U+FFFD.
+
 Only the positive tail is exported (Neuronpedia's pages read activations as positive); the
 tokens the pass left out (BOS, special and template tokens) have value 0, as Neuronpedia's
 converter writes BOS with --zero-out-bos-token.
@@ -36,7 +41,8 @@ from actstore.features.logits import applicable_unembedding
 from actstore.features.passdata import check_store, load_pass, open_store_of
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.staging import staged_folder
-from actstore.features.windows import text_windows
+from actstore.features.windows import text_windows, window_pieces
+from actstore.inputs.tokentext import TokenText
 from actstore.read.api import ReaderLike
 
 SAEDASHBOARD_VERSION = "0.8.0"
@@ -99,16 +105,16 @@ def export_neuronpedia(
     w = text_windows(
         st, layer, encoder, rows.feature[rows_pos], rows.example[rows_pos], rows.token[rows_pos], window=WINDOW
     )
-    ids = np.unique(w.ids[w.ids >= 0])
-    text = dict(zip(ids.tolist(), tok.batch_decode([[i] for i in ids.tolist()])))
+    tt = TokenText(tok)
+    pieces = window_pieces(tt, w)  # each window's tokens: pieces of its decoded text
     feats = p.features["feature"].astype(np.int64)
-    logit = None
+    logit, text = None, {}
     if unembedding is not None:
         from actstore.features.logits import load_unembedding, logit_tables
 
         logit = logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
         more = np.unique(np.concatenate([logit.top_ids.ravel(), logit.bottom_ids.ravel()]))
-        text |= dict(zip(more.tolist(), tok.batch_decode([[i] for i in more.tolist()])))
+        text = dict(zip(more.tolist(), tt.labels(more)[0]))  # a token alone: a split character's bytes
     nb = relations.neighbours(encoder.W_dec[feats]) if encoder.W_dec is not None and len(feats) > 1 else None
     edges = np.asarray(p.meta["histogram_edges"], np.float64)
     starts = np.searchsorted(rows.feature[rows_pos], feats)
@@ -132,7 +138,7 @@ def export_neuronpedia(
                         bins = (round(lo, 3), round(hi, 3), _contains(counts, edges, lo, hi))
                     else:
                         continue
-                    acts.append(_activation(w, r, text, *bins))
+                    acts.append(_activation(w, r, pieces[r].text, *bins))
                 feature = _feature(f, float(p.features["density"][j]), values, heights, acts, p, st)
                 if encoder.W_dec is not None:
                     feature |= _alignment(encoder.W_dec[f])
@@ -158,14 +164,14 @@ def export_neuronpedia(
     return Path(out) / folder
 
 
-def _activation(w: Any, r: int, text: dict[int, str], bin_min: float, bin_max: float, bin_contains: float) -> dict:
+def _activation(w: Any, r: int, tokens: list[str], bin_min: float, bin_max: float, bin_contains: float) -> dict:
     inside = w.ids[r] >= 0
     first = int(np.argmax(inside))
     return {
         "bin_min": bin_min,
         "bin_max": bin_max,
         "bin_contains": bin_contains,
-        "tokens": [text[int(t)] for t in w.ids[r][inside]],
+        "tokens": tokens,
         "values": _round(np.where(w.off[r], 0.0, w.acts[r])[inside]),  # left-out tokens (BOS) as 0
         "qualifying_token_index": int(w.before - first),
     }

@@ -14,6 +14,7 @@ import numpy as np
 from actstore.features import context
 from actstore.features.encoders import Encoder, neurons
 from actstore.errors import FeatureError
+from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
 
 
@@ -74,7 +75,9 @@ def text_html(
     """An HTML page of example `ex`'s tokens, each coloured by its value (orange positive,
     blue negative) on one scale set by the content tokens (colour_scale), the value on hover;
     special and template tokens are outlined and left out of the scale, and a mark shows
-    where each segment (a prompt's response) begins. Without a tokenizer, token ids."""
+    where each segment (a prompt's response) begins. The tokens' text is the example's
+    decoded text cut into pieces (actstore.inputs.tokentext): a character split across
+    tokens shows on its last token, the tokens before it marked. Without a tokenizer, token ids."""
     from actstore.features.windows import left_out, token_labels
 
     tok, note = context.tokenizer_or_note(store, tokenizer)
@@ -91,7 +94,8 @@ def text_html(
         starts[o] = name
         o += n
     spans = []
-    for i, (t, a) in enumerate(zip(context.token_texts(tok, ids), v)):
+    pieces = TokenText(tok).pieces(ids)
+    for i, (t, a) in enumerate(zip(pieces.text, v)):
         if i in starts and (i or len(starts) > 1):
             spans.append(
                 f'<span class="seg" title="segment {html.escape(starts[i])} begins">{html.escape(starts[i])}</span>'
@@ -100,8 +104,15 @@ def text_html(
         off = special is not None and bool(special[i])
         alpha = 0.0 if off else min(1.0, abs(a) / scale)
         rgb = "255,110,0" if a >= 0 else "30,110,255"
-        cls = "tk" + (" special" if off else "") + (" clip" if not off and abs(a) > scale else "")
+        part = bool(pieces.partial[i])
+        cls = (
+            "tk"
+            + (" special" if off else "")
+            + (" clip" if not off and abs(a) > scale else "")
+            + (" part" if part else "")
+        )
         title = f"{a:.4g} \u00b7 id {int(ids[i])}" + (" (special: left out of the scale)" if off else "")
+        title += PART_TITLE if part else ""
         spans.append(
             f'<span class="{cls}" style="background: rgba({rgb},{alpha:.2f})" title="{title}">{shown(t)}</span>'
         )
@@ -122,6 +133,7 @@ def text_html(
     )
 
 
+PART_TITLE = " (holds part of a character that shows on a later token)"
 SHOW_CSS = (
     ".tk.special { outline: 1px dashed #98a2b3; color: #667085; }"
     ".tk.clip { box-shadow: inset 0 -3px 0 #b42318; }"
@@ -171,8 +183,9 @@ def images_png(
 
 def example_texts(store: Reader, n: int, *, tokenizer: str | None = None) -> tuple[list[dict[str, Any]], str | None]:
     """The first `n` examples as text (`actstore info --examples N`): per example its sample key
-    and each segment's decoded tokens (token ids as [id] without a tokenizer, with the note
-    that says so), or the text fields a store without token ids keeps; and the note."""
+    and each segment's text, the example's decoded text cut at the segments' first tokens
+    (token ids as [id] without a tokenizer, with the note that says so), or the text fields
+    a store without token ids keeps; and the note."""
     from actstore.read.store import ActStore
 
     if n < 0:
@@ -180,6 +193,7 @@ def example_texts(store: Reader, n: int, *, tokenizer: str | None = None) -> tup
     tok, note = (None, None)
     if store.config.token_ids:
         tok, note = context.tokenizer_or_note(store, tokenizer)
+    tt = TokenText(tok)
     out = []
     for ex in range(min(n, len(store))):
         rec: dict[str, Any] = {"example": ex}
@@ -188,7 +202,7 @@ def example_texts(store: Reader, n: int, *, tokenizer: str | None = None) -> tup
             rec["key"] = str(sample["sample_key"])
         if store.config.token_ids:
             ids = store.token_ids(ex)
-            texts = context.token_texts(tok, ids)
+            texts = tt.pieces(ids).text
             o = 0
             rec["segments"] = {}
             for name, k in store.lengths(ex).items():

@@ -28,7 +28,8 @@ from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
 from actstore.features.sitevision import VisionPages
 from actstore.features.staging import staged_folder
 from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
-from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows
+from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
+from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader, ReaderLike
 
 STATIC = Path(__file__).with_name("static")
@@ -91,11 +92,12 @@ def build_site(
     with staged_folder(out, kind=KIND, overwrite=overwrite, source=st) as stage:
         for name in ASSETS:
             shutil.copyfile(STATIC / name, stage / name)
+        tt = TokenText(tok)
         if is_image:
             images = VisionPages(
                 st, int(p.meta["layer"]), encoder, rows, stage, thumb_size=thumb_size, progress=progress
             )
-            wins, vocab = None, Vocab(np.zeros(0, np.int64), None)
+            wins, vocab = None, Vocab(np.zeros(0, np.int64), tt)
         else:
             bar = updater(progress, n_examples(rows.example), "examples", "example")
             wins = text_windows(
@@ -112,9 +114,12 @@ def build_site(
             images = None
         if wins is not None:
             extra = [] if logit is None else [logit.top_ids.ravel(), logit.bottom_ids.ravel()]
-            vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tok)
+            vocab = Vocab(np.concatenate([wins.ids.ravel(), *extra]), tt)
+        pieces = None
+        if wins is not None:  # every row's text, its window decoded whole
+            pieces = window_pieces(tt, wins, progress=updater(progress, len(rows), "windows decoded", "window"))
         rel = _relations(p, encoder, rows, wins, feats, neighbours, progress)
-        pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit)
+        pages = _FeaturePages(p, rows, wins, vocab, images, rel, logit, pieces)
         bar = updater(progress, len(feats), "features", "feature")
         index_text = []
         for b in np.unique(feats // sitedata.BUCKET).tolist():
@@ -189,8 +194,11 @@ def _write_data(
 class _FeaturePages:
     """Each feature's record (data/f/...) and its index snippet, from the gathered arrays."""
 
-    def __init__(self, p: PassData, rows: Rows, wins: Any, vocab: Vocab, images: Any, rel: dict, logit: Any) -> None:
-        self.p, self.rows, self.wins, self.vocab = p, rows, wins, vocab
+    def __init__(
+        self, p: PassData, rows: Rows, wins: Any, vocab: Vocab, images: Any, rel: dict, logit: Any, pieces: Any
+    ) -> None:
+        """`pieces`: each row's window as display pieces (None for an image store)."""
+        self.p, self.rows, self.wins, self.vocab, self.pieces = p, rows, wins, vocab, pieces
         self.images, self.rel, self.logit = images, rel, logit
         feats = p.features["feature"].astype(np.int64)
         self.starts, self.ends = rows.bounds(feats)
@@ -245,8 +253,9 @@ class _FeaturePages:
         return rec, text
 
     def _windows(self, rec: dict[str, Any], s: int, e: int) -> list[str]:
-        """Windows of rows s:e into rec (vocab positions, integer activations, left-out
-        tokens, document keys); returns the index snippet of the feature's first row."""
+        """Windows of rows s:e into rec (vocab positions, integer activations, the tokens whose
+        text is not their vocabulary default and the partial ones, left-out tokens, document
+        keys); returns the index snippet of the feature's first row."""
         w = self.wins
         acts = w.acts[s:e]
         shown = np.abs(acts[~w.off[s:e]])  # left-out tokens (a BOS outlier) do not set the scale
@@ -259,6 +268,15 @@ class _FeaturePages:
         cols["v"] = sitedata.pack(self.v[s:e].ravel(), "<i2" if self.vbytes == 2 else "<i4")
         cols["a"] = sitedata.pack(levels.ravel(), "<i2")
         rec["off"] = np.flatnonzero(w.off[s:e].ravel()).tolist()
+        width, px, part = w.ids.shape[1], [], []
+        for r in range(s, e):
+            texts, partial = self.vocab.window(self.v[r], self.pieces[r])
+            px += [[(r - s) * width + c, t] for c, t in texts]
+            part += [(r - s) * width + c for c in partial]
+        if px:
+            rec["px"] = px
+        if part:
+            rec["part"] = part
         docs = w.doc[s:e].tolist()
         if any(d >= 0 for d in docs):
             local: dict[int, int] = {}
@@ -268,7 +286,7 @@ class _FeaturePages:
                 cols["dt"] = sitedata.pack(w.doc_token[s:e])
         if e == s:
             return ["", "", ""]
-        return sitedata.snippet(self.vocab.text, self.v[s], w.before)
+        return sitedata.snippet(self.pieces[s], self.v[s], w.before)
 
 
 def _relations(

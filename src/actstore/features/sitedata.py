@@ -5,10 +5,14 @@ file:// may not fetch).
 - `data/meta.js`: the pass (store, layer, encoder, counts, histogram edges, window, notes);
 - `data/index.js`: one column per field over every feature (feature, max, min, density,
   density_negative, mean, n_active, and the top example's text around its token);
-- `data/vocab.js`: the decoded text of every token id the site shows (`ids`, `text`);
+- `data/vocab.js`: every token id the site shows (`ids`), its text alone (`text`; `raw`: the
+  positions whose text is a split character's bytes) and, where different, its text inside
+  a text (`ctx`: {position: text}), the default of a window's token;
 - `data/f/<feature // 1000>/<feature>.js`: a feature's statistics, histograms, rows (top and
   bottom activations, interval samples) with their windows as vocab positions and
-  activations (integers of `scale`), document keys, the tokens most often active, decoder
+  activations (integers of `scale`), the window tokens whose text is not their vocabulary
+  default (`px`: [flat index, text]; a window's text is cut from one decode of it) and the
+  partial ones (`part`: flat indices), document keys, the tokens most often active, decoder
   neighbours, co-occurring features and logit tables; of a ViT store, its images and their
   per-patch values instead of windows (actstore.features.sitevision), the images in `img/`.
 """
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from actstore.features.passdata import PassData
+from actstore.inputs.tokentext import REPLACEMENT, Pieces, TokenText
 
 BUCKET = 1000  # features per data/f/ folder
 ACT_LEVELS = 1000  # window activations are written as integers of max|act| / ACT_LEVELS
@@ -161,15 +166,17 @@ def stats(p: PassData, j: int) -> dict[str, Any]:
 
 
 class Vocab:
-    """The token ids a site shows, each decoded once (batch_decode), as positions into
-    data/vocab.js; without a tokenizer each id is written as its number."""
+    """The token ids a site shows, as positions into data/vocab.js: each id's text alone
+    (`text`, for token lists; a token holding part of a character as its bytes, `raw`),
+    and its text inside a text where that differs (`ctx`, the default of a window's token;
+    actstore.inputs.tokentext). Without a tokenizer each id is written as its number."""
 
-    def __init__(self, ids: np.ndarray, tok: Any) -> None:
+    def __init__(self, ids: np.ndarray, tt: TokenText) -> None:
         self.ids = np.unique(ids[ids >= 0])
-        if tok is None:
-            self.text = [f"[{i}]" for i in self.ids.tolist()]
-        else:
-            self.text = tok.batch_decode([[i] for i in self.ids.tolist()])
+        self.text, raw = tt.labels(self.ids)
+        self.raw = np.flatnonzero(raw).tolist()
+        self.ctx = tt.context_text(self.ids)
+        self._clean = [REPLACEMENT not in c for c in self.ctx]
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Positions of `ids` in the vocab (-1 stays -1)."""
@@ -177,15 +184,28 @@ class Vocab:
         return np.where(ids >= 0, pos, -1)
 
     def value(self) -> dict[str, Any]:
-        return {"ids": self.ids.tolist(), "text": self.text}
+        ctx = {str(p): c for p, (c, t, ok) in enumerate(zip(self.ctx, self.text, self._clean)) if ok and c != t}
+        return {"ids": self.ids.tolist(), "text": self.text, "ctx": ctx, "raw": self.raw}
+
+    def window(self, positions: np.ndarray, pieces: Pieces) -> tuple[list[list[Any]], list[int]]:
+        """A window's tokens as a page draws them: ([column, text] of each token whose piece
+        is not its vocabulary default, the columns of partial tokens). Columns count from the
+        window's first column; `positions` are its vocabulary positions (-1 outside)."""
+        cols = np.flatnonzero(positions >= 0)
+        out = []
+        for c, p, t in zip(cols.tolist(), positions[cols].tolist(), pieces.text):
+            if not self._clean[p] or t != self.ctx[p]:
+                out.append([c, t])
+        return out, cols[pieces.partial].tolist()
 
 
-def snippet(vocab_text: list[str], positions: np.ndarray, before: int) -> list[str]:
-    """[text before, the token, text after] of one window (for the index)."""
-
-    def join(ps: np.ndarray) -> str:
-        return "".join(vocab_text[p] for p in ps.tolist() if p >= 0)
-
+def snippet(pieces: Pieces, positions: np.ndarray, before: int) -> list[str]:
+    """[text before, the token, text after] of one window (for the index); when the row's
+    token holds part of a character, the token runs on to the token that completes it."""
+    k = before - int(np.argmax(positions >= 0))  # the row's token among the window's pieces
+    end = k + 1
+    while end < len(pieces) and pieces.partial[end - 1]:
+        end += 1
     b, a, t = SNIPPET
-    left, tok, right = join(positions[:before]), join(positions[before : before + 1]), join(positions[before + 1 :])
+    left, tok, right = "".join(pieces.text[:k]), "".join(pieces.text[k:end]), "".join(pieces.text[end:])
     return [left[-b:], tok if len(tok) <= t else tok[:t] + "\u2026", right[:a]]

@@ -4,7 +4,10 @@ mask left out, and the document the token came from (its key). Each example is r
 encoded once, for the features of all its rows; the rest is array indexing.
 
 A window is `before` tokens, the row's token, then `after` tokens: column `before` is always
-the row's token; positions outside the example hold id -1 (drawn as nothing).
+the row's token; positions outside the example hold id -1 (drawn as nothing). The MARGIN
+tokens on either side of a window are kept too (`lead`, `tail`): `window_pieces` decodes a
+window from the character boundaries around it (actstore.inputs.tokentext), so that a
+character whose bytes a window's edge cuts is never shown as U+FFFD.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import numpy as np
 
 from actstore.errors import FeatureError
 from actstore.features.encoders import Encoder
+from actstore.inputs.tokentext import MARGIN, Pieces, TokenText
 from actstore.read.api import Reader
 from actstore.read.store import ActStore
 
 DEFAULT_WINDOW = (12, 4)  # tokens shown before and after the row's token
+PIECES_BATCH = 8192  # windows decoded in one batch (one progress step)
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Windows:
             token) or example (its sample key) the row's token belongs to; -1: none kept.
         doc_token: (n,) int64 the token's position in its document (packed stores), else -1.
         keys: the document keys that `doc` indexes.
+        lead, tail: (n, MARGIN) int64 the ids just before and after the window (-1 outside).
     """
 
     ids: np.ndarray
@@ -44,6 +50,26 @@ class Windows:
     doc: np.ndarray
     doc_token: np.ndarray
     keys: list[str]
+    lead: np.ndarray
+    tail: np.ndarray
+
+
+def window_pieces(tt: TokenText, w: Windows, *, progress: Any = None) -> list[Pieces]:
+    """The display pieces of every window, one per column inside the example (the -1 columns
+    have none): each decoded whole, from the character boundaries around it, in batches of
+    PIECES_BATCH windows (`progress` is called with the number done since its last call)."""
+    out: list[Pieces] = []
+    for b0 in range(0, len(w.ids), PIECES_BATCH):
+        seqs, spans = [], []
+        for r in range(b0, min(b0 + PIECES_BATCH, len(w.ids))):
+            lead, ids, tail = w.lead[r], w.ids[r], w.tail[r]
+            lead, ids, tail = lead[lead >= 0], ids[ids >= 0], tail[tail >= 0]
+            seqs.append(np.concatenate([lead, ids, tail]).tolist())
+            spans.append((len(lead), len(lead) + len(ids)))
+        out += tt.windows(seqs, spans)
+        if progress is not None:
+            progress(len(seqs))
+    return out
 
 
 def token_labels(store: Reader) -> dict[str, np.ndarray] | None:
@@ -140,12 +166,15 @@ def text_windows(
         doc=np.full(n, -1, np.int32),
         doc_token=np.full(n, -1, np.int64),
         keys=[],
+        lead=np.full((n, MARGIN), -1, np.int64),
+        tail=np.full((n, MARGIN), -1, np.int64),
     )
     labels = token_labels(store)
     keys = _Keys(store)
     order = np.argsort(examples, kind="stable")
     bounds = np.flatnonzero(np.diff(examples[order])) + 1
-    span = np.arange(-before, after + 1)
+    span = np.arange(-before - MARGIN, after + 1 + MARGIN)  # the window and its margins
+    cols = slice(MARGIN, MARGIN + before + 1 + after)
     with one_blas_thread():  # an example's matmul is small: BLAS threads would only wait on each other
         for grp in np.split(order, bounds) if n else []:
             ex = int(examples[grp[0]])
@@ -153,10 +182,12 @@ def text_windows(
             values = encoder.encode(np.asarray(store[ex, layer], np.float32), feats)  # (T, len(feats))
             ex_ids = np.arange(len(values)) if positions else np.asarray(store.token_ids(ex), np.int64)
             t_len = len(ex_ids)
-            pos = tokens[grp].astype(np.int64)[:, None] + span  # (rows, W)
+            pos = tokens[grp].astype(np.int64)[:, None] + span  # (rows, MARGIN + W + MARGIN)
             inside = (pos >= 0) & (pos < t_len)
             clipped = np.clip(pos, 0, max(t_len - 1, 0))
-            w.ids[grp] = np.where(inside, ex_ids[clipped], -1)
+            ids = np.where(inside, ex_ids[clipped], -1)
+            w.ids[grp], w.lead[grp], w.tail[grp] = ids[:, cols], ids[:, :MARGIN], ids[:, cols.stop :]
+            inside, clipped = inside[:, cols], clipped[:, cols]
             w.acts[grp] = np.where(inside, values[clipped, col[:, None]], 0.0)
             w.off[grp] = inside & left_out(store, labels, ex, t_len)[clipped]
             w.doc[grp], w.doc_token[grp] = keys.of(ex, tokens[grp].astype(np.int64))

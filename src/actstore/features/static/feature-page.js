@@ -1,12 +1,17 @@
 /* actstore view, one feature: feature.html#<id> loads data/f/<id / bucket>/<id>.js. */
 (function () {
   var A = window.ACTSTORE, M = A.meta, V = A.vocab, page = document.getElementById("page");
-  var text = V.text;
+  var text = V.text, ctx = V.ctx || {}, raw = {};
+  (V.raw || []).forEach(function (p) { raw[p] = 1; });
+  var PART = " (holds part of a character that shows on a later token)";
   if (M.note) { document.getElementById("note").innerHTML = '<span class="note">' + A.esc(M.note) + "</span>"; }
   var enc = M.encoder || {};
   document.getElementById("about").textContent = "layer " + M.layer + ", " + [enc.kind, enc.path].filter(Boolean).join(" ") +
     ", " + A.int(M.n_tokens || 0) + " tokens read" + (M.token_mask === "content" ? " (special and template tokens left out)" : "");
   function tok(p) { return p >= 0 && p < text.length ? text[p] : ""; }
+  // a token inside a window: its piece of the window's decoded text (R.px where that is not
+  // the vocabulary's text in context; actstore.inputs.tokentext cuts them)
+  function piece(R, k, p) { return R.px_.hasOwnProperty(k) ? R.px_[k] : ctx.hasOwnProperty(p) ? ctx[p] : tok(p); }
   function card(v, label) { return '<div class="card"><b>' + v + "</b><span>" + label + "</span></div>"; }
   function hist(h, edges, colour, what) {
     if (!h) { return '<p class="meta">no ' + what + " values</p>"; }
@@ -30,7 +35,8 @@
   function tokenTable(title, rows, valueName) {
     if (!rows || !rows.length) { return ""; }
     return "<h3>" + title + '</h3><table class="t"><tr><th>token</th><th class="num">' + valueName + "</th></tr>" + rows.map(function (r) {
-      return '<tr><td class="ctx"><span class="tk">' + A.show(tok(r[0])) + '</span></td><td class="num">' + A.g(r[1]) + "</td></tr>"; }).join("") + "</table>";
+      var b = raw[r[0]] ? ' raw" title="the bytes of part of a character (no whole character)' : "";
+      return '<tr><td class="ctx"><span class="tk' + b + '">' + A.show(tok(r[0])) + '</span></td><td class="num">' + A.g(r[1]) + "</td></tr>"; }).join("") + "</table>";
   }
   function featureTable(title, rows, valueName, fmt) {
     if (!rows || !rows.length) { return ""; }
@@ -42,11 +48,11 @@
     for (var i = 0; i < W; i++) {
       var p = R.v[r * W + i];
       if (p < 0) { continue; }
-      var a = R.a[r * W + i] * R.scale, left = R.off_[r * W + i];
+      var k = r * W + i, a = R.a[k] * R.scale, left = R.off_[k], part = R.part_[k];
       var alpha = left || !ref[a >= 0 ? 0 : 1] ? 0 : Math.min(1, Math.abs(a) / ref[a >= 0 ? 0 : 1]);
       var rgb = a >= 0 ? "255,110,0" : "30,110,255";
-      out.push('<span class="tk' + (i === c ? " fire" : "") + (left ? " off" : "") + '" style="background:rgba(' + rgb + "," + alpha.toFixed(2) +
-        ')" title="' + A.g(a) + (left ? " (left out by the pass)" : "") + " \u00b7 id " + V.ids[p] + '">' + A.show(tok(p)) + "</span>");
+      out.push('<span class="tk' + (i === c ? " fire" : "") + (left ? " off" : "") + (part ? " part" : "") + '" style="background:rgba(' + rgb + "," + alpha.toFixed(2) +
+        ')" title="' + A.g(a) + (left ? " (left out by the pass)" : "") + " \u00b7 id " + V.ids[p] + (part ? PART : "") + '">' + A.show(piece(R, k, p)) + "</span>");
     }
     return out.join("");
   }
@@ -74,6 +80,10 @@
     if (C.v) { R.v = A.unpack(C.v); R.a = A.unpack(C.a); }
     R.off_ = new Uint8Array(R.v ? R.v.length : 0);
     (R.off || []).forEach(function (i) { R.off_[i] = 1; });
+    R.part_ = new Uint8Array(R.off_.length);
+    (R.part || []).forEach(function (i) { R.part_[i] = 1; });
+    R.px_ = {};
+    (R.px || []).forEach(function (x) { R.px_[x[0]] = x[1]; });
     var cards = card(A.g(S.max), "max") + card(A.pct(S.density), "density (active &gt; 0)") + card(A.g(S.mean_active), "mean when active") +
       card(A.int(S.n_active) + " / " + A.int(S.n_tokens), "active tokens");
     if (S.min !== undefined) { cards += card(A.g(S.min), "min") + card(A.pct(S.density_negative), "density &lt; 0") + card(A.g(S.mean_negative), "mean when negative"); }
