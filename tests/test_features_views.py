@@ -335,7 +335,7 @@ def test_a_store_without_token_ids_shows_example_and_position_rows(tmp_path):
     meta = json.loads((tmp_path / "site" / "data" / "meta.js").read_text()[len('ACTSTORE.load("meta",') : -3])
     assert meta["note"] == NO_IDS_NOTE
     vocab = json.loads((tmp_path / "site" / "data" / "vocab.js").read_text()[len('ACTSTORE.load("vocab",') : -3])
-    assert vocab == {"ids": list(range(7)), "text": [f"[{t}]" for t in range(7)]}
+    assert vocab == {"ids": list(range(7)), "text": [f"[{t}]" for t in range(7)], "ctx": {}, "raw": []}
     before, after = DEFAULT_WINDOW
     for f in range(6):
         rec = site_record(tmp_path / "site", f)

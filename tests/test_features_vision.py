@@ -263,7 +263,7 @@ def test_every_long_step_of_view_and_features_shows_progress(vit, tmp_path, monk
     assert [(b.desc, b.total, b.done) for b in _Bar.made] == [("features", 12, 12)]  # the pass, by example
     _Bar.made = []
     build_site(str(tmp_path / "tfeat"), tmp_path / "tsite", progress=True)
-    assert [b.desc for b in _Bar.made] == ["examples", "features", "plots"]
+    assert [b.desc for b in _Bar.made] == ["examples", "windows decoded", "features", "plots"]
     assert all(b.done == b.total > 0 for b in _Bar.made)
     sae, _, _ = _sae(tmp_path / "sae", 8)  # with a decoder: its cosine neighbours too
     run_features(store, 11, str(tmp_path / "sfeat"), sae=str(sae), top_k=2)
