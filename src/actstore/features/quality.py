@@ -96,8 +96,9 @@ class Reconstruction:
             self.l0_sum += int(d["fires"].sum())
             self._dev = None
         n = self.n
+        sizes = {"dense_fraction": DENSE_FRACTION, "n_latents": self.encoder.n_features}
         if not n:
-            return {"n_tokens": 0, "fve": None, "mse": None, "l0": None, "dead": None, "dense": None}
+            return {"n_tokens": 0, "fve": None, "mse": None, "l0": None, "dead": None, "dense": None} | sizes
         mean = self.sum_x / n
         variance = self.sum_sq_x / n - float(mean @ mean)
         mse = self.sum_sq_err / n
@@ -108,6 +109,4 @@ class Reconstruction:
             "l0": self.l0_sum / n,
             "dead": int(np.count_nonzero(self.fires == 0)),
             "dense": int(np.count_nonzero(self.fires > DENSE_FRACTION * n)),
-            "dense_fraction": DENSE_FRACTION,
-            "n_latents": self.encoder.n_features,
-        }
+        } | sizes
