@@ -74,6 +74,13 @@ def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
         enc.encode(x, cols, device=device, feature_major=True), want[:, cols].T, rtol=1e-5, atol=1e-5
     )
     np.testing.assert_array_equal(enc.W_dec, sae.W_dec.detach().numpy())
+    # the reconstruction is SAELens's decode (its input normalisation undone), numpy and torch
+    recon = sae.decode(sae.encode(torch.from_numpy(x))).detach().numpy()
+    np.testing.assert_allclose(enc.decode(np.ascontiguousarray(want.T), x), recon, rtol=1e-4, atol=1e-4)
+    from actstore.features.torchenc import reconstruct_tensor
+
+    np.testing.assert_allclose(reconstruct_tensor(enc, torch.from_numpy(x)).numpy(), recon, rtol=1e-4, atol=1e-4)
+    assert np.abs(recon - sae.b_dec.detach().numpy()).mean() > 1  # the latents reach the output: a real check
 
 
 def _saev_file(path, activation, state):

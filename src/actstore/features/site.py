@@ -25,12 +25,13 @@ from actstore.features.encoders import Encoder
 from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
 from actstore.features.staging import staged_folder
+from actstore.features.quality import DENSE_FRACTION
 from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows
 from actstore.read.api import Reader, ReaderLike
 
 STATIC = Path(__file__).with_name("static")
 ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "style.css")
-DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
+DENSE = DENSE_FRACTION  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
 
 
@@ -153,6 +154,7 @@ def _write_data(
         "image": bool(st.config.attrs.get("image")),
         "bucket": sitedata.BUCKET,
         "token_mask": m.get("masks", {}).get("token_mask"),
+        "quality": m.get("quality"),  # an SAE's reconstruction quality (actstore.features.quality)
     }
     (stage / "data").mkdir(exist_ok=True)
     for name, value in (("meta", meta), ("index", index), ("vocab", vocab.value())):
