@@ -77,7 +77,7 @@ def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
     # the reconstruction is SAELens's decode (its input normalisation undone), numpy and torch
     recon = sae.decode(sae.encode(torch.from_numpy(x))).detach().numpy()
     np.testing.assert_allclose(enc.decode(np.ascontiguousarray(want.T), x), recon, rtol=1e-4, atol=1e-4)
-    from actstore.features.torchenc import reconstruct_tensor
+    from actstore.features.quality import reconstruct_tensor
 
     np.testing.assert_allclose(reconstruct_tensor(enc, torch.from_numpy(x)).numpy(), recon, rtol=1e-4, atol=1e-4)
     assert np.abs(recon - sae.b_dec.detach().numpy()).mean() > 1  # the latents reach the output: a real check

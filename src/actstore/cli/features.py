@@ -119,7 +119,7 @@ def features_cmd(
         from functools import partial
 
         from actstore.capture.splice import ce_loss_recovered
-        from actstore.features.torchenc import reconstruct_tensor
+        from actstore.features.quality import reconstruct_tensor
 
         on = device if device.startswith("cuda") else "cpu"
         downstream = partial(

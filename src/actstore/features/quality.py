@@ -110,3 +110,12 @@ class Reconstruction:
             "dead": int(np.count_nonzero(self.fires == 0)),
             "dense": int(np.count_nonzero(self.fires > DENSE_FRACTION * n)),
         } | sizes
+
+
+def reconstruct_tensor(encoder: Encoder, x: Any) -> Any:
+    """An SAE's reconstruction (n, d_in) float32 of x (n, d_in), a tensor on its device
+    (what actstore.capture.splice writes into the model)."""
+    from actstore.features.torchenc import decode_tensor, encode_tensor
+
+    xf = x.float()
+    return decode_tensor(encoder, encode_tensor(encoder, xf, None, LAYER_NORM_EPS), xf)

@@ -115,11 +115,3 @@ def decode_tensor(enc: Any, h_fn: Any, x: Any) -> Any:
     elif enc.normalize == "layer_norm":
         x_hat = x_hat * x.std(dim=1, keepdim=True) + x.mean(dim=1, keepdim=True)
     return x_hat
-
-
-def reconstruct_tensor(enc: Any, x: Any) -> Any:
-    """An SAE's reconstruction (n, d_in) of x (n, d_in), a tensor on its device."""
-    from actstore.features.encoders import LAYER_NORM_EPS
-
-    xf = x.float()
-    return decode_tensor(enc, encode_tensor(enc, xf, None, LAYER_NORM_EPS), xf)
