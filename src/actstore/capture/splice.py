@@ -26,6 +26,7 @@ import numpy as np
 
 from actstore.errors import CaptureError
 from actstore.layout import spec
+from actstore.progress import updater
 from actstore.read.masks import leaves_out_special
 
 MATCH_TOLERANCE = 0.05  # the largest relative L2 difference between stored and recomputed activations
@@ -42,6 +43,7 @@ def ce_loss_recovered(
     keep_special: bool = False,
     segments: Sequence[str] | None = None,
     device: str = "cpu",
+    progress: bool | Callable[[int], Any] = False,
 ) -> dict[str, Any]:
     """The CE figures of `encoder` spliced into `model` at the store's `layer` (see the module).
 
@@ -53,6 +55,7 @@ def ce_loss_recovered(
         n_tokens: the pass's tokens to cover (whole examples, in store order).
         keep_special, segments: the pass's token choice (actstore features).
         device: where the model runs.
+        progress: True for a bar (the pass's tokens covered), or a callable taking them.
     """
     import torch
 
@@ -61,6 +64,9 @@ def ce_loss_recovered(
 
     if n_tokens < 1:
         raise CaptureError(f"--ce-tokens must be >= 1. Got {n_tokens}.")
+    unknown = sorted(set(segments or ()) - set(store.segments))
+    if unknown:
+        raise CaptureError(f"segments {unknown} are not in this store; it has segments {list(store.segments)}")
     if store.token_ids(0) is None:
         raise CaptureError(
             f"{store.path} keeps no token ids: the CE loss needs the stored token ids to rerun the model"
@@ -69,6 +75,12 @@ def ce_loss_recovered(
     if not lm.is_decoder:
         raise CaptureError(f"--model {model} is no causal language model: the CE loss needs next-token logits")
     hp = resolve_hooks(lm.forward, [_hook_name(store, layer)])[0]
+    labels = (  # read once: the pass's default mask (token label 0), per segment
+        {seg: np.asarray(store.field(seg + spec.TOKEN_LABELS_SUFFIX)) for seg in store.segments}
+        if leaves_out_special(store) and not keep_special
+        else None
+    )
+    bar = updater(progress, n_tokens, "CE loss", "tok")
     sums = {"without_sae": 0.0, "with_sae": 0.0, "with_ablation": 0.0}
     n_scored = n_covered = n_examples = 0
     worst = 0.0
@@ -76,8 +88,10 @@ def ce_loss_recovered(
         if n_covered >= n_tokens:
             break
         ids = torch.as_tensor(np.asarray(store.token_ids(ex), np.int64), device=lm.device)[None]
-        kept = _kept(store, ex, keep_special, segments)
+        kept = _kept(store, ex, labels, segments)
         n_covered += int(kept.sum())
+        if bar is not None:
+            bar(int(kept.sum()))
         n_examples += 1
         keep_t = torch.as_tensor(kept, device=lm.device)
         stored = torch.as_tensor(np.asarray(store[ex, layer], np.float32), device=lm.device)
@@ -123,14 +137,14 @@ def _hook_name(store: Any, layer: int) -> Any:
     return int(layer)
 
 
-def _kept(store: Any, ex: int, keep_special: bool, segments: Sequence[str] | None) -> np.ndarray:
-    """The pass's tokens among the positions of store[ex, layer] (segments in store order)."""
-    use_mask = leaves_out_special(store) and not keep_special
+def _kept(store: Any, ex: int, labels: dict[str, np.ndarray] | None, segments: Sequence[str] | None) -> np.ndarray:
+    """The pass's tokens among the positions of store[ex, layer] (segments in store order;
+    labels: per segment the token labels, None when the pass keeps every token)."""
     parts = []
     for seg, n in store.lengths(ex).items():
         keep = np.full(n, segments is None or seg in segments)
-        if use_mask:
-            keep &= np.asarray(store.field(seg + spec.TOKEN_LABELS_SUFFIX)[ex, :n]) == 0
+        if labels is not None:
+            keep &= labels[seg][ex, :n] == 0
         parts.append(keep)
     return np.concatenate(parts) if parts else np.zeros(0, bool)
 

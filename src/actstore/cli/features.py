@@ -123,7 +123,12 @@ def features_cmd(
 
         on = device if device.startswith("cuda") else "cpu"
         downstream = partial(
-            ce_loss_recovered, model=model, n_tokens=ce_tokens, reconstruct=reconstruct_tensor, device=on
+            ce_loss_recovered,
+            model=model,
+            n_tokens=ce_tokens,
+            reconstruct=reconstruct_tensor,
+            device=on,
+            progress=not quiet,
         )
     meta = run_features(
         store,
