@@ -198,10 +198,15 @@ def test_train_sae_features_view(tmp_path):
         assert abs(q[key] - lens_ce[key]) < 1e-3, (key, q[key], lens_ce[key])
     assert q["ce_loss_with_ablation"] > q["ce_loss_without_sae"] + 0.05  # a score with a real denominator
 
-    # the site's index shows the figures
-    site_meta = (site / "data" / "meta.js").read_text()
-    assert '"fve"' in site_meta and '"ce_loss_score"' in site_meta
-    assert "variance explained" in (site / "index-page.js").read_text()
+    # the site's index shows the figures (rendered by a headless chromium)
+    from test_features_site import _browser, _chromium
+
+    url = (site / "index.html").as_uri()
+    dom = _browser(_chromium(), tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=url)
+    assert f"<b>{q['fve']:.4f}</b><span>variance explained</span>" in dom
+    assert f"<b>{q['l0']:.2f}</b><span>L0</span>" in dom
+    assert f"<b>{q['ce_loss_score']:.4f}</b><span>CE loss recovered ({q['ce_tokens']} tokens)</span>" in dom
+    assert f"<b>{q['dead']}</b><span>dead (never active)</span>" in dom  # the index's count agrees
 
 
 def test_ce_needs_the_stores_model_and_an_sae(tmp_path):
