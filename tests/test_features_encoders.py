@@ -74,6 +74,13 @@ def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
         enc.encode(x, cols, device=device, feature_major=True), want[:, cols].T, rtol=1e-5, atol=1e-5
     )
     np.testing.assert_array_equal(enc.W_dec, sae.W_dec.detach().numpy())
+    # the reconstruction is SAELens's decode (its input normalisation undone), numpy and torch
+    recon = sae.decode(sae.encode(torch.from_numpy(x))).detach().numpy()
+    np.testing.assert_allclose(enc.decode(np.ascontiguousarray(want.T), x), recon, rtol=1e-4, atol=1e-4)
+    from actstore.features.quality import reconstruct_tensor
+
+    np.testing.assert_allclose(reconstruct_tensor(enc, torch.from_numpy(x)).numpy(), recon, rtol=1e-4, atol=1e-4)
+    assert np.abs(recon - sae.b_dec.detach().numpy()).mean() > 1  # the latents reach the output: a real check
 
 
 def _saev_file(path, activation, state):
@@ -281,3 +288,52 @@ def test_bfloat16_saelens_checkpoint(tmp_path):
     enc = load_saelens(tmp_path / "bf")
     np.testing.assert_array_equal(enc.W, sae.W_enc.detach().float().numpy())
     np.testing.assert_array_equal(enc.b_pre, sae.b_dec.detach().float().numpy())
+
+
+@pytest.mark.parametrize("kind,cfg", [("topk", {"k": 5}), ("standard", {"normalize_activations": "layer_norm"})])
+def test_reconstruction_quality_every_sink(tmp_path, kind, cfg):
+    """An SAE's quality figures over a pass's tokens (two segments, the default mask) are the
+    same from the numpy encode, the torch encode, the torch update (DeviceSink, as on a GPU)
+    and a feature subset (all latents encoded again), and equal SAELens's over those tokens."""
+    from factory import text_store
+
+    from actstore.features.quality import Reconstruction
+    from actstore.features.topk import top_activations
+    from actstore.read.masks import leaves_out_special
+
+    sae, folder = _saelens(kind, tmp_path, **cfg)
+    st = text_store(tmp_path / "s.store", n=80, d_model=D_IN, kinds=True)
+    assert leaves_out_special(st)
+    enc = load_saelens(folder)
+    results = []
+    for device, kernel, features in (
+        (None, "numpy", None),
+        ("cpu", "auto", None),
+        ("cpu", "torch", None),
+        (None, "auto", [3, 9]),
+    ):
+        q = Reconstruction(enc)
+        top_activations(st, 3, enc, device=device, kernel=kernel, features=features, quality=q, batch_elements=4000)
+        results.append(q.result())
+    x = np.concatenate(
+        [
+            np.asarray(st.segment(seg)[e, 3], np.float32)[
+                np.asarray(st.field(seg + "_token_labels"))[e, : st.lengths(e)[seg]] == 0
+            ]
+            for e in range(len(st))
+            for seg in ("prompt", "response")
+        ]
+    )
+    f = sae.encode(torch.from_numpy(x))
+    err = (torch.from_numpy(x) - sae.decode(f)).pow(2).sum(1).double()
+    var = (x.astype(np.float64) ** 2).sum(1).mean() - (x.astype(np.float64).mean(0) ** 2).sum()
+    fires = (f != 0).sum(0)
+    for r in results:
+        assert r["n_tokens"] == len(x) > 100
+        assert (r["l0"], r["dead"], r["dense"]) == (
+            pytest.approx(float((f != 0).sum(1).double().mean())),
+            int((fires == 0).sum()),
+            int((fires > 0.1 * len(x)).sum()),
+        )
+        assert r["mse"] == pytest.approx(float(err.mean()), rel=1e-5)
+        assert r["fve"] == pytest.approx(1 - float(err.mean()) / var, rel=1e-5)

@@ -66,6 +66,18 @@ def register(main: click.Group) -> None:
     help="Where the pass runs: cpu (torch encode, compiled update), cuda or cuda:N (encode, top-k and statistics "
     "on the GPU), or auto (torch on the CPU when installed, else numpy).",
 )
+@click.option(
+    "--model",
+    help="With --sae: the model the store was captured from (as `write --model` takes it); meta.json then also "
+    "holds the CE loss recovered with the SAE spliced in (SAELens's ce_loss_score).",
+)
+@click.option(
+    "--ce-tokens",
+    type=click.IntRange(1),
+    default=4096,
+    show_default=True,
+    help="With --model: the pass's tokens the CE loss covers (the store's first examples, whole).",
+)
 @G.out_option("Output folder or URL (s3://...): top.parquet, features.parquet, intervals.parquet, meta.json.")
 @G.overwrite_option("Replace the output of an earlier pass in OUT (default: refuse it).")
 @G.quiet_json(quiet="No progress bar; nothing printed on success.", old_progress=True)
@@ -87,6 +99,8 @@ def features_cmd(
     seed,
     sign,
     device,
+    model,
+    ce_tokens,
     out,
     overwrite,
     quiet,
@@ -96,10 +110,27 @@ def features_cmd(
 
     One sequential pass over the layer's real tokens (never padding); memory grows with
     features x top-k, not with tokens. Name one direction source. Then `actstore view OUT --out SITE`.
+    With --sae, meta.json also holds the SAE's reconstruction quality over the pass's tokens.
     """
     from actstore.features.run import run_features
 
     G.refuse_existing(out, overwrite)
+    downstream = None
+    if model:
+        from functools import partial
+
+        from actstore.capture.splice import ce_loss_recovered
+        from actstore.features.quality import reconstruct_tensor
+
+        on = device if device.startswith("cuda") else "cpu"
+        downstream = partial(
+            ce_loss_recovered,
+            model=model,
+            n_tokens=ce_tokens,
+            reconstruct=reconstruct_tensor,
+            device=on,
+            progress=not quiet,
+        )
     meta = run_features(
         store,
         layer,
@@ -121,11 +152,32 @@ def features_cmd(
         device=device,
         progress=not quiet,
         command=_command(click.get_current_context()),
+        downstream=downstream,
     )
     if as_json:
-        G.echo_json({"path": str(out), "features": meta["n_features"], "tokens": meta["n_tokens"]})
+        G.echo_json(
+            {"path": str(out), "features": meta["n_features"], "tokens": meta["n_tokens"]}
+            | ({"quality": meta["quality"]} if "quality" in meta else {})
+        )
     elif not quiet:
         click.echo(f"wrote {meta['n_features']} features over {meta['n_tokens']} tokens to {out}")
+        if "quality" in meta:
+            click.echo(_quality_line(meta["quality"]))
+
+
+def _quality_line(q: dict) -> str:
+    """The SAE's figures in one line."""
+    if not q["n_tokens"]:
+        return "reconstruction: the pass read no tokens"
+    fve = "n/a" if q["fve"] is None else f"{q['fve']:.4f}"
+    line = (
+        f"reconstruction over {q['n_tokens']} tokens: variance explained {fve}, MSE {q['mse']:.4g}, "
+        f"L0 {q['l0']:.2f}, dead {q['dead']} and dense {q['dense']} of {q['n_latents']} latents"
+    )
+    if "ce_loss_score" in q:
+        score = "n/a" if q["ce_loss_score"] is None else f"{q['ce_loss_score']:.4f}"
+        line += f"; CE loss recovered {score} over {q['ce_tokens']} tokens"
+    return line
 
 
 _NOT_IN_COMMAND = ("quiet", "as_json", "overwrite")  # how to print, not what the pass computes

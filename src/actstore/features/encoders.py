@@ -41,6 +41,8 @@ class Encoder:
         normalize: one of NORMALIZATIONS, applied to each token before b_pre.
         post_scale: (F,) multiplied into the pre-activations (before the activation), or None.
         W_dec: (F, d_in) decoder directions when the source has them (logit tables).
+        b_dec: (d_in,) the decoder's bias when the source is an SAE: `decode` then gives its
+            reconstruction (actstore.features.quality); None for probes and neurons.
         source: where it came from (path) and its checksum, for meta.json.
     """
 
@@ -57,6 +59,7 @@ class Encoder:
     post_scale: np.ndarray | None = None
     topk_relu: bool = True
     W_dec: np.ndarray | None = None
+    b_dec: np.ndarray | None = None
     source: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,6 +77,7 @@ class Encoder:
             ("b", self.b, self.n_features),
             ("b_pre", self.b_pre, self.d_in),
             ("post_scale", self.post_scale, self.n_features),
+            ("b_dec", self.b_dec, self.d_in),
         ):
             if v is not None and np.shape(v) != (n,):
                 raise EncoderError(f"{self.kind} encoder: {name} must have shape ({n},), got {np.shape(v)}")
@@ -144,6 +148,25 @@ class Encoder:
         if features is not None and cols is None:
             h = h[features]  # copy: the subset's rows
         return h if feature_major else h.T
+
+    @property
+    def decodes(self) -> bool:
+        """An SAE: it has a decoder (W_dec and b_dec), so it reconstructs its input."""
+        return self.W_dec is not None and self.b_dec is not None
+
+    def decode(self, h_fn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The reconstruction (n, d_in) float32 of the inputs x (n, d_in) from their encoded
+        values h_fn (F, n) (all features, feature-major): `(h / post_scale) @ W_dec + b_dec`,
+        then the input normalisation undone per token (as SAELens's decode does)."""
+        h = h_fn if self.post_scale is None else h_fn / self.post_scale[:, None]
+        x_hat = h.T @ self.W_dec  # (n, d_in), BLAS on the transposed view
+        x_hat += self.b_dec
+        if self.normalize == "constant_norm_rescale":
+            x_hat *= np.linalg.norm(x, axis=1, keepdims=True) / np.float32(self.d_in**0.5)
+        elif self.normalize == "layer_norm":
+            x_hat *= x.std(axis=1, ddof=1, keepdims=True)
+            x_hat += x.mean(axis=1, keepdims=True)
+        return x_hat
 
     def _normalized(self, x: np.ndarray) -> np.ndarray:
         if self.normalize == "constant_norm_rescale":

@@ -4,11 +4,13 @@ the tables and meta.json (everything checked before the pass starts)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from actstore._version import __version__
+from actstore.errors import FeatureError
 from actstore.features import sources
+from actstore.features.quality import Reconstruction
 from actstore.features.tables import store_checksum, write_tables
 from actstore.features.topk import top_activations
 from actstore.read.masks import leaves_out_special
@@ -39,12 +41,17 @@ def run_features(
     command: str | None = None,
     progress: bool = False,
     store: Reader | None = None,
+    downstream: Callable[..., dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run one pass and write its files into `out` (a folder or URL); returns meta.json's content.
     `store_path` is opened (actstore.open) unless `store` is given or it is a Reader already.
     meta.json names the store state the pass read: the sha256 of the manifest bytes the
     store was opened with; a store finalized again, replaced or deleted during the pass is
-    refused (StoreChangedError naming both states) and nothing is published."""
+    refused (StoreChangedError naming both states) and nothing is published. When the
+    directions are an SAE (an SAELens checkpoint), meta.json's `quality` holds its
+    reconstruction quality over the pass's tokens (actstore.features.quality), and with
+    `downstream` (called as downstream(store, layer, encoder, keep_special=, segments=)
+    before the pass; the CLI's --model: actstore.capture.splice) its figures too."""
     if store is None:
         from actstore.opener import open as open_store
 
@@ -65,6 +72,13 @@ def run_features(
         from actstore.read.masks import summarize
 
         say(f"features layer {layer_n}: {summarize(store).line(keep_all=keep_special)}")
+    if downstream is not None and not enc.decodes:
+        raise FeatureError(
+            f"--model measures the CE loss with the SAE spliced in; the {enc.kind} directions are no SAELens SAE "
+            "(they have no decoder to splice): drop --model, or pass --sae"
+        )
+    spliced = downstream(store, layer_n, enc, keep_special=keep_special, segments=segments) if downstream else {}
+    recon = Reconstruction(enc) if enc.decodes else None
     tables = top_activations(
         store,
         layer_n,
@@ -79,6 +93,7 @@ def run_features(
         sign=sign,
         device=device,
         progress=progress,
+        quality=recon,
     )
     check_unchanged(store, "the feature pass")  # the tables are of the state meta.json names, or nothing is published
     labels = leaves_out_special(store)
@@ -102,6 +117,8 @@ def run_features(
         "command": command,
         "actstore_version": __version__,
     }
+    if recon is not None:
+        meta["quality"] = recon.result() | spliced
     from actstore.storage.files import export_os_errors
 
     kept = f"Nothing was published to {out} (an older output there is unchanged)"

@@ -34,6 +34,7 @@ class HostSink:
         kernel: FeatureAccumulator's ("auto", "numba", "numpy").
         device: where the encode runs ("cpu", "cuda", None: numpy).
         tok_batch: tokens encoded at once.
+        quality: an SAE's reconstruction sums (actstore.features.quality), fed every encoded batch.
     """
 
     def __init__(
@@ -48,12 +49,14 @@ class HostSink:
         kernel: str,
         device: str | None,
         tok_batch: int,
+        quality: Any = None,
     ):
         n_f = encoder.n_features if ids is None else len(ids)
         (kp, mp), neg = tail_sizes(sign, k, pool)
         self.pos = FeatureAccumulator(n_f, kp, mp, seed, kernel=kernel)
         self.neg = FeatureAccumulator(n_f, *neg, seed, kernel=kernel) if neg else None
         self.encoder, self.ids, self.device, self.tok_batch = encoder, ids, device, tok_batch
+        self.quality = quality
         # the kernel reads the stored rows in place (float16: no conversion, no transpose)
         self.direct = self.pos.fused and encoder.kind == "neurons"
         # a ReLU encoder's pre-activations are enough for the positive side (values <= 0 read as 0)
@@ -93,6 +96,8 @@ class HostSink:
         x, o = _take(self.xs, self.os, self.tok_batch)
         self.n_pending -= len(x)
         h = self.encoder.encode(x, self.ids, feature_major=True, device=self.device, relu_later=self.lazy)
+        if self.quality is not None:  # a subset's values do not reconstruct: all latents encoded again
+            self.quality.update(x, h if self.ids is None else None, relu=self.lazy)
         self.pos.update(h, o, clipped=self.lazy)
         if self.neg is not None:
             self.neg.update(self._negated(h), o)
@@ -125,6 +130,7 @@ class DeviceSink:
         sign: str,
         device: Any,
         tok_batch: int,
+        quality: Any = None,
     ):
         from actstore.features.device import TorchAccumulator
 
@@ -133,6 +139,7 @@ class DeviceSink:
         self.pos = TorchAccumulator(n_f, kp, mp, seed, device)
         self.neg = TorchAccumulator(n_f, *neg, seed, device) if neg else None
         self.encoder, self.ids, self.device, self.tok_batch = encoder, ids, device, tok_batch
+        self.quality = quality
         self.xs: list[Any] = []
         self.os: list[np.ndarray] = []
         self.n_pending = 0
@@ -161,6 +168,8 @@ class DeviceSink:
         x, o = _take(self.xs, self.os, self.tok_batch)
         self.n_pending -= len(x)
         h = encode_tensor(self.encoder, x, self.ids, LAYER_NORM_EPS)
+        if self.quality is not None:  # before the negative side negates h in place
+            self.quality.update_tensor(x, h if self.ids is None else None)
         self.pos.update(h, o)
         if self.neg is not None:
             self.neg.update(h.neg_(), o)

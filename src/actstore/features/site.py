@@ -27,6 +27,7 @@ from actstore.features.passdata import PassData, check_store, load_pass, open_st
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
 from actstore.features.sitevision import VisionPages
 from actstore.features.staging import staged_folder
+from actstore.features.quality import DENSE_FRACTION
 from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
 from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
@@ -34,7 +35,7 @@ from actstore.read.api import Reader, ReaderLike
 
 STATIC = Path(__file__).with_name("static")
 ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "vision.js", "style.css")
-DENSE = 0.1  # the index counts features active on more than this fraction of tokens as dense
+DENSE = DENSE_FRACTION  # the index counts features active on more than this fraction of tokens as dense
 KIND = "actstore view"
 NO_IDS_NOTE = (
     "this store keeps no token ids: rows name the example and the token's position in it, and each token "
@@ -185,6 +186,7 @@ def _write_data(
         "image": images.meta() if images is not None else False,
         "bucket": sitedata.BUCKET,
         "token_mask": m.get("masks", {}).get("token_mask"),
+        "quality": m.get("quality"),  # an SAE's reconstruction quality (actstore.features.quality)
     }
     (stage / "data").mkdir(exist_ok=True)
     for name, value in (("meta", meta), ("index", index), ("vocab", vocab.value())):

@@ -144,6 +144,7 @@ def load_saelens(folder: str | Path) -> Encoder:
         b_pre=_f32(w["b_dec"], "b_dec") if cfg.get("apply_b_dec_to_input", True) else None,
         normalize=SAELENS_NORMALIZE[norm],
         W_dec=W_dec,
+        b_dec=_f32(w["b_dec"], "b_dec"),
         source={"path": str(folder.resolve()), "sha256": sha256_of(cfg_path, w_path), "architecture": arch},
         **kw,
     )

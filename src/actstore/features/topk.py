@@ -69,6 +69,7 @@ def top_activations(
     kernel: str = "auto",
     sign: str = "positive",
     mmap: bool = True,
+    quality: Any = None,
 ) -> FeatureTables:
     """Top-k activations, statistics and interval samples of many features, in one pass.
 
@@ -97,6 +98,8 @@ def top_activations(
             negative values) or "both" (actstore.features.collect).
         mmap: on a local store of raw chunks, map its files and read the stored rows in
             place (actstore.features.groups); False reads them into buffers.
+        quality: a Reconstruction (actstore.features.quality) that every encoded batch
+            feeds: an SAE's reconstruction quality over the pass's tokens.
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
         raise FeatureError(f"--top-k must be an int in 1..{MAX_TOP_K}. Got {k!r}.")
@@ -120,7 +123,7 @@ def top_activations(
     if batch_elements is None:
         batch_elements = DEVICE_BATCH_ELEMENTS if kernel == "torch" else DEFAULT_BATCH_ELEMENTS
     tok_batch = max(1, batch_elements // max(1, n_f))
-    kw = dict(k=int(k), pool=pool, seed=int(seed), sign=sign, tok_batch=tok_batch)
+    kw = dict(k=int(k), pool=pool, seed=int(seed), sign=sign, tok_batch=tok_batch, quality=quality)
     if kernel == "torch":
         from actstore.features.torchenc import _device
 

@@ -96,3 +96,21 @@ def encode_tensor(
     if features is not None and cols is None:
         h = h[torch.as_tensor(features, device=dev)]
     return h.contiguous()
+
+
+def decode_tensor(enc: Any, h_fn: Any, x: Any) -> Any:
+    """The reconstruction (n, d_in) float32 of x (n, d_in) from its encoding h_fn (F, n), on
+    their device: Encoder.decode's semantics."""
+    import torch
+
+    w = _weights(enc, x.device)
+    if "W_dec" not in w:
+        w["W_dec"] = torch.as_tensor(enc.W_dec, device=x.device)
+        w["b_dec"] = torch.as_tensor(enc.b_dec, device=x.device)
+    h = h_fn if w["post"] is None else h_fn / w["post"][:, None]
+    x_hat = torch.addmm(w["b_dec"][None, :], h.T, w["W_dec"])
+    if enc.normalize == "constant_norm_rescale":
+        x_hat = x_hat * (x.norm(dim=1, keepdim=True) / enc.d_in**0.5)
+    elif enc.normalize == "layer_norm":
+        x_hat = x_hat * x.std(dim=1, keepdim=True) + x.mean(dim=1, keepdim=True)
+    return x_hat

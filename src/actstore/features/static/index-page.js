@@ -34,7 +34,13 @@
   }
   function card(v, label) { return '<div class="card"><b>' + v + "</b><span>" + label + "</span></div>"; }
   document.getElementById("cards").innerHTML = card(A.int(n), "features") + card(A.int(M.n_tokens || 0), "tokens read") +
-    card(A.int(dead), "dead (never active)") + card(A.int(dense), "dense (active on > " + A.pct(M.dense) + ")");
+    card(A.int(dead), "dead (never active)") + card(A.int(dense), "dense (active on > " + A.pct(M.dense) + ")") + quality(M.quality);
+  function quality(q) {  // an SAE's reconstruction over the pass's tokens (meta.json's quality)
+    if (!q || !q.n_tokens) { return ""; }
+    var f = function (v, d) { return v === null || v === undefined ? "n/a" : Number(v).toFixed(d); };
+    return card(f(q.fve, 4), "variance explained") + card(Number(q.mse).toPrecision(4), "MSE") + card(f(q.l0, 2), "L0") +
+      ("ce_loss_score" in q ? card(f(q.ce_loss_score, 4), "CE loss recovered (" + A.int(q.ce_tokens) + " tokens)") : "");
+  }
   var labels = ["dead"], counts = [dead], colours = ["#98a2b3"];
   for (i = 0; i < 9; i++) { labels.push("1e" + (i - 8) + " to 1e" + (i - 7)); counts.push(bins[i]); colours.push(i - 8 >= Math.log10(M.dense) ? "#b42318" : "#f79009"); }
   var svg = A.bars(counts, labels, colours, 360, 70);
