@@ -82,7 +82,9 @@ def test_plain_text_gets_the_bos_prepended_labelled_special(tmp_path, models, li
     stream = TokenStream(store, batch_size=64, return_index=True, shuffle=False)  # the default mask
     assert 0 not in torch.cat([b["token"] for b in stream]).tolist()
     shown = cli("info", tmp_path / "s").output
-    assert f"token 0      BOS (token {tok.bos_token_id}), prepended by the capture, labelled special (--bos auto)" in shown
+    assert (
+        f"token 0      BOS (token {tok.bos_token_id}), prepended by the capture, labelled special (--bos auto)" in shown
+    )
 
 
 def test_a_tokenizer_that_adds_its_bos_gets_one_not_two(tmp_path, models, lines):
@@ -125,7 +127,17 @@ def test_a_tokenizer_without_bos_labels_the_first_position_first(tmp_path, model
     shown = cli("info", tmp_path / "s").output
     assert "3 first" in shown and "leaves out 6 of" in shown
     refused = cli(
-        "write", tmp_path / "t", "--model", models / "bosless", "--data", lines, "--layers", "0", "--bos", "always", ok=False
+        "write",
+        tmp_path / "t",
+        "--model",
+        models / "bosless",
+        "--data",
+        lines,
+        "--layers",
+        "0",
+        "--bos",
+        "always",
+        ok=False,
     )
     assert refused.exit_code == 1 and "--bos always: this tokenizer has no BOS token; use --bos auto" in refused.output
     assert not (tmp_path / "t").exists() or not any((tmp_path / "t").iterdir())

@@ -199,7 +199,7 @@ class BosChoice:
     def token_0(self) -> str:
         """Token 0 in words (the store's attrs and `info`)."""
         if self.mode == "never":
-            return "the text's first token as tokenized (--bos never: content unless the tokenizer marks it special)"
+            return "the text's first token as tokenized (content unless the tokenizer marks it special)"
         if self.prepend:
             return f"BOS (token {self.token}), prepended by the capture, labelled special"
         if self.first:
