@@ -66,7 +66,7 @@ def image_or_text(
         drop_bos=o.drop_bos,
         separator=o.separator,
     )
-    bos = choose_bos(lm.tokenizer, plan, o.bos)
+    bos = choose_bos(lm.tokenizer, plan, o.bos, None if o.chat_template else lm.document_bos)
     if o.resume:
         check_resumed_bos(target, bos.to_json())
     plan = bos.apply(plan)

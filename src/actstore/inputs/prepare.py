@@ -223,14 +223,15 @@ class BosChoice:
         return replace(plan, bos=bos, prepend_bos=self.prepend, label_first=self.first)
 
 
-def choose_bos(tok: Any, plan: TextPlan, mode: str) -> BosChoice:
+def choose_bos(tok: Any, plan: TextPlan, mode: str, token: int | None = None) -> BosChoice:
     """Decide token 0 for texts made by `tok` and `plan` (a probe text is tokenized as the
     capture will): --bos auto prepends the BOS when neither the tokenizer nor the chat
     template puts it first, and labels position 0 `first` when there is no BOS token;
-    always is auto that refuses a tokenizer without BOS; never changes nothing."""
+    always is auto that refuses a tokenizer without BOS; never changes nothing. `token`: the
+    model's own document start when it is not the tokenizer's BOS (LoadedModel.document_bos)."""
     if mode not in BOS_MODES:
         raise CaptureError(f"--bos must be one of {list(BOS_MODES)}. Got {mode!r}.")
-    bos = tok.bos_token_id
+    bos = tok.bos_token_id if token is None else token
     if bos is None and mode == "always":
         raise CaptureError(
             "--bos always: this tokenizer has no BOS token; use --bos auto (labels token 0 'first') or --bos never"
