@@ -105,7 +105,10 @@ def test_bos_never_stores_the_text_as_tokenized(tmp_path, models, lines):
         assert store.token_ids(i).tolist() == tok(text)["input_ids"]
         assert store.field("tokens_token_labels")[i, 0] == 0  # content: today's (the old) meaning
     assert store.config.attrs["capture"]["bos"]["option"] == "never"
-    assert "as tokenized (--bos never" in cli("info", tmp_path / "s").output
+    assert (
+        "token 0      the text's first token as tokenized (content unless the tokenizer marks it special) (--bos never)"
+        in (cli("info", tmp_path / "s").output)
+    )
 
 
 def test_a_tokenizer_without_bos_labels_the_first_position_first(tmp_path, models, lines):
