@@ -83,7 +83,7 @@ def run_features(
     labels = leaves_out_special(store)
     sinks = find_sinks(store, keep_all=keep_special, layers=[layer_n], segments=segments)
     warning = sink_warning(sinks, store)
-    if warning:
+    if warning and progress:  # (quiet: meta.json's masks.sinks says it)
         warn(warning)
     meta = {
         "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},
