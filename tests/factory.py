@@ -275,9 +275,10 @@ def word_tokenizer(folder) -> Path:
     return Path(folder)
 
 
-def word_store(path, tokenizer, *, d_model=6) -> Path:
+def word_store(path, tokenizer, *, d_model=6, bos_label=1) -> Path:
     """Two shards of 6 'sentences' of 9 token ids of `word_tokenizer` (its folder is the model
-    id): token 0 is <bos> (label 1, token kinds) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
+    id): token 0 is <bos> (label `bos_label`: 1 special, 0 content as --bos never stores
+    a sink; token kinds) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
     rng = np.random.default_rng(0)
     for shard in range(2):
         n = 6
@@ -287,7 +288,7 @@ def word_store(path, tokenizer, *, d_model=6) -> Path:
         x = rng.standard_normal((n, 1, 9, d_model)).astype(np.float32) * 0.1
         x[:, 0, :, 0] = (ids == len(WORDS) - 1) * (5.0 + shard) + 0.01 * (ids % 3)
         x[:, 0, 0, :] = 50.0  # a huge BOS: left out by the default mask
-        labels = (ids == 0).astype(np.uint8)
+        labels = (ids == 0).astype(np.uint8) * bos_label
         with actstore.ShardWriter(
             path,
             shard=shard,

@@ -187,3 +187,53 @@ def test_capture_example_runs(tmp_path):
         assert f"example {ex}: {n} tokens, layer 5 -> ({n}, 384) float16" in r.stdout
     store = actstore.ActStore(tmp_path / "ex")
     assert int(store.segment("tokens").lengths().sum()) == sum(len(tok(t)["input_ids"]) for t in texts)
+
+
+def _pydoc_lines(n: int) -> list[str]:
+    """n sentences of English prose from Python's own help topics (shipped with Python)."""
+    from pydoc_data.topics import topics
+
+    found = [
+        line.strip()
+        for key in sorted(topics)
+        for line in topics[key].splitlines()
+        if len(line.strip()) >= 50 and line.strip()[0].isalpha()
+    ]
+    return found[::7][:n]
+
+
+def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(tmp_path):
+    """Issue 39 item 1 on the real model: a plain-text capture starts every line with the BOS
+    (labelled special, left out by default), and a --bos never store, whose token 0 is the
+    attention sink counted as content, is named by the sink check."""
+    lines = tmp_path / "lines.txt"
+    lines.write_text("\n".join(_pydoc_lines(24)) + "\n", encoding="utf-8")
+    res = CliRunner().invoke(
+        main, ["write", str(tmp_path / "auto"), "--model", "embedded:smollm2-135m", "--data", str(lines), "--layers", "16", "--quiet"]
+    )  # fmt: skip
+    assert res.exit_code == 0 and "warning" not in res.output, res.output
+    store = actstore.ActStore(tmp_path / "auto")
+    lm = load_model("embedded:smollm2-135m")
+    tok = lm.tokenizer
+    assert lm.document_bos == tok.convert_tokens_to_ids("<|endoftext|>") == 0  # SmolLM2's document start
+    for i, text in enumerate(_pydoc_lines(24)):
+        ids = store.token_ids(i).tolist()
+        assert ids[0] == lm.document_bos and ids[1:] == tok(text)["input_ids"][: len(ids) - 1]
+        assert store.field("tokens_token_labels")[i, 0] == 1
+    _cli("features", tmp_path / "auto", "--layer", "16", "--neurons", "-o", tmp_path / "fa", "--quiet")
+    import pyarrow.parquet as pq
+
+    top = pq.read_table(tmp_path / "fa" / "top.parquet").to_pandas()
+    assert not (top.token == 0).any()  # the BOS (the sink) is no neuron's top activation
+    top1 = top[(top["sign"] == 1) & (top["rank"] == 0)]
+    lengths = store.segment("tokens").lengths()
+    chance = len(store) / float(lengths.sum() - len(store))  # a random kept token is a line's first real token
+    sd = np.sqrt(chance * (1 - chance) / len(top1))
+    assert len(top1) > 500 and (top1.token == 1).mean() <= chance + 3 * sd, ((top1.token == 1).mean(), chance)
+    res = CliRunner().invoke(
+        main, ["write", str(tmp_path / "never"), "--model", "embedded:smollm2-135m", "--data", str(lines), "--layers", "16", "--quiet", "--bos", "never"]
+    )  # fmt: skip
+    assert res.exit_code == 0
+    assert "attention sink counted as content" in res.output and "layer 16 token 0:" in res.output
+    assert "rerun the capture with --bos auto" in res.output
+    assert actstore.ActStore(tmp_path / "never").token_ids(0)[0] != tok.bos_token_id

@@ -28,6 +28,11 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def warn(message: str) -> None:
+    """One `actstore: warning: ...` line on stderr (the commands' warnings, library or CLI)."""
+    say(f"actstore: warning: {message}")
+
+
 class _Lines:
     """A stream for tqdm that turns its carriage-return redraws into whole lines."""
 

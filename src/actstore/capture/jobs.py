@@ -19,6 +19,7 @@ from actstore.capture.target import CaptureTarget
 from actstore.errors import CaptureError
 from actstore.inputs.data import Source, absolute_data
 from actstore.inputs.models import LoadedModel
+from actstore.layout.spec import FIRST_KIND, TOKEN_KIND_NAMES
 
 
 @dataclass
@@ -27,7 +28,7 @@ class ShardJob:
     total: int | None  # examples (windows) this writer has left, for its progress bar
     segments: dict[str, int] | None = None
     t_chunk: dict[str, int] | None = None
-    token_labels: bool = False
+    token_labels: bool | dict[int, str] = False  # True: the capture's token kinds; a dict: these kinds
     texts: tuple[str, ...] = ()
     attrs: dict[str, Any] = field(default_factory=dict)
 
@@ -40,7 +41,7 @@ def image_or_text(
     o: CaptureOptions, lm: LoadedModel, source: Source, target: CaptureTarget, rank: int, world: int, n_done: int
 ) -> ShardJob:
     from actstore.inputs.budgets import text_plan
-    from actstore.inputs.prepare import TextPlan, default_system, image_batches, text_batches
+    from actstore.inputs.prepare import TextPlan, choose_bos, default_system, image_batches, text_batches
 
     check_modality(lm, source)
     if lm.modality == "text" and o.generate and source.kind == "text":
@@ -65,6 +66,10 @@ def image_or_text(
         drop_bos=o.drop_bos,
         separator=o.separator,
     )
+    bos = choose_bos(lm.tokenizer, plan, o.bos, None if o.chat_template else lm.document_bos)
+    if o.resume:
+        check_resumed_bos(target, bos.to_json())
+    plan = bos.apply(plan)
     stored = target.stored_budgets() if o.resume else None
     plan = text_plan(
         lm, source, plan, p_max=o.p_max, r_max=o.r_max, p_quantile=o.p_quantile, r_quantile=o.r_quantile, stored=stored
@@ -85,13 +90,15 @@ def image_or_text(
     )
     if o.sampling:
         attrs["capture"]["sampling"] = o.sampling
+    attrs["capture"]["bos"] = bos.to_json()
     batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
+    kinds = {**TOKEN_KIND_NAMES, **(FIRST_KIND if plan.label_first else {})}
     return ShardJob(
         batches,
         stop - first,
         segments=plan.segments,
         t_chunk=plan.t_chunks,
-        token_labels=o.special == "mask",
+        token_labels=kinds if o.special == "mask" else False,
         texts=plan.texts,
         attrs=attrs,
     )
@@ -140,6 +147,20 @@ def windows(
         texts=(RUNS_TEXT,),
         attrs=attrs,
     )
+
+
+def check_resumed_bos(target: CaptureTarget, choice: dict[str, Any]) -> None:
+    """A resume makes token 0 as the store's first run did (a store written before --bos
+    existed made it as --bos never does)."""
+    cfg = target.identity()
+    if cfg is None:
+        return
+    was = cfg.attrs.get("capture", {}).get("bos") or {"option": "never", "prepended": False, "first_labelled": False}
+    if (was.get("prepended"), was.get("first_labelled")) != (choice["prepended"], choice["first_labelled"]):
+        raise CaptureError(
+            f"{target.url} was captured with --bos {was.get('option')} (token 0: {was.get('token_0', 'as tokenized')}); "
+            f"resume it with --bos {was.get('option')}, or write to a new path"
+        )
 
 
 def check_modality(lm: LoadedModel, source: Source) -> None:

@@ -85,6 +85,7 @@ class CaptureOptions:
     p_quantile: float | None = None
     r_quantile: float | None = None
     separator: str = "\n"
+    bos: str = "auto"  # token 0 of a text or prompt: spec.BOS_MODES (actstore.inputs.prepare.choose_bos)
     chat_template: bool = False
     system: str | None = None  # None: the template's own default; "": no system prompt
     generate: int = 0
@@ -140,6 +141,8 @@ class CaptureOptions:
             raise CaptureError(f"{n('runner')} must be one of {list(RUNNERS)}. Got {self.runner!r}.")
         if self.special not in SPECIAL:
             raise CaptureError(f"{n('special')} must be one of {list(SPECIAL)}. Got {self.special!r}.")
+        if self.bos not in spec.BOS_MODES:
+            raise CaptureError(f"{n('bos')} must be one of {list(spec.BOS_MODES)}. Got {self.bos!r}.")
         if self.on_overflow not in ("raise", "clip"):
             raise CaptureError(f"{n('on_overflow')} must be one of ['raise', 'clip']. Got {self.on_overflow!r}.")
         if self.dtype not in spec.ACT_DTYPES:
@@ -248,6 +251,11 @@ def check_job(o: CaptureOptions) -> None:
         raise CaptureError(
             "--pack/--chunk store every token of the corpus in windows of --context tokens: "
             "--p-max, --r-max, quantiles, --generate and --chat-template do not apply"
+        )
+    if (o.pack or o.chunk) and o.bos != "auto":
+        raise CaptureError(
+            f"--bos {o.bos} sets token 0 of each text or prompt; --pack/--chunk windows start with the tokenizer's BOS "
+            "(--no-window-bos leaves it out)"
         )
     if o.p_max is not None and o.p_quantile is not None:
         raise CaptureError("give --p-max or --p-quantile, not both")

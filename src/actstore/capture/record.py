@@ -40,7 +40,7 @@ def record(
     shard: int = 0,
     segments: Mapping[str, int] | None = None,
     t_chunk: Mapping[str, int] | None = None,
-    token_labels: bool = False,
+    token_labels: bool | Mapping[int, str] = False,
     texts: Sequence[str] = (),
     model_id: str | None = None,
     attrs: Mapping[str, Any] | None = None,
@@ -77,7 +77,11 @@ def record(
         segments: {name: T_max} of zero-padded segments (texts); None for one fixed segment.
         t_chunk: {segment: token chunk length} for some of `segments`.
         token_labels, texts: as in ShardWriter (CaptureBatch supplies the values); token
-            labels are token kinds (0 content, 1 special, 2 chat template).
+            labels are token kinds: True for 0 content, 1 special, 2 chat template, or a
+            {label: name} of the kinds the batches use (e.g. with 3 "first": the first
+            position of a text whose tokenizer has no BOS, actstore.inputs.prepare).
+            record() takes batches, not raw texts: token 0 is what the batches hold
+            (text_batches with a TextPlan from choose_bos makes it a labelled BOS).
         model_id, attrs: metadata for the store (model_id: by default one that resolves to
             a tokenizer: embedded:..., a hub id or a folder holding one).
         progress: called on the writer thread with (examples, tokens, bytes) per batch.

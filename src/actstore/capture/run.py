@@ -98,8 +98,13 @@ def write(o: CaptureOptions) -> dict[str, Any]:
         from actstore.read.masks import summarize
         from actstore.read.store import ActStore
 
-        mask = summarize(ActStore(target.url))  # which tokens every reader's default mask keeps
+        from actstore.read.sinkcheck import find_sinks, sink_warning
+
+        done = ActStore(target.url)
+        mask = summarize(done)  # which tokens every reader's default mask keeps
         summary["mask"], summary["mask_line"] = mask.to_json(), mask.line()
+        sinks = find_sinks(done)  # a kept position that dwarfs the others: an attention sink counted as content
+        summary["sinks"], summary["sink_warning"] = [s.to_json() for s in sinks], sink_warning(sinks, done)
     # connection failures and retries: this process's, and those of writers in other processes
     apart = [r.network for r in results] if multi else []
     summary["network"] = retry.counts_since(net0, *apart)

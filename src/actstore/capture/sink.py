@@ -10,7 +10,7 @@ Zarr shard file fills (nothing written twice).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from actstore.capture.options import CaptureOptions
 from actstore.capture.target import CaptureTarget
 from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel
-from actstore.inputs.prepare import TOKEN_LABEL_MEANING
+from actstore.inputs.prepare import FIRST_MEANING, TOKEN_LABEL_MEANING
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, default_t_chunk, make_config
 from actstore.stats import stats_key
@@ -53,11 +53,18 @@ class Job:
     opts: CaptureOptions
     segments: dict[str, int] | None = None  # None: one fixed segment of every token
     t_chunk: dict[str, int] | None = None
-    token_labels: bool = False
+    token_labels: bool | Mapping[int, str] = False  # True: spec.TOKEN_KIND_NAMES; a mapping: these kinds
     texts: tuple[str, ...] = ()
     model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     token_ids: bool = False  # decided from the first batch (actstore.capture.loop)
+
+    @property
+    def kind_names(self) -> dict[int, str] | None:
+        """The token kinds the labels mean (None: no labels)."""
+        if isinstance(self.token_labels, Mapping):
+            return dict(self.token_labels)
+        return dict(spec.TOKEN_KIND_NAMES) if self.token_labels else None
 
     def config(self, b: int, t: int, d: int) -> StoreConfig:
         """The store's configuration for outputs of (b, t, d) (t counted before a dropped CLS)."""
@@ -68,7 +75,7 @@ class Job:
             seg_kw["t_chunk"] = {k: min(v, default_t_chunk(self.segments[k], d, item)) for k, v in self.t_chunk.items()}
         # The capture's labels are token kinds: the store says so (StoreConfig.token_label_names,
         # where the layout has it; the attrs' `token_labels` mark capture-made stores either way).
-        names = getattr(spec, "TOKEN_KIND_NAMES", None) if self.token_labels else None
+        names = self.kind_names
         if names is not None:
             seg_kw["token_label_names"] = names
         return make_config(
@@ -93,7 +100,8 @@ class Job:
             "block output (residual stream)" if all(hp.block for hp in self.hooks) else "named hooks (hook_names)"
         )
         if self.token_labels:
-            attrs["token_labels"] = TOKEN_LABEL_MEANING
+            extra = FIRST_MEANING if spec.FIRST_LABEL in (self.kind_names or {}) else {}
+            attrs["token_labels"] = {**TOKEN_LABEL_MEANING, **extra}
         im = self.lm.image
         if im is not None:
             grid = im.size // im.patch_size

@@ -158,6 +158,14 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     show_default="newline",
     help="Pairs without --chat-template: the text between prompt and response (its tokens end the prompt, labelled template; '' for none).",
 )
+@section_option(
+    TEXTS,
+    "--bos",
+    type=click.Choice(list(spec.BOS_MODES)),
+    default="auto",
+    show_default=True,
+    help="Token 0 of each text or prompt (not --pack/--chunk: see --no-window-bos): auto prepends the tokenizer's BOS, labelled special, unless the tokenizer or chat template adds it (a tokenizer without BOS: the first position is labelled 'first'); both are left out by the default mask, so the model's attention sink does not count as content. always: as auto, refusing a tokenizer without BOS; never: the text as tokenized.",
+)
 @section_option(TEXTS, "--chat-template", is_flag=True, help="Wrap prompts in the tokenizer's chat template.")
 @section_option(
     TEXTS,
@@ -351,6 +359,8 @@ def write_cmd(store: str, **kw) -> None:
     from actstore.capture import run
 
     s = run.write(options(store, kw))
+    if s.get("sink_warning"):
+        G.warn(s["sink_warning"])
     if kw["as_json"]:
         import json
 

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 
 from actstore.read.info import store_info, format_info
@@ -104,6 +105,8 @@ def info_cmd(
         from actstore.opener import open as open_store
 
         info["plots"] = [str(p) for p in write_plots(open_store(store), plots_dir, max_examples=plot_examples)]
+    if info["sink_warning"] and not quiet:
+        G.warn(info["sink_warning"])
     if quiet:
         return
     if as_json:

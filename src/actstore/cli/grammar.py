@@ -36,8 +36,10 @@ _GIVEN = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
 def warn(message: str) -> None:
-    """One `actstore: warning: ...` line on stderr."""
-    click.echo(f"actstore: warning: {message}", err=True)
+    """One `actstore: warning: ...` line on stderr (actstore.progress.warn)."""
+    from actstore.progress import warn as warn_line
+
+    warn_line(message)
 
 
 def deprecated(old: str, new: str) -> None:

@@ -14,6 +14,8 @@ from actstore.features.quality import Reconstruction
 from actstore.features.tables import store_checksum, write_tables
 from actstore.features.topk import top_activations
 from actstore.read.masks import leaves_out_special
+from actstore.progress import warn
+from actstore.read.sinkcheck import find_sinks, sink_warning
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.state import check_unchanged
 
@@ -97,6 +99,10 @@ def run_features(
     )
     check_unchanged(store, "the feature pass")  # the tables are of the state meta.json names, or nothing is published
     labels = leaves_out_special(store)
+    sinks = find_sinks(store, keep_all=keep_special, layers=[layer_n], segments=segments)
+    warning = sink_warning(sinks, store)
+    if warning and progress:  # (quiet: meta.json's masks.sinks says it)
+        warn(warning)
     meta = {
         "store": {"path": _absolute(store.path), "sha256": store_checksum(store), "n_examples": len(store)},
         "layer": layer_n,
@@ -105,6 +111,7 @@ def run_features(
             "token_mask": "content" if labels and not keep_special else None,
             "keep_special": keep_special,
             "segments": list(segments) if segments else list(store.segments),
+            "sinks": [s.to_json() for s in sinks],  # kept positions that dwarf the others (actstore.read.sinkcheck)
         },
         "options": {
             "k": top_k,

@@ -1,7 +1,13 @@
 """Records -> model inputs: images resized and normalised, texts tokenised with masks.
 
 Token labels (stored as the store's per-token uint8 `token_labels` when special tokens
-are masked): 0 = content, 1 = special token (BOS, EOS, pad, ...), 2 = chat-template text.
+are masked): 0 = content, 1 = special token (BOS, EOS, pad, ...), 2 = chat-template text,
+3 = the first position of a text whose tokenizer has no BOS (`first`).
+
+Token 0 of a text or prompt (`--bos`, `BosChoice`): the tokenizer's BOS, prepended when the
+tokenizer (or the chat template) does not add one itself (auto, always), so that the model's
+attention sink is a labelled special token the default mask leaves out; without a BOS token
+the first position is labelled `first` (auto). `never` stores the text as tokenized.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import numpy as np
 from actstore.inputs.data import Source, load_image
 from actstore.errors import CaptureError
 from actstore.inputs.models import ImageSpec
+from actstore.layout.spec import BOS_MODES, FIRST_KIND, FIRST_LABEL
 
-CONTENT, SPECIAL, TEMPLATE = 0, 1, 2
+CONTENT, SPECIAL, TEMPLATE, FIRST = 0, 1, 2, FIRST_LABEL
 TOKEN_LABEL_MEANING = {"0": "content", "1": "special token", "2": "chat template"}
+FIRST_MEANING = {str(k): f"{v} position (no BOS token)" for k, v in FIRST_KIND.items()}  # with label `first`
 SPECIAL_MODES = ("keep", "mask", "drop")  # stored as content (unlabelled), labelled, left out
 
 
@@ -114,6 +122,9 @@ class TextPlan:
     top_p: float = 1.0
     seed: int = 0
     drop_bos: bool = False  # do not store the tokenizer's BOS tokens
+    bos: int | None = None  # the BOS every text or prompt starts with (--bos auto/always), None: --bos never
+    prepend_bos: bool = False  # bos is prepended (the tokenizer does not add it)
+    label_first: bool = False  # no BOS token (--bos auto): the first position is labelled FIRST
     separator: str = "\n"  # pairs without a chat template: between prompt and response (labelled template)
     t_chunk: int | None = None
 
@@ -145,14 +156,93 @@ def prompt_tokens(tok: Any, plan: TextPlan, text: str) -> tuple[list[int], np.nd
             SPECIAL if t in special else (CONTENT if s < hi and e > lo else TEMPLATE)
             for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])
         ]
-        return list(enc["input_ids"]), np.asarray(labels, np.uint8)
+        return lead(plan, list(enc["input_ids"]), np.asarray(labels, np.uint8))
     ids = list(tok(text, add_special_tokens=True)["input_ids"])
     labels = [SPECIAL if t in special else CONTENT for t in ids]
     if plan.kind == "pair" and plan.separator:
         sep = separator_tokens(tok, plan.separator)
         ids += sep
         labels += [TEMPLATE] * len(sep)
-    return ids, np.asarray(labels, np.uint8)
+    return lead(plan, ids, np.asarray(labels, np.uint8))
+
+
+def lead(plan: TextPlan, ids: list[int], labels: np.ndarray) -> tuple[list[int], np.ndarray]:
+    """A text or prompt with its token 0 as `plan` says: the BOS prepended (labelled
+    special), or, without a BOS token, its first position labelled FIRST when it is content."""
+    if plan.prepend_bos and plan.bos is not None:
+        return [plan.bos, *ids], np.concatenate([np.asarray([SPECIAL], np.uint8), labels])
+    if plan.label_first and len(labels) and labels[0] == CONTENT:
+        labels = labels.copy()
+        labels[0] = FIRST
+    return ids, labels
+
+
+@dataclass(frozen=True)
+class BosChoice:
+    """What token 0 of every text or prompt is (`--bos`), decided once per tokenizer.
+
+    Attributes:
+        mode: "auto", "always" or "never" (the option).
+        token: the tokenizer's BOS id (None: it has none).
+        added: the tokenizer (or the chat template) puts it first by itself.
+        prepend: the capture prepends it (auto/always, when it is not added).
+        first: no BOS token (auto): the first position is labelled `first`.
+    """
+
+    mode: str
+    token: int | None
+    added: bool
+    prepend: bool
+    first: bool
+
+    @property
+    def token_0(self) -> str:
+        """Token 0 in words (the store's attrs and `info`)."""
+        if self.mode == "never":
+            return "the text's first token as tokenized (content unless the tokenizer marks it special)"
+        if self.prepend:
+            return f"BOS (token {self.token}), prepended by the capture, labelled special"
+        if self.first:
+            return "the text's first token, labelled first (the tokenizer has no BOS token)"
+        return f"BOS (token {self.token}), added by the tokenizer or chat template, labelled special"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "option": self.mode,
+            "token": self.token,
+            "prepended": self.prepend,
+            "first_labelled": self.first,
+            "token_0": self.token_0,
+        }
+
+    def apply(self, plan: TextPlan) -> TextPlan:
+        """`plan` with this choice's token 0."""
+        from dataclasses import replace
+
+        bos = self.token if self.mode != "never" and (self.prepend or self.added) else None
+        return replace(plan, bos=bos, prepend_bos=self.prepend, label_first=self.first)
+
+
+def choose_bos(tok: Any, plan: TextPlan, mode: str, token: int | None = None) -> BosChoice:
+    """Decide token 0 for texts made by `tok` and `plan` (a probe text is tokenized as the
+    capture will): --bos auto prepends the BOS when neither the tokenizer nor the chat
+    template puts it first, and labels position 0 `first` when there is no BOS token;
+    always is auto that refuses a tokenizer without BOS; never changes nothing. `token`: the
+    model's own document start when it is not the tokenizer's BOS (LoadedModel.document_bos)."""
+    if mode not in BOS_MODES:
+        raise CaptureError(f"--bos must be one of {list(BOS_MODES)}. Got {mode!r}.")
+    bos = tok.bos_token_id if token is None else token
+    if bos is None and mode == "always":
+        raise CaptureError(
+            "--bos always: this tokenizer has no BOS token; use --bos auto (labels token 0 'first') or --bos never"
+        )
+    from dataclasses import replace
+
+    probe, _ = prompt_tokens(tok, replace(plan, bos=None, prepend_bos=False, label_first=False), "a")
+    added = bos is not None and bool(probe) and probe[0] == bos
+    if mode == "never":
+        return BosChoice(mode=mode, token=bos, added=added, prepend=False, first=False)
+    return BosChoice(mode=mode, token=bos, added=added, prepend=bos is not None and not added, first=bos is None)
 
 
 def render_chat(tok: Any, system: str | None, text: str) -> str:
@@ -209,12 +299,19 @@ def head(seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int) -> tuple[l
     return seq[0][:cut], seq[1][:cut]
 
 
-def tail(seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
-    """`seq` from its n-th last kept token on (prompts: the end, next to the response)."""
+def tail(
+    seq: tuple[list[int], np.ndarray], keep: np.ndarray, n: int, plan: TextPlan | None = None
+) -> tuple[list[int], np.ndarray]:
+    """`seq` from its n-th last kept token on (prompts: the end, next to the response); the
+    BOS that `plan` puts first stays first (counted in the n when it is stored)."""
     if len(keep) <= n:
         return seq
-    start = int(keep[len(keep) - n]) if n else len(seq[0])
-    return seq[0][start:], seq[1][start:]
+    ids, labels = seq
+    first = int(plan is not None and plan.bos is not None and bool(ids) and ids[0] == plan.bos)
+    n -= int(first and len(keep) and keep[0] == 0)
+    start = max(int(keep[len(keep) - n]) if n > 0 else len(ids), first)
+    cut = ids[:first] + ids[start:], np.concatenate([labels[:first], labels[start:]])
+    return lead(plan, *cut) if plan is not None and plan.label_first and not first else cut
 
 
 def prompt_lengths(tok: Any, plan: TextPlan, source: Source) -> np.ndarray:
@@ -250,8 +347,10 @@ def text_batches(
         prompts = [prompt_tokens(tok, plan, r[key]) for r in recs]
         keeps = [kept(ids, lab, plan, bos) for ids, lab in prompts]
         src_p = np.asarray([len(k) for k in keeps], np.int64)  # budgets count stored tokens only
-        cut = head if plan.kind == "text" else tail  # texts keep the start, prompts the end (next to the response)
-        prompts = [cut(p, k, plan.p_max) for p, k in zip(prompts, keeps)]
+        if plan.kind == "text":  # texts keep the start, prompts the end (next to the response) and their BOS
+            prompts = [head(p, k, plan.p_max) for p, k in zip(prompts, keeps)]
+        else:
+            prompts = [tail(p, k, plan.p_max, plan) for p, k in zip(prompts, keeps)]
         if plan.kind == "pair":
             if plan.generate:
                 responses = generate(model, tok, [ids for ids, _ in prompts], plan, pad_id, device, seed=plan.seed + b0)

@@ -40,6 +40,12 @@ TOKEN_LABELS_FIELDS = ("meaning", "names")
 TOKEN_LABELS_KINDS = "kinds"
 CONTENT_LABEL = 0
 TOKEN_KIND_NAMES = {0: "content", 1: "special", 2: "template"}  # what the capture records
+# A text whose model has no BOS token: its first position (the attention sink) is labelled
+# FIRST_LABEL (the capture's --bos auto), a kind the default mask leaves out. Stores that use
+# it add FIRST_KIND to their kind names; stores written before never hold it.
+FIRST_LABEL = 3
+FIRST_KIND = {FIRST_LABEL: "first"}
+BOS_MODES = ("auto", "always", "never")  # the capture's --bos: what token 0 of a text is
 # Stores written before the config said so: capture-made ones carry this attr, whose label
 # "0" is "content" (the capture's TOKEN_LABEL_MEANING); their labels read as token kinds.
 LEGACY_KINDS_ATTR = "token_labels"

@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from actstore.read.masks import summarize
+from actstore.read.sinkcheck import find_sinks, sink_warning
 from actstore.read.store import ActStore
 
 
@@ -23,6 +24,7 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
     n_tokens = sum(tokens.values())
     stats = store.stats()
     mask = summarize(store)
+    sinks = find_sinks(store) if n else []
     return {
         "path": store.storage.url,
         "n_examples": n,
@@ -60,6 +62,8 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "token_ids": cfg.token_ids,
         "mask": mask.to_json(),  # which tokens the readers' default mask keeps, and how many it leaves out
         "mask_line": mask.line(),
+        "sinks": [s.to_json() for s in sinks],  # kept positions over SINK_RATIO x the others' mean norm
+        "sink_warning": sink_warning(sinks, store),
         "partial": (
             {
                 "missing_ranks": list(store.manifest.partial.missing_ranks),
@@ -124,6 +128,9 @@ def format_info(info: dict[str, Any]) -> str:
     packing = info.get("attrs", {}).get("packing")
     if isinstance(packing, dict):
         lines.append(_packing(packing))
+    bos = (info.get("attrs", {}).get("capture") or {}).get("bos")
+    if isinstance(bos, dict) and bos.get("token_0"):  # the capture's --bos and what it made token 0
+        lines.append(f"token 0      {bos['token_0']} (--bos {bos.get('option')})")
     if info.get("token_ids"):
         lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
