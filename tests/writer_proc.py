@@ -1,6 +1,6 @@
 """A writer process for multi-process tests: deterministic data per global example id.
 
-python tests/writer_proc.py STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W]
+python tests/writer_proc.py STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W] [--fsync]
 writes examples FIRST..FIRST+COUNT-1 as shard SHARD; example id k holds example_data(k).
 With --resume it continues after the shard's last committed example.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from actstore import ShardWriter
+from actstore.errors import ShardCompleteError
 
 LAYERS = [1, 4]
 D = 16
@@ -37,12 +38,23 @@ def main() -> None:
     ap.add_argument("--commit-bytes", type=int, default=4000)
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--world-size", type=int, default=None)
+    ap.add_argument("--fsync", action="store_true", help="durable commits (each file synced, then the commit)")
     ap.add_argument("--start-after", default=None, help="wait until this file exists (a start line for racers)")
     a = ap.parse_args()
     if a.start_after:
         Path(f"{a.start_after}.ready.{os.getpid()}").touch()  # imported: at the start line
         while not os.path.exists(a.start_after):
             time.sleep(0.002)
+    try:
+        _write(a)
+    except ShardCompleteError:
+        if not a.resume:
+            raise
+        print("complete already", flush=True)  # a kill that landed after the close: nothing left to do
+    print("closed", flush=True)
+
+
+def _write(a: argparse.Namespace) -> None:
     with ShardWriter(
         a.store,
         shard=a.shard,
@@ -53,6 +65,7 @@ def main() -> None:
         commit_bytes=a.commit_bytes,
         texts=["id"],
         world_size=a.world_size,
+        fsync=a.fsync or None,
     ) as w:
         done = w.n_committed
         print(f"start {done}", flush=True)
@@ -64,7 +77,6 @@ def main() -> None:
             print(f"appended {k} committed {w.n_committed}", flush=True)
             if a.sleep:
                 time.sleep(a.sleep)
-    print("closed", flush=True)
 
 
 if __name__ == "__main__":
