@@ -318,7 +318,7 @@ def test_spec_data(tmp_path):
     what each truncation policy loses, recomputed here from the lengths."""
     import numpy as np
 
-    from test_capture_support import save_llama
+    from capture_support import save_llama
 
     model = save_llama(tmp_path / "llama", layers=2)
     d = run_bench(

@@ -20,7 +20,7 @@ import emulators
 import s3server
 from actstore.loaders.pairs import PairDataset
 from actstore.loaders.tokens import TokenStream
-from test_capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
+from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
 from watchdog import within
 from factory import cli
 

@@ -19,7 +19,7 @@ from actstore.inputs.data import load_source
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.verify import verify_store
-from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
 from factory import cli
 
 DOCS = [
