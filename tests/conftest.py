@@ -1,11 +1,98 @@
-"""Shared fixtures. Under ACTSTORE_NO_SKIP=1 (the test command, CI) a skipped test fails."""
+"""Shared fixtures, the suite's markers, its Hypothesis profile and its schedule.
+
+- No skips: under ACTSTORE_NO_SKIP=1 (the test command, CI) a skipped test fails.
+- Markers (registered in pyproject.toml, checked by --strict-markers): `torch` and `dev` say
+  what a test needs beyond the core install; every other test is marked `core` here, and the
+  core job (scripts/test_core.sh: no torch, the newest zarr) runs `-m core`. A module that
+  imports one of TORCH_IMPORTS (DEV_IMPORTS) at its top, itself or through a helper module of
+  tests/, has its tests marked `torch` (`dev`), as has every test using the S3 server; the
+  rest is marked by hand (`pytestmark = pytest.mark.torch` when a test reaches torch through
+  the CLI or a subprocess). Where torch is not installed such modules are not imported.
+- Hypothesis: one profile, `short` (the default) or `long` (ACTSTORE_HYPOTHESIS=long).
+- Schedule (pytest-xdist `--dist loadgroup`, scripts/test.sh): a module with a module-scoped
+  fixture runs in one process (its fixture is made once); every other test goes to whichever
+  process is free. Longest first, by the durations recorded in tests/durations.json (refresh:
+  ACTSTORE_RECORD_DURATIONS=1 bash scripts/test.sh).
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import settings
+
+from needs import module_needs
+
+TESTS = Path(__file__).resolve().parent
+DURATIONS = TESTS / "durations.json"
+SERVER_FIXTURES = {"s3_endpoint", "s3_url"}  # moto's server: the dev install
+
+settings.register_profile("short", max_examples=25, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=500, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("ACTSTORE_HYPOTHESIS", "short"))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Without torch (the core job) a module whose imports need torch or the dev install is not
+    imported: its tests are not core, and the import would fail."""
+    p = Path(collection_path)
+    if p.suffix == ".py" and p.name.startswith("test_") and importlib.util.find_spec("torch") is None:
+        return bool(module_needs(p)) or None
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """The markers core/torch/dev, the processes' groups and the longest-first order."""
+    for item in items:
+        needs = module_needs(Path(item.fspath))
+        if SERVER_FIXTURES & set(item.fixturenames):
+            needs.add("dev")
+        for mark in sorted(needs):
+            item.add_marker(mark)
+        if not any(item.get_closest_marker(m) for m in ("torch", "dev")):
+            item.add_marker("core")
+        if _has_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(Path(item.fspath).stem))
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    default = 0.2  # a test not yet recorded
+
+    def unit(item):
+        group = item.get_closest_marker("xdist_group")
+        return group.args[0] if group else item.nodeid
+
+    cost: dict[str, float] = {}
+    for item in items:
+        cost[unit(item)] = cost.get(unit(item), 0.0) + recorded.get(item.nodeid, default)
+    items.sort(key=lambda item: -cost[unit(item)])  # stable: a group's tests keep their order
+
+
+def _has_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def pytest_runtest_logreport(report):
+    """Sums each test's setup, call and teardown (ACTSTORE_RECORD_DURATIONS=1 keeps them)."""
+    if os.environ.get("ACTSTORE_RECORD_DURATIONS") == "1":
+        _RECORDED[report.nodeid.split("@")[0]] = _RECORDED.get(report.nodeid.split("@")[0], 0.0) + report.duration
+
+
+_RECORDED: dict[str, float] = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Writes tests/durations.json from the controller (not from xdist's workers)."""
+    if os.environ.get("ACTSTORE_RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput"):
+        if _RECORDED:
+            rounded = {k: round(v, 2) for k, v in sorted(_RECORDED.items()) if v >= 0.05}
+            DURATIONS.write_text(json.dumps(rounded, indent=0) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)

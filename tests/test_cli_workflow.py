@@ -13,6 +13,8 @@ from click.testing import CliRunner
 from actstore.cli import main
 from factory import word_store, word_tokenizer
 
+pytestmark = pytest.mark.torch  # the word store's tokenizer is a transformers one
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):

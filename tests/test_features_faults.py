@@ -25,6 +25,8 @@ from actstore.features.tables import FEATURES, INTERVALS, META, TOP, read_meta, 
 from actstore.storage import open_storage
 from test_features_topk import D, make_store
 
+pytestmark = pytest.mark.torch  # the CLI's features encodes with torch
+
 REPO = Path(__file__).resolve().parent.parent
 OURS = {TOP, FEATURES, INTERVALS, META}
 

@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from actstore.features.accum import FeatureAccumulator
 from actstore.features.kernel16 import sort_key
 
+pytestmark = pytest.mark.dev  # numba's compiled kernel against the numpy reference
+
 SPECIAL16 = np.array([0.0, -0.0, 6e-8, 3e-5, -3e-5, 6.1e-5, 65504, np.inf, -np.inf, np.nan, 1.0, 1.0, 0.5], np.float16)
 
 

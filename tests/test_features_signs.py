@@ -13,6 +13,8 @@ from actstore.features.encoders import Encoder, neurons
 from actstore.errors import FeatureError
 from test_features_topk import D, make_store, oracle_tokens
 
+pytestmark = pytest.mark.torch  # the torch update against the numba one
+
 KERNELS = ["numba", "numpy", "torch"]
 
 

@@ -16,6 +16,7 @@ from actstore.errors import EncoderError, FeatureError
 from actstore.errors import LayerNotFoundError
 
 D = 8
+NUMBA = pytest.param("numba", marks=pytest.mark.dev)  # the compiled kernel: numba comes with the views extra
 
 
 def make_store(path, *, zarr_format=2, n_shards=3, per_shard=7, dtype="float16", seed=0, ties=False):
@@ -104,7 +105,7 @@ def check_against_oracle(store, layer, enc, k, **kw):
     return t, (ex, tok, A)
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 @pytest.mark.parametrize("zarr_format", [2, 3])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype, kernel):
@@ -113,14 +114,21 @@ def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype, kernel):
     assert len(t.top["feature"]) == 4 * D  # enough positive tokens for every neuron
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 def test_ties_are_broken_by_example_then_token(tmp_path, kernel):
     store = make_store(tmp_path / "s", ties=True, seed=3)
     t, (ex, tok, A) = check_against_oracle(store, 0, neurons(D), k=6, batch_elements=3 * D, kernel=kernel)
     assert len(np.unique(t.top["activation"])) < len(t.top["activation"])  # the test has ties to break
 
 
-@pytest.mark.parametrize("device,kernel", [(None, "numpy"), ("auto", "numba"), (None, "numba")])  # torch encode on CPU
+@pytest.mark.parametrize(
+    "device,kernel",
+    [
+        (None, "numpy"),
+        pytest.param("auto", "numba", marks=pytest.mark.dev),
+        pytest.param(None, "numba", marks=pytest.mark.dev),
+    ],
+)  # torch encode on CPU
 def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device, kernel):
     store = make_store(tmp_path / "s", seed=5)
     rng = np.random.default_rng(1)
@@ -146,7 +154,7 @@ def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device, kern
         np.testing.assert_array_equal(t.top[c], full.top[c][keep])
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 def test_interval_samples_are_uniform_draws_from_each_interval(tmp_path, kernel):
     store = make_store(tmp_path / "s", per_shard=20, seed=7)
     kw = dict(k=5, n_intervals=4, per_interval=3, pool=6, seed=11, kernel=kernel)

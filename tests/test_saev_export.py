@@ -383,6 +383,7 @@ def test_top_level_api_is_exported():
     assert actstore.export_saev is export_saev and actstore.verify_saev is verify_saev
 
 
+@pytest.mark.torch  # torch's half cast
 def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
     kw = dict(patches_per_shard=30, cls="drop", progress=False)
