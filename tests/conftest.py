@@ -8,7 +8,8 @@
   tests/, has its tests marked `torch` (`dev`), as has every test using the S3 server; the
   rest is marked by hand (`pytestmark = pytest.mark.torch` when a test reaches torch through
   the CLI or a subprocess). Where torch is not installed such modules are not imported.
-- Hypothesis: one profile, `short` (the default) or `long` (ACTSTORE_HYPOTHESIS=long).
+- Hypothesis: one profile, `short` (the default: 100 examples a test, no deadline) or `long`
+  (ACTSTORE_HYPOTHESIS=long: 1,000).
 - Schedule (pytest-xdist `--dist loadgroup`, scripts/test.sh): a module with a module-scoped
   fixture runs in one process (its fixture is made once); every other test goes to whichever
   process is free. Longest first, by the durations recorded in tests/durations.json (refresh:
@@ -32,8 +33,10 @@ TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
 SERVER_FIXTURES = {"s3_endpoint", "s3_url"}  # moto's server: the dev install
 
-settings.register_profile("short", max_examples=25, deadline=None, print_blob=True)
-settings.register_profile("long", max_examples=500, deadline=None, print_blob=True)
+# The one Hypothesis profile: a test sets no budget of its own, or a smaller one through
+# factory.examples(n), which scales with the profile.
+settings.register_profile("short", max_examples=100, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("ACTSTORE_HYPOTHESIS", "short"))
 
 
@@ -133,6 +136,17 @@ def s3_url(s3_endpoint):
     import s3server
 
     return f"s3://{s3server.create_bucket(s3_endpoint)}/store"
+
+
+@pytest.fixture(scope="session")
+def text_store(tmp_path_factory):
+    """(store, tokenizer folder): factory.word_store's two shards of 'sentences' (token 0 is
+    <bos>, label 1; dimension 0 fires on 'zebra'), its word-level tokenizer; made once a session."""
+    from factory import word_store, word_tokenizer
+
+    root = tmp_path_factory.mktemp("txt")
+    tok = word_tokenizer(root / "tok")
+    return word_store(root / "store", tok), tok
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every benchmark script in a subprocess
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch,
+]  # every benchmark script in a subprocess; they capture and stream with torch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from actstore.features.accum import FeatureAccumulator
 from actstore.features.kernel16 import sort_key
+from factory import examples
 
 pytestmark = pytest.mark.dev  # numba's compiled kernel against the numpy reference
 
@@ -99,7 +100,7 @@ def test_results_do_not_depend_on_threads_or_batch_cuts(monkeypatch):
         assert_same(results[0], r)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     F=st.integers(1, 40),

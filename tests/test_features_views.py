@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from factory import chat_word_store, odd_token_store, word_tokenizer
-from test_features_site import D, _browser, _chromium, site_record, text_store  # noqa: F401
+from browser import _browser, _chromium, site_record
 
 import actstore
 from actstore.cli import main
@@ -27,9 +27,11 @@ from actstore.features.run import run_features
 from actstore.features.site import build_site
 from actstore.features.staging import MARKER
 
+pytestmark = pytest.mark.torch  # chromium, and delphi's loader imports torch
+
 
 @pytest.fixture(scope="module")
-def feats(text_store, tmp_path_factory):  # noqa: F811
+def feats(text_store, tmp_path_factory):
     path, _ = text_store
     out = tmp_path_factory.mktemp("feats") / "feat"
     run_features(path, 4, str(out), neurons=True, top_k=3)
@@ -133,7 +135,7 @@ def test_a_concurrent_build_is_refused(feats, tmp_path):
     build_site(str(feats), site, plot_examples=0)
 
 
-def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F811
+def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):
     import shutil
 
     path, _ = text_store
@@ -193,7 +195,7 @@ def test_a_store_without_a_tokenizer_shows_token_ids(tmp_path):
     assert "x" * 10000 in (tmp_path / "site3" / "data" / "vocab.js").read_text()
 
 
-def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):  # noqa: F811
+def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):
     """A pass with --sign both (format 2: a sign column, the negative statistics): the site
     shows the most negative activations, the negative density and histogram."""
     exe = _chromium()

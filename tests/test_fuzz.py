@@ -30,9 +30,9 @@ from actstore.storage import LocalStorage
 from actstore.verify import verify_store
 
 import faultlib as F
+from factory import examples
 
 SETTINGS = settings(
-    max_examples=200,
     deadline=None,
     derandomize=True,
     database=None,
@@ -159,7 +159,7 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
 
 
 @settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     derandomize=True,
     database=None,

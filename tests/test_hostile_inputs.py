@@ -282,7 +282,8 @@ def test_weights_only_loading_is_refused_with_a_torch_older_than_2_6(tmp_path, m
     from actstore.errors import ActivaultFormatError, EncoderError
     from actstore.features.sources import _torch_state
     from actstore.importers import import_activault
-    from test_import_activault import HOOK, write_hook
+    from import_sources import ACTIVAULT_HOOK as HOOK
+    from import_sources import write_hook
 
     write_hook(tmp_path, n_files=1)
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))

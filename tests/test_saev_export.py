@@ -15,7 +15,7 @@ import actstore
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.saev import SaevExistsError, SaevOptionError, export_saev, verify_saev
 from actstore.saev import pipeline as pipeline_mod
-from test_saev_common import expected_labels, expected_rows, seed_read_vector
+from saev_checks import expected_labels, expected_rows, seed_read_vector
 from factory import text_store, vit_store
 
 CASES = [
