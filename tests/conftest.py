@@ -10,9 +10,9 @@
   the CLI or a subprocess). Where torch is not installed such modules are not imported.
 - Hypothesis: one profile, `short` (the default: 100 examples a test, no deadline) or `long`
   (ACTSTORE_HYPOTHESIS=long: 1,000).
-- Schedule (pytest-xdist `--dist loadgroup`, scripts/test.sh): a module with a module-scoped
-  fixture runs in one process (its fixture is made once); every other test goes to whichever
-  process is free. Longest first, by the durations recorded in tests/durations.json (refresh:
+- Schedule (pytest-xdist `--dist loadgroup`, scripts/test.sh, with the scheduler made here):
+  a module that shares a module-scoped fixture runs in one process (its fixture is made
+  once); every other test goes to whichever process is free. Longest first, by the durations recorded in tests/durations.json (refresh:
   ACTSTORE_RECORD_DURATIONS=1 bash scripts/test.sh).
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
-from needs import module_needs
+from needs import module_needs, shares_module_fixture
 
 TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
@@ -50,7 +50,7 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The markers core/torch/dev, the processes' groups and the longest-first order."""
+    """The markers core/torch/dev, and the longest-first order of the processes' work units."""
     for item in items:
         needs = module_needs(Path(item.fspath))
         if SERVER_FIXTURES & set(item.fixturenames):
@@ -59,26 +59,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(mark)
         if not any(item.get_closest_marker(m) for m in ("torch", "dev")):
             item.add_marker("core")
-        if _has_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(Path(item.fspath).stem))
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     default = 0.2  # a test not yet recorded
-
-    def unit(item):
-        group = item.get_closest_marker("xdist_group")
-        return group.args[0] if group else item.nodeid
-
     cost: dict[str, float] = {}
     for item in items:
-        cost[unit(item)] = cost.get(unit(item), 0.0) + recorded.get(item.nodeid, default)
-    items.sort(key=lambda item: -cost[unit(item)])  # stable: a group's tests keep their order
+        cost[_unit(item.nodeid)] = cost.get(_unit(item.nodeid), 0.0) + recorded.get(item.nodeid, default)
+    items.sort(key=lambda item: -cost[_unit(item.nodeid)])  # stable: a module's tests keep their order
 
 
-def _has_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    return any(d.scope == "module" for defs in info.name2fixturedefs.values() for d in defs)
+def _unit(nodeid: str) -> str:
+    """What pytest-xdist hands a process at once: a module that shares a module-scoped fixture
+    (the fixture is made once), else one test."""
+    path = nodeid.split("::", 1)[0]
+    return path if shares_module_fixture(TESTS.parent / path) else nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` (scripts/test.sh) hands out _unit's work units in the collection's
+    order (longest first; --no-loadscope-reorder keeps it). pytest 9.2 ignores the nodeid
+    suffix by which pytest-xdist 3.8 groups `xdist_group` marks, hence this scheduler."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModuleFixture(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByModuleFixture(config, log)
 
 
 def pytest_runtest_logreport(report):

@@ -44,3 +44,30 @@ def module_needs(path: Path) -> set[str]:
         return any(m == p or m.startswith(p + ".") for m in imports for p in prefixes)
 
     return {mark for mark, prefixes in (("torch", TORCH_IMPORTS), ("dev", DEV_IMPORTS)) if hit(prefixes)}
+
+
+def _module_fixtures(tree: ast.Module) -> set[str]:
+    """The module-scoped fixtures a module defines, and its fixtures that use one."""
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            for dec in node.decorator_list:
+                if isinstance(dec, ast.Call) and getattr(dec.func, "attr", None) == "fixture":
+                    if any(k.arg == "scope" and getattr(k.value, "value", None) == "module" for k in dec.keywords):
+                        found.add(node.name)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and {a.arg for a in node.args.args} & found:
+            found.add(node.name)
+    return found
+
+
+@functools.cache
+def shares_module_fixture(path: Path) -> bool:
+    """Whether a test module defines or uses a module-scoped fixture (conftest's too): then
+    its tests run in one process of pytest-xdist, so that the fixture is made once."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if _module_fixtures(tree):
+        return True
+    shared = _module_fixtures(ast.parse((TESTS / "conftest.py").read_text(encoding="utf-8")))
+    used = {a.arg for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) for a in n.args.args}
+    return bool(used & shared)
