@@ -101,8 +101,9 @@ _RECORDED: dict[str, float] = {}
 def pytest_sessionfinish(session, exitstatus):
     """Writes tests/durations.json from the controller (not from xdist's workers)."""
     if os.environ.get("ACTSTORE_RECORD_DURATIONS") == "1" and not hasattr(session.config, "workerinput"):
-        if _RECORDED:
-            rounded = {k: round(v, 2) for k, v in sorted(_RECORDED.items()) if v >= 0.05}
+        if _RECORDED:  # merged into the file: a run of some tests keeps the others' figures
+            merged = (json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}) | _RECORDED
+            rounded = {k: round(v, 2) for k, v in sorted(merged.items()) if v >= 0.05}
             DURATIONS.write_text(json.dumps(rounded, indent=0) + "\n")
 
 
