@@ -33,6 +33,7 @@ import faultlib as F
 from factory import examples
 
 SETTINGS = settings(
+    max_examples=examples(200),  # above the profile's 100: the hostile parsers' rarer branches
     deadline=None,
     derandomize=True,
     database=None,
