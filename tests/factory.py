@@ -33,6 +33,16 @@ import actstore
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from actstore.layout import spec
 
+
+def examples(n: int) -> int:
+    """A Hypothesis budget below the profile's (a test whose examples are each costly): n under
+    the short profile (100 examples a test), scaled with the loaded one (the long one: 10 n);
+    the profiles are registered in tests/conftest.py."""
+    from hypothesis import settings
+
+    return max(1, n * settings.default.max_examples // 100)
+
+
 # The store layouts the loader and remote-read tests run on (ShardWriter keyword arguments).
 LAYOUTS = {
     "v2": {"zarr_format": 2},
@@ -275,7 +285,10 @@ def word_tokenizer(folder) -> Path:
     return Path(folder)
 
 
-def word_store(path, tokenizer, *, d_model=6, bos_label=1) -> Path:
+WORD_D = 6  # the d_model of word_store and image_store
+
+
+def word_store(path, tokenizer, *, d_model=WORD_D, bos_label=1) -> Path:
     """Two shards of 6 'sentences' of 9 token ids of `word_tokenizer` (its folder is the model
     id): token 0 is <bos> (label `bos_label`: 1 special, 0 content as --bos never stores
     a sink; token kinds) with a huge norm; dimension 0 fires on 'zebra', once a shard."""
@@ -307,7 +320,7 @@ def word_store(path, tokenizer, *, d_model=6, bos_label=1) -> Path:
     return Path(path)
 
 
-def image_store(path, images, *, d_model=6) -> Path:
+def image_store(path, images, *, d_model=WORD_D) -> Path:
     """A ViT-like store (1 CLS + 3x3 patches, layer 11) of 4 random images written into the
     folder `images` and one embedded image; dimension 1 fires on example 1's patch (1, 2),
     dimension 0 on example 4's (the embedded image) patch (0, 0). Needs Pillow."""

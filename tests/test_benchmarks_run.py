@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every benchmark script in a subprocess
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.torch,
+]  # every benchmark script in a subprocess; they capture and stream with torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,7 +321,7 @@ def test_spec_data(tmp_path):
     what each truncation policy loses, recomputed here from the lengths."""
     import numpy as np
 
-    from test_capture_support import save_llama
+    from capture_support import save_llama
 
     model = save_llama(tmp_path / "llama", layers=2)
     d = run_bench(

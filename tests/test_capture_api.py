@@ -11,7 +11,7 @@ import torch
 
 import actstore
 from actstore.capture import Capture, CaptureError, NoBlocksError, UnknownLayerError, normalization, resolve_hooks
-from test_capture_support import all_vectors, tiny_dinov2, tiny_llama
+from capture_support import all_vectors, tiny_dinov2, tiny_llama
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:

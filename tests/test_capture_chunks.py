@@ -19,7 +19,7 @@ from actstore.inputs.budgets import MIN_T_CHUNK, measured_t_chunk
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
 from actstore.write import ShardWriter
-from test_capture_support import WORDS, save_llama, tiny_llama, write_jsonl
+from capture_support import WORDS, save_llama, tiny_llama, write_jsonl
 
 
 def cli(*args) -> str:

@@ -14,7 +14,7 @@ from PIL import Image
 import actstore
 from actstore.read.info import store_info
 from factory import cli
-from test_capture_support import (
+from capture_support import (
     PAIRS,
     SENTENCES,
     all_vectors,

@@ -17,7 +17,7 @@ import actstore
 from actstore.capture import load_model
 from actstore.cli import main
 from actstore.saev import verify_saev
-from test_capture_support import reference_pixels, write_jsonl
+from capture_support import reference_pixels, write_jsonl
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import torch
 
 import actstore
 from actstore.capture.progress import Progress, io_note
-from test_capture_support import tiny_dinov2
+from capture_support import tiny_dinov2
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ import actstore
 from actstore.capture import CaptureError, devstats
 from actstore.capture.devstats import moments, running_stats
 from actstore.stats import RunningStats
-from test_capture_support import tiny_llama
+from capture_support import tiny_llama
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import actstore
 from actstore.capture import committed
 from actstore.cli import main
-from test_capture_support import SENTENCES, save_llama, write_jsonl
+from capture_support import SENTENCES, save_llama, write_jsonl
 
 pytestmark = pytest.mark.slow  # captures killed and resumed in subprocesses
 

@@ -13,7 +13,7 @@ import torch
 
 import actstore
 from actstore.capture import CaptureError, CaptureOptions
-from test_capture_support import PAIRS, SENTENCES, make_tokenizer, save_dinov2, save_llama, tiny_llama, write_jsonl
+from capture_support import PAIRS, SENTENCES, make_tokenizer, save_dinov2, save_llama, tiny_llama, write_jsonl
 from factory import cli
 
 DEFAULT_SYSTEM = (
@@ -206,7 +206,7 @@ def test_the_recorded_model_id_resolves_to_a_tokenizer(tmp_path, llama_dir):
 
 
 def test_image_store_special_drop_leaves_out_the_cls_token(tmp_path):
-    from test_capture_support import make_images
+    from capture_support import make_images
 
     dino = save_dinov2(tmp_path / "dino", layers=2)
     make_images(tmp_path / "imgs", n=2)

@@ -14,6 +14,8 @@ import actstore
 from actstore.cli import main
 from factory import word_store, word_tokenizer
 
+pytestmark = pytest.mark.torch  # the word store's tokenizer is a transformers one
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):

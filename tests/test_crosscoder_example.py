@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.torch  # its script trains with torch
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_crosscoder.py"
 
 

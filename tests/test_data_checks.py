@@ -9,7 +9,7 @@ import pytest
 
 import actstore
 from actstore.capture import run as run_mod
-from test_capture_support import SENTENCES, save_llama, tiny_llama
+from capture_support import SENTENCES, save_llama, tiny_llama
 from factory import cli
 
 LATIN = "caf\u00e9 na\u00efve d\u00e9j\u00e0 vu"

@@ -20,7 +20,7 @@ from actstore.loaders.pairs import PairDataset, PairIndex
 from actstore.loaders.tokens import TokenStream
 from actstore.read.masks import default_token_mask, leaves_out_special
 from factory import text_store, vit_store, cli
-from test_capture_support import SENTENCES, save_llama, write_jsonl
+from capture_support import SENTENCES, save_llama, write_jsonl
 
 DOCS = [" ".join(SENTENCES[(k + j) % len(SENTENCES)] for j in range(1 + k % 3)) for k in range(6)]
 

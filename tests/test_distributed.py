@@ -27,7 +27,7 @@ from actstore.errors import CaptureError
 from actstore.cli import main
 from actstore.layout import keys
 from actstore.verify import verify_store
-from test_capture_support import PAIRS, save_llama, write_jsonl
+from capture_support import PAIRS, save_llama, write_jsonl
 
 pytestmark = pytest.mark.slow  # writer processes and Ray
 
@@ -363,7 +363,7 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
     import torch
 
     from actstore.capture import record
-    from test_capture_support import SENTENCES, tiny_llama
+    from capture_support import SENTENCES, tiny_llama
 
     _, tok = tiny_llama(layers=3)
     enc = [tok(SENTENCES[i % len(SENTENCES)] + " the end" * (i % 3)) for i in range(10)]
@@ -414,7 +414,7 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
     from actstore.capture import record
     from actstore.capture.options import CaptureOptions
     from actstore.capture.runner_ray import _record_rank
-    from test_capture_support import tiny_llama
+    from capture_support import tiny_llama
 
     model, _ = tiny_llama(layers=2)
     torch.manual_seed(0)

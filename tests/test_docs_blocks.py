@@ -26,6 +26,8 @@ import pytest
 
 from watchdog import within
 
+pytestmark = pytest.mark.torch  # the capture commands of docs/ need torch
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 REASONS = {

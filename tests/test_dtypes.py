@@ -1,6 +1,6 @@
 """Stored-dtype conversions: exhaustive over 16-bit patterns, property-tested for float32.
 
-Runs with and without torch (scripts/test_notorch.sh): roundings are checked against a
+Runs with and without torch (scripts/test_core.sh): roundings are checked against a
 table-lookup reference, the fast torch casts and their numpy fallbacks alike; against
 torch itself too where it is installed.
 """

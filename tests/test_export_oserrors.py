@@ -22,6 +22,8 @@ from actstore.errors import DiskFullError, ExportWriteError
 from actstore.saev import export_saev
 from actstore.saev import pipeline as saev_pipeline
 
+pytestmark = pytest.mark.torch  # export-saelens streams through torch's TokenStream
+
 REPO = Path(__file__).resolve().parent.parent
 LIMIT = 64 * 1024  # bytes a file of the exporting process may reach
 

@@ -314,6 +314,7 @@ class _Reads:
         return i, len(st), ok, st.sample(i)["sample_key"]
 
 
+@pytest.mark.torch  # a DataLoader
 def test_dataloader_readers_never_see_a_shard_before_finalize(base, tmp_path):
     from torch.utils.data import DataLoader
 

@@ -25,7 +25,7 @@ def _cli(*args):
 
 
 def test_minilm_store_features_and_site(tmp_path, request):
-    from test_features_site import _browser, _chromium, screenshot, site_record
+    from browser import _browser, _chromium, screenshot, site_record
     from transformers import AutoTokenizer
 
     from actstore.inputs.embedded import minilm_folder

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from factory import WORDS
-from test_features_site import D, text_store  # noqa: F401
+from factory import WORD_D as D
 
 import actstore
 from actstore.cli import main
+
+pytestmark = pytest.mark.torch  # the word store's tokenizer is a transformers one; delphi's loader imports torch
 
 # Columns of Neuronpedia's tables (apps/webapp/prisma/schema.prisma at hijohnnylin/neuronpedia
 # ebb8426f): the importer inserts a line's keys that are columns, so every key must be one.
@@ -58,7 +60,7 @@ def _jsonl_gz(path):
     return [json.loads(line) for line in gzip.decompress(path.read_bytes()).decode().splitlines()]
 
 
-def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # noqa: F811
+def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):
     path, tok = text_store
     np.save(tmp_path / "dirs.npy", np.eye(D, dtype=np.float32))
     W_U = np.zeros((D, len(WORDS)), np.float32)
@@ -126,7 +128,7 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):  # 
     assert [f["feature_index"] for f in data["features"]] == list(range(D))
 
 
-def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):  # noqa: F811
+def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):
     """Every non-zero of the SAE over the store's content tokens, in delphi's split files,
     as delphi's own LatentDataset loads and samples them."""
     from safetensors.numpy import load_file

@@ -23,7 +23,9 @@ from actstore.features import publish, sources
 from actstore.features.run import run_features
 from actstore.features.tables import FEATURES, INTERVALS, META, TOP, read_meta, read_table
 from actstore.storage import open_storage
-from test_features_topk import D, make_store
+from feature_stores import D, make_store
+
+pytestmark = pytest.mark.torch  # the CLI's features encodes with torch
 
 REPO = Path(__file__).resolve().parent.parent
 OURS = {TOP, FEATURES, INTERVALS, META}

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 
 from actstore.features.accum import FeatureAccumulator
 from actstore.features.kernel16 import sort_key
+from factory import examples
+
+pytestmark = pytest.mark.dev  # numba's compiled kernel against the numpy reference
 
 SPECIAL16 = np.array([0.0, -0.0, 6e-8, 3e-5, -3e-5, 6.1e-5, 65504, np.inf, -np.inf, np.nan, 1.0, 1.0, 0.5], np.float16)
 
@@ -97,7 +100,7 @@ def test_results_do_not_depend_on_threads_or_batch_cuts(monkeypatch):
         assert_same(results[0], r)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     F=st.integers(1, 40),

@@ -11,7 +11,9 @@ from actstore.features import top_activations
 from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 from actstore.features.encoders import Encoder, neurons
 from actstore.errors import FeatureError
-from test_features_topk import D, make_store, oracle_tokens
+from feature_stores import D, make_store, oracle_tokens
+
+pytestmark = pytest.mark.torch  # the torch update against the numba one
 
 KERNELS = ["numba", "numpy", "torch"]
 

@@ -6,9 +6,6 @@ shows the top example's decoded text; a screenshot is kept among the test's outp
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pandas as pd
@@ -20,17 +17,10 @@ from actstore.cli import main
 from actstore.features import FeatureError, TokenizerNotFoundError
 from actstore.features.context import load_tokenizer, text_windows
 from actstore.features.site import build_site
-from factory import WORDS, image_store, word_store, word_tokenizer
+from factory import WORD_D, WORDS, image_store, word_tokenizer
+from browser import _browser, _chromium, screenshot, site_record
 
-D = 6  # word_store's and image_store's d_model
-
-
-@pytest.fixture(scope="module")
-def text_store(tmp_path_factory):
-    """Two shards of 'sentences': token 0 is <bos> (label 1); dimension 0 fires on 'zebra'."""
-    root = tmp_path_factory.mktemp("txt")
-    tok = word_tokenizer(root / "tok")
-    return word_store(root / "store", tok, d_model=D), tok
+D = WORD_D
 
 
 def test_features_cli_writes_tables_any_reader_opens(text_store, tmp_path):
@@ -96,52 +86,6 @@ def test_no_recorded_tokenizer_is_a_clear_error(tmp_path):
         load_tokenizer(actstore.open(path))
     with pytest.raises(FeatureError, match="holds no meta.json"):
         build_site(str(tmp_path), tmp_path / "site")
-
-
-def _chromium():
-    exe = shutil.which("chromium") or shutil.which("chromium-browser")
-    if exe is None:
-        msg = "Debian's chromium is not installed: apt-get install -y chromium (scripts/test_tools.sh does)"
-        if os.environ.get("ACTSTORE_NO_SKIP") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
-    return exe
-
-
-def _browser(exe, *args, url):
-    res = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=" + str(args[0]), *args[1:], url],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    return res.stdout
-
-
-def site_record(site, f):
-    """The JSON value of a site's data script data/f/<bucket>/<f>.js (what feature.html renders),
-    its packed columns decoded."""
-    from actstore.features.sitedata import unpack
-
-    text = (site / "data" / "f" / str(f // 1000) / f"{f}.js").read_text()
-    assert text.startswith('ACTSTORE.load("feature",') and text.endswith(");\n")
-    return unpack(json.loads(text[len('ACTSTORE.load("feature",') : -3]))
-
-
-def screenshot(exe, prof, url, name, request, size="1200,900"):
-    """A screenshot of the page, checked to be a real picture; with ACTSTORE_SCREENSHOTS=1 it
-    replaces docs/img/NAME (the pages as a researcher sees them), else it stays in tmp_path
-    (a test run leaves the repository as it was)."""
-    if os.environ.get("ACTSTORE_SCREENSHOTS") == "1":
-        shot = request.config.rootpath / "docs" / "img" / name
-    else:
-        shot = request.getfixturevalue("tmp_path") / "screenshots" / name
-    shot.parent.mkdir(exist_ok=True)
-    _browser(exe, prof, f"--screenshot={shot}", f"--window-size={size}", "--virtual-time-budget=5000", url=url)
-    assert shot.stat().st_size > 5000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    return shot
 
 
 def test_site_in_headless_chromium(text_store, tmp_path, request):

@@ -8,67 +8,14 @@ import numpy as np
 import pytest
 
 import actstore
-from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.features import top_activations
 from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 from actstore.features.encoders import Encoder, neurons
 from actstore.errors import EncoderError, FeatureError
 from actstore.errors import LayerNotFoundError
+from feature_stores import D, make_store, oracle_tokens
 
-D = 8
-
-
-def make_store(path, *, zarr_format=2, n_shards=3, per_shard=7, dtype="float16", seed=0, ties=False):
-    """Two padded segments of random lengths, token labels (0 content, 1 special), layers 0 and 2."""
-    rng = np.random.default_rng(seed)
-    for shard in range(n_shards):
-        with actstore.ShardWriter(
-            path,
-            shard=shard,
-            layers=[0, 2],
-            d_model=D,
-            segments={"prompt": 5, "response": 3},
-            dtype=dtype,
-            token_labels=True,
-            token_label_names=TOKEN_KIND_NAMES,  # token kinds: the default mask keeps label 0
-            zarr_format=zarr_format,
-            world_size=n_shards,
-            t_chunk={"prompt": 2, "response": 3},
-        ) as w:
-            n = per_shard
-            p = rng.standard_normal((n, 2, 5, D)).astype(np.float32)
-            r = rng.standard_normal((n, 2, 3, D)).astype(np.float32)
-            if ties:  # many equal values: the tie-break must decide
-                p, r = np.round(p), np.round(r)
-            w.append(
-                prompt=p.astype(dtype) if dtype != "bfloat16" else p,
-                response=r.astype(dtype) if dtype != "bfloat16" else r,
-                lengths={"prompt": rng.integers(0, 6, n), "response": rng.integers(0, 4, n)},
-                token_labels={
-                    "prompt": (rng.random((n, 5)) < 0.3).astype(np.uint8),
-                    "response": np.zeros((n, 3), np.uint8),
-                },
-            )
-    actstore.finalize(path)
-    return actstore.open(path)
-
-
-def oracle_tokens(store, layer, *, keep_special=False, segments=None):
-    """Every kept (example, token, vector) in store order, the slow way."""
-    rows = []
-    labels = {s: store.field(s + "_token_labels") for s in store.segments}
-    for ex in range(len(store)):
-        off = 0
-        for s in store.segments:
-            x = np.asarray(store.segment(s)[ex, layer], np.float32)
-            for t in range(len(x)):
-                if (segments is None or s in segments) and (keep_special or labels[s][ex, t] == 0):
-                    rows.append((ex, off + t, x[t]))
-            off += len(x)
-    ex = np.array([r[0] for r in rows], np.int64)
-    tok = np.array([r[1] for r in rows], np.int32)
-    X = np.stack([r[2] for r in rows]) if rows else np.zeros((0, D), np.float32)
-    return ex, tok, X
+NUMBA = pytest.param("numba", marks=pytest.mark.dev)  # the compiled kernel: numba comes with the views extra
 
 
 def oracle_top(ex, tok, A, k):
@@ -104,7 +51,7 @@ def check_against_oracle(store, layer, enc, k, **kw):
     return t, (ex, tok, A)
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 @pytest.mark.parametrize("zarr_format", [2, 3])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype, kernel):
@@ -113,14 +60,21 @@ def test_neurons_match_the_oracle(tmp_path, zarr_format, dtype, kernel):
     assert len(t.top["feature"]) == 4 * D  # enough positive tokens for every neuron
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 def test_ties_are_broken_by_example_then_token(tmp_path, kernel):
     store = make_store(tmp_path / "s", ties=True, seed=3)
     t, (ex, tok, A) = check_against_oracle(store, 0, neurons(D), k=6, batch_elements=3 * D, kernel=kernel)
     assert len(np.unique(t.top["activation"])) < len(t.top["activation"])  # the test has ties to break
 
 
-@pytest.mark.parametrize("device,kernel", [(None, "numpy"), ("auto", "numba"), (None, "numba")])  # torch encode on CPU
+@pytest.mark.parametrize(
+    "device,kernel",
+    [
+        (None, "numpy"),
+        pytest.param("auto", "numba", marks=pytest.mark.dev),
+        pytest.param(None, "numba", marks=pytest.mark.dev),
+    ],
+)  # torch encode on CPU
 def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device, kernel):
     store = make_store(tmp_path / "s", seed=5)
     rng = np.random.default_rng(1)
@@ -146,7 +100,7 @@ def test_special_tokens_segments_and_a_directions_encoder(tmp_path, device, kern
         np.testing.assert_array_equal(t.top[c], full.top[c][keep])
 
 
-@pytest.mark.parametrize("kernel", ["numba", "numpy"])
+@pytest.mark.parametrize("kernel", [NUMBA, "numpy"])
 def test_interval_samples_are_uniform_draws_from_each_interval(tmp_path, kernel):
     store = make_store(tmp_path / "s", per_shard=20, seed=7)
     kw = dict(k=5, n_intervals=4, per_interval=3, pool=6, seed=11, kernel=kernel)

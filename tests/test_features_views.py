@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from factory import chat_word_store, odd_token_store, word_tokenizer
-from test_features_site import D, _browser, _chromium, site_record, text_store  # noqa: F401
+from factory import WORD_D, chat_word_store, odd_token_store, word_tokenizer
+from browser import _browser, _chromium, site_record
 
 import actstore
 from actstore.cli import main
@@ -27,9 +27,11 @@ from actstore.features.run import run_features
 from actstore.features.site import build_site
 from actstore.features.staging import MARKER
 
+pytestmark = pytest.mark.torch  # chromium, and delphi's loader imports torch
+
 
 @pytest.fixture(scope="module")
-def feats(text_store, tmp_path_factory):  # noqa: F811
+def feats(text_store, tmp_path_factory):
     path, _ = text_store
     out = tmp_path_factory.mktemp("feats") / "feat"
     run_features(path, 4, str(out), neurons=True, top_k=3)
@@ -177,7 +179,7 @@ def test_a_concurrent_build_is_refused(feats, tmp_path):
     build_site(str(feats), site, plot_examples=0)
 
 
-def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):  # noqa: F811
+def test_a_changed_store_is_refused_or_warned(text_store, tmp_path):
     import shutil
 
     path, _ = text_store
@@ -364,7 +366,7 @@ def test_unembedding_auto_applies_where_it_can_and_a_named_one_is_refused_before
     assert res.exit_code == 0, res.output
     meta = json.loads((tmp_path / "site" / "data" / "meta.js").read_text()[len('ACTSTORE.load("meta",') : -3])
     assert meta["logits"] is False
-    np.save(tmp_path / "wu.npy", np.eye(D, 5, dtype=np.float32))
+    np.save(tmp_path / "wu.npy", np.eye(WORD_D, 5, dtype=np.float32))
 
     def no_work(*a, **kw):
         raise AssertionError("the windows were read before the refusal")
@@ -389,7 +391,7 @@ def test_unembedding_auto_applies_where_it_can_and_a_named_one_is_refused_before
         applicable_unembedding("wu.npy", sae, True)
 
 
-def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):  # noqa: F811
+def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):
     """A pass with --sign both (format 2: a sign column, the negative statistics): the site
     shows the most negative activations, the negative density and histogram."""
     exe = _chromium()

@@ -31,7 +31,7 @@ from actstore.copy import copy_store
 from actstore.storage import open_storage, retry
 from actstore.torch import PairDataset, TokenStream
 from faultproxy import FaultProxy
-from test_capture_support import make_images, save_dinov2
+from capture_support import make_images, save_dinov2
 from factory import pairs_store as qa_store
 
 RATES = dict(fail=0.0, drop_request=0.0, drop_response=0.0, reset=0.10, cut=0.03, cut_chunks=0.05, keepalive=False)

@@ -30,9 +30,10 @@ from actstore.storage import LocalStorage
 from actstore.verify import verify_store
 
 import faultlib as F
+from factory import examples
 
 SETTINGS = settings(
-    max_examples=200,
+    max_examples=examples(200),  # above the profile's 100: the hostile parsers' rarer branches
     deadline=None,
     derandomize=True,
     database=None,
@@ -159,7 +160,7 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
 
 
 @settings(
-    max_examples=40,
+    max_examples=examples(40),
     deadline=None,
     derandomize=True,
     database=None,

@@ -252,6 +252,7 @@ def test_before_and_after_a_refused_input_the_store_reads_as_written(store, tmp_
     assert same(everything(store), built)
 
 
+@pytest.mark.torch  # --bias loads torch
 def test_a_bias_file_that_is_not_an_npy_array_or_does_not_fit_is_named(tmp_path):
     from actstore.errors import EncoderError
     from actstore.features.sources import load_directions
@@ -274,13 +275,15 @@ def test_a_bias_file_that_is_not_an_npy_array_or_does_not_fit_is_named(tmp_path)
     assert enc.b.tolist() == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.torch  # loads torch
 def test_weights_only_loading_is_refused_with_a_torch_older_than_2_6(tmp_path, monkeypatch):
     import torch
 
     from actstore.errors import ActivaultFormatError, EncoderError
     from actstore.features.sources import _torch_state
     from actstore.importers import import_activault
-    from test_import_activault import HOOK, write_hook
+    from import_sources import ACTIVAULT_HOOK as HOOK
+    from import_sources import write_hook
 
     write_hook(tmp_path, n_files=1)
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))

@@ -16,7 +16,7 @@ from actstore.legacy import import_pkl
 from actstore.legacy.safe_pickle import MAX_OBJECTS
 
 from hostile import outcome, run_cli
-from test_legacy import LAYERS, legacy_records, write_legacy
+from legacy_stores import LAYERS, legacy_records, write_legacy
 
 
 def _shared_array_shard(n: int) -> dict:

@@ -374,3 +374,15 @@ def test_damaged_statistics_files_raise_only_value_error():
         except ValueError:
             refused += 1
     assert refused > len(damaged) // 2
+
+
+def test_token_labels_that_are_neither_a_bool_nor_the_kinds_mapping_are_refused():
+    """A config's token_labels other than true, false or {"meaning": "kinds", "names": ...} is a
+    ValueError that shows the value (the fuzz tests reach this branch only by chance)."""
+    from actstore.layout.config import parse_token_labels
+
+    assert parse_token_labels(True) == (True, None) and parse_token_labels(False) == (False, None)
+    for bad in ("yes", 1, None, {"meaning": "kinds"}, {"names": {}}):
+        with pytest.raises(ValueError, match=r"^token_labels must be true, false or ") as e:
+            parse_token_labels(bad)
+        assert str(e.value).endswith(f"Got {bad!r}."), e.value

@@ -7,85 +7,19 @@ from __future__ import annotations
 
 import io
 import json
-import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
-from actstore import ActStore
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
 from actstore.importers import ActivaultFormatError, import_activault
 from actstore.importers import driver
 from actstore.storage import open_storage
-
-HOOK = "models.layers.3.mlp.post"
-
-
-def write_hook(
-    root, *, n_files=3, batch_size=2, batches_per_file=2, seq=5, d=8, dtype=torch.bfloat16, seed=0, hook=HOOK
-):
-    """A run folder {root}/run/{hook}/ as HookUploader leaves it; returns (states, ids) per file name."""
-    g = torch.Generator().manual_seed(seed)
-    storage = open_storage(f"{root}/run/{hook}" if "://" in str(root) else root / "run" / hook)
-    files, metadata = {}, None
-    for k in range(n_files):
-        group_uuid = str(uuid.UUID(int=seed * 1000 + k + 1))
-        batches = [
-            {
-                "states": torch.randn(batch_size, seq, d, generator=g).to(dtype),
-                "input_ids": torch.randint(0, 50_000, (batch_size, seq), generator=g),
-            }
-            for _ in range(batches_per_file)
-        ]
-        states = torch.cat([b["states"] for b in batches])
-        ids = torch.cat([b["input_ids"] for b in batches])
-        combined = {
-            "states": states,
-            "input_ids": ids,
-            "tensor_bytes": states.numel() * states.element_size() + ids.numel() * ids.element_size(),
-        }
-        buf = io.BytesIO()
-        torch.save(combined, buf)
-        name = f"{group_uuid}--{k + 1}_0.saved.pt"
-        storage.put(name, buf.getvalue())
-        metadata = {
-            "batch_size": batch_size,
-            "sequence_length": seq,
-            "dtype": str(dtype),
-            "d_in": d,
-            "batches_per_file": batches_per_file,
-            "shape": [batch_size, seq, d],
-            "input_ids_shape": [batch_size, seq],
-            "bytes_per_file": len(buf.getvalue()),
-        }
-        files[name] = (states, ids)
-    storage.put("metadata.json", json.dumps(metadata).encode())
-    mean = torch.zeros(d)
-    storage.put(
-        "statistics.json",
-        json.dumps({"mean": mean.tolist(), "std": (mean + 1).tolist(), "norm": 2.5, "M2": mean.tolist()}).encode(),
-    )
-    return files
-
-
-def check_store(store, files, layer=3):
-    st = ActStore(store)
-    ex = 0
-    for name in sorted(files):
-        states, ids = files[name]
-        for i in range(len(states)):
-            got = np.asarray(st[ex, layer])
-            assert np.array_equal(
-                got.astype(np.float32), states[i].float().numpy()
-            )  # exact (bfloat16 is widened on read)
-            assert st.token_ids(ex).tolist() == ids[i].tolist()
-            ex += 1
-    assert len(st) == ex
-    return st
+from import_sources import ACTIVAULT_HOOK as HOOK
+from import_sources import check_store, write_hook
 
 
 def test_local_hook_folder_exact_and_metadata_kept(tmp_path):
@@ -305,7 +239,6 @@ def test_sigkill_mid_import_then_rerun_continues_exactly(tmp_path):
     import time
 
     from actstore import catalog
-    from actstore.storage import open_storage
 
     files = write_hook(tmp_path, n_files=3, batch_size=8, batches_per_file=2)
     d, store = tmp_path / "run" / HOOK, tmp_path / "s"

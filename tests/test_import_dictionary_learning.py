@@ -14,42 +14,7 @@ from click.testing import CliRunner
 from actstore import ActStore
 from actstore.cli import main
 from actstore.importers import DictionaryLearningCacheError, import_dictionary_learning
-
-
-def write_cache(root, *, sizes=(23, 17, 9), d=6, context_len=8, seed=0, name="resid_5_out"):
-    """collect()'s files for one submodule: shards 0..k-2 counted in config.json, the last not."""
-    rng = np.random.default_rng(seed)
-    folder = root / name
-    os.makedirs(folder, exist_ok=True)
-    shards = []
-    for i, n in enumerate(sizes):
-        acts = rng.standard_normal((n, d)).astype(np.float32)
-        mm = np.memmap(folder / f"shard_{i}.memmap", dtype=np.float32, mode="w+", shape=(n, d))
-        mm[:] = acts
-        mm.flush()
-        del mm
-        with open(folder / f"shard_{i}.meta", "w") as f:
-            json.dump({"shape": [n, d]}, f)
-        shards.append(acts)
-    with open(folder / "config.json", "w") as f:
-        json.dump(
-            {
-                "batch_size": 4,
-                "context_len": context_len,
-                "shard_size": 10,
-                "d_model": d,
-                "shuffle_shards": False,
-                "io": "out",
-                "total_size": sum(sizes[:-1]),
-                "shard_count": len(sizes) - 1,
-            },
-            f,
-        )
-    return folder, shards
-
-
-def tokens_of(st, layer):
-    return np.concatenate([np.asarray(st[ex, layer]) for ex in range(len(st))])
+from import_sources import tokens_of, write_cache
 
 
 def test_every_shard_exactly_in_order(tmp_path):

@@ -26,10 +26,10 @@ from actstore.cli import main
 from actstore.errors import ImportSourceError
 from actstore.importers import import_activault, import_dictionary_learning, import_saelens
 from actstore.storage import open_storage
-from test_import_activault import HOOK as AV_HOOK
-from test_import_activault import check_store, write_hook
-from test_import_dictionary_learning import tokens_of, write_cache
-from test_import_saelens import saelens_cache
+from import_sources import ACTIVAULT_HOOK as AV_HOOK
+from import_sources import check_store, saelens_cache, tokens_of, write_cache, write_hook
+
+pytestmark = pytest.mark.torch  # Activault megabatches and SAELens caches are torch files
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,6 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 import actstore
@@ -18,32 +17,10 @@ from actstore.cli import main
 from actstore.importers import SaelensDatasetError, SaelensSource, import_saelens
 from actstore.saelens import export_saelens
 from actstore.storage import open_storage
+from import_sources import SAELENS_HOOK as HOOK
+from import_sources import saelens_cache
 
-HOOK = "blocks.4.hook_resid_post"
-
-
-def saelens_cache(root, *, n_buffers=2, rows=6, C=8, D=5, dtype="float32", seed=0, hook=HOOK):
-    """A cache folder as CacheActivationsRunner leaves it; returns (acts (R, C, D), ids (R, C))."""
-    from datasets import Array2D, Dataset, Features, Sequence, Value
-    from sae_lens.cache_activations_runner import CacheActivationsRunner
-
-    features = Features(
-        {hook: Array2D(shape=(C, D), dtype=dtype), "token_ids": Sequence(Value(dtype="int32"), length=C)}
-    )
-    g = torch.Generator().manual_seed(seed)
-    tmp = root / "tmp"
-    all_acts, all_ids = [], []
-    for i in range(n_buffers):
-        acts = torch.randn(rows, C, D, generator=g).to(getattr(torch, dtype))
-        ids = torch.randint(0, 30_000, (rows, C), generator=g).to(torch.int32)
-        Dataset.from_dict({hook: acts, "token_ids": ids}, features=features).save_to_disk(
-            f"{tmp}/shard_{i:05d}", num_shards=1
-        )
-        all_acts.append(acts)
-        all_ids.append(ids)
-    (root / "cache").mkdir()
-    CacheActivationsRunner._consolidate_shards(tmp, root / "cache", copy_files=False)
-    return torch.cat(all_acts).numpy(), torch.cat(all_ids).numpy()
+pytestmark = pytest.mark.torch  # SAELens caches are written with torch
 
 
 def test_a_saelens_cache_imports_exactly_in_row_order(tmp_path):

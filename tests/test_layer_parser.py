@@ -13,7 +13,7 @@ import pytest
 
 import actstore
 from actstore.errors import LayerNotFoundError
-from test_capture_support import make_images, save_dinov2
+from capture_support import make_images, save_dinov2
 from factory import cli
 
 

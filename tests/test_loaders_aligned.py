@@ -16,7 +16,7 @@ from actstore import ActStore, ShardWriter
 from actstore.loaders.aligned import AlignedTokenStream, AlignmentError
 from actstore.loaders.source import stats_tables
 from actstore.torch import TokenStream
-from factory import tagged_store
+from factory import examples, tagged_store
 
 LAYERS = [2, 5, 9]
 SEGS = {"prompt": 9, "response": 4}
@@ -106,7 +106,7 @@ def test_workers_and_mid_epoch_resume_keep_alignment(tmp_path, num_workers):
         assert len(got) == len(full) and all(all(torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(got, full))
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch=st.integers(1, 9),
     window=st.integers(1, 3),

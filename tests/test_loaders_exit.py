@@ -11,9 +11,12 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import actstore
 from actstore import ShardWriter
+
+pytestmark = pytest.mark.torch  # its script streams batches with torch
 
 SCRIPT = textwrap.dedent(
     """

@@ -10,50 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.torch import PairBatchSampler, PairDataset, PairIndex
-from factory import pairs_store as qa_store
+from factory import examples, pairs_store as qa_store
 from factory import plain_vit_store as vit_store
-
-
-def check_batch(store, ds, batch):
-    """Every (example, layer) slice of a batch equals the store's, padding as stored, mask right."""
-    acts = batch["acts"]
-    b, k = batch["layers"].shape
-    assert acts.shape == (b, k, ds.t_total, store.d_model)
-    for i in range(b):
-        ex = int(batch["examples"][i])
-        lens = store.lengths(ex)
-        assert batch["lengths"][i].tolist() == [lens[s.name] for s in ds.segments]
-        for j in range(k):
-            layer = int(batch["layers"][i, j])
-            if [sg.name for sg in ds.segments] == list(store.segments):
-                # The real tokens of every segment, one after another, are ActStore[ex, layer].
-                real = [
-                    acts[i, j, int(ds.offsets[s]) : int(ds.offsets[s]) + lens[sg.name]]
-                    for s, sg in enumerate(ds.segments)
-                ]
-                np.testing.assert_array_equal(
-                    torch.cat(real).float().numpy(), np.asarray(store[ex, layer], dtype=np.float32)
-                )
-            for s, seg in enumerate(ds.segments):
-                o = int(ds.offsets[s])
-                got = acts[i, j, o : o + seg.t_max].float().numpy()
-                want = np.asarray(store.segment(seg.name)[ex, layer], dtype=np.float32)
-                np.testing.assert_array_equal(got[: lens[seg.name]], want)
-                # Past the length: the padding exactly as stored.
-                np.testing.assert_array_equal(
-                    got, np.asarray(store.segment(seg.name).padded(ex, layer), dtype=np.float32)
-                )
-        if "mask" in batch:
-            # The default mask: real tokens, and of those content only (label 0) where the labels mark token kinds.
-            kinds = store.config.default_keeps is not None
-            want_mask = np.concatenate(
-                [
-                    (np.arange(s.t_max) < lens[s.name])
-                    & ((store.field(f"{s.name}_token_labels")[ex] == 0) if kinds else True)
-                    for s in ds.segments
-                ]
-            )
-            assert batch["mask"][i].tolist() == want_mask.tolist()
+from loader_checks import check_batch
 
 
 def test_batch_equals_store_slices(tmp_path):
@@ -84,7 +43,7 @@ def test_sampler_epoch_is_a_permutation_with_distinct_sorted_layers():
     assert np.concatenate([b.examples for b in other]).tolist() != exs.tolist()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     n=st.integers(0, 50), world=st.integers(1, 4), b=st.integers(1, 9), drop_last=st.booleans(), seed=st.integers(0, 99)
 )

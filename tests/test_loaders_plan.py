@@ -62,7 +62,7 @@ def _tokens_of_rank(p, rank, n_workers):
     return plan, per_worker
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(plans)
 def test_ranks_and_workers_cover_every_token_once(p):
     everything = []
@@ -86,7 +86,7 @@ def test_ranks_and_workers_cover_every_token_once(p):
         assert max(n_batches) - min(n_batches) <= 1
 
 
-@settings(max_examples=150, deadline=None)
+@settings(deadline=None)
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=6), st.data())
 def test_consumed_per_worker_matches_round_robin(worker_batches, data):
     order = round_robin_order(worker_batches)

@@ -10,8 +10,8 @@ import actstore
 from actstore import ActStore, ShardWriter
 from actstore.saev import SaevStore, export_saev
 from actstore.torch import PairDataset, TokenStream
-from test_loaders_pairs import check_batch
-from test_loaders_tokens import check_values, expected_rows, rows_of
+from loader_checks import check_batch
+from loader_checks import check_values, expected_rows, rows_of
 
 
 def _saev_dir(tmp_path, n=11, t=5, d=6):

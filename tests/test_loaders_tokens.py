@@ -15,52 +15,14 @@ from hypothesis import strategies as st
 import actstore
 from actstore import ActStore
 from actstore.torch import PairBatchSampler, TokenStream
-from factory import pairs_store as qa_store
+from factory import examples, pairs_store as qa_store
 from factory import plain_vit_store as vit_store
-
-
-def expected_rows(store, layers=None, segments=None, keep=None):
-    """Every kept (example, layer, segment position, token) of the store."""
-    layers = store.layers if layers is None else layers
-    segs = store.segments if segments is None else segments
-    out = []
-    for ex in range(len(store)):
-        lens = store.lengths(ex)
-        for layer in layers:
-            for si, name in enumerate(segs):
-                out.extend((ex, layer, si, t) for t in range(lens[name]) if keep is None or keep[name][ex, t])
-    return out
+from loader_checks import check_values, expected_rows, rows_of
 
 
 def content(store):
     """The default mask of a store whose labels mark token kinds: label 0 (content) only."""
     return {name: store.field(f"{name}_token_labels") == 0 for name in store.segments}
-
-
-def rows_of(batches):
-    return [
-        (int(e), int(l), int(s), int(t))
-        for b in batches
-        for e, l, s, t in zip(b["example"], b["layer"], b["segment"], b["token"])
-    ]
-
-
-def check_values(store, ts, batches):
-    """Every yielded row equals the matching row of ActStore[ex, layer] (the segments'
-    tokens one after another), in the stream's dtype."""
-    rows = {}
-    for b in batches:
-        assert b["acts"].dtype == ts.dtype
-        for i in range(len(b["acts"])):
-            ex, layer, tok = int(b["example"][i]), int(b["layer"][i]), int(b["token"][i])
-            if (ex, layer) not in rows:
-                rows[ex, layer] = np.asarray(store[ex, layer], dtype=np.float32)
-            lens = store.lengths(ex)
-            names = list(store.segments)
-            name = ts.segments[int(b["segment"][i])].name
-            assert tok < lens[name]
-            at = sum(lens[n] for n in names[: names.index(name)]) + tok
-            np.testing.assert_array_equal(b["acts"][i].float().numpy(), rows[ex, layer][at])
 
 
 def test_epoch_yields_every_token_once_with_store_values(tmp_path):
@@ -198,7 +160,7 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, num_workers):
         assert tail == full[cut:]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch=st.integers(1, 9),
     window=st.integers(1, 3),

@@ -14,7 +14,8 @@ import torch
 from actstore.loaders.buffers import WorkerBatch
 from actstore.loaders.feed import DeviceFeeder
 from actstore.torch import TokenStream
-from test_loaders_tokens import rows_of, vit_store
+from factory import plain_vit_store as vit_store
+from loader_checks import rows_of
 
 CPU = torch.device("cpu")
 

@@ -22,7 +22,7 @@ SHARD = "shards/shard-00000.zarr"
 N_A, N_B = 5, 4  # examples of the first commit, then of the closing one
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.dev)])  # s3: moto
 def url(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "store")

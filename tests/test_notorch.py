@@ -2,7 +2,7 @@
 finalize, read, verify and the CLI work, with the bytes numpy computes; the torch-only
 features (loaders, capture) say how to install torch.
 
-Where torch is not installed (scripts/test_notorch.sh) each check runs here; where it is
+Where torch is not installed (scripts/test_core.sh) each check runs here; where it is
 (the main suite) each runs in a child Python with torch blocked (`sys.modules["torch"] =
 None`, so `import torch` raises ModuleNotFoundError). Either way it runs: nothing skips.
 """
@@ -155,19 +155,20 @@ def test_importing_actstore_and_its_cli_does_not_import_torch():
     assert res.returncode == 0, res.stderr
 
 
-def test_the_notorch_job_runs_every_test_file_that_does_not_import_torch():
-    """scripts/test_notorch.sh lists its files by hand: a new core test file must join it
-    (or be named in its comment as left out, with the reason)."""
-    script = (ROOT / "scripts" / "test_notorch.sh").read_text()
-    comments = "\n".join(line for line in script.splitlines() if line.lstrip().startswith("#"))
+def test_the_core_job_selects_by_marker_and_leaves_out_every_module_that_imports_torch():
+    """scripts/test_core.sh runs `-m core` (no file list): tests/conftest.py marks torch every
+    test of a module that imports torch, transformers or the loaders at its top (so that the
+    core job, without torch, does not import it), and core every test marked neither torch nor dev."""
+    script = (ROOT / "scripts" / "test_core.sh").read_text()
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
-    listed = set(re.findall(r"tests/(test_\w+\.py)(?!::)", code))
-    left_out = set(re.findall(r"(test_\w+\.py)", comments))
+    assert "-m core" in code and not re.findall(r"tests/test_\w+\.py", code)
+    from needs import module_needs
+
     top_torch = re.compile(
         r"^(import torch|from torch|from actstore\.(torch|loaders)|import transformers)", re.MULTILINE
     )
     imports_torch = {p.name for p in TESTS.glob("test_*.py") if top_torch.search(p.read_text(encoding="utf-8"))}
-    assert listed and not listed & imports_torch, f"listed but importing torch: {sorted(listed & imports_torch)}"
-    assert not listed & left_out, sorted(listed & left_out)
-    missing = {p.name for p in TESTS.glob("test_*.py")} - listed - left_out - imports_torch
-    assert not missing, f"add to scripts/test_notorch.sh (or name in its comment why not): {sorted(missing)}"
+    assert len(imports_torch) > 20  # the check looks at the real files
+    unmarked = sorted(n for n in imports_torch if "torch" not in module_needs(TESTS / n))
+    assert not unmarked, f"import torch at their top but are not marked torch: {unmarked}"
+    assert module_needs(TESTS / "test_notorch.py") == set() and "torch" in module_needs(TESTS / "test_matrix.py")

@@ -19,7 +19,7 @@ from actstore.inputs.data import load_source
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.verify import verify_store
-from test_capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
 from factory import cli
 
 DOCS = [
@@ -42,7 +42,7 @@ class _WordTokenizer:
         return {"input_ids": [one(t) for t in text] if isinstance(text, list) else one(text)}
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(deadline=None, derandomize=True)
 @given(st.lists(st.integers(0, 40), max_size=12), st.integers(1, 17), st.sampled_from(["pack", "chunk"]))
 def test_windows_are_a_bijection_between_corpus_tokens_and_stored_tokens(words, context, mode):
     texts = [" ".join("w" * (1 + (i + j) % 5) for j in range(n)) for i, n in enumerate(words)]

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 import actstore
 from actstore.capture import run as run_mod
 from actstore.cli import main
-from test_capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
+from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 
 import actstore
 from actstore import ActStore, ShardWriter
-from factory import expected_view, random_acts, store_cases, writer_kwargs
+from factory import examples, expected_view, random_acts, store_cases, writer_kwargs
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(store_cases())
 def test_every_read_equals_what_was_appended(case):
     rng = np.random.default_rng(case["seed"])

@@ -6,9 +6,12 @@ states the model, hook, context size, token count and schema."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import actstore
 from actstore.saelens import export_saelens
+
+pytestmark = pytest.mark.torch  # export-saelens streams through torch's TokenStream
 
 
 def test_card_describes_the_folder_and_its_config_loads_the_rows(tmp_path):

@@ -28,7 +28,7 @@ def test_a_small_store_exports_files_the_size_of_its_data(tmp_path):
     assert given_budget.metadata["patches_per_shard"] == P.DEFAULT_BUDGET
 
 
-@settings(max_examples=300, deadline=None)
+@settings(deadline=None)
 @given(st.integers(1, 10**7), st.integers(1, 5000))
 def test_the_fitted_budget_keeps_the_shard_count_and_leaves_little_padding(n, per_example):
     cap = P.DEFAULT_BUDGET

@@ -15,7 +15,7 @@ import actstore
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.saev import SaevExistsError, SaevOptionError, export_saev, verify_saev
 from actstore.saev import pipeline as pipeline_mod
-from test_saev_common import expected_labels, expected_rows, seed_read_vector
+from saev_checks import expected_labels, expected_rows, seed_read_vector
 from factory import text_store, vit_store
 
 CASES = [
@@ -383,6 +383,7 @@ def test_top_level_api_is_exported():
     assert actstore.export_saev is export_saev and actstore.verify_saev is verify_saev
 
 
+@pytest.mark.torch  # torch's half cast
 def test_torch_and_numpy_half_conversions_give_the_same_bytes(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s", dtype="float16", cls=True, t_chunk=2)
     kw = dict(patches_per_shard=30, cls="drop", progress=False)

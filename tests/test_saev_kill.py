@@ -11,7 +11,7 @@ import time
 import pytest
 
 from actstore.saev import export_saev, verify_saev
-from test_saev_common import dir_files
+from saev_checks import dir_files
 from factory import vit_store
 
 pytestmark = pytest.mark.slow  # exports killed in a subprocess

@@ -14,7 +14,7 @@ import actstore
 from actstore.cli import main
 from actstore.errors import ExampleIndexError, LayerNotFoundError
 from actstore.saev import SaevFormatError, SaevOptionError, SaevStore, export_saev, import_saev, link_run, verify_saev
-from test_saev_common import dir_files
+from saev_checks import dir_files
 from factory import text_store, vit_store
 
 

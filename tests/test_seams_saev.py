@@ -15,6 +15,7 @@ from actstore.saev import export_saev, verify_saev
 from factory import vit_store, cli
 
 
+@pytest.mark.dev  # its images need Pillow
 def test_export_of_an_embedded_images_store_needs_no_options_and_verifies(tmp_path):
     store = vit_store(tmp_path / "s", model_id="embedded:dinov2-s14", attrs={"dataset": "embedded:images"})
     out = tmp_path / "saev" / "shards"

@@ -12,7 +12,7 @@ from zarr.codecs import ZstdCodec
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.errors import ExampleIndexError, LayerNotFoundError
-from factory import random_acts
+from factory import examples, random_acts
 
 LAYERS = (2, 5, 9)
 
@@ -156,7 +156,7 @@ def _same(got, want):
 def test_every_key_equals_the_pairwise_reads(stores, kind):
     store = stores[kind]
 
-    @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(ex_key=_example_keys(len(store)), layer_key=_layer_keys())
     def run(ex_key, layer_key):
         _check(store, (ex_key, layer_key))
@@ -168,7 +168,7 @@ def test_every_key_equals_the_pairwise_reads(stores, kind):
 def test_segment_views_select_one_segment(stores, kind):
     store = stores[kind]
 
-    @settings(max_examples=80, deadline=None)
+    @settings(max_examples=examples(80), deadline=None)
     @given(name=st.sampled_from(store.segments), ex_key=_example_keys(len(store)), layer_key=_layer_keys())
     def run(name, ex_key, layer_key):
         _check(store, (ex_key, layer_key), read=store.segment(name).__getitem__)

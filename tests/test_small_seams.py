@@ -22,6 +22,7 @@ def test_write_help_lists_every_data_kind_and_a_readable_separator():
     assert "('\\n')" not in out and "[default: (newline)]" in out
 
 
+@pytest.mark.torch  # `actstore write` needs torch
 def test_a_folder_of_txt_files_is_pointed_to_a_glob(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("hello", encoding="utf-8")

@@ -10,7 +10,7 @@ from actstore.errors import CorruptStoreError, UnsafePathError
 from actstore.storage import KeyNotFound, LocalStorage, ObjectStorage, open_storage
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.dev)])  # s3: moto
 def storage(request, tmp_path):
     if request.param == "local":
         return open_storage(tmp_path / "store")

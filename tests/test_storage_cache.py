@@ -73,7 +73,7 @@ class Counting(Storage):
     put = put_if_absent = append = truncate = delete = delete_prefix = sync = None
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.dev)])  # s3: moto
 def inner(request, tmp_path):
     if request.param == "local":
         return open_storage(tmp_path / "store")

@@ -13,7 +13,7 @@ import actstore
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.loaders.tokens import TokenStream
-from test_capture_support import SENTENCES, tiny_llama, write_jsonl
+from capture_support import SENTENCES, tiny_llama, write_jsonl
 from factory import cli
 
 DOCS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 3)) for k in range(6)]
