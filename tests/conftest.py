@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
             needs.add("dev")
         for mark in sorted(needs):
             item.add_marker(mark)
-        if not any(item.get_closest_marker(m) for m in ("torch", "dev")):
+        if not any(item.get_closest_marker(m) for m in ("torch", "dev", "soak")):  # the soak job runs its own
             item.add_marker("core")
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
     default = 0.2  # a test not yet recorded

@@ -9,6 +9,7 @@ tests/test_views_text.py).
 - `byte_fallback_tokenizer`: a Llama-2-style BPE (Metaspace, byte fallback, a decoder that
   strips the leading space): characters outside its vocabulary become <0xNN> tokens;
 - `smollm2_tokenizer`: the embedded SmolLM2-135M tokenizer (its GGUF's metadata only);
+- `slow_pieces`: the pieces' definition computed the slow way (every prefix decoded);
 - `multilingual_store`: a store of those texts' token ids, one text an example, with a
   BOS (label 1) and dimension 0 firing on chosen tokens.
 """
@@ -125,3 +126,19 @@ def multilingual_store(path, tok, model_id: str, *, d_model: int = 4) -> tuple[P
         )
     actstore.finalize(path)
     return Path(path), seqs
+
+
+def slow_pieces(tok, ids):
+    """The definition: token k's piece ends where the decode of ids[:k+1] stops agreeing
+    with the whole decode (never before an earlier piece's end); it is partial when that
+    decode runs on past it."""
+    full = tok.decode(ids)
+    ends, partial = [], []
+    for k in range(len(ids)):
+        d = tok.decode(ids[: k + 1])
+        n = next((i for i, (a, b) in enumerate(zip(d, full)) if a != b), min(len(d), len(full)))
+        ends.append(max(n, ends[-1] if ends else 0))
+        partial.append(len(d) > ends[-1])
+    ends[-1], partial[-1] = len(full), False
+    starts = [0, *ends[:-1]]
+    return [full[a:b] for a, b in zip(starts, ends)], partial

@@ -18,6 +18,8 @@ from actstore.cli import grammar as G
 from actstore.cli import main
 from factory import word_store, word_tokenizer
 
+pytestmark = pytest.mark.torch  # word_store's tokenizer is a transformers one; export-saelens streams through torch
+
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
 ALSO = " (or 'actstore[research]': capture, views and every export)"

@@ -124,7 +124,7 @@ def test_unembedding_auto_from_the_embedded_smollm2():
 def test_dinov2_store_vision_site(tmp_path, request):
     """The demo's store (DINOv2-S/14 over the embedded images): a feature page draws every
     image of its rows on a canvas, each image written once, named by its sample key."""
-    from test_features_site import _browser, _chromium, screenshot, site_record
+    from browser import _browser, _chromium, screenshot, site_record
 
     out = tmp_path / "vit"
     _cli("write", out, "--model", "embedded:dinov2-s14", "--data", "embedded:images", "--layers", "11", "--quiet")

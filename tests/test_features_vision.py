@@ -17,7 +17,7 @@ from actstore.cli import main
 from actstore.features.run import run_features
 from actstore.features.site import build_site
 from factory import image_store
-from test_features_site import _browser, _chromium, site_record
+from browser import _browser, _chromium, site_record
 
 D = 6  # image_store's d_model
 GRID, PREFIX = 3, 1  # image_store: 1 CLS + 3x3 patches of a 28-pixel image

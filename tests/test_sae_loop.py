@@ -199,7 +199,7 @@ def test_train_sae_features_view(tmp_path):
     assert q["ce_loss_with_ablation"] > q["ce_loss_without_sae"] + 0.05  # a score with a real denominator
 
     # the site's index shows the figures (rendered by a headless chromium)
-    from test_features_site import _browser, _chromium
+    from browser import _browser, _chromium
 
     url = (site / "index.html").as_uri()
     dom = _browser(_chromium(), tmp_path / "profile", "--virtual-time-budget=5000", "--dump-dom", url=url)

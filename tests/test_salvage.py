@@ -26,6 +26,8 @@ from actstore.cli import main
 from actstore.layout import keys, records
 from actstore.storage import open_storage
 
+pytestmark = pytest.mark.torch  # every reader and exporter: TokenStream, export-saelens and the feature pass need torch
+
 # A writer of shard 1 that claims its shard, appends `n` examples (fewer than one commit
 # holds) and stops before committing: its parent kills it there.
 VICTIM = r"""

@@ -21,6 +21,8 @@ from actstore.saelens import export as saelens_export
 from actstore.saelens import export_saelens
 from actstore.saev import export_saev, pipeline
 
+pytestmark = pytest.mark.torch  # export-saelens streams through torch's TokenStream
+
 
 @pytest.fixture
 def store(tmp_path) -> Path:

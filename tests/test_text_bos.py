@@ -20,7 +20,7 @@ from actstore.inputs.prepare import TextPlan, choose_bos, head, kept, prompt_tok
 from actstore.loaders.tokens import TokenStream
 from actstore.read.sinkcheck import SINK_RATIO, find_sinks, sink_warning
 from factory import cli, word_store, word_tokenizer
-from test_capture_support import SENTENCES, tiny_llama, write_jsonl
+from capture_support import SENTENCES, tiny_llama, write_jsonl
 
 PAIRS = [{"prompt": s, "response": SENTENCES[(i + 1) % 8]} for i, s in enumerate(SENTENCES[:6])]
 

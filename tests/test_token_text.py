@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from actstore.inputs.tokentext import MARGIN, TokenText
 from factory import word_tokenizer
-from multilingual import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer, load, smollm2_tokenizer
+from multilingual import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer, load, slow_pieces, smollm2_tokenizer
+
+pytestmark = pytest.mark.torch  # the tokenizers are transformers ones
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +28,6 @@ def tokenizers(tmp_path_factory):
         "byte-fallback": load(str(byte_fallback_tokenizer(root / "bf"))),
         "word": load(str(word_tokenizer(root / "w"))),
     }
-
-
-def slow_pieces(tok, ids):
-    """The definition: token k's piece ends where the decode of ids[:k+1] stops agreeing
-    with the whole decode (never before an earlier piece's end); it is partial when that
-    decode runs on past it."""
-    full = tok.decode(ids)
-    ends, partial = [], []
-    for k in range(len(ids)):
-        d = tok.decode(ids[: k + 1])
-        n = next((i for i, (a, b) in enumerate(zip(d, full)) if a != b), min(len(d), len(full)))
-        ends.append(max(n, ends[-1] if ends else 0))
-        partial.append(len(d) > ends[-1])
-    ends[-1], partial[-1] = len(full), False
-    starts = [0, *ends[:-1]]
-    return [full[a:b] for a, b in zip(starts, ends)], partial
 
 
 @pytest.mark.parametrize("name", ["smollm2", "byte-level", "byte-fallback"])

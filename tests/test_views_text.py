@@ -30,9 +30,8 @@ from actstore.features.show import example_texts, text_html
 from actstore.features.site import build_site
 from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.windows import DEFAULT_WINDOW
-from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, smollm2_tokenizer
-from test_features_site import _browser, _chromium, site_record
-from test_token_text import slow_pieces
+from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, slow_pieces, smollm2_tokenizer
+from browser import _browser, _chromium, site_record
 
 D = 4
 
