@@ -19,6 +19,8 @@ from actstore.features.site import build_site
 from factory import image_store
 from browser import _browser, _chromium, site_record
 
+pytestmark = pytest.mark.torch  # Pillow, transformers' tokenizers and chromium (the dev install)
+
 D = 6  # image_store's d_model
 GRID, PREFIX = 3, 1  # image_store: 1 CLS + 3x3 patches of a 28-pixel image
 

@@ -33,6 +33,8 @@ from actstore.features.windows import DEFAULT_WINDOW
 from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, slow_pieces, smollm2_tokenizer
 from browser import _browser, _chromium, site_record
 
+pytestmark = pytest.mark.torch  # transformers' tokenizers, chromium
+
 D = 4
 
 
