@@ -90,7 +90,7 @@ def test_store_wide_operations_cost_the_same_requests_per_shard_at_any_size(s3_u
     run = {
         "verify": lambda u: verify_store(u),
         "verify_deep": lambda u: verify_store(u, deep=True),
-        "info": store_info,
+        "info": lambda u: store_info(u, sinks=False),  # (the sink check reads a bounded sample: below)
         "token_plan": lambda u: TokenStream(actstore.ActStore(u), batch_size=8, seed=0).plan(0),
     }[op]
     cost = {}
@@ -107,6 +107,26 @@ def test_store_wide_operations_cost_the_same_requests_per_shard_at_any_size(s3_u
     assert cost[8] - cost[4] == 2 * (cost[4] - cost[2]), cost  # linear in shards
     if op in ("info", "token_plan"):
         assert cost[2] == cost[8] <= 3, cost  # read from the manifest alone (a fixed segment's lengths are its t_max)
+
+
+def test_the_sink_check_of_info_reads_each_sampled_example_once(s3_url, proxy):
+    """`info`'s sink check reads a bounded sample of examples (sinkcheck.sample_examples), so
+    its requests grow with the examples sampled, never past what MAX_EXAMPLES allows."""
+    from actstore.read.info import store_info
+    from actstore.read.sinkcheck import MAX_EXAMPLES
+
+    for s in range(4):
+        _writer(s3_url, shard=s)
+    actstore.finalize(s3_url)
+    n0 = len(proxy.requests)
+    store_info(s3_url, sinks=False)
+    plain = len(proxy.requests) - n0
+    n0 = len(proxy.requests)
+    info = store_info(s3_url)
+    checked = len(proxy.requests) - n0
+    n = info["n_examples"]
+    assert info["sinks"] == [] and n == 16
+    assert plain < checked <= plain + 11 * 4 + 2 * min(n, MAX_EXAMPLES), (plain, checked)  # shards' first reads + rows
 
 
 def test_the_verify_listing_answers_a_folder_from_its_sorted_range():

@@ -207,6 +207,12 @@ class CaptureError(ActstoreError, ValueError):
     """A capture run cannot go on (bad model, layer, data or options)."""
 
 
+class CaptureShardExistsError(ShardExistsError, CaptureError):
+    """A capture run without resume (record(), its runner="ray", `actstore write`) would start
+    a shard the store already holds: a ShardExistsError and, as before, a CaptureError. The
+    message names the shard, its committed examples, resume and removing the store."""
+
+
 class UnknownLayerError(CaptureError):
     """A layer number or module path the model does not have."""
 

@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from actstore import catalog
-from actstore.errors import ShardBusyError, ShardExistsError
+from actstore.errors import CaptureShardExistsError, ShardBusyError
 from actstore.layout.config import StoreConfig
 from actstore.storage import open_storage
 
@@ -79,7 +79,7 @@ class CaptureTarget:
             if self.holds(r):
                 n_done, complete = self.committed(r)
                 state = "complete" if complete else "left unfinished by an earlier run"
-                raise ShardExistsError(
+                raise CaptureShardExistsError(
                     f"{self.url} already holds shard {r} ({n_done} examples committed, {state}); "
                     f"pass {resume} to continue the run, or remove {self.url} or write to a new path to start over"
                 )

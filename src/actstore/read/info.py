@@ -10,8 +10,10 @@ from actstore.read.sinkcheck import find_sinks, sink_warning
 from actstore.read.store import ActStore
 
 
-def store_info(path: str | os.PathLike) -> dict[str, Any]:
-    """A JSON-ready description of a finalized store."""
+def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]:
+    """A JSON-ready description of a finalized store. Without `sinks` it reads the manifest
+    (and a listing for the size) alone; the sink check reads a sample of the activations
+    (actstore.read.sinkcheck: evenly spread examples, at most SAMPLE_BYTES)."""
     store = ActStore(path)
     cfg = store.config
     n = len(store)
@@ -24,7 +26,7 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
     n_tokens = sum(tokens.values())
     stats = store.stats()
     mask = summarize(store)
-    sinks = find_sinks(store) if n else []
+    found = find_sinks(store) if n and sinks else []
     return {
         "path": store.storage.url,
         "n_examples": n,
@@ -62,8 +64,8 @@ def store_info(path: str | os.PathLike) -> dict[str, Any]:
         "token_ids": cfg.token_ids,
         "mask": mask.to_json(),  # which tokens the readers' default mask keeps, and how many it leaves out
         "mask_line": mask.line(),
-        "sinks": [s.to_json() for s in sinks],  # kept positions over SINK_RATIO x the others' mean norm
-        "sink_warning": sink_warning(sinks, store),
+        "sinks": [s.to_json() for s in found],  # kept positions over SINK_RATIO x the others' mean norm
+        "sink_warning": sink_warning(found, store),
         "partial": (
             {
                 "missing_ranks": list(store.manifest.partial.missing_ranks),
