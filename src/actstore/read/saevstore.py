@@ -8,6 +8,7 @@ CLS at token 0) float32 vectors per (example, layer).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from actstore.errors import FieldNotFoundError, SaevFormatError
 from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
 
 SEGMENT = spec.DEFAULT_SEGMENT
+# What a saev directory name looks like (saevspec.metadata_hash): 2.0 a full sha256, 2.1 its first 8 hex digits.
+_HASH_SHAPE = {"2.0": re.compile(r"[0-9a-f]{64}"), "2.1": re.compile(r"[0-9a-f]{8}")}
 
 
 def is_saev_dir(path: str | os.PathLike) -> bool:
@@ -53,8 +56,9 @@ class SaevStore(Reader):
     """A saev shard directory, read-only: `store[ex, layer]` -> (T, D) float32; a Reader
     (actstore.read.interface).
 
-    Checks metadata.json, shards.json and the shard file sizes on open (run
-    `actstore verify-saev` for every rule). Picklable: only the path travels.
+    Checks metadata.json, shards.json, the shard file sizes and (where the directory has a
+    hash's name) that the name is metadata.json's hash on open (run `actstore verify-saev`
+    for every rule). Picklable: only the path travels.
 
     Args:
         path: the `<HASH>` directory.
@@ -93,6 +97,7 @@ class SaevStore(Reader):
                     f"{f} has {size if size is not None else 'no'} bytes, expected {geom.shard_nbytes} (full-size shard); "
                     f"run `actstore verify-saev {self.path}`"
                 )
+        self._check_name(md, proto)
         counts = geom.shard_counts()
         self.index = ExampleIndex(counts)
         self._maps: dict[int, np.memmap] = {}
@@ -107,6 +112,25 @@ class SaevStore(Reader):
             attrs=self._attrs(),
             zarr_format=2,  # a description of the saev files (read directly), not a layout written
         )
+
+    def _check_name(self, md: dict[str, Any], proto: str) -> None:
+        """metadata.json has no checksum of its own: the directory's name is its hash. A
+        name of a hash's shape that is not this metadata's hash means metadata.json changed
+        (a flipped digit of `layers` would pass every size rule and relabel the layers), so
+        the directory is refused. Any other name (a directory renamed by hand, a stage being
+        built) is not checked; `verify-saev` reports it."""
+        name = Path(os.path.abspath(self.path)).name
+        if not _HASH_SHAPE[proto].fullmatch(name):
+            return
+        try:
+            want = P.metadata_hash(md, proto)
+        except ValueError:  # a string no UTF-8 encodes (a lone surrogate escaped in the JSON)
+            want = "(none: metadata.json holds text that UTF-8 cannot encode)"
+        if name != want:
+            raise SaevFormatError(
+                f"{self.path}: directory name {name!r} is not the metadata hash {want!r} ({P.HASH_RULE[proto]}): "
+                f"metadata.json was edited or damaged; run `actstore verify-saev {self.path}`"
+            )
 
     def _attrs(self) -> dict[str, Any]:
         md = self.metadata
