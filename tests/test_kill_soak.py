@@ -9,19 +9,16 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import actstore
 from actstore import ActStore
-from writer_proc import LAYERS, example_data
+from writer_proc import LAYERS, example_data, spawn
 
 pytestmark = pytest.mark.soak
 
-ROOT = Path(__file__).resolve().parents[1]
 RUNS, KILLS = 8, 12  # 96 kills in all
 TOTAL = {0: 48, 1: 30}  # examples per shard; shard 1 holds ids 1000...
 FIRST = {0: 0, 1: 1000}
@@ -30,13 +27,7 @@ FIRST = {0: 0, 1: 1000}
 def _spawn(path: str, shard: int, resume: bool) -> subprocess.Popen:
     args = [path, str(shard), str(FIRST[shard]), str(TOTAL[shard]), "--batch", "2", "--commit-bytes", "2500"]
     args += ["--fsync", "--sleep", "0.002"] + (["--resume"] if resume else [])
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return spawn(*args)
 
 
 def _kill_at(p: subprocess.Popen, after: int) -> None:

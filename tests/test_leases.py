@@ -7,8 +7,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,19 +20,7 @@ from actstore.cli import main
 from actstore.errors import LeaseLostError, NotFinalizedError, ShardBusyError, ShardExistsError
 from actstore.layout import keys
 from actstore.layout.leases import Lease, dump_lease
-from writer_proc import LAYERS, D, T, example_data
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+from writer_proc import spawn as _spawn, LAYERS, D, T, example_data
 
 
 def _writer(path, shard: int = 0, **kw) -> ShardWriter:

@@ -14,21 +14,11 @@ import pytest
 import actstore
 from actstore import ActStore
 from actstore.errors import NotFinalizedError
-from writer_proc import LAYERS, example_data
+from writer_proc import spawn as _spawn, LAYERS, example_data
 
 pytestmark = pytest.mark.slow  # racing writer processes
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "writer_proc.py"), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def _check_store(path, ids: list[int]) -> None:

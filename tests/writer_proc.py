@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,18 @@ from actstore.errors import ShardCompleteError
 LAYERS = [1, 4]
 D = 16
 T = 9
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    """This script in a new process (text pipes for its lines), for the multi-process tests."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.Popen(
+        [sys.executable, str(root / "tests" / "writer_proc.py"), *args],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def example_data(k: int) -> np.ndarray:
