@@ -201,6 +201,14 @@ def _count_nonfinite(x: np.ndarray) -> int:
     return int(np.count_nonzero(~np.isfinite(x)))
 
 
+def count_nonfinite(x: np.ndarray) -> int:
+    """Number of inf/NaN values in an array in a stored dtype (float16, float32, or
+    bfloat16 as its uint16 bits): the one screen of a batch's values."""
+    if x.dtype in (np.float16, np.uint16):
+        return count_nonfinite_16(x)
+    return _count_nonfinite(x)
+
+
 def clip_to(x: np.ndarray, src: str, dst: str) -> np.ndarray:
     """Saturate finite values to the target dtype's range (on_overflow='clip')."""
     if src == "bfloat16":

@@ -1,7 +1,7 @@
 """The writer thread of a capture: batches queue (bounded) while the forward pass runs on.
 
 `record()` (actstore.capture.loop) hands each staged batch to a `Drain`, whose thread runs
-the writer side (actstore.capture.sink: append, commit) with a lowered priority.
+the writer side (actstore.capture.writeside: append, commit) with a lowered priority.
 """
 
 from __future__ import annotations

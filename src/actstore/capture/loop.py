@@ -4,7 +4,7 @@ Per batch: the batch is moved to the model's device, the forward pass runs with 
 and each hooked output goes through the device stage as its module fires (gather, cast,
 statistics, one copy into a ring slot: actstore.capture.stage). The staged batch goes to
 the writer thread (a bounded queue: actstore.capture.drain), which appends and commits it
-(actstore.capture.sink) while the next forward pass runs. The first batch's outputs set the
+(actstore.capture.writeside) while the next forward pass runs. The first batch's outputs set the
 store's configuration; the writer thread opens the shard meanwhile.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from actstore.capture.drain import Drain
 from actstore.capture.hooks import Capture
 from actstore.capture.record_inputs import accepts, as_batch, device_of
-from actstore.capture.sink import Job, Sink
+from actstore.capture.writeside import Job, WriteSide
 from actstore.capture.stage import Stage
 from actstore.errors import EmptyDatasetError
 from actstore.storage import retry
@@ -73,12 +73,12 @@ def run(
     lm, opts = job.lm, job.opts
     device = device_of(lm.forward)
     extra = {"use_cache": False} if accepts(lm.forward, "use_cache") else {}
-    sink = Sink(job, progress, io_progress)
+    side = WriteSide(job, progress, io_progress)
     drain: Drain | None = None
 
     def start_writer(cfg: Any) -> None:  # the writer thread opens the shard while the first forward runs on
         nonlocal drain
-        drain = Drain(sink.write, opts.queue_size, start=lambda: sink.open(cfg), nice=opts.writer_nice)
+        drain = Drain(side.write, opts.queue_size, start=lambda: side.open(cfg), nice=opts.writer_nice)
 
     stage = Stage(job, device, start_writer, lambda: drain.check() if drain is not None else None)
     t0 = time.perf_counter()
@@ -104,28 +104,28 @@ def run(
         if drain is None:
             return _nothing_to_record(job, t0, net0)
         drain.close()
-        sink.close()
+        side.close()
     except BaseException:
         stage.abort()
         if drain is not None:
             drain.abort()
-        sink.abandon()
+        side.abandon()
         raise
     finally:
         stage.close()
     return RecordResult(
         shard=job.shard,
-        n_before=sink.n_before,
-        n_written=sink.n_written,
-        tokens=sink.tokens,
-        nbytes=sink.nbytes,
+        n_before=side.n_before,
+        n_written=side.n_written,
+        tokens=side.tokens,
+        nbytes=side.nbytes,
         seconds=time.perf_counter() - t0,
         forward_seconds=t_fwd,
         wait_seconds=drain.wait_seconds,
         writer_seconds=drain.busy_seconds,
         writer_cpu_seconds=drain.cpu_seconds,
-        source_tokens=sink.source_tokens,
-        truncated_tokens=sink.truncated_tokens,
+        source_tokens=side.source_tokens,
+        truncated_tokens=side.truncated_tokens,
         network=retry.counts_since(net0),
     )
 

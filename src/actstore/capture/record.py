@@ -2,7 +2,7 @@
 
 The forward pass runs on the calling thread; each hooked output is reduced and copied on
 the model's device as it is produced (actstore.capture.stage) and a background thread
-appends the batches to a ShardWriter (actstore.capture.sink). The forward pass waits only
+appends the batches to a ShardWriter (actstore.capture.writeside). The forward pass waits only
 when the writer is `queue_size` batches behind. actstore.capture.loop has the loop.
 """
 
@@ -18,7 +18,7 @@ from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, make_options
 from actstore.capture.segments import check_lengths
-from actstore.capture.sink import Job
+from actstore.capture.writeside import Job
 from actstore.capture.target import CaptureTarget
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats

@@ -50,6 +50,7 @@ class Staged:
     event: Any = None  # CUDA: the copies have landed once it completes
     packed: Any = None  # CUDA: (K, W) float64 in the slot; CPU: K futures (or tensors)
     overflow_counts: Any = None  # per (layer, segment): ints (CPU) or in packed[:, 2] (CUDA)
+    nonfinite: Any = None  # per (layer, segment): inf/NaN values stored, where screened here (else None)
 
     def wait(self) -> tuple[np.ndarray | None, dict[str, int]]:
         """(statistics (K, W) or None, overflowing values per segment), once available."""
@@ -72,21 +73,6 @@ class Staged:
             over[names[k % len(names)]] += int(n)
         return rows, over
 
-    def append_kwargs(self, texts: tuple[str, ...]) -> dict[str, Any]:
-        """ShardWriter.append's arguments: the activations as each segment's list of layers,
-        and the store's `texts` of the batch."""
-        kw: dict[str, Any] = {s.seg.name: self.acts[s.seg.name] for s in self.segs}
-        kw["sample_keys"] = self.batch.keys or None
-        kw["texts"] = {name: self.batch.texts[name] for name in texts}
-        if not self.segs[0].seg.fixed:
-            kw["lengths"] = {s.seg.name: s.lengths for s in self.segs}
-            kw["source_lengths"] = {s.seg.name: s.source_lengths for s in self.segs}
-        if self.segs[0].labels is not None:
-            kw["token_labels"] = {s.seg.name: s.labels for s in self.segs}
-        if self.segs[0].token_ids is not None:
-            kw["token_ids"] = {s.seg.name: s.token_ids for s in self.segs}
-        return kw
-
     def release(self) -> None:
         """Give the slot back (once: the writer calls this when its rows are written)."""
         slot, self.slot = self.slot, None
@@ -98,7 +84,7 @@ class Stage:
     """The device side of a capture (see the module docstring).
 
     Args:
-        job: what the shard holds (actstore.capture.sink.Job).
+        job: what the shard holds (actstore.capture.writeside.Job).
         device: the model's device.
         on_config: called with the StoreConfig made from the first output.
         check: raises the writer thread's error (called while waiting for a free slot).
@@ -149,9 +135,10 @@ class Stage:
             k = lp * len(cur["segs"]) + si
             view = cur["views"][sp.seg.name][lp]
             if self._direct(out, sp, lp):  # CPU, already as stored: the output itself goes on
-                y, n_over = out, 0
+                y, n_over, n_bad = out, 0, None
             else:
-                y, n_over = self._fill(out, sp, view, self.job.hooks[lp].block)
+                y, n_over, n_bad = self._fill(out, sp, view, self.job.hooks[lp].block)
+            cur["nonfinite"][k] = n_bad
             cur["acts"][sp.seg.name][lp] = view if self.cuda else y
             if self.cuda:  # CUDA: statistics on the device, the copy on the side stream
                 if self.opts.stats:
@@ -178,6 +165,7 @@ class Stage:
             slot=cur["slot"],
             ring=self.ring,
             overflow_counts=cur["over"],
+            nonfinite=cur["nonfinite"],
         )
         if self.cuda:  # CUDA: the statistics follow the activations; one event covers them all
             host = cur["stats_view"]
@@ -232,6 +220,7 @@ class Stage:
             "stats_view": views[-1] if self.cuda else None,
             "packed": [None] * (L * n_seg),
             "over": [0] * (L * n_seg),
+            "nonfinite": [None] * (L * n_seg),
             "src_dtype": str(out.dtype).removeprefix("torch."),
         }
 
@@ -248,9 +237,11 @@ class Stage:
             and out.is_contiguous()
         )
 
-    def _fill(self, out: Any, sp: SegPlan, view: Any, block: bool) -> tuple[Any, Any]:
-        """The segment's stored values (b, T_pad, D) and the count of values beyond the stored
-        range (CPU: written into `view`, an int; CUDA: a new device tensor, a device scalar)."""
+    def _fill(self, out: Any, sp: SegPlan, view: Any, block: bool) -> tuple[Any, Any, int | None]:
+        """The segment's stored values (b, T_pad, D), the count of values beyond the stored
+        range (CPU: written into `view`, an int; CUDA: a new device tensor, a device scalar)
+        and, where the values were screened here (CPU, narrowing), the inf/NaN values stored
+        (the writer side screens the others: each value once)."""
         import torch
 
         src = sp.source(out)  # (b, T_pad, D) in the model's dtype, or (b, T, D) of a fixed segment
@@ -262,10 +253,13 @@ class Stage:
                 view[:, t:].zero_()
             if sp.valid is not None and not sp.all_valid:
                 view.masked_fill_(~sp.valid[:, :, None], 0)
-            n_over = 0
-            if narrowing and _any_nonfinite(view):
-                n_over = self._overflow(src, view[:, :t])
-            return view, n_over
+            n_over, n_bad = 0, None
+            if narrowing:
+                n_bad = _count_nonfinite(view)
+                if n_bad:
+                    n_over = self._overflow(src, view[:, :t])
+                    n_bad -= n_over  # those clipped (or refused: on_overflow='raise')
+            return view, n_over, n_bad
         y = src.to(self.dtype)  # CUDA: every step a kernel, nothing waits
         if self.opts.on_overflow == "clip" and narrowing:
             y = _clip(src, self.dtype, _RANGE[self.opts.dtype])
@@ -280,7 +274,7 @@ class Stage:
             y = y.masked_fill(~sp.valid[:, :, None], 0)
         if not block and y.data_ptr() == out.data_ptr():
             y = y.clone()  # an arbitrary module's output may be changed in place later
-        return y, n_over
+        return y, n_over, None
 
     def _overflow(self, src: Any, stored: Any) -> int:
         """CPU, rare: count finite values whose cast overflowed; clip them when asked."""
@@ -302,18 +296,12 @@ class Stage:
             y.record_stream(self.stream)  # CUDA: y's memory is not reused before the copy ran
 
 
-def _any_nonfinite(x: Any) -> bool:
-    """Whether a CPU tensor in a stored dtype holds an inf or NaN (16-bit: by exponent bits,
-    two integer reductions; torch's isfinite on float16 is far slower)."""
-    import torch
+def _count_nonfinite(x: Any) -> int:
+    """The inf and NaN values of a CPU tensor in a stored dtype (16-bit: by exponent bits,
+    two integer reductions when there are none; torch's isfinite on float16 is far slower)."""
+    from actstore.dtypes import count_nonfinite, to_numpy
 
-    from actstore.dtypes import count_nonfinite_16
-
-    if x.dtype == torch.float32:
-        a = x.numpy()
-        return not (np.isfinite(a.max(initial=0)) and np.isfinite(a.min(initial=0)))
-    bits = x.view(torch.int16).numpy().view(np.uint16 if x.dtype == torch.bfloat16 else np.float16)
-    return count_nonfinite_16(bits) > 0
+    return count_nonfinite(to_numpy(x, "activations")[0])
 
 
 def _clip(src: Any, dtype: Any, hi: float) -> Any:

@@ -3,6 +3,12 @@
 Pure functions of the store configuration and the batch; nothing here writes. A batch
 that does not fit raises AppendError (or one of its subclasses) before anything of it is
 kept, with a message that names the argument and what it should be.
+
+`prepare` is the user's door: every argument checked, the activations converted and
+screened for non-finite values once. The result, a `Batch`, is what the writer's internal
+door (`ShardWriter.append_batch`) takes as it is; a caller that made every array itself
+(the capture, actstore.capture.writeside) builds the Batch directly, with `sample_rows`
+for the keys and text lines, and is not checked again.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ class Batch:
     overflow: dict[str, int] = field(default_factory=dict)
     truncated: dict[str, int] = field(default_factory=dict)
     release: Any = None  # lent rows (ShardWriter.append(release=)): called once they are written
+    stats: Any = None  # a RunningStats already computed for this batch (merged as is), or None
 
 
 class LayerList:
@@ -306,16 +313,7 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
             out[keys.labels_array(seg.name)] = pad_tokens(lab.astype(np.uint8)[:, None, :, None], seg.t_max)[:, 0, :, 0]
         elif labels_d:
             raise AppendError("this store was created without token_labels=True; token labels cannot be stored")
-    if sample_keys is None:
-        names = [f"{shard}-{first_index + i}" for i in range(b)]
-    else:
-        names = [str(k) for k in sample_keys]
-        if len(names) != b:
-            raise AppendError(f"got {len(names)} sample_keys for a batch of {b}")
-    try:
-        out[keys.field_array(spec.SAMPLE_KEY)] = encode_keys(names, cfg.zarr_format)
-    except ValueError as e:
-        raise AppendError(str(e)) from None
+    names = _sample_keys(cfg, batch, sample_keys, first_index, shard)
     fields = dict(fields or {})
     if set(fields) != set(cfg.fields):
         raise AppendError(f"this store declares fields {sorted(cfg.fields)}; the batch gives {sorted(fields)}")
@@ -331,13 +329,50 @@ def _per_sample(cfg, batch: Batch, labels_d, sample_keys, fields, texts, first_i
                 f"field {name!r} holds {v.dtype} values that do not fit its dtype {np.dtype(dt)}"
             ) from None
         _check_range(name, v, out[keys.field_array(name)])
+    _text_lines(cfg, batch, texts, names, first_index)
+
+
+def sample_rows(
+    cfg: StoreConfig,
+    batch: Batch,
+    sample_keys: Sequence[str] | None,
+    texts: Mapping[str, Sequence[Any]] | None,
+    first_index: int,
+    shard: int,
+) -> None:
+    """The sample keys and text lines of a batch built outside `prepare` (a capture's): keys
+    encoded as stored (default "{shard}-{index}"), texts dumped as JSON lines."""
+    names = _sample_keys(cfg, batch, sample_keys, first_index, shard)
+    _text_lines(cfg, batch, texts, names, first_index)
+
+
+def _sample_keys(
+    cfg: StoreConfig, batch: Batch, sample_keys: Sequence[str] | None, first_index: int, shard: int
+) -> list[str]:
+    b = batch.b
+    if sample_keys is None:
+        names = [f"{shard}-{first_index + i}" for i in range(b)]
+    else:
+        names = [str(k) for k in sample_keys]
+        if len(names) != b:
+            raise AppendError(f"got {len(names)} sample_keys for a batch of {b}")
+    try:
+        batch.per_sample[keys.field_array(spec.SAMPLE_KEY)] = encode_keys(names, cfg.zarr_format)
+    except ValueError as e:
+        raise AppendError(str(e)) from None
+    return names
+
+
+def _text_lines(
+    cfg: StoreConfig, batch: Batch, texts: Mapping[str, Sequence[Any]] | None, names: list[str], first_index: int
+) -> None:
     texts = dict(texts or {})
     if set(texts) != set(cfg.texts):
         raise AppendError(f"this store declares texts {list(cfg.texts)}; the batch gives {sorted(texts)}")
     for name in cfg.texts:
         vals = list(texts[name])
-        if len(vals) != b:
-            raise AppendError(f"text {name!r} has {len(vals)} values for a batch of {b}")
+        if len(vals) != batch.b:
+            raise AppendError(f"text {name!r} has {len(vals)} values for a batch of {batch.b}")
         try:
             batch.text_lines[name] = [
                 texts_layout.dump_line(first_index + i, names[i], name, v) for i, v in enumerate(vals)

@@ -289,9 +289,30 @@ class ShardWriter(ShardSetup):
             on_nonfinite=self.on_nonfinite,
             on_overflow=self.on_overflow,
         )
-        # Everything is validated: from here on the batch is written.
+        batch.stats = batch_stats
+        for name, n in (overflow or {}).items():
+            batch.overflow[name] = batch.overflow.get(name, 0) + int(n)
+        batch.release = release
+        return self.append_batch(batch)
+
+    def append_batch(self, batch: batches.Batch) -> range:
+        """The writer's internal door: append a batch that is already checked and in its
+        stored form (from `append`, or built by a capture that made every array itself:
+        actstore.capture.writeside); nothing of it is checked or screened again.
+
+        The batch must be made for this writer's next example (`len(self)`: its default
+        sample keys and text lines count from there). Its `release`, if any, is called once
+        the rows are no longer needed (not when this raises); its `stats`, if any, are
+        merged as they are instead of computing the batch's statistics here.
+
+        Returns the batch's local indices in this shard.
+        """
+        self._check_open()
+        cfg = self.cfg
+        # From here on the batch is written.
         n0, b = self.n_written, batch.b
         self._check_background()
+        release, batch_stats = batch.release, batch.stats
         batch.release = release if self._layout.borrows else None  # rows written from where they are
         try:
             self._layout.append(batch, n0)
@@ -306,7 +327,7 @@ class ShardWriter(ShardSetup):
             raise
         for seg in cfg.segments:
             self.nonfinite[seg.name] += batch.nonfinite[seg.name]
-            self.overflow[seg.name] += batch.overflow[seg.name] + int((overflow or {}).get(seg.name, 0))
+            self.overflow[seg.name] += batch.overflow[seg.name]
             self.truncated[seg.name] += batch.truncated[seg.name]
             if self.stats is not None and batch_stats is None:
                 labels = batch.per_sample.get(keys.labels_array(seg.name)) if cfg.default_keeps is not None else None

@@ -1,11 +1,13 @@
 """The writer side of a capture: what one record() call writes, and its writer thread.
 
 `Job` says what the shard holds (layers, segments, texts, labels, metadata) and makes its
-StoreConfig from the first captured output. `Sink` runs on the writer thread (a Drain,
-actstore.capture.drain): it opens the ShardWriter, then appends each staged batch (the
-ring slot's arrays with their statistics, clipped-value counts and per-token fields,
-actstore.capture.stage); the ShardWriter commits every `commit_bytes` on its own, where a
-Zarr shard file fills (nothing written twice).
+StoreConfig from the first captured output. `WriteSide` runs on the writer thread (a
+Drain, actstore.capture.drain): it opens the ShardWriter, then hands it each staged batch
+(the ring slot's arrays with their statistics, clipped-value counts and per-token fields,
+actstore.capture.stage) as a checked `Batch` it builds itself (actstore.capture.tobatch:
+the capture made every array, so nothing is checked or screened again) through the
+writer's internal door, `append_batch`; the ShardWriter commits every `commit_bytes` on
+its own, where a Zarr shard file fills (nothing written twice).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from actstore.capture.devstats import running_stats
 from actstore.capture.hooks import HookPoint
 from actstore.capture.options import CaptureOptions
 from actstore.capture.target import CaptureTarget
+from actstore.dtypes import count_nonfinite, to_numpy
 from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel
 from actstore.inputs.prepare import FIRST_MEANING, TOKEN_LABEL_MEANING
-from actstore.layout import spec
+from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig, default_t_chunk, make_config
 from actstore.stats import stats_key
 from actstore.write import ShardWriter
-from actstore.write.batch import overflow_error
+from actstore.write.batch import Batch, LayerList, overflow_error, sample_rows
 from actstore.write.options import WriterOptions
 from actstore.write.pipeline import IOStats
 
@@ -130,7 +133,7 @@ class Job:
 
 
 @dataclass
-class Sink:
+class WriteSide:
     """The writer thread's work: open the shard, append staged batches, commit."""
 
     job: Job
@@ -162,9 +165,12 @@ class Sink:
                 stats = running_stats(
                     [stats_key(la, s.name) for la in cfg.layers for s in cfg.segments], cfg.d_model, packed
                 )
+            batch = to_batch(staged, cfg, w.shard, w.n_written)
+            batch.stats, batch.overflow = stats, overflow
             # The rows are lent: written from the slot (or the model's outputs), the slot
             # given back once they are (no copy into a staging buffer).
-            w.append(**staged.append_kwargs(cfg.texts), batch_stats=stats, overflow=overflow, release=staged.release)
+            batch.release = staged.release
+            w.append_batch(batch)
         except BaseException:
             staged.release()
             raise
@@ -197,3 +203,35 @@ class Sink:
                 self.writer.__exit__(CaptureError, None, None)
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
+
+
+def to_batch(staged: Any, cfg: StoreConfig, shard: int, first_index: int) -> Batch:
+    """The writer's checked Batch of a staged batch (actstore.write.batch): the device side
+    made every array in its stored form (layers as one LayerList per segment, each
+    (b, T_pad, D); lengths, labels and token ids per segment), so nothing is checked
+    again; each value is screened for inf/NaN once (here, unless the device side did)."""
+    segs = staged.segs
+    batch = Batch(b=staged.b, acts={}, aliased={}, lengths={})
+    for si, sp in enumerate(segs):
+        name = sp.seg.name
+        layers = [to_numpy(a, name)[0] for a in staged.acts[name]]  # views of the slot (or outputs)
+        known = staged.nonfinite or [None] * (len(layers) * len(segs))
+        batch.acts[name] = LayerList(layers)
+        batch.aliased[name] = True  # the slot's memory: lent, never kept past its release
+        batch.lengths[name] = sp.lengths
+        batch.nonfinite[name] = sum(
+            count_nonfinite(a) if known[lp * len(segs) + si] is None else known[lp * len(segs) + si]
+            for lp, a in enumerate(layers)
+        )
+        src = sp.source_lengths
+        batch.truncated[name] = 0 if src is None else int(np.count_nonzero(np.asarray(src) > sp.seg.t_max))
+        batch.per_sample[keys.len_array(name)] = sp.lengths
+        if cfg.token_labels:
+            assert sp.labels is not None  # (b, t_max) uint8: actstore.capture.segments
+            batch.per_sample[keys.labels_array(name)] = sp.labels
+        if cfg.token_ids:
+            assert sp.token_ids is not None  # (b, t_max), padding 0: actstore.capture.segments
+            batch.per_sample[keys.token_ids_array(name)] = sp.token_ids.astype(np.int32)
+    texts = {t: staged.batch.texts[t] for t in cfg.texts}
+    sample_rows(cfg, batch, staged.batch.keys or None, texts, first_index, shard)
+    return batch
