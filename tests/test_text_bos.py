@@ -193,7 +193,7 @@ def test_cutting_keeps_the_bos_and_the_first_label():
 
 
 def test_a_resume_keeps_the_first_runs_bos(tmp_path, models, lines):
-    from actstore.capture.jobs import check_resumed_bos
+    from actstore.capture.shares import check_resumed_bos
     from actstore.capture.target import CaptureTarget
 
     _write(tmp_path / "s", models / "none", lines, "--bos", "never")

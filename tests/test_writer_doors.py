@@ -124,3 +124,68 @@ def test_append_batch_refuses_a_closed_writer(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"shard writer 0 of .* is closed"):
         w.append_batch(batch)
+
+
+def test_the_keywords_are_the_stores_and_the_writers_and_build_the_same_store(tmp_path):
+    from actstore.write.options import CONFIG_KEYWORDS, OPTION_KEYWORDS, WriterKeywords, from_keywords
+
+    assert set(WriterKeywords.__annotations__) == set(CONFIG_KEYWORDS) | set(OPTION_KEYWORDS)
+    assert not set(CONFIG_KEYWORDS) & set(OPTION_KEYWORDS)
+    kw = dict(STORE, commit_bytes=2000, on_overflow="clip", stats=True)
+    cfg, opts = from_keywords(None, None, kw)
+    assert (cfg.layers, cfg.shard_examples, opts.commit_bytes, opts.on_overflow) == ((1, 4), 4, 2000, "clip")
+    for name, spelling in (("kw", kw), ("values", {"config": cfg, "options": opts})):
+        with ShardWriter(tmp_path / name, **spelling) as w:
+            for b in _batches():
+                w.append(b.pop("acts"), **b)
+        finalize(tmp_path / name)
+    assert _files(tmp_path / "kw") == _files(tmp_path / "values")
+    with pytest.raises(TypeError, match=r"ShardWriter got unknown keywords \['d_modle'\]; the store's are \['layers'"):
+        ShardWriter(tmp_path / "bad", layers=[0], d_modle=8, tokens=2)
+    assert not (tmp_path / "bad").exists()
+
+
+def _count_lease_looks(monkeypatch) -> list[int]:
+    from actstore.write import lease
+
+    looks = [0]
+    real = lease._generations
+
+    def counted(storage, shard):
+        looks[0] += 1
+        return real(storage, shard)
+
+    monkeypatch.setattr(lease, "_generations", counted)
+    return looks
+
+
+def test_opening_a_shard_looks_at_its_lease_once(tmp_path, monkeypatch):
+    looks = _count_lease_looks(monkeypatch)
+    with ShardWriter(tmp_path / "s", layers=[0], d_model=4, tokens=2) as w:
+        assert looks[0] == 1
+        w.append(np.ones((1, 1, 2, 4), np.float32))
+    assert looks[0] == 2  # and once more before the commit record (a writer taken over commits nothing)
+    looks[0] = 0
+    with ShardWriter(tmp_path / "s", layers=[0], d_model=4, tokens=2, overwrite=True):
+        assert looks[0] == 1
+
+
+def test_a_lease_taken_before_the_writer_opens_is_adopted_not_looked_up_again(tmp_path, monkeypatch):
+    from actstore.capture.target import CaptureTarget
+    from actstore.errors import ShardBusyError
+
+    target = CaptureTarget(tmp_path / "s")
+    looks = _count_lease_looks(monkeypatch)
+    target.take_lease(0)
+    assert looks[0] == 1
+    with pytest.raises(ShardBusyError, match=r"shard 0 of .* is being written by another writer: pid "):
+        ShardWriter(tmp_path / "s", layers=[0], d_model=4, tokens=2)  # held (by this process's capture)
+    looks[0] = 0
+    with pytest.raises(ValueError, match=r"lease= holds shard 0 of .*, not shard 1 of "):
+        ShardWriter(tmp_path / "s", shard=1, layers=[0], d_model=4, tokens=2, lease=target._leases[0])
+    with ShardWriter(tmp_path / "s", layers=[0], d_model=4, tokens=2, lease=target.lease(0)) as w:
+        assert looks[0] == 0
+        w.append(np.ones((1, 1, 2, 4), np.float32))
+    assert sorted(p.name for p in (tmp_path / "s" / "leases").iterdir()) == []  # given back on close
+    target.release_leases()  # none left: the writer adopted it
+    finalize(tmp_path / "s")

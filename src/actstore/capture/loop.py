@@ -133,13 +133,19 @@ def run(
 def _nothing_to_record(job: Job, t0: float, net0: Any) -> RecordResult:
     """No batches: a resumed shard whose examples were all committed is closed; else an error."""
     from actstore.write import ShardWriter
+    from actstore.write.options import WriterOptions
 
     n0, complete = job.target.committed(job.shard)
     if not (job.opts.resume and (n0 or complete)):
         raise EmptyDatasetError("no batches to record: the data is empty (nothing was written)")
     if not complete:  # reopened with the store's own identity, to close it
+        lease = job.target.lease(job.shard)  # taken before the model loaded, if it was
         ShardWriter(
-            job.target.root, shard=job.shard, config=job.target.identity(), resume=True, stats=job.opts.stats
+            job.target.root,
+            shard=job.shard,
+            config=job.target.identity(),
+            options=WriterOptions(resume=True, stats=job.opts.stats),
+            lease=lease,
         ).close()
     return RecordResult(
         shard=job.shard,

@@ -18,7 +18,7 @@ from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, make_options
 from actstore.capture.segments import check_lengths
-from actstore.capture.writeside import Job
+from actstore.capture.writeside import Job, ShardContents
 from actstore.capture.target import CaptureTarget
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats
@@ -99,9 +99,32 @@ def record(
     opts.check(names="python")
     if opts.runner == "ray":
         return _record_ray(model, batches, store, opts, shard, progress, locals())
+    contents = ShardContents(
+        segments=dict(segments) if segments else None,
+        t_chunk=dict(t_chunk) if t_chunk else None,
+        token_labels=token_labels,
+        texts=tuple(texts),
+        attrs=dict(attrs or {}),
+    )
+    return record_shard(model, batches, store, opts, shard, contents, model_id, progress, io_progress)
+
+
+def record_shard(
+    model: Any,
+    batches: Iterable[Any],
+    store: Any,
+    opts: CaptureOptions,
+    shard: int,
+    contents: ShardContents,
+    model_id: str | None = None,
+    progress: Callable[[int, int, int], None] | None = None,
+    io_progress: Callable[[IOStats], None] | None = None,
+) -> RecordResult:
+    """record() on this process, from checked options and the shard's contents as one value
+    (what `actstore write`'s writers call with their Share: actstore.capture.run)."""
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
     hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
-    if segments is None and isinstance(batches, Sequence):
+    if contents.segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
         target=CaptureTarget.of(store),
@@ -109,12 +132,8 @@ def record(
         hooks=hooks,
         lm=lm,
         opts=opts,
-        segments=dict(segments) if segments else None,
-        t_chunk=dict(t_chunk) if t_chunk else None,
-        token_labels=token_labels,
-        texts=tuple(texts),
+        contents=contents,
         model_id=model_id or lm.model_id,
-        attrs=dict(attrs or {}),
         token_ids=bool(opts.token_ids),
     )
     if not opts.resume:  # what an earlier run left: refused, naming resume=True and removing it

@@ -19,7 +19,7 @@ from actstore.capture import ranks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, check_job
 from actstore.capture.progress import Progress
-from actstore.capture.record import record
+from actstore.capture.record import record_shard
 from actstore.capture.runner_local import run_workers
 from actstore.capture.target import CaptureTarget
 from actstore.dtypes import require_torch
@@ -66,8 +66,9 @@ def write(o: CaptureOptions) -> dict[str, Any]:
     if world > len(source) and not (o.pack or o.chunk):  # (windows are counted by each writer)
         raise CaptureError(f"{world} writers for {len(source)} examples: use at most {len(source)} writers")
     here = range(world) if multi else [o.rank]
-    for r in here:
-        target.check_lease(r)  # another live writer of a shard: refused before any model loads
+    if multi:  # the writers' processes take their leases; a live writer of a shard: refused now
+        for r in here:
+            target.check_lease(r)
     if not o.resume:
         target.check_fresh(here)
     created = target.is_empty()
@@ -132,15 +133,24 @@ def run_shard(
     o: CaptureOptions, rank: int, world: int, *, source: Source | None = None, progress: Any = None
 ) -> RecordResult:
     """Load the model and write shard `rank`'s slice of the data (one writer process)."""
+    source = source or load_source(o.data, o.text_field, Decoding(o.encoding, o.errors)).limit(o.max_examples)
+    target = CaptureTarget(o.store)
+    target.take_lease(rank)  # a shard another live writer holds: refused before the model loads
+    try:
+        return _run_shard(o, rank, world, source, progress, target)
+    finally:
+        target.release_leases()  # (none left once the writer adopted it)
+
+
+def _run_shard(
+    o: CaptureOptions, rank: int, world: int, source: Source, progress: Any, target: CaptureTarget
+) -> RecordResult:
     import torch
 
-    from actstore.capture.jobs import image_or_text, windows
+    from actstore.capture.shares import image_or_text, windows
 
     if o.threads:
         torch.set_num_threads(o.threads)
-    source = source or load_source(o.data, o.text_field, Decoding(o.encoding, o.errors)).limit(o.max_examples)
-    target = CaptureTarget(o.store)
-    target.check_lease(rank)
     n_done, complete = target.committed(rank) if o.resume else (0, False)
     if complete:  # a finished shard: nothing to do, no model to load
         return RecordResult(
@@ -157,24 +167,20 @@ def run_shard(
         print(f"loading {o.model} ...", file=sys.stderr, flush=True)
     lm = load_model(o.model, device=o.device, torch_dtype=o.model_dtype)
     make = windows if o.pack or o.chunk else image_or_text
-    job = make(o, lm, source, target, rank, world, n_done)
+    share = make(o, lm, source, target, rank, world, n_done)
     own_bar = None
     if progress is None and o.progress:
-        own_bar = progress = Progress(total=job.total, desc=f"shard {rank}")
+        own_bar = progress = Progress(total=share.total, desc=f"shard {rank}")
+    opts = replace(o, runner="local", world_size=world)  # this process writes this shard
+    opts.check(names="python")
     try:
-        return record(
+        return record_shard(
             lm,
-            job.batches,
+            share.batches,
             target,
-            o,
-            runner="local",  # this process writes this shard
-            shard=rank,
-            world_size=world,
-            segments=job.segments,
-            t_chunk=job.t_chunk,
-            token_labels=job.token_labels,
-            texts=job.texts,
-            attrs=job.attrs,
+            opts,
+            rank,
+            share.contents,
             progress=progress.update if progress is not None else None,
             io_progress=getattr(progress, "io", None),
         )

@@ -77,7 +77,7 @@ def plan_segments(
         for j, s in enumerate(sel):
             idx[j, : len(s)] = s
         labels = None
-        if job.token_labels:
+        if job.contents.token_labels:
             labels = np.zeros((b, seg.t_max), np.uint8)
             for j, lab in enumerate(batch.labels[seg.name]):
                 labels[j, : lengths[j]] = lab[: seg.t_max]

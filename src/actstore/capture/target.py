@@ -31,6 +31,7 @@ class CaptureTarget:
         self.url = self.storage.url
         self.root: Any = self.storage.local_root if self.storage.local_root is not None else self.url
         self._identity: StoreConfig | None = None
+        self._leases: dict[int, Any] = {}  # shard -> ShardLease taken before its writer opens
 
     @classmethod
     def of(cls, store: Any) -> CaptureTarget:
@@ -85,8 +86,8 @@ class CaptureTarget:
                 )
 
     def check_lease(self, shard: int) -> None:
-        """Refuse a shard that a live writer holds, before the model loads (the writer takes
-        the lease itself when it opens the shard)."""
+        """Refuse a shard that a live writer holds, before any model loads, when the writers
+        run in other processes (each takes the lease itself: `take_lease`)."""
         from actstore.write.lease import current, holder_alive
 
         held = current(self.storage, shard)
@@ -95,6 +96,24 @@ class CaptureTarget:
                 f"shard {shard} of {self.url} is being written by another writer: {held.holder()}. "
                 "Two writers of one shard would interleave their blocks; give this writer another rank, or wait for that one"
             )
+
+    def take_lease(self, shard: int) -> None:
+        """Take the lease of `shard` for this process's writer before its model loads: a shard
+        a live writer holds is refused now, and the writer adopts the lease (`lease`) instead
+        of looking at it again. `release_leases` gives back one no writer adopted."""
+        from actstore.write.lease import ShardLease
+
+        if shard not in self._leases:
+            self._leases[shard] = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
+
+    def lease(self, shard: int) -> Any:
+        """The lease taken for `shard` (handed to its writer once), or None."""
+        return self._leases.pop(shard, None)
+
+    def release_leases(self) -> None:
+        for held in self._leases.values():
+            held.release()
+        self._leases.clear()
 
     def keeps_token_ids(self, batch_has_ids: bool) -> bool:
         """Token ids are kept when the batches carry input_ids, unless the store (resumed) has none."""

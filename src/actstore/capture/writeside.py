@@ -45,22 +45,24 @@ _SAEV_FAMILIES = {
 }
 
 
-@dataclass
-class Job:
-    """What one record() call writes into its shard."""
+@dataclass(frozen=True)
+class ShardContents:
+    """What a capture's shard holds beside its layers: one value from the job that plans it
+    (actstore.capture.shares, record()'s keywords) to the store's configuration (Job.config).
 
-    target: CaptureTarget
-    shard: int
-    hooks: list[HookPoint]
-    lm: LoadedModel
-    opts: CaptureOptions
-    segments: dict[str, int] | None = None  # None: one fixed segment of every token
+    Attributes:
+        segments: {name: T_max} of zero-padded segments; None: one fixed segment of every token.
+        t_chunk: {segment: token chunk length} for some of `segments`.
+        token_labels: True: spec.TOKEN_KIND_NAMES; a mapping: these kinds; False: no labels.
+        texts: names of the per-example text fields.
+        attrs: free-form metadata recorded with the store.
+    """
+
+    segments: dict[str, int] | None = None
     t_chunk: dict[str, int] | None = None
-    token_labels: bool | Mapping[int, str] = False  # True: spec.TOKEN_KIND_NAMES; a mapping: these kinds
+    token_labels: bool | Mapping[int, str] = False
     texts: tuple[str, ...] = ()
-    model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
-    token_ids: bool = False  # decided from the first batch (actstore.capture.loop)
 
     @property
     def kind_names(self) -> dict[int, str] | None:
@@ -69,16 +71,31 @@ class Job:
             return dict(self.token_labels)
         return dict(spec.TOKEN_KIND_NAMES) if self.token_labels else None
 
+
+@dataclass
+class Job:
+    """What one record() call writes into its shard: the one meaning of "job" in a capture."""
+
+    target: CaptureTarget
+    shard: int
+    hooks: list[HookPoint]
+    lm: LoadedModel
+    opts: CaptureOptions
+    contents: ShardContents = field(default_factory=ShardContents)
+    model_id: str | None = None
+    token_ids: bool = False  # decided from the first batch (actstore.capture.loop)
+
     def config(self, b: int, t: int, d: int) -> StoreConfig:
         """The store's configuration for outputs of (b, t, d) (t counted before a dropped CLS)."""
-        t -= int(self.opts.drop_cls and self.segments is None)
-        seg_kw: dict[str, Any] = {"segments": self.segments} if self.segments else {"tokens": t}
-        if self.t_chunk:  # never a chunk above the writer's default size (MAX_CHUNK_BYTES)
+        c = self.contents
+        t -= int(self.opts.drop_cls and c.segments is None)
+        seg_kw: dict[str, Any] = {"segments": c.segments} if c.segments else {"tokens": t}
+        if c.t_chunk:  # never a chunk above the writer's default size (MAX_CHUNK_BYTES)
             item = np.dtype(spec.ACT_DTYPES[self.opts.dtype]).itemsize
-            seg_kw["t_chunk"] = {k: min(v, default_t_chunk(self.segments[k], d, item)) for k, v in self.t_chunk.items()}
+            seg_kw["t_chunk"] = {k: min(v, default_t_chunk(c.segments[k], d, item)) for k, v in c.t_chunk.items()}
         # The capture's labels are token kinds: the store says so (StoreConfig.token_label_names,
         # where the layout has it; the attrs' `token_labels` mark capture-made stores either way).
-        names = self.kind_names
+        names = c.kind_names
         if names is not None:
             seg_kw["token_label_names"] = names
         return make_config(
@@ -88,22 +105,23 @@ class Job:
             **seg_kw,
             zarr_format=self.opts.zarr_format,
             shard_examples=self.opts.shard_examples,
-            texts=self.texts,
-            token_labels=self.token_labels,
+            texts=c.texts,
+            token_labels=c.token_labels,
             token_ids=self.token_ids,
             model_id=self.model_id,
             attrs=self._attrs(t),
         )
 
     def _attrs(self, t: int) -> dict[str, Any]:
-        attrs = dict(self.attrs)
+        c = self.contents
+        attrs = dict(c.attrs)
         attrs["hooks"] = {str(hp.layer): hp.path for hp in self.hooks}
         attrs["hook_names"] = {str(hp.layer): hp.name for hp in self.hooks}  # readers take these names as layers
         attrs["hook_kind"] = (
             "block output (residual stream)" if all(hp.block for hp in self.hooks) else "named hooks (hook_names)"
         )
-        if self.token_labels:
-            extra = FIRST_MEANING if spec.FIRST_LABEL in (self.kind_names or {}) else {}
+        if c.token_labels:
+            extra = FIRST_MEANING if spec.FIRST_LABEL in (c.kind_names or {}) else {}
             attrs["token_labels"] = {**TOKEN_LABEL_MEANING, **extra}
         im = self.lm.image
         if im is not None:
@@ -129,7 +147,8 @@ class Job:
 
     def writer(self, cfg: StoreConfig) -> ShardWriter:
         opts = WriterOptions(commit_bytes=self.opts.commit_bytes, **self.opts.writer_options(self.opts.world_size))
-        return ShardWriter(self.target.root, shard=self.shard, config=cfg, options=opts)
+        lease = self.target.lease(self.shard)  # taken before the model loaded, if it was
+        return ShardWriter(self.target.root, shard=self.shard, config=cfg, options=opts, lease=lease)
 
 
 @dataclass

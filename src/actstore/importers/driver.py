@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ import numpy as np
 
 from actstore.errors import CorruptStoreError, ImportSourceError, ImportVerifyError, StoreMismatchError
 from actstore.layout import records
+from actstore.layout.config import StoreConfig, make_config
 from actstore.storage import KeyNotFound, open_storage
 
 SEGMENT = "tokens"
@@ -46,6 +47,23 @@ class Geometry:
     variable: bool = False
     model_id: str | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, zarr_format: int, attrs: Mapping[str, Any]) -> StoreConfig:
+        """The StoreConfig of the store, written as Zarr `zarr_format`, with `attrs` (the
+        source's own attrs and the part's) as its metadata: what the writers take whole."""
+        shape: dict[str, Any] = {"segments": {SEGMENT: self.tokens}} if self.variable else {"tokens": self.tokens}
+        return make_config(
+            layers=self.layers,
+            d_model=self.d_model,
+            **shape,
+            dtype=self.dtype,
+            token_ids=self.token_ids,
+            token_labels=self.token_labels,
+            token_label_names=self.token_label_names,
+            model_id=self.model_id,
+            attrs=attrs,
+            zarr_format=zarr_format,
+        )
 
 
 @dataclass(frozen=True)
@@ -162,6 +180,7 @@ def _import_part(
     """Part i -> shard i; returns the checksum of the part's first example (None when it
     was already imported, or is empty)."""
     from actstore.write import ShardWriter
+    from actstore.write.options import WriterOptions
 
     part, g = source.parts[i], source.geometry
     state = _existing(store, i, part, source, zarr_format)
@@ -169,29 +188,16 @@ def _import_part(
         report.count("n_skipped")
         update(part.n_examples or 0)
         return None
-    kw = {"commit_bytes": commit_bytes} if commit_bytes else {}
     attrs = {
         **g.attrs,
         IMPORT_ATTR: {"kind": source.kind, "source": source.url, "part": part.key, "fingerprint": part.fingerprint},
     }
-    shape = {"segments": {SEGMENT: g.tokens}} if g.variable else {"tokens": g.tokens}
-    w = ShardWriter(
-        store,
-        shard=i,
-        layers=g.layers,
-        d_model=g.d_model,
-        **shape,
-        dtype=g.dtype,
-        token_ids=g.token_ids,
-        token_labels=g.token_labels,
-        token_label_names=g.token_label_names,
-        model_id=g.model_id,
-        attrs=attrs,
+    opts = WriterOptions(
         resume=state == "partial",
         overwrite=state == "unclaimed",
-        zarr_format=zarr_format,
-        **kw,
+        **({"commit_bytes": commit_bytes} if commit_bytes else {}),
     )
+    w = ShardWriter(store, shard=i, config=g.config(zarr_format, attrs), options=opts)
     probe = None
     with w:
         start = w.n_committed

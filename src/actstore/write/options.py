@@ -2,14 +2,17 @@
 and `WriterOptions` (how this writer writes it), each frozen and checked when made.
 
 ShardWriter takes both whole (`ShardWriter(path, config=cfg, options=opts)`); its keyword
-arguments are the convenience that builds them (`store_config` and `WriterOptions`).
+arguments (`WriterKeywords`, typed and partial: make_config's parameters and WriterOptions'
+fields, as zarr-python's ArrayConfigParams beside its frozen value) are the convenience that
+builds them, through one function: `from_keywords`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
@@ -64,23 +67,41 @@ class WriterOptions:
             )
 
 
-CONFIG_KEYWORDS = (
-    "layers",
-    "d_model",
-    "tokens",
-    "segments",
-    "dtype",
-    "t_chunk",
-    "zarr_format",
-    "shard_examples",
-    "fields",
-    "texts",
-    "token_labels",
-    "token_ids",
-    "token_label_names",
-    "model_id",
-    "attrs",
-)
+class WriterKeywords(TypedDict, total=False):
+    """ShardWriter's keywords, each optional: the store's (make_config's parameters) and the
+    writer's (WriterOptions' fields); ShardWriter's Args describe each one. A test checks
+    that they are exactly those two lists."""
+
+    layers: Sequence[int]
+    d_model: int
+    tokens: int | None
+    segments: Mapping[str, int] | None
+    dtype: Any
+    t_chunk: int | Mapping[str, int] | None
+    zarr_format: int
+    shard_examples: int | str | None
+    fields: Mapping[str, Any] | None
+    texts: Sequence[str]
+    token_labels: bool
+    token_ids: bool
+    token_label_names: Mapping[int, str] | None
+    model_id: str | None
+    attrs: Mapping[str, Any] | None
+    resume: bool
+    overwrite: bool
+    commit_bytes: int
+    on_nonfinite: str
+    on_overflow: str
+    compressor: Any
+    engine: str
+    stats: bool
+    fsync: bool
+    world_size: int | None
+    io_threads: int | None
+    io_bytes: int | None
+
+
+CONFIG_KEYWORDS = tuple(p for p in inspect.signature(make_config).parameters if p != "segments_specs")
 OPTION_KEYWORDS = tuple(f.name for f in fields(WriterOptions))
 
 
@@ -117,3 +138,20 @@ def writer_options(options: WriterOptions | None, given: Mapping[str, Any]) -> W
             raise TypeError(f"options must be a WriterOptions. Got {type(options).__name__}.")
         return options
     return WriterOptions(**given)
+
+
+def from_keywords(
+    config: StoreConfig | None, options: WriterOptions | None, keywords: Mapping[str, Any]
+) -> tuple[StoreConfig, WriterOptions]:
+    """The (StoreConfig, WriterOptions) of ShardWriter's arguments: `config` and `options`
+    whole, or the keywords that build either (not both for one of them); an unknown keyword
+    is refused, naming the known ones."""
+    unknown = sorted(set(keywords) - set(CONFIG_KEYWORDS) - set(OPTION_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"ShardWriter got unknown keywords {unknown}; the store's are {list(CONFIG_KEYWORDS)}, "
+            f"the writer's {list(OPTION_KEYWORDS)}"
+        )
+    opts = writer_options(options, {k: v for k, v in keywords.items() if k in OPTION_KEYWORDS})
+    cfg = store_config(config, {k: v for k, v in keywords.items() if k in CONFIG_KEYWORDS})
+    return cfg, opts

@@ -14,14 +14,14 @@ from __future__ import annotations
 import errno
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
 from actstore import catalog
 from actstore.write import zarr_arrays as arrays
 from actstore._version import __version__
-from actstore.errors import AppendError, CorruptStoreError, DiskFullError, ShardExistsError, StoreNotFoundError
+from actstore.errors import AppendError, DiskFullError, StoreNotFoundError
 from actstore.layout import keys, records, spec
 from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, stats_key, update_masked
@@ -32,14 +32,14 @@ from actstore.layout.checksum import per_sample_crc32c
 from actstore.write.appendfiles import AppendFiles
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease
-from actstore.write.options import CONFIG_KEYWORDS, OPTION_KEYWORDS, WriterOptions, store_config, writer_options
+from actstore.write.options import WriterKeywords, WriterOptions, from_keywords
 from actstore.write.pipeline import IOStats
-from actstore.write.setup import ShardSetup, _set_rows
+from actstore.write.setup import ShardSetup, set_rows
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class ShardWriter(ShardSetup):
+class ShardWriter:
     """Writes one shard of an actstore store from a user's inference loop.
 
     Several processes may write different shards of one store at once, without locks.
@@ -48,13 +48,18 @@ class ShardWriter(ShardSetup):
 
     The store's configuration and the writer's options are values: pass `config=` (a
     StoreConfig, from actstore.layout.config.make_config) and `options=` (a WriterOptions,
-    actstore.write.options) whole, or the keywords below that build them (not both).
+    actstore.write.options) whole, or the keywords below that build them (not both):
+    `WriterKeywords`, split by one function (actstore.write.options.from_keywords).
+    Opening takes the shard's lease (one look at it), then claims and creates the shard or
+    recovers it for a resume through its `ShardSetup` (actstore.write.setup).
 
     Args:
         path: the store's root: a folder (created if needed) or an object-store URL.
         shard: this writer's shard number (0..99999), unique per writer.
         config: the store's configuration, instead of layers ... attrs.
         options: the writer's options, instead of resume ... io_bytes.
+        lease: the lease on this shard that this process took already (a capture takes it
+            before its model loads: actstore.capture.target); adopted, not looked up again.
         layers: the model layer numbers recorded, in the order of the batch's L axis.
         d_model: activation width D.
         tokens: T for a store with one fixed-length segment (ViT: patches + CLS).
@@ -109,39 +114,12 @@ class ShardWriter(ShardSetup):
         shard: int = 0,
         config: StoreConfig | None = None,
         options: WriterOptions | None = None,
-        layers: Sequence[int] | None = None,
-        d_model: int | None = None,
-        tokens: int | None = None,
-        segments: Mapping[str, int] | None = None,
-        dtype: Any = None,
-        t_chunk: int | Mapping[str, int] | None = None,
-        zarr_format: int | None = None,
-        shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO,
-        fields: Mapping[str, Any] | None = None,
-        texts: Sequence[str] | None = None,
-        token_labels: bool | None = None,
-        token_ids: bool | None = None,
-        token_label_names: Mapping[int, str] | None = None,
-        model_id: str | None = None,
-        attrs: Mapping[str, Any] | None = None,
-        resume: bool | None = None,
-        overwrite: bool | None = None,
-        commit_bytes: int | None = None,
-        on_nonfinite: str | None = None,
-        on_overflow: str | None = None,
-        compressor: Any = None,
-        engine: str | None = None,
-        stats: bool | None = None,
-        fsync: bool | None = None,
-        world_size: int | None = None,
-        io_threads: int | None = None,
-        io_bytes: int | None = None,
+        lease: ShardLease | None = None,
+        **keywords: Unpack[WriterKeywords],
     ):
         if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard <= spec.MAX_SHARD:
             raise ValueError(f"shard must be an int in 0..{spec.MAX_SHARD}. Got {shard!r}.")
-        given = locals()
-        opts = writer_options(options, {k: given[k] for k in OPTION_KEYWORDS})
-        cfg = store_config(config, {k: given[k] for k in CONFIG_KEYWORDS})
+        cfg, opts = from_keywords(config, options, keywords)
         opts.check_rank(shard)
         arrays.check_compressor(opts.compressor, cfg.zarr_format)  # before anything is written
         self.storage = open_storage(path)
@@ -159,19 +137,19 @@ class ShardWriter(ShardSetup):
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
         self._created = records.now()
         self.options = opts
-        self.engine = "direct" if opts.compressor is None and opts.engine in ("auto", "direct") else "zarr"
         self.compressor = opts.compressor
         self.commit_bytes = int(opts.commit_bytes)
         self.on_nonfinite = opts.on_nonfinite
         self.on_overflow = opts.on_overflow
         self.fsync = opts.fsync
-        self.io_threads, self.io_bytes = opts.io_threads, opts.io_bytes
         self.sh = catalog.shard_storage(self.storage, shard)
         if opts.fsync:
             self.sh.track_writes()
             self.storage.track_writes()
             self.storage.mark_written(keys.IDENTITY)  # synced with the first commit
         self._records = AppendFiles(self.sh)
+        self._files = ShardSetup(self.storage, self.sh, shard, self.root, cfg, opts, self._records)
+        self.engine = self._files.engine
         self.world_size = opts.world_size
         self._closed = False
         names = [s.name for s in cfg.segments]
@@ -180,7 +158,6 @@ class ShardWriter(ShardSetup):
         self.text_bytes = dict.fromkeys(cfg.texts, 0)
         self._pending: dict[str, list[np.ndarray]] = {}
         self._pending_text: dict[str, list[bytes]] = {n: [] for n in cfg.texts}
-        self._el_crc_file = True  # False for a resumed shard written without the crc file
         self._block_bytes = 0
         self._stats_file: str | None = None
         self.stats = (
@@ -189,34 +166,26 @@ class ShardWriter(ShardSetup):
             else None
         )
         # One writer per shard: a second writer or resumer is refused while this one lives.
-        self._lease = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
+        # The one look at the shard's lease on opening it: taking it (or adopting the one
+        # this process took already, before a model loaded: actstore.capture.target).
+        if lease is not None and (lease.storage.url != self.storage.url or lease.lease.shard != shard):
+            raise ValueError(
+                f"lease= holds shard {lease.lease.shard} of {lease.storage.url}, not shard {shard} of {self.root}"
+            )
+        self._lease = lease or ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
         weakref.finalize(self, self._lease.release)  # a writer dropped unclosed gives it back
         try:
-            self._setup(shard, opts.resume, opts.overwrite)
+            found = self._files.open(records.dump_commit(self._commit_record(False)), self._shard_attrs(), self.stats)
         except BaseException:
             self._lease.release()
             raise
-
-    def _setup(self, shard: int, resume: bool, overwrite: bool) -> None:
-        if catalog.shard_exists(self.storage, shard) and self._claimed():
-            if overwrite:
-                self._refuse_if_published("overwrite")
-                self.sh.delete_prefix("")
-                self._create()
-            elif resume:
-                self._recover()
-            else:
-                try:
-                    n: Any = catalog.read_commit(self.sh).n_committed
-                except CorruptStoreError:
-                    n = "?"
-                raise ShardExistsError(
-                    f"shard {shard} of {self.root} already exists ({n} committed examples); "
-                    "pass resume=True to continue it or overwrite=True to replace it"
-                )
-        else:
-            self._create()
-        self._open_layout()
+        if found is not None:
+            self.n_committed = self.n_written = found.n_committed
+            self.n_blocks = found.n_blocks
+            self.truncated, self.nonfinite, self.overflow = found.truncated, found.nonfinite, found.overflow
+            self.text_bytes, self.world_size, self._stats_file = found.text_bytes, found.world_size, found.stats_file
+        self._meta, self._group, self._ps_rows = self._files.meta, self._files.group, self._files.ps_rows
+        self._layout = self._files.layout
 
     # ---- setup --------------------------------------------------------------------
     @property
@@ -401,14 +370,14 @@ class ShardWriter(ShardSetup):
         if n1 > n0:
             ps_crc = {}
             dtypes = {a.key: a.dtype for a in shard_arrays(cfg)}  # as deep verify checks them
-            for name in self._per_sample_names():
+            for name in self._files.per_sample_names():
                 vals = self._take_pending(name, n1 - n0)
                 arr = arrays.every_chunk(self._group, name)
-                _set_rows(arr, n1)
+                set_rows(arr, n1)
                 self._ps_rows.write(arr, name, n0, vals)  # from its chunk's first row: nothing read back
                 ps_crc[keys.basename(name)] = per_sample_crc32c(vals, dtypes[name])
             for seg in cfg.segments:
-                _set_rows(self._group[keys.acts_array(seg.name)], n1)
+                set_rows(self._group[keys.acts_array(seg.name)], n1)
             for name, lines in self._pending_text.items():
                 self.text_bytes[name] = self._records.append(keys.text_file(name), b"".join(lines[: n1 - n0]))
                 del lines[: n1 - n0]
@@ -416,7 +385,7 @@ class ShardWriter(ShardSetup):
             block = records.Block(
                 start=n0, stop=n1, crc32c=block_crc, nbytes=(n1 - n0) * cfg.example_bytes(), per_sample_crc32c=ps_crc
             )
-            if self._el_crc_file:
+            if self._files.el_crc_file:
                 self._records.append(keys.EL_CRC, records.dump_el_crcs(el_esl))
             self._records.append(keys.BLOCKS, records.dump_block(block))
             self.n_blocks += 1
@@ -430,7 +399,7 @@ class ShardWriter(ShardSetup):
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
         if complete and n0:
-            self._check_committed(n1)  # committed in several commits: none of its objects was lost
+            self._files.check_committed(n1)  # committed in several commits: none of its objects was lost
         if self.fsync:
             sh.sync_written()  # a group commit: every file of the block synced at once, not the disk
             self.storage.sync_written()

@@ -1,21 +1,23 @@
 """One writer's share of `actstore write`: its batches and what its shard holds.
 
 `image_or_text` (images, texts, prompt/response pairs) and `windows` (a corpus in
---pack/--chunk windows) turn the options, the loaded model and the data into a `ShardJob`:
-the batches of this rank's slice (after the examples a resume finds committed), the
-segments and texts of the store, and the attrs that record how it was captured.
+--pack/--chunk windows) turn the options, the loaded model and the data into a `Share`:
+the batches of this rank's slice (after the examples a resume finds committed) and the
+shard's contents as one value (`ShardContents`: the segments and texts of the store, and
+the attrs that record how it was captured), which record's Job keeps as it is.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from actstore.capture.options import CaptureOptions
 from actstore.capture.ranks import split
 from actstore.capture.target import CaptureTarget
+from actstore.capture.writeside import ShardContents
 from actstore.errors import CaptureError
 from actstore.inputs.data import Source, absolute_data
 from actstore.inputs.models import LoadedModel
@@ -23,14 +25,12 @@ from actstore.layout.spec import FIRST_KIND, TOKEN_KIND_NAMES
 
 
 @dataclass
-class ShardJob:
+class Share:
+    """One writer's share: its batches and what its shard holds."""
+
     batches: Iterable[Any]
     total: int | None  # examples (windows) this writer has left, for its progress bar
-    segments: dict[str, int] | None = None
-    t_chunk: dict[str, int] | None = None
-    token_labels: bool | dict[int, str] = False  # True: the capture's token kinds; a dict: these kinds
-    texts: tuple[str, ...] = ()
-    attrs: dict[str, Any] = field(default_factory=dict)
+    contents: ShardContents
 
 
 def _capture_attrs(o: CaptureOptions, world: int, **more: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def _capture_attrs(o: CaptureOptions, world: int, **more: Any) -> dict[str, Any]
 
 def image_or_text(
     o: CaptureOptions, lm: LoadedModel, source: Source, target: CaptureTarget, rank: int, world: int, n_done: int
-) -> ShardJob:
+) -> Share:
     from actstore.inputs.budgets import text_plan
     from actstore.inputs.prepare import TextPlan, choose_bos, default_system, image_batches, text_batches
 
@@ -52,7 +52,7 @@ def image_or_text(
     if lm.modality != "text":
         attrs["capture"] = _capture_attrs(o, world, special=None, chat_template=False, generate=0)
         batches = image_batches(source, first, stop, lm.image, o.batch_size, lm.device)
-        return ShardJob(batches, stop - first, texts=("image",), attrs=attrs)
+        return Share(batches, stop - first, ShardContents(texts=("image",), attrs=attrs))
     plan = TextPlan(
         kind=source.kind,
         p_max=1,
@@ -93,20 +93,19 @@ def image_or_text(
     attrs["capture"]["bos"] = bos.to_json()
     batches = text_batches(source, first, stop, lm.tokenizer, plan, o.batch_size, lm.device, model=lm.model)
     kinds = {**TOKEN_KIND_NAMES, **(FIRST_KIND if plan.label_first else {})}
-    return ShardJob(
-        batches,
-        stop - first,
+    contents = ShardContents(
         segments=plan.segments,
         t_chunk=plan.t_chunks,
         token_labels=kinds if o.special == "mask" else False,
         texts=plan.texts,
         attrs=attrs,
     )
+    return Share(batches, stop - first, contents)
 
 
 def windows(
     o: CaptureOptions, lm: LoadedModel, source: Source, target: CaptureTarget, rank: int, world: int, n_done: int
-) -> ShardJob:
+) -> Share:
     """--pack / --chunk: this rank's slice of the corpus's windows (actstore.inputs.packing)."""
     from actstore.inputs.packing import RUNS_TEXT, plan_windows, window_batches
 
@@ -139,14 +138,10 @@ def windows(
     batches = window_batches(
         source, wins, first, stop, lm.tokenizer, o.batch_size, lm.device, drop_bos=o.drop_bos, special=o.special
     )
-    return ShardJob(
-        batches,
-        stop - first,
-        segments={"tokens": o.context},
-        token_labels=o.special != "keep",
-        texts=(RUNS_TEXT,),
-        attrs=attrs,
+    contents = ShardContents(
+        segments={"tokens": o.context}, token_labels=o.special != "keep", texts=(RUNS_TEXT,), attrs=attrs
     )
+    return Share(batches, stop - first, contents)
 
 
 def check_resumed_bos(target: CaptureTarget, choice: dict[str, Any]) -> None:
