@@ -9,22 +9,9 @@ import pytest
 import torch
 
 import actstore
-from actstore import dtypes
 from actstore.write import batch as batches
 from capture_support import tiny_llama
-
-
-def _count_screens(monkeypatch) -> list[int]:
-    calls = [0]
-    for name in ("count_nonfinite_16", "_count_nonfinite"):
-        real = getattr(dtypes, name)
-
-        def counted(x, _real=real):
-            calls[0] += 1
-            return _real(x)
-
-        monkeypatch.setattr(dtypes, name, counted)
-    return calls
+from screen_count import count_screens
 
 
 def _refuse_prepare(monkeypatch) -> None:
@@ -40,7 +27,7 @@ def test_capture_builds_the_batch_and_screens_each_value_once(tmp_path, monkeypa
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(4, 60, (2, 5), generator=g) for _ in range(3)]
     _refuse_prepare(monkeypatch)
-    calls = _count_screens(monkeypatch)
+    calls = count_screens(monkeypatch)
     actstore.record(model, data, tmp_path / "s", layers=[0, 1], dtype=dtype)
     # one screen per (batch, layer, segment): 3 batches x 2 layers x 1 segment (before: twice
     # for a float32 model stored as float16, the device side's and append's)

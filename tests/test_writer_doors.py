@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from actstore import ShardWriter, finalize
-from actstore import dtypes
 from actstore.layout.config import make_config
 from actstore.write import batch as batches
 from actstore.write.options import WriterOptions
+from screen_count import count_screens
 
 STORE = dict(
     layers=[1, 4],
@@ -52,20 +52,6 @@ def _batches():
     return out
 
 
-def _count_screens(monkeypatch) -> list[int]:
-    """Count the calls of the non-finite screen (every path of dtypes.convert goes through these)."""
-    calls = [0]
-    for name in ("count_nonfinite_16", "_count_nonfinite"):
-        real = getattr(dtypes, name)
-
-        def counted(x, _real=real):
-            calls[0] += 1
-            return _real(x)
-
-        monkeypatch.setattr(dtypes, name, counted)
-    return calls
-
-
 def test_a_checked_batch_through_append_batch_stores_what_append_stores(tmp_path, monkeypatch):
     with ShardWriter(tmp_path / "user", stats=True, **STORE) as w:
         for kw in _batches():
@@ -86,7 +72,7 @@ def test_a_checked_batch_through_append_batch_stores_what_append_stores(tmp_path
                 on_overflow="raise",
                 **kw,
             )
-            calls = _count_screens(monkeypatch)
+            calls = count_screens(monkeypatch)
             assert w.append_batch(batch) == range(len(w) - 3, len(w))
             assert calls[0] == 0  # the checked batch is not screened again
             monkeypatch.undo()
@@ -98,7 +84,7 @@ def test_a_checked_batch_through_append_batch_stores_what_append_stores(tmp_path
 
 def test_append_screens_each_value_once(tmp_path, monkeypatch):
     with ShardWriter(tmp_path / "s", **STORE) as w:
-        calls = _count_screens(monkeypatch)
+        calls = count_screens(monkeypatch)
         kw = _batches()[0]
         w.append(kw.pop("acts"), **kw)
         # float32 -> float16: the converted values are screened (one reduction), the
