@@ -214,7 +214,7 @@ class ShardSetup:
             elif n:
                 warnings.warn(
                     f"shard {self.shard}: resumed with stats=True but the committed part kept no statistics",
-                    stacklevel=4,
+                    stacklevel=3,
                 )
         self._drop_temporary()
         return found
