@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from actstore.capture import loop
+from actstore.capture import loop, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, make_options
@@ -51,7 +51,9 @@ def record(
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
-        model: a torch module (HF transformers model) or a LoadedModel from load_model.
+        model: a torch module (HF transformers model), a LoadedModel from load_model, an
+            nnsight LanguageModel or a TransformerLens TransformerBridge around an HF model
+            (actstore.capture.wrappers: the same site names give the same tensors).
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
@@ -99,8 +101,9 @@ def record(
     opts.check(names="python")
     if opts.runner == "ray":
         return _record_ray(model, batches, store, opts, shard, progress, locals())
-    lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
-    hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
+    lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
+    # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
+    hooks = resolve_hooks(lm.forward, opts.layers, wrappers.hook_points(model))
     if segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
