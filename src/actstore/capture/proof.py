@@ -107,7 +107,9 @@ def _run(forward: Any, hooks: Sequence[Any], inputs: dict[str, Any]) -> tuple[di
             )
         else:
             handles.append(hp.module.register_forward_hook(lambda m, a, out, f=keep: f(_first(out))))
-    extra = {"output_hidden_states": True} if accepts(forward, "output_hidden_states") else {}
+    # HF models take output_hidden_states (transformers 5 through **kwargs, not a named parameter)
+    hf = accepts(forward, "output_hidden_states") or hasattr(getattr(forward, "config", None), "output_hidden_states")
+    extra = {"output_hidden_states": True} if hf else {}
     if accepts(forward, "use_cache"):
         extra["use_cache"] = False
     try:
@@ -240,8 +242,47 @@ def _fail(site: str, what: str, error: str) -> None:
 
 
 def summary(checks: Sequence[Check]) -> dict[str, Any]:
-    """The attrs record of the checks: {site: [what was checked, ...]} and the largest error."""
+    """The attrs record of the checks: {"checks": {site: [what was checked, ...]}, "max_error": ...}."""
     by_site: dict[str, list[str]] = {}
     for c in checks:
         by_site.setdefault(c.site, []).append(c.what)
-    return {"sites": by_site, "max_error": max((c.error for c in checks), default=0.0)}
+    return {"checks": by_site, "max_error": max((c.error for c in checks), default=0.0)}
+
+
+LAYER_CONVENTION = (
+    "TransformerLens: blocks.N is transformer block N (0-based); blocks.N.hook_resid_post = the "
+    "output of block N = HF output_hidden_states[N + 1] (hidden_states[0] is the embeddings)"
+)
+
+
+def before_capture(model: Any, lm: Any, hooks: Sequence[Any], batches: Any, points: Any, attrs: dict[str, Any]) -> Any:
+    """Prove the recorded sites on the first of `batches` (before anything is stored) and
+    write what was checked into attrs["capture"]["sites"]; returns the batches to record (the
+    first one put back). Nothing is checked (and nothing added) without a TransformerLens site.
+
+    Raises:
+        CaptureCheckError: a check failed.
+    """
+    import itertools
+
+    from actstore.capture.record_inputs import as_batch, device_of
+    from actstore.capture.wrappers import tool_version
+
+    if not any(sites.TL_NAME.match(hp.name) for hp in hooks):
+        return batches
+    it = iter(batches)
+    try:
+        first = next(it)
+    except StopIteration:
+        return ()
+    batch = as_batch(first, lm.forward, device_of(lm.forward))
+    checks = prove(lm.forward, hooks, dict(batch.inputs), points) if not batch.args else []
+    record = {
+        "tool": tool_version(model),
+        "layer_convention": LAYER_CONVENTION,
+        "widths": {hp.name: hp.width for hp in hooks if hp.width},
+        "checked_on": "the first batch, before it was stored",
+        **summary(checks),
+    }
+    attrs["capture"] = {**(attrs.get("capture") or {}), "sites": record}
+    return itertools.chain([first], it)

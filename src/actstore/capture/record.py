@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from actstore.capture import loop, wrappers
+from actstore.capture import loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, make_options
@@ -103,7 +103,8 @@ def record(
         return _record_ray(model, batches, store, opts, shard, progress, locals())
     lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
     # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
-    hooks = resolve_hooks(lm.forward, opts.layers, wrappers.hook_points(model))
+    points = wrappers.hook_points(model)
+    hooks = resolve_hooks(lm.forward, opts.layers, points)
     if segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -122,6 +123,7 @@ def record(
     )
     if not opts.resume:  # what an earlier run left: refused, naming resume=True and removing it
         job.target.check_fresh([shard], resume="resume=True")
+    batches = proof.before_capture(model, lm, hooks, batches, points, job.attrs)  # each site checked first
     before = (job.target.holds(shard), job.target.committed(shard))
     try:
         return loop.run(job, batches, progress, io_progress)
