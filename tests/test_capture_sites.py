@@ -86,7 +86,7 @@ def _reference(model, batches, names: list[str]) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_every_site_is_captured_checked_and_read_back(arch, tmp_path):
-    from actstore.capture.sites import site_width
+    from actstore.capture.hooks import site_width
     from actstore.loaders.tokens import TokenStream
 
     model = _model(arch)

@@ -153,6 +153,31 @@ def resolve_hooks(module: Any, layers: Sequence[int | str], points: Any = None) 
     return [replace(hp, layer=n) for n, (_, hp) in zip(nums, found)]
 
 
+def site_width(model: Any, site: str) -> int:
+    """The width (last dimension) of a site as record() stores it: d_model for the residual
+    sites, n_heads * d_head for attn.hook_z, d_mlp for mlp.hook_post.
+
+    Args:
+        model: an HF module, a LoadedModel, or a wrapper record() takes (nnsight, TransformerLens).
+        site: a TransformerLens site name (`blocks.3.mlp.hook_post`), a block number or a
+            module path (a module path's width is known only for linear modules).
+
+    Raises:
+        UnknownLayerError: the site does not exist in this model, or its width cannot be known
+            without running it (a module path to a non-linear module).
+    """
+    from actstore.capture.wrappers import hook_points, unwrap
+
+    lm = getattr(model, "forward", None) if type(model).__name__ == "LoadedModel" else None
+    (hp,) = resolve_hooks(lm or unwrap(model), [site], hook_points(model))
+    if hp.width:
+        return hp.width
+    raise UnknownLayerError(
+        f"the width of {site!r} ({type(hp.module).__name__}) is known only once it runs; "
+        "record a TransformerLens site name or a linear module"
+    )
+
+
 def _site(block_mod: Any, bpath: str, k: int, hook: str, block_list: Any, what: str, points: Any) -> HookPoint:
     """The hook point of TransformerLens site `hook` of block `k` (actstore.capture.sites)."""
     name = f"blocks.{k}.{hook}"

@@ -160,8 +160,12 @@ def _block_checks(forward: Any, k: int, acts: dict[str, Any], hidden: Any, rtol:
         check("hook_resid_post", "resid_pre + attn_out + mlp_out", a["hook_resid_post"], summed)
     if modules:
         block = _block(forward, k)
+        try:
+            paths = _module_paths(block)
+        except CaptureError:
+            paths = []  # a block whose modules are not all found (BERT's post-norm layout): sums only
         with torch.inference_mode():
-            for site, target, step in _module_paths(block):
+            for site, target, step in paths:
                 if a[site] is not None and a[target] is not None:
                     check(site, step[0], _apply(block, step[1], a[site]), a[target])
     return out

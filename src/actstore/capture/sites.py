@@ -15,7 +15,7 @@ A site is one of eight points of transformer block N, named as TransformerLens n
                                side (n_heads * d_head), the input of o_proj
 
 Each resolves to a module of the block and whether its input or its output is recorded
-(`locate`), found from the block's child names, so Llama/Mistral, Qwen2/3, Gemma 2/3, Phi-3,
+(`locate`), found from the block's child names (its width: actstore.capture.hooks.site_width), so Llama/Mistral, Qwen2/3, Gemma 2/3, Phi-3,
 OLMo-2, GPT-2, GPT-NeoX, ViT, DINOv2, CLIP and SigLIP blocks all resolve. A GPT-NeoX block with
 a parallel residual (`use_parallel_residual`) adds attention and MLP to the residual together:
 it has no resid_mid, and asking for it is refused.
@@ -126,31 +126,6 @@ def module_width(mod: Any, pre: bool) -> int | None:
     if type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None:
         return int(mod.weight.shape[0 if pre else 1])
     return None
-
-
-def site_width(model: Any, site: str) -> int:
-    """The width (last dimension) of a site as record() stores it: d_model for the residual
-    sites, n_heads * d_head for attn.hook_z, d_mlp for mlp.hook_post.
-
-    Args:
-        model: an HF module, a LoadedModel, or a wrapper record() takes (nnsight, TransformerLens).
-        site: a TransformerLens site name (`blocks.3.mlp.hook_post`), a block number or a
-            module path (a module path's width is known only for linear modules).
-
-    Raises:
-        UnknownLayerError: the site does not exist in this model, or its width cannot be known
-            without running it (a module path to a non-linear module).
-    """
-    from actstore.capture.hooks import resolve_hooks
-    from actstore.capture.wrappers import unwrap
-
-    (hp,) = resolve_hooks(unwrap(model), [site])
-    if hp.width:
-        return hp.width
-    raise UnknownLayerError(
-        f"the width of {site!r} ({type(hp.module).__name__}) is known only once it runs; "
-        "record a TransformerLens site name or a linear module"
-    )
 
 
 def d_model_of(block_list: Any) -> int | None:
