@@ -114,9 +114,7 @@ def test_every_site_is_captured_checked_and_read_back(arch, tmp_path):
         rows = np.concatenate([np.asarray(b if not isinstance(b, dict) else b["acts"]) for b in stream])
         want = ref[names[0]].reshape(-1, ref[names[0]].shape[-1])
         np.testing.assert_array_equal(np.sort(rows, axis=0), np.sort(want, axis=0))
-    checked = rec["checks"]
-    if i == 2 and not parallel:
-        assert any("down_proj" in w or "fc2" in w or "c_proj" in w or "dense_4h_to_h" in w for w in checked[names[0]])
+    assert any(w.startswith("hook_mlp_out = ") for w in rec["checks"]["blocks.1.mlp.hook_post"])
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "olmo2", "gpt2", "dinov2"])
@@ -135,16 +133,36 @@ def test_the_checks_hold_and_name_what_they_compared(arch):
         inputs["attention_mask"][1, 6:] = 0  # rows of two lengths: padding must not leak
     checks = prove(model, resolve_hooks(model, names), inputs)
     whats = {(c.site, c.what) for c in checks}
-    assert ("blocks.0.hook_resid_post", "hidden_states[1]") in whats
-    assert ("blocks.0.hook_resid_mid", "resid_pre + attn_out") in whats
-    assert ("blocks.0.hook_resid_post", "resid_mid + mlp_out") in whats
-    assert any(s == "blocks.0.attn.hook_z" for s, _ in whats) and any(s == "blocks.0.mlp.hook_post" for s, _ in whats)
+    assert ("blocks.0.hook_resid_post", "hook_resid_post = hidden_states[1]") in whats
+    assert ("blocks.0.hook_resid_pre", "hook_resid_pre = hidden_states[0]") in whats
+    for site in ("hook_resid_mid", "hook_resid_pre", "hook_attn_out"):
+        assert (f"blocks.0.{site}", "hook_resid_mid = resid_pre + attn_out") in whats
+    for site in ("hook_resid_post", "hook_resid_mid", "hook_mlp_out"):
+        assert (f"blocks.0.{site}", "hook_resid_post = resid_mid + mlp_out") in whats
     if not b.is_floating_point():
-        assert ("blocks.0.hook_mlp_in", "row 1 alone (padding does not leak)") in whats
+        assert ("blocks.0.hook_mlp_in", "row 1's real tokens = row 1 run alone (no padding leaks in)") in whats
     assert all(c.error <= 1e-4 for c in checks)
-    if arch in ("gemma2", "olmo2"):  # the post-norms are part of what attention and the MLP add
-        assert ("blocks.0.attn.hook_z", "self_attn.o_proj -> post_attention_layernorm of attn.z") in whats
-        assert ("blocks.0.mlp.hook_post", "mlp.down_proj -> post_feedforward_layernorm of mlp.post") in whats
+    z, post = {
+        "llama": ("self_attn.o_proj(attn.hook_z)", "mlp.down_proj(mlp.hook_post)"),
+        # the post-norms are part of what attention and the MLP add
+        "gemma2": (
+            "post_attention_layernorm(self_attn.o_proj(attn.hook_z))",
+            "post_feedforward_layernorm(mlp.down_proj(mlp.hook_post))",
+        ),
+        "olmo2": (
+            "post_attention_layernorm(self_attn.o_proj(attn.hook_z))",
+            "post_feedforward_layernorm(mlp.down_proj(mlp.hook_post))",
+        ),
+        "gpt2": ("attn.c_proj(attn.hook_z)", "mlp.c_proj(mlp.hook_post)"),
+        "dinov2": ("layer_scale1(attention.o_proj(attn.hook_z))", "layer_scale2(mlp.fc2(mlp.hook_post))"),
+    }[arch]
+    for site in ("hook_attn_out", "attn.hook_z"):
+        assert (f"blocks.0.{site}", f"hook_attn_out = {z}") in whats
+    for site in ("hook_mlp_out", "mlp.hook_post"):
+        assert (f"blocks.0.{site}", f"hook_mlp_out = {post}") in whats
+    norm = {"llama": "post_attention_layernorm", "gemma2": "pre_feedforward_layernorm", "gpt2": "ln_2"}.get(arch)
+    if norm:  # OLMo-2's MLP has no pre-norm (mlp_in is resid_mid); DINOv2's is norm2
+        assert ("blocks.0.hook_mlp_in", f"hook_mlp_in = {norm}(resid_mid)") in whats
 
 
 def test_a_site_that_is_not_what_it_says_stops_the_capture_before_anything_is_stored(tmp_path, monkeypatch):
@@ -169,3 +187,27 @@ def test_a_parallel_residual_has_no_resid_mid():
 
     with pytest.raises(UnknownLayerError, match=r"adds attention and MLP to the residual in parallel"):
         resolve_hooks(_model("gpt_neox"), ["blocks.1.hook_resid_mid"])
+
+
+def test_write_records_the_transcoder_sites_and_info_prints_their_checks(tmp_path):
+    from capture_support import SENTENCES, save_llama, write_jsonl
+    from factory import cli
+
+    model_dir = save_llama(tmp_path / "llama", layers=3)
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES[:3]])
+    names = ["blocks.1.hook_resid_mid", "blocks.1.hook_mlp_in", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
+    cli("write", tmp_path / "s", "--model", model_dir, "--data", data, "--layers", ",".join(names), "--quiet")
+    store = actstore.ActStore(tmp_path / "s")
+    for e in range(3):  # what the names mean, read back: the residual adds up
+        np.testing.assert_allclose(
+            store[e, names[0]].astype(np.float32) + store[e, names[2]].astype(np.float32),
+            store[e, names[3]].astype(np.float32),
+            atol=2e-2,
+        )
+    info = cli("info", tmp_path / "s").output
+    assert "sites        transformers " in info and "hidden_states[N + 1]" in info
+    assert "  blocks.1.hook_mlp_in         width 32  checked: " in info
+    assert (
+        "hook_resid_post = resid_mid + mlp_out" in info and "hook_mlp_in = post_attention_layernorm(resid_mid)" in info
+    )
+    assert "attn.hook_z" not in info  # only what was recorded is listed

@@ -135,7 +135,8 @@ def _block_checks(forward: Any, k: int, acts: dict[str, Any], hidden: Any, rtol:
     a = {h: acts.get(f"blocks.{k}.{h}") for h in sites.SITE_HOOKS}
     out: list[Check] = []
 
-    def check(site: str, what: str, got: Any, want: Any, exact: bool = False) -> None:
+    def check(site: str, what: str, got: Any, want: Any, exact: bool = False, also: tuple[str, ...] = ()) -> None:
+        """site == what (computed as `want`); the check is listed under `site` and `also`."""
         if got is None or want is None:
             return
         name = f"blocks.{k}.{site}"
@@ -145,19 +146,34 @@ def _block_checks(forward: Any, k: int, acts: dict[str, Any], hidden: Any, rtol:
         err = float((got.float() - want.float()).abs().max()) / scale
         if (exact and not torch.equal(got, want)) or err > rtol:
             _fail(name, what, f"differs by {err:.3g} of its largest value (allowed: {0 if exact else rtol:g})")
-        out.append(Check(name, what, err))
+        out.extend(Check(f"blocks.{k}.{s}", f"{site} = {what}", err) for s in (site, *also))
 
     if hidden is not None and k + 1 < len(hidden) - 1:
         check("hook_resid_post", f"hidden_states[{k + 1}]", a["hook_resid_post"], hidden[k + 1], exact=True)
     if hidden is not None:
         check("hook_resid_pre", f"hidden_states[{k}]", a["hook_resid_pre"], hidden[k], exact=True)
     if a["hook_resid_pre"] is not None and a["hook_attn_out"] is not None:
-        check("hook_resid_mid", "resid_pre + attn_out", a["hook_resid_mid"], a["hook_resid_pre"] + a["hook_attn_out"])
+        summed = a["hook_resid_pre"] + a["hook_attn_out"]
+        check(
+            "hook_resid_mid",
+            "resid_pre + attn_out",
+            a["hook_resid_mid"],
+            summed,
+            also=("hook_resid_pre", "hook_attn_out"),
+        )
     if a["hook_resid_mid"] is not None and a["hook_mlp_out"] is not None:
-        check("hook_resid_post", "resid_mid + mlp_out", a["hook_resid_post"], a["hook_resid_mid"] + a["hook_mlp_out"])
+        summed = a["hook_resid_mid"] + a["hook_mlp_out"]
+        check(
+            "hook_resid_post",
+            "resid_mid + mlp_out",
+            a["hook_resid_post"],
+            summed,
+            also=("hook_resid_mid", "hook_mlp_out"),
+        )
     elif a["hook_resid_pre"] is not None and a["hook_attn_out"] is not None and a["hook_mlp_out"] is not None:
         summed = a["hook_resid_pre"] + a["hook_attn_out"] + a["hook_mlp_out"]  # a parallel residual
-        check("hook_resid_post", "resid_pre + attn_out + mlp_out", a["hook_resid_post"], summed)
+        also = ("hook_resid_pre", "hook_attn_out", "hook_mlp_out")
+        check("hook_resid_post", "resid_pre + attn_out + mlp_out", a["hook_resid_post"], summed, also=also)
     if modules:
         block = _block(forward, k)
         try:
@@ -165,9 +181,9 @@ def _block_checks(forward: Any, k: int, acts: dict[str, Any], hidden: Any, rtol:
         except CaptureError:
             paths = []  # a block whose modules are not all found (BERT's post-norm layout): sums only
         with torch.inference_mode():
-            for site, target, step in paths:
-                if a[site] is not None and a[target] is not None:
-                    check(site, step[0], _apply(block, step[1], a[site]), a[target])
+            for source, target, (what, chain) in paths:
+                if a[source] is not None and a[target] is not None:
+                    check(target, what, a[target], _apply(block, chain, a[source]), also=(source,))
     return out
 
 
@@ -182,16 +198,23 @@ def _module_paths(block: Any) -> list[tuple[str, str, tuple[str, list[str]]]]:
     z_path = [z] + ([attn_out] if not attn_out.endswith(z.split(".")[0]) else [])
     post_path = [post] + ([mlp_out] if not mlp_out.startswith(mlp_in) else [])
     out = [
-        ("attn.hook_z", "hook_attn_out", (" -> ".join(z_path) + " of attn.z", z_path)),
-        ("mlp.hook_post", "hook_mlp_out", (" -> ".join(post_path) + " of mlp.post", post_path)),
+        ("attn.hook_z", "hook_attn_out", (_nest(z_path, "attn.hook_z"), z_path)),
+        ("mlp.hook_post", "hook_mlp_out", (_nest(post_path, "mlp.hook_post"), post_path)),
     ]
     try:
         norm = sites.locate(block, "hook_resid_mid", where)
     except CaptureError:
         return out  # no resid_mid (a parallel residual)
     if norm.path != mlp_in:  # the MLP's pre-norm (OLMo-2 has none: mlp_in is resid_mid)
-        out.append(("hook_resid_mid", "hook_mlp_in", (f"{norm.path} of resid_mid", [norm.path])))
+        out.append(("hook_resid_mid", "hook_mlp_in", (f"{norm.path}(resid_mid)", [norm.path])))
     return out
+
+
+def _nest(chain: list[str], x: str) -> str:
+    """`b(a(x))` for the modules [a, b] applied in turn."""
+    for p in chain:
+        x = f"{p}({x})"
+    return x
 
 
 def _apply(block: Any, paths: list[str], x: Any) -> Any:
@@ -233,7 +256,7 @@ def _padding_checks(forward: Any, hooks: Sequence[Any], inputs: dict[str, Any], 
                     f"differs by {err:.3g} of its largest value: padding leaks into real tokens "
                     "(pass the attention_mask the model needs, or pad on the side the model expects)",
                 )
-            out.append(Check(hp.name, f"row {row} alone (padding does not leak)", err))
+            out.append(Check(hp.name, f"row {row}'s real tokens = row {row} run alone (no padding leaks in)", err))
     return out
 
 
@@ -249,7 +272,8 @@ def summary(checks: Sequence[Check]) -> dict[str, Any]:
     """The attrs record of the checks: {"checks": {site: [what was checked, ...]}, "max_error": ...}."""
     by_site: dict[str, list[str]] = {}
     for c in checks:
-        by_site.setdefault(c.site, []).append(c.what)
+        if c.what not in by_site.setdefault(c.site, []):
+            by_site[c.site].append(c.what)
     return {"checks": by_site, "max_error": max((c.error for c in checks), default=0.0)}
 
 
@@ -286,7 +310,7 @@ def before_capture(model: Any, lm: Any, hooks: Sequence[Any], batches: Any, poin
         "layer_convention": LAYER_CONVENTION,
         "widths": {hp.name: hp.width for hp in hooks if hp.width},
         "checked_on": "the first batch, before it was stored",
-        **summary(checks),
+        **summary([c for c in checks if c.site in {hp.name for hp in hooks}]),
     }
     attrs["capture"] = {**(attrs.get("capture") or {}), "sites": record}
     return itertools.chain([first], it)
