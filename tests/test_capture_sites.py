@@ -206,7 +206,7 @@ def test_write_records_the_transcoder_sites_and_info_prints_their_checks(tmp_pat
         )
     info = cli("info", tmp_path / "s").output
     assert "sites        transformers " in info and "hidden_states[N + 1]" in info
-    assert "  blocks.1.hook_mlp_in         width 32  checked: " in info
+    assert "  blocks.1.hook_mlp_in       width 32  checked: hook_mlp_in = post_attention_layernorm(resid_mid)" in info
     assert (
         "hook_resid_post = resid_mid + mlp_out" in info and "hook_mlp_in = post_attention_layernorm(resid_mid)" in info
     )
