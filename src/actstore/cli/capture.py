@@ -62,7 +62,7 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     WHAT,
     "--layers",
     required=True,
-    help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp.",
+    help="Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), TransformerLens site names (blocks.8.hook_resid_post, hook_resid_pre, hook_resid_mid, hook_attn_out, hook_mlp_in, hook_mlp_out, attn.hook_z, mlp.hook_post; docs/capture.md, 'Sites'), or module paths such as model.layers.6.mlp.",
 )
 @section_option(
     WHAT,
