@@ -76,6 +76,7 @@ def prove(forward: Any, hooks: Sequence[Any], inputs: dict[str, Any], points: An
                 every.extend(resolve_hooks(forward, [f"blocks.{k}.{h}"], points))
             except CaptureError:
                 continue  # a site this block has not (resid_mid of a parallel block)
+    inputs = _few_rows(inputs)
     acts, hidden = _run(forward, every, inputs)
     dtype = str(next(iter(acts.values())).dtype).removeprefix("torch.")
     checks: list[Check] = []
@@ -112,14 +113,35 @@ def _run(forward: Any, hooks: Sequence[Any], inputs: dict[str, Any]) -> tuple[di
     extra = {"output_hidden_states": True} if hf else {}
     if accepts(forward, "use_cache"):
         extra["use_cache"] = False
+    # the base model where there is one: the same blocks, no LM head (no vocabulary-wide logits)
+    call = getattr(forward, "base_model", None) if hf else None
     try:
         with torch.inference_mode():
-            out = forward(**inputs, **extra)
+            out = (call if isinstance(call, torch.nn.Module) else forward)(**inputs, **extra)
     finally:
         for h in handles:
             h.remove()
     hidden = getattr(out, "hidden_states", None) if extra.get("output_hidden_states") else None
     return acts, hidden
+
+
+_PROOF_ROWS = 4  # the rows of the first batch the checks run on (the longest and the shortest among them)
+_ALONE_ROWS = 2  # the padded rows each run alone for the padding check
+
+
+def _few_rows(inputs: dict[str, Any]) -> dict[str, Any]:
+    """At most _PROOF_ROWS rows of a batch: the first two, the longest and the shortest (by its
+    attention_mask), so the checks cost a small forward pass and still see rows of several lengths."""
+    rows = [v.shape[0] for v in inputs.values() if hasattr(v, "shape") and len(v.shape) >= 1]
+    if not rows or rows[0] <= _PROOF_ROWS or any(r != rows[0] for r in rows):
+        return inputs
+    mask = inputs.get("attention_mask")
+    pick = {0, 1}
+    if mask is not None and mask.dim() == 2:
+        lengths = mask.sum(1)
+        pick |= {int(lengths.argmax()), int(lengths.argmin())}
+    pick = sorted(pick)[:_PROOF_ROWS]
+    return {k: v[pick] if hasattr(v, "shape") and len(v.shape) >= 1 else v for k, v in inputs.items()}
 
 
 def _first(out: Any) -> Any:
@@ -236,10 +258,9 @@ def _padding_checks(forward: Any, hooks: Sequence[Any], inputs: dict[str, Any], 
         return []
     out = []
     names = [hp for hp in hooks if hp.name in acts]
-    for row in range(mask.shape[0]):
+    padded = [row for row in range(mask.shape[0]) if not bool(mask[row].all())]
+    for row in padded[:_ALONE_ROWS]:
         keep = mask[row].bool()
-        if bool(keep.all()):
-            continue
         alone = {
             k: (v[row : row + 1][:, keep] if v.dim() == 2 and v.shape[:2] == mask.shape else v)
             for k, v in inputs.items()
