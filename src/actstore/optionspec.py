@@ -12,7 +12,7 @@ A field made with plain `field()` (or a bare default) has no command-line option
 from __future__ import annotations
 
 from dataclasses import Field, dataclass, field
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 META = "actstore.option"  # the key of a field's metadata that holds its OptionSpec
 
@@ -52,7 +52,24 @@ class OptionSpec:
     multiple: bool = False
 
 
-def option(default: Any, help: str, **cli: Any) -> Any:
+class SpecKeywords(TypedDict, total=False):
+    """OptionSpec's attributes but `help`, as option()'s keywords."""
+
+    section: str | None
+    flag: str | None
+    choices: tuple[Any, ...]
+    kind: str | None
+    low: float | None
+    high: float | None
+    open_low: bool
+    scale: int
+    show_default: bool | str
+    required: bool
+    hidden: bool
+    multiple: bool
+
+
+def option(default: Any, help: str, **cli: Unpack[SpecKeywords]) -> Any:
     """A dataclass field with `default` and a command-line option (OptionSpec's attributes)."""
     return field(default=default, metadata={META: OptionSpec(help=help, **cli)})
 

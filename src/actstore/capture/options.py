@@ -14,6 +14,7 @@ command line, `writer_nice` in Python). The writer's own part travels on as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
@@ -219,7 +220,7 @@ class RecordSettings(TypedDict, total=False):
     chunk: bool
     context: int | None
     window_bos: bool
-    layers: tuple[int | str, ...]
+    layers: Sequence[int | str]  # (the field: a tuple; record() takes any sequence)
     special: str
     drop: tuple[str, ...]
     token_ids: bool | None
