@@ -3,6 +3,8 @@ and `WriterOptions` (how this writer writes it), each frozen and checked when ma
 
 ShardWriter takes both whole (`ShardWriter(path, config=cfg, options=opts)`); its keyword
 arguments are the convenience that builds them (`store_config` and `WriterOptions`).
+`LayoutOptions` is what a capture asks of its store and writer (one part of
+actstore.capture's CaptureOptions); its `writer_options()` is the WriterOptions it sets.
 """
 
 from __future__ import annotations
