@@ -59,8 +59,9 @@ def record(
             is given: then each example keeps the tokens its `attention_mask` marks (every
             token without one), zero-padded to the budget.
         store: the store root (a folder or an object-store URL).
-        options: a CaptureOptions; `settings` (its field names, typed by RecordSettings)
-            override its fields. The ones record() reads: layers (block numbers, layer N = output of block N =
+        options: a CaptureOptions; `settings` (its field names, typed by
+            actstore.capture.options.RecordSettings) override its fields. The ones record()
+            reads: layers (block numbers, layer N = output of block N =
             hidden_states[N + 1], or module paths / TransformerLens names), dtype (stored:
             float16, bfloat16, float32), stats, on_overflow ("raise" or "clip"),
             token_ids (keep each token's vocabulary id; None: when batches carry
