@@ -1,4 +1,4 @@
-"""FollowStream (`TokenStream(path, follow=True)`): training while capturing.
+"""FollowStream (`TokenStream.follow(path)`): training while capturing.
 
 It streams the committed blocks of a store that writers are still filling, and ends once
 the store is finalized and every example it publishes has been streamed. A reader thread
@@ -19,21 +19,22 @@ normalisation (the store's statistics exist once it is finalized).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from actstore import catalog
 from actstore.errors import ActstoreError, NotFinalizedError, SegmentNotFoundError
 from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import ShardEntry
+from actstore.loaders.base import BaseTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.feed import DeviceFeeder, cuda_device
 from actstore.loaders.followcheck import (
@@ -47,19 +48,25 @@ from actstore.loaders.followcheck import (
     vanished,
 )
 from actstore.read.layers import resolve_layer
+from actstore.read.interface import Reader
 from actstore.read.masks import CONTENT, DEFAULT, effective_token_mask
 from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
 
 READ_EXAMPLES = 64  # examples of a shard read together
+NO_RESUME = (
+    "a follow stream cannot be resumed: its order depends on when each block was committed; "
+    "once the store is finalized, train on TokenStream(store), which resumes exactly"
+)
 
 
-class FollowStream(IterableDataset):
+class FollowStream(BaseTokenStream):
     """Batches (batch_size, D) of the token vectors of a store being written (see the
     module docstring).
 
     Args:
-        store: the store's location (a folder, a URL, a Storage); it may not exist yet.
+        store: the store's location (a folder, a URL, a Storage; or a Reader of it, whose
+            storage is followed); it may not exist yet.
         batch_size, layers, segments, seed, buffer_bytes, dtype, device, prefetch_batches:
             as TokenStream's (buffer_bytes: the pool a batch is drawn from).
         token_mask: "default", "all" (None), "content" or a per-token field name.
@@ -72,7 +79,7 @@ class FollowStream(IterableDataset):
 
     def __init__(
         self,
-        store: Any,
+        store: str | os.PathLike | Storage | Reader,
         *,
         batch_size: int = 4096,
         layers: Sequence[Any] | Any = None,
@@ -104,6 +111,7 @@ class FollowStream(IterableDataset):
         self.idle_timeout_s = check_seconds("idle_timeout_s", idle_timeout_s, positive=False, none_means="wait forever")
         self.blocks_read: list[tuple[int, int, int, float]] = []  # (shard, first, stop, time.monotonic()) per read
         self._iterations = 0
+        self.position = None  # no epochs, no resume (BaseTokenStream)
 
     def loader(self, num_workers: int = 0, **kwargs: Any) -> FollowStream:
         """The stream itself: a growing store is read by one process."""
@@ -115,10 +123,12 @@ class FollowStream(IterableDataset):
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        raise ValueError(
-            "a follow stream cannot be resumed: its order depends on when each block was committed; "
-            "once the store is finalized, train on TokenStream(store), which resumes exactly"
-        )
+        """Refused: a follow stream cannot resume (see the message)."""
+        raise ValueError(NO_RESUME)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refused: a follow stream cannot resume (see the message)."""
+        raise ValueError(NO_RESUME)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         self._iterations += 1
@@ -406,6 +416,6 @@ def _refuse(unsupported: dict[str, Any]) -> None:
         if k in ignored or (k in ("rank", "world_size") and v is None):
             continue
         if k not in fine:
-            raise TypeError(f"TokenStream(..., follow=True) got an unexpected option {k!r}")
+            raise TypeError(f"TokenStream.follow(...) got an unexpected option {k!r}")
         if v != fine[k]:
-            raise ValueError(f"TokenStream(..., follow=True) cannot take {k}={v!r}: {why[k]}")
+            raise ValueError(f"TokenStream.follow(...) cannot take {k}={v!r}: {why[k]}")
