@@ -78,13 +78,13 @@ class TokenStream(BaseTokenStream):
         layers: Any = None,
         stack: bool = False,
         check_token_ids: bool = True,
-        **options: Unpack[StreamOptions],
+        **options: Any,
     ) -> AlignedTokenStream:
         """Several sources in step under one shuffle, row i the same token in each: the
         `layers` of one store, or of each of several stores captured on the same tokens
         (actstore/loaders/aligned.py). Batches are a tuple of one tensor per source
-        (`stack=True`: one (batch, k, D) tensor); the options are a TokenStream's."""
-        spec = make_spec(None, {k: v for k, v in options.items() if k != "layers"}, "TokenStream.aligned()")
+        (`stack=True`: one (batch, k, D) tensor); `options` are StreamSpec's other fields."""
+        spec = make_spec(None, dict(options), "TokenStream.aligned()")  # its `layers` are per store: below
         return AlignedTokenStream(
             stores, spec, make_stream=cls, layers=layers, stack=stack, check_token_ids=check_token_ids
         )
@@ -102,16 +102,16 @@ class TokenStream(BaseTokenStream):
         self,
         store: ReaderLike,
         spec: StreamSpec | None = None,
-        /,
         *,
         follow: bool = False,
         aligned: bool = False,
-        **options: Any,
+        **options: Unpack[StreamOptions],
     ):
         if follow or aligned:
-            self._legacy = legacy_stream(type(self), store, spec, follow=follow, aligned=aligned, options=options)
+            # (the deprecated spellings also pass the aligned and follow streams' own options)
+            self._legacy = legacy_stream(type(self), store, spec, follow=follow, aligned=aligned, options=dict(options))
             return
-        self.spec = spec = make_spec(spec, options, "TokenStream()")
+        self.spec = spec = make_spec(spec, dict(options), "TokenStream()")
         self.store = store = as_reader(store)
         self.batch_size = spec.batch_size
         self.layers = pick_layers(store, spec.layers)
