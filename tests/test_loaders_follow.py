@@ -106,9 +106,12 @@ def test_what_a_follow_stream_refuses(tmp_path):
         TokenStream.follow(path, normalize="standardize")
     with pytest.raises(ValueError, match="cannot take world_size=2: one process reads the growing store"):
         TokenStream.follow(path, rank=0, world_size=2)
-    with pytest.raises(TypeError, match="unexpected option 'colour'"):
+    with pytest.raises(TypeError, match=r"TokenStream.follow\(\) got unexpected options \['colour'\]"):
         TokenStream.follow(path, colour=1)
-    fs = TokenStream.follow(path)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int\. Got 0\."):  # StreamSpec's checks
+        TokenStream.follow(path, batch_size=0)
+    fs = TokenStream.follow(path, threads=3, rank=0, world_size=1, shuffle=True)  # ignored, or at their defaults
+    assert fs.spec.threads == 3 and fs.batch_size == 4096
     with pytest.raises(ValueError, match="num_workers must be 0"):
         fs.loader(num_workers=2)
     assert fs.loader() is fs

@@ -93,7 +93,8 @@ class TokenStream(BaseTokenStream):
     def follow(store: str | os.PathLike | Storage | Reader, **options: Any) -> FollowStream:
         """A store that writers are still filling (training while capturing): its committed
         blocks as they come, mixed in a pool of `buffer_bytes`, until it is finalized
-        (actstore/loaders/follow.py, which lists its options)."""
+        (actstore/loaders/follow.py). `options`: StreamSpec's fields (those a growing store
+        cannot honour refused by name), `poll_s` and `idle_timeout_s`."""
         from actstore.loaders.follow import FollowStream
 
         return FollowStream(store, **options)
