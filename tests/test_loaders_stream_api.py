@@ -167,3 +167,25 @@ def test_follow_keyword_warns_and_gives_the_same_stream(tmp_path):
         old.state_dict()
     with pytest.raises(TypeError, match="takes no aligned=True"):
         TokenStream(store.path, follow=True, aligned=True)
+
+
+def test_no_class_makes_another_in_new_and_stores_are_typed():
+    """No `__new__` anywhere in the package (a constructor that returns another class is what
+    TokenStream.aligned/.follow replaced), and at most three parameters named `store` typed Any
+    (the reading API is a type: Reader, or a location as_reader opens)."""
+    import ast
+    from pathlib import Path
+
+    import actstore
+
+    news, untyped = [], []
+    for path in sorted(Path(actstore.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name == "__new__":
+                    news.append(f"{path.name}:{node.lineno}")
+                for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                    if a.arg == "store" and isinstance(a.annotation, ast.Name) and a.annotation.id == "Any":
+                        untyped.append(f"{path.name}:{node.lineno}")
+    assert news == []
+    assert len(untyped) <= 3, untyped
