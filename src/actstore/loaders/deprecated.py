@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from actstore.read.api import ReaderLike
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SPECIAL: dict[str, Callable[[Any], Any]] = {"__len__": len, "__iter__": iter}
@@ -34,7 +37,15 @@ def forwarded(method: F) -> F:
     return call  # type: ignore[return-value]
 
 
-def legacy_stream(cls: Any, store: Any, spec: Any, *, follow: bool, aligned: bool, options: dict[str, Any]) -> Any:
+def legacy_stream(
+    cls: Any,
+    store: ReaderLike | Sequence[ReaderLike],
+    spec: Any,
+    *,
+    follow: bool,
+    aligned: bool,
+    options: dict[str, Any],
+) -> Any:
     """The stream `cls(store, follow=..., aligned=..., **options)` stands for, after the warning."""
     if follow and aligned:
         raise TypeError("TokenStream(path, follow=True) takes no aligned=True: follow one store's layers")
