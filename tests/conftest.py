@@ -31,7 +31,7 @@ from needs import module_needs, shares_module_fixture
 
 TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
-SERVER_FIXTURES = {"s3_endpoint", "s3_url"}  # moto's server: the dev install
+SERVER_FIXTURES = {"s3_endpoint", "s3_url", "az_endpoint", "az_url", "gs_endpoint", "gs_url"}  # the dev install's servers
 
 # The one Hypothesis profile: a test sets no budget of its own, or a smaller one through
 # factory.examples(n), which scales with the profile.
@@ -145,6 +145,54 @@ def s3_url(s3_endpoint):
     import s3server
 
     return f"s3://{s3server.create_bucket(s3_endpoint)}/store"
+
+
+@pytest.fixture(scope="session")
+def az_endpoint():
+    """Azurite's blob service (one per test process), its environment set; stopped at the end."""
+    import emulators
+    import s3server
+
+    with emulators.azurite() as endpoint:
+        old = s3server.apply_env(emulators.az_env(endpoint))
+        try:
+            yield endpoint
+        finally:
+            s3server.restore_env(old)
+
+
+@pytest.fixture
+def az_url(az_endpoint):
+    """A fresh container on Azurite: `az://<container>/store`."""
+    import uuid
+
+    import emulators
+
+    return f"{emulators.az_container(az_endpoint, f'c{uuid.uuid4().hex[:12]}')}/store"
+
+
+@pytest.fixture(scope="session")
+def gs_endpoint():
+    """fake-gcs-server (one per test process), its environment set; stopped at the end."""
+    import emulators
+    import s3server
+
+    with emulators.fake_gcs() as endpoint:
+        old = s3server.apply_env(emulators.gcs_env(endpoint))
+        try:
+            yield endpoint
+        finally:
+            s3server.restore_env(old)
+
+
+@pytest.fixture
+def gs_url(gs_endpoint):
+    """A fresh bucket on fake-gcs-server: `gs://<bucket>/store` (objects are put with emulators.gcs_put)."""
+    import uuid
+
+    import emulators
+
+    return f"{emulators.gcs_bucket(gs_endpoint, f'b{uuid.uuid4().hex[:12]}')}/store"
 
 
 @pytest.fixture(scope="session")

@@ -61,14 +61,9 @@ def inputs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(s3_endpoint):
-    """Azurite and fake-gcs-server for this module (moto is the session's), their environment set."""
-    with emulators.azurite() as az, emulators.fake_gcs() as gcs:
-        old = emulators.apply_env({**emulators.az_env(az), **emulators.gcs_env(gcs)})
-        try:
-            yield {"s3": s3_endpoint, "az": az, "gs": gcs}
-        finally:
-            s3server.restore_env(old)
+def servers(s3_endpoint, az_endpoint, gs_endpoint):
+    """moto, Azurite and fake-gcs-server: the session's (tests/conftest.py), their environment set."""
+    return {"s3": s3_endpoint, "az": az_endpoint, "gs": gs_endpoint}
 
 
 class Stores:
