@@ -31,13 +31,31 @@ from needs import module_needs, shares_module_fixture
 
 TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
-SERVER_FIXTURES = {"s3_endpoint", "s3_url", "az_endpoint", "az_url", "gs_endpoint", "gs_url"}  # the dev install's servers
+SERVER_FIXTURES = {
+    "s3_endpoint",
+    "s3_url",
+    "az_endpoint",
+    "az_url",
+    "gs_endpoint",
+    "gs_url",
+}  # the dev install's servers
 
 # The one Hypothesis profile: a test sets no budget of its own, or a smaller one through
 # factory.examples(n), which scales with the profile.
 settings.register_profile("short", max_examples=100, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("ACTSTORE_HYPOTHESIS", "short"))
+
+
+def pytest_configure(config):
+    """DataLoader workers of stores in object storage start by forkserver (obstore does not
+    survive fork): the server is one fresh interpreter per test process, and each worker forks
+    from it. Preloading torch and the loaders there makes a worker a fork, not a fresh import
+    of torch (seconds each). Modules missing here (the core job: no torch) are skipped by
+    multiprocessing itself."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "actstore.loaders.tokens", "actstore.loaders.pairs"])
 
 
 def pytest_ignore_collect(collection_path, config):
