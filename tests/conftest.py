@@ -144,17 +144,41 @@ def store_path(tmp_path):
     return tmp_path / "store"
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's S3 server on 127.0.0.1 (a free port), its environment set; stopped at the end."""
+def _serving(server, env_of):
+    """The endpoint of `server` (a context manager yielding it) with env_of(endpoint) set in
+    os.environ until the session ends: the session fixtures' one pattern."""
     import s3server
 
-    with s3server.moto_server() as endpoint:
-        old = s3server.apply_env(s3server.s3_env(endpoint))
+    with server as endpoint:
+        old = s3server.apply_env(env_of(endpoint))
         try:
             yield endpoint
         finally:
             s3server.restore_env(old)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port; one per test process), its environment set."""
+    import s3server
+
+    yield from _serving(s3server.moto_server(), s3server.s3_env)
+
+
+@pytest.fixture(scope="session")
+def az_endpoint():
+    """Azurite's blob service (one per test process), its environment set."""
+    import emulators
+
+    yield from _serving(emulators.azurite(), emulators.az_env)
+
+
+@pytest.fixture(scope="session")
+def gs_endpoint():
+    """fake-gcs-server (one per test process), its environment set."""
+    import emulators
+
+    yield from _serving(emulators.fake_gcs(), emulators.gcs_env)
 
 
 @pytest.fixture
@@ -165,20 +189,6 @@ def s3_url(s3_endpoint):
     return f"s3://{s3server.create_bucket(s3_endpoint)}/store"
 
 
-@pytest.fixture(scope="session")
-def az_endpoint():
-    """Azurite's blob service (one per test process), its environment set; stopped at the end."""
-    import emulators
-    import s3server
-
-    with emulators.azurite() as endpoint:
-        old = s3server.apply_env(emulators.az_env(endpoint))
-        try:
-            yield endpoint
-        finally:
-            s3server.restore_env(old)
-
-
 @pytest.fixture
 def az_url(az_endpoint):
     """A fresh container on Azurite: `az://<container>/store`."""
@@ -187,20 +197,6 @@ def az_url(az_endpoint):
     import emulators
 
     return f"{emulators.az_container(az_endpoint, f'c{uuid.uuid4().hex[:12]}')}/store"
-
-
-@pytest.fixture(scope="session")
-def gs_endpoint():
-    """fake-gcs-server (one per test process), its environment set; stopped at the end."""
-    import emulators
-    import s3server
-
-    with emulators.fake_gcs() as endpoint:
-        old = s3server.apply_env(emulators.gcs_env(endpoint))
-        try:
-            yield endpoint
-        finally:
-            s3server.restore_env(old)
 
 
 @pytest.fixture

@@ -143,7 +143,9 @@ def _run_bash(b: Block, tmp: Path) -> None:
             )
             code, out, err = r.returncode, r.stdout, r.stderr
             trace = err if "Traceback" in err else ""
-        assert code == want, f"{b}: `{command}` exited {code}, the doc says {want}:\n{out[-2000:]}\n{err[-3000:]}{trace}"
+        assert code == want, (
+            f"{b}: `{command}` exited {code}, the doc says {want}:\n{out[-2000:]}\n{err[-3000:]}{trace}"
+        )
         assert not trace, f"{b}: `{command}` printed a traceback:\n{trace}"
 
 
