@@ -147,8 +147,6 @@ KNOWN_UNTYPED_KWARGS = {
     "actstore.loaders.follow.FollowStream.loader": "torch DataLoader's keywords",
     "actstore.loaders.pairs.PairDataset.sampler": "PairBatchSampler's keywords",
     "actstore.loaders.pairs.PairDataset.loader": "torch DataLoader's keywords",
-    "actstore.loaders.tokens.TokenStream.__new__": "TokenStream's spec (issue 43, item 4)",
-    "actstore.loaders.tokens.TokenStream.loader": "torch DataLoader's keywords",
     "actstore.progress.bar": "tqdm's keywords",
     "actstore.read.saevstore.SaevStore.__init__": "the opener's keywords, ignored by this reader",
     "actstore.saelens.adapter.saelens_data_provider": "TokenStream's keywords",

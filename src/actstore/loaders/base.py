@@ -16,11 +16,12 @@ return the class of the job they do (not a TokenStream pretending to be one).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 from torch.utils.data import IterableDataset
 
 from actstore.loaders.position import StreamPosition
+from actstore.loaders.spec import LoaderOptions
 
 
 class BaseTokenStream(IterableDataset):
@@ -45,7 +46,7 @@ class BaseTokenStream(IterableDataset):
         """Start the next iteration at the beginning of `epoch`."""
         self._positioned("has no epochs").start(epoch)
 
-    def loader(self, num_workers: int = 0, **kwargs: Any) -> Any:
+    def loader(self, num_workers: int = 0, **kwargs: Unpack[LoaderOptions]) -> Any:
         """A resumable loader over this stream with `num_workers` DataLoader workers."""
         from actstore.loaders.tokenloader import TokenLoader
 

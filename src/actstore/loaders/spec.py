@@ -135,11 +135,11 @@ class StreamSpec:
             object.__setattr__(self, name, value)  # the checked value (frozen: set once, here)
 
 
-class StreamOptions(TypedDict, total=False):
-    """StreamSpec's fields as keywords (TokenStream(store, **options)); see StreamSpec."""
+class SourceOptions(TypedDict, total=False):
+    """StreamSpec's fields but `layers` as keywords (TokenStream.aligned takes its layers per
+    store); see StreamSpec."""
 
     batch_size: int
-    layers: Any
     segments: Any
     seed: int
     shuffle: bool
@@ -159,6 +159,29 @@ class StreamOptions(TypedDict, total=False):
     device: str | torch.device | None
     mmap: bool
     gather_threads: int
+
+
+class StreamOptions(SourceOptions, total=False):
+    """StreamSpec's fields as keywords (TokenStream(store, **options)); see StreamSpec."""
+
+    layers: Any
+
+
+class FollowOptions(StreamOptions, total=False):
+    """TokenStream.follow's keywords: StreamSpec's fields and the follow stream's clock."""
+
+    poll_s: float
+    idle_timeout_s: float | None
+
+
+class LoaderOptions(TypedDict, total=False):
+    """A TokenLoader's keywords besides `num_workers` (torch DataLoader's settings)."""
+
+    pin_memory: bool
+    prefetch_factor: int | None
+    multiprocessing_context: Any
+    timeout: float
+    persistent_workers: bool
 
 
 SPEC_FIELDS = tuple(f.name for f in fields(StreamSpec))

@@ -28,7 +28,7 @@ from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
 from actstore.loaders.position import StreamPosition
 from actstore.loaders.source import TokenUnits, pick_layers, pick_segments, stats_tables, stored_numpy_dtype
-from actstore.loaders.spec import StreamOptions, StreamSpec, make_spec
+from actstore.loaders.spec import FollowOptions, LoaderOptions, SourceOptions, StreamOptions, StreamSpec, make_spec
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.storage import Storage
 
@@ -78,7 +78,7 @@ class TokenStream(BaseTokenStream):
         layers: Any = None,
         stack: bool = False,
         check_token_ids: bool = True,
-        **options: Any,
+        **options: Unpack[SourceOptions],
     ) -> AlignedTokenStream:
         """Several sources in step under one shuffle, row i the same token in each: the
         `layers` of one store, or of each of several stores captured on the same tokens
@@ -90,7 +90,7 @@ class TokenStream(BaseTokenStream):
         )
 
     @staticmethod
-    def follow(store: str | os.PathLike | Storage | Reader, **options: Any) -> FollowStream:
+    def follow(store: str | os.PathLike | Storage | Reader, **options: Unpack[FollowOptions]) -> FollowStream:
         """A store that writers are still filling (training while capturing): its committed
         blocks as they come, mixed in a pool of `buffer_bytes`, until it is finalized
         (actstore/loaders/follow.py). `options`: StreamSpec's fields (those a growing store
@@ -264,7 +264,7 @@ class TokenStream(BaseTokenStream):
             spare["region"].close()
 
     @forwarded
-    def loader(self, num_workers: int = 0, **kwargs: Any) -> TokenLoader:
+    def loader(self, num_workers: int = 0, **kwargs: Unpack[LoaderOptions]) -> TokenLoader:
         """A resumable loader over this stream with `num_workers` DataLoader workers."""
         from actstore.loaders.tokenloader import TokenLoader
 
