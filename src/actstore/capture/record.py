@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
-from actstore.capture import loop
+from actstore.capture import loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
-from actstore.capture.options import CaptureOptions, make_options
+from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
+from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
 from actstore.capture.writeside import Job, ShardContents
 from actstore.capture.target import CaptureTarget
@@ -46,20 +47,23 @@ def record(
     attrs: Mapping[str, Any] | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     io_progress: Callable[[IOStats], None] | None = None,
-    **settings: Any,
+    **settings: Unpack[OldRecordSettings],
 ) -> RecordResult | list[RecordResult]:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
-        model: a torch module (HF transformers model) or a LoadedModel from load_model.
+        model: a torch module (HF transformers model), a LoadedModel from load_model, an
+            nnsight LanguageModel or a TransformerLens TransformerBridge around an HF model
+            (actstore.capture.wrappers: the same site names give the same tensors).
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
             is given: then each example keeps the tokens its `attention_mask` marks (every
             token without one), zero-padded to the budget.
         store: the store root (a folder or an object-store URL).
-        options: a CaptureOptions; `settings` (its field names) override its fields. The
-            ones record() reads: layers (block numbers, layer N = output of block N =
+        options: a CaptureOptions; `settings` (its field names, typed by
+            actstore.capture.options.RecordSettings) override its fields. The ones record()
+            reads: layers (block numbers, layer N = output of block N =
             hidden_states[N + 1], or module paths / TransformerLens names), dtype (stored:
             float16, bfloat16, float32), stats, on_overflow ("raise" or "clip"),
             token_ids (keep each token's vocabulary id; None: when batches carry
@@ -94,11 +98,13 @@ def record(
         committed examples) and how to go on: resume=True with the batches after the
         committed ones (committed()), or remove the store.
     """
-    settings = _renamed(settings)
-    opts = make_options(options, settings)
+    opts = make_options(options, _renamed(dict(settings)))
     opts.check(names="python")
     if opts.runner == "ray":
-        return _record_ray(model, batches, store, opts, shard, progress, locals())
+        extras = ShardExtras(
+            segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
+        )
+        return _record_ray(model, batches, store, opts, shard, progress, extras)
     contents = ShardContents(
         segments=dict(segments) if segments else None,
         t_chunk=dict(t_chunk) if t_chunk else None,
@@ -122,8 +128,10 @@ def record_shard(
 ) -> RecordResult:
     """record() on this process, from checked options and the shard's contents as one value
     (what `actstore write`'s writers call with their Share: actstore.capture.run)."""
-    lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
-    hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
+    lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
+    # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
+    points = wrappers.hook_points(model)
+    hooks = resolve_hooks(lm.forward, opts.layers, points)
     if contents.segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -138,6 +146,7 @@ def record_shard(
     )
     if not opts.resume:  # what an earlier run left: refused, naming resume=True and removing it
         job.target.check_fresh([shard], resume="resume=True")
+    batches = proof.before_capture(model, lm, hooks, batches, points, job.contents.attrs)  # each site checked first
     before = (job.target.holds(shard), job.target.committed(shard))
     try:
         return loop.run(job, batches, progress, io_progress)
@@ -174,7 +183,13 @@ def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record_ray(
-    model: Any, batches: Any, store: Any, opts: CaptureOptions, shard: int, progress: Any, args: dict[str, Any]
+    model: Any,
+    batches: Any,
+    store: Any,
+    opts: CaptureOptions,
+    shard: int,
+    progress: Callable[[int, int, int], None] | None,
+    extras: ShardExtras,
 ) -> list[RecordResult]:
     """record(runner="ray"): the writers as Ray actors (actstore.capture.runner_ray)."""
     from dataclasses import replace
@@ -192,16 +207,8 @@ def _record_ray(
         gpus_per_worker=opts.gpus_per_worker,
         progress=False,
     )
-    keep = ("segments", "t_chunk", "token_labels", "texts", "model_id", "attrs")
     results = record_ray(
-        record,
-        model,
-        batches,
-        store,
-        settings,
-        replace(opts, runner="local"),
-        callback=progress,
-        **{k: args[k] for k in keep},
+        record, model, batches, store, settings, replace(opts, runner="local"), extras, callback=progress
     )
     return [
         res

@@ -133,6 +133,7 @@ def format_info(info: dict[str, Any]) -> str:
     bos = (info.get("attrs", {}).get("capture") or {}).get("bos")
     if isinstance(bos, dict) and bos.get("token_0"):  # the capture's --bos and what it made token 0
         lines.append(f"token 0      {bos['token_0']} (--bos {bos.get('option')})")
+    lines += site_lines(info.get("attrs", {}))
     if info.get("token_ids"):
         lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
@@ -164,3 +165,18 @@ def _packing(p: dict[str, Any]) -> str:
         bos = p["window_bos"]
         line += f"; each window starts with token {bos} (labelled special)" if bos is not None else "; no window BOS"
     return line
+
+
+def site_lines(attrs: dict[str, Any]) -> list[str]:
+    """The lines of a store's site checks (attrs["capture"]["sites"], actstore.capture.proof)."""
+    rec = (attrs.get("capture") or {}).get("sites")
+    if not isinstance(rec, dict):
+        return []
+    lines = [f"sites        {rec.get('tool')}; {rec.get('layer_convention')}"]
+    widths = rec.get("widths") or {}
+    checked = rec.get("checks") or {}
+    for name in sorted(set(widths) | set(checked)):
+        what = "; ".join(checked.get(name, [])) or "not checked"
+        lines.append(f"  {name:<26} width {widths.get(name, '?')}  checked: {what}")
+    lines.append(f"  largest relative error {rec.get('max_error', 0.0):.3g} ({rec.get('checked_on')})")
+    return lines
