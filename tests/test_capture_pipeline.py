@@ -115,18 +115,18 @@ def test_plain_token_batches_of_two_lengths_are_refused_before_anything_is_writt
 
 
 def test_buffers_are_reused_by_the_next_capture_and_data_stays_right(tmp_path):
-    """The ring's slots and the shard files' staging buffers outlive a capture (allocated
-    once per process); a second capture into them stores its own values."""
-    from actstore.capture import ring
-    from actstore.write import shardfiles
+    """The pool's host slots outlive a capture (allocated once per process: kept in the
+    capture's spare); a second capture into them stores its own values. (The shard files'
+    staging buffers are not used here: a capture lends its rows.)"""
+    from actstore.capture import stage
 
     model, _ = tiny_llama(layers=3)
     g = torch.Generator().manual_seed(3)
     runs = [[torch.randint(4, 60, (3, 6), generator=g) for _ in range(3)] for _ in range(2)]
     for k, batches in enumerate(runs):
         actstore.record(model, batches, tmp_path / f"s{k}", layers=[0, 1], dtype="float32", shard_examples=4)
-        assert ring._spare and shardfiles._spare  # kept for the next capture
-    spare = list(ring._spare)
+        assert stage.SPARE.kept()  # kept for the next capture
+    spare = stage.SPARE.kept()
     for k, batches in enumerate(runs):
         actstore.finalize(tmp_path / f"s{k}")
         store = actstore.ActStore(tmp_path / f"s{k}")
@@ -135,7 +135,7 @@ def test_buffers_are_reused_by_the_next_capture_and_data_stays_right(tmp_path):
                 hs = model(ids, output_hidden_states=True).hidden_states
                 for j in range(3):
                     np.testing.assert_array_equal(store[b * 3 + j, 1], hs[2][j].numpy())
-    assert all(any(s is t for t in ring._spare) for s in spare)
+    assert all(any(s is t for t in stage.SPARE.kept()) for s in spare)
 
 
 def test_a_durable_commit_syncs_every_file_it_wrote_and_never_the_whole_disk(tmp_path, monkeypatch):
