@@ -113,8 +113,8 @@ def normalize_into(dst: Any, src: Any, shift: Any | None, scale: Any | None, key
             if one:
                 o.sub_(shift[0]).mul_(scale[0])
             else:
-                k = keys[i : i + step]
-                o.sub_(shift[k]).mul_(scale[k])
+                k = keys[i : i + step]  # index_select: advanced indexing wakes the OpenMP pool
+                o.sub_(shift.index_select(0, k)).mul_(scale.index_select(0, k))
     return dst
 
 
