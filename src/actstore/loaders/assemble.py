@@ -160,7 +160,7 @@ def device_step(ts: StreamState, device: Any, tables: Any, keys: torch.Tensor | 
             acts = acts.to(ts.dtype)
         norm = tables()
         if norm is not None:
-            k = keys.to(device, non_blocking=True) if keys is not None else None
+            k = keys.to(device) if keys is not None else None  # (small: from pageable memory)
             normalize_into(acts, acts, norm[0], norm[1], k)
         return [acts, *moved[1:]]
 
