@@ -14,7 +14,7 @@ completed.
 
 In a TokenLoader's DataLoader worker the batch stays in the stored dtype (float16 for
 most stores: half the bytes of float32 cross shared memory) and goes with the rows'
-normalisation keys; the main process casts and normalises it (`finish_received`), on
+normalisation keys; the main process casts and normalises it (TokenLoader._received), on
 the device when there is one. Elsewhere the cast and normalisation run here
 (actstore.read.normalize.normalize_into).
 """
