@@ -173,5 +173,11 @@ def test_a_lease_taken_before_the_writer_opens_is_adopted_not_looked_up_again(tm
         assert looks[0] == 0
         w.append(np.ones((1, 1, 2, 4), np.float32))
     assert sorted(p.name for p in (tmp_path / "s" / "leases").iterdir()) == []  # given back on close
-    target.release_leases()  # none left: the writer adopted it
+    target.release_leases()  # given back already by the writer: nothing happens
+    assert not (tmp_path / "s" / "leases").exists() or not list((tmp_path / "s" / "leases").iterdir())
+    target.take_lease(1)  # a lease no writer adopts (its writer failed to open) goes back here
+    with pytest.raises(ValueError, match="lease= holds shard 1"):
+        ShardWriter(tmp_path / "s", shard=2, layers=[0], d_model=4, tokens=2, lease=target.lease(1))
+    target.release_leases()
+    assert list((tmp_path / "s" / "leases").iterdir()) == []
     finalize(tmp_path / "s")

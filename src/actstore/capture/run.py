@@ -139,7 +139,7 @@ def run_shard(
     try:
         return _run_shard(o, rank, world, source, progress, target)
     finally:
-        target.release_leases()  # (none left once the writer adopted it)
+        target.release_leases()  # (already given back by a writer that adopted it and closed)
 
 
 def _run_shard(

@@ -100,15 +100,17 @@ class CaptureTarget:
     def take_lease(self, shard: int) -> None:
         """Take the lease of `shard` for this process's writer before its model loads: a shard
         a live writer holds is refused now, and the writer adopts the lease (`lease`) instead
-        of looking at it again. `release_leases` gives back one no writer adopted."""
+        of looking at it again. The taker gives it back with `release_leases` once its run
+        ends (a no-op for a lease the writer already gave back; the one way back for a lease
+        no writer adopted: the run failed before, or while, the writer opened)."""
         from actstore.write.lease import ShardLease
 
         if shard not in self._leases:
             self._leases[shard] = ShardLease.acquire(self.storage, shard, f"shard {shard} of {self.root}")
 
     def lease(self, shard: int) -> Any:
-        """The lease taken for `shard` (handed to its writer once), or None."""
-        return self._leases.pop(shard, None)
+        """The lease taken for `shard` (for its writer to adopt), or None."""
+        return self._leases.get(shard)
 
     def release_leases(self) -> None:
         for held in self._leases.values():
