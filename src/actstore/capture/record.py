@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from actstore.capture import loop
+from actstore.capture import family, loop
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, make_options
@@ -99,8 +99,14 @@ def record(
     opts.check(names="python")
     if opts.runner == "ray":
         return _record_ray(model, batches, store, opts, shard, progress, locals())
+    if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
+        return _family(list(model), list(batches), locals())
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
     hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
+    if any(not hp.name.startswith("blocks.") for hp in hooks):  # module paths: widths measured on batch 0
+        batches, widths = family.widths_on_first(lm, hooks, batches)
+        if len(widths) > 1:  # several widths: a family of one member per width
+            return _family([lm], list(batches), locals())
     if segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -125,6 +131,25 @@ def record(
     except BaseException as e:
         _say_what_is_left(e, job.target, shard, before)
         raise
+
+
+def _family(models: list[Any], batches: list[Any], args: dict[str, Any]) -> list[RecordResult]:
+    """record() of several models or widths into one aligned family (actstore.capture.family)."""
+    opts: CaptureOptions = args["opts"]
+    keep = ("shard", "segments", "t_chunk", "token_labels", "texts", "attrs", "progress", "io_progress")
+    settings = {k: v for k, v in args["settings"].items() if k not in ("layers", "resume")}
+    return family.record_family(
+        models,
+        batches,
+        args["store"],
+        opts.layers,
+        record,
+        model_id=args["model_id"],
+        resume=opts.resume,
+        options=args["options"],
+        **{k: args[k] for k in keep},
+        **settings,
+    )
 
 
 def _say_what_is_left(e: BaseException, target: CaptureTarget, shard: int, before: tuple[Any, ...]) -> None:

@@ -22,6 +22,7 @@ from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.batched import MappedChunk
+from actstore.read.family import FamilyStore, is_family
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
@@ -82,6 +83,12 @@ class ActStore(Reader):
             Entries belong to this store's manifest: a new finalize starts afresh.
         cache_bytes: the cache folder's size limit (default 10 GiB).
     """
+
+    def __new__(cls, path: Any = None, **options: Any) -> Any:
+        # A family root (docs/format.md, section 9) opens as a FamilyStore of ActStores.
+        if cls is ActStore and isinstance(path, (str, os.PathLike)) and is_family(path):
+            return FamilyStore(path, open_member=cls, **options)
+        return super().__new__(cls)
 
     def __init__(
         self,

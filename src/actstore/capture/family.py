@@ -1,0 +1,142 @@
+"""record() of several widths or several models: one aligned family (docs/format.md, section 9).
+
+The sites of each model are grouped by width (measured on the first batch); each (model,
+width) group is one member store, recorded by the ordinary record() from the same batches,
+so example i and its tokens are the same in every member. Models must share a tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
+from actstore.capture.record_inputs import accepts, as_batch, device_of
+from actstore.errors import CaptureError
+from actstore.inputs.models import LoadedModel, wrap_module
+from actstore.layout.family import Family, Member
+from actstore.read.family import member_location
+from actstore.write.family import create_family
+
+
+def record_family(
+    models: Sequence[Any],
+    batches: Sequence[Any],
+    store: str | os.PathLike,
+    layers: Sequence[int | str],
+    record_one: Callable[..., Any],
+    *,
+    model_id: str | None = None,
+    resume: bool = False,
+    **record_options: Any,
+) -> list[Any]:
+    """Record `layers` of every model in `models` over `batches` into a family at `store`.
+
+    Args:
+        models: torch modules or LoadedModels sharing one tokenizer.
+        batches: a sequence of batches (each member reads all of them once).
+        store: the family root (a new folder).
+        layers: the sites, as record() takes them; each model records all of them.
+        record_one: record() of one model into one store.
+        model_id: the first model's id (the others' come from their modules).
+        resume: continue a family whose record names the same members.
+        **record_options: the rest of record()'s arguments, for every member.
+
+    Returns:
+        The RecordResults of every member, in the family record's order.
+    """
+    if not batches:
+        raise CaptureError("a family capture needs at least one batch")
+    lms = [
+        m if isinstance(m, LoadedModel) else wrap_module(m, model_id=model_id if i == 0 else None)
+        for i, m in enumerate(models)
+    ]
+    check_same_tokenizer(lms)
+    family = Family(tuple(members_of(lms, batches[0], layers)))
+    storage = create_family(store, family, resume=resume)
+    results = []
+    for m in family.members:
+        results.append(
+            record_one(
+                lms[m.model],
+                batches,
+                member_location(storage, m),
+                layers=list(m.sites),
+                model_id=m.model_id,
+                resume=resume,
+                **record_options,
+            )
+        )
+    return results
+
+
+def members_of(lms: Sequence[LoadedModel], first: Any, layers: Sequence[int | str]) -> list[Member]:
+    """One member per (model, width): the sites of each model grouped by the width of their
+    output on batch `first`, in the order the sites are given."""
+    members = []
+    for i, lm in enumerate(lms):
+        groups: dict[int, list[str]] = {}
+        for hp in resolve_hooks(lm.forward, layers):
+            groups.setdefault(site_width(lm, hp, first), []).append(hp.name)
+        for width, sites in groups.items():
+            name = f"d{width}" if len(lms) == 1 else f"m{i}-d{width}"
+            members.append(Member(name=name, model=i, model_id=lm.model_id, sites=tuple(sites), width=width))
+    return members
+
+
+def widths_on_first(
+    lm: LoadedModel, hooks: Sequence[HookPoint], batches: Iterable[Any]
+) -> tuple[Iterable[Any], set[int]]:
+    """(the batches, still whole, and the widths of `hooks` on the first): a sequence is
+    returned as it is; an iterator's first batch is put back in front of the rest."""
+    it = iter(batches)
+    try:
+        first = next(it)
+    except StopIteration:
+        return batches, set()
+    widths = {site_width(lm, hp, first) for hp in hooks}
+    return (batches if isinstance(batches, Sequence) else itertools.chain([first], it)), widths
+
+
+def site_width(lm: LoadedModel, hp: HookPoint, raw: Any) -> int:
+    """The width (last dimension) of site `hp`'s output on batch `raw`: one forward pass,
+    stopped as soon as the site fires."""
+    device = device_of(lm.forward)
+    batch = as_batch(raw, lm.forward, device)
+    extra = {"use_cache": False} if accepts(lm.forward, "use_cache") else {}
+    with Capture(lm.forward, [hp]) as cap:
+        out = cap.run({**batch.inputs, **extra}, batch.args)
+    return int(next(iter(out.values())).shape[-1])
+
+
+def check_same_tokenizer(lms: Sequence[LoadedModel]) -> None:
+    """Refuse models whose tokenizers (or, without one, vocabulary sizes) differ: the same
+    token ids would be different texts."""
+    first = lms[0]
+    for i, lm in enumerate(lms[1:], start=1):
+        a, b = _vocab(first), _vocab(lm)
+        if a != b:
+            raise CaptureError(
+                f"models 0 ({first.model_id}) and {i} ({lm.model_id}) do not share a tokenizer ({_describe(a, b)}): "
+                "record models of one tokenizer (a base model and its fine-tune) into one family"
+            )
+
+
+def _vocab(lm: LoadedModel) -> Any:
+    tok = lm.tokenizer
+    if tok is not None and hasattr(tok, "get_vocab"):
+        return ("vocab", tuple(sorted(tok.get_vocab().items())))
+    cfg = getattr(getattr(lm, "model", None), "config", None)
+    return ("vocab_size", getattr(cfg, "vocab_size", None))
+
+
+def _describe(a: Any, b: Any) -> str:
+    if a[0] != b[0]:
+        return "one has a tokenizer, the other none"
+    if a[0] == "vocab_size":
+        return f"vocabulary sizes {a[1]} and {b[1]}"
+    va, vb = dict(a[1]), dict(b[1])
+    differ = sorted(set(va.items()) ^ set(vb.items()))[:3]
+    return f"vocabularies of {len(va)} and {len(vb)} tokens, differing at {differ}"
