@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from actstore.loaders.family import narrow
 from actstore.loaders.aligned import AlignedTokenStream
 from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES
@@ -127,6 +128,7 @@ class TokenStream(EpochPosition, IterableDataset):
         if aligned:
             if args:
                 raise TypeError("TokenStream(..., aligned=True) takes its options by keyword")
+            store, kwargs["layers"] = narrow(store, kwargs.get("layers"), aligned=True)  # a family's sites
             kwargs.setdefault("buffer_bytes", DEFAULT_BUFFER_BYTES)
             return AlignedTokenStream(store, make_stream=cls, **kwargs)
         return super().__new__(cls)
@@ -172,6 +174,7 @@ class TokenStream(EpochPosition, IterableDataset):
             raise ValueError(f"prefetch_batches must be an int >= 1. Got {prefetch_batches!r}.")
         if isinstance(gather_threads, bool) or not isinstance(gather_threads, int) or not 1 <= gather_threads <= 8:
             raise ValueError(f"gather_threads must be an int in 1..8. Got {gather_threads!r}.")
+        store, layers = narrow(store, layers, aligned=False)  # a family's sites: the member holding them
         self.store = store = as_reader(store)
         self.batch_size = int(batch_size)
         self.layers = pick_layers(store, layers)
