@@ -144,7 +144,8 @@ class FamilyStore:
     def to_xarray(self, *, chunks: Any = None) -> Any:
         """The family as one lazy xarray.Dataset: the first member's per-example variables and
         one variable per member, `activations_<member>` (example, <member>_layer, token,
-        <member>_d_model), with coordinates `<member>_layer` and `<member>_layer_name`."""
+        <member>_d_model), with coordinates `<member>_layer`, `<member>_layer_name` and
+        `<member>_site` (the family's site name of each layer)."""
         from actstore.read.xarray import ACTIVATIONS, D_MODEL, LAYER, to_dataset
 
         base = None
@@ -155,6 +156,10 @@ class FamilyStore:
                 base.attrs = {"family": [x.to_json() for x in self.family.members]}
             da = ds[ACTIVATIONS].rename({LAYER: f"{m.name}_{LAYER}", D_MODEL: f"{m.name}_{D_MODEL}"})
             da = da.rename({"layer_name": f"{m.name}_layer_name"})
+            store = self.members[m.name]
+            by_layer = {store.layer_number(site): site for site in m.sites}
+            sites = np.array([by_layer.get(int(n), "") for n in store.layers], dtype=object)
+            da = da.assign_coords({f"{m.name}_site": (f"{m.name}_{LAYER}", sites)})
             base[f"{ACTIVATIONS}_{m.name}"] = da
         return base
 
