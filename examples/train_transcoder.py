@@ -92,7 +92,7 @@ def main() -> None:
     s_in, s_out = x_in.std().item(), x_out.std().item()
     torch.manual_seed(0)
     tc = Transcoder(x_in.shape[1], x_out.shape[1], 256)
-    opt = torch.optim.Adam(tc.parameters(), lr=3e-3)
+    opt = torch.optim.Adam(tc.parameters(), lr=1e-2)
     step, fvu = 0, float("nan")
     while step < args.steps:
         for x_in, x_out in stream:

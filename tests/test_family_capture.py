@@ -130,12 +130,34 @@ def test_a_stream_of_one_site_and_sites_of_several_widths(tmp_path):
 
 def test_transcoder_example_trains_on_an_aligned_stream(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "100"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, str(EXAMPLE), "--steps", "60"], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     err = float(re.search(r"aligned: max \|mlp\(x_in\) - x_out\| = ([0-9.e+-]+) over 256 tokens", out).group(1))
     assert err < 1e-5
     fvus = [float(m) for m in re.findall(r"^step +\d+ +epoch \d+ +fvu ([0-9.]+)", out, re.M)]
-    assert len(fvus) == 2 and fvus[-1] < 0.35 and fvus[-1] < fvus[0] / 3
+    assert len(fvus) == 2 and fvus[-1] < 0.3 and fvus[-1] < fvus[0] / 3
     assert "d64: 64 x ['model.layers.1.mlp.act_fn']" in out
+
+
+def test_write_with_two_models_makes_one_family(tmp_path):
+    from capture_support import SENTENCES, save_llama, write_jsonl
+    from factory import cli
+
+    a = save_llama(tmp_path / "a", layers=2, seed=0)
+    b = save_llama(tmp_path / "b", layers=2, seed=1)
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
+    job = ("--data", data, "--layers", "1", "--p-max", "7", "--batch-size", "4", "--quiet")
+    cli("write", tmp_path / "fam", "--model", a, "--model", b, *job)
+    cli("write", tmp_path / "b-alone", "--model", b, *job)
+    fam, alone = actstore.ActStore(tmp_path / "fam"), actstore.ActStore(tmp_path / "b-alone")
+    assert [(m.name, m.model_id) for m in fam.family.members] == [("m0-d32", str(a)), ("m1-d32", str(b))]
+    assert len(fam) == len(alone) == len(SENTENCES)
+    for ex in range(len(alone)):
+        np.testing.assert_array_equal(fam[ex, (1, RESID)], alone[ex, RESID])
+        np.testing.assert_array_equal(fam[ex, (str(b), RESID)], alone[ex, RESID])
+        np.testing.assert_array_equal(fam.token_ids(ex), alone.token_ids(ex))
+    res = cli("info", tmp_path / "fam")
+    assert f"member m1-d32: width 32, model 1 ({b}), float16" in res.output
+    assert f"  site {RESID:<44} width 32, layer 1" in res.output

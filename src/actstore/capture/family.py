@@ -140,3 +140,45 @@ def _describe(a: Any, b: Any) -> str:
     va, vb = dict(a[1]), dict(b[1])
     differ = sorted(set(va.items()) ^ set(vb.items()))[:3]
     return f"vocabularies of {len(va)} and {len(vb)} tokens, differing at {differ}"
+
+
+def write_models(o: Any, models: Sequence[str], write_one: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """`actstore write STORE --model A --model B`: the job of options `o` for each model (text
+    models of one tokenizer) into one family at o.store; returns the summary of the whole.
+
+    Each member is the whole job (`write_one`, actstore.capture.run.write) of one model and
+    one width; the data is tokenized by each model's tokenizer, refused up front unless the
+    vocabularies are equal, and the finalized members are checked to hold the same token ids.
+    """
+    from dataclasses import replace
+
+    import torch
+
+    from actstore.inputs.models import load_model
+    from actstore.read.family import FamilyStore
+    from actstore.read.store import ActStore
+
+    lms = [load_model(m, device=o.device, torch_dtype=o.model_dtype) for m in models]
+    for name, lm in zip(models, lms):
+        if lm.modality != "text":
+            raise CaptureError(f"--model {name} is a {lm.modality} model; several --model record text models only")
+    check_same_tokenizer(lms)
+    probe = {"input_ids": torch.zeros((1, 4), dtype=torch.long, device=lms[0].device)}  # measures each site's width
+    family = Family(tuple(members_of(lms, probe, o.layers)))
+    storage = create_family(o.store, family, resume=o.resume)
+    summaries = [
+        write_one(replace(o, model=models[m.model], store=str(member_location(storage, m)), layers=tuple(m.sites)))
+        for m in family.members
+    ]
+    if o.finalize:
+        FamilyStore(o.store, open_member=ActStore).check_aligned()
+    out = dict(summaries[0])
+    for key in ("written", "tokens", "bytes", "seconds", "capture_seconds"):
+        out[key] = sum(s[key] for s in summaries)
+    out["store"] = str(o.store)
+    out["family"] = [m.to_json() for m in family.members]
+    warnings = [
+        f"member {m.name}: {s['sink_warning']}" for m, s in zip(family.members, summaries) if s.get("sink_warning")
+    ]
+    out["sink_warning"] = "; ".join(warnings) or None
+    return out

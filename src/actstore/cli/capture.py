@@ -50,7 +50,8 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
     WHAT,
     "--model",
     required=True,
-    help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6.",
+    multiple=True,
+    help="A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6. Given twice or more (text models of one tokenizer: a base model and its fine-tune), every model runs over the same examples into one aligned family of stores (docs/capture.md).",
 )
 @section_option(
     WHAT,
@@ -356,9 +357,14 @@ def write_cmd(store: str, **kw) -> None:
     # burning the cores the model needs (measured: 11 % more CPU on 2 cores). Takes effect
     # only if torch is not imported yet; an OMP_WAIT_POLICY already set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from actstore.capture import run
+    from actstore.capture import family, run
 
-    s = run.write(options(store, kw))
+    models = kw.pop("model")
+    s = (
+        run.write(options(store, {**kw, "model": models[0]}))
+        if len(models) == 1
+        else family.write_models(options(store, {**kw, "model": models[0]}), models, run.write)
+    )
     if s.get("sink_warning"):
         G.warn(s["sink_warning"])
     if kw["as_json"]:
