@@ -177,3 +177,12 @@ def test_the_record_is_checked(tmp_path):
     _write_member(plain, {0: SITE_D12}, 12, np.zeros((N, 1, T, 12), np.float32), np.zeros((N, T), int))
     with pytest.raises(StoreMismatchError, match=r"holds an ordinary store; write a family"):
         create_family(plain, _family())
+
+
+def test_the_format_document_lists_the_record_fields():
+    from test_format_doc import _table_fields
+
+    from actstore.layout.family import FAMILY_FIELDS, MEMBER_FIELDS
+
+    assert _table_fields("family.json (written once") == list(FAMILY_FIELDS)
+    assert _table_fields("Each entry of `members`") == list(MEMBER_FIELDS)
