@@ -186,3 +186,16 @@ def test_the_format_document_lists_the_record_fields():
 
     assert _table_fields("family.json (written once") == list(FAMILY_FIELDS)
     assert _table_fields("Each entry of `members`") == list(MEMBER_FIELDS)
+
+
+def test_export_saev_takes_one_width_a_run(family, tmp_path):
+    root, _, a12, _ = family
+    opts = {"cls": "none", "family": "dinov2", "dataset": str(tmp_path)}
+    out = actstore.export_saev(root, dump_to=tmp_path / "saev", layers=[SITE_D12], **opts)
+    saev = actstore.open(out.path)
+    assert saev.d_model == 12 and len(saev) == N and list(saev.layers) == [0]
+    np.testing.assert_array_equal(saev[1, 0], a12[1, 0].astype(saev[1, 0].dtype))
+    with pytest.raises(
+        LayerNotFoundError, match=r"width 8, 'blocks.2.mlp.hook_post': width 12\): export one width a run"
+    ):
+        actstore.export_saev(root, dump_to=tmp_path / "saev2", layers=[SITES_D8[0], SITE_D12], **opts)

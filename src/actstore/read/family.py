@@ -101,6 +101,39 @@ class FamilyStore:
         store = self.members[member.name]
         return store, store.layer_number(site)
 
+    def resolve(self, layers: Any) -> list[tuple[Any, Any, int]]:
+        """(site key, member store, layer number) of each site `layers` names: one site (a
+        name, or (model, name)) or a list of them; None names none (refused, listing the sites)."""
+        if layers is None or (isinstance(layers, (list, tuple)) and not layers):
+            raise LayerNotFoundError(
+                f"{self.path} is a family: name the sites to read, layers=[...]; it holds {self.site_list()}"
+            )
+        keys = [layers] if isinstance(layers, str) or self._one_site(layers) else list(layers)
+        return [(key, *self.site(key)) for key in keys]
+
+    def one_member(self, layers: Any, then: str) -> tuple[Any, list[int]]:
+        """(member store, layer numbers) of sites that one member holds; sites of several
+        members are refused, naming each site's width and what to do (`then`)."""
+        found = self.resolve(layers)
+        if len({id(store) for _, store, _ in found}) > 1:
+            widths = ", ".join(f"{key!r}: width {store.d_model}" for key, store, _ in found)
+            raise LayerNotFoundError(f"the sites lie in different members of family {self.path} ({widths}): {then}")
+        return found[0][1], [layer for _, _, layer in found]
+
+    def site_list(self) -> list[str]:
+        """The family's sites as a caller names them, for messages."""
+        one = self.family.n_models == 1
+        return [s["site"] if one else f"({s['model']}, {s['site']!r})" for s in self.sites()]
+
+    def _one_site(self, key: Any) -> bool:
+        """Whether `key` is one (model, site) pair rather than a list of sites."""
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], str)):
+            return False
+        model = key[0]
+        if isinstance(model, (int, np.integer)) and not isinstance(model, bool):
+            return True
+        return isinstance(model, str) and model in self.model_ids and model not in {s["site"] for s in self.sites()}
+
     def sites(self) -> list[dict[str, Any]]:
         """Every site: its member, model number, model id, name and width."""
         return [
