@@ -199,3 +199,13 @@ def test_export_saev_takes_one_width_a_run(family, tmp_path):
         LayerNotFoundError, match=r"width 8, 'blocks.2.mlp.hook_post': width 12\): export one width a run"
     ):
         actstore.export_saev(root, dump_to=tmp_path / "saev2", layers=[SITES_D8[0], SITE_D12], **opts)
+
+
+def test_export_saelens_takes_a_site(family, tmp_path):
+    from actstore.saelens import export_saelens
+
+    root, a8, _, _ = family
+    res = export_saelens(root, tmp_path / "sl", layer=SITES_D8[1], context_size=T, progress=False)
+    assert res.d_in == 8 and res.hook_name == SITES_D8[1] and res.n_tokens == N * T
+    with pytest.raises(LayerNotFoundError, match=r"no site 'blocks.3.hook_mlp_out' in this family"):
+        export_saelens(root, tmp_path / "sl2", layer="blocks.3.hook_mlp_out", progress=False)
