@@ -209,3 +209,15 @@ def test_export_saelens_takes_a_site(family, tmp_path):
     assert res.d_in == 8 and res.hook_name == SITES_D8[1] and res.n_tokens == N * T
     with pytest.raises(LayerNotFoundError, match=r"no site 'blocks.3.hook_mlp_out' in this family"):
         export_saelens(root, tmp_path / "sl2", layer="blocks.3.hook_mlp_out", progress=False)
+
+
+def test_export_saev_command_names_the_widths(family, tmp_path):
+    from factory import cli
+
+    root = family[0]
+    args = (tmp_path / "saev", "--cls", "none", "--family", "dinov2", "--dataset", tmp_path, "--quiet")
+    res = cli("export-saev", root, "--layers", SITE_D12, *args)
+    assert actstore.open(res.output.strip().splitlines()[-1]).d_model == 12
+    res = cli("export-saev", root, "--layers", f"{SITES_D8[1]},{SITE_D12}", *args, ok=False)
+    assert res.exit_code == 1
+    assert "'blocks.2.hook_mlp_out': width 8, 'blocks.2.mlp.hook_post': width 12): export one width a run" in res.output
