@@ -20,6 +20,7 @@ from actstore.capture.options import CaptureOptions, make_options
 from actstore.capture.segments import check_lengths
 from actstore.capture.sink import Job
 from actstore.capture.target import CaptureTarget
+from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats
 
@@ -51,7 +52,10 @@ def record(
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
-        model: a torch module (HF transformers model) or a LoadedModel from load_model.
+        model: a torch module (HF transformers model) or a LoadedModel from load_model; a
+            list of them (models of one tokenizer) records each over the same batches into
+            one aligned family at `store` (docs/format.md, section 9), as do sites of several
+            widths (measured on the first batch): one member store per (model, width).
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
@@ -88,7 +92,8 @@ def record(
         io_progress: called with the writer's IOStats after each batch.
 
     Returns:
-        A RecordResult (with runner="ray", one per writer, in rank order). The shard is
+        A RecordResult (with runner="ray", one per writer, in rank order; of a family, one
+        per member, in the order of its record). The shard is
         closed (complete) when every batch was written. A call that fails after it wrote
         to the store adds a note to the error saying what it left (the shard and its
         committed examples) and how to go on: resume=True with the batches after the
@@ -98,6 +103,8 @@ def record(
     opts = make_options(options, settings)
     opts.check(names="python")
     if opts.runner == "ray":
+        if isinstance(model, (list, tuple)):
+            raise CaptureError("runner='ray' records one model; record a family of models with the local runner")
         return _record_ray(model, batches, store, opts, shard, progress, locals())
     if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
         return _family(list(model), list(batches), locals())
