@@ -21,6 +21,7 @@ FAMILY_FILE = "family.json"
 FAMILY_FORMAT = "actstore-family"
 FAMILY_VERSION = 1
 MEMBERS_DIR = "members"
+MAX_FAMILY_BYTES = 2**20  # a record of thousands of sites is a few hundred KB
 MEMBER_NAME_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,63}$"
 FAMILY_FIELDS = ("format", "format_version", "members")
 MEMBER_FIELDS = ("name", "model", "model_id", "sites", "width")

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.errors import AlignmentError, LayerNotFoundError, StoreNotFoundError
+from actstore import catalog
+from actstore.errors import AlignmentError, LayerNotFoundError
 from actstore.layout import family as fam
 from actstore.layout import spec
 from actstore.storage import Storage, open_storage
@@ -35,11 +36,7 @@ def is_family(location: Any) -> bool:
 def read_family(location: Any) -> tuple[fam.Family, Storage]:
     """The family record at `location` and the root's Storage."""
     storage = open_storage(location)
-    try:
-        data = storage.get(fam.FAMILY_FILE, max_bytes=2**20)
-    except FileNotFoundError:
-        raise StoreNotFoundError(f"no family record {storage.where(fam.FAMILY_FILE)}") from None
-    return fam.parse(data, storage.where(fam.FAMILY_FILE)), storage
+    return catalog.read_family(storage), storage
 
 
 def member_location(storage: Storage, member: fam.Member) -> str | Storage:

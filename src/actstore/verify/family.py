@@ -8,7 +8,6 @@ from dataclasses import replace
 
 from actstore import catalog
 from actstore.errors import ActstoreError
-from actstore.layout import family as fam
 from actstore.layout.family import FAMILY_FILE
 from actstore.storage import Storage
 from actstore.verify.report import ERROR, Problem, VerifyReport
@@ -21,7 +20,7 @@ def verify_members(storage: Storage, verify_one: Callable[[Storage], VerifyRepor
     `members/<name>/`), plus an `alignment` error where the members' example counts differ."""
     report = VerifyReport(path=storage.url, deep=False)
     try:
-        family = fam.parse(storage.get(FAMILY_FILE, max_bytes=2**20), storage.where(FAMILY_FILE))
+        family = catalog.read_family(storage)
     except ActstoreError as e:
         report.problems.append(Problem(severity=ERROR, kind="family-record", message=str(e), path=FAMILY_FILE))
         return report

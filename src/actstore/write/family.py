@@ -31,7 +31,7 @@ def create_family(store: str | os.PathLike | Storage, family: fam.Family, *, res
             f"{storage.url} holds an ordinary store; write a family (several widths or models) into a new folder"
         )
     if storage.exists(fam.FAMILY_FILE):
-        old = read_record(storage)
+        old = catalog.read_family(storage)
         if old != family:
             raise StoreMismatchError(
                 f"{storage.url} holds a family of members {[m.name for m in old.members]} with other sites or models "
@@ -53,7 +53,7 @@ def finalize_family(storage: Storage, finalize: Callable[..., Any], **options: A
     Returns:
         One manifest per member, in the record's order.
     """
-    family = read_record(storage)
+    family = catalog.read_family(storage)
     manifests = [finalize(storage.child(m.key), **options) for m in family.members]
     shapes = {m.name: [s.n_examples for s in man.shards] for m, man in zip(family.members, manifests)}
     if len({tuple(v) for v in shapes.values()}) != 1:
@@ -67,8 +67,3 @@ def finalize_family(storage: Storage, finalize: Callable[..., Any], **options: A
 def is_family_root(storage: Storage) -> bool:
     """A family record and no store identity at the root."""
     return not storage.exists(keys.IDENTITY) and storage.exists(fam.FAMILY_FILE)
-
-
-def read_record(storage: Storage) -> fam.Family:
-    """The family record at the root `storage`."""
-    return fam.parse(storage.get(fam.FAMILY_FILE, max_bytes=2**20), storage.where(fam.FAMILY_FILE))
