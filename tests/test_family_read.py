@@ -201,6 +201,7 @@ def test_export_saev_takes_one_width_a_run(family, tmp_path):
         actstore.export_saev(root, dump_to=tmp_path / "saev2", layers=[SITES_D8[0], SITE_D12], **opts)
 
 
+@pytest.mark.torch  # the SAELens export streams through actstore.loaders
 def test_export_saelens_takes_a_site(family, tmp_path):
     from actstore.saelens import export_saelens
 
