@@ -161,3 +161,26 @@ def test_write_with_two_models_makes_one_family(tmp_path):
     res = cli("info", tmp_path / "fam")
     assert f"member m1-d32: width 32, model 1 ({b}), float16" in res.output
     assert f"  site {RESID:<44} width 32, layer 1" in res.output
+
+
+def test_write_with_sites_of_several_widths_makes_a_family(tmp_path):
+    import torch
+    from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+    from factory import cli
+
+    folder = save_llama(tmp_path / "m", layers=2)
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
+    job = ("--model", folder, "--data", data, "--p-max", "7", "--batch-size", "4", "--quiet", "--dtype", "float32")
+    cli("write", tmp_path / "fam", *job, "--layers", f"{SITE_IN},{SITE_OUT},{SITE_POST}")
+    fam = actstore.ActStore(tmp_path / "fam")
+    assert [(m.name, m.sites) for m in fam.family.members] == [("d32", (SITE_IN, SITE_OUT)), ("d64", (SITE_POST,))]
+    # One width stays one ordinary store.
+    cli("write", tmp_path / "one", *job, "--layers", f"{SITE_IN},{SITE_OUT}")
+    one = actstore.ActStore(tmp_path / "one")
+    assert not (tmp_path / "one" / "family.json").exists()
+    mlp = tiny_llama(layers=2)[0].model.layers[1].mlp  # the saved model's weights (same seed)
+    for ex in range(len(one)):
+        np.testing.assert_array_equal(fam[ex, SITE_OUT], one[ex, SITE_OUT])
+        with torch.no_grad():
+            post = mlp.act_fn(mlp.gate_proj(torch.from_numpy(fam[ex, SITE_IN]))).numpy()
+        np.testing.assert_allclose(fam[ex, SITE_POST], post, rtol=1e-5, atol=1e-6)

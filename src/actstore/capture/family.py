@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,17 @@ from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.layout.family import Family, Member
 from actstore.read.family import member_location
 from actstore.write.family import create_family
+
+
+# Sites that are d_model wide in every decoder (the residual stream and what adds to it):
+# a capture of these alone is one store, with no width measured.
+D_MODEL_SITE = re.compile(r"^blocks\.-?\d+\.hook_(resid_pre|resid_mid|resid_post|mlp_in|mlp_out|attn_out)$")
+
+
+def may_differ(layers: Sequence[Any]) -> bool:
+    """Whether the sites `layers` names may be of several widths (a module path, or a site
+    that is not d_model wide): then their widths are measured before anything is written."""
+    return any(not isinstance(x, int) and not D_MODEL_SITE.match(str(x)) for x in layers)
 
 
 def record_family(
@@ -143,8 +155,9 @@ def _describe(a: Any, b: Any) -> str:
 
 
 def write_models(o: Any, models: Sequence[str], write_one: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
-    """`actstore write STORE --model A --model B`: the job of options `o` for each model (text
-    models of one tokenizer) into one family at o.store; returns the summary of the whole.
+    """`actstore write STORE --model A --model B` (or sites of several widths): the job of
+    options `o` for each model (text models of one tokenizer) and width into one family at
+    o.store; returns the summary of the whole (one model of one width: an ordinary store).
 
     Each member is the whole job (`write_one`, actstore.capture.run.write) of one model and
     one width; the data is tokenized by each model's tokenizer, refused up front unless the
@@ -161,10 +174,14 @@ def write_models(o: Any, models: Sequence[str], write_one: Callable[[Any], dict[
     lms = [load_model(m, device=o.device, torch_dtype=o.model_dtype) for m in models]
     for name, lm in zip(models, lms):
         if lm.modality != "text":
+            if len(models) == 1:
+                return write_one(o)  # (sites of several widths of an image model: record())
             raise CaptureError(f"--model {name} is a {lm.modality} model; several --model record text models only")
     check_same_tokenizer(lms)
     probe = {"input_ids": torch.zeros((1, 4), dtype=torch.long, device=lms[0].device)}  # measures each site's width
     family = Family(tuple(members_of(lms, probe, o.layers)))
+    if len(family.members) == 1:  # one model, one width: an ordinary store
+        return write_one(o)
     storage = create_family(o.store, family, resume=o.resume)
     summaries = [
         write_one(replace(o, model=models[m.model], store=str(member_location(storage, m)), layers=tuple(m.sites)))

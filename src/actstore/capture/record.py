@@ -110,7 +110,7 @@ def record(
         return _family(list(model), list(batches), locals())
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
     hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
-    if any(not hp.name.startswith("blocks.") for hp in hooks):  # module paths: widths measured on batch 0
+    if family.may_differ([hp.name for hp in hooks]):  # module paths: widths measured on batch 0
         batches, widths = family.widths_on_first(lm, hooks, batches)
         if len(widths) > 1:  # several widths: a family of one member per width
             return _family([lm], list(batches), locals())

@@ -360,11 +360,9 @@ def write_cmd(store: str, **kw) -> None:
     from actstore.capture import family, run
 
     models = kw.pop("model")
-    s = (
-        run.write(options(store, {**kw, "model": models[0]}))
-        if len(models) == 1
-        else family.write_models(options(store, {**kw, "model": models[0]}), models, run.write)
-    )
+    o = options(store, {**kw, "model": models[0]})
+    several = len(models) > 1 or family.may_differ(o.layers)  # several models or widths: a family
+    s = family.write_models(o, models, run.write) if several else run.write(o)
     if s.get("sink_warning"):
         G.warn(s["sink_warning"])
     if kw["as_json"]:
