@@ -165,11 +165,17 @@ def write_models(o: Any, models: Sequence[str], write_one: Callable[[Any], dict[
     """
     from dataclasses import replace
 
-    import torch
-
+    from actstore.capture import preflight
+    from actstore.capture.options import check_job
+    from actstore.capture.target import CaptureTarget
     from actstore.inputs.models import load_model
     from actstore.read.family import FamilyStore
     from actstore.read.store import ActStore
+
+    check_job(o)  # what fails without a model fails first, as in a job of one model
+    for name in models:
+        preflight.check_model(replace(o, model=name), CaptureTarget(o.store).identity())
+    import torch
 
     lms = [load_model(m, device=o.device, torch_dtype=o.model_dtype) for m in models]
     for name, lm in zip(models, lms):
