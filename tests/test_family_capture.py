@@ -124,7 +124,10 @@ def test_a_stream_of_one_site_and_sites_of_several_widths(tmp_path):
     np.testing.assert_array_equal(x[:7].numpy(), fam[0, SITE_POST])
     with pytest.raises(LayerNotFoundError, match=r"lie in different members .*'blocks.1.hook_mlp_out': width 32, "):
         actstore.torch.TokenStream(tmp_path / "fam", layers=[SITE_OUT, SITE_POST])
-    with pytest.raises(LayerNotFoundError, match=r"is a family: name the sites to stream"):
+    with pytest.raises(
+        LayerNotFoundError,
+        match=r"is a family: name the sites to read, layers=\[...\]; it holds \[.blocks.1.hook_mlp_out., .model.layers.1.mlp.act_fn.\]",
+    ):
         actstore.torch.TokenStream(tmp_path / "fam")
 
 
