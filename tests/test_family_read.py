@@ -17,6 +17,7 @@ from actstore.errors import (
     FormatVersionError,
     LayerNotFoundError,
     StoreMismatchError,
+    VerificationError,
 )
 from actstore.layout.family import FAMILY_FILE, Family, Member
 from actstore.read.family import FamilyStore
@@ -222,3 +223,19 @@ def test_export_saev_command_names_the_widths(family, tmp_path):
     res = cli("export-saev", root, "--layers", f"{SITES_D8[1]},{SITE_D12}", *args, ok=False)
     assert res.exit_code == 1
     assert "'blocks.2.hook_mlp_out': width 8, 'blocks.2.mlp.hook_post': width 12): export one width a run" in res.output
+
+
+def test_open_verifies_every_member_and_a_family_pickles(family):
+    import pickle
+
+    root, _, a12, _ = family
+    fam = actstore.open(root, verify="deep")
+    assert isinstance(fam, FamilyStore)
+    again = pickle.loads(pickle.dumps(fam))
+    np.testing.assert_array_equal(again[2, SITE_D12], a12[2, 0])
+    (chunk,) = [p for p in (root / "members" / "d8").rglob("*") if p.is_file() and "tokens_activations/c" in str(p)]
+    data = bytearray(chunk.read_bytes())
+    data[0] ^= 0xFF  # one flipped byte in member d8
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(VerificationError, match=r"members/d8 failed verification \(deep\)"):
+        actstore.open(root, verify="deep")
