@@ -239,3 +239,14 @@ def test_open_verifies_every_member_and_a_family_pickles(family):
     chunk.write_bytes(bytes(data))
     with pytest.raises(VerificationError, match=r"members/d8 failed verification \(deep\)"):
         actstore.open(root, verify="deep")
+
+
+@pytest.mark.dev  # the feature pass writes parquet tables (pyarrow)
+def test_features_take_a_site(family, tmp_path):
+    from actstore.features.run import run_features
+
+    root = family[0]
+    meta = run_features(root, SITE_D12, str(tmp_path / "feats"), neurons=True, device="cpu")
+    assert meta["n_features"] == 12 and meta["layer"] == 0 and meta["n_tokens"] == N * T
+    with pytest.raises(LayerNotFoundError, match=r"width 8, 'blocks.2.mlp.hook_post': width 12\): run one site a pass"):
+        run_features(root, [SITES_D8[0], SITE_D12], str(tmp_path / "feats2"), neurons=True, device="cpu")
