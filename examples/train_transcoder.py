@@ -7,7 +7,7 @@ d_model 32, d_mlp 64) over random token ids: block 1's MLP input (its normalised
 `model.layers.1.post_attention_layernorm`), its output (`blocks.1.hook_mlp_out`) and its
 hidden activations (`model.layers.1.mlp.act_fn`, width d_mlp), three sites of two widths in
 one capture, so one aligned family (out/transcoder.family) of two members. The batches come
-from `TokenStream(family, layers=[site_in, site_out], aligned=True)`: row i of both tensors
+from `TokenStream.aligned(family, layers=[site_in, site_out])`: row i of both tensors
 is the same token, so the script first checks that the model's own MLP maps the input rows
 to the output rows, then trains the transcoder and prints its fraction of variance
 unexplained (FVU) of the MLP's output.
@@ -79,9 +79,9 @@ def main() -> None:
         path, model = Path("out/transcoder.family"), tiny_llama()
         if not (path / "family.json").exists():
             make_family(path, model)
-    family = actstore.ActStore(path)
+    family = actstore.open(path)
     print(family)
-    stream = TokenStream(family, layers=[args.site_in, args.site_out], aligned=True, batch_size=args.batch_size, seed=0)
+    stream = TokenStream.aligned(family, layers=[args.site_in, args.site_out], batch_size=args.batch_size, seed=0)
     if model is not None:  # row i of both tensors is one token: the model's MLP maps one to the other
         x_in, x_out = next(iter(stream))
         with torch.no_grad():

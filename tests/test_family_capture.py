@@ -42,7 +42,7 @@ def test_sites_of_three_kinds_make_a_family_of_two_widths(tmp_path):
     results = actstore.record(model, batches, tmp_path / "fam", layers=[SITE_IN, SITE_OUT, SITE_POST], dtype="float32")
     assert [r.n_written for r in results] == [6, 6]
     actstore.finalize(tmp_path / "fam")
-    fam = actstore.ActStore(tmp_path / "fam")
+    fam = actstore.open(tmp_path / "fam")
     assert [(m.name, m.width, m.sites) for m in fam.family.members] == [
         ("d32", 32, (SITE_IN, SITE_OUT)),
         ("d64", 64, (SITE_POST,)),
@@ -72,7 +72,7 @@ def test_two_models_on_the_same_tokens(tmp_path):
     actstore.finalize(tmp_path / "fam")
     actstore.record(b, batches, tmp_path / "b", layers=[RESID, SITE_OUT], dtype="float16")
     actstore.finalize(tmp_path / "b")
-    fam = actstore.ActStore(tmp_path / "fam")
+    fam = actstore.open(tmp_path / "fam")
     assert [(m.name, m.model) for m in fam.family.members] == [("m0-d32", 0), ("m1-d32", 1)]
     # Model B's member is a capture of B alone, bit for bit: every data file of its shard.
     ours = tmp_path / "fam" / "members" / "m1-d32" / "shards" / "shard-00000.zarr" / "arrays"
@@ -85,8 +85,8 @@ def test_two_models_on_the_same_tokens(tmp_path):
     with pytest.raises(LayerNotFoundError, match=r"site 'blocks.1.hook_resid_post' is recorded from 2 models"):
         fam[0, RESID]
     # A crosscoder's stream: row i of both tensors is the same token (example, position).
-    stream = actstore.torch.TokenStream(
-        tmp_path / "fam", layers=[(0, RESID), (1, RESID)], aligned=True, batch_size=5, return_index=True, seed=3
+    stream = actstore.torch.TokenStream.aligned(
+        tmp_path / "fam", layers=[(0, RESID), (1, RESID)], batch_size=5, return_index=True, seed=3
     )
     rows = 0
     for batch in stream:
@@ -118,7 +118,7 @@ def test_a_stream_of_one_site_and_sites_of_several_widths(tmp_path):
     model, tok = tiny_llama(layers=2)
     actstore.record(model, _batches(len(tok)), tmp_path / "fam", layers=[SITE_OUT, SITE_POST], dtype="float32")
     actstore.finalize(tmp_path / "fam")
-    fam = actstore.ActStore(tmp_path / "fam")
+    fam = actstore.open(tmp_path / "fam")
     (x,) = list(actstore.torch.TokenStream(tmp_path / "fam", layers=SITE_POST, batch_size=64, shuffle=False))
     assert x.shape == (42, 64)
     np.testing.assert_array_equal(x[:7].numpy(), fam[0, SITE_POST])
@@ -154,7 +154,7 @@ def test_write_with_two_models_makes_one_family(tmp_path):
     job = ("--data", data, "--layers", "1", "--p-max", "7", "--batch-size", "4", "--quiet")
     cli("write", tmp_path / "fam", "--model", a, "--model", b, *job)
     cli("write", tmp_path / "b-alone", "--model", b, *job)
-    fam, alone = actstore.ActStore(tmp_path / "fam"), actstore.ActStore(tmp_path / "b-alone")
+    fam, alone = actstore.open(tmp_path / "fam"), actstore.ActStore(tmp_path / "b-alone")
     assert [(m.name, m.model_id) for m in fam.family.members] == [("m0-d32", str(a)), ("m1-d32", str(b))]
     assert len(fam) == len(alone) == len(SENTENCES)
     for ex in range(len(alone)):
@@ -175,7 +175,7 @@ def test_write_with_sites_of_several_widths_makes_a_family(tmp_path):
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES])
     job = ("--model", folder, "--data", data, "--p-max", "7", "--batch-size", "4", "--quiet", "--dtype", "float32")
     cli("write", tmp_path / "fam", *job, "--layers", f"{SITE_IN},{SITE_OUT},{SITE_POST}")
-    fam = actstore.ActStore(tmp_path / "fam")
+    fam = actstore.open(tmp_path / "fam")
     assert [(m.name, m.sites) for m in fam.family.members] == [("d32", (SITE_IN, SITE_OUT)), ("d64", (SITE_POST,))]
     # One width stays one ordinary store.
     cli("write", tmp_path / "one", *job, "--layers", f"{SITE_IN},{SITE_OUT}")

@@ -17,6 +17,7 @@ from actstore.errors import (
     FormatVersionError,
     LayerNotFoundError,
     StoreMismatchError,
+    StoreNotFoundError,
     VerificationError,
 )
 from actstore.layout.family import FAMILY_FILE, Family, Member
@@ -71,7 +72,7 @@ def family(tmp_path):
 
 def test_each_site_reads_at_its_own_width(family):
     root, a8, a12, ids = family
-    fam = actstore.ActStore(root)
+    fam = actstore.open(root)
     assert isinstance(fam, FamilyStore) and len(fam) == N
     for ex in (0, N - 1):
         np.testing.assert_array_equal(fam[ex, SITES_D8[0]], a8[ex, 0])
@@ -81,13 +82,18 @@ def test_each_site_reads_at_its_own_width(family):
         np.testing.assert_array_equal(fam.token_ids(ex), ids[ex])
     assert fam[0, SITE_D12].shape == (T, 12)
     fam.check_aligned()
+    with pytest.raises(
+        StoreNotFoundError,
+        match=r"is an aligned family of stores \(family.json\), not one store; open it with actstore.open",
+    ):
+        actstore.ActStore(root)
     # A member is an ordinary store: every existing reader opens it as it is.
     member = actstore.ActStore(root / "members" / "d12")
     np.testing.assert_array_equal(member[3, "blocks.2.mlp.hook_post"], a12[3, 0])
 
 
 def test_unknown_sites_and_models_are_named(family):
-    fam = actstore.ActStore(family[0])
+    fam = actstore.open(family[0])
     with pytest.raises(LayerNotFoundError, match=r"no site 'blocks.9.hook_mlp_out' in this family; it holds \["):
         fam[0, "blocks.9.hook_mlp_out"]
     with pytest.raises(LayerNotFoundError, match=r"model 1 does not exist: this family has models 0..0"):
@@ -98,7 +104,7 @@ def test_unknown_sites_and_models_are_named(family):
 
 def test_to_xarray_has_a_variable_per_member_with_its_own_width(family):
     root, a8, a12, _ = family
-    ds = actstore.ActStore(root).to_xarray()
+    ds = actstore.open(root).to_xarray()
     assert ds["activations_d8"].dims == ("example", "d8_layer", "token", "d8_d_model")
     assert ds["activations_d12"].shape == (N, 1, T, 12)
     np.testing.assert_array_equal(ds["activations_d12"].values, a12)
@@ -137,7 +143,7 @@ def test_misaligned_members_are_refused(tmp_path):
     with pytest.raises(AlignmentError, match=r"hold different examples per shard \{'d8': \[6\], 'd12': \[5\]\}"):
         actstore.finalize(root)
     with pytest.raises(AlignmentError, match=r"hold different numbers of examples \{'d8': 6, 'd12': 5\}"):
-        actstore.ActStore(root)
+        actstore.open(root)
     assert any(p.kind == "alignment" for p in verify_store(root).errors)
     # Same counts, other tokens: check_aligned names the first example that differs.
     shutil.rmtree(root / "members" / "d12")
@@ -146,7 +152,7 @@ def test_misaligned_members_are_refused(tmp_path):
     _write_member(root / "members" / "d12", {0: SITE_D12}, 12, np.zeros((N, 1, T, 12), np.float32), other)
     actstore.finalize(root)
     with pytest.raises(AlignmentError, match=r"members d8 and d12 differ in token ids at example 4"):
-        actstore.ActStore(root).check_aligned()
+        actstore.open(root).check_aligned()
 
 
 def test_the_record_is_checked(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from actstore.capture.hooks import Capture, HookPoint, resolve_hooks
@@ -42,7 +42,7 @@ def record_family(
     *,
     model_id: str | None = None,
     resume: bool = False,
-    **record_options: Any,
+    record_options: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Record `layers` of every model in `models` over `batches` into a family at `store`.
 
@@ -54,7 +54,7 @@ def record_family(
         record_one: record() of one model into one store.
         model_id: the first model's id (the others' come from their modules).
         resume: continue a family whose record names the same members.
-        **record_options: the rest of record()'s arguments, for every member.
+        record_options: the rest of record()'s arguments, for every member.
 
     Returns:
         The RecordResults of every member, in the family record's order.
@@ -78,7 +78,7 @@ def record_family(
                 layers=list(m.sites),
                 model_id=m.model_id,
                 resume=resume,
-                **record_options,
+                **(record_options or {}),
             )
         )
     return results

@@ -22,8 +22,10 @@ def narrow(source: Any, layers: Any, *, aligned: bool) -> tuple[Any, Any]:
     if not isinstance(source, FamilyStore):
         if not is_family(source):
             return source, layers
-        source = ActStore(source)
+        source = FamilyStore(source, open_member=ActStore)
     if aligned:
         found = source.resolve(layers)
         return [store for _, store, _ in found], [[layer] for _, _, layer in found]
-    return source.one_member(layers, "stream one member's sites at a time, or several side by side with aligned=True")
+    return source.one_member(
+        layers, "stream one member's sites at a time, or several side by side with TokenStream.aligned"
+    )

@@ -2,13 +2,13 @@
 
 Each member is an ordinary store (an ActStore); the family adds site names that reach across
 members: `family[ex, "blocks.3.hook_mlp_out"]`, `family[ex, (1, "blocks.3.hook_resid_post")]`
-(model number or model id, site). `ActStore(root)` on a family root returns a FamilyStore.
+(model number or model id, site). `actstore.open(root)` on a family root returns a FamilyStore.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +51,14 @@ class FamilyStore:
     Args:
         path: the family root (holding family.json).
         open_member: opens one member store (ActStore, with the keyword options below).
-        **options: ActStore's options (verify, cache_dir, cache_bytes), given to every member.
+        member_options: ActStore's options (verify, cache_dir, cache_bytes), given to every member.
 
     Raises:
         AlignmentError: the members hold different numbers of examples.
     """
 
-    def __init__(self, path: Any, *, open_member: Callable[..., Any], **options: Any):
+    def __init__(self, path: Any, *, open_member: Callable[..., Any], member_options: Mapping[str, Any] | None = None):
+        options = dict(member_options or {})
         self.family, storage = read_family(path)
         local = storage.local_root
         self.path: Path | str = local if local is not None else storage.url

@@ -7,7 +7,7 @@ from typing import Any
 
 from actstore.read.masks import summarize
 from actstore.read.sinkcheck import find_sinks, sink_warning
-from actstore.read.family import FamilyStore
+from actstore.read.family import FamilyStore, is_family
 from actstore.read.store import ActStore
 
 
@@ -15,9 +15,9 @@ def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]
     """A JSON-ready description of a finalized store. Without `sinks` it reads the manifest
     (and a listing for the size) alone; the sink check reads a sample of the activations
     (actstore.read.sinkcheck: evenly spread examples, at most SAMPLE_BYTES)."""
+    if is_family(path):
+        return family_info(FamilyStore(path, open_member=ActStore), sinks=sinks)
     store = ActStore(path)
-    if isinstance(store, FamilyStore):
-        return family_info(store, sinks=sinks)
     cfg = store.config
     n = len(store)
     on_disk = store.storage.stored_bytes()

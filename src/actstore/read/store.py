@@ -22,7 +22,7 @@ from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.batched import MappedChunk
-from actstore.read.family import FamilyStore, is_family
+from actstore.read.family import is_family
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
@@ -84,12 +84,6 @@ class ActStore(Reader):
         cache_bytes: the cache folder's size limit (default 10 GiB).
     """
 
-    def __new__(cls, path: Any = None, **options: Any) -> Any:
-        # A family root (docs/format.md, section 9) opens as a FamilyStore of ActStores.
-        if cls is ActStore and isinstance(path, (str, os.PathLike)) and is_family(path):
-            return FamilyStore(path, open_member=cls, **options)
-        return super().__new__(cls)
-
     def __init__(
         self,
         path: str | os.PathLike,
@@ -113,6 +107,11 @@ class ActStore(Reader):
         catalog.check_folder(self.storage)
         if local is not None:
             _refuse_saev_dir(local)
+            if is_family(local):
+                raise StoreNotFoundError(
+                    f"{local} is an aligned family of stores (family.json), not one store; open it with "
+                    f"actstore.open({str(local)!r}), which returns a FamilyStore (docs/format.md, section 9)"
+                )
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
         self.manifest, data = self._read_manifest()

@@ -46,7 +46,7 @@ def create_family(store: str | os.PathLike | Storage, family: fam.Family, *, res
     return storage
 
 
-def finalize_family(storage: Storage, finalize: Callable[..., Any], **options: Any) -> list[Any]:
+def finalize_family(storage: Storage, finalize: Callable[..., Any], *, allow_partial: bool = False) -> list[Any]:
     """Finalize every member of the family at `storage` with `finalize` (one store's), then
     check that the members hold the same number of examples in each shard.
 
@@ -54,7 +54,7 @@ def finalize_family(storage: Storage, finalize: Callable[..., Any], **options: A
         One manifest per member, in the record's order.
     """
     family = catalog.read_family(storage)
-    manifests = [finalize(storage.child(m.key), **options) for m in family.members]
+    manifests = [finalize(storage.child(m.key), allow_partial=allow_partial) for m in family.members]
     shapes = {m.name: [s.n_examples for s in man.shards] for m, man in zip(family.members, manifests)}
     if len({tuple(v) for v in shapes.values()}) != 1:
         raise AlignmentError(
