@@ -80,7 +80,7 @@ def write_cmd(store: str, **kw) -> None:
     from actstore.capture import family, run
 
     models = kw["model"]
-    o = options(store, {**kw, "model": models[0]})
+    o = options(store, kw)
     several = len(models) > 1 or family.may_differ(o.layers)  # several models or widths: a family
     s = family.write_models(o, models, run.write) if several else run.write(o)
     if s.get("sink_warning"):
@@ -122,5 +122,8 @@ def options(store: str, kw: dict) -> CaptureOptions:
         drop=tuple(kw["drop"]),
         system="" if kw["no_system"] else kw["system"],
         progress=not kw["quiet"],
+        model=kw["model"][0]
+        if isinstance(kw["model"], tuple)
+        else kw["model"],  # (more --model: a family, the first's job)
     )
     return CaptureOptions(**given)
