@@ -13,11 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Unpack
 
-<<<<<<< HEAD
-from actstore.capture import loop, proof, wrappers
-=======
-from actstore.capture import family, loop
->>>>>>> family
+from actstore.capture import family, loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
@@ -57,16 +53,12 @@ def record(
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
-<<<<<<< HEAD
         model: a torch module (HF transformers model), a LoadedModel from load_model, an
             nnsight LanguageModel or a TransformerLens TransformerBridge around an HF model
-            (actstore.capture.wrappers: the same site names give the same tensors).
-=======
-        model: a torch module (HF transformers model) or a LoadedModel from load_model; a
-            list of them (models of one tokenizer) records each over the same batches into
-            one aligned family at `store` (docs/format.md, section 9), as do sites of several
+            (actstore.capture.wrappers: the same site names give the same tensors); a list
+            of them (models of one tokenizer) records each over the same batches into one
+            aligned family at `store` (docs/format.md, section 9), as do sites of several
             widths (measured on the first batch): one member store per (model, width).
->>>>>>> family
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
@@ -120,21 +112,36 @@ def record(
             segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
         )
         return _record_ray(model, batches, store, opts, shard, progress, extras)
-<<<<<<< HEAD
+    passed = {  # what each member's record() gets when this call records a family
+        "options": options, "shard": shard, "segments": segments, "t_chunk": t_chunk, "token_labels": token_labels,
+        "texts": texts, "attrs": attrs, "progress": progress, "io_progress": io_progress,
+    }  # fmt: skip
+    if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
+        return _family(
+            list(model),
+            list(batches),
+            store,
+            opts,
+            model_id,
+            settings,
+            passed,
+        )
     lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
     # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
     points = wrappers.hook_points(model)
     hooks = resolve_hooks(lm.forward, opts.layers, points)
-=======
-    if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
-        return _family(list(model), list(batches), locals())
-    lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
-    hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
     if family.may_differ([hp.name for hp in hooks]):  # module paths: widths measured on batch 0
         batches, widths = family.widths_on_first(lm, hooks, batches)
         if len(widths) > 1:  # several widths: a family of one member per width
-            return _family([lm], list(batches), locals())
->>>>>>> family
+            return _family(
+                [lm],
+                list(batches),
+                store,
+                opts,
+                model_id,
+                settings,
+                passed,
+            )
     if segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -162,20 +169,27 @@ def record(
         raise
 
 
-def _family(models: list[Any], batches: list[Any], args: dict[str, Any]) -> list[RecordResult]:
-    """record() of several models or widths into one aligned family (actstore.capture.family)."""
-    opts: CaptureOptions = args["opts"]
-    keep = ("shard", "segments", "t_chunk", "token_labels", "texts", "attrs", "progress", "io_progress")
-    settings = {k: v for k, v in args["settings"].items() if k not in ("layers", "resume")}
+def _family(
+    models: list[Any],
+    batches: list[Any],
+    store: str | os.PathLike,
+    opts: CaptureOptions,
+    model_id: str | None,
+    settings: Mapping[str, Any],
+    passed: dict[str, Any],
+) -> list[RecordResult]:
+    """record() of several models or widths into one aligned family (actstore.capture.family):
+    each member recorded by record() with the arguments this call was `passed`."""
+    rest = {k: v for k, v in settings.items() if k not in ("layers", "resume")}
     return family.record_family(
         models,
         batches,
-        args["store"],
+        store,
         opts.layers,
         record,
-        model_id=args["model_id"],
+        model_id=model_id,
         resume=opts.resume,
-        record_options={"options": args["options"], **{k: args[k] for k in keep}, **settings},
+        record_options={**passed, **rest},
     )
 
 
