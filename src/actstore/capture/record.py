@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Unpack
 
-from actstore.capture import loop, proof, wrappers
+from actstore.capture import family, loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
@@ -21,6 +21,7 @@ from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
 from actstore.capture.writeside import Job, ShardContents
 from actstore.capture.target import CaptureTarget
+from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats
 
@@ -54,7 +55,10 @@ def record(
     Args:
         model: a torch module (HF transformers model), a LoadedModel from load_model, an
             nnsight LanguageModel or a TransformerLens TransformerBridge around an HF model
-            (actstore.capture.wrappers: the same site names give the same tensors).
+            (actstore.capture.wrappers: the same site names give the same tensors); a list
+            of them (models of one tokenizer) records each over the same batches into one
+            aligned family at `store` (docs/format.md, section 9), as do sites of several
+            widths (measured on the first batch): one member store per (model, width).
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
@@ -92,7 +96,8 @@ def record(
         io_progress: called with the writer's IOStats after each batch.
 
     Returns:
-        A RecordResult (with runner="ray", one per writer, in rank order). The shard is
+        A RecordResult (with runner="ray", one per writer, in rank order; of a family, one
+        per member, in the order of its record). The shard is
         closed (complete) when every batch was written. A call that fails after it wrote
         to the store adds a note to the error saying what it left (the shard and its
         committed examples) and how to go on: resume=True with the batches after the
@@ -101,6 +106,8 @@ def record(
     opts = make_options(options, _renamed(dict(settings)))
     opts.check(names="python")
     if opts.runner == "ray":
+        if isinstance(model, (list, tuple)):
+            raise CaptureError("runner='ray' records one model; record a family of models with the local runner")
         extras = ShardExtras(
             segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
         )
@@ -112,7 +119,19 @@ def record(
         texts=tuple(texts),
         attrs=dict(attrs or {}),
     )
+    if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
+        passed = _passed(opts, shard, contents, progress, io_progress)
+        return _family(list(model), list(batches), store, opts, model_id, {}, passed)
     return record_shard(model, batches, store, opts, shard, contents, model_id, progress, io_progress)
+
+
+def _passed(opts: CaptureOptions, shard: int, contents: ShardContents, progress: Any, io_progress: Any) -> dict:
+    """What each member's record() gets when this call records a family."""
+    return {
+        "options": opts, "shard": shard, "segments": contents.segments, "t_chunk": contents.t_chunk,
+        "token_labels": contents.token_labels, "texts": contents.texts, "attrs": contents.attrs,
+        "progress": progress, "io_progress": io_progress,
+    }  # fmt: skip
 
 
 def record_shard(
@@ -125,13 +144,18 @@ def record_shard(
     model_id: str | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     io_progress: Callable[[IOStats], None] | None = None,
-) -> RecordResult:
+) -> Any:
     """record() on this process, from checked options and the shard's contents as one value
     (what `actstore write`'s writers call with their Share: actstore.capture.run)."""
     lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
     # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
     points = wrappers.hook_points(model)
     hooks = resolve_hooks(lm.forward, opts.layers, points)
+    if family.may_differ([hp.name for hp in hooks]):  # module paths: widths measured on batch 0
+        batches, widths = family.widths_on_first(lm, hooks, batches)
+        if len(widths) > 1:  # several widths: a family of one member per width
+            passed = _passed(opts, shard, contents, progress, io_progress)
+            return _family([lm], list(batches), store, opts, model_id, {}, passed)
     if contents.segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -153,6 +177,30 @@ def record_shard(
     except BaseException as e:
         _say_what_is_left(e, job.target, shard, before)
         raise
+
+
+def _family(
+    models: list[Any],
+    batches: list[Any],
+    store: str | os.PathLike,
+    opts: CaptureOptions,
+    model_id: str | None,
+    settings: Mapping[str, Any],
+    passed: dict[str, Any],
+) -> list[RecordResult]:
+    """record() of several models or widths into one aligned family (actstore.capture.family):
+    each member recorded by record() with the arguments this call was `passed`."""
+    rest = {k: v for k, v in settings.items() if k not in ("layers", "resume")}
+    return family.record_family(
+        models,
+        batches,
+        store,
+        opts.layers,
+        record,
+        model_id=model_id,
+        resume=opts.resume,
+        record_options={**passed, **rest},
+    )
 
 
 def _say_what_is_left(e: BaseException, target: CaptureTarget, shard: int, before: tuple[Any, ...]) -> None:

@@ -66,10 +66,8 @@ class BatchMaker:
         self.device = dev if dev is not None and dev.type != "cpu" else None
         stored = TORCH_DTYPES[ts.store.dtype]
         info = get_worker_info() if in_worker else None
-        # Under a TokenLoader feeding a device a worker ships the stored dtype and the keys, and the
-        # device step casts and normalises (half the bytes through shared memory and PCIe); a loader
-        # of CPU batches keeps that work in its workers, where it runs in parallel.
-        self.ships_stored = info is not None and ts._worker_flags is not None and ts.device is not None
+        # Under a TokenLoader a worker ships the stored dtype and the keys; the main process converts.
+        self.ships_stored = info is not None and ts._worker_flags is not None
         dtype = stored if self.device is not None or self.ships_stored else ts.dtype
         self.norm = None if self.ships_stored else ts._norm
         self.last_keys: np.ndarray | None = None
