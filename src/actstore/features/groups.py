@@ -43,7 +43,7 @@ class _Seg:
 
 
 def _geometry(store: Reader) -> dict[str, _Seg]:
-    return {s.name: _Seg(s.name, -(-s.t_max // s.t_chunk) * s.t_chunk) for s in store.config.segments}
+    return {s.name: _Seg(s.name, s.t_pad) for s in store.config.segments}
 
 
 class GroupReader:
