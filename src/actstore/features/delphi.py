@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.dtypes import f32_to_f16
 from actstore.errors import FeatureError
 from actstore.progress import updater
 from actstore.features.encoders import Encoder
@@ -234,54 +235,23 @@ def _header(path: Path, tensors: list[tuple[str, np.dtype, tuple[int, ...]]], si
     return struct.pack("<Q", len(text) + pad) + text + b" " * pad
 
 
-def _scatter_py(example, position, latent, value, split_of, bounds, loc, act, counts):  # noqa: ANN001, ANN202
-    """Each non-zero appended to its split's rows of loc (splits, rows, 3) / act (splits,
-    rows) of float16 bits, in input order within a split, counts[split] advanced: the numpy
-    reference of the compiled _scatter_loop."""
+def _scatter_py(example, position, latent, bits, split_of, bounds, loc, act, counts):  # noqa: ANN001, ANN202
+    """Each non-zero (its float16 bits, uint16) appended to its split's rows of loc (splits,
+    rows, 3) / act (splits, rows), in input order within a split, counts[split] advanced:
+    the numpy reference of the compiled _scatter_loop."""
     split = split_of[latent]
-    value16 = np.asarray(value).astype(np.float16).view(np.uint16)
     for s in range(loc.shape[0]):
         m = split == s
         c, k = int(counts[s]), int(m.sum())
         loc[s, c : c + k, 0] = example[m]
         loc[s, c : c + k, 1] = position[m]
         loc[s, c : c + k, 2] = latent[m] - bounds[s]
-        act[s, c : c + k] = value16[m]
+        act[s, c : c + k] = bits[m]
         counts[s] += k
 
 
-def _half_bits(f):  # noqa: ANN001, ANN202
-    """The float16 bits of the float32 whose bits are f (an int), rounded to nearest even,
-    overflow to infinity, NaN kept NaN: numpy's npy_floatbits_to_halfbits, step by step."""
-    f = np.uint32(f)
-    sgn = np.uint32((f & np.uint32(0x80000000)) >> np.uint32(16))
-    exp = f & np.uint32(0x7F800000)
-    if exp >= np.uint32(0x47800000):  # infinity, NaN, or too large
-        sig = f & np.uint32(0x007FFFFF)
-        if exp == np.uint32(0x7F800000) and sig != 0:
-            h = np.uint32(0x7C00) + (sig >> np.uint32(13))
-            if h == np.uint32(0x7C00):
-                h += np.uint32(1)
-            return np.uint16(sgn + h)
-        return np.uint16(sgn + np.uint32(0x7C00))
-    if exp <= np.uint32(0x38000000):  # a float16 subnormal or zero
-        if exp < np.uint32(0x33000000):
-            return np.uint16(sgn)
-        sig = np.uint32(0x00800000) + (f & np.uint32(0x007FFFFF))
-        sig = sig >> (np.uint32(113) - (exp >> np.uint32(23)))
-        if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000) or (f & np.uint32(0x7FF)) != 0:
-            sig += np.uint32(0x1000)
-        return np.uint16(sgn + (sig >> np.uint32(13)))
-    hexp = (exp - np.uint32(0x38000000)) >> np.uint32(13)
-    sig = f & np.uint32(0x007FFFFF)
-    if (sig & np.uint32(0x3FFF)) != np.uint32(0x1000):
-        sig += np.uint32(0x1000)
-    return np.uint16(sgn + hexp + (sig >> np.uint32(13)))  # a carry out of the significand raises the exponent
-
-
 def _scatter_loop(example, position, latent, bits, split_of, bounds, loc, act, counts):  # noqa: ANN001, ANN202
-    """_scatter_py in one pass (compiled with numba): each non-zero written at its split's
-    cursor, its float32 value (given as its bits) cast to float16 on the way."""
+    """_scatter_py in one pass (compiled with numba): each non-zero written at its split's cursor."""
     for i in range(len(latent)):
         s = split_of[latent[i]]
         j = counts[s]
@@ -289,26 +259,23 @@ def _scatter_loop(example, position, latent, bits, split_of, bounds, loc, act, c
         loc[s, j, 0] = example[i]
         loc[s, j, 1] = position[i]
         loc[s, j, 2] = latent[i] - bounds[s]
-        act[s, j] = _half_bits(bits[i])
+        act[s, j] = bits[i]
 
 
 try:
     import numba
 
-    _half_bits = numba.njit(inline="always", cache=True)(_half_bits)
     _scatter_compiled = numba.njit(nogil=True, cache=True)(_scatter_loop)
 except ImportError:  # the numpy reference: the same arrays
     _scatter_compiled = None
 
 
 def _scatter(example, position, latent, value, split_of, bounds, loc, act, counts) -> None:  # noqa: ANN001
-    """Append each non-zero to its split's rows (the compiled loop for float32 values, else
-    the numpy reference)."""
-    value = np.asarray(value)
-    if _scatter_compiled is None or value.dtype != np.float32:
-        _scatter_py(example, position, latent, value, split_of, bounds, loc, act, counts)
-    else:
-        _scatter_compiled(example, position, latent, value.view(np.uint32), split_of, bounds, loc, act, counts)
+    """Append each non-zero to its split's rows, its value cast to float16 once (dtypes'
+    cast: numpy's rounding and overflow) by the compiled loop, else the numpy reference."""
+    bits = f32_to_f16(np.asarray(value)).view(np.uint16)
+    scatter = _scatter_py if _scatter_compiled is None else _scatter_compiled
+    scatter(example, position, latent, bits, split_of, bounds, loc, act, counts)
 
 
 def export_delphi(

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.dtypes import f32_to_f16
 from actstore.features.kernel import _njit, heap_offer
 
 BLOCK = 32  # features per block: a block's counters (32 x 256 uint32) stay in L1 over the batch
@@ -221,7 +222,7 @@ def update(
     counts, lows, nan, rare_cnt, rare_sum, rare_hist = _totals(acc, F, n_bins)
     top_n, pool_n = acc.as_heaps()
     filled = np.arange(acc.top_val.shape[1]) < top_n[:, None]
-    top_key = np.where(filled, sort_key(acc.top_val.astype(np.float16).view(np.uint16)), 0x8000).astype(np.uint16)
+    top_key = np.where(filled, sort_key(f32_to_f16(acc.top_val).view(np.uint16)), 0x8000).astype(np.uint16)
     head = (i16, cols, ords, keys.astype(np.int64))
     tail = (_TABLES["lut"], _TABLES["lut_bin"], counts, lows, nan, rare_cnt, rare_sum, rare_hist)
     tail += (top_key, acc.top_val, acc.top_ord, top_n, acc.pool_key, acc.pool_val, acc.pool_ord, pool_n)

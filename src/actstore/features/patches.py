@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from actstore.dtypes import f32_to_f16
 from actstore.errors import FeatureError
 from actstore.features.encoders import Encoder
 from actstore.features.windows import one_blas_thread
@@ -98,7 +99,7 @@ def patch_values(
                 raise FeatureError(
                     f"example {e} has {acts.shape[0]} tokens; the image attrs promise {prefix} + {gh}x{gw} patches"
                 )
-            values = encoder.encode(acts[prefix:], feat[grp], feature_major=True).astype(np.float16)  # (pairs, patches)
+            values = f32_to_f16(encoder.encode(acts[prefix:], feat[grp], feature_major=True))  # (pairs, patches)
             i, p = np.nonzero(values.view(np.uint16) & 0x7FFF)  # != 0 in integers (float16 compares are slow)
             parts.append((grp[i], p, values[i, p]))
             if bar is not None:
