@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from actstore.read.api import ReaderLike, as_reader
+from actstore.storage.files import atomic_write_bytes
 
 W, H, PAD = 560, 200, 34
 N_BINS = 60
@@ -156,8 +157,6 @@ def write_plots(
     paths = []
     for name, text in files.items():
         p = out / name
-        tmp = p.with_name(f".{name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, p)
+        atomic_write_bytes(p, text.encode("utf-8"))
         paths.append(p)
     return paths

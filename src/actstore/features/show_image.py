@@ -16,6 +16,7 @@ import numpy as np
 
 from actstore.errors import CaptureError
 from actstore.read.state import check_unchanged
+from actstore.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from actstore.read.interface import Reader
@@ -77,9 +78,7 @@ def save_png(canvas: Any, out: Path, state: dict[str, str]) -> Path:
     for key, value in state.items():
         info.add_text(f"actstore:{key}", value)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    canvas.save(tmp, format="PNG", pnginfo=info)
-    os.replace(tmp, out)  # never a half-written picture
+    atomic_write(out, lambda tmp: canvas.save(tmp, format="PNG", pnginfo=info))  # never a half-written picture
     return out
 
 

@@ -32,6 +32,7 @@ from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
 from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader, ReaderLike
+from actstore.storage.durable import write_all
 
 STATIC = Path(__file__).with_name("static")
 ASSETS = ("index.html", "feature.html", "common.js", "index-page.js", "feature-page.js", "vision.js", "style.css")
@@ -380,9 +381,7 @@ def _write(path: Path, text: str) -> None:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            data = memoryview(text.encode("utf-8"))
-            while data:
-                data = data[os.write(fd, data) :]
+            write_all(fd, (text.encode("utf-8"),))
         finally:
             os.close(fd)
     except OSError as e:

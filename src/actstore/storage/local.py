@@ -26,7 +26,7 @@ from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
 from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
-from actstore.storage.durable import syncfs, tmp_name
+from actstore.storage.durable import syncfs, tmp_name, write_all
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import (
@@ -324,11 +324,7 @@ class LocalStorage(Storage):
             self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY | _O_NOFOLLOW)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view.nbytes:
-                    n = os.write(fd, view)
-                    view = view[n:]
+            write_all(fd, parts)  # one gathered write
             if durable:
                 os.fsync(fd)
             elif self.eager_writeback:
@@ -350,10 +346,8 @@ class LocalStorage(Storage):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
             try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view.nbytes:
-                        view = view[os.write(fd, view) :]
+                for part in parts:  # each part held only while it is written
+                    write_all(fd, (part,))
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -387,9 +381,7 @@ class LocalStorage(Storage):
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
             with named_writes(path):
-                view = memoryview(data).cast("B")
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, (data,))
                 return os.fstat(fd).st_size
         finally:
             os.close(fd)
