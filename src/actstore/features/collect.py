@@ -20,9 +20,7 @@ import numpy as np
 from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, FeatureAccumulator, hash_keys, split_order
 
 SIGNS = ("positive", "negative", "both")
-TOP_COLUMNS = ("feature", "sign", "rank", "example", "token", "activation")
 INTERVAL_COLUMNS = ("feature", "sign", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")
-NEGATIVE_COLUMNS = ("min", "n_negative", "density_negative", "mean_negative", "histogram_negative")
 _INTERVAL_TYPES = {
     "feature": np.int32,
     "sign": np.int8,

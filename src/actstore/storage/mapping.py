@@ -294,10 +294,6 @@ class FileRegion:
         self._slots = OrderedDict()
         self._by_index = []
 
-    def _unmap_all(self) -> None:
-        _LIBC.munmap(self.base, self.nbytes)
-        self.base = None
-
     def __del__(self) -> None:
         try:
             self.close()
