@@ -35,7 +35,18 @@ LAYERS: list[list[str]] = [
         "actstore.importers",
         "actstore.trainers",
     ],
-    ["actstore.opener", "actstore.xarray_backend", "actstore.features", "actstore"],
+    [
+        "actstore.opener",
+        "actstore.xarray_backend",
+        # features/ along its flow: encoders -> the top-k pass -> views and exports of it
+        "actstore.features.staging",
+        "actstore.features.encoders",
+        "actstore.features.topk",
+        "actstore.features.views",
+        "actstore.features.exports",
+        "actstore.features",
+        "actstore",
+    ],
     ["actstore.cli"],
 ]
 MAX_LINES = 500

@@ -195,7 +195,7 @@ def test_delphi_writer_files_hold_the_reference_scatter_of_every_call(tmp_path):
     files are gone."""
     from safetensors.numpy import load_file
 
-    from actstore.features.delphi import DelphiWriter, _scatter_py
+    from actstore.features.exports.delphi import DelphiWriter, _scatter_py
 
     rng = np.random.default_rng(3)
     n = 5000
@@ -240,7 +240,7 @@ def test_delphi_float16_cast_is_numpys_for_every_kind_of_float32():
     """The scatter's float32 -> float16 cast (dtypes.f32_to_f16, then the compiled loop) gives
     numpy's bits: zeros, subnormals of both formats, the halfway cases of rounding to even,
     overflow to infinity, NaN."""
-    from actstore.features.delphi import _scatter, _scatter_compiled
+    from actstore.features.exports.delphi import _scatter, _scatter_compiled
 
     assert _scatter_compiled is not None  # numba is a dependency of the views
     rng = np.random.default_rng(5)

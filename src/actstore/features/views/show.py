@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features import context
-from actstore.features.encoders import Encoder, neurons
+from actstore.features.views import context
+from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import FeatureError
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
@@ -78,7 +78,7 @@ def text_html(
     where each segment (a prompt's response) begins. The tokens' text is the example's
     decoded text cut into pieces (actstore.inputs.tokentext): a character split across
     tokens shows on its last token, the tokens before it marked. Without a tokenizer, token ids."""
-    from actstore.features.windows import left_out, token_labels
+    from actstore.features.views.windows import left_out, token_labels
 
     tok, note = context.tokenizer_or_note(store, tokenizer)
     ids = store.token_ids(ex)
@@ -117,7 +117,7 @@ def text_html(
             f'<span class="{cls}" style="background: rgba({rgb},{alpha:.2f})" title="{title}">{shown(t)}</span>'
         )
     what = "token L2 norm" if feature is None else f"{'dimension' if encoder is None else 'feature'} {feature}"
-    from actstore.features.show_image import drawn_from
+    from actstore.features.views.show_png import drawn_from
 
     state = "".join(
         f'<meta name="actstore:{k}" content="{html.escape(v)}">' for k, v in drawn_from(store).items()
@@ -155,8 +155,8 @@ def images_png(
     one colour scale [min, max] over all of them, with a colour bar."""
     from PIL import Image, ImageDraw
 
-    from actstore.features.show_image import colormap
-    from actstore.features.images import heatmap
+    from actstore.features.views.show_png import colormap
+    from actstore.features.views.heatmaps import heatmap
 
     im = store.config.attrs.get("image")
     if not im:
@@ -176,7 +176,7 @@ def images_png(
     canvas.paste(Image.fromarray(colormap(np.linspace(1, 0, w))[:, None, :].repeat(bar_w, axis=1)), (bx, head))
     draw.text((bx + bar_w + 4, head), f"{hi:.3g}", fill=(0, 0, 0))
     draw.text((bx + bar_w + 4, head + w - 12), f"{lo:.3g}", fill=(0, 0, 0))
-    from actstore.features.show_image import drawn_from, save_png
+    from actstore.features.views.show_png import drawn_from, save_png
 
     return save_png(canvas, Path(out), drawn_from(store))
 

@@ -83,7 +83,7 @@ def write_thumbnails(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from actstore.features.context import image_ref
+    from actstore.features.views.context import image_ref
 
     size = parse_size(size)
     exs = np.unique(np.asarray(examples, np.int64))
@@ -115,7 +115,7 @@ def _write(path: Path, ref: dict[str, Any], model_size: int, size: int) -> None:
     """One thumbnail: the image as the model saw it, at `size` pixels."""
     from PIL import Image
 
-    from actstore.features.context import ref_pixels
+    from actstore.features.views.context import ref_pixels
 
     img = Image.fromarray(ref_pixels(ref, model_size))
     if size != model_size:

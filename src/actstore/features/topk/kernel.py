@@ -2,9 +2,9 @@
 features; neurons of bfloat16 and float32 stores): per step of a feature's row one
 vectorised scan (positive count, NaN), then only the positive values (sum, histogram bin,
 and the few that beat the top-k or pool bar); the top k and the pool are heaps. The float16
-rows of a neurons pass have their own integer loop (actstore.features.kernel16), which
+rows of a neurons pass have their own integer loop (actstore.features.topk.kernel16), which
 shares the heaps and the threads here. The state and its meaning are those of
-actstore.features.accum, which holds the numpy reference of the same update; tests compare
+actstore.features.topk.accum, which holds the numpy reference of the same update; tests compare
 the two on the same batches.
 
 Features are split into contiguous ranges, a few a thread (the loops hold no GIL); a
@@ -23,7 +23,7 @@ import numpy as np
 
 try:
     import numba
-except ImportError:  # the numpy reference does the work (actstore.features.accum)
+except ImportError:  # the numpy reference does the work (actstore.features.topk.accum)
     numba = None
 
 AVAILABLE = numba is not None

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features.tables import FEATURES, INTERVALS, META, TOP, store_checksum
+from actstore.features.topk.tables import FEATURES, INTERVALS, META, TOP, store_checksum
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.storage import open_storage
 

@@ -11,7 +11,7 @@
 - `OUT/<model>/<layer>-<source set>/`: Neuronpedia's export layout, which its importer
   (apps/webapp/app/api/admin/import) reads: model.jsonl, sourceset.jsonl, source.jsonl,
   release.jsonl, and `features/` and `activations/` of `batch-<n>.jsonl.gz` with one row of
-  its `Neuron` / `Activation` tables a line (actstore.features.neuronpedia), made from the
+  its `Neuron` / `Activation` tables a line (actstore.features.exports.neuronpedia), made from the
   SAEDashboard JSON as Neuronpedia's own convert-saedashboard-to-neuronpedia-export.py does,
   plus the decoder-cosine neighbours (topkCosSimIndices / topkCosSimValues).
 
@@ -35,13 +35,14 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features import context, neuronpedia, relations
-from actstore.features.encoders import Encoder
-from actstore.features.logits import applicable_unembedding
-from actstore.features.passdata import check_store, load_pass, open_store_of
-from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
+from actstore.features.views import context, relations
+from actstore.features.exports import neuronpedia
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.views.logits import applicable_unembedding
+from actstore.features.topk.passdata import check_store, load_pass, open_store_of
+from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.staging import staged_folder
-from actstore.features.windows import text_windows, window_pieces
+from actstore.features.views.windows import text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import ReaderLike
 
@@ -87,7 +88,7 @@ def export_neuronpedia(
 ) -> Path:
     """Write both layouts into folder `out` (staged, swapped in whole); returns the
     Neuronpedia source folder (`out/<model>/<layer>-<sae_set>`)."""
-    from actstore.features.site import encoder_from_meta
+    from actstore.features.views.site import encoder_from_meta
 
     p = load_pass(src)
     st = open_store_of(p.meta, store)
@@ -110,7 +111,7 @@ def export_neuronpedia(
     feats = p.features["feature"].astype(np.int64)
     logit, text = None, {}
     if unembedding is not None:
-        from actstore.features.logits import load_unembedding, logit_tables
+        from actstore.features.views.logits import load_unembedding, logit_tables
 
         logit = logit_tables(encoder.W_dec[feats], load_unembedding(unembedding, encoder.d_in, st))
         more = np.unique(np.concatenate([logit.top_ids.ravel(), logit.bottom_ids.ravel()]))

@@ -1,4 +1,4 @@
-"""Readers of direction sources, each to an Encoder (actstore.features.encoders).
+"""Readers of direction sources, each to an Encoder (actstore.features.encoders.encoder).
 
 - SAELens (sae-lens 6.x): a folder with `cfg.json` and `sae_weights.safetensors`;
   architectures standard, jumprelu, topk; `apply_b_dec_to_input` and `normalize_activations`
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.encoders import Encoder
+from actstore.features.encoders.encoder import Encoder
 from actstore.errors import EncoderError, FeatureError
 
 SAELENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
@@ -323,7 +323,7 @@ def load(
     bias: str | Path | None = None,
 ) -> Encoder:
     """The one encoder that exactly one of the keyword arguments names."""
-    from actstore.features.encoders import neurons
+    from actstore.features.encoders.encoder import neurons
 
     given = [
         k
@@ -364,7 +364,7 @@ def from_meta(described: Any, d_model: int) -> Encoder:
             "written by this version of `actstore features` (or was edited); rerun the pass"
         )
     if kind == "neurons":
-        from actstore.features.encoders import neurons
+        from actstore.features.encoders.encoder import neurons
 
         return neurons(d_model)
     path = described.get("path")

@@ -1,6 +1,6 @@
 """Image heatmaps for `actstore show --ex A --ex B`: per-patch values over the image a ViT
 saw, on one colour scale given by the caller (so its examples compare), the top patch
-outlined. (A site draws its heatmaps in the browser: actstore.features.sitevision.)"""
+outlined. (A site draws its heatmaps in the browser: actstore.features.views.sitevision.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def heatmap(rgb: np.ndarray, grid: np.ndarray, vmax: float, *, vmin: float = 0.0
     """A PIL image: `rgb` (size, size, 3) blended with `grid`'s colours on [vmin, vmax]."""
     from PIL import Image, ImageDraw
 
-    from actstore.features.show_image import colormap
+    from actstore.features.views.show_png import colormap
 
     size = rgb.shape[0] * SCALE
     span = vmax - vmin

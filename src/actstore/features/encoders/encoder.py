@@ -5,7 +5,7 @@ One class covers every direction source: `f(x) = act(norm(x) - b_pre) @ W + b)`,
 over all F features, then ReLU: SAELens's and dictionary_learning's TopK) and an optional
 per-feature scale after the matmul (SAELens's `rescale_acts_by_decoder_norm`). Neurons are
 the stored dimensions themselves (no matmul). The readers of each checkpoint format are in
-actstore.features.sources.
+actstore.features.encoders.sources.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Encoder:
         post_scale: (F,) multiplied into the pre-activations (before the activation), or None.
         W_dec: (F, d_in) decoder directions when the source has them (logit tables).
         b_dec: (d_in,) the decoder's bias when the source is an SAE: `decode` then gives its
-            reconstruction (actstore.features.quality); None for probes and neurons.
+            reconstruction (actstore.features.topk.quality); None for probes and neurons.
         source: where it came from (path) and its checksum, for meta.json.
     """
 
@@ -118,13 +118,13 @@ class Encoder:
         (all F when None); with feature_major, the (F', n) C-contiguous array instead (what
         the pass consumes: one row per feature, no transpose copy). TopK selects over all F
         before the subset is taken. `device` ("cpu", "cuda", "cuda:1"): compute with torch
-        there (actstore.features.torchenc); None: numpy. relu_later: a ReLU encoder returns its
+        there (actstore.features.encoders.torchenc); None: numpy. relu_later: a ReLU encoder returns its
         pre-activations (the positive values are the output; the caller treats the rest as 0)."""
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != self.d_in:
             raise EncoderError(f"encode takes (n, {self.d_in}) activations, got {x.shape}")
         if device is not None and self.kind != "neurons":
-            from actstore.features.torchenc import encode_torch
+            from actstore.features.encoders.torchenc import encode_torch
 
             h = encode_torch(self, x, features, device, LAYER_NORM_EPS, relu_later)
             return h if feature_major else h.T

@@ -1,6 +1,6 @@
 """Where the pass's tokens go once read: encoded and accumulated on the host (numba or
-the numpy reference, actstore.features.accum) or on a torch device (the encode and the
-update there, actstore.features.device). Each sink takes a group of examples at a time
+the numpy reference, actstore.features.topk.accum) or on a torch device (the encode and the
+update there, actstore.features.topk.device). Each consumer takes a group of examples at a time
 (the buffer of their stored rows, the kept rows and their order keys), batches the kept
 tokens to `tok_batch`, and keeps one accumulator per tail: the positive values, and for
 the negative tail the positive pass over the negated values.
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.accum import FeatureAccumulator
-from actstore.features.encoders import LAYER_NORM_EPS, Encoder
+from actstore.features.topk.accum import FeatureAccumulator
+from actstore.features.encoders.encoder import LAYER_NORM_EPS, Encoder
 
 
 def tail_sizes(sign: str, k: int, pool: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
@@ -25,7 +25,7 @@ def tail_sizes(sign: str, k: int, pool: int) -> tuple[tuple[int, int], tuple[int
     return pos, ((k, pool) if sign != "positive" else None)
 
 
-class HostSink:
+class HostConsumer:
     """Encode on the host (numpy, or torch on `device`), accumulate with numba or numpy.
 
     Args:
@@ -34,7 +34,7 @@ class HostSink:
         kernel: FeatureAccumulator's ("auto", "numba", "numpy").
         device: where the encode runs ("cpu", "cuda", None: numpy).
         tok_batch: tokens encoded at once.
-        quality: an SAE's reconstruction sums (actstore.features.quality), fed every encoded batch.
+        quality: an SAE's reconstruction sums (actstore.features.topk.quality), fed every encoded batch.
     """
 
     def __init__(
@@ -112,11 +112,11 @@ class HostSink:
         return self._scratch[: a.size].reshape(a.shape)
 
 
-class DeviceSink:
-    """Encode and accumulate with torch on `device` (actstore.features.device); only the
+class DeviceConsumer:
+    """Encode and accumulate with torch on `device` (actstore.features.topk.device); only the
     (features x k) results and the statistics come back.
 
-    Args: as HostSink, device a torch.device.
+    Args: as HostConsumer, device a torch.device.
     """
 
     def __init__(
@@ -132,7 +132,7 @@ class DeviceSink:
         tok_batch: int,
         quality: Any = None,
     ):
-        from actstore.features.device import TorchAccumulator
+        from actstore.features.topk.device import TorchAccumulator
 
         n_f = encoder.n_features if ids is None else len(ids)
         (kp, mp), neg = tail_sizes(sign, k, pool)
@@ -163,7 +163,7 @@ class DeviceSink:
         return self.pos.to_host(), (self.neg.to_host() if self.neg is not None else None)
 
     def _flush(self) -> None:
-        from actstore.features.torchenc import encode_tensor
+        from actstore.features.encoders.torchenc import encode_tensor
 
         x, o = _take(self.xs, self.os, self.tok_batch)
         self.n_pending -= len(x)

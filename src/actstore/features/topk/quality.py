@@ -1,6 +1,6 @@
 """An SAE's reconstruction quality over the feature pass's tokens, accumulated as the pass
 encodes them (no second read): per token x, its encoding f (all latents) and its
-reconstruction x_hat = decode(f) (actstore.features.encoders.Encoder.decode):
+reconstruction x_hat = decode(f) (actstore.features.encoders.encoder.Encoder.decode):
 
 - fraction of variance explained: 1 - E||x - x_hat||^2 / (E||x||^2 - ||E x||^2), SAELens's
   `explained_variance` (sae_lens/evals.py ExplainedVarianceCalculator);
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.encoders import LAYER_NORM_EPS, Encoder
+from actstore.features.encoders.encoder import LAYER_NORM_EPS, Encoder
 
 DENSE_FRACTION = 0.1  # a latent non-zero on more than this fraction of the tokens is dense
 
@@ -62,7 +62,7 @@ class Reconstruction:
         """As update, with torch tensors on the encode's device (h_fn (F, n) float32)."""
         import torch
 
-        from actstore.features.torchenc import decode_tensor, encode_tensor
+        from actstore.features.encoders.torchenc import decode_tensor, encode_tensor
 
         if not len(x):
             return
@@ -115,7 +115,7 @@ class Reconstruction:
 def reconstruct_tensor(encoder: Encoder, x: Any) -> Any:
     """An SAE's reconstruction (n, d_in) float32 of x (n, d_in), a tensor on its device
     (what actstore.capture.splice writes into the model)."""
-    from actstore.features.torchenc import decode_tensor, encode_tensor
+    from actstore.features.encoders.torchenc import decode_tensor, encode_tensor
 
     xf = x.float()
     return decode_tensor(encoder, encode_tensor(encoder, xf, None, LAYER_NORM_EPS), xf)

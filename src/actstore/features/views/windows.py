@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features.encoders import Encoder
+from actstore.features.encoders.encoder import Encoder
 from actstore.inputs.tokentext import MARGIN, Pieces, TokenText
 from actstore.read.api import Reader
 from actstore.read.store import ActStore

@@ -2,7 +2,7 @@
 order) to the rows of top.parquet, features.parquet and intervals.parquet, for one tail or
 both.
 
-The negative tail is the positive pass over the negated values (actstore.features.topk):
+The negative tail is the positive pass over the negated values (actstore.features.topk.layerpass):
 its accumulator holds |value| for the negative values, so its rows here are negated back:
 `activation`, `lo` and `hi` are negative (rank 0 = the lowest value; interval 0 the one
 nearest zero, holding values in [lo, hi)), and the statistics become `min`, `n_negative`,
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.accum import HIST_EDGES, NO_KEY, NO_ORD, FeatureAccumulator, hash_keys, split_order
+from actstore.features.topk.accum import HIST_EDGES, NO_KEY, NO_ORD, FeatureAccumulator, hash_keys, split_order
 
 SIGNS = ("positive", "negative", "both")
 INTERVAL_COLUMNS = ("feature", "sign", "interval", "lo", "hi", "sample", "example", "token", "activation", "exact")

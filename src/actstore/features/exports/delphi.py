@@ -34,7 +34,7 @@ import numpy as np
 from actstore.dtypes import f32_to_f16
 from actstore.errors import FeatureError
 from actstore.progress import updater
-from actstore.features.encoders import Encoder
+from actstore.features.encoders.encoder import Encoder
 from actstore.features.staging import staged_folder
 from actstore.read.api import Reader
 
@@ -295,7 +295,7 @@ def export_delphi(
 ) -> Path:
     """Encode every token of `layer` and write delphi's latent cache into folder `out`
     (staged, swapped in whole); returns the hookpoint folder."""
-    from actstore.features.topk import _pick_device
+    from actstore.features.topk.layerpass import _pick_device
     from actstore.read.masks import leaves_out_special
 
     device = _pick_device(device)

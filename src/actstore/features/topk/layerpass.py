@@ -1,12 +1,12 @@
 """`top_activations`: one sequential pass over a layer's real tokens, many features at once.
 
-Examples are read in store order (actstore.features.groups), padding is never encoded, and
+Examples are read in store order (actstore.features.topk.groups), padding is never encoded, and
 the tokens that the loaders' default mask leaves out (token label != 0: BOS, special and
-chat template tokens) are left out unless `keep_special`. The kept tokens go to a sink
-(actstore.features.sinks): encoded and accumulated on the host (numba), or on a torch
+chat template tokens) are left out unless `keep_special`. The kept tokens go to a consumer
+(actstore.features.topk.consumers): encoded and accumulated on the host (numba), or on a torch
 device (encode, top-k, statistics, histograms and sample pools there; only the results
 come back). Memory is O(features x (k + pool)) plus one batch of `batch_elements` feature
-values, never tokens x features. The tables are built by actstore.features.collect.
+values, never tokens x features. The tables are built by actstore.features.topk.collect.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import numpy as np
 
 from actstore.errors import FeatureError, LayerNotFoundError
 from actstore.progress import updater
-from actstore.features.collect import SIGNS, FeatureTables, build_tables
-from actstore.features.encoders import Encoder
-from actstore.features.groups import GroupReader
-from actstore.features.sinks import DeviceSink, HostSink
+from actstore.features.topk.collect import SIGNS, FeatureTables, build_tables
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.topk.groups import GroupReader
+from actstore.features.topk.consumers import DeviceConsumer, HostConsumer
 from actstore.read.api import ReaderLike, as_reader
 
 MAX_TOP_K = 10_000
@@ -76,7 +76,7 @@ def top_activations(
     Args:
         store: a Reader (actstore.open), or a store's path or URL (opened here).
         layer: a stored layer number or name.
-        encoder: the directions (actstore.features.encoders / sources).
+        encoder: the directions (actstore.features.encoders.encoder / sources).
         k: top activations per feature and tail (1..MAX_TOP_K).
         features: the feature ids (`"0-4095"` or a list); None: all.
         segments: segment names to read (default all); token positions stay those of `store[ex, layer]`.
@@ -92,13 +92,13 @@ def top_activations(
         progress: True for a bar on stderr, or a callable taking the examples done.
         kernel: the per-batch update: "numba" (compiled, one read of each value), "numpy"
             (the reference), "torch" (the update on `device` too: only the results come
-            back; actstore.features.device), or "auto" (torch on a CUDA device, else numba
+            back; actstore.features.topk.device), or "auto" (torch on a CUDA device, else numba
             when installed). The same tables either way.
         sign: "positive" (the top k of the positive values), "negative" (the bottom k of the
-            negative values) or "both" (actstore.features.collect).
+            negative values) or "both" (actstore.features.topk.collect).
         mmap: on a local store of raw chunks, map its files and read the stored rows in
-            place (actstore.features.groups); False reads them into buffers.
-        quality: a Reconstruction (actstore.features.quality) that every encoded batch
+            place (actstore.features.topk.groups); False reads them into buffers.
+        quality: a Reconstruction (actstore.features.topk.quality) that every encoded batch
             feeds: an SAE's reconstruction quality over the pass's tokens.
     """
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= MAX_TOP_K:
@@ -125,20 +125,20 @@ def top_activations(
     tok_batch = max(1, batch_elements // max(1, n_f))
     kw = dict(k=int(k), pool=pool, seed=int(seed), sign=sign, tok_batch=tok_batch, quality=quality)
     if kernel == "torch":
-        from actstore.features.torchenc import _device
+        from actstore.features.encoders.torchenc import _device
 
-        sink: Any = DeviceSink(encoder, ids, device=_device(device or "cpu"), **kw)
+        consumer: Any = DeviceConsumer(encoder, ids, device=_device(device or "cpu"), **kw)
     else:
-        sink = HostSink(encoder, ids, kernel=kernel, device=device, **kw)
+        consumer = HostConsumer(encoder, ids, kernel=kernel, device=device, **kw)
     groups = GroupReader(
-        store, layer, segments, keep_special, device=sink.device if kernel == "torch" else None, mmap=mmap
+        store, layer, segments, keep_special, device=consumer.device if kernel == "torch" else None, mmap=mmap
     )
     bar = updater(progress, len(store), "features", "ex")
     for exs, flat, rows, ords in groups:
-        sink.group(flat, rows, ords)
+        consumer.group(flat, rows, ords)
         if bar is not None:
             bar(len(exs))
-    pos, neg = sink.finish()
+    pos, neg = consumer.finish()
     feat_ids = np.arange(n_f, dtype=np.int64) if ids is None else ids
     return build_tables(pos, neg, feat_ids, n_intervals, per_interval, sign)
 
@@ -156,7 +156,7 @@ def _pick_kernel(kernel: str, device: str | None) -> str:
 def _pick_device(device: str | None) -> str | None:
     if device != "auto":
         if device is not None:
-            from actstore.features.torchenc import _device
+            from actstore.features.encoders.torchenc import _device
 
             _device(device)  # a missing torch or accelerator is refused before the pass
         return device

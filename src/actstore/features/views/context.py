@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.encoders import Encoder
+from actstore.features.encoders.encoder import Encoder
 from actstore.errors import FeatureError, TokenizerNotFoundError
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
-from actstore.features.windows import DEFAULT_WINDOW
+from actstore.features.views.windows import DEFAULT_WINDOW
 from actstore.read.store import ActStore
 
 
@@ -83,9 +83,9 @@ def text_windows(
     position as display pieces (`tokens`, joining to the window's decoded text; `partial`:
     the tokens whose character shows on a later token) with each one's activation for that
     feature, which the pass left out, and, for packed stores, the document and position the
-    row's token came from (actstore.features.windows computes them as arrays)."""
-    from actstore.features.windows import text_windows as arrays
-    from actstore.features.windows import window_pieces
+    row's token came from (actstore.features.views.windows computes them as arrays)."""
+    from actstore.features.views.windows import text_windows as arrays
+    from actstore.features.views.windows import window_pieces
 
     w = arrays(store, layer, encoder, rows["feature"], rows["example"], rows["token"], window=window)
     pieces = window_pieces(TokenText(tok), w)

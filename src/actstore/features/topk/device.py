@@ -1,5 +1,5 @@
 """The pass's per-batch update in torch, on the device the encode ran on (a GPU, or the
-CPU in tests): the same state as actstore.features.accum's FeatureAccumulator, kept as
+CPU in tests): the same state as actstore.features.topk.accum's FeatureAccumulator, kept as
 tensors there, so that only the (features x k) results and the statistics come back.
 
 Each batch is a (F, n) float32 tensor of feature values with order keys `ords` (n,),
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.accum import _LO_CODE, _SHIFT, N_BINS, NO_ORD, FeatureAccumulator, hash_keys, sort_code
+from actstore.features.topk.accum import _LO_CODE, _SHIFT, N_BINS, NO_ORD, FeatureAccumulator, hash_keys, sort_code
 
 _LOW = (1 << 31) - 1  # the position field of a key
 

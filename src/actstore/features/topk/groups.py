@@ -27,7 +27,7 @@ import numpy as np
 
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import SegmentNotFoundError
-from actstore.features.accum import TOKEN_BITS
+from actstore.features.topk.accum import TOKEN_BITS
 from actstore.layout import spec
 from actstore.read.api import Reader
 from actstore.read.masks import leaves_out_special
@@ -242,7 +242,7 @@ class _Buffer:
         return self.buf[:n_rows]
 
     def rows(self, n_rows: int) -> Any:
-        """The group's rows as the sink takes them: numpy (bfloat16 as float32), or on the device."""
+        """The group's rows as the consumer takes them: numpy (bfloat16 as float32), or on the device."""
         if self.device is None:
             flat = self.buf[:n_rows]
             return bf16_bits_to_f32(flat) if self.kind == "bfloat16" else flat

@@ -33,7 +33,7 @@ def norm_stats(
     a store's path or URL; `progress`: True for a bar on stderr, or a callable taking the
     examples read."""
     from actstore.progress import updater
-    from actstore.features.windows import left_out, token_labels
+    from actstore.features.views.windows import left_out, token_labels
 
     store = as_reader(store)
     labels = token_labels(store)

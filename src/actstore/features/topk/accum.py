@@ -1,5 +1,5 @@
 """Per-feature accumulators of the streaming pass, in memory O(features x k): the state, its
-numpy reference update, and the dispatch to the compiled updates (actstore.features.kernel,
+numpy reference update, and the dispatch to the compiled updates (actstore.features.topk.kernel,
 kernel16), which keep the top k and the pool as heaps until `finish` sorts them.
 
 Tokens arrive in store order; each carries an order key `ord = example * 2**31 + token`,
@@ -10,7 +10,7 @@ seen, not of how the pass cut it into batches, so the results are deterministic:
 - statistics: max, count and sum of the positive values, a histogram on fixed log bins;
 - a uniform sample of each feature's positive tokens: the `pool` tokens with the smallest
   seeded hash keys (a key depends on the token only, so a feature's pool is a uniform sample
-  of its own active tokens), from which the interval samples are drawn (actstore.features.topk).
+  of its own active tokens), from which the interval samples are drawn (actstore.features.topk.layerpass).
 """
 
 from __future__ import annotations
@@ -103,13 +103,13 @@ class FeatureAccumulator:
         k: top activations kept per feature.
         pool: sample pool per feature (0: none).
         seed: the sampling seed.
-        kernel: "numba" (actstore.features.kernel: one compiled pass over the batch), "numpy"
+        kernel: "numba" (actstore.features.topk.kernel: one compiled pass over the batch), "numpy"
             (the reference below), or "auto" (numba when it is installed). Both give the
             same state, but for the last bits of the float64 sums (another summation order).
     """
 
     def __init__(self, n_features: int, k: int, pool: int, seed: int, kernel: str = "auto"):
-        from actstore.features import kernel as fused
+        from actstore.features.topk import kernel as fused
 
         if kernel not in ("auto", "numba", "numpy"):
             raise ValueError(f"kernel must be 'auto', 'numba' or 'numpy'. Got {kernel!r}.")
@@ -148,7 +148,7 @@ class FeatureAccumulator:
                 acts_ft = np.maximum(acts_ft, 0)
             self.finish()
             return self._update_numpy(np.ascontiguousarray(acts_ft, np.float32), ords)
-        from actstore.features import kernel
+        from actstore.features.topk import kernel
 
         n = acts_ft.shape[1] if cols is None else len(cols)
         if not n:
@@ -157,7 +157,7 @@ class FeatureAccumulator:
         keys = hash_keys(ords, self.seed) if self.pool else np.zeros(0, np.uint32)
         ords = np.ascontiguousarray(ords, np.int64)
         if acts_ft.dtype == np.float16 and acts_ft.T.flags.c_contiguous:  # stored float16 rows, read in place
-            from actstore.features import kernel16
+            from actstore.features.topk import kernel16
 
             rows = np.arange(n, dtype=np.int64) if cols is None else np.ascontiguousarray(cols, np.int64)
             kernel16.update(self, acts_ft.T, rows, ords, keys, _LO_CODE, N_BINS)

@@ -12,7 +12,7 @@ actstore (pandas, pyarrow, duckdb):
 - `meta.json`, published last (its presence says the folder is complete): the store (path,
   sha256 of the manifest bytes the pass opened), layer, encoder (kind, path, sha256), masks,
   options (sign among them), command, and the sha256 of each table file.
-The files are written staged and swapped in whole (actstore.features.publish): a failed
+The files are written staged and swapped in whole (actstore.features.topk.publish): a failed
 run keeps the older output. A folder of format 1 (no `sign` column) reads as all +1.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features.collect import FeatureTables
-from actstore.features.publish import publish
+from actstore.features.topk.collect import FeatureTables
+from actstore.features.topk.publish import publish
 from actstore.read.api import Reader
 from actstore.storage import Storage, open_storage
 
@@ -73,7 +73,7 @@ def _parquet(columns: dict[str, np.ndarray]) -> bytes:
 
 def write_tables(tables: FeatureTables, out: str | Storage, meta: dict[str, Any]) -> dict[str, Any]:
     """Write the three tables and meta.json into `out` (a folder or a URL), staged and
-    swapped in whole (actstore.features.publish); returns meta.json's content."""
+    swapped in whole (actstore.features.topk.publish); returns meta.json's content."""
     files = {
         name: _parquet(cols)
         for name, cols in ((TOP, tables.top), (FEATURES, tables.features), (INTERVALS, tables.intervals))

@@ -14,7 +14,7 @@ file:// may not fetch).
   default (`px`: [flat index, text]; a window's text is cut from one decode of it) and the
   partial ones (`part`: flat indices), document keys, the tokens most often active, decoder
   neighbours, co-occurring features and logit tables; of a ViT store, its images and their
-  per-patch values instead of windows (actstore.features.sitevision), the images in `img/`.
+  per-patch values instead of windows (actstore.features.views.sitevision), the images in `img/`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.passdata import PassData
+from actstore.features.topk.passdata import PassData
 from actstore.inputs.tokentext import REPLACEMENT, Pieces, TokenText
 
 BUCKET = 1000  # features per data/f/ folder

@@ -1,6 +1,6 @@
 """The vision part of a site (`actstore view` of a ViT store): every image written once as a
-thumbnail (actstore.features.thumbs), each feature's per-patch activations as data in its
-record (actstore.features.patches), and feature-page.js draws the heatmaps over the
+thumbnail (actstore.features.views.thumbs), each feature's per-patch activations as data in its
+record (actstore.features.views.patches), and feature-page.js draws the heatmaps over the
 thumbnails on canvases, a grid of images per feature.
 
 A feature record holds, besides the rows every site has:
@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features import sitedata
-from actstore.features.encoders import Encoder
-from actstore.features.patches import patch_values
-from actstore.features.sitedata import Rows
-from actstore.features.thumbs import BUCKET, DEFAULT_SIZE, write_thumbnails
+from actstore.features.views import sitedata
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.views.patches import patch_values
+from actstore.features.views.sitedata import Rows
+from actstore.features.views.thumbs import BUCKET, DEFAULT_SIZE, write_thumbnails
 from actstore.read.api import Reader
 
 

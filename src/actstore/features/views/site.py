@@ -1,9 +1,9 @@
 """`actstore view`: a static site of a feature pass that scales to dictionaries of 100k+
-latents. The pages are shipped with actstore (actstore/features/static: index.html,
+latents. The pages are shipped with actstore (actstore/features/views/static: index.html,
 feature.html, their scripts and style; nothing fetched from the internet, no build step);
-a build writes only data (actstore.features.sitedata): one small script per feature, an
+a build writes only data (actstore.features.views.sitedata): one small script per feature, an
 index of columns, the decoded vocabulary, and for a ViT store each image once
-(actstore.features.sitevision: the pages draw the heatmaps). The pages work from file:// and any static host.
+(actstore.features.views.sitevision: the pages draw the heatmaps). The pages work from file:// and any static host.
 
 The build is staged beside the target and swapped in whole (actstore.features.staging): a
 killed or out-of-space build leaves the old site as it was, and a second build into the same
@@ -21,15 +21,15 @@ import numpy as np
 
 from actstore.errors import FeatureError
 from actstore.progress import updater
-from actstore.features import context, relations, sitedata
-from actstore.features.encoders import Encoder
-from actstore.features.passdata import PassData, check_store, load_pass, open_store_of
-from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
-from actstore.features.sitevision import VisionPages
+from actstore.features.views import context, relations, sitedata
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.topk.passdata import PassData, check_store, load_pass, open_store_of
+from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
+from actstore.features.views.sitevision import VisionPages
 from actstore.features.staging import staged_folder
-from actstore.features.quality import DENSE_FRACTION
-from actstore.features.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
-from actstore.features.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
+from actstore.features.topk.quality import DENSE_FRACTION
+from actstore.features.views.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
+from actstore.features.views.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader, ReaderLike
 from actstore.storage.durable import write_all
@@ -135,7 +135,7 @@ def build_site(
                     bar(1)
         _write_data(stage, p, images, vocab, index_text, window, note, logit is not None, plot_examples)
         if plot_examples:
-            from actstore.features.plots import write_plots
+            from actstore.features.views.plots import write_plots
 
             write_plots(
                 st, stage / "plots", layers=[int(p.meta["layer"])], max_examples=plot_examples, progress=progress
@@ -187,7 +187,7 @@ def _write_data(
         "image": images.meta() if images is not None else False,
         "bucket": sitedata.BUCKET,
         "token_mask": m.get("masks", {}).get("token_mask"),
-        "quality": m.get("quality"),  # an SAE's reconstruction quality (actstore.features.quality)
+        "quality": m.get("quality"),  # an SAE's reconstruction quality (actstore.features.topk.quality)
     }
     (stage / "data").mkdir(exist_ok=True)
     for name, value in (("meta", meta), ("index", index), ("vocab", vocab.value())):
@@ -313,7 +313,7 @@ def _relations(
 
 
 def _logits(st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray, image: bool) -> Any:
-    from actstore.features.logits import applicable_unembedding, load_unembedding, logit_tables
+    from actstore.features.views.logits import applicable_unembedding, load_unembedding, logit_tables
 
     unembedding = applicable_unembedding(unembedding, encoder, image)
     if unembedding is None:
@@ -323,7 +323,7 @@ def _logits(st: Reader, encoder: Encoder, unembedding: Any, feats: np.ndarray, i
 
 def encoder_from_meta(meta: dict[str, Any], store: Reader) -> Encoder:
     """The pass's encoder, reloaded from the source meta.json names (its checksum must match)."""
-    from actstore.features import sources
+    from actstore.features.encoders import sources
 
     e = meta["encoder"]
     enc = sources.from_meta(e, int(store.d_model))

@@ -7,11 +7,11 @@ Per value the loop does integer work only. A float16's top byte (sign, exponent 
 tokens. From the totals, after the batch (numpy, F x 256): the positive count, the exact sum
 of the positive values (a normal float16 in code c with low byte l is
 2**(e - 25) * (1024 + (c & 3) * 256 + l), e = c >> 2) and the float32 histogram bins
-(actstore.features.accum: exponent and 2 mantissa bits, the same edges). Entry into the top
+(actstore.features.topk.accum: exponent and 2 mantissa bits, the same edges). Entry into the top
 k is one int16 compare against the bar's bits (a positive float16 orders as its int16),
 which vectorises; the max is the top k's largest (or, for a feature without a positive
 value, the batch's max). What the codes cannot tell (positive subnormals, infinities, NaN)
-takes a rare branch. The heaps and threads are actstore.features.kernel's.
+takes a rare branch. The heaps and threads are actstore.features.topk.kernel's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from actstore.dtypes import f32_to_f16
-from actstore.features.kernel import _njit, heap_offer
+from actstore.features.topk.kernel import _njit, heap_offer
 
 BLOCK = 32  # features per block: a block's counters (32 x 256 uint32) stay in L1 over the batch
 ONE = 1 << 20  # a packed uint32 counter: count << 20 | sum of low bytes (< 2**20 for up to CHUNK tokens)
@@ -210,8 +210,8 @@ def update(
     acc: Any, acts: np.ndarray, cols: np.ndarray, ords: np.ndarray, keys: np.ndarray, lo_code: int, n_bins: int
 ) -> None:
     """Apply a batch of float16 rows: token i is row cols[i] of acts (N, F) float16,
-    C-contiguous; everything else as actstore.features.kernel.update."""
-    from actstore.features import kernel
+    C-contiguous; everything else as actstore.features.topk.kernel.update."""
+    from actstore.features.topk import kernel
 
     if not _TABLES:
         _TABLES["lut"], _TABLES["lut_bin"] = f16_tables(lo_code, n_bins)

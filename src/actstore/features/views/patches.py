@@ -1,6 +1,6 @@
 """Per-patch activations of many (feature, example) pairs of a ViT store at once, as sparse
 arrays: each example is read and encoded once for the features of all its rows (as
-actstore.features.windows does for text), and only the non-zero values of each pair's
+actstore.features.views.windows does for text), and only the non-zero values of each pair's
 patches are kept (float16, as the site writes them: a ReLU or TopK latent is zero on most
 patches; a neuron is not, and keeps every value).
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from actstore.dtypes import f32_to_f16
 from actstore.errors import FeatureError
-from actstore.features.encoders import Encoder
-from actstore.features.windows import one_blas_thread
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.views.windows import one_blas_thread
 from actstore.progress import updater
 from actstore.read.api import Reader
 
