@@ -94,13 +94,13 @@ class LocalStorage(Storage):
         return LocalStorage(path, eager_writeback=self.eager_writeback, read_nowait=self.read_nowait, top=self._top)
 
     # ---- reads ----------------------------------------------------------------------
-    def _open_regular(self, key: str) -> int:
+    def open_regular(self, key: str) -> int:
         """An fd of the regular file `key`; links, FIFOs, devices and folders are refused
         (actstore.storage.regular), never blocking."""
         return open_regular(self.path(_checked(key)), missing=KeyNotFound)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        fd = self._open_regular(key)
+        fd = self.open_regular(key)
         try:
             size = os.fstat(fd).st_size
             if max_bytes is not None and size > max_bytes:
@@ -118,7 +118,7 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        fd = self._open_regular(key)
+        fd = self.open_regular(key)
         try:
             return os.pread(fd, length, start)
         finally:
@@ -130,7 +130,7 @@ class LocalStorage(Storage):
         try:
             fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
-            fd = self._open_regular(key)  # explains what is wrong (or works after a race)
+            fd = self.open_regular(key)  # explains what is wrong (or works after a race)
         try:
             n = os.preadv(fd, [dest], offset)
             if n < len(dest):
@@ -149,7 +149,7 @@ class LocalStorage(Storage):
         try:
             fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
-            fd = self._open_regular(key)
+            fd = self.open_regular(key)
         try:
             counts, short = preadv_runs(fd, ranges)
             if short:
@@ -166,7 +166,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError:
-            fd = self._open_regular(key)
+            fd = self.open_regular(key)
         try:
             extra = bytearray(1)
             n = os.readv(fd, [dest, extra])

@@ -155,7 +155,7 @@ class FileRegion:
                 slot.pins += 1
                 return slot.index, slot.size
         try:
-            fd = storage._open_regular(key)  # the local storage's own checks: no links, regular files only
+            fd = storage.open_regular(key)  # the local storage's own checks: no links, regular files only
         except KeyNotFound:
             return None
         try:

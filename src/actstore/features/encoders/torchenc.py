@@ -14,7 +14,7 @@ from actstore.errors import FeatureError
 _CACHE: dict[tuple[int, str], dict[str, Any]] = {}
 
 
-def _device(device: str) -> Any:
+def torch_device(device: str) -> Any:
     device = parse_device(device, name="--device")
     try:
         import torch
@@ -50,7 +50,7 @@ def encode_torch(
     on `device` (relu_later: a ReLU encoder's pre-activations, as Encoder.encode)."""
     import torch
 
-    dev = _device(device)
+    dev = torch_device(device)
     h = encode_tensor(enc, torch.as_tensor(np.ascontiguousarray(x), device=dev), features, layer_norm_eps, relu_later)
     return h.cpu().numpy() if h.device.type != "cpu" else h.numpy()
 

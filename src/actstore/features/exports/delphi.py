@@ -295,10 +295,10 @@ def export_delphi(
 ) -> Path:
     """Encode every token of `layer` and write delphi's latent cache into folder `out`
     (staged, swapped in whole); returns the hookpoint folder."""
-    from actstore.features.topk.layerpass import _pick_device
+    from actstore.features.topk.layerpass import pick_device
     from actstore.read.masks import leaves_out_special
 
-    device = _pick_device(device)
+    device = pick_device(device)
     encoder.check_input(int(store.d_model), f"layer {layer} of {store.path}")
     if not store.config.token_ids:
         raise FeatureError(

@@ -60,11 +60,11 @@ def _threads() -> int:
     return max(1, min(n, 32))
 
 
-def _njit(fn: Any) -> Any:
+def njit(fn: Any) -> Any:
     return numba.njit(nogil=True, cache=True)(fn) if numba is not None else fn
 
 
-@_njit
+@njit
 def _scan(bits):
     """Vectorised over a float32 slice's bits: the count of positive values (+inf included),
     and whether a NaN is there. (A loop over a slice's own range: numba then vectorises it.)"""
@@ -77,13 +77,13 @@ def _scan(bits):
     return cnt, nans > 0
 
 
-@_njit
+@njit
 def _above(pa, oa, pb, ob, sign):
     """(pa, oa) above (pb, ob) in a max-heap on (sign * p, ord)."""
     return sign * pa > sign * pb or (pa == pb and oa > ob)
 
 
-@_njit
+@njit
 def heap_offer(f, p, o, val, prim, vals, ords, count, sign):
     """Offer (p, ord o, value val) to row f of a max-heap on (sign * p, ord) that keeps the
     m = prim.shape[1] lowest entries, over its first count[f] slots; vals and ords move
@@ -121,7 +121,7 @@ def heap_offer(f, p, o, val, prim, vals, ords, count, sign):
     return True
 
 
-@_njit
+@njit
 def _positives(a, bits, h, lo_code, n_bins, dense, thr, pkeys, pthr, top_c, pool_c):
     """The positive values of the slice a: their sum and histogram; the positions of the
     values above thr (>= 0) and of the positive ones with a key below pthr go into top_c
@@ -155,7 +155,7 @@ def _positives(a, bits, h, lo_code, n_bins, dense, thr, pkeys, pthr, top_c, pool
     return s, n_top, n_pool
 
 
-@_njit
+@njit
 def _update_block(
     acts, bits, ords, keys, f0, f1, lo_code, n_bins,
     nan, n_pos, sum_pos, hist, top_val, top_ord, top_n, pool_key, pool_val, pool_ord, pool_n,

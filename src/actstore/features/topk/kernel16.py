@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from actstore.dtypes import f32_to_f16
-from actstore.features.topk.kernel import _njit, heap_offer
+from actstore.features.topk.kernel import njit, heap_offer
 
 BLOCK = 32  # features per block: a block's counters (32 x 256 uint32) stay in L1 over the batch
 ONE = 1 << 20  # a packed uint32 counter: count << 20 | sum of low bytes (< 2**20 for up to CHUNK tokens)
@@ -44,7 +44,7 @@ def f16_tables(lo_code: int, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
     return lut, np.clip(code, 0, n_bins - 1).astype(np.int32)
 
 
-@_njit
+@njit
 def _pool_thr(pool_key, pool_n, b0, b1):
     """The largest pool bar of features b0..b1 (2**32 when a pool has room, 0 without pools):
     a token whose key is not below it enters no pool of the block."""
@@ -57,7 +57,7 @@ def _pool_thr(pool_key, pool_n, b0, b1):
     return gthr
 
 
-@_njit
+@njit
 def _rare_row(row, b0, lut, lut_bin, nan, rare_cnt, rare_sum, rare_hist):
     """What the codes cannot tell, in one token's row: NaN, +inf, positive subnormals."""
     for j in range(row.shape[0]):
@@ -70,7 +70,7 @@ def _rare_row(row, b0, lut, lut_bin, nan, rare_cnt, rare_sum, rare_hist):
             rare_hist[b0 + j, lut_bin[u]] += 1
 
 
-@_njit
+@njit
 def _hot(acts, cols, i0, i1, b0, b1, thr, packed, hits, rares):
     """The hot loop over tokens i0..i1 of features b0..b1: vectorised compares (top-k entry,
     rare values) noting the tokens to look at again, then the packed counters. Its own
@@ -96,7 +96,7 @@ def _hot(acts, cols, i0, i1, b0, b1, thr, packed, hits, rares):
     return n_hits, n_rares
 
 
-@_njit
+@njit
 def _block(
     acts, cols, ords, keys, f0, f1, lut, lut_bin,
     counts, lows, nan, rare_cnt, rare_sum, rare_hist, top_key, top_val, top_ord, top_n, pool_key, pool_val, pool_ord, pool_n,
@@ -159,7 +159,7 @@ def _block(
                         q[c] = 0
 
 
-@_njit
+@njit
 def _pool_token(row, b0, key, o, lut, pool_key, pool_val, pool_ord, pool_n):
     m = pool_key.shape[1]
     for j in range(row.shape[0]):

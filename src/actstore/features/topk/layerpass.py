@@ -116,7 +116,7 @@ def top_activations(
     layer = int(layer)
     encoder.check_input(int(store.d_model), f"layer {layer} of {store.path}")
     ids = parse_features(features, encoder.n_features)
-    device = _pick_device(device)
+    device = pick_device(device)
     kernel = _pick_kernel(kernel, device)
     n_f = encoder.n_features if ids is None else len(ids)
     pool = 4 * n_intervals * per_interval if pool is None else int(pool)
@@ -125,9 +125,9 @@ def top_activations(
     tok_batch = max(1, batch_elements // max(1, n_f))
     kw = dict(k=int(k), pool=pool, seed=int(seed), sign=sign, tok_batch=tok_batch, quality=quality)
     if kernel == "torch":
-        from actstore.features.encoders.torchenc import _device
+        from actstore.features.encoders.torchenc import torch_device
 
-        consumer: Any = DeviceConsumer(encoder, ids, device=_device(device or "cpu"), **kw)
+        consumer: Any = DeviceConsumer(encoder, ids, device=torch_device(device or "cpu"), **kw)
     else:
         consumer = HostConsumer(encoder, ids, kernel=kernel, device=device, **kw)
     groups = GroupReader(
@@ -153,12 +153,12 @@ def _pick_kernel(kernel: str, device: str | None) -> str:
     return kernel
 
 
-def _pick_device(device: str | None) -> str | None:
+def pick_device(device: str | None) -> str | None:
     if device != "auto":
         if device is not None:
-            from actstore.features.encoders.torchenc import _device
+            from actstore.features.encoders.torchenc import torch_device
 
-            _device(device)  # a missing torch or accelerator is refused before the pass
+            torch_device(device)  # a missing torch or accelerator is refused before the pass
         return device
     import importlib.util
 

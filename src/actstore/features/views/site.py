@@ -158,14 +158,17 @@ def _write_data(
     c = p.features
     index = {
         "feature": c["feature"].tolist(),
-        "max": [sitedata._g(v) for v in c["max"].tolist()],
+        "max": [sitedata.short_float(v) for v in c["max"].tolist()],
         "density": c["density"].tolist(),
-        "mean": [sitedata._g(v) for v in c["mean_active"].tolist()],
+        "mean": [sitedata.short_float(v) for v in c["mean_active"].tolist()],
         "n_active": c["n_active"].tolist(),
         "text": text,
     }
     if p.has_negative:
-        index |= {"min": [sitedata._g(v) for v in c["min"].tolist()], "density_neg": c["density_negative"].tolist()}
+        index |= {
+            "min": [sitedata.short_float(v) for v in c["min"].tolist()],
+            "density_neg": c["density_negative"].tolist(),
+        }
     m = p.meta
     meta = {
         "title": f"Features of layer {m['layer']}",
@@ -223,7 +226,11 @@ class _FeaturePages:
             i = s + g0
             g = {"kind": ("top", "bottom", "interval")[int(r.kind[i])], "sign": int(r.sign[i])}
             if r.kind[i] == KIND_INTERVAL:
-                g |= {"lo": sitedata._g(r.lo[i]), "hi": sitedata._g(r.hi[i]), "exact": bool(r.exact[i])}
+                g |= {
+                    "lo": sitedata.short_float(r.lo[i]),
+                    "hi": sitedata.short_float(r.hi[i]),
+                    "exact": bool(r.exact[i]),
+                }
             groups.append(g)
         first = np.zeros(e - s, bool)
         first[starts] = True
@@ -249,9 +256,11 @@ class _FeaturePages:
         if self.logit is not None:
             L = self.logit
             rec["logits"] = {
-                "pos": [[self.ids_of[int(t)], sitedata._g(v)] for t, v in zip(L.top_ids[j], L.top_values[j])],
-                "neg": [[self.ids_of[int(t)], sitedata._g(v)] for t, v in zip(L.bottom_ids[j], L.bottom_values[j])],
-                "hist": [sitedata._g(L.lo[j]), sitedata._g(L.hi[j]), L.hist[j].tolist()],
+                "pos": [[self.ids_of[int(t)], sitedata.short_float(v)] for t, v in zip(L.top_ids[j], L.top_values[j])],
+                "neg": [
+                    [self.ids_of[int(t)], sitedata.short_float(v)] for t, v in zip(L.bottom_ids[j], L.bottom_values[j])
+                ],
+                "hist": [sitedata.short_float(L.lo[j]), sitedata.short_float(L.hi[j]), L.hist[j].tolist()],
             }
         return rec, text
 

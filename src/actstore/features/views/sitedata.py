@@ -82,7 +82,7 @@ def feature_path(f: int) -> str:
     return f"data/f/{f // BUCKET}/{f}.js"
 
 
-def _g(x: float) -> float:
+def short_float(x: float) -> float:
     """x to 4 significant digits (what a page shows), as a short JSON number."""
     return float(f"{float(x):.4g}")
 
@@ -149,17 +149,17 @@ def stats(p: PassData, j: int) -> dict[str, Any]:
     """Feature j's statistics (densities as fractions; the page shows percents)."""
     c = p.features
     out = {
-        "max": _g(c["max"][j]),
+        "max": short_float(c["max"][j]),
         "density": float(c["density"][j]),
-        "mean_active": _g(c["mean_active"][j]),
+        "mean_active": short_float(c["mean_active"][j]),
         "n_active": int(c["n_active"][j]),
         "n_tokens": int(c["n_tokens"][j]),
     }
     if p.has_negative:
         out |= {
-            "min": _g(c["min"][j]),
+            "min": short_float(c["min"][j]),
             "density_negative": float(c["density_negative"][j]),
-            "mean_negative": _g(c["mean_negative"][j]),
+            "mean_negative": short_float(c["mean_negative"][j]),
             "n_negative": int(c["n_negative"][j]),
         }
     return out

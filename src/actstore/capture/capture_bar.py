@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 
-class Progress:
+class CaptureBar:
     """A tqdm bar over examples, with tokens/s and MB/s (ETA from tqdm), and what the
     writers' pipelines hold: bytes written (or uploaded) and queued in memory."""
 
