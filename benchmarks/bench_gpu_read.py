@@ -13,7 +13,7 @@ CPU parts also run here (CI runs them at a tiny size).
   --features (bias -2: about 2 % active), with the update on the GPU (kernel "torch") over
   all tokens, and on the CPU (numba) over --cpu-feature-tokens tokens (tokens/s;
   target on a GPU: 1M tokens x 9,216 <= 2.5 s, x 32,768 <= 10 s);
-- follow: a writer thread commits --follow-blocks blocks while a `TokenStream(follow=True)`
+- follow: a writer thread commits --follow-blocks blocks while a `TokenStream.follow()`
   reads them: seconds from each commit to the block being read (target <= 1 s).
 Each part's results are saved as they come (bench-results/gpu_read.json).
 
@@ -207,7 +207,7 @@ def bench_follow(root: Path, d: int, blocks: int, gap_s: float) -> dict:
 
     t = threading.Thread(target=writer)
     t.start()
-    fs = TokenStream(path, follow=True, batch_size=256, buffer_bytes=8 * SEQ * d * 2, poll_s=0.1)
+    fs = TokenStream.follow(path, batch_size=256, buffer_bytes=8 * SEQ * d * 2, poll_s=0.1)
     n = sum(len(x) for x in fs)
     t.join()
     first_read = {}

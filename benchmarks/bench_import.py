@@ -165,7 +165,7 @@ def main() -> None:
         ks = actstore.ActStore(root / "k.store")
 
         def aligned(_r: int) -> None:
-            for _ in TokenStream(ks, layers=list(range(k)), aligned=True, batch_size=4096, seed=0, threads=4):
+            for _ in TokenStream.aligned(ks, layers=list(range(k)), batch_size=4096, seed=0, threads=4):
                 pass
 
         def independent(_r: int) -> None:

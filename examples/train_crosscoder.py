@@ -7,7 +7,7 @@ Run: python examples/train_crosscoder.py [STORE_A STORE_B] [--layer L] [--steps 
 Without stores it writes two synthetic ones (out/crosscoder-a, out/crosscoder-b): two
 "models" of different widths whose vectors at each token are sparse sums of shared hidden
 features seen through each model's own directions, with the same token ids. The batches come
-from `TokenStream([a, b], aligned=True)`: one shuffle for both stores (refused if their
+from `TokenStream.aligned([a, b])`: one shuffle for both stores (refused if their
 token ids differ), each normalised with its own statistics, resumable mid-epoch: stop with
 --stop-after and --checkpoint, continue with --resume, and the run goes on with exactly the
 batches it would have seen.
@@ -85,10 +85,9 @@ def main() -> None:
         if not (pa / "manifest.json").exists():
             make_stores(pa, pb)
         a, b = actstore.ActStore(pa), actstore.ActStore(pb)
-    stream = TokenStream(
+    stream = TokenStream.aligned(
         [a, b],
         layers=[args.layer],
-        aligned=True,
         batch_size=args.batch_size,
         seed=0,
         normalize="standardize",

@@ -5,7 +5,7 @@ Run: python examples/train_while_capturing.py [STORE] [--examples 96] [--sleep 0
 One process captures: it records layer 1 of a small random-init Llama (built from a
 config: no weights to download) over batches of token ids with actstore.record, committing
 a block every few batches, then finalizes the store. This process trains a TopK SAE on the
-same store at the same time: TokenStream(STORE, follow=True) streams each block as soon as
+same store at the same time: TokenStream.follow(STORE) streams each block as soon as
 it is committed, mixed in a pool of buffer_bytes, and ends once the store is finalized.
 Every token the capture stored is trained on exactly once; everything runs on the CPU.
 """
@@ -94,7 +94,7 @@ def main() -> None:
         ]
     )
     # The store appears once the capture starts writing; the stream waits for it, then for each block.
-    stream = TokenStream(store, follow=True, batch_size=64, buffer_bytes=256 * 64 * 2, dtype=torch.float32)
+    stream = TokenStream.follow(store, batch_size=64, buffer_bytes=256 * 64 * 2, dtype=torch.float32)
     torch.manual_seed(0)
     sae = TopKSAE(64, 256, 8)
     opt = torch.optim.Adam(sae.parameters(), lr=3e-3)

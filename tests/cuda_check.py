@@ -10,7 +10,7 @@ Checks, each against the same thing computed on the CPU:
 - TokenLoader with workers and device="cuda" (the DeviceFeeder), over two epochs of
   persistent workers;
 - PairDataset.loader(device="cuda"), with workers and without;
-- TokenStream(path, follow=True, device="cuda") over a store written meanwhile;
+- TokenStream.follow(path, device="cuda") over a store written meanwhile;
 - the feature pass on the GPU (device="cuda": encode, top-k, statistics, histograms,
   intervals there) against the numba pass on the CPU: the same tables, both tails, for
   neurons of float16 and bfloat16 stores and a directions encoder with small integer
@@ -111,9 +111,7 @@ def check_loaders(store, root: Path, dev: str) -> None:
     path = root / "follow"
     writer = threading.Thread(target=build, args=(path,), kwargs={"commit": True})
     writer.start()
-    fs = TokenStream(
-        path, follow=True, batch_size=256, buffer_bytes=64 * 256 * 2, device=dev if dev == "cuda" else None
-    )
+    fs = TokenStream.follow(path, batch_size=256, buffer_bytes=64 * 256 * 2, device=dev if dev == "cuda" else None)
     got = torch.cat([b.cpu() for b in fs])
     writer.join()
     want = torch.cat(list(TokenStream(actstore.open(path), batch_size=512, shuffle=False)))

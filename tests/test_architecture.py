@@ -17,7 +17,7 @@ PKG = ROOT / "src" / "actstore"
 # lower entries and of lower layers only. Within a layer, earlier entries sit below
 # later ones (an entry may import the entries before it, never those after).
 LAYERS: list[list[str]] = [
-    ["actstore.errors", "actstore._version", "actstore.progress", "actstore.devices"],
+    ["actstore.errors", "actstore._version", "actstore.progress", "actstore.devices", "actstore.optionspec"],
     ["actstore.layout"],
     ["actstore.storage"],
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.catalog", "actstore.chunkio"],

@@ -93,10 +93,10 @@ def test_token_stream_epoch_leaves_out_window_bos(packed):
 
 def test_aligned_streams_leave_out_window_bos(packed):
     x0, content, _, _ = _real(packed, 0)
-    pairs = list(TokenStream(packed, aligned=True, batch_size=5, layers=[0, 2], shuffle=False))
+    pairs = list(TokenStream.aligned(packed, batch_size=5, layers=[0, 2], shuffle=False))
     a = torch.cat([p[0] for p in pairs]).float().numpy()
     np.testing.assert_array_equal(a, x0[content])
-    every = list(TokenStream(packed, aligned=True, batch_size=5, layers=[0, 2], shuffle=False, token_mask="all"))
+    every = list(TokenStream.aligned(packed, batch_size=5, layers=[0, 2], shuffle=False, token_mask="all"))
     assert sum(len(p[0]) for p in every) == len(x0)
 
 

@@ -1,4 +1,4 @@
-"""Aligned token streams (TokenStream(..., aligned=True)): row i of every source's tensor is
+"""Aligned token streams (TokenStream.aligned(...)): row i of every source's tensor is
 the same token, checked by token ids written into the vectors themselves, over whole
 epochs, with DataLoader workers and resumed mid-epoch; two stores of two models; refused
 when their tokens differ; per-source normalisation."""
@@ -50,13 +50,13 @@ def check_aligned(store, batches, layers, widths=None):
 
 def test_one_store_three_layers_in_step_over_an_epoch(tmp_path):
     store = tagged_store(tmp_path / "s")
-    ts = TokenStream(store, layers=LAYERS, aligned=True, batch_size=5, seed=1, buffer_bytes=5 * 3 * 24 * 2)
+    ts = TokenStream.aligned(store, layers=LAYERS, batch_size=5, seed=1, buffer_bytes=5 * 3 * 24 * 2)
     assert isinstance(ts, AlignedTokenStream) and len(ts) == -(-len(every_token(store)) // 5)
     seen = check_aligned(store, list(ts), LAYERS)
     assert sorted(seen) == every_token(store) and seen != every_token(store)  # every token once, shuffled
     assert ts.epoch == 1
     # Values are exactly the store's.
-    b = next(iter(TokenStream(store, layers=[5, 9], aligned=True, batch_size=4, return_index=True)))
+    b = next(iter(TokenStream.aligned(store, layers=[5, 9], batch_size=4, return_index=True)))
     for i in range(4):
         ex, si, tok = int(b["example"][i]), int(b["segment"][i]), int(b["token"][i])
         at = (store.lengths(ex)["prompt"] if si == 1 else 0) + tok
@@ -67,8 +67,8 @@ def test_one_store_three_layers_in_step_over_an_epoch(tmp_path):
 
 def test_stack_gives_one_tensor_and_same_order_as_the_tuple(tmp_path):
     store = tagged_store(tmp_path / "s")
-    tup = list(TokenStream(store, layers=[9, 2], aligned=True, batch_size=6, seed=4))
-    stk = list(TokenStream(store, layers=[9, 2], aligned=True, batch_size=6, seed=4, stack=True))
+    tup = list(TokenStream.aligned(store, layers=[9, 2], batch_size=6, seed=4))
+    stk = list(TokenStream.aligned(store, layers=[9, 2], batch_size=6, seed=4, stack=True))
     assert len(tup) == len(stk)
     for a, b in zip(tup, stk):
         assert b.shape == (len(a[0]), 2, 6) and torch.equal(b[:, 0], a[0]) and torch.equal(b[:, 1], a[1])
@@ -92,7 +92,7 @@ def test_workers_and_mid_epoch_resume_keep_alignment(tmp_path, num_workers):
     store = tagged_store(tmp_path / "s")
 
     def make():
-        return TokenStream(store, layers=LAYERS, aligned=True, batch_size=4, seed=2, buffer_bytes=4 * 3 * 24 * 2)
+        return TokenStream.aligned(store, layers=LAYERS, batch_size=4, seed=2, buffer_bytes=4 * 3 * 24 * 2)
 
     full, end = _run(make, num_workers)
     assert end["epoch"] == 1 and end["batches_done"] == 0
@@ -120,10 +120,9 @@ def test_property_alignment_by_token_ids_whole_epoch_resumed(tmp_path, batch, wi
     store = ActStore(path) if path.exists() else tagged_store(path)
 
     def make():
-        return TokenStream(
+        return TokenStream.aligned(
             store,
             layers=layers,
-            aligned=True,
             batch_size=batch,
             seed=seed,
             buffer_bytes=batch * len(layers) * 24 * window,
@@ -142,7 +141,7 @@ def test_property_alignment_by_token_ids_whole_epoch_resumed(tmp_path, batch, wi
 def test_two_stores_of_two_models_on_the_same_tokens(tmp_path, layout):
     a = tagged_store(tmp_path / "a", d=6, seed=1, **layout)
     b = tagged_store(tmp_path / "b", d=10, seed=2, layers=[0, 1], **layout)  # another model: other width and layers
-    ts = TokenStream([a, b], layers=[[5], [0, 1]], aligned=True, batch_size=7, seed=3)
+    ts = TokenStream.aligned([a, b], layers=[[5], [0, 1]], batch_size=7, seed=3)
     batches = list(ts)
     seen = check_aligned(a, [tuple(x) for x in batches], [5, 0, 1], widths=[6, 10, 10])
     assert sorted(seen) == every_token(a)
@@ -155,7 +154,7 @@ def test_mismatched_token_ids_are_refused_naming_the_first(tmp_path):
     within = np.arange(9)[None, :] < a.field("prompt_len")[:, None]
     ex, t = (int(v) for v in np.argwhere((ids_a != ids_b) & within)[0])
     with pytest.raises(AlignmentError) as e:
-        TokenStream([a, b], layers=[2], aligned=True)
+        TokenStream.aligned([a, b], layers=[2])
     assert str(e.value) == (
         f"example {ex}, segment 'prompt', token {t}: token id {ids_a[ex, t]} in {a.path} but "
         f"{ids_b[ex, t]} in {b.path}: aligned stores must be captured on the same tokens"
@@ -168,18 +167,18 @@ def test_other_lengths_or_example_counts_are_refused(tmp_path):
     with pytest.raises(
         AlignmentError, match=r"holds 7 examples, .* 14: aligned stores must be captured on the same inputs"
     ):
-        TokenStream([a, c], layers=[2], aligned=True)
+        TokenStream.aligned([a, c], layers=[2])
     with pytest.raises(ValueError, match="gives 1 lists for 2 stores"):
-        TokenStream([a, a], layers=[[2]], aligned=True)
+        TokenStream.aligned([a, a], layers=[[2]])
     with pytest.raises(ValueError, match="stack=True needs sources of one width"):
-        TokenStream([a, tagged_store(tmp_path / "w", d=10)], layers=[2], aligned=True, stack=True)
+        TokenStream.aligned([a, tagged_store(tmp_path / "w", d=10)], layers=[2], stack=True)
 
 
 def test_each_source_is_normalised_with_its_own_statistics(tmp_path):
     a = tagged_store(tmp_path / "a", scale=1.0)
     b = tagged_store(tmp_path / "b", scale=50.0, seed=9)
-    raw = list(TokenStream([a, b], layers=[2, 9], aligned=True, batch_size=8, seed=5))
-    nrm = list(TokenStream([a, b], layers=[2, 9], aligned=True, batch_size=8, seed=5, normalize="standardize"))
+    raw = list(TokenStream.aligned([a, b], layers=[2, 9], batch_size=8, seed=5))
+    nrm = list(TokenStream.aligned([a, b], layers=[2, 9], batch_size=8, seed=5, normalize="standardize"))
     segs = TokenStream(a, batch_size=8).segments
     tables = [stats_tables(s, (layer,), segs, "standardize") for s in (a, b) for layer in (2, 9)]
     assert not np.allclose(tables[0][1], tables[2][1])  # the two stores' scales differ
@@ -196,7 +195,7 @@ def test_each_source_is_normalised_with_its_own_statistics(tmp_path):
 def test_on_s3(tmp_path, s3_url):
     local = tagged_store(tmp_path / "s")
     remote = tagged_store(s3_url)
-    seen = check_aligned(local, list(TokenStream(remote, layers=[2, 9], aligned=True, batch_size=6, seed=1)), [2, 9])
+    seen = check_aligned(local, list(TokenStream.aligned(remote, layers=[2, 9], batch_size=6, seed=1)), [2, 9])
     assert sorted(seen) == every_token(local)
 
 
@@ -213,7 +212,7 @@ def test_fixed_token_vit_store_mapped_or_read(tmp_path, mmap):
         w.append(acts)
     actstore.finalize(tmp_path / "v")
     st = ActStore(tmp_path / "v")
-    batches = list(TokenStream(st, layers=[3, 7], aligned=True, batch_size=7, seed=2, mmap=mmap))
+    batches = list(TokenStream.aligned(st, layers=[3, 7], batch_size=7, seed=2, mmap=mmap))
     seen = []
     for a, b in batches:
         assert torch.equal(a[:, [0, 2]], b[:, [0, 2]]) and torch.all(a[:, 1] == 3) and torch.all(b[:, 1] == 7)

@@ -41,7 +41,7 @@ def test_train_sae_example_loss_falls(tmp_path):
 
 def test_train_while_capturing(tmp_path):
     """One process captures (a tiny random Llama, record()), this example's process trains a
-    TopK SAE on the same store meanwhile (TokenStream(follow=True)), on every stored token."""
+    TopK SAE on the same store meanwhile (TokenStream.follow()), on every stored token."""
     r = subprocess.run(
         [sys.executable, str(EXAMPLE.parent / "train_while_capturing.py"), str(tmp_path / "twc.store")],
         cwd=EXAMPLE.parents[1],

@@ -1,4 +1,4 @@
-"""TokenStream(path, follow=True): the committed blocks of a store still being written,
+"""TokenStream.follow(path): the committed blocks of a store still being written,
 every kept token vector exactly once, ending when the store is finalized; both layouts,
 the default mask, a store that does not exist yet, and what it refuses."""
 
@@ -67,7 +67,7 @@ def test_follow_streams_every_committed_token_once_and_ends_at_finalize(tmp_path
 
     writer = threading.Thread(target=capture)
     writer.start()  # the store does not exist yet: the stream waits for it
-    fs = TokenStream(path, follow=True, batch_size=16, buffer_bytes=40 * D * 2, poll_s=0.02, idle_timeout_s=60)
+    fs = TokenStream.follow(path, batch_size=16, buffer_bytes=40 * D * 2, poll_s=0.02, idle_timeout_s=60)
     got = [b.clone() for b in fs]
     writer.join()
     assert all(b.dtype == torch.float16 and b.shape[1] == D for b in got)
@@ -84,7 +84,7 @@ def test_follow_of_a_finalized_store_is_one_epoch_in_pool_order(tmp_path):
     path = tmp_path / "s"
     write(path, 0, 2, 3, world_size=1)
     actstore.finalize(path)
-    a = torch.cat(list(TokenStream(path, follow=True, batch_size=8, layers=[3], token_mask="all", dtype=torch.float32)))
+    a = torch.cat(list(TokenStream.follow(path, batch_size=8, layers=[3], token_mask="all", dtype=torch.float32)))
     want = torch.cat(list(TokenStream(actstore.open(path), batch_size=8, layers=[3], token_mask="all", shuffle=False)))
     assert a.dtype == torch.float32 and len(a) == len(want)
     np.testing.assert_array_equal(sorted_rows(a.half()), sorted_rows(want))
@@ -93,22 +93,25 @@ def test_follow_of_a_finalized_store_is_one_epoch_in_pool_order(tmp_path):
 def test_a_store_never_finalized_ends_with_an_error_after_the_idle_timeout(tmp_path):
     path = tmp_path / "s"
     write(path, 0, 1, 2)  # shard 1 of 2 never comes
-    fs = TokenStream(path, follow=True, batch_size=4, buffer_bytes=10**6, poll_s=0.01, idle_timeout_s=0.3)
+    fs = TokenStream.follow(path, batch_size=4, buffer_bytes=10**6, poll_s=0.01, idle_timeout_s=0.3)
     with pytest.raises(NotFinalizedError, match=r"no block was committed to .* for 0.3 s and it is not finalized"):
         list(fs)
     with pytest.raises(NotFinalizedError, match="holds no store after 0.2 s: start its writers"):
-        list(TokenStream(tmp_path / "none", follow=True, poll_s=0.01, idle_timeout_s=0.2))
+        list(TokenStream.follow(tmp_path / "none", poll_s=0.01, idle_timeout_s=0.2))
 
 
 def test_what_a_follow_stream_refuses(tmp_path):
     path = tmp_path / "s"
     with pytest.raises(ValueError, match="cannot take normalize='standardize': the store's statistics exist once"):
-        TokenStream(path, follow=True, normalize="standardize")
+        TokenStream.follow(path, normalize="standardize")
     with pytest.raises(ValueError, match="cannot take world_size=2: one process reads the growing store"):
-        TokenStream(path, follow=True, rank=0, world_size=2)
-    with pytest.raises(TypeError, match="unexpected option 'colour'"):
-        TokenStream(path, follow=True, colour=1)
-    fs = TokenStream(path, follow=True)
+        TokenStream.follow(path, rank=0, world_size=2)
+    with pytest.raises(TypeError, match=r"TokenStream.follow\(\) got unexpected options \['colour'\]"):
+        TokenStream.follow(path, colour=1)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int\. Got 0\."):  # StreamSpec's checks
+        TokenStream.follow(path, batch_size=0)
+    fs = TokenStream.follow(path, threads=3, rank=0, world_size=1, shuffle=True)  # ignored, or at their defaults
+    assert fs.spec.threads == 3 and fs.batch_size == 4096
     with pytest.raises(ValueError, match="num_workers must be 0"):
         fs.loader(num_workers=2)
     assert fs.loader() is fs

@@ -49,7 +49,7 @@ def streamed(batches: list[torch.Tensor]) -> list[bytes]:
 
 def stream(path, **kw):
     opts = dict(batch_size=4, buffer_bytes=40 * D * 2, poll_s=0.01, idle_timeout_s=60, token_mask="all")
-    return TokenStream(path, follow=True, **{**opts, **kw})
+    return TokenStream.follow(path, **{**opts, **kw})
 
 
 def drain(it, into: list) -> None:
@@ -261,9 +261,9 @@ def test_a_dead_writer_on_this_host_and_a_shard_no_writer_holds_are_reported_at_
 )
 def test_the_time_options_are_checked(tmp_path, opts, message):
     with pytest.raises(ValueError, match=message):
-        TokenStream(tmp_path / "s", follow=True, **opts)
+        TokenStream.follow(tmp_path / "s", **opts)
 
 
 def test_idle_timeout_zero_and_none_are_accepted(tmp_path):
-    assert TokenStream(tmp_path / "s", follow=True, idle_timeout_s=0).idle_timeout_s == 0.0
-    assert TokenStream(tmp_path / "s", follow=True, idle_timeout_s=None).idle_timeout_s is None
+    assert TokenStream.follow(tmp_path / "s", idle_timeout_s=0).idle_timeout_s == 0.0
+    assert TokenStream.follow(tmp_path / "s", idle_timeout_s=None).idle_timeout_s is None

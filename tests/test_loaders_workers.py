@@ -169,7 +169,7 @@ def test_the_stream_under_a_loader_stays_a_plain_dataset(tmp_path):
     store = vit_store(tmp_path / "s", n=20)
     ts = TokenStream(store, batch_size=16, seed=2)
     first = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
-    assert ts._worker_flags is None and ts._shared_position is None
+    assert ts._worker_flags is None and ts.position.shared is None
     ts.set_epoch(0)
     plain = list(DataLoader(ts, batch_size=None, num_workers=2, multiprocessing_context="fork"))
     assert all(isinstance(b, torch.Tensor) for b in plain) and len(plain) == len(first) == 13

@@ -1,8 +1,7 @@
 """torch datasets over an ActStore: `from actstore.torch import PairDataset, TokenStream`.
 
-The implementation lives in actstore.loaders (docs/loaders.md).
+The implementation lives in actstore.loaders (docs/loaders.md); its public names are these.
 """
 
-from actstore.loaders import PairBatchSampler, PairDataset, PairIndex, TokenLoader, TokenStream
-
-__all__ = ["PairBatchSampler", "PairDataset", "PairIndex", "TokenLoader", "TokenStream"]
+from actstore.loaders import *  # noqa: F403 - the loaders' public names, listed once (actstore.loaders.__all__)
+from actstore.loaders import __all__  # noqa: F401

@@ -1,23 +1,39 @@
 """CaptureOptions: every setting of a capture, one frozen value from the CLI to the writer.
 
-`actstore write` builds one from its options (field = option: `batch_size` is
-`--batch-size`), `actstore.record` from its keywords; `check` rejects contradictory
-settings before anything is loaded or written, naming them as the caller spelled them
-(`--writer-nice` on the command line, `writer_nice` in Python). The writer's own part
-travels on as `writer_options()` (actstore.write.options.WriterOptions).
+It is composed of the parts each layer owns, each field's default and help spelled once
+beside it (actstore.optionspec): InputOptions (the model, the data, texts and windows:
+actstore.inputs.options), PipelineOptions (what is recorded and who writes it: here) and
+LayoutOptions (the stored dtype, the layout, the commits: actstore.write.options).
+`actstore write` offers every field with an OptionSpec as an option (field = option:
+`batch_size` is `--batch-size`; actstore.cli.fields builds them), `actstore.record` takes
+them as keywords (RecordSettings); `check` rejects contradictory settings before anything
+is loaded or written, naming them as the caller spelled them (`--writer-nice` on the
+command line, `writer_nice` in Python). The writer's own part travels on as
+`writer_options()` (a WriterOptions).
 """
 
 from __future__ import annotations
 
-import math
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 from actstore.devices import parse_device
 from actstore.errors import CaptureError
-from actstore.layout import spec
-from actstore.write.options import MAX_THREADS
+from actstore.inputs.options import InputOptions
+from actstore.optionspec import check_positive, is_int, option
+from actstore.write.options import PIPE, WHAT, WRITERS, LayoutOptions, default_writer_threads
+
+__all__ = [
+    "CaptureOptions",
+    "InputOptions",
+    "LayoutOptions",
+    "PipelineOptions",
+    "RecordSettings",
+    "check_job",
+    "default_writer_threads",
+    "make_options",
+]
 
 RUNNERS = ("local", "ray")
 SPECIAL = ("keep", "mask", "drop")  # special and template tokens: stored as content, labelled, left out
@@ -25,81 +41,85 @@ DROPPABLE = ("bos", "cls")  # --drop (deprecated): tokens the model sees but the
 DEFAULT_QUEUE = 4
 DEFAULT_WRITER_NICE = 10  # the writer threads' priority drop (Linux nice, per thread)
 
-
-def default_writer_threads() -> int:
-    """Threads that write (or upload) shard files: half the cores, 2..8 (the other half
-    converts, checksums and runs the model's host side)."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
+_LAYERS_HELP = (
+    "Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), "
+    "TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, "
+    "blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp."
+)
+_SPECIAL_HELP = (
+    "Special tokens (BOS, EOS, chat-template text; a ViT's CLS): store them labelled, left out by the loaders' "
+    "default mask and the statistics (mask), store them as content, unlabelled (keep), or do not store them "
+    "(drop; the model still sees them)."
+)
+_RUNNER_HELP = (
+    "Where --workers run: local processes (default), or actors on a Ray cluster (RAY_ADDRESS / --ray-address, "
+    "else a local one; pip install 'actstore[ray]')."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
-class CaptureOptions:
-    """Every setting of a capture (`actstore write --help` describes each option).
-
-    record() reads the fields from `layers` to `gpus_per_worker`; `actstore write` (the
-    job from a model name and a data path) reads them all.
-    """
+class PipelineOptions:
+    """What is recorded, the capture pipeline, and who writes: ranks and runners."""
 
     # -- what is recorded --
-    layers: tuple[int | str, ...] = ()
-    dtype: str = spec.DEFAULT_DTYPE
-    stats: bool = True
-    on_overflow: str = "raise"
-    special: str = "mask"
-    drop: tuple[str, ...] = ()  # deprecated spelling (--drop bos|cls), kept one release
+    layers: tuple[int | str, ...] = option((), _LAYERS_HELP, section=WHAT, kind="layers", required=True)
+    special: str = option("mask", _SPECIAL_HELP, section=WHAT, choices=SPECIAL, show_default=True)
+    drop: tuple[str, ...] = option(  # deprecated spelling (--drop bos|cls), kept one release
+        (), "Deprecated: --special drop.", section=WHAT, choices=DROPPABLE, multiple=True, hidden=True
+    )
     token_ids: bool | None = None  # None: when the batches carry input_ids
-    # -- the store's layout and commits --
-    zarr_format: int = spec.DEFAULT_ZARR_FORMAT
-    shard_examples: int | str | None = spec.SHARD_EXAMPLES_AUTO
-    commit_bytes: int = spec.DEFAULT_COMMIT_BYTES
-    fsync: bool = False
-    resume: bool = False
     # -- the pipeline --
-    queue_size: int = DEFAULT_QUEUE
-    writer_threads: int | None = None  # None: default_writer_threads()
-    writer_nice: int = DEFAULT_WRITER_NICE
+    queue_size: int = option(
+        DEFAULT_QUEUE,
+        "Batches the writer may lag behind the model (host memory: queue size + 2 batches).",
+        section=PIPE,
+        show_default=True,
+    )
+    writer_nice: int = option(
+        DEFAULT_WRITER_NICE,
+        "Lower the writer threads' priority by N (Linux nice, per thread) so that they run in the model's gaps; "
+        "0: normal priority.",
+        section=PIPE,
+        low=0,
+        high=19,
+        show_default=True,
+    )
     stop_early: bool = True
     # -- who writes: ranks and runners --
-    rank: int | None = None  # None (with world_size None): from Slurm/torchrun variables, else 0 of 1
-    world_size: int | None = None
-    runner: str = "local"  # "local": processes on this machine; "ray": actors on a Ray cluster
-    workers: int = 1
-    ray_address: str | None = None
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    # -- actstore write's job: the model and the data --
-    store: str | None = None
-    model: str | None = None
-    data: str | None = None
-    batch_size: int = 8
-    device: str = "cpu"
-    model_dtype: str = "float32"
-    threads: int | None = None
-    max_examples: int | None = None
-    text_field: str | None = None
-    encoding: str = "utf-8"
-    errors: str = "strict"
-    # -- texts: budgets, prompts and responses --
-    p_max: int | None = None
-    r_max: int | None = None
-    p_quantile: float | None = None
-    r_quantile: float | None = None
-    separator: str = "\n"
-    bos: str = "auto"  # token 0 of a text or prompt: spec.BOS_MODES (actstore.inputs.prepare.choose_bos)
-    chat_template: bool = False
-    system: str | None = None  # None: the template's own default; "": no system prompt
-    generate: int = 0
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-    # -- corpora in windows --
-    pack: bool = False
-    chunk: bool = False
-    context: int | None = None
-    window_bos: bool = True
-    # -- the end of the job --
-    finalize: bool = True
-    progress: bool = True
+    workers: int = option(
+        1,
+        "Writers actstore starts (one shard each): processes on this machine, or actors with --runner ray.",
+        section=WRITERS,
+        show_default=True,
+    )
+    runner: str = option("local", _RUNNER_HELP, section=WRITERS, choices=RUNNERS)  # local: processes here
+    cpus_per_worker: float = option(
+        1.0, "With --runner ray: CPUs each writer actor reserves.", section=WRITERS, show_default=True
+    )
+    gpus_per_worker: float = option(
+        0.0,
+        "With --runner ray: GPUs each writer actor reserves (use --device cuda).",
+        section=WRITERS,
+        show_default=True,
+    )
+    ray_address: str | None = option(
+        None, "With --runner ray: the cluster to join (default RAY_ADDRESS, else a local cluster).", section=WRITERS
+    )
+    rank: int | None = option(  # None (with world_size None): from Slurm/torchrun variables, else 0 of 1
+        None,
+        "This writer's rank; writes shard RANK. Default: from SLURM_ARRAY_TASK_ID, SLURM_PROCID or RANK (torchrun), "
+        "else 0.",
+        section=WRITERS,
+    )
+    world_size: int | None = option(
+        None,
+        "Number of ranks (default: from Slurm or torchrun, else 1); run `actstore finalize STORE` once all are done.",
+        section=WRITERS,
+    )
+    # -- actstore write's job --
+    store: str | None = None  # the command's STORE argument
+    finalize: bool = option(True, "Leave the store unfinalized (run `actstore finalize` later).", section=WRITERS)
+    progress: bool = True  # the command's --quiet turns it off
 
     @property
     def drop_cls(self) -> bool:
@@ -110,105 +130,129 @@ class CaptureOptions:
     def drop_bos(self) -> bool:
         return "bos" in self.drop
 
-    @property
-    def sampling(self) -> dict[str, Any] | None:
-        """--generate's settings as recorded in the store's attrs (None without --generate)."""
-        if not self.generate:
-            return None
-        return {
-            "max_new_tokens": self.generate,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-        }
-
-    def writer_options(self, world_size: int | None) -> dict[str, Any]:
-        """The ShardWriter options this capture sets (actstore.write.options.WriterOptions fields)."""
-        return {
-            "resume": self.resume,
-            "on_overflow": self.on_overflow,
-            "stats": self.stats,
-            "fsync": self.fsync,
-            "world_size": world_size,
-            "io_threads": self.writer_threads or default_writer_threads(),
-        }
-
-    def check(self, names: str = "python") -> None:
-        """Reject contradictory settings; `names` "cli" spells them as options (--batch-size)."""
-        n = (lambda f: "--" + f.replace("_", "-")) if names == "cli" else (lambda f: f)
-        _check_ints(self, n)
+    def check_pipeline(self, n: Any) -> None:
+        """Reject contradictory pipeline settings, named by `n` (field -> the caller's spelling)."""
+        if not is_int(self.writer_nice) or not 0 <= self.writer_nice <= 19:
+            raise ValueError(f"{n('writer_nice')} must be an int in 0..19. Got {self.writer_nice!r}.")
+        check_positive(self, ("workers", "queue_size"), n, CaptureError)
         if self.runner not in RUNNERS:
             raise CaptureError(f"{n('runner')} must be one of {list(RUNNERS)}. Got {self.runner!r}.")
         if self.special not in SPECIAL:
             raise CaptureError(f"{n('special')} must be one of {list(SPECIAL)}. Got {self.special!r}.")
-        if self.bos not in spec.BOS_MODES:
-            raise CaptureError(f"{n('bos')} must be one of {list(spec.BOS_MODES)}. Got {self.bos!r}.")
-        if self.on_overflow not in ("raise", "clip"):
-            raise CaptureError(f"{n('on_overflow')} must be one of ['raise', 'clip']. Got {self.on_overflow!r}.")
-        if self.dtype not in spec.ACT_DTYPES:
-            raise CaptureError(f"{n('dtype')} must be one of {list(spec.ACT_DTYPES)}. Got {self.dtype!r}.")
         unknown = [d for d in self.drop if d not in DROPPABLE]
         if unknown:
             raise CaptureError(f"--drop takes {list(DROPPABLE)}. Got {unknown}.")
-        if self.zarr_format not in spec.ZARR_FORMATS:
-            raise CaptureError(f"{n('zarr_format')} must be one of {list(spec.ZARR_FORMATS)}. Got {self.zarr_format}.")
-        if self.shard_examples not in (spec.SHARD_EXAMPLES_AUTO, None):
-            if not _int(self.shard_examples) or self.shard_examples < 1:
-                raise CaptureError(f"{n('shard_examples')} must be a positive int. Got {self.shard_examples}.")
-            if self.zarr_format != 3:
-                raise CaptureError(f"{n('shard_examples')} (Zarr sharding) needs {n('zarr_format')} 3")
         if self.cpus_per_worker <= 0 or self.gpus_per_worker < 0:
             raise CaptureError(
                 f"{n('cpus_per_worker')} must be positive and {n('gpus_per_worker')} non-negative. "
                 f"Got {self.cpus_per_worker}, {self.gpus_per_worker}."
             )
-        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise CaptureError(
-                f"{n('temperature')} must be a finite number >= 0 (0: greedy). Got {self.temperature!r}."
-            )
-        if not _number(self.top_p) or not 0 < self.top_p <= 1:
-            raise CaptureError(f"{n('top_p')} must be a number in (0, 1] (1: no nucleus cut). Got {self.top_p!r}.")
-        if (self.temperature or self.top_p != 1.0) and not self.generate:
-            raise CaptureError(f"{n('temperature')} and {n('top_p')} sample the responses of {n('generate')} N")
-        if self.system is not None and not self.chat_template:
-            raise CaptureError(
-                f"{n('system')} sets the system prompt of {n('chat_template')}; add {n('chat_template')}"
-            )
 
 
-_POSITIVE = ("batch_size", "workers", "queue_size", "commit_bytes")
-_OPTIONAL_POSITIVE = ("writer_threads", "threads", "max_examples", "p_max", "r_max", "context")
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions(InputOptions, PipelineOptions, LayoutOptions):
+    """Every setting of a capture (`actstore write --help` describes each option): the
+    fields of InputOptions, PipelineOptions and LayoutOptions, each part also a value of
+    its own (`inputs`, `pipeline`, `layout`).
+
+    record() reads the fields of PipelineOptions and LayoutOptions; `actstore write` (the
+    job from a model name and a data path) reads them all.
+    """
+
+    @property
+    def inputs(self) -> InputOptions:
+        """The model, the data, texts and windows."""
+        return _part(self, InputOptions)
+
+    @property
+    def pipeline(self) -> PipelineOptions:
+        """What is recorded, the pipeline, the writers."""
+        return _part(self, PipelineOptions)
+
+    @property
+    def layout(self) -> LayoutOptions:
+        """The stored dtype, the layout and the commits."""
+        return _part(self, LayoutOptions)
+
+    def check(self, names: str = "python") -> None:
+        """Reject contradictory settings; `names` "cli" spells them as options (--batch-size)."""
+        n = (lambda f: "--" + f.replace("_", "-")) if names == "cli" else (lambda f: f)
+        self.check_pipeline(n)
+        self.check_layout(n)
+        self.check_inputs(n)
 
 
-def _int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_ints(o: CaptureOptions, n: Any) -> None:
-    if not _int(o.writer_nice) or not 0 <= o.writer_nice <= 19:
-        raise ValueError(f"{n('writer_nice')} must be an int in 0..19. Got {o.writer_nice!r}.")
-    for f in _POSITIVE:
-        v = getattr(o, f)
-        if not _int(v) or v < 1:
-            raise CaptureError(f"{n(f)} must be a positive int. Got {v!r}.")
-    for f in _OPTIONAL_POSITIVE:
-        v = getattr(o, f)
-        if v is not None and (not _int(v) or v < 1):
-            raise CaptureError(f"{n(f)} must be a positive int. Got {v!r}.")
-    if o.writer_threads is not None and o.writer_threads > MAX_THREADS:
-        raise CaptureError(
-            f"{n('writer_threads')} must be an int in 1..{MAX_THREADS} (threads beyond the cores only take memory). "
-            f"Got {o.writer_threads!r}."
-        )
-    if not _int(o.generate) or o.generate < 0:
-        raise CaptureError(f"{n('generate')} must be a non-negative int. Got {o.generate!r}.")
+def _part(o: CaptureOptions, cls: type) -> Any:
+    return cls(**{f.name: getattr(o, f.name) for f in fields(cls)})
 
 
 FIELDS = tuple(f.name for f in fields(CaptureOptions))
+
+
+class RecordSettings(TypedDict, total=False):
+    """CaptureOptions' fields as keywords of record(), each optional (zarr's partial-options
+    pattern: the frozen value beside a TypedDict of its fields; tests/test_cli_options.py
+    holds the two to one list of names and types)."""
+
+    model: str | None
+    data: str | None
+    device: str
+    model_dtype: str
+    batch_size: int
+    threads: int | None
+    max_examples: int | None
+    text_field: str | None
+    encoding: str
+    errors: str
+    p_max: int | None
+    r_max: int | None
+    p_quantile: float | None
+    r_quantile: float | None
+    separator: str
+    bos: str
+    chat_template: bool
+    system: str | None
+    generate: int
+    temperature: float
+    top_p: float
+    seed: int
+    pack: bool
+    chunk: bool
+    context: int | None
+    window_bos: bool
+    layers: Sequence[int | str]  # (the field: a tuple; record() takes any sequence)
+    special: str
+    drop: tuple[str, ...]
+    token_ids: bool | None
+    queue_size: int
+    writer_nice: int
+    stop_early: bool
+    workers: int
+    runner: str
+    cpus_per_worker: float
+    gpus_per_worker: float
+    ray_address: str | None
+    rank: int | None
+    world_size: int | None
+    store: str | None
+    finalize: bool
+    progress: bool
+    dtype: str
+    stats: bool
+    on_overflow: str
+    zarr_format: int
+    shard_examples: int | str | None
+    commit_bytes: int
+    fsync: bool
+    writer_threads: int | None
+    resume: bool
+
+
+class OldRecordSettings(RecordSettings, total=False):
+    """RecordSettings with the spellings kept one release (a DeprecationWarning each)."""
+
+    engine: str  # runner=
+    drop_cls: bool  # drop=("cls",)
 
 
 def make_options(options: CaptureOptions | None, given: dict[str, Any]) -> CaptureOptions:

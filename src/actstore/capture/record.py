@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 from actstore.capture import loop
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
-from actstore.capture.options import CaptureOptions, make_options
+from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
+from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
 from actstore.capture.sink import Job
 from actstore.capture.target import CaptureTarget
@@ -46,7 +47,7 @@ def record(
     attrs: Mapping[str, Any] | None = None,
     progress: Callable[[int, int, int], None] | None = None,
     io_progress: Callable[[IOStats], None] | None = None,
-    **settings: Any,
+    **settings: Unpack[OldRecordSettings],
 ) -> RecordResult | list[RecordResult]:
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
@@ -58,8 +59,9 @@ def record(
             is given: then each example keeps the tokens its `attention_mask` marks (every
             token without one), zero-padded to the budget.
         store: the store root (a folder or an object-store URL).
-        options: a CaptureOptions; `settings` (its field names) override its fields. The
-            ones record() reads: layers (block numbers, layer N = output of block N =
+        options: a CaptureOptions; `settings` (its field names, typed by
+            actstore.capture.options.RecordSettings) override its fields. The ones record()
+            reads: layers (block numbers, layer N = output of block N =
             hidden_states[N + 1], or module paths / TransformerLens names), dtype (stored:
             float16, bfloat16, float32), stats, on_overflow ("raise" or "clip"),
             token_ids (keep each token's vocabulary id; None: when batches carry
@@ -94,11 +96,13 @@ def record(
         committed examples) and how to go on: resume=True with the batches after the
         committed ones (committed()), or remove the store.
     """
-    settings = _renamed(settings)
-    opts = make_options(options, settings)
+    opts = make_options(options, _renamed(dict(settings)))
     opts.check(names="python")
     if opts.runner == "ray":
-        return _record_ray(model, batches, store, opts, shard, progress, locals())
+        extras = ShardExtras(
+            segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
+        )
+        return _record_ray(model, batches, store, opts, shard, progress, extras)
     lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
     hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
     if segments is None and isinstance(batches, Sequence):
@@ -155,7 +159,13 @@ def _renamed(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def _record_ray(
-    model: Any, batches: Any, store: Any, opts: CaptureOptions, shard: int, progress: Any, args: dict[str, Any]
+    model: Any,
+    batches: Any,
+    store: Any,
+    opts: CaptureOptions,
+    shard: int,
+    progress: Callable[[int, int, int], None] | None,
+    extras: ShardExtras,
 ) -> list[RecordResult]:
     """record(runner="ray"): the writers as Ray actors (actstore.capture.runner_ray)."""
     from dataclasses import replace
@@ -173,16 +183,8 @@ def _record_ray(
         gpus_per_worker=opts.gpus_per_worker,
         progress=False,
     )
-    keep = ("segments", "t_chunk", "token_labels", "texts", "model_id", "attrs")
     results = record_ray(
-        record,
-        model,
-        batches,
-        store,
-        settings,
-        replace(opts, runner="local"),
-        callback=progress,
-        **{k: args[k] for k in keep},
+        record, model, batches, store, settings, replace(opts, runner="local"), extras, callback=progress
     )
     return [
         res

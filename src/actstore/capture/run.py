@@ -166,10 +166,8 @@ def run_shard(
             lm,
             job.batches,
             target,
-            o,
-            runner="local",  # this process writes this shard
+            replace(o, runner="local", world_size=world),  # this process writes this shard
             shard=rank,
-            world_size=world,
             segments=job.segments,
             t_chunk=job.t_chunk,
             token_labels=job.token_labels,

@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +37,19 @@ class RaySettings:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     progress: bool = True
+
+
+@dataclass(frozen=True)
+class ShardExtras:
+    """What record() writes beside the activations, sent to every writer actor as it was
+    given (record()'s Args describe each)."""
+
+    segments: Mapping[str, int] | None = None
+    t_chunk: Mapping[str, int] | None = None
+    token_labels: bool | Mapping[int, str] = False
+    texts: Sequence[str] = ()
+    model_id: str | None = None
+    attrs: Mapping[str, Any] | None = None
 
 
 def _connect(s: RaySettings) -> bool:
@@ -219,14 +232,14 @@ def record_ray(
     store: str | os.PathLike,
     s: RaySettings,
     opts: Any,
+    extras: ShardExtras,
     *,
     callback: Callable[[int, int, int], None] | None = None,
-    **kwargs: Any,
 ) -> list[Any]:
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
     hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
-    to every actor). `opts` (a CaptureOptions) and `kwargs` go to each actor's record().
+    to every actor). `opts` (a CaptureOptions) and `extras` go to each actor's record().
     Returns each writer's RecordResult in rank order (for a shard that was already
     complete, its count of committed examples); finalize afterwards."""
     from actstore.capture.ranks import split
@@ -249,7 +262,7 @@ def record_ray(
     for r in range(s.workers):
         a, b = split(len(batches), s.workers, r)
         jobs.append(
-            functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, opts, kwargs)
+            functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, opts, extras)
         )
     return run_actors(jobs, s, total=None, desc=f"{s.workers} ray writers", callback=callback)
 
@@ -262,7 +275,7 @@ def _record_rank(
     rank: int,
     world: int,
     opts: Any,
-    kwargs: dict[str, Any],
+    extras: ShardExtras,
     progress: Any,
 ) -> Any:
     """One actor's record(): the batches after the shard's committed examples (commits fall
@@ -289,13 +302,16 @@ def _record_rank(
         model,
         batches[skip:],
         store,
-        opts,
+        replace(opts, world_size=world, resume=True),
         shard=rank,
-        world_size=world,
-        resume=True,
+        segments=extras.segments,
+        t_chunk=extras.t_chunk,
+        token_labels=extras.token_labels,
+        texts=extras.texts,
+        model_id=extras.model_id,
+        attrs=extras.attrs,
         progress=progress.update,
         io_progress=getattr(progress, "io", None),
-        **kwargs,
     )
 
 

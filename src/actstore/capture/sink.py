@@ -28,7 +28,6 @@ from actstore.layout.config import StoreConfig, default_t_chunk, make_config
 from actstore.stats import stats_key
 from actstore.write import ShardWriter
 from actstore.write.batch import overflow_error
-from actstore.write.options import WriterOptions
 from actstore.write.pipeline import IOStats
 
 # HF model_type -> the saev family name of the vision transformer.
@@ -125,7 +124,7 @@ class Job:
         return attrs
 
     def writer(self, cfg: StoreConfig) -> ShardWriter:
-        opts = WriterOptions(commit_bytes=self.opts.commit_bytes, **self.opts.writer_options(self.opts.world_size))
+        opts = self.opts.writer_options(self.opts.world_size)
         return ShardWriter(self.target.root, shard=self.shard, config=cfg, options=opts)
 
 

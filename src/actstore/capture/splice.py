@@ -27,13 +27,14 @@ import numpy as np
 from actstore.errors import CaptureError
 from actstore.layout import spec
 from actstore.progress import updater
+from actstore.read.interface import Reader
 from actstore.read.masks import leaves_out_special
 
 MATCH_TOLERANCE = 0.05  # the largest relative L2 difference between stored and recomputed activations
 
 
 def ce_loss_recovered(
-    store: Any,
+    store: Reader,
     layer: int,
     encoder: Any,
     *,
@@ -126,7 +127,7 @@ def ce_loss_recovered(
     }
 
 
-def _hook_name(store: Any, layer: int) -> Any:
+def _hook_name(store: Reader, layer: int) -> Any:
     """The name the store recorded for `layer` (TransformerLens-style, else its module
     path), or the layer number (the output of block `layer`)."""
     attrs = store.config.attrs if hasattr(store, "config") else {}
@@ -137,7 +138,7 @@ def _hook_name(store: Any, layer: int) -> Any:
     return int(layer)
 
 
-def _kept(store: Any, ex: int, labels: dict[str, np.ndarray] | None, segments: Sequence[str] | None) -> np.ndarray:
+def _kept(store: Reader, ex: int, labels: dict[str, np.ndarray] | None, segments: Sequence[str] | None) -> np.ndarray:
     """The pass's tokens among the positions of store[ex, layer] (segments in store order;
     labels: per segment the token labels, None when the pass keeps every token)."""
     parts = []

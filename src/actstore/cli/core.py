@@ -25,8 +25,7 @@ def register(main: click.Group) -> None:
     is_flag=True,
     help="Publish what is committed though shards or ranks are unfinished (recorded as partial).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout.")
-@click.option("--quiet", is_flag=True, help="Print nothing on success.")
+@G.quiet_json(quiet="Print nothing on success.", json="Print one JSON summary on stdout.")
 def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) -> None:
     """Merge the committed writer shards of STORE into its manifest.json.
 
@@ -60,8 +59,7 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
 
 @click.command("info")
 @click.argument("store", type=STORE)
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@click.option("--quiet", is_flag=True, help="Print nothing: the exit code says whether the store opens.")
+@G.quiet_json(quiet="Print nothing: the exit code says whether the store opens.", json="Print machine-readable JSON.")
 @click.option(
     "--plots",
     "plots_dir",

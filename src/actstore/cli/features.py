@@ -22,24 +22,7 @@ def register(main: click.Group) -> None:
 @click.command("features")
 @click.argument("store", type=STORE)
 @click.option("--layer", required=True, help="A stored layer number or name (e.g. blocks.8.hook_resid_post).")
-@click.option("--neurons", is_flag=True, help="Directions: the stored dimensions themselves.")
-@click.option(
-    "--sae",
-    type=click.Path(exists=True),
-    help="Directions: an SAELens checkpoint folder (cfg.json + sae_weights.safetensors).",
-)
-@click.option("--saev", type=click.Path(exists=True), help="Directions: a saev checkpoint file.")
-@click.option(
-    "--dictionary",
-    type=click.Path(exists=True),
-    help="Directions: a dictionary_learning trainer folder (ae.pt + config.json).",
-)
-@click.option(
-    "--directions",
-    type=click.Path(exists=True),
-    help="Directions: a (d_model, F) matrix, .npy or .safetensors (probes).",
-)
-@click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
+@G.encoder_options
 @click.option("--features", help="Feature ids and ranges, e.g. 0-4095,5000 (default all).")
 @click.option("--top-k", type=int, default=20, show_default=True, help="Top activations kept per feature.")
 @click.option(
@@ -332,14 +315,7 @@ def export_neuronpedia_cmd(
 @click.command("export-delphi")
 @click.argument("store", type=STORE)
 @click.option("--layer", required=True, help="A stored layer number or name (e.g. blocks.8.hook_resid_post).")
-@click.option("--neurons", is_flag=True, help="Directions: the stored dimensions themselves.")
-@click.option("--sae", type=click.Path(exists=True), help="Directions: an SAELens checkpoint folder.")
-@click.option("--saev", type=click.Path(exists=True), help="Directions: a saev checkpoint file.")
-@click.option("--dictionary", type=click.Path(exists=True), help="Directions: a dictionary_learning trainer folder.")
-@click.option(
-    "--directions", type=click.Path(exists=True), help="Directions: a (d_model, F) matrix, .npy or .safetensors."
-)
-@click.option("--bias", type=click.Path(exists=True), help="With --directions: an (F,) bias .npy.")
+@G.encoder_options
 @click.option("--hookpoint", help="The cache's module folder name (default layers.<layer>).")
 @click.option("--n-splits", type=click.IntRange(1), default=5, show_default=True, help="Latent ranges, one file each.")
 @G.special_option()

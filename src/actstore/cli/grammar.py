@@ -11,6 +11,8 @@ Every command follows it, and tests/test_cli_grammar.py walks every registered c
 - an existing output is refused unless `--overwrite` (`overwrite_option`, `refuse_existing`);
 - every missing required parameter is named in one error (`check_missing`);
 - every command takes `--quiet` and `--json` (`quiet_json`);
+- a command that encodes a layer with a dictionary names its directions one way
+  (`encoder_options`: --neurons, --sae, --saev, --dictionary, --directions, --bias);
 - an old spelling still works for one release and says so on stderr (`alias`, `deprecated`):
   `actstore: warning: --keep-special is deprecated; use --special keep`.
 """
@@ -188,7 +190,9 @@ def quiet_json(
 
     def deco(f: Callable) -> Callable:
         f = click.option("--json", "as_json", is_flag=True, help=json)(f)
+        f.__click_params__[-1].grammar = "quiet_json"  # what tests/test_cli_options.py reads
         f = click.option("--quiet", is_flag=True, callback=resolve, help=quiet)(f)
+        f.__click_params__[-1].grammar = "quiet_json"
         if old_progress:
             f = alias("--no-progress", of="quiet", use="--quiet", value=lambda _: True, is_flag=True, default=None)(f)
             f = alias(
@@ -256,6 +260,27 @@ def special_option(
         )(f)
 
     return deco
+
+
+# -- the directions a command encodes a layer with ------------------------------------------
+
+ENCODERS = (  # (option, help): parameters neurons, sae, saev, dictionary, directions, bias
+    ("--neurons", "Directions: the stored dimensions themselves."),
+    ("--sae", "Directions: an SAELens checkpoint folder (cfg.json + sae_weights.safetensors)."),
+    ("--saev", "Directions: a saev checkpoint file."),
+    ("--dictionary", "Directions: a dictionary_learning trainer folder (ae.pt + config.json)."),
+    ("--directions", "Directions: a (d_model, F) matrix, .npy or .safetensors (probes)."),
+    ("--bias", "With --directions: an (F,) bias .npy."),
+)
+
+
+def encoder_options(f: Callable) -> Callable:
+    """Decorator: the encoder choice of every feature command (ENCODERS; the command hands
+    them to actstore.features.sources.load). --neurons is a flag, the others existing paths."""
+    for flag, text in reversed(ENCODERS):
+        kind: dict[str, Any] = {"is_flag": True} if flag == "--neurons" else {"type": click.Path(exists=True)}
+        f = click.option(flag, help=text, **kind)(f)
+    return f
 
 
 # -- the rest -----------------------------------------------------------------------------

@@ -36,9 +36,8 @@ def _bar(total: int | None, unit: str, quiet: bool, desc: str):
     help="Also read every published chunk and recompute its crc32c (reads the whole store). Plain reads do not "
     "(a flipped bit in a chunk reads back as it is); ActStore(path, verify='reads') checks every read instead.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@G.quiet_json(quiet="No progress bar; print nothing unless there is a problem.", json="Print the report as JSON.")
 @click.option("--strict", is_flag=True, help="Exit 1 on warnings too (unpublished shards, stray or temporary files).")
-@click.option("--quiet", is_flag=True, help="No progress bar; print nothing unless there is a problem.")
 def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool) -> None:
     """Check STORE's integrity; exit 1 and print a table of problems when it is damaged.
 
@@ -159,8 +158,9 @@ def import_pkl_cmd(
 @click.option("--examples-per-shard", type=int, default=100, show_default=True, help="Records per shard file.")
 @click.option("--no-compress", is_flag=True, help="Write .pkl instead of .pkl.gz.")
 @G.overwrite_option("Replace a finished export in OUT (default: refuse it).")
-@click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the summary line.")
+@G.quiet_json(
+    quiet="No progress bar, no summary line.", json="Print one JSON summary on stdout instead of the summary line."
+)
 def export_pkl_cmd(
     store: str, out: str, examples_per_shard: int, no_compress: bool, overwrite: bool, quiet: bool, as_json: bool
 ) -> None:

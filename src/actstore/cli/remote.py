@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import click
+
+from actstore.cli import grammar as G
 from actstore.storage.retry import counts as network_counts
 
 
@@ -27,8 +29,7 @@ def register(main: click.Group) -> None:
     show_default=True,
     help="Objects copied at once (threads); memory holds at most this many objects.",
 )
-@click.option("--quiet", is_flag=True, help="No progress bar, no summary line.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the summary line.")
+@G.quiet_json(quiet="No progress bar, no summary line.", json="Print the result as JSON instead of the summary line.")
 def cp_cmd(src: str, dst: str, no_verify: bool, workers: int, quiet: bool, as_json: bool) -> None:
     """Copy the finalized store SRC to DST: local folders, file://, s3://, gs:// or az:// URLs.
 

@@ -47,8 +47,9 @@ def register(main: click.Group) -> None:
     "them, or drop them (the default for a text store whose labels mark token kinds).",
     aliases=(("--skip-special", "drop"), ("--keep-special", "keep")),
 )
-@click.option("--quiet", is_flag=True, help="No progress bar, no config printed.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary (with the SAELens config) on stdout.")
+@G.quiet_json(
+    quiet="No progress bar, no config printed.", json="Print one JSON summary (with the SAELens config) on stdout."
+)
 def export_saelens_cmd(
     store: str,
     out: str,

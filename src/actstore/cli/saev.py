@@ -81,8 +81,10 @@ def _names(value: str | None) -> list[str] | None:
 )
 @click.option("--workers", type=int, default=2, show_default=True, help="Reader/converter threads.")
 @click.option("--no-fsync", is_flag=True, help="Do not flush files to disk before publishing (scratch use only).")
-@click.option("--quiet", is_flag=True, help="No progress bar, no summary line: only the directory is printed.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON summary on stdout instead of the directory.")
+@G.quiet_json(
+    quiet="No progress bar, no summary line: only the directory is printed.",
+    json="Print one JSON summary on stdout instead of the directory.",
+)
 @click.option(
     "--tokens-per-example",
     type=int,
@@ -187,8 +189,9 @@ def _embedded_dataset(store, dump_to) -> str | None:
 @click.command("verify-saev")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--values", is_flag=True, help="Also read every activation and check it is finite (reads everything).")
-@click.option("--json", "as_json", is_flag=True, help="Print the problems as a JSON list.")
-@click.option("--quiet", is_flag=True, help="Print nothing: the exit code says whether the directory is sound.")
+@G.quiet_json(
+    quiet="Print nothing: the exit code says whether the directory is sound.", json="Print the problems as a JSON list."
+)
 def verify_cmd(directory, values, as_json, quiet) -> None:
     """Check a saev shard DIRECTORY against every rule of its protocol; list each violation.
 

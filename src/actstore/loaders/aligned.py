@@ -2,8 +2,8 @@
 different models on the same tokens, with one shuffle, so that row i of every source's
 tensor is the same token.
 
-`TokenStream(store, layers=[4, 8, 12], aligned=True)` or
-`TokenStream([store_a, store_b], layers=[6], aligned=True)` builds an AlignedTokenStream:
+`TokenStream.aligned(store, layers=[4, 8, 12])` or
+`TokenStream.aligned([store_a, store_b], layers=[6])` builds an AlignedTokenStream:
 one single-layer TokenStream per source (store, layer). Their epoch plans are pure
 functions of (unit counts, seed, epoch, batch size, window size, run length)
 (actstore/loaders/plan.py); the sources have the same unit counts (checked: same examples,
@@ -16,93 +16,90 @@ window (`buffer_bytes`) counts the rows of all sources together.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from actstore.errors import AlignmentError
-from actstore.loaders.plan import EpochPosition, rank_batches
+from actstore.loaders.base import BaseTokenStream
+from actstore.loaders.plan import rank_batches
+from actstore.loaders.position import StreamPosition
+from actstore.loaders.spec import StreamSpec
+from actstore.read.api import Reader, ReaderLike, as_reader
 
 STATE_FORMAT = "actstore.AlignedTokenStream"
 STATE_VERSION = 1
 _END = object()
 
 
-class AlignedTokenStream(EpochPosition, IterableDataset):
+class AlignedTokenStream(BaseTokenStream):
     """Batches of k aligned sources: a tuple of k tensors (batch, D_source), row i the same
     token in each, or one (batch, k, D) tensor with `stack=True`.
 
     Sources are (store, layer) pairs, store-major: `layers` of the first store, then of
-    the next. Built through `TokenStream(..., aligned=True)`, which takes the same options
-    as TokenStream (see its docstring); `normalize` uses each store's own statistics per
-    layer. Resume (`state_dict`/`load_state_dict`), ranks, `loader(num_workers=...)` work
-    as for TokenStream.
+    the next. Built by `TokenStream.aligned(stores, ...)`, which takes the same options
+    as TokenStream (a StreamSpec); `normalize` uses each store's own statistics per
+    layer. Resume (`state_dict`/`load_state_dict`, `position`), ranks,
+    `loader(num_workers=...)` work as for TokenStream.
 
     Args:
         stores: one store, or a sequence of stores captured on the same tokens.
-        make_stream: builds one source's single-layer stream (TokenStream).
+        spec: the options (its `layers` is ignored: see `layers`).
+        make_stream: builds one source's single-layer stream (TokenStream(store, spec)).
         layers: layer numbers per store (default: every stored layer of the first store);
             a list of lists gives each store its own.
         stack: yield one (batch, k, D) tensor (sources of one width and dtype).
         check_token_ids: compare the stores' token ids where both keep them (reads them all once).
-        **kwargs: TokenStream's options (batch_size, seed, shuffle, buffer_bytes, ...).
     """
 
     def __init__(
         self,
-        stores: Any,
+        stores: ReaderLike | Sequence[ReaderLike],
+        spec: StreamSpec,
         *,
         make_stream: Callable[..., Any],
         layers: Any = None,
         stack: bool = False,
         check_token_ids: bool = True,
-        buffer_bytes: int,
-        run_bytes: int = 0,
-        threads: int = 8,
-        **kwargs: Any,
     ):
-        stores = list(stores) if isinstance(stores, (list, tuple)) else [stores]
+        stores = [as_reader(s) for s in (stores if isinstance(stores, (list, tuple)) else [stores])]
         if not stores:
-            raise ValueError("aligned=True needs at least one store")
+            raise ValueError("TokenStream.aligned() needs at least one store")
         per_store = _layers_per_store(stores, layers)
-        self.stores = stores
+        self.stores: list[Reader] = stores
+        self.spec = spec
         self.stack = bool(stack)
-        self.return_index = bool(kwargs.get("return_index", False))
+        self.return_index = spec.return_index
         n_src = sum(len(x) for x in per_store)
-        child_threads = max(2, int(threads) // n_src)
+        child = replace(spec, threads=max(2, spec.threads // n_src))
         self.sources: list[tuple[int, int]] = [(si, int(layer)) for si, ls in enumerate(per_store) for layer in ls]
-        self.streams = [
-            make_stream(stores[si], layers=[layer], threads=child_threads, **kwargs) for si, layer in self.sources
-        ]
+        self.streams = [make_stream(stores[si], replace(child, layers=[layer])) for si, layer in self.sources]
         for si in range(1, len(stores)):
             check_same_tokens(stores[0], stores[si], self.streams[0], self.streams[self._first_of(si)], check_token_ids)
         first = self.streams[0]
         # One window size and run length for every source, from their rows together.
         row_bytes = sum(s.d_model * s.stored_dtype.itemsize for s in self.streams)
-        window_batches = max(1, int(buffer_bytes) // (row_bytes * first.batch_size))
+        window_batches = max(1, spec.buffer_bytes // (row_bytes * first.batch_size))
         unit_bytes = row_bytes * sum(seg.t_pad for seg in first.segments) / len(first.segments)
-        run = max(1, int(run_bytes // unit_bytes))
+        run = max(1, int(spec.run_bytes // unit_bytes))
         for s in self.streams:
-            s.window_batches, s.run = window_batches, run
-            s.buffer_bytes = window_batches * first.batch_size * s.d_model * s.stored_dtype.itemsize
+            s.share_window(window_batches, run)
         if self.stack and len({(s.d_model, s.dtype) for s in self.streams}) > 1:
             raise ValueError(
                 "stack=True needs sources of one width and dtype; these have "
                 f"{sorted({(s.d_model, str(s.dtype)) for s in self.streams})}: leave stack=False for a tuple"
             )
-        self.batch_size, self.rank, self.world_size, self.seed = (
-            first.batch_size,
-            first.rank,
-            first.world_size,
-            first.seed,
-        )
+        self.batch_size, self.rank, self.world_size = first.batch_size, first.rank, first.world_size
         self.drop_last, self.n_tokens, self.device = first.drop_last, first.n_tokens, first.device
-        self._epoch = 0
-        self._batches_done = 0
-        self._num_workers = 0
+        self.position = StreamPosition(seed=spec.seed)
+
+    @property
+    def seed(self) -> int:
+        """The shuffle seed of the epochs (a loaded state brings its own)."""
+        return self.position.seed
 
     def _first_of(self, store_index: int) -> int:
         return next(i for i, (si, _) in enumerate(self.sources) if si == store_index)
@@ -126,7 +123,7 @@ class AlignedTokenStream(EpochPosition, IterableDataset):
         """Continue from a position saved by state_dict() of an identically configured stream."""
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise ValueError(
-                "not an aligned TokenStream state (expected a dict from state_dict() of a stream made with aligned=True)"
+                "not an aligned TokenStream state (expected a dict from state_dict() of a TokenStream.aligned(...) stream)"
             )
         if state.get("version") != STATE_VERSION:
             raise ValueError(
@@ -139,40 +136,24 @@ class AlignedTokenStream(EpochPosition, IterableDataset):
         for s in self.streams:
             mine = s.state_dict()
             s.load_state_dict({**state, "format": mine["format"], "version": mine["version"]})
-        s0 = self.streams[0]
-        self._epoch, self._batches_done, self._num_workers, self.seed = (
-            s0._epoch,
-            s0._batches_done,
-            s0._num_workers,
-            s0.seed,
-        )
+        self.position.copy_from(self.streams[0].position)
 
     def release(self) -> None:
         """Give back every source's buffers and mappings (TokenStream.release)."""
         for s in self.streams:
             s.release()
 
-    def _end_epoch(self) -> None:
-        self._epoch += 1
-        self._batches_done = 0
-
     def _push(self) -> None:
         """The position (kept here) into every source stream before it iterates."""
         for s in self.streams:
-            s._epoch, s._batches_done, s._num_workers = self._epoch, self._batches_done, self._num_workers
-
-    def loader(self, num_workers: int = 0, **kwargs: Any) -> Any:
-        """A resumable loader over this stream with `num_workers` DataLoader workers."""
-        from actstore.loaders.tokenloader import TokenLoader
-
-        return TokenLoader(self, num_workers=num_workers, **kwargs)
+            s.position.copy_from(self.position)
 
     def __iter__(self) -> Iterator[Any]:
         from torch.utils.data import get_worker_info
 
         in_main = get_worker_info() is None
         if not in_main:
-            self._position_from_loader()
+            self.position.from_loader()
         self._push()
         its = [iter(s) for s in self.streams]
         try:
@@ -183,10 +164,10 @@ class AlignedTokenStream(EpochPosition, IterableDataset):
                         raise AlignmentError("aligned sources ended at different batches (internal error): report this")
                     break
                 if in_main:
-                    self._batches_done += 1
+                    self.position.advance()
                 yield self._combine(parts)
             if in_main:
-                self._end_epoch()
+                self.position.end_epoch()
         finally:
             for it in its:
                 it.close()
@@ -210,7 +191,7 @@ class AlignedTokenStream(EpochPosition, IterableDataset):
         }
 
 
-def _layers_per_store(stores: list[Any], layers: Any) -> list[list[int]]:
+def _layers_per_store(stores: list[Reader], layers: Any) -> list[list[int]]:
     """Each store's layer numbers: one list for all stores, or one list per store."""
     if layers is None:
         return [[int(x) for x in stores[0].layers] for _ in stores]
@@ -226,7 +207,7 @@ def _layers_per_store(stores: list[Any], layers: Any) -> list[list[int]]:
     return [[int(v) for v in layers] for _ in stores]
 
 
-def check_same_tokens(a: Any, b: Any, sa: Any, sb: Any, token_ids: bool) -> None:
+def check_same_tokens(a: Reader, b: Reader, sa: Any, sb: Any, token_ids: bool) -> None:
     """Refuse two stores that do not hold the same tokens, naming the first difference."""
     name_a, name_b = str(getattr(a, "path", "store 0")), str(getattr(b, "path", "store 1"))
     if len(a) != len(b):

@@ -1,4 +1,4 @@
-"""FollowStream (`TokenStream(path, follow=True)`): training while capturing.
+"""FollowStream (`TokenStream.follow(path)`): training while capturing.
 
 It streams the committed blocks of a store that writers are still filling, and ends once
 the store is finalized and every example it publishes has been streamed. A reader thread
@@ -19,23 +19,25 @@ normalisation (the store's statistics exist once it is finalized).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
+from dataclasses import fields
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from actstore import catalog
 from actstore.errors import ActstoreError, NotFinalizedError, SegmentNotFoundError
 from actstore.layout import keys, spec
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import ShardEntry
+from actstore.loaders.base import BaseTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
-from actstore.loaders.feed import DeviceFeeder, cuda_device
+from actstore.loaders.feed import DeviceFeeder
 from actstore.loaders.followcheck import (
     LEASE_CHECK_S,
     Taken,
@@ -47,63 +49,63 @@ from actstore.loaders.followcheck import (
     vanished,
 )
 from actstore.read.layers import resolve_layer
-from actstore.read.masks import CONTENT, DEFAULT, effective_token_mask
+from actstore.read.interface import Reader
+from actstore.loaders.spec import StreamSpec, make_spec
+from actstore.read.masks import CONTENT, effective_token_mask
 from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
 
 READ_EXAMPLES = 64  # examples of a shard read together
+NO_RESUME = (
+    "a follow stream cannot be resumed: its order depends on when each block was committed; "
+    "once the store is finalized, train on TokenStream(store), which resumes exactly"
+)
 
 
-class FollowStream(IterableDataset):
+class FollowStream(BaseTokenStream):
     """Batches (batch_size, D) of the token vectors of a store being written (see the
     module docstring).
 
     Args:
-        store: the store's location (a folder, a URL, a Storage); it may not exist yet.
-        batch_size, layers, segments, seed, buffer_bytes, dtype, device, prefetch_batches:
-            as TokenStream's (buffer_bytes: the pool a batch is drawn from).
-        token_mask: "default", "all" (None), "content" or a per-token field name.
+        store: the store's location (a folder, a URL, a Storage; or a Reader of it, whose
+            storage is followed); it may not exist yet.
         poll_s: how often the commit records are read (seconds, > 0).
         idle_timeout_s: give up (NotFinalizedError) when no block was committed for this
             long and the store is not finalized (seconds, >= 0; None: wait forever). A
             writer found dead (its lease) ends the stream sooner, as does a store deleted
             (StoreNotFoundError) or a shard rewritten under it (ShardRewrittenError).
+        **options: a TokenStream's (StreamSpec's fields), of which it uses batch_size,
+            layers, segments, seed, buffer_bytes (the pool a batch is drawn from), dtype,
+            device, prefetch_batches and token_mask ("default", "all" (None), "content" or
+            a per-token field name); the reading knobs (threads, prefetch, mmap,
+            gather_threads) are ignored, and the others refused unless at their defaults.
     """
 
     def __init__(
         self,
-        store: Any,
+        store: str | os.PathLike | Storage | Reader,
         *,
-        batch_size: int = 4096,
-        layers: Sequence[Any] | Any = None,
-        segments: Sequence[str] | str | None = None,
-        seed: int = 0,
-        buffer_bytes: int = 256 * 2**20,
-        token_mask: Any = DEFAULT,
-        dtype: torch.dtype | None = None,
-        device: Any = None,
-        prefetch_batches: int = 2,
         poll_s: float = 0.1,
         idle_timeout_s: float | None = 600.0,
-        **unsupported: Any,
+        **options: Any,
     ):
-        _refuse(unsupported)
-        for name, v in (("batch_size", batch_size), ("buffer_bytes", buffer_bytes)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-                raise ValueError(f"{name} must be a positive int. Got {v!r}.")
+        _refuse(options)
+        self.spec = spec = make_spec(None, options, "TokenStream.follow()")
+        token_mask = spec.token_mask
         if not (isinstance(token_mask, str) or token_mask is None):
             raise ValueError(
                 "a follow stream takes token_mask 'default', 'all', 'content' or a per-token field name "
                 f"(examples are numbered only once the store is finalized). Got {type(token_mask).__name__}."
             )
         self.location = getattr(store, "storage", store)
-        self.batch_size, self.seed, self.buffer_bytes = int(batch_size), int(seed), int(buffer_bytes)
-        self.layers_asked, self.segments_asked, self.token_mask = layers, segments, token_mask
-        self.dtype, self.device, self.prefetch_batches = dtype, cuda_device(device), prefetch_batches
+        self.batch_size, self.seed, self.buffer_bytes = spec.batch_size, spec.seed, spec.buffer_bytes
+        self.layers_asked, self.segments_asked, self.token_mask = spec.layers, spec.segments, token_mask
+        self.dtype, self.device, self.prefetch_batches = spec.dtype, spec.device, spec.prefetch_batches
         self.poll_s = check_seconds("poll_s", poll_s, positive=True)
         self.idle_timeout_s = check_seconds("idle_timeout_s", idle_timeout_s, positive=False, none_means="wait forever")
         self.blocks_read: list[tuple[int, int, int, float]] = []  # (shard, first, stop, time.monotonic()) per read
         self._iterations = 0
+        self.position = None  # no epochs, no resume (BaseTokenStream)
 
     def loader(self, num_workers: int = 0, **kwargs: Any) -> FollowStream:
         """The stream itself: a growing store is read by one process."""
@@ -115,10 +117,12 @@ class FollowStream(IterableDataset):
         return self
 
     def state_dict(self) -> dict[str, Any]:
-        raise ValueError(
-            "a follow stream cannot be resumed: its order depends on when each block was committed; "
-            "once the store is finalized, train on TokenStream(store), which resumes exactly"
-        )
+        """Refused: a follow stream cannot resume (see the message)."""
+        raise ValueError(NO_RESUME)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Refused: a follow stream cannot resume (see the message)."""
+        raise ValueError(NO_RESUME)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         self._iterations += 1
@@ -386,12 +390,9 @@ def _manifest(storage: Storage) -> Any:
     return catalog.read_manifest(storage)
 
 
-def _refuse(unsupported: dict[str, Any]) -> None:
-    """Options a follow stream cannot honour, refused by name (a TokenStream's defaults pass;
-    the reading knobs of a finalized store's stream are ignored)."""
-    ignored = {"threads", "prefetch", "mmap", "gather_threads"}
-    fine = {"shuffle": True, "run_bytes": 0, "drop_last": False, "rank": 0, "world_size": 1, "return_index": False}
-    fine |= {"normalize": None, "pin_memory": False}
+def _refuse(options: dict[str, Any]) -> None:
+    """Options a follow stream cannot honour, refused by name (StreamSpec's defaults pass, and
+    rank 0 of world size 1; unknown names are make_spec's to refuse)."""
     why = {
         "normalize": "the store's statistics exist once it is finalized; normalise in your loop",
         "rank": "one process reads the growing store",
@@ -402,10 +403,8 @@ def _refuse(unsupported: dict[str, Any]) -> None:
         "run_bytes": "units are read as they are committed",
         "pin_memory": "pass device='cuda' for batches copied there from pinned memory",
     }
-    for k, v in unsupported.items():
-        if k in ignored or (k in ("rank", "world_size") and v is None):
-            continue
-        if k not in fine:
-            raise TypeError(f"TokenStream(..., follow=True) got an unexpected option {k!r}")
-        if v != fine[k]:
-            raise ValueError(f"TokenStream(..., follow=True) cannot take {k}={v!r}: {why[k]}")
+    defaults = {f.name: f.default for f in fields(StreamSpec)}
+    fine = {k: {defaults[k]} for k in why} | {"rank": {None, 0}, "world_size": {None, 1}}
+    for k, v in options.items():
+        if k in why and v not in fine[k]:
+            raise ValueError(f"TokenStream.follow(...) cannot take {k}={v!r}: {why[k]}")

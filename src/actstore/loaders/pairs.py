@@ -35,7 +35,7 @@ from actstore.loaders.source import (
     stored_numpy_dtype,
 )
 from actstore.loaders.feed import DeviceLoader, cuda_device
-from actstore.loaders.tokens import dist_rank_world
+from actstore.loaders.spec import dist_rank_world
 from actstore.loaders.windows import TaskPacker
 from actstore.storage.forksafe import worker_context
 

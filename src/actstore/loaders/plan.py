@@ -1,5 +1,6 @@
 """Pure index math of the token stream: the epoch's token order, its split over ranks and
-DataLoader workers, shuffle windows, and resume positions. No I/O, no torch.
+DataLoader workers, shuffle windows, and resume positions. No I/O, no torch, no state
+(where a stream stands is its StreamPosition: actstore/loaders/position.py).
 
 A *unit* is one (example, layer, segment) slice: the token vectors that one whole-chunk
 read returns. `counts[u]` is how many of its tokens the stream yields (its length, less
@@ -23,7 +24,6 @@ masked tokens). One epoch is defined by these steps, each a pure function of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -189,33 +189,3 @@ def round_robin_order(worker_batches: np.ndarray) -> list[tuple[int, int]]:
     for r in range(max(n, default=0)):
         out.extend((w, r) for w in range(len(n)) if n[w] > r)
     return out
-
-
-class EpochPosition:
-    """The epoch a stream is at (`epoch`); `set_epoch` starts its next iteration at the
-    beginning of another. For the stream classes (TokenStream, AlignedTokenStream).
-
-    Under a TokenLoader with persistent workers, the worker processes keep their copy of
-    the stream from epoch to epoch; the loader writes the position into `_shared_position`
-    (a small tensor in shared memory) before each iteration, and a worker reads it when
-    its iteration starts (`_position_from_loader`)."""
-
-    _epoch: int
-    _batches_done: int  # batches of this epoch the loop consumed
-    _num_workers: int
-    _shared_position: Any = None  # (epoch, batches_done, num_workers) int64, shared with workers
-
-    def _position_from_loader(self) -> None:
-        """In a worker: take the position the loader wrote for this iteration."""
-        if self._shared_position is not None:
-            self._epoch, self._batches_done, self._num_workers = (int(v) for v in self._shared_position.tolist())
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of `epoch`."""
-        if not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0. Got {epoch!r}.")
-        self._epoch, self._batches_done = epoch, 0

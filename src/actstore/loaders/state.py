@@ -1,7 +1,8 @@
 """What a TokenStream shares with the modules that serve it (pipeline.py, windows.py,
 assemble.py, tokenloader.py), written as a type so that they need not import tokens.py
-(which imports them): its settings, fixed at construction, and its per-process state,
-which only the loaders package touches."""
+(which imports them): its options resolved against the store (fixed at construction),
+its public position (StreamPosition, which the loop and a TokenLoader advance), and the
+per-process state that only the loaders package touches."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from actstore.loaders.plan import EpochPlan
+from actstore.loaders.position import StreamPosition
 from actstore.loaders.source import SegmentGeometry, TokenUnits
 from actstore.read.interface import Reader
 
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 class StreamState(Protocol):
     """A TokenStream as its pipeline, window fills, batch assembly and TokenLoader see it."""
 
-    # ---- settings (TokenStream's Args) ------------------------------------------------
+    # ---- options resolved against the store (TokenStream's StreamSpec) ---------------
     store: Reader
     units: TokenUnits
     segments: tuple[SegmentGeometry, ...]
@@ -37,13 +39,16 @@ class StreamState(Protocol):
     mmap: bool
     pin_memory: bool
     return_index: bool
-    seed: int
+
+    # ---- where it stands -----------------------------------------------------------------
+    position: StreamPosition
+
+    @property
+    def seed(self) -> int: ...
 
     # ---- per-process state, private to the loaders package -----------------------------
     _norm: tuple[np.ndarray, np.ndarray] | None  # (shift, scale) per (layer, segment) key
     _spare: dict[str, Any]  # a stopped pipeline's slots and mappings, or the next epoch's pipeline
-    _batches_done: int  # batches of this epoch the loop consumed
-    _num_workers: int  # the DataLoader worker count the saved position refers to
     _worker_flags: Any  # under a TokenLoader with workers: their slot flags (buffers.WorkerRing)
 
     def plan(self, epoch: int | None = None) -> EpochPlan: ...

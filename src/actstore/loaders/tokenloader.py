@@ -3,7 +3,7 @@ so that `state_dict()` is exact with any number of workers.
 
 With workers, the DataLoader's worker processes persist from epoch to epoch (they keep
 the store open, its files mapped and their buffers): the loader writes the position into
-a small tensor the workers share before each iteration (EpochPosition). Each worker
+a small tensor the workers share before each iteration (StreamPosition.shared). Each worker
 gathers its batches into shared-memory slots it reuses (buffers.WorkerRing); the main
 process copies a batch out of its slot at once (into a ring of its own, pinned with
 pin_memory, or into the DeviceFeeder's pinned ring on its way to the device: feed.py) and
@@ -36,7 +36,7 @@ class TokenLoader:
     steps resumes, with the same `num_workers`, at exactly the next batch.
 
     Args:
-        stream: the TokenStream (or an AlignedTokenStream).
+        stream: the TokenStream (or an AlignedTokenStream); its `position` is advanced here.
         num_workers: DataLoader worker processes (0: read in this process, with the
             stream's own background threads).
         pin_memory: copy batches into pinned memory (needs an accelerator).
@@ -62,9 +62,10 @@ class TokenLoader:
     ):
         if not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0. Got {num_workers!r}.")
-        if stream._batches_done and stream._num_workers != num_workers:
+        pos = stream.position
+        if pos.batches_done and pos.num_workers != num_workers:
             raise ValueError(
-                f"the stream's saved position was taken with num_workers={stream._num_workers}; "
+                f"the stream's saved position was taken with num_workers={pos.num_workers}; "
                 f"resume with the same number of workers (got {num_workers})"
             )
         if pin_memory and not torch.cuda.is_available():
@@ -86,7 +87,7 @@ class TokenLoader:
             )
         self.multiprocessing_context = multiprocessing_context
         self.timeout = timeout
-        stream._num_workers = num_workers
+        pos.num_workers = num_workers
 
     def __len__(self) -> int:
         return len(self.stream)
@@ -101,20 +102,21 @@ class TokenLoader:
                 f"this loader has num_workers={self.num_workers}: resume with the same number"
             )
         self.stream.load_state_dict(state)
-        self.stream._num_workers = self.num_workers
+        self.stream.position.num_workers = self.num_workers
 
     def set_epoch(self, epoch: int) -> None:
         self.stream.set_epoch(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         s = self.stream
-        s._num_workers = self.num_workers
+        pos = s.position  # advanced here: the workers' copies of the stream never see the loop
+        pos.num_workers = self.num_workers
         if self.num_workers == 0:
             for batch in s:  # the stream counts consumed batches itself
                 yield _pin(batch) if self.pin_memory and s.device is None else batch
             return
         dl = self._loader()
-        self._position[:] = torch.tensor([s._epoch, s._batches_done, self.num_workers])
+        self._position[:] = torch.tensor(pos.ints())
         device = s.device  # workers yield CPU batches; the move happens here
         if device is None:
             batches: Any = (self._received(b) for b in dl)
@@ -129,9 +131,9 @@ class TokenLoader:
                 on_copied=self._release,
             )
         for batch in batches:
-            s._batches_done += 1
+            pos.advance()
             yield batch
-        s._end_epoch()
+        pos.end_epoch()
 
     def _loader(self) -> DataLoader:
         """The DataLoader (made once: its workers persist), and what it shares with them."""
@@ -187,7 +189,7 @@ class _UnderLoader(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         s = self.stream
-        s._shared_position, s._worker_flags = self.position, self.flags
+        s.position.shared, s._worker_flags = self.position, self.flags
         return iter(s)
 
 

@@ -57,11 +57,10 @@ class DictionaryLearningSource:
             self.stream = TokenStream(stores[0], batch_size=batch_size, layers=numbers, **stream_kwargs)
             self.stacked = False
         else:
-            self.stream = TokenStream(
+            self.stream = TokenStream.aligned(
                 stores if len(stores) > 1 else stores[0],
                 batch_size=batch_size,
                 layers=numbers,
-                aligned=True,
                 stack=True,
                 **stream_kwargs,
             )

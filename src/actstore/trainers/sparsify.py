@@ -93,8 +93,8 @@ class ReplayModel(nn.Module):
         """Position the stream so that its next batch is row `row` of this epoch."""
         if self._it is not None:
             self._it.close()
-        self.stream.set_epoch(0)  # the dataset is one epoch
-        self.stream._batches_done = row  # the plan is a pure function of the seed: exactly row `row` comes next
+        # The dataset is one epoch, and the plan a pure function of the seed: exactly row `row` comes next.
+        self.stream.position.start(0, row)
         self._it, self._next_row = iter(self.stream), row
 
 
@@ -123,11 +123,10 @@ def sparsify_inputs(
     from actstore.read.api import as_reader
 
     st = as_reader(store)
-    stream = TokenStream(
+    stream = TokenStream.aligned(
         st,
         batch_size=tokens_per_row,
         layers=list(layers),
-        aligned=True,
         seed=seed,
         drop_last=True,
         dtype=torch.float32,

@@ -3,16 +3,20 @@ and `WriterOptions` (how this writer writes it), each frozen and checked when ma
 
 ShardWriter takes both whole (`ShardWriter(path, config=cfg, options=opts)`); its keyword
 arguments are the convenience that builds them (`store_config` and `WriterOptions`).
+`LayoutOptions` is what a capture asks of its store and writer (one part of
+actstore.capture's CaptureOptions); its `writer_options()` is the WriterOptions it sets.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
+from actstore.optionspec import check_positive, is_int, option
 
 ON_NONFINITE = ("count", "raise")
 ON_OVERFLOW = ("raise", "clip")
@@ -117,3 +121,109 @@ def writer_options(options: WriterOptions | None, given: Mapping[str, Any]) -> W
             raise TypeError(f"options must be a WriterOptions. Got {type(options).__name__}.")
         return options
     return WriterOptions(**given)
+
+
+# -- what a capture asks of its store and writer ---------------------------------------------
+
+# The headings of `actstore write --help` (actstore.cli.sections) its options are listed under.
+WHAT, LAYOUT, PIPE, WRITERS = (
+    "What to record",
+    "Store layout and commits",
+    "The capture pipeline",
+    "Writers and resuming",
+)
+
+
+def default_writer_threads() -> int:
+    """Threads that write (or upload) shard files: half the cores, 2..8 (the other half
+    converts, checksums and runs the model's host side)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
+_ZARR_FORMAT_HELP = (
+    "Zarr format of the store's arrays: 3, Zarr shard files of many examples (scales to billions of tokens and "
+    "object storage); 2, the chunk-file layout (one file per example and layer)."
+)
+_SHARD_EXAMPLES_HELP = (
+    "With --zarr-format 3: examples per Zarr shard file (one file holds every layer of N examples). Default: those "
+    "that fill about 256 MiB."
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutOptions:
+    """What a capture asks of its store and its writer: the stored dtype, the layout, the
+    commits (one frozen part of actstore.capture's CaptureOptions; `writer_options` is the
+    WriterOptions it sets)."""
+
+    dtype: str = option(
+        spec.DEFAULT_DTYPE, "Stored dtype.", section=WHAT, choices=tuple(spec.ACT_DTYPES), show_default=True
+    )
+    stats: bool = option(True, "Do not keep running statistics.", section=WHAT)
+    on_overflow: str = option(
+        "raise",
+        "Values beyond the stored dtype's range: stop with an error, or clip and count them.",
+        section=WHAT,
+        choices=ON_OVERFLOW,
+        show_default=True,
+    )
+    zarr_format: int = option(
+        spec.DEFAULT_ZARR_FORMAT, _ZARR_FORMAT_HELP, section=LAYOUT, choices=spec.ZARR_FORMATS, show_default=True
+    )
+    shard_examples: int | str | None = option(  # None (Python only): no Zarr sharding
+        spec.SHARD_EXAMPLES_AUTO, _SHARD_EXAMPLES_HELP, section=LAYOUT, kind="int_or_auto"
+    )
+    commit_bytes: int = option(
+        spec.DEFAULT_COMMIT_BYTES,
+        "Commit (make durable) every this many MB of activations.",
+        section=LAYOUT,
+        flag="--commit-mb",
+        scale=2**20,
+        low=0.0,
+        open_low=True,
+        show_default=True,
+    )
+    fsync: bool = option(
+        False, "Durable against power loss, not only crashes: every file synced before its commit.", section=LAYOUT
+    )
+    writer_threads: int | None = option(  # None: default_writer_threads()
+        None,
+        "Threads that write shard files and compute statistics on a CPU (default: half the cores, 2 to 8).",
+        section=PIPE,
+    )
+    resume: bool = option(False, "Continue every writer after its last committed example.", section=WRITERS)
+
+    def writer_options(self, world_size: int | None) -> WriterOptions:
+        """The options of the capture's ShardWriter (the shard's rank is checked against `world_size`)."""
+        return WriterOptions(
+            resume=self.resume,
+            commit_bytes=self.commit_bytes,
+            on_overflow=self.on_overflow,
+            stats=self.stats,
+            fsync=self.fsync,
+            world_size=world_size,
+            io_threads=self.writer_threads or default_writer_threads(),
+        )
+
+    def check_layout(self, n: Any) -> None:
+        """Reject contradictory layout and writer settings, named by `n` (field -> the caller's spelling)."""
+        from actstore.errors import CaptureError
+
+        check_positive(self, ("commit_bytes",), n, CaptureError)
+        check_positive(self, ("writer_threads",), n, CaptureError, optional=True)
+        if self.writer_threads is not None and self.writer_threads > MAX_THREADS:
+            raise CaptureError(
+                f"{n('writer_threads')} must be an int in 1..{MAX_THREADS} (threads beyond the cores only take "
+                f"memory). Got {self.writer_threads!r}."
+            )
+        if self.on_overflow not in ON_OVERFLOW:
+            raise CaptureError(f"{n('on_overflow')} must be one of {list(ON_OVERFLOW)}. Got {self.on_overflow!r}.")
+        if self.dtype not in spec.ACT_DTYPES:
+            raise CaptureError(f"{n('dtype')} must be one of {list(spec.ACT_DTYPES)}. Got {self.dtype!r}.")
+        if self.zarr_format not in spec.ZARR_FORMATS:
+            raise CaptureError(f"{n('zarr_format')} must be one of {list(spec.ZARR_FORMATS)}. Got {self.zarr_format}.")
+        if self.shard_examples not in (spec.SHARD_EXAMPLES_AUTO, None):
+            if not is_int(self.shard_examples) or self.shard_examples < 1:
+                raise CaptureError(f"{n('shard_examples')} must be a positive int. Got {self.shard_examples}.")
+            if self.zarr_format != 3:
+                raise CaptureError(f"{n('shard_examples')} (Zarr sharding) needs {n('zarr_format')} 3")

@@ -20,7 +20,10 @@ import json
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from actstore.read.interface import Reader
 
 DEFAULT_CREATOR_ID = "clkht01d40000jv08hvalcvly"  # the user a self-hosted Neuronpedia seeds (prisma/seed.ts)
 GZIP_LEVEL = 5  # as Neuronpedia's converter compresses
@@ -42,7 +45,7 @@ class Source:
     """One Neuronpedia source folder under `root`: its metadata files at once, then batches."""
 
     def __init__(
-        self, root: Path, model: str, layer: int, source_set: str, creator_id: str, store: Any, meta: dict
+        self, root: Path, model: str, layer: int, source_set: str, creator_id: str, store: Reader, meta: dict
     ) -> None:
         self.model, self.creator = model, creator_id
         self.source_id = f"{layer}-{source_set}"

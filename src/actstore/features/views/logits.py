@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
+from actstore.read.interface import Reader
 
 AUTO = "auto"
 N_LOGITS = 10  # tokens listed on each side
@@ -72,7 +73,7 @@ def _oriented(W: np.ndarray, d_model: int, where: str) -> np.ndarray:
     return np.ascontiguousarray(W)
 
 
-def load_unembedding(path: str | Any, d_model: int, store: Any = None) -> Unembedding:
+def load_unembedding(path: str | Any, d_model: int, store: Reader | None = None) -> Unembedding:
     """W_U from `path`: a `.npy` (d_model, vocab), a safetensors file holding `lm_head.weight`
     or tied embeddings, a model folder, or "auto" (the model `store` records)."""
     if str(path) == AUTO:
@@ -104,7 +105,7 @@ def _safetensors(p: Path, names: Sequence[str]) -> dict[str, np.ndarray]:
         raise FeatureError(f"{p} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
 
 
-def auto_unembedding(store: Any, d_model: int) -> Unembedding:
+def auto_unembedding(store: Reader, d_model: int) -> Unembedding:
     """W_U and the final norm of the model `store.meta["model_id"]` names: an embedded model
     (embedded:smollm2-135m: its GGUF), a model folder, or a hub id in the local cache."""
     name = str(store.meta.get("model_id") or "")
