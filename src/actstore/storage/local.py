@@ -27,6 +27,7 @@ from actstore.storage.mapping import MappedFile
 from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
 from actstore.storage.durable import syncfs, tmp_name, write_all
+from actstore.storage.files import atomic_write
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import (
@@ -306,18 +307,17 @@ class LocalStorage(Storage):
         if not atomic:
             self._write_file(path, parts, durable, writeback)
             return
-        tmp = str(tmp_name(Path(path)))
-        try:
-            self._write_file(tmp, parts, durable, writeback)
-            os.replace(tmp, path)
-            if not durable:
-                self._note(path, tmp)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        written: list[str] = []
+
+        def write(tmp: Path) -> None:
+            written.append(str(tmp))
+            self._write_file(str(tmp), parts, durable, writeback)
+
+        atomic_write(path, write)  # (a durable file syncs itself in _write_file)
         if durable:
             fsync_dir(path.rsplit("/", 1)[0])
+        else:
+            self._note(path, written[0])
 
     def _write_file(self, path: str, parts: tuple, durable: bool, writeback: Writeback | None) -> None:
         if not durable:  # (a durable put syncs itself)
@@ -338,23 +338,8 @@ class LocalStorage(Storage):
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
         path = self.path(_checked(key))
         self._parent(path)
-        tmp = str(tmp_name(Path(path)))
         with named_writes(path):
-            self._put_stream(path, tmp, parts)
-
-    def _put_stream(self, path: str, tmp: str, parts: Iterator[bytes]) -> None:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
-            try:
-                for part in parts:  # each part held only while it is written
-                    write_all(fd, (part,))
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            atomic_write(path, lambda tmp: _write_stream(tmp, parts))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = Path(self.path(_checked(key)))
@@ -482,3 +467,13 @@ def _checked(key: str) -> str:
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
+
+
+def _write_stream(path: Path, parts: Iterator[bytes]) -> None:
+    """A new file of `parts`, each held only while it is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o644)
+    try:
+        for part in parts:
+            write_all(fd, (part,))
+    finally:
+        os.close(fd)
