@@ -14,7 +14,12 @@ CPU parts also run here (CI runs them at a tiny size).
   all tokens, and on the CPU (numba) over --cpu-feature-tokens tokens (tokens/s;
   target on a GPU: 1M tokens x 9,216 <= 2.5 s, x 32,768 <= 10 s);
 - follow: a writer thread commits --follow-blocks blocks while a `TokenStream.follow()`
-  reads them: seconds from each commit to the block being read (target <= 1 s).
+  reads them: seconds from each commit to the block being read (target <= 1 s);
+- worker bytes (`--worker-bytes`, this part alone): `TokenStream(..., normalize="standardize")
+  .loader(num_workers=1)` over two layers of a float16 store with statistics: the bytes
+  per batch that cross shared memory from the worker (the tensors the main process
+  receives), warm-epoch tokens/s, and the largest difference from the same epoch read in
+  the main process (W = 0). Runs against any actstore on PYTHONPATH (before/after).
 Each part's results are saved as they come (bench-results/gpu_read.json).
 
 On the GPU machine (see ../shared/notes/gpu-facts.md for the wheels to carry):
@@ -217,6 +222,67 @@ def bench_follow(root: Path, d: int, blocks: int, gap_s: float) -> dict:
     return {"blocks": blocks, "tokens": n, "latency_s": lat, "max_s": max(lat), "median_s": statistics.median(lat)}
 
 
+def bench_worker_bytes(root: Path, d: int, args) -> dict:
+    """Bytes per batch a TokenLoader worker sends with normalize= (see the docstring)."""
+    path = root / "wb"
+    rng = np.random.default_rng(0)
+    n = max(1, args.tokens // SEQ)
+    with actstore.ShardWriter(path, layers=[3, 6], d_model=d, tokens=SEQ, stats=True) as w:
+        for s in range(0, n, 64):
+            b = min(64, n - s)
+            w.append((rng.standard_normal((b, 2, SEQ, d)) * 2 + 1).astype(np.float16))
+    actstore.finalize(path)
+    store = actstore.open(path)
+
+    def stream():
+        return TokenStream(store, batch_size=args.batch, seed=0, normalize="standardize")
+
+    ref = torch.cat(list(stream()))  # the main process's own epoch (W = 0)
+    loader = stream().loader(num_workers=1, multiprocessing_context="fork")
+    sent: list[int] = []
+    received = loader._received
+
+    def measure(item):  # what came through shared memory, before the main process's copy
+        sent.append(sum(t.nbytes for t in _tensors_of(item)))
+        return received(item)
+
+    loader._received = measure
+    got = torch.cat(list(loader))  # warm: the worker starts, the files are mapped
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        k = sum(len(x) for x in loader)
+        times.append(time.perf_counter() - t0)
+    out = {
+        "d_model": d,
+        "tokens": len(ref),
+        "batch": args.batch,
+        "bytes_per_batch": statistics.median(sent),
+        "bytes_per_token": statistics.median(sent) / args.batch,
+        "tokens_per_s": k / statistics.median(times),
+        "epoch_s": times,
+        "out_dtype": str(got.dtype),
+        "max_abs_diff_vs_w0": float((got - ref).abs().max()),
+    }
+    print(
+        f"  worker bytes d={d}: {out['bytes_per_batch']:,.0f} B per batch of {args.batch} "
+        f"({out['bytes_per_token']:.1f} B/token), {out['tokens_per_s'] / 1e6:.2f}M tokens/s, "
+        f"max |W1 - W0| {out['max_abs_diff_vs_w0']:.2e}",
+        flush=True,
+    )
+    return out
+
+
+def _tensors_of(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors_of(v)]
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=1 << 20)
@@ -233,6 +299,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="auto", help="cuda, cpu, or auto (cuda when available)")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--worker-bytes", action="store_true", help="only the worker-bytes part (per --d-models)")
     args = ap.parse_args()
     args.features = [int(x) for x in args.features.split(",") if x]
     dev = torch.device(
@@ -240,6 +307,13 @@ def main() -> None:
     )
     result: dict = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "args": vars(args)}
     root = Path(tempfile.mkdtemp(prefix="bench-gpu-read-", dir=args.dir))
+    if args.worker_bytes:
+        try:
+            result["worker_bytes"] = [bench_worker_bytes(root, int(d), args) for d in args.d_models.split(",")]
+            print(f"wrote {save('gpu_read_worker_bytes', result)}")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     try:
         result["follow"] = bench_follow(root, 64, args.follow_blocks, args.follow_gap)
         print(f"follow: a block read {result['follow']['max_s']:.3f} s after its commit at most", flush=True)

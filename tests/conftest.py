@@ -31,13 +31,31 @@ from needs import module_needs, shares_module_fixture
 
 TESTS = Path(__file__).resolve().parent
 DURATIONS = TESTS / "durations.json"
-SERVER_FIXTURES = {"s3_endpoint", "s3_url"}  # moto's server: the dev install
+SERVER_FIXTURES = {
+    "s3_endpoint",
+    "s3_url",
+    "az_endpoint",
+    "az_url",
+    "gs_endpoint",
+    "gs_url",
+}  # the dev install's servers
 
 # The one Hypothesis profile: a test sets no budget of its own, or a smaller one through
 # factory.examples(n), which scales with the profile.
 settings.register_profile("short", max_examples=100, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=1000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("ACTSTORE_HYPOTHESIS", "short"))
+
+
+def pytest_configure(config):
+    """DataLoader workers of stores in object storage start by forkserver (obstore does not
+    survive fork): the server is one fresh interpreter per test process, and each worker forks
+    from it. Preloading torch and the loaders there makes a worker a fork, not a fresh import
+    of torch (seconds each). Modules missing here (the core job: no torch) are skipped by
+    multiprocessing itself."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(["torch", "actstore.loaders.tokens", "actstore.loaders.pairs"])
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -126,17 +144,41 @@ def store_path(tmp_path):
     return tmp_path / "store"
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's S3 server on 127.0.0.1 (a free port), its environment set; stopped at the end."""
+def _serving(server, env_of):
+    """The endpoint of `server` (a context manager yielding it) with env_of(endpoint) set in
+    os.environ until the session ends: the session fixtures' one pattern."""
     import s3server
 
-    with s3server.moto_server() as endpoint:
-        old = s3server.apply_env(s3server.s3_env(endpoint))
+    with server as endpoint:
+        old = s3server.apply_env(env_of(endpoint))
         try:
             yield endpoint
         finally:
             s3server.restore_env(old)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port; one per test process), its environment set."""
+    import s3server
+
+    yield from _serving(s3server.moto_server(), s3server.s3_env)
+
+
+@pytest.fixture(scope="session")
+def az_endpoint():
+    """Azurite's blob service (one per test process), its environment set."""
+    import emulators
+
+    yield from _serving(emulators.azurite(), emulators.az_env)
+
+
+@pytest.fixture(scope="session")
+def gs_endpoint():
+    """fake-gcs-server (one per test process), its environment set."""
+    import emulators
+
+    yield from _serving(emulators.fake_gcs(), emulators.gcs_env)
 
 
 @pytest.fixture
@@ -145,6 +187,26 @@ def s3_url(s3_endpoint):
     import s3server
 
     return f"s3://{s3server.create_bucket(s3_endpoint)}/store"
+
+
+@pytest.fixture
+def az_url(az_endpoint):
+    """A fresh container on Azurite: `az://<container>/store`."""
+    import uuid
+
+    import emulators
+
+    return f"{emulators.az_container(az_endpoint, f'c{uuid.uuid4().hex[:12]}')}/store"
+
+
+@pytest.fixture
+def gs_url(gs_endpoint):
+    """A fresh bucket on fake-gcs-server: `gs://<bucket>/store` (objects are put with emulators.gcs_put)."""
+    import uuid
+
+    import emulators
+
+    return f"{emulators.gcs_bucket(gs_endpoint, f'b{uuid.uuid4().hex[:12]}')}/store"
 
 
 @pytest.fixture(scope="session")

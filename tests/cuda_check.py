@@ -7,8 +7,11 @@ Checks, each against the same thing computed on the CPU:
 - TokenStream batches delivered on the GPU (pinned buffers, non_blocking copies on a side
   stream, conversion and normalisation there), also when the loop keeps many batches alive
   and works slowly (a pinned buffer must never be refilled while its copy runs);
+- actstore.hostmem on the device: a pinned pool's slots, DeviceCopy both ways (side stream,
+  event, record_stream) and hand_over;
 - TokenLoader with workers and device="cuda" (the DeviceFeeder), over two epochs of
-  persistent workers;
+  persistent workers; with normalize=, the workers' float16 rows cast and normalised on the
+  device equal the in-process stream's;
 - PairDataset.loader(device="cuda"), with workers and without;
 - TokenStream.follow(path, device="cuda") over a store written meanwhile;
 - the feature pass on the GPU (device="cuda": encode, top-k, statistics, histograms,
@@ -88,6 +91,7 @@ def check_loaders(store, root: Path, dev: str) -> None:
     from actstore.torch import PairDataset
 
     ctx = dict(num_workers=2, multiprocessing_context="spawn")
+    ctx_1 = dict(multiprocessing_context="spawn")
     cpu_loader = TokenStream(store, batch_size=512, seed=1).loader(**ctx)
     want = [[b.clone() for b in cpu_loader] for _ in range(2)]
     loader = on_device(lambda d: TokenStream(store, batch_size=512, seed=1, device=d), dev).loader(**ctx)
@@ -96,6 +100,13 @@ def check_loaders(store, root: Path, dev: str) -> None:
         assert len(got) == len(want[epoch]) and all(
             g.device.type == dev and torch.equal(g.cpu(), c) for g, c in zip(got, want[epoch])
         ), f"TokenLoader epoch {epoch} differs"
+    kw = dict(batch_size=512, seed=2, normalize="standardize")  # workers ship float16 and the keys
+    in_process = [b.clone() for b in TokenStream(store, **kw)]
+    one = on_device(lambda d: TokenStream(store, device=d, **kw), dev).loader(num_workers=1, **ctx_1)
+    got = list(one)
+    assert len(got) == len(in_process) and all(
+        g.dtype == torch.float32 and torch.allclose(g.cpu(), c, rtol=1e-6, atol=1e-6) for g, c in zip(got, in_process)
+    ), "TokenLoader with normalize= differs from the in-process stream"
     ds = PairDataset(store, return_mask=True)
     for kw in ({}, ctx):
         cpu = [{k: v.clone() for k, v in b.items()} for b in ds.loader(batch_size=16, k=2, seed=3, **kw)]
@@ -116,6 +127,27 @@ def check_loaders(store, root: Path, dev: str) -> None:
     writer.join()
     want = torch.cat(list(TokenStream(actstore.open(path), batch_size=512, shuffle=False)))
     assert torch.equal(got.sort(dim=0).values, want.sort(dim=0).values), "the follow stream differs"
+
+
+def check_hostmem(dev: str) -> None:
+    """A pinned pool's slot and DeviceCopy both ways: the bytes come back as they went."""
+    from actstore.hostmem import DeviceCopy, SlotPool, hand_over
+
+    pool = SlotPool(1, "pinned")
+    slot = pool.take(4096 * 4)
+    assert slot.kind == ("pinned" if dev == "cuda" else "plain") and slot.tensor.is_pinned() == (dev == "cuda")
+    (x,) = slot.carve([((64, 16), torch.float32)])
+    x.copy_(torch.arange(64 * 16, dtype=torch.float32).view(64, 16))
+    copy = DeviceCopy(torch.device(dev))
+    (on_dev,), event = copy.to_device([x], then=lambda ts: [ts[0] * 2])
+    hand_over([on_dev], event)
+    assert on_dev.device.type == dev
+    back = torch.empty_like(x)
+    copy.to_host(on_dev, back)
+    copy.record().synchronize()
+    assert torch.equal(back, x * 2), "DeviceCopy changed the bytes"
+    pool.give_back(slot)
+    pool.close()
 
 
 def check_features(root: Path, dev: str) -> None:
@@ -153,6 +185,8 @@ def main() -> None:
     if dev == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run this on a machine with one (or --cpu to check the script itself)")
     with tempfile.TemporaryDirectory() as d:
+        check_hostmem(dev)
+        print("cuda_check: the pinned pool and DeviceCopy carry the bytes both ways", flush=True)
         check_features(Path(d), dev)
         print("cuda_check: the feature pass on the device gives the CPU pass's tables", flush=True)
         store = build(Path(d) / "s")

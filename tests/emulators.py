@@ -191,19 +191,24 @@ def gcs_bucket(endpoint: str, name: str) -> str:
 def gcs_upload_tree(endpoint: str, bucket: str, folder: Path, prefix: str) -> None:
     """Upload every file under `folder` to gs://bucket/prefix/... through the JSON API."""
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
-        name = f"{prefix}/{path.relative_to(folder).as_posix()}"
-        q = urllib.parse.urlencode({"uploadType": "media", "name": name})
-        urllib.request.urlopen(
-            urllib.request.Request(
-                f"{endpoint}/upload/storage/v1/b/{bucket}/o?{q}",
-                data=path.read_bytes(),
-                method="POST",
-                headers={"Content-Type": "application/octet-stream"},
-            )
-        ).read()
+        gcs_upload(endpoint, bucket, f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
 
 
-def apply_env(env: dict[str, str]) -> dict[str, str | None]:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    return old
+def gcs_upload(endpoint: str, bucket: str, name: str, data: bytes) -> None:
+    """One object gs://bucket/name through the JSON API (the emulator takes no uploads from obstore)."""
+    q = urllib.parse.urlencode({"uploadType": "media", "name": name})
+    urllib.request.urlopen(
+        urllib.request.Request(
+            f"{endpoint}/upload/storage/v1/b/{bucket}/o?{q}",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+    ).read()
+
+
+def gcs_put(storage, key: str, data: bytes) -> None:
+    """`data` at `key` of a gs:// Storage, uploaded to the emulator that gcs_env points at."""
+    endpoint = json.loads(os.environ["GOOGLE_SERVICE_ACCOUNT_KEY"])["gcs_base_url"]
+    bucket, _, prefix = storage.url.removeprefix("gs://").partition("/")
+    gcs_upload(endpoint, bucket, f"{prefix.strip('/')}/{key}" if prefix.strip("/") else key, data)

@@ -21,6 +21,7 @@ LAYERS: list[list[str]] = [
     ["actstore.layout"],
     ["actstore.storage"],
     ["actstore.dtypes", "actstore.index", "actstore.stats", "actstore.catalog", "actstore.chunkio"],
+    ["actstore.hostmem"],
     ["actstore.verify", "actstore.write"],
     ["actstore.read"],
     [
@@ -177,6 +178,30 @@ def _outside_functions(tree: ast.AST):
         node = stack.pop()
         yield node
         stack += [c for c in ast.iter_child_nodes(node) if not isinstance(c, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+# The host-memory package's floor: below capture, write and loaders, it needs only these.
+HOSTMEM_FLOOR = ("actstore.errors", "actstore.progress", "actstore.dtypes", "actstore.hostmem")
+
+
+def test_the_host_memory_package_imports_only_its_floor_and_torch_inside_functions():
+    bad = []
+    for m, path in MODULES.items():
+        if not m.startswith("actstore.hostmem"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bad += [
+            f"{path.relative_to(ROOT)}:{line}: {t}" for t, line in _imports(m, path) if not t.startswith(HOSTMEM_FLOOR)
+        ]
+        for node in _outside_functions(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [
+                f"{path.relative_to(ROOT)}:{node.lineno}: {n} at the top" for n in names if n.split(".")[0] == "torch"
+            ]
+    assert not bad, (
+        "actstore.hostmem imports beyond errors, progress and dtypes (torch only inside functions):\n" + "\n".join(bad)
+    )
 
 
 def test_the_views_never_import_capture():

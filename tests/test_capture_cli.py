@@ -394,7 +394,7 @@ def test_workers_report_a_shared_error_once_and_leave_nothing(tmp_path, dino_dir
     assert res.exit_code == 1
     assert res.output.strip() == (  # found from the model's config before any writer starts
         f"actstore: error: layer 9 does not exist: {dino_dir} has 3 blocks, so layers 0..2 (or -3..-1) "
-        "exist; names: blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths"
+        "exist; names: blocks.N.hook_resid_pre|hook_attn_out|attn.hook_z|hook_resid_mid|hook_mlp_in|mlp.hook_post|hook_mlp_out|hook_resid_post, or module paths"
     )
     assert not out.exists()
 

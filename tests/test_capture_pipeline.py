@@ -115,18 +115,18 @@ def test_plain_token_batches_of_two_lengths_are_refused_before_anything_is_writt
 
 
 def test_buffers_are_reused_by_the_next_capture_and_data_stays_right(tmp_path):
-    """The ring's slots and the shard files' staging buffers outlive a capture (allocated
-    once per process); a second capture into them stores its own values."""
-    from actstore.capture import ring
-    from actstore.write import shardfiles
+    """The pool's host slots outlive a capture (allocated once per process: kept in the
+    capture's spare); a second capture into them stores its own values. (The shard files'
+    staging buffers are not used here: a capture lends its rows.)"""
+    from actstore.capture import stage
 
     model, _ = tiny_llama(layers=3)
     g = torch.Generator().manual_seed(3)
     runs = [[torch.randint(4, 60, (3, 6), generator=g) for _ in range(3)] for _ in range(2)]
     for k, batches in enumerate(runs):
         actstore.record(model, batches, tmp_path / f"s{k}", layers=[0, 1], dtype="float32", shard_examples=4)
-        assert ring._spare and shardfiles._spare  # kept for the next capture
-    spare = list(ring._spare)
+        assert stage.SPARE.kept()  # kept for the next capture
+    spare = stage.SPARE.kept()
     for k, batches in enumerate(runs):
         actstore.finalize(tmp_path / f"s{k}")
         store = actstore.ActStore(tmp_path / f"s{k}")
@@ -135,7 +135,7 @@ def test_buffers_are_reused_by_the_next_capture_and_data_stays_right(tmp_path):
                 hs = model(ids, output_hidden_states=True).hidden_states
                 for j in range(3):
                     np.testing.assert_array_equal(store[b * 3 + j, 1], hs[2][j].numpy())
-    assert all(any(s is t for t in ring._spare) for s in spare)
+    assert all(any(s is t for t in stage.SPARE.kept()) for s in spare)
 
 
 def test_a_durable_commit_syncs_every_file_it_wrote_and_never_the_whole_disk(tmp_path, monkeypatch):
@@ -238,3 +238,31 @@ def test_lent_rows_are_written_as_they_are_and_released_once_written(tmp_path, l
     store = actstore.ActStore(tmp_path / "s")
     for i in range(7):
         np.testing.assert_array_equal(np.stack([store[i, 0], store[i, 1]]), x[i])
+
+
+def test_the_writer_publishes_the_bytes_it_may_hold_lent_and_the_capture_sizes_its_pool_from_it(tmp_path, monkeypatch):
+    """lent_bytes: the file being gathered plus the pipeline's bound (or one file when a file
+    is larger); a capture's pool may lend that many batches' slots beyond its queue's."""
+    from actstore.capture import stage as stage_mod
+    from actstore.layout.config import make_config
+    from actstore.write.pipeline import MAX_BYTES
+    from actstore.write.shardfiles import lent_bytes
+
+    cfg = make_config(layers=[0, 1], d_model=8, segments={"tokens": 6}, dtype="float16", shard_examples=4)
+    file_bytes = 4 * 2 * 6 * 8 * 2
+    assert cfg.example_bytes() * 4 == file_bytes
+    assert lent_bytes(cfg) == file_bytes + MAX_BYTES
+    assert lent_bytes(cfg, max_bytes=100) == 2 * file_bytes  # a file larger than the bound goes alone
+    made = []
+    orig = stage_mod.Stage._start
+
+    def spy(self, out):
+        orig(self, out)
+        made.append((self.ring.n, self.cfg))
+
+    model, _ = tiny_llama(layers=3)
+    batches = [torch.randint(4, 60, (3, 6)) for _ in range(2)]
+    monkeypatch.setattr(stage_mod.Stage, "_start", spy)
+    actstore.record(model, batches, tmp_path / "s", layers=[0, 1], shard_examples=4, queue_size=2)
+    n, got = made[0]
+    assert n == 2 + 2 + -(-lent_bytes(got) // (3 * got.example_bytes())) + 1

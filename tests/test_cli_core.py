@@ -1,4 +1,5 @@
-"""`actstore finalize` and `actstore info` through the real console script."""
+"""`actstore finalize` and `actstore info`: in this process through click's runner (the exit
+code, stdout and stderr apart), and `python -m actstore.cli` once as a real process."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from actstore import ShardWriter
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "actstore.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+def _cli(*args: str):
+    """`actstore ARGS` in this process: .returncode, .stdout and .stderr as a process's."""
+    from types import SimpleNamespace
+
+    from factory import cli
+
+    res = cli(*args, ok=False)
+    return SimpleNamespace(returncode=res.exit_code, stdout=res.stdout, stderr=res.stderr)
 
 
 def test_finalize_then_info_json_and_text(store_path, rng):
@@ -52,7 +57,10 @@ def test_finalize_then_info_json_and_text(store_path, rng):
 
 
 def test_help_lists_core_commands():
-    r = _cli("--help")
+    """The module's entry point in a process of its own (the one process this file starts)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "actstore.cli", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert r.returncode == 0 and "finalize" in r.stdout and "info" in r.stdout
 
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from factory import cli
 from watchdog import within
 
 pytestmark = pytest.mark.torch  # the capture commands of docs/ need torch
@@ -100,24 +103,50 @@ def _env(tmp: Path) -> dict[str, str]:
     return env
 
 
+SHELL = re.compile(r"[|&;<>`*?]|\$\(")  # pipes, lists, redirections, substitutions, globs: bash's work
+QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+def _commands(code: str) -> list[str]:
+    """A bash block's command lines: continuations joined, blank and comment lines left out."""
+    lines = code.replace("\\\n", " ").splitlines()
+    return [c for c in lines if c.strip() and not c.lstrip().startswith("#")]
+
+
+def _in_process(command: str) -> list[str] | None:
+    """`actstore ARGS` as click gets it from bash ($VARS expanded, quotes and comments as the
+    shell reads them), or None for a line that needs the shell."""
+    argv = shlex.split(os.path.expandvars(command), comments=True)
+    if SHELL.search(QUOTED.sub("", command).split("#", 1)[0]) or not argv or argv[0] != "actstore":
+        return None
+    return argv[1:]
+
+
 def _run_bash(b: Block, tmp: Path) -> None:
+    """A bash block, line by line as `bash -e` runs it: a plain `actstore ...` line through
+    click's runner in this process (the CLI is what the docs show, not the interpreter's start:
+    each fresh one imports torch), any other line in bash."""
+    commands = _commands(b.code)
+    wants = b.exit_codes or [0] * len(commands)
+    assert len(commands) == len(wants), f"{b}: {len(commands)} commands, {len(wants)} exit codes marked"
     env = _env(tmp)
-    if b.exit_codes is None:
-        r = subprocess.run(
-            ["bash", "-e", "-c", b.code], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S
+    for command, want in zip(commands, wants):
+        argv = _in_process(command)
+        if argv is not None:
+            res = cli(*argv, ok=False)
+            code, out, err = res.exit_code, res.stdout, res.stderr
+            crashed = res.exception is not None and not isinstance(res.exception, SystemExit)
+            trace = "".join(traceback.format_exception(res.exception)) if crashed else ""
+        else:
+            r = subprocess.run(
+                ["bash", "-c", command], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S
+            )
+            code, out, err = r.returncode, r.stdout, r.stderr
+            trace = err if "Traceback" in err else ""
+        assert code == want, (
+            f"{b}: `{command}` exited {code}, the doc says {want}:\n{out[-2000:]}\n{err[-3000:]}{trace}"
         )
-        assert r.returncode == 0, f"{b} failed (exit {r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-        return
-    commands = [c for c in b.code.replace("\\\n", " ").splitlines() if c.strip() and not c.lstrip().startswith("#")]
-    assert len(commands) == len(b.exit_codes), f"{b}: {len(commands)} commands, {len(b.exit_codes)} exit codes marked"
-    for command, want in zip(commands, b.exit_codes):
-        r = subprocess.run(
-            ["bash", "-c", command], cwd=tmp, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S
-        )
-        assert r.returncode == want, (
-            f"{b}: `{command}` exited {r.returncode}, the doc says {want}:\n{r.stdout}\n{r.stderr}"
-        )
-        assert "Traceback" not in r.stderr, f"{b}: `{command}` printed a traceback:\n{r.stderr}"
+        assert not trace, f"{b}: `{command}` printed a traceback:\n{trace}"
 
 
 SLOW_DOCS = {"capture.md", "export.md"}  # they run real captures and exports: marked slow
@@ -139,6 +168,7 @@ def test_blocks_of_each_document_run(doc, tmp_path, monkeypatch, request):
         namespace["S3_ENDPOINT"] = request.getfixturevalue("s3_endpoint")  # moto, its variables in os.environ
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SAEV_SCRATCH", str(tmp_path / "scratch"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.syspath_prepend(str(ROOT))
     monkeypatch.syspath_prepend(str(ROOT / "src"))
     if setup:

@@ -100,7 +100,9 @@ def test_unknown_names_say_what_is_valid(tmp_path, setup):
         ("-4", "layer -4 does not exist"),
         (
             "blocks.0.hook_z",
-            "'blocks.0.hook_z' is not a hook name this capture knows; use blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out",
+            "'blocks.0.hook_z' is not a hook name this capture knows; use blocks.N.hook_resid_pre|hook_attn_out|"
+            "attn.hook_z|hook_resid_mid|hook_mlp_in|mlp.hook_post|hook_mlp_out|hook_resid_post, a block number, "
+            "or a module path (did you mean 'blocks.0.attn.hook_z'",
         ),
         ("model.layers.0.nope", "no module 'model.layers.0.nope'"),
         ("1,blocks.1.hook_resid_post", "layers must be distinct"),

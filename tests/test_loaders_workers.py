@@ -1,6 +1,6 @@
 """TokenLoader's workers (persistent from epoch to epoch, reused shared-memory slots) and
 the DeviceFeeder (batches copied ahead to a device on a side thread), on a CPU-only torch:
-the CUDA steps are stood in for by host copies (feed._HostCopy); tests/cuda_check.py runs
+the CUDA steps are stood in for by host copies (actstore.hostmem.DeviceCopy on the CPU); tests/cuda_check.py runs
 the real ones on a GPU."""
 
 from __future__ import annotations
@@ -83,12 +83,48 @@ def test_the_loader_feeds_a_device_through_the_feeder(tmp_path):
     kw = dict(batch_size=16, seed=2, normalize="standardize")
     want = epochs(TokenStream(store, **kw).loader(num_workers=2, multiprocessing_context="fork"), 2)
     ts = TokenStream(store, prefetch_batches=3, **kw)
-    ts.device = CPU  # stands for a CUDA device: the same steps, host copies (feed._HostCopy)
+    ts.device = CPU  # stands for a CUDA device: the same steps, host copies (DeviceCopy on the CPU)
     loader = ts.loader(num_workers=2, multiprocessing_context="fork")
     got = epochs(loader, 2)
     assert [len(e) for e in got] == [len(e) for e in want] == [13, 13]
     assert all(torch.equal(x, y) for e, f in zip(got, want) for x, y in zip(e, f))
     assert got[0][0].dtype == torch.float32 and int(loader._flags.sum()) == 0
+    one = TokenStream(store, prefetch_batches=3, **kw)
+    one.device = CPU  # the worker's float16 rows cast and normalised by the device step
+    in_process = [b.clone() for b in TokenStream(store, **kw)]
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(epochs(one.loader(num_workers=1, multiprocessing_context="fork"), 1)[0], in_process)
+    )
+
+
+@pytest.mark.parametrize("mode", ["standardize", "scale"])
+def test_workers_ship_the_stored_dtype_and_keys_and_the_main_process_normalises(tmp_path, mode):
+    """With normalize=, a worker sends float16 rows and their (layer, segment) keys (half the
+    bytes of float32 through shared memory); the batches equal the in-process stream's and
+    the statistics' own arithmetic: (x - mean) / sqrt(var + 1e-6), or x * sqrt(D) / mean norm."""
+    store = vit_store(tmp_path / "s", n=20, d=8, layers=(0, 1))
+    kw = dict(batch_size=16, seed=4, normalize=mode, return_index=True)
+    want = [{**b, "acts": b["acts"].clone()} for b in TokenStream(store, **kw)]
+    loader = TokenStream(store, **kw).loader(num_workers=1, multiprocessing_context="fork")
+    sent = []
+    received = loader._received
+    loader._received = lambda item: (sent.append(item), received(item))[1]
+    got = [{**b, "acts": b["acts"].clone()} for b in loader]
+    assert len(got) == len(want) == 13 and all(torch.equal(x["acts"], y["acts"]) for x, y in zip(got, want))
+    assert all(isinstance(i, WorkerBatch) and i.batch["acts"].dtype == torch.float16 for i in sent)
+    assert all(torch.equal(i.keys, i.batch["layer"]) for i in sent)  # one segment: key = layer position
+    assert got[0]["acts"].dtype == torch.float32 and int(loader._flags.sum()) == 0
+    st = store.stats()
+    for b in got[:3]:
+        for row, layer, ex, tok in zip(b["acts"], b["layer"], b["example"], b["token"]):
+            k = st.keys.index(f"layer{int(layer)}/tokens")
+            x = store[int(ex), int(layer)][int(tok)].astype(np.float64)
+            if mode == "standardize":
+                ref = (x - st.mean[k]) / np.sqrt(st.m2[k] / st.count[k] + 1e-6)
+            else:
+                ref = x * np.sqrt(8) / (st.norm_sum[k] / st.count[k])
+            np.testing.assert_allclose(row.numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
 class Source:
@@ -152,7 +188,7 @@ def test_pair_batches_through_the_device_loader(tmp_path, num_workers):
     if num_workers:
         kw["multiprocessing_context"] = "fork"
     want = [{k: v.clone() for k, v in b.items()} for b in ds.loader(**kw)]
-    loader = DeviceLoader(ds.loader(**kw), CPU, prefetch=2)  # CPU stands for the device (feed._HostCopy)
+    loader = DeviceLoader(ds.loader(**kw), CPU, prefetch=2)  # CPU stands for the device (DeviceCopy on the CPU)
     loader.sampler.set_epoch(0)  # the DataLoader's attributes pass through
     got = list(loader)
     assert len(loader) == len(got) == len(want) == 4

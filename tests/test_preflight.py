@@ -132,14 +132,14 @@ CASES = [
         None,
         ["--model", "{llama}", "--data", "{data}", "--layers", "0,-4"],
         "layer -4 does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
-        "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths",
+        "blocks.N.hook_resid_pre|hook_attn_out|attn.hook_z|hook_resid_mid|hook_mlp_in|mlp.hook_post|hook_mlp_out|hook_resid_post, or module paths",
     ),
     (
         "module_path",
         None,
         ["--model", "{llama}", "--data", "{data}", "--layers", "model.layers.3.mlp"],
         "model.layers.3.mlp does not exist: {llama} has 3 blocks, so layers 0..2 (or -3..-1) exist; names: "
-        "blocks.N.hook_resid_pre|hook_resid_post|hook_mlp_out|hook_attn_out, or module paths",
+        "blocks.N.hook_resid_pre|hook_attn_out|attn.hook_z|hook_resid_mid|hook_mlp_in|mlp.hook_post|hook_mlp_out|hook_resid_post, or module paths",
     ),
     (
         "fifo_config",

@@ -13,6 +13,8 @@ from actstore.layout import spec
 from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
 from actstore.layout import jsonio, keys, records
 from actstore.layout.config import StoreConfig
+from actstore.layout.family import FAMILY_FILE, MAX_FAMILY_BYTES, Family
+from actstore.layout.family import parse as parse_family
 from actstore.storage import KeyNotFound, Storage
 
 
@@ -36,6 +38,17 @@ def check_folder(storage: Storage) -> None:
 
 def has_identity(storage: Storage) -> bool:
     return storage.exists(keys.IDENTITY)
+
+
+def read_family(storage: Storage) -> Family:
+    """The record of the aligned family at `storage` (family.json, docs/format.md section 9)."""
+    try:
+        data = storage.get(FAMILY_FILE, max_bytes=MAX_FAMILY_BYTES)
+    except KeyNotFound:
+        raise StoreNotFoundError(f"{storage.url} is not an actstore family (no {FAMILY_FILE})") from None
+    except ValueError as e:  # larger than any family record
+        raise CorruptStoreError(f"{storage.where(FAMILY_FILE)} is damaged ({e})") from None
+    return parse_family(data, storage.where(FAMILY_FILE))
 
 
 def read_manifest(storage: Storage) -> records.Manifest:

@@ -264,6 +264,11 @@ class SaelensExportError(ActstoreError, ValueError):
     """An export-saelens option does not fit the store, or OUT is taken."""
 
 
+class StatisticsError(ActstoreError, ValueError):
+    """A store's statistics cannot give what was asked: none kept, a (layer, segment) key
+    they lack or that counted no vector, or a segment to name (actstore.read.normalize)."""
+
+
 # ---- capture: each names what is wrong and how to fix it -----------------------------
 
 

@@ -27,7 +27,7 @@ from actstore.inputs.prepare import CaptureBatch
 from actstore.capture.options import CaptureOptions
 from actstore.capture.record import RecordResult, committed, record
 from actstore.capture.run import write
-from actstore.capture.stats import normalization
+from actstore.read.normalize import normalization
 
 WriteOptions = CaptureOptions  # the name before CaptureOptions, kept one release
 

@@ -7,24 +7,30 @@ the writer side (actstore.capture.sink: append, commit) with a lowered priority.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from actstore.errors import CaptureError
+from actstore.hostmem import ENDED, BoundedQueue
 
 
 class Drain:
     """A bounded queue drained by one background thread running `work`."""
 
     def __init__(
-        self, work: Callable[[Any], None], maxsize: int, start: Callable[[], None] | None = None, nice: int = 0
+        self,
+        work: Callable[[Any], None],
+        maxsize: int,
+        start: Callable[[], None] | None = None,
+        nice: int = 0,
+        on_error: Callable[[BaseException], None] | None = None,
     ):
         if maxsize < 1:
             raise ValueError(f"queue_size must be a positive int. Got {maxsize!r}.")
-        self._q: queue.Queue[Any] = queue.Queue(maxsize)
+        self._q = BoundedQueue(maxsize)  # a put waits for room, woken by the writer's get or error
+        self._on_error = on_error  # also told the writer's error (a wait for a free slot ends with it)
         self._work = work
         self._start = start
         self._nice = nice
@@ -49,21 +55,28 @@ class Drain:
             try:
                 self._start()
             except BaseException as e:  # noqa: BLE001 - handed to the forward thread
-                self.error = e
+                self._fail(e)
             self.busy_seconds += time.perf_counter() - t
         while True:
             item = self._q.get()
-            if item is None:
+            if item is ENDED:
                 return
             if self.error is None:
                 t = time.perf_counter()
                 try:
                     self._work(item)
                 except BaseException as e:  # noqa: BLE001 - handed to the forward thread
-                    self.error = e
+                    self._fail(e)
                 self.busy_seconds += time.perf_counter() - t
             elif hasattr(item, "release"):
                 item.release()  # skipped after an error: its buffer goes back
+
+    def _fail(self, error: BaseException) -> None:
+        """The writer thread's error: kept, and waking the forward thread's waits."""
+        self.error = error
+        self._q.fail(error)
+        if self._on_error is not None:
+            self._on_error(error)
 
     def check(self) -> None:
         """Raise the writer thread's error, if any."""
@@ -74,17 +87,11 @@ class Drain:
         if self.error is not None:
             raise self.error
         t = time.perf_counter()
-        while True:
-            try:
-                self._q.put(item, timeout=0.5)
-                break
-            except queue.Full:
-                if self.error is not None:
-                    raise self.error from None
+        self._q.put(item)  # raises the writer's error, at once if it comes while waiting
         self.wait_seconds += time.perf_counter() - t
 
     def close(self) -> None:
-        self._q.put(None)
+        self._q.close()
         self._thread.join()
         if self.error is not None:
             raise self.error
@@ -92,12 +99,10 @@ class Drain:
     def abort(self) -> None:
         if self.error is None:
             self.error = CaptureError("aborted")
-        try:
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
-        self._q.put(None)
+        for item in self._q.clear():
+            if hasattr(item, "release"):
+                item.release()  # never written: its buffer goes back
+        self._q.close()
         self._thread.join()
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from actstore.capture import sites
 from actstore.errors import CaptureError, NoBlocksError, UnknownLayerError
 
 # Where HF transformers models keep their blocks, relative to the module we call.
@@ -50,13 +51,12 @@ class HookPoint:
     block: bool  # a whole transformer block (its output is never modified in place)
     pre: bool = False  # record the module's input (hook_resid_pre), not its output
     name: str = ""  # the name the store keeps for it (TransformerLens-style or the module path)
+    width: int | None = None  # the recorded width, when known before the forward pass (sites.site_width)
 
 
-# TransformerLens hook names: blocks.N.hook_resid_pre / hook_resid_post / hook_mlp_out / hook_attn_out.
-TL_NAME = re.compile(r"^blocks\.(-?\d+)\.hook_(resid_pre|resid_post|mlp_out|attn_out)$")
-TL_HOOKS = ("hook_resid_pre", "hook_resid_post", "hook_mlp_out", "hook_attn_out")
-_MLP_CHILDREN = ("mlp", "feed_forward", "ffn", "mlp_block")
-_ATTN_CHILDREN = ("self_attn", "attn", "attention", "self_attention")
+# TransformerLens site names (blocks.N.hook_resid_pre, ..., blocks.N.attn.hook_z): actstore.capture.sites.
+TL_NAME = sites.TL_NAME
+TL_HOOKS = sites.SITE_HOOKS
 
 
 def resid_post_name(n: int) -> str:
@@ -99,14 +99,17 @@ def find_blocks(module: Any) -> tuple[str, Any]:
     )
 
 
-def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
+def resolve_hooks(module: Any, layers: Sequence[int | str], points: Any = None) -> list[HookPoint]:
     """Turn layers into hook points. A layer is a block number (its output; negative counts
-    from the end: -1 is the last block), a TransformerLens name (`blocks.8.hook_resid_post`,
-    `hook_resid_pre`, `hook_mlp_out`, `hook_attn_out`) or a module path (`model.layers.6.mlp`).
+    from the end: -1 is the last block), a TransformerLens site name (`blocks.8.hook_resid_post`,
+    `hook_resid_pre`, `hook_resid_mid`, `hook_attn_out`, `hook_mlp_in`, `hook_mlp_out`,
+    `attn.hook_z`, `mlp.hook_post`: actstore.capture.sites) or a module path (`model.layers.6.mlp`).
 
     Each is stored under its block number (the first integer of a module path); when some
     has none or two share one, they are numbered 0..k-1 in the order given. The store keeps
-    every name (attrs `hook_names` and `hooks`), and readers accept the names.
+    every name (attrs `hook_names` and `hooks`), and readers accept the names. `points`
+    (actstore.capture.wrappers.hook_points: a TransformerBridge's) reads the sites from a
+    tool's own hook points instead of the HF modules.
     """
     items = [int(x) if isinstance(x, (int, np.integer)) else str(x).strip() for x in layers]  # a str is a name or path
     if not items:
@@ -125,11 +128,11 @@ def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
             )
         return bpath, mods[k], k
 
-    points = []
+    found = []
     for x in items:
         if isinstance(x, int):
             bpath, mod, k = block(x, f"layer {x}")
-            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=True, name=resid_post_name(k))))
+            found.append((k, _site(mod, f"{bpath}.{k}", k, "hook_resid_post", blocks[1], f"layer {x}", points)))
             continue
         m = TL_NAME.match(x)
         if m is None:
@@ -137,47 +140,71 @@ def resolve_hooks(module: Any, layers: Sequence[int | str]) -> list[HookPoint]:
                 raise UnknownLayerError(
                     f"{x!r} is not a hook name this capture knows; use blocks.N.{'|'.join(TL_HOOKS)}, a block number, or a module path"
                 )
-            points.append(
-                (_first_int(x), HookPoint(layer=-1, path=x, module=_get_module(module, x), block=False, name=x))
-            )
+            found.append((_first_int(x), _path_point(module, x)))
             continue
         bpath, mod, k = block(int(m.group(1)), x)
-        hook = m.group(2)
-        name = f"blocks.{k}.hook_{hook}"
-        if hook == "resid_post":
-            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=True, name=name)))
-        elif hook == "resid_pre":
-            points.append((k, HookPoint(layer=k, path=f"{bpath}.{k}", module=mod, block=False, pre=True, name=name)))
-        else:
-            child = _child(mod, _MLP_CHILDREN if hook == "mlp_out" else _ATTN_CHILDREN, f"{bpath}.{k}", x)
-            points.append(
-                (
-                    k,
-                    HookPoint(
-                        layer=k, path=f"{bpath}.{k}.{child}", module=mod.get_submodule(child), block=False, name=name
-                    ),
-                )
-            )
-    names = [hp.name for _, hp in points]
+        found.append((k, _site(mod, f"{bpath}.{k}", k, m.group(2), blocks[1], x, points)))
+    names = [hp.name for _, hp in found]
     if len(set(names)) != len(names):
         raise UnknownLayerError(f"layers must be distinct, got {list(layers)}")
-    nums = [n for n, _ in points]
+    nums = [n for n, _ in found]
     if None in nums or len(set(nums)) != len(nums):
-        nums = list(range(len(points)))
-    return [
-        HookPoint(layer=n, path=hp.path, module=hp.module, block=hp.block, pre=hp.pre, name=hp.name)
-        for n, (_, hp) in zip(nums, points)
-    ]
+        nums = list(range(len(found)))
+    return [replace(hp, layer=n) for n, (_, hp) in zip(nums, found)]
 
 
-def _child(block_mod: Any, names: tuple[str, ...], path: str, what: str) -> str:
-    children = [n for n, _ in block_mod.named_children()]
-    for n in names:
-        if n in children:
-            return n
+def site_width(model: Any, site: str) -> int:
+    """The width (last dimension) of a site as record() stores it: d_model for the residual
+    sites, n_heads * d_head for attn.hook_z, d_mlp for mlp.hook_post.
+
+    Args:
+        model: an HF module, a LoadedModel, or a wrapper record() takes (nnsight, TransformerLens).
+        site: a TransformerLens site name (`blocks.3.mlp.hook_post`), a block number or a
+            module path (a module path's width is known only for linear modules).
+
+    Raises:
+        UnknownLayerError: the site does not exist in this model, or its width cannot be known
+            without running it (a module path to a non-linear module).
+    """
+    from actstore.capture.wrappers import hook_points, unwrap
+
+    lm = getattr(model, "forward", None) if type(model).__name__ == "LoadedModel" else None
+    (hp,) = resolve_hooks(lm or unwrap(model), [site], hook_points(model))
+    if hp.width:
+        return hp.width
     raise UnknownLayerError(
-        f"{what}: block {path} has no {' / '.join(names)} module (children: {children}); record a module path instead"
+        f"the width of {site!r} ({type(hp.module).__name__}) is known only once it runs; "
+        "record a TransformerLens site name or a linear module"
     )
+
+
+def _site(block_mod: Any, bpath: str, k: int, hook: str, block_list: Any, what: str, points: Any) -> HookPoint:
+    """The hook point of TransformerLens site `hook` of block `k` (actstore.capture.sites)."""
+    name = f"blocks.{k}.{hook}"
+    if points is not None:  # a tool's own hook point (its output is the site's tensor)
+        path, mod, width = points(k, hook)
+        return HookPoint(layer=k, path=path, module=mod, block=False, name=name, width=width)
+    spot = sites.locate(block_mod, hook, what)
+    mod = block_mod.get_submodule(spot.path) if spot.path else block_mod
+    if spot.width == "d_model":
+        width = sites.d_model_of(block_list)
+    else:
+        width = sites.module_width(mod, pre=True)
+    return HookPoint(
+        layer=k,
+        path=f"{bpath}.{spot.path}" if spot.path else bpath,
+        module=mod,
+        block=not spot.path and not spot.pre,
+        pre=spot.pre,
+        name=name,
+        width=width,
+    )
+
+
+def _path_point(module: Any, path: str) -> HookPoint:
+    """A module path's hook point (its output; the width known for linear modules)."""
+    mod = _get_module(module, path)
+    return HookPoint(layer=-1, path=path, module=mod, block=False, name=path, width=sites.module_width(mod, pre=False))
 
 
 def _get_module(module: Any, path: str) -> Any:

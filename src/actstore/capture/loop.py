@@ -78,9 +78,11 @@ def run(
 
     def start_writer(cfg: Any) -> None:  # the writer thread opens the shard while the first forward runs on
         nonlocal drain
-        drain = Drain(sink.write, opts.queue_size, start=lambda: sink.open(cfg), nice=opts.writer_nice)
+        drain = Drain(
+            sink.write, opts.queue_size, start=lambda: sink.open(cfg), nice=opts.writer_nice, on_error=stage.ring.fail
+        )
 
-    stage = Stage(job, device, start_writer, lambda: drain.check() if drain is not None else None)
+    stage = Stage(job, device, start_writer)
     t0 = time.perf_counter()
     net0 = retry.counts()
     t_fwd = 0.0

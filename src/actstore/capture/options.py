@@ -43,8 +43,9 @@ DEFAULT_WRITER_NICE = 10  # the writer threads' priority drop (Linux nice, per t
 
 _LAYERS_HELP = (
     "Blocks to record, e.g. 6,11, 0-11 or -1 (layer N = output of block N = hidden_states[N+1]; -1 the last block), "
-    "TransformerLens names (blocks.8.hook_resid_post, blocks.8.hook_resid_pre, blocks.8.hook_mlp_out, "
-    "blocks.8.hook_attn_out), or module paths such as model.layers.6.mlp."
+    "TransformerLens site names (blocks.8.hook_resid_post, hook_resid_pre, hook_resid_mid, hook_attn_out, "
+    "hook_mlp_in, hook_mlp_out, attn.hook_z, mlp.hook_post; docs/capture.md, 'Sites'), or module paths such as "
+    "model.layers.6.mlp."
 )
 _SPECIAL_HELP = (
     "Special tokens (BOS, EOS, chat-template text; a ViT's CLS): store them labelled, left out by the loaders' "

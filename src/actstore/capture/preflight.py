@@ -189,5 +189,5 @@ def _same_layer(x: int | str, names: list[str], n_blocks: int | None) -> bool:
     if m and int(m.group(1)) < 0:
         if n_blocks is None:
             return True
-        x = f"blocks.{int(m.group(1)) + n_blocks}.hook_{m.group(2)}"
+        x = f"blocks.{int(m.group(1)) + n_blocks}.{m.group(2)}"
     return x in names

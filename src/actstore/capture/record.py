@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Unpack
 
-from actstore.capture import loop
+from actstore.capture import family, loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
@@ -21,6 +21,7 @@ from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
 from actstore.capture.sink import Job
 from actstore.capture.target import CaptureTarget
+from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats
 
@@ -52,7 +53,12 @@ def record(
     """Record the residual stream (or named modules) of `model` over `batches` into a shard.
 
     Args:
-        model: a torch module (HF transformers model) or a LoadedModel from load_model.
+        model: a torch module (HF transformers model), a LoadedModel from load_model, an
+            nnsight LanguageModel or a TransformerLens TransformerBridge around an HF model
+            (actstore.capture.wrappers: the same site names give the same tensors); a list
+            of them (models of one tokenizer) records each over the same batches into one
+            aligned family at `store` (docs/format.md, section 9), as do sites of several
+            widths (measured on the first batch): one member store per (model, width).
         batches: CaptureBatch objects, dicts of forward kwargs, or tensors (float:
             pixel_values, int: input_ids), moved to the model's device. Plain batches store
             every token (one fixed segment: every batch of one length) unless `segments`
@@ -90,7 +96,8 @@ def record(
         io_progress: called with the writer's IOStats after each batch.
 
     Returns:
-        A RecordResult (with runner="ray", one per writer, in rank order). The shard is
+        A RecordResult (with runner="ray", one per writer, in rank order; of a family, one
+        per member, in the order of its record). The shard is
         closed (complete) when every batch was written. A call that fails after it wrote
         to the store adds a note to the error saying what it left (the shard and its
         committed examples) and how to go on: resume=True with the batches after the
@@ -99,12 +106,42 @@ def record(
     opts = make_options(options, _renamed(dict(settings)))
     opts.check(names="python")
     if opts.runner == "ray":
+        if isinstance(model, (list, tuple)):
+            raise CaptureError("runner='ray' records one model; record a family of models with the local runner")
         extras = ShardExtras(
             segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
         )
         return _record_ray(model, batches, store, opts, shard, progress, extras)
-    lm = model if isinstance(model, LoadedModel) else wrap_module(model, model_id=model_id)
-    hooks = resolve_hooks(lm.forward, opts.layers)  # unknown layers fail before anything is written
+    passed = {  # what each member's record() gets when this call records a family
+        "options": options, "shard": shard, "segments": segments, "t_chunk": t_chunk, "token_labels": token_labels,
+        "texts": texts, "attrs": attrs, "progress": progress, "io_progress": io_progress,
+    }  # fmt: skip
+    if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
+        return _family(
+            list(model),
+            list(batches),
+            store,
+            opts,
+            model_id,
+            settings,
+            passed,
+        )
+    lm = model if isinstance(model, LoadedModel) else wrap_module(wrappers.unwrap(model), model_id=model_id)
+    # unknown layers fail before anything is written; a TransformerBridge's sites are its hook points
+    points = wrappers.hook_points(model)
+    hooks = resolve_hooks(lm.forward, opts.layers, points)
+    if family.may_differ([hp.name for hp in hooks]):  # module paths: widths measured on batch 0
+        batches, widths = family.widths_on_first(lm, hooks, batches)
+        if len(widths) > 1:  # several widths: a family of one member per width
+            return _family(
+                [lm],
+                list(batches),
+                store,
+                opts,
+                model_id,
+                settings,
+                passed,
+            )
     if segments is None and isinstance(batches, Sequence):
         check_lengths(batches, opts.drop_cls)  # one length, checked before anything is written
     job = Job(
@@ -123,12 +160,37 @@ def record(
     )
     if not opts.resume:  # what an earlier run left: refused, naming resume=True and removing it
         job.target.check_fresh([shard], resume="resume=True")
+    batches = proof.before_capture(model, lm, hooks, batches, points, job.attrs)  # each site checked first
     before = (job.target.holds(shard), job.target.committed(shard))
     try:
         return loop.run(job, batches, progress, io_progress)
     except BaseException as e:
         _say_what_is_left(e, job.target, shard, before)
         raise
+
+
+def _family(
+    models: list[Any],
+    batches: list[Any],
+    store: str | os.PathLike,
+    opts: CaptureOptions,
+    model_id: str | None,
+    settings: Mapping[str, Any],
+    passed: dict[str, Any],
+) -> list[RecordResult]:
+    """record() of several models or widths into one aligned family (actstore.capture.family):
+    each member recorded by record() with the arguments this call was `passed`."""
+    rest = {k: v for k, v in settings.items() if k not in ("layers", "resume")}
+    return family.record_family(
+        models,
+        batches,
+        store,
+        opts.layers,
+        record,
+        model_id=model_id,
+        resume=opts.resume,
+        record_options={**passed, **rest},
+    )
 
 
 def _say_what_is_left(e: BaseException, target: CaptureTarget, shard: int, before: tuple[Any, ...]) -> None:

@@ -4,12 +4,12 @@ On the model's device, on the forward thread, a `Stage` takes every hooked outpu
 of a batch and: gathers each segment's stored tokens (zero-padded to the segment's chunk
 grid), casts them to the stored dtype (counting, clipping or refusing values beyond its
 range), reduces them to the batch's statistics (actstore.capture.devstats), and copies them
-once into a ring slot on the host (actstore.capture.ring), laid out (L, b, T_pad, D) per
+once into a slot of a pool of host buffers (actstore.hostmem), laid out (L, b, T_pad, D) per
 segment. What the writer thread needs comes out of `finish()` as a `Staged` batch.
 
 On a CUDA device every step is a kernel on the model's stream except the copy, one
-non-blocking device-to-host copy per (layer, batch) into pinned memory on a side stream,
-after which an event tells the writer thread the bytes have landed; nothing here waits for
+non-blocking device-to-host copy per (layer, batch) into pinned memory on a side stream
+(actstore.hostmem.DeviceCopy), after which an event tells the writer thread the bytes have landed; nothing here waits for
 the GPU. On a CPU the same steps write straight into the slot, and the statistics run on a
 small pool of threads (one torch thread each) beside the forward pass. The CUDA-only lines
 are marked `# CUDA`.
@@ -25,14 +25,16 @@ from typing import Any
 import numpy as np
 
 from actstore.capture import devstats
-from actstore.capture.ring import Ring, Slot, slot_bytes
 from actstore.capture.segments import SegPlan, plan_segments
 from actstore.errors import CaptureError
+from actstore.hostmem import DeviceCopy, HostBuffer, Lent, SlotPool, Spare, carve_bytes
 from actstore.inputs.prepare import CaptureBatch
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig
+from actstore.write.shardfiles import lent_bytes
 
 _RANGE = {"float16": spec.FLOAT16_MAX, "bfloat16": 3.3895313892515355e38, "float32": float(np.finfo(np.float32).max)}
+SPARE = Spare(4 * 2**30)  # slots kept for this process's next capture (allocating pinned memory is slow)
 _WIDER = {"float16": ("bfloat16", "float32", "float64"), "bfloat16": ("float32", "float64"), "float32": ("float64",)}
 
 
@@ -45,8 +47,7 @@ class Staged:
     acts: dict[str, list[Any]]  # segment -> L tensors (b, T_pad, D): views of the slot, or hooked outputs
     batch: CaptureBatch
     source_dtype: str
-    slot: Slot | None
-    ring: Ring
+    lent: Lent | None  # the slot, handed back to the pool once the writer is done with it
     event: Any = None  # CUDA: the copies have landed once it completes
     packed: Any = None  # CUDA: (K, W) float64 in the slot; CPU: K futures (or tensors)
     overflow_counts: Any = None  # per (layer, segment): ints (CPU) or in packed[:, 2] (CUDA)
@@ -89,9 +90,9 @@ class Staged:
 
     def release(self) -> None:
         """Give the slot back (once: the writer calls this when its rows are written)."""
-        slot, self.slot = self.slot, None
-        if slot is not None:
-            self.ring.give_back(slot)
+        lent, self.lent = self.lent, None
+        if lent is not None:
+            lent.done()
 
 
 class Stage:
@@ -101,19 +102,20 @@ class Stage:
         job: what the shard holds (actstore.capture.sink.Job).
         device: the model's device.
         on_config: called with the StoreConfig made from the first output.
-        check: raises the writer thread's error (called while waiting for a free slot).
+
+    A writer thread that fails wakes a wait for a free slot with its error (`ring.fail`).
     """
 
-    def __init__(self, job: Any, device: Any, on_config: Callable[[StoreConfig], None], check: Callable[[], None]):
+    def __init__(self, job: Any, device: Any, on_config: Callable[[StoreConfig], None]):
         import torch
 
         self.job, self.opts = job, job.opts
         self.device = device
         self.cuda = device.type == "cuda"
         self.dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.opts.dtype]
-        self.on_config, self.check = on_config, check
-        self.ring = Ring(self.opts.queue_size + 2, pinned=self.cuda)
-        self.stream = torch.cuda.Stream(device) if self.cuda else None  # CUDA
+        self.on_config = on_config
+        self.ring = SlotPool(self.opts.queue_size + 2, "pinned" if self.cuda else "plain", SPARE)
+        self.copy = DeviceCopy(device)
         self.pool: ThreadPoolExecutor | None = None
         if not self.cuda and self.opts.stats:
             from actstore.capture.options import default_writer_threads
@@ -158,7 +160,7 @@ class Stage:
                     cur["packed"][k] = devstats.moments(y, sp.keep, n_over)
                 else:
                     cur["packed"][k] = n_over.reshape(1).double()
-                self._copy(y, view)
+                self.copy.to_host(y, view)
             else:
                 cur["over"][k] = n_over
                 if self.pool is not None:
@@ -175,18 +177,13 @@ class Stage:
             acts=cur["acts"],
             batch=self.batch,
             source_dtype=cur["src_dtype"],
-            slot=cur["slot"],
-            ring=self.ring,
+            lent=_lend(self.ring, cur["slot"]),
             overflow_counts=cur["over"],
         )
         if self.cuda:  # CUDA: the statistics follow the activations; one event covers them all
             host = cur["stats_view"]
-            rows = torch.stack(cur["packed"])
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                host.copy_(rows, non_blocking=True)
-                rows.record_stream(self.stream)
-                staged.event = self.stream.record_event()
+            self.copy.to_host(torch.stack(cur["packed"]), host)
+            staged.event = self.copy.record()
             staged.packed = host
         elif self.pool is not None:
             staged.packed = cur["packed"]
@@ -200,8 +197,7 @@ class Stage:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
-        if self.cuda:
-            self.stream.synchronize()  # CUDA: no copy into a slot is still under way
+        self.copy.synchronize()  # CUDA: no copy into a slot is still under way
         self.ring.close()
 
     # ---- inside ------------------------------------------------------------------
@@ -210,8 +206,10 @@ class Stage:
         b, t, d = out.shape
         if self.cfg is None:
             self.cfg = self.job.config(b, t, d)
-            if self.cfg.shard_examples:  # slots are lent until their shard files are written
-                self.ring.n += 3 * -(-self.cfg.shard_examples // b)  # one filling, two in flight
+            if self.cfg.shard_examples:  # slots are lent until their shard files are written:
+                # as many as the writer may hold lent (+1: a batch split over two files)
+                batch_bytes = b * self.cfg.example_bytes()
+                self.ring.n += -(-lent_bytes(self.cfg) // max(batch_bytes, 1)) + 1
             self.on_config(self.cfg)
         cfg = self.cfg
         segs = plan_segments(cfg, self.batch, b, t, self.job, self._n, self.device)
@@ -221,7 +219,7 @@ class Stage:
             import torch
 
             shapes.append(((L * n_seg, devstats.width(d) if self.opts.stats else 1), torch.float64))
-        slot = self.ring.take(slot_bytes(shapes), self.check)
+        slot = self.ring.take(carve_bytes([int(np.prod(s)) * d.itemsize for s, d in shapes]))
         views = slot.carve(shapes)
         self._cur = {
             "shape": (b, t, d),
@@ -292,15 +290,6 @@ class Stage:
             stored.copy_(_clip(src, self.dtype, _RANGE[self.opts.dtype]))
         return n
 
-    def _copy(self, y: Any, host: Any) -> None:
-        """CUDA: one non-blocking device-to-host copy into the pinned slot, on the side stream."""
-        import torch
-
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # CUDA
-        with torch.cuda.stream(self.stream):  # CUDA
-            host.copy_(y, non_blocking=True)  # CUDA
-            y.record_stream(self.stream)  # CUDA: y's memory is not reused before the copy ran
-
 
 def _any_nonfinite(x: Any) -> bool:
     """Whether a CPU tensor in a stored dtype holds an inf or NaN (16-bit: by exponent bits,
@@ -322,6 +311,11 @@ def _clip(src: Any, dtype: Any, hi: float) -> Any:
 
     wide = src.to(torch.float64 if src.dtype == torch.float64 else torch.float32)  # (bfloat16 cannot hold 65504)
     return torch.where(torch.isfinite(wide), wide.clamp(-hi, hi), wide).to(dtype)
+
+
+def _lend(pool: SlotPool, slot: HostBuffer) -> Lent:
+    """The slot lent to the writer: back to the pool once every holder is done."""
+    return Lent(lambda: pool.give_back(slot))
 
 
 def _moments(y: Any, keep: Any, n_over: int) -> Any:

@@ -51,7 +51,7 @@ def parse_layers(value: str) -> tuple[int | str, ...]:
 
 @click.command("write", cls=SectionedCommand)
 @click.argument("store", type=NEW_STORE)
-@field_options(CaptureOptions, OPTIONS)
+@field_options(CaptureOptions, OPTIONS, model={"multiple": True})  # --model A --model B: a family of models
 @section_option(
     TEXTS,
     "--no-system",
@@ -77,9 +77,12 @@ def write_cmd(store: str, **kw) -> None:
     # burning the cores the model needs (measured: 11 % more CPU on 2 cores). Takes effect
     # only if torch is not imported yet; an OMP_WAIT_POLICY already set is kept.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from actstore.capture import run
+    from actstore.capture import family, run
 
-    s = run.write(options(store, kw))
+    models = kw["model"]
+    o = options(store, kw)
+    several = len(models) > 1 or family.may_differ(o.layers)  # several models or widths: a family
+    s = family.write_models(o, models, run.write) if several else run.write(o)
     if s.get("sink_warning"):
         G.warn(s["sink_warning"])
     if kw["as_json"]:
@@ -119,5 +122,8 @@ def options(store: str, kw: dict) -> CaptureOptions:
         drop=tuple(kw["drop"]),
         system="" if kw["no_system"] else kw["system"],
         progress=not kw["quiet"],
+        model=kw["model"][0]
+        if isinstance(kw["model"], tuple)
+        else kw["model"],  # (more --model: a family, the first's job)
     )
     return CaptureOptions(**given)

@@ -179,6 +179,7 @@ def _embedded_dataset(store, dump_to) -> str | None:
     from actstore.saev.export import default_dump_to
 
     st = as_reader(store)
+    st = getattr(st, "first", st)  # a family: its members were captured from the same data
     if not str(st.config.attrs.get("dataset", "")).startswith("embedded:images"):
         return None
     from actstore.inputs.embedded_files import write_embedded_images

@@ -16,6 +16,7 @@ from actstore.features.topk.layerpass import top_activations
 from actstore.read.masks import leaves_out_special
 from actstore.progress import warn
 from actstore.read.sinkcheck import find_sinks, sink_warning
+from actstore.read.family import FamilyStore
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.state import check_unchanged
 
@@ -58,6 +59,8 @@ def run_features(
         from actstore.opener import open as open_store
 
         store = open_store(store_path) if isinstance(store_path, (str, os.PathLike)) else as_reader(store_path)
+    if isinstance(store, FamilyStore):  # a family: the member holding the site
+        store, (layer,) = store.one_member(layer, "run one site a pass")
     enc = sources.load(
         neurons_d_model=int(store.d_model) if neurons else None,
         sae=sae,

@@ -24,7 +24,11 @@ MODEL, DATA, TEXTS, WINDOWS = (
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_ERRORS = ("strict", "replace", "skip")
 
-_MODEL_HELP = "A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6."
+_MODEL_HELP = (
+    "A local model folder, a hub id, or embedded:dinov2-s14 | embedded:smollm2-135m | embedded:minilm-l6. "
+    "`actstore write` takes it twice or more (text models of one tokenizer: a base model and its fine-tune): every "
+    "model over the same examples into one aligned family of stores (docs/capture.md)."
+)
 _DATA_HELP = (
     'A folder of images, a .jsonl of texts ({"text"}) or pairs ({"prompt", "response"}), a .txt file (a document '
     "a line), a glob of files ('corpus/*.txt': a document a file; quote it), a .parquet or .arrow file, a datasets "

@@ -7,9 +7,16 @@ buffer). It runs in numpy (`np.take` of opaque rows: one memcpy per row, without
 GIL, no OpenMP pool), split over `gather_threads` threads.
 
 Device batches: the rows go to a pinned buffer, which is copied to the device with
-`non_blocking=True` on a side stream; a CUDA event recorded after the copy (and after
-any conversion there) is waited on by the consumer's current stream before it sees the
-batch, and the pinned buffer is reused only once that event has completed.
+`non_blocking=True` on a side stream (actstore.hostmem.DeviceCopy); a CUDA event recorded
+after the copy (and after any conversion there) is waited on by the consumer's current
+stream before it sees the batch, and the pinned buffer is reused only once that event has
+completed.
+
+In a TokenLoader's DataLoader worker the batch stays in the stored dtype (float16 for
+most stores: half the bytes of float32 cross shared memory) and goes with the rows'
+normalisation keys; the main process casts and normalises it (TokenLoader._received), on
+the device when there is one. Elsewhere the cast and normalisation run here
+(actstore.read.normalize.normalize_into).
 """
 
 from __future__ import annotations
@@ -23,10 +30,11 @@ import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
-from actstore.dtypes import TORCH_GRAIN
+from actstore.hostmem import DeviceCopy, hand_over
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing, WorkerBatch, WorkerRing
 from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.loaders.state import StreamState
+from actstore.read.normalize import normalize_into
 
 SPLIT_ROWS = 256  # rows one gather thread takes at a time
 
@@ -39,9 +47,7 @@ class OnDevice(NamedTuple):
 
     def handed_over(self) -> torch.Tensor:
         """The tensor, made safe for the calling thread's current stream."""
-        stream = torch.cuda.current_stream(self.acts.device)
-        stream.wait_event(self.ready)
-        self.acts.record_stream(stream)  # its memory is not reused while that stream may use it
+        hand_over([self.acts], self.ready)
         return self.acts
 
 
@@ -59,8 +65,12 @@ class BatchMaker:
         dev = None if in_worker else ts.device
         self.device = dev if dev is not None and dev.type != "cpu" else None
         stored = TORCH_DTYPES[ts.store.dtype]
-        dtype = stored if self.device is not None else ts.dtype
         info = get_worker_info() if in_worker else None
+        # Under a TokenLoader a worker ships the stored dtype and the keys; the main process converts.
+        self.ships_stored = info is not None and ts._worker_flags is not None
+        dtype = stored if self.device is not None or self.ships_stored else ts.dtype
+        self.norm = None if self.ships_stored else ts._norm
+        self.last_keys: np.ndarray | None = None
         self.worker = info.id if info is not None else None
         if info is not None and ts._worker_flags is not None:  # under a TokenLoader: reused shared slots
             if not (isinstance(ring, WorkerRing) and ring.dtype == dtype and ring.flags is ts._worker_flags):
@@ -74,7 +84,7 @@ class BatchMaker:
         n_gather = _gather_threads(ts.gather_threads, info.num_workers if info is not None else 0)
         self.helper = ThreadPoolExecutor(n_gather - 1, thread_name_prefix="actstore-gather") if n_gather > 1 else None
         self.n_gather = n_gather
-        self.stream = torch.cuda.Stream(self.device) if self.device is not None else None
+        self.copy = DeviceCopy(self.device) if self.device is not None else None
         self._norm_dev: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def started(self, stop: threading.Event) -> None:
@@ -87,7 +97,7 @@ class BatchMaker:
     def sent(self, batch: Any) -> Any:
         """The batch as the consumer hands it on: from a worker's reused slot, with its number."""
         if isinstance(self.ring, WorkerRing):
-            return WorkerBatch(self.worker, self.ring.last, batch)
+            return WorkerBatch(self.worker, self.ring.last, batch, self.last_keys)
         return batch
 
     def close(self) -> None:
@@ -100,27 +110,17 @@ class BatchMaker:
         out = self.ring.take((len(rows), ts.d_model))
         dst = out if self.scratch is None else self.scratch[: len(rows)]
         self.gather(slot, rows, void_rows(_numpy_view(dst)))
+        if self.ships_stored:  # the main process converts: it needs the rows' keys
+            several = ts._norm is not None and len(ts._norm[0]) > 1
+            self.last_keys = keys[rows] if several and keys is not None else None
+            return out
         if self.device is not None:
             return self._to_device(out, rows, keys)
-        if self.scratch is None and ts._norm is None:
+        if self.scratch is None and self.norm is None:
             return out
-        shift, scale = (torch.from_numpy(t) for t in ts._norm) if ts._norm is not None else (None, None)
+        shift, scale = (torch.from_numpy(t) for t in self.norm) if self.norm is not None else (None, None)
         k_rows = torch.from_numpy(keys[rows]) if keys is not None and shift is not None else None
-        # Row blocks under torch's parallel grain: each op runs on this thread, inline.
-        # (Whole-batch ops would wake torch's OpenMP pool, whose spinning threads cost
-        # several times the work itself, on the cores the reader and the trainer use.)
-        step = max(1, TORCH_GRAIN // ts.d_model)
-        for i in range(0, len(rows), step):
-            o = out[i : i + step]
-            if self.scratch is not None:
-                o.copy_(dst[i : i + step])  # copy: dtype conversion
-            if shift is not None:
-                if k_rows is None:
-                    o.sub_(shift[0]).mul_(scale[0])
-                else:
-                    k = k_rows[i : i + step]
-                    o.sub_(shift[k]).mul_(scale[k])
-        return out
+        return normalize_into(out, dst, shift, scale, k_rows)
 
     def gather(self, slot: WindowSlot, rows: np.ndarray, dst: np.ndarray) -> None:
         """dst[j] = the row of window row rows[j]: one memcpy per row, from the page cache
@@ -137,24 +137,34 @@ class BatchMaker:
         job.wait()
 
     def _to_device(self, out: torch.Tensor, rows: np.ndarray, keys: np.ndarray | None) -> OnDevice:
-        ts = self.ts
-        with torch.cuda.stream(self.stream):
-            acts = out.to(self.device, non_blocking=True)  # from pinned memory: an asynchronous copy
-            if acts.dtype != ts.dtype:
-                acts = acts.to(ts.dtype)
-            if ts._norm is not None:
-                if self._norm_dev is None:
-                    self._norm_dev = tuple(torch.from_numpy(t).to(self.device) for t in ts._norm)
-                shift, scale = self._norm_dev
-                if keys is not None and len(shift) > 1:
-                    k = torch.from_numpy(keys[rows]).to(self.device)
-                    acts = acts.sub_(shift[k]).mul_(scale[k])
-                else:
-                    acts = acts.sub_(shift[0]).mul_(scale[0])
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+        k = torch.from_numpy(keys[rows]) if keys is not None and self.norm is not None else None
+        convert = device_step(self.ts, self.device, self._norm_cache, k)
+        (acts,), ready = self.copy.to_device([out], then=convert)  # from pinned memory: asynchronous
         self.ring.hold(ready)  # the pinned buffer is reused only once the copy is done
         return OnDevice(acts, ready)
+
+    def _norm_cache(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.norm is not None and self._norm_dev is None:
+            self._norm_dev = tuple(torch.from_numpy(t).to(self.device) for t in self.norm)
+        return self._norm_dev
+
+
+def device_step(ts: StreamState, device: Any, tables: Any, keys: torch.Tensor | None) -> Any:
+    """What runs on the device after a batch's copy (on the copy's side stream): the cast to
+    the stream's dtype and the normalisation, with `tables()` the (shift, scale) on the
+    device (or None) and `keys` the rows' normalisation keys (CPU, or None)."""
+
+    def convert(moved: list[torch.Tensor]) -> list[torch.Tensor]:
+        acts = moved[0]
+        if acts.dtype != ts.dtype:
+            acts = acts.to(ts.dtype)
+        norm = tables()
+        if norm is not None:
+            k = keys.to(device) if keys is not None else None  # (small: from pageable memory)
+            normalize_into(acts, acts, norm[0], norm[1], k)
+        return [acts, *moved[1:]]
+
+    return convert
 
 
 class _Split:

@@ -15,7 +15,6 @@ it when the main process is done with one.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Any, NamedTuple
@@ -23,23 +22,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from actstore.hostmem import HostBuffer, shared_empty, unreferenced
 
 TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _storage_refs(t: torch.Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
-try:
-    _FREE_REFS = _storage_refs(torch.empty(1))  # references of a storage only its tensor holds
-except Exception:  # noqa: BLE001 - private API gone: never reuse a buffer
-    _FREE_REFS = None
-
-
-def unreferenced(t: torch.Tensor) -> bool:
-    """True when no view of `t` (a returned batch, a numpy array of it) is alive."""
-    return _FREE_REFS is not None and _storage_refs(t) == _FREE_REFS
 
 
 def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -49,16 +34,6 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype == torch.bfloat16:
         dst, src = dst.view(torch.int16), src.view(torch.int16)
     np.copyto(dst.numpy(), src.numpy())
-
-
-def shared_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in shared memory: the DataLoader sends it by handle, no copy."""
-    nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-    try:
-        storage = torch.UntypedStorage._new_shared(nbytes)
-    except AttributeError:  # pragma: no cover - older torch
-        return torch.empty(shape, dtype=dtype).share_memory_()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 class BufferRing:
@@ -72,9 +47,10 @@ class BufferRing:
     """
 
     def __init__(self, n: int, dtype: torch.dtype, *, pin: bool = False, shared: bool = False):
-        self.slots: list[torch.Tensor | None] = [None] * n
+        self.slots: list[torch.Tensor | None] = [None] * n  # each a whole HostBuffer's tensor
         self.events: list = [None] * n  # per slot: an event that must complete before reuse
         self.dtype, self.pin, self.shared = dtype, pin, shared
+        self.itemsize = torch.empty(0, dtype=dtype).element_size()
         self.next = 0
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -89,7 +65,8 @@ class BufferRing:
         t = self.slots[i]
         if t is None or t.numel() < numel or not unreferenced(t):
             # The batch this slot held is still alive somewhere: leave it, take new memory.
-            t = torch.empty(numel, dtype=self.dtype, pin_memory=self.pin)
+            nbytes = numel * self.itemsize
+            t = HostBuffer(nbytes, "pinned" if self.pin else "plain").tensor.view(self.dtype)
             self.slots[i] = t
         return t[:numel].view(shape)
 
@@ -102,11 +79,13 @@ class BufferRing:
 
 class WorkerBatch(NamedTuple):
     """A batch a worker sent from its slot `slot` (the main process copies it out, then
-    frees the slot: actstore.loaders.tokenloader)."""
+    frees the slot: actstore.loaders.tokenloader), in the stored dtype; `keys`: its rows'
+    normalisation keys when the stream normalises with several (else None)."""
 
     worker: int
     slot: int
     batch: Any
+    keys: Any = None
 
 
 class WorkerRing:
@@ -158,15 +137,3 @@ class WorkerRing:
 
 class Stopped(Exception):
     """A worker's iteration ended while it waited for a slot."""
-
-
-def put_until_stopped(q: queue.Queue, item: Any, stop: threading.Event) -> bool:
-    """Put `item` into the bounded queue `q`, waiting for room until `stop` is set; whether
-    it went in (a consumer that stopped never leaves its producer blocked)."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            pass
-    return False

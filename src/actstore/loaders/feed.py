@@ -9,13 +9,12 @@ that stream may use it), so the copy of batch i+1 overlaps the step on batch i. 
 buffer is refilled only once its copy's event has completed (BufferRing.hold), and only
 when no tensor viewing it is alive.
 
-The CUDA-only steps are in `_CudaCopy`; `_HostCopy` takes their place on the CPU device,
-so that everything else runs in the tests of a CPU-only torch.
+The copy is actstore.hostmem.DeviceCopy's; on the CPU device it runs as host copies, so
+that everything else runs in the tests of a CPU-only torch.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -23,11 +22,8 @@ from typing import Any
 import torch
 
 from actstore.devices import parse_device
-
+from actstore.hostmem import ENDED, BoundedQueue, DeviceCopy, hand_over
 from actstore.loaders.buffers import BufferRing, host_copy
-from actstore.loaders.buffers import put_until_stopped as _put
-
-_END = object()
 
 
 class DeviceFeeder:
@@ -42,6 +38,8 @@ class DeviceFeeder:
         on_copied: called on the feeder's thread with each source item once its tensors
             have been copied out of it (a DataLoader worker's slot may then be reused).
         ring: pinned slots per tensor of a batch (at least prefetch + 2).
+        convert: called on the copy's side stream with (the source item, its tensors on the
+            device), returning them converted (a cast, a normalisation).
     """
 
     def __init__(
@@ -54,48 +52,44 @@ class DeviceFeeder:
         unwrap: Callable[[Any], Any] | None = None,
         on_copied: Callable[[Any], None] | None = None,
         ring: int | None = None,
+        convert: Callable[[Any, list[torch.Tensor]], list[torch.Tensor]] | None = None,
     ):
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an int >= 1. Got {prefetch!r}.")
         self.source, self.device, self.prefetch, self.keys = source, device, prefetch, keys
-        self.unwrap, self.on_copied = unwrap, on_copied
-        self.copy = _CudaCopy(device) if device.type == "cuda" else _HostCopy()
+        self.unwrap, self.on_copied, self.convert = unwrap, on_copied, convert
+        self.copy = DeviceCopy(device)
         self.n_slots = max(ring or 0, prefetch + 2)
         self.rings: list[BufferRing] = []
 
     def __iter__(self) -> Iterator[Any]:
-        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        thread = threading.Thread(target=self._run, args=(out, stop), daemon=True, name="actstore-feeder")
+        out = BoundedQueue(self.prefetch)  # the thread's put waits for room, woken by a get or the stop
+        thread = threading.Thread(target=self._run, args=(out,), daemon=True, name="actstore-feeder")
         thread.start()
         try:
             while True:
                 item = out.get()
-                if item is _END:
+                if item is ENDED:
                     return
                 if isinstance(item, BaseException):
                     raise item
                 batch, event = item
-                yield self.copy.handed_over(batch, event)
+                hand_over(_tensors(batch), event)
+                yield batch
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock a put, then wait for the thread to end
-                try:
-                    out.get_nowait()
-                except queue.Empty:
-                    thread.join(timeout=0.05)
+            out.stop()  # a waiting put returns at once
+            thread.join()
 
-    def _run(self, out: queue.Queue, stop: threading.Event) -> None:
+    def _run(self, out: BoundedQueue) -> None:
         try:
             for item in self.source:
-                if stop.is_set():
+                if out.stopped:
                     return
-                moved = self._move(item)
-                if not _put(out, moved, stop):
+                if not out.put(self._move(item)):
                     return
-            _put(out, _END, stop)
+            out.close()
         except BaseException as e:  # noqa: BLE001 - handed to the loop, which raises it
-            _put(out, e, stop)
+            out.put(e)
 
     def _move(self, item: Any) -> tuple[Any, Any]:
         """(the item's batch with its tensors on the device, the event after their copies)."""
@@ -117,7 +111,8 @@ class DeviceFeeder:
             staged.append(buf)
         if self.on_copied is not None:
             self.on_copied(item)
-        on_device, event = self.copy.to_device(staged, self.device)
+        then = (lambda moved: self.convert(item, moved)) if self.convert is not None else None
+        on_device, event = self.copy.to_device(staged, then=then)
         for i, t in enumerate(tensors):
             if staged[i] is not t:
                 self.rings[i].hold(event)  # refilled only once the copy out of it is done
@@ -151,6 +146,12 @@ def cuda_device(device: str | torch.device | None) -> torch.device | None:
     return dev
 
 
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    _walk(batch, None, out.append)
+    return out
+
+
 def _walk(batch: Any, keys: tuple[str, ...] | None, fn: Callable[[torch.Tensor], Any]) -> Any:
     """The batch with fn applied to its device-bound tensors (in a fixed order)."""
     if isinstance(batch, torch.Tensor):
@@ -160,54 +161,6 @@ def _walk(batch: Any, keys: tuple[str, ...] | None, fn: Callable[[torch.Tensor],
     if isinstance(batch, dict):
         return {k: (_walk(v, None, fn) if keys is None or k in keys else v) for k, v in batch.items()}
     return batch
-
-
-class _CudaCopy:
-    """The CUDA steps: a side stream, non_blocking copies from pinned memory, an event."""
-
-    pinned = True
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-
-    def to_device(self, staged: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], Any]:
-        with torch.cuda.stream(self.stream):
-            moved = [t.to(device, non_blocking=True) for t in staged]
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return moved, event
-
-    def handed_over(self, batch: Any, event: Any) -> Any:
-        """The batch made safe for the calling thread's current stream."""
-        current = torch.cuda.current_stream(self.device)
-
-        def mark(t: torch.Tensor) -> torch.Tensor:
-            if t.is_cuda:
-                t.record_stream(current)  # its memory is not reused while that stream may use it
-            return t
-
-        current.wait_event(event)
-        return _walk(batch, None, mark)
-
-
-class _HostCopy:
-    """The CPU device's stand-in: the 'device copy' is a host copy, the event is done."""
-
-    pinned = False
-
-    def to_device(self, staged: list[torch.Tensor], device: torch.device) -> tuple[list[torch.Tensor], Any]:
-        return [t.clone() for t in staged], _Done()
-
-    def handed_over(self, batch: Any, event: Any) -> Any:
-        return batch
-
-
-class _Done:
-    """An event that has completed."""
-
-    def synchronize(self) -> None:
-        pass
 
 
 class DeviceLoader:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import queue
 import threading
 import time
 import weakref
@@ -24,7 +23,8 @@ import numpy as np
 import torch
 
 from actstore.loaders.assemble import BatchMaker, OnDevice
-from actstore.loaders.buffers import Stopped, put_until_stopped
+from actstore.hostmem import ENDED, BoundedQueue
+from actstore.loaders.buffers import Stopped
 from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits
 from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
@@ -44,7 +44,7 @@ def _stop_all() -> None:
     ("terminate called without an active exception", exit code 134)."""
     live = list(_LIVE)
     for p in live:
-        p.stop.set()
+        p.halt()
     deadline = time.monotonic() + EXIT_WAIT_S  # a read stuck on a network gives up the wait, not the exit
     for p in live:
         for t in p.threads:
@@ -87,10 +87,11 @@ class TokenPipeline:
             kept.pop() if kept else WindowSlot()
             for _ in range(min(n_slots, max(len(windows), 1)) - (1 if use_ahead else 0))
         ]
-        self.free: queue.Queue = queue.Queue()
+        # Waits on these queues are woken by the other side or by halt(), never polled.
+        self.free = BoundedQueue()
         for s in self.slots:
             self.free.put(s)
-        self.full: queue.Queue = queue.Queue(maxsize=ts.prefetch + 1)
+        self.full = BoundedQueue(ts.prefetch + 1)
         if use_ahead:
             self.slots.append(ahead[2])
             self.full.put((ahead[1], ahead[2]))
@@ -98,7 +99,7 @@ class TokenPipeline:
         self.ahead: tuple | None = None
         self.epoch_read = False  # the reader has read every window of this epoch
         self.served = False  # the loop has taken every batch of this epoch
-        self.out: queue.Queue = queue.Queue(maxsize=ts.prefetch_batches)
+        self.out = BoundedQueue(ts.prefetch_batches)
         self.stop = threading.Event()
         self.maker.started(self.stop)
         self.threads = [
@@ -130,7 +131,7 @@ class TokenPipeline:
             if not self.threads[1].is_alive():
                 self.ts._spare = {"pending": self}
                 return
-        self.stop.set()
+        self.halt()
         spare = self.finish()
         if not self.ts._spare:  # stopped mid-epoch: the next iteration reuses its slots and mappings
             self.ts._spare = spare
@@ -155,18 +156,22 @@ class TokenPipeline:
         return spare
 
     # ---- threads ------------------------------------------------------------------
-    def _get(self, q: queue.Queue) -> Any:
-        while True:
-            try:
-                return q.get(timeout=0.1)
-            except queue.Empty:
-                if self.stop.is_set():
-                    return _STOP
+    def halt(self) -> None:
+        """Stop the threads: every wait on the queues (and a worker's wait for a slot) ends."""
+        self.stop.set()
+        for q in (self.free, self.full, self.out):
+            q.stop()
 
-    def _put(self, q: queue.Queue, item: Any) -> bool:
-        return put_until_stopped(q, item, self.stop)
+    @staticmethod
+    def _get(q: BoundedQueue) -> Any:
+        item = q.get()
+        return _STOP if item is ENDED else item
 
-    def _guard(self, target: Any, q: queue.Queue) -> None:
+    @staticmethod
+    def _put(q: BoundedQueue, item: Any) -> bool:
+        return q.put(item)
+
+    def _guard(self, target: Any, q: BoundedQueue) -> None:
         try:
             signalled = target()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it

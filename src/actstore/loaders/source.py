@@ -33,6 +33,7 @@ from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskE
 from actstore.read.interface import Reader
 from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, effective_token_mask
+from actstore.read.normalize import norm_tables as stats_tables  # noqa: F401 - the stream's name for it
 
 TokenMask = None | str | Mapping[str, Any] | Callable[[str], Any]
 
@@ -176,40 +177,6 @@ class TokenUnits:
         if m is None:
             return None
         return np.flatnonzero(m[ex, : self.lengths[ex, si]])
-
-
-def stats_tables(
-    store: Reader, layers: tuple[int, ...], segments: tuple[SegmentGeometry, ...], mode: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per (layer, segment) key k = li*S + si: (shift (K, D), scale (K, D)) float32 so that
-    normalised = (x - shift) * scale. Modes: 'standardize' (per-dimension mean and std),
-    'scale' (one factor per key making the mean L2 norm sqrt(D), no shift)."""
-    if mode not in ("standardize", "scale"):
-        raise ValueError(f"normalize must be one of [None, 'standardize', 'scale']. Got {mode!r}.")
-    st = store.stats()
-    if st is None:
-        raise ValueError(
-            f"normalize={mode!r} needs the store's statistics, but this store kept none; "
-            "write it with ShardWriter(..., stats=True) (or `actstore write` with statistics), or pass normalize=None"
-        )
-    d = int(store.d_model)
-    shift = np.zeros((len(layers) * len(segments), d), np.float32)
-    scale = np.ones_like(shift)
-    for li, layer in enumerate(layers):
-        for si, seg in enumerate(segments):
-            key = f"layer{layer}/{seg.name}"
-            if key not in st.keys:
-                raise ValueError(f"the store's statistics lack {key!r}; they hold {st.keys}")
-            k, pos = li * len(segments) + si, st.keys.index(key)
-            n = int(st.count[pos])
-            if n == 0:
-                raise ValueError(f"the store's statistics for {key!r} count no vectors; cannot normalise")
-            if mode == "standardize":
-                shift[k] = st.mean[pos]
-                scale[k] = 1.0 / np.sqrt(st.m2[pos] / n + 1e-6)
-            else:
-                scale[k] = np.sqrt(d) / max(float(st.norm_sum[pos]) / n, 1e-12)
-    return shift, scale
 
 
 def request_objects(store: Reader) -> Callable[[int, int, str], Any] | None:

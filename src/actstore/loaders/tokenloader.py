@@ -4,10 +4,12 @@ so that `state_dict()` is exact with any number of workers.
 With workers, the DataLoader's worker processes persist from epoch to epoch (they keep
 the store open, its files mapped and their buffers): the loader writes the position into
 a small tensor the workers share before each iteration (StreamPosition.shared). Each worker
-gathers its batches into shared-memory slots it reuses (buffers.WorkerRing); the main
-process copies a batch out of its slot at once (into a ring of its own, pinned with
-pin_memory, or into the DeviceFeeder's pinned ring on its way to the device: feed.py) and
-hands the slot back. So no batch costs fresh memory, in the workers or here.
+gathers its batches into shared-memory slots it reuses (buffers.WorkerRing), in the
+stored dtype with the rows' normalisation keys; the main process copies a batch out of
+its slot at once (into a ring of its own, pinned with pin_memory, cast and normalised on
+the way; or into the DeviceFeeder's pinned ring on its way to the device, cast and
+normalised there: feed.py) and hands the slot back. So no batch costs fresh memory, in
+the workers or here, and float16 crosses shared memory where a float32 output is asked.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from actstore.loaders.assemble import device_step
 from actstore.loaders.buffers import BufferRing, WorkerBatch, host_copy
 from actstore.loaders.feed import DeviceFeeder
 from actstore.loaders.state import StreamState
+from actstore.read.normalize import normalize_into
 from actstore.storage.forksafe import worker_context
 
 DEFAULT_PREFETCH_FACTOR = 2  # the DataLoader's: batches each worker prepares ahead
@@ -129,6 +133,7 @@ class TokenLoader:
                 keys=("acts",),
                 unwrap=lambda b: b.batch if isinstance(b, WorkerBatch) else b,
                 on_copied=self._release,
+                convert=self._device_step(device),
             )
         for batch in batches:
             pos.advance()
@@ -163,12 +168,34 @@ class TokenLoader:
         if not isinstance(item, WorkerBatch):
             return _pin(item) if self.pin_memory else item
         acts = item.batch["acts"] if isinstance(item.batch, dict) else item.batch
-        if self._ring is None or self._ring.dtype != acts.dtype:
-            self._ring = BufferRing(self.prefetch_factor + 4, acts.dtype, pin=self.pin_memory)
+        dtype, norm = self.stream.dtype, self.stream._norm  # the worker shipped the stored dtype
+        if self._ring is None or self._ring.dtype != dtype:
+            self._ring = BufferRing(self.prefetch_factor + 4, dtype, pin=self.pin_memory)
         out = self._ring.take(tuple(acts.shape))
-        host_copy(out, acts)  # copy: out of the worker's slot (no fresh memory on either side)
+        if dtype == acts.dtype and norm is None:
+            host_copy(out, acts)  # copy: out of the worker's slot (no fresh memory on either side)
+        else:  # copy: out of the worker's slot, cast and normalised on the way
+            shift, scale = (torch.from_numpy(t) for t in norm) if norm is not None else (None, None)
+            normalize_into(out, acts, shift, scale, item.keys)
         self._release(item)
         return {**item.batch, "acts": out} if isinstance(item.batch, dict) else out
+
+    def _device_step(self, device: torch.device) -> Any:
+        """The cast and normalisation of a worker's batch on the device, after its copy."""
+        s = self.stream
+        cache: dict[str, Any] = {}
+
+        def tables() -> Any:
+            if s._norm is not None and "norm" not in cache:
+                cache["norm"] = tuple(torch.from_numpy(t).to(device) for t in s._norm)
+            return cache.get("norm")
+
+        def convert(item: Any, moved: list[torch.Tensor]) -> list[torch.Tensor]:
+            if not isinstance(item, WorkerBatch):  # (already converted where it was made)
+                return moved
+            return device_step(s, device, tables, item.keys)(moved)
+
+        return convert
 
     def _release(self, item: Any) -> None:
         """Hand a worker's slot back, keeping the received tensor: while it lives, torch

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from actstore.loaders.aligned import AlignedTokenStream
+from actstore.loaders.family import narrow
 from actstore.loaders.base import BaseTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.deprecated import forwarded, legacy_stream
@@ -85,6 +86,7 @@ class TokenStream(BaseTokenStream):
         (actstore/loaders/aligned.py). Batches are a tuple of one tensor per source
         (`stack=True`: one (batch, k, D) tensor); `options` are StreamSpec's other fields."""
         spec = make_spec(None, dict(options), "TokenStream.aligned()")  # its `layers` are per store: below
+        stores, layers = narrow(stores, layers, aligned=True)  # a family's sites: one member store each
         return AlignedTokenStream(
             stores, spec, make_stream=cls, layers=layers, stack=stack, check_token_ids=check_token_ids
         )
@@ -113,9 +115,10 @@ class TokenStream(BaseTokenStream):
             self._legacy = legacy_stream(type(self), store, spec, follow=follow, aligned=aligned, options=dict(options))
             return
         self.spec = spec = make_spec(spec, dict(options), "TokenStream()")
+        store, layers = narrow(store, spec.layers, aligned=False)  # a family's sites: the member holding them
         self.store = store = as_reader(store)
         self.batch_size = spec.batch_size
-        self.layers = pick_layers(store, spec.layers)
+        self.layers = pick_layers(store, layers)
         self.segments = pick_segments(store, spec.segments)
         self.shuffle, self.drop_last = spec.shuffle, spec.drop_last
         self.rank, self.world_size = spec.rank, spec.world_size

@@ -9,6 +9,7 @@ import os
 from typing import Union
 
 from actstore.read.interface import ReadItem, Reader, SegmentReader
+from actstore.read.family import FamilyStore, is_family
 from actstore.read.saevstore import SaevStore, is_saev_dir
 from actstore.read.store import ActStore
 from actstore.storage import Storage
@@ -37,6 +38,8 @@ def as_reader(source: ReaderLike, *, verify: str | None = None) -> Reader:
     if isinstance(source, (str, os.PathLike)) and not isinstance(source, Storage):
         if is_saev_dir(source):
             return SaevStore(source)
+        if is_family(source):  # an aligned family (docs/format.md, section 9): its members are ActStores
+            return FamilyStore(source, open_member=ActStore, member_options={"verify": verify})
         return ActStore(source, verify=verify)
     if isinstance(source, Storage):
         return ActStore(source, verify=verify)

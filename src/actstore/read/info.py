@@ -7,6 +7,7 @@ from typing import Any
 
 from actstore.read.masks import summarize
 from actstore.read.sinkcheck import find_sinks, sink_warning
+from actstore.read.family import FamilyStore, is_family
 from actstore.read.store import ActStore
 
 
@@ -14,6 +15,8 @@ def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]
     """A JSON-ready description of a finalized store. Without `sinks` it reads the manifest
     (and a listing for the size) alone; the sink check reads a sample of the activations
     (actstore.read.sinkcheck: evenly spread examples, at most SAMPLE_BYTES)."""
+    if is_family(path):
+        return family_info(FamilyStore(path, open_member=ActStore), sinks=sinks)
     store = ActStore(path)
     cfg = store.config
     n = len(store)
@@ -85,8 +88,35 @@ def _size(n: float) -> str:
     return f"{n} B"
 
 
+def family_info(family: FamilyStore, *, sinks: bool = True) -> dict[str, Any]:
+    """store_info() of an aligned family: each member's sites and width, and its own store_info."""
+    members = []
+    for m in family.family.members:
+        member = family.members[m.name]
+        sub = store_info(member.storage.url, sinks=sinks)
+        members.append(
+            {
+                "member": m.name,
+                "model": m.model,
+                "model_id": m.model_id,
+                "width": m.width,
+                "sites": list(m.sites),
+                "store": sub,
+            }
+        )
+    warnings = [f"member {x['member']}: {x['store']['sink_warning']}" for x in members if x["store"]["sink_warning"]]
+    return {
+        "path": str(family.path),
+        "n_examples": len(family),
+        "family": members,
+        "sink_warning": "; ".join(warnings) or None,
+    }
+
+
 def format_info(info: dict[str, Any]) -> str:
     """Human-readable rendering of store_info()."""
+    if "family" in info:
+        return _format_family(info)
     lines = [
         f"store        {info['path']}",
         f"examples     {info['n_examples']:,}",
@@ -133,6 +163,7 @@ def format_info(info: dict[str, Any]) -> str:
     bos = (info.get("attrs", {}).get("capture") or {}).get("bos")
     if isinstance(bos, dict) and bos.get("token_0"):  # the capture's --bos and what it made token 0
         lines.append(f"token 0      {bos['token_0']} (--bos {bos.get('option')})")
+    lines += site_lines(info.get("attrs", {}))
     if info.get("token_ids"):
         lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
@@ -164,3 +195,36 @@ def _packing(p: dict[str, Any]) -> str:
         bos = p["window_bos"]
         line += f"; each window starts with token {bos} (labelled special)" if bos is not None else "; no window BOS"
     return line
+
+
+def site_lines(attrs: dict[str, Any]) -> list[str]:
+    """The lines of a store's site checks (attrs["capture"]["sites"], actstore.capture.proof)."""
+    rec = (attrs.get("capture") or {}).get("sites")
+    if not isinstance(rec, dict):
+        return []
+    lines = [f"sites        {rec.get('tool')}; {rec.get('layer_convention')}"]
+    widths = rec.get("widths") or {}
+    checked = rec.get("checks") or {}
+    for name in sorted(set(widths) | set(checked)):
+        what = "; ".join(checked.get(name, [])) or "not checked"
+        lines.append(f"  {name:<26} width {widths.get(name, '?')}  checked: {what}")
+    lines.append(f"  largest relative error {rec.get('max_error', 0.0):.3g} ({rec.get('checked_on')})")
+    return lines
+
+
+def _format_family(info: dict[str, Any]) -> str:
+    """format_info() of a family: one block per member, each site with its width."""
+    members = info["family"]
+    lines = [
+        f"family       {info['path']}",
+        f"examples     {info['n_examples']:,} (every member holds the same examples and tokens)",
+        f"members      {len(members)}",
+    ]
+    for m in members:
+        sub = m["store"]
+        lines.append(f"member {m['member']}: width {m['width']}, model {m['model']} ({m['model_id']}), {sub['dtype']}")
+        by_name = sub.get("layer_names", {})
+        for site in m["sites"]:
+            lines.append(f"  site {site:<44} width {m['width']}, layer {by_name.get(site, '?')}")
+        lines.append("  " + format_info(sub).replace("\n", "\n  "))
+    return "\n".join(lines)

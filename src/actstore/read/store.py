@@ -22,6 +22,7 @@ from actstore.index import ExampleIndex, layer_position
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.batched import MappedChunk
+from actstore.read.family import is_family
 from actstore.read.interface import ReadItem, Reader
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
@@ -106,6 +107,11 @@ class ActStore(Reader):
         catalog.check_folder(self.storage)
         if local is not None:
             _refuse_saev_dir(local)
+            if is_family(local):
+                raise StoreNotFoundError(
+                    f"{local} is an aligned family of stores (family.json), not one store; open it with "
+                    f"actstore.open({str(local)!r}), which returns a FamilyStore (docs/format.md, section 9)"
+                )
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
         self.manifest, data = self._read_manifest()

@@ -31,6 +31,7 @@ import numpy as np
 
 from actstore.errors import SaelensExportError
 from actstore.index import layer_position
+from actstore.read.family import FamilyStore
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read import masks
 from actstore.read.state import check_unchanged
@@ -92,6 +93,8 @@ def export_saelens(
         (nothing is published then).
     """
     store = as_reader(store)
+    if isinstance(store, FamilyStore):  # a family: the member holding the site
+        store, (layer,) = store.one_member(layer, "export one site a run")
     with export_os_errors(
         f"exporting {store.path} for SAELens", Path(os.path.abspath(out)), "the same export-saelens command"
     ):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import SaevExistsError, SaevExportError, SaevOptionError
 from actstore.layout import saevspec as P
+from actstore.read.family import FamilyStore
 from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read.store import ActStore
 from actstore.read.state import check_unchanged
@@ -124,6 +125,9 @@ def export_saev(
     given = {k: v for k, v in locals().items() if k in _OPTION_NAMES}
     o = _options(options, given)
     reader = as_reader(store)
+    if isinstance(reader, FamilyStore):  # a family: the member holding the sites asked, one width a run
+        reader, numbers = reader.one_member(o.layers, "export one width a run (--layers naming one member's sites)")
+        o = replace(o, layers=tuple(numbers))
     if not isinstance(reader, ActStore):
         where = reader.path if isinstance(store, Reader) else store
         raise SaevOptionError(f"{where} is not an actstore store (a saev directory cannot be exported again)")

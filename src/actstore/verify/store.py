@@ -14,6 +14,7 @@ from actstore.verify.check import Checker
 from actstore.verify.report import ERROR, WARNING, VerifyReport, plural
 from actstore.verify.deep import load_stats
 from actstore.verify.shard import check_shard
+from actstore.verify.family import FAMILY_FILE, verify_members
 
 
 def verify_store(
@@ -26,7 +27,8 @@ def verify_store(
     """Check a store's integrity (docs/reliability.md says what each mode checks).
 
     Args:
-        path: the store root: a folder, an object-store URL, or a Storage.
+        path: the store root: a folder, an object-store URL, or a Storage; of an aligned
+            family (docs/format.md, section 9), every member, and their example counts.
         deep: also read every published chunk and compare its crc32c with the record.
         raise_on_error: raise VerificationError (holding the report) if an error was found.
         progress: called with the number of bytes read after each example (deep mode).
@@ -39,9 +41,12 @@ def verify_store(
     catalog.check_folder(storage)
     root = storage.url
     names = storage.list_dir()  # empty for a missing folder or a file
-    if not (keys.IDENTITY in names or keys.MANIFEST in names):
+    if FAMILY_FILE in names and not (keys.IDENTITY in names or keys.MANIFEST in names):
+        report = verify_members(storage, lambda s: verify_store(s, deep=deep, progress=progress))
+    elif not (keys.IDENTITY in names or keys.MANIFEST in names):
         raise StoreNotFoundError(f"{root} is not an actstore store (no {keys.IDENTITY} or {keys.MANIFEST})")
-    report = _run(Checker(storage, deep, progress))
+    else:
+        report = _run(Checker(storage, deep, progress))
     if raise_on_error and not report.ok:
         first = report.errors[0]
         raise VerificationError(

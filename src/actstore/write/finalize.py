@@ -14,12 +14,13 @@ from actstore.layout.checksum import crc32c
 from actstore.layout.records import Manifest, ShardEntry
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage, open_storage
+from actstore.write import family
 from actstore.write.committed import check_per_sample
 
 __all__ = ["Manifest", "ShardEntry", "finalize", "load_manifest"]
 
 
-def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) -> Manifest:
+def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) -> Manifest | list[Manifest]:
     """Merge the committed writer shards of a store into manifest.json (atomically).
 
     Args:
@@ -34,9 +35,12 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
 
     Returns:
         The manifest written. Examples are ordered shard-major: ascending shard number,
-        then each shard's local order.
+        then each shard's local order. Of an aligned family (a root holding family.json):
+        one manifest per member, after checking they hold the same examples.
     """
     storage = open_storage(path)
+    if family.is_family_root(storage):  # an aligned family: every member (docs/format.md, section 9)
+        return family.finalize_family(storage, finalize, allow_partial=allow_partial)
     if not catalog.has_identity(storage):
         raise StoreNotFoundError(f"{storage.url} is not an actstore store (no {keys.IDENTITY}); nothing to finalize")
     cfg = catalog.read_identity(storage)

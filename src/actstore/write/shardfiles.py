@@ -22,95 +22,62 @@ the next `check`/`flush` on the appending thread; the shard's last commit is unt
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Callable
-
 import numpy as np
 
 from actstore.chunkio import ChunkIO
+from actstore.hostmem import HostBuffer, Lent, SlotPool, Spare, carve_bytes
 from actstore.layout.config import StoreConfig
 from actstore.storage import Writeback
 from actstore.write.batch import Batch, LayerList
 from actstore.write.layouts import Layout
-from actstore.write.pipeline import IOStats, WritePipeline
+from actstore.write.pipeline import MAX_BYTES, IOStats, WritePipeline
 
 COPY_BYTES = 2**20  # staged and checksummed together: well within a core's L2 cache
 
 
-SPARE_BYTES = 2 * 2**30  # staging buffers kept for this process's next writer
-_spare: list[dict[str, np.ndarray]] = []
-_spare_lock = threading.Lock()
+SPARE = Spare(2 * 2**30)  # staging buffers kept for this process's next writer
+
+
+def lent_bytes(cfg: StoreConfig, max_bytes: int | None = None) -> int:
+    """The most bytes of lent rows (ShardWriter.append(release=...)) a shard-file writer
+    holds before an append waits: the file being gathered (or waiting to be submitted) and
+    the files submitted, not yet written (the pipeline's `max_bytes`, or one file when a
+    file is larger). A capture sizes its pool of host slots from this."""
+    file_bytes = cfg.shard_examples * cfg.example_bytes()
+    return file_bytes + max(MAX_BYTES if max_bytes is None else int(max_bytes), file_bytes)
+
+
+class _Staging(dict):
+    """{segment: (S, L, T_pad, D)} arrays carved from one pooled host buffer (`buf`)."""
+
+    buf: HostBuffer
 
 
 class StagingBuffers:
-    """Up to `n` staging buffers {segment: (S, L, T_pad, D)}, allocated on first use and
-    reused: a buffer comes back when the pipeline has written it. A closed writer's free
-    buffers serve this process's next writer of the same shape (faulting in fresh pages
-    costs more than the copy into them)."""
+    """Up to `n` staging buffers {segment: (S, L, T_pad, D)}, from a pool of host buffers
+    (actstore.hostmem): allocated on first use and reused, a buffer comes back when the
+    pipeline has written it; a closed writer's free buffers serve this process's next
+    writer (faulting in fresh pages costs more than the copy into them)."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: np.dtype, n: int):
-        self.shapes = shapes
-        self.dtype = np.dtype(dtype)
-        self.n = n
-        self._allocated = 0
-        self._free: queue.Queue = queue.Queue()
+        self.shapes = [(shape, np.dtype(dtype)) for shape in shapes.values()]
+        self.names = list(shapes)
+        self.nbytes = carve_bytes([int(np.prod(s)) * d.itemsize for s, d in self.shapes])
+        self.pool = SlotPool(n, "plain", SPARE)
 
-    def take(self) -> dict[str, np.ndarray]:
+    def take(self) -> _Staging:
         """An empty buffer; waits while all `n` are being written."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
-            pass
-        if self._allocated < self.n:
-            self._allocated += 1
-            return self._reuse() or {s: np.empty(shape, self.dtype) for s, shape in self.shapes.items()}
-        return self._free.get()
+        buf = self.pool.take(self.nbytes)
+        out = _Staging(zip(self.names, buf.carve_arrays(self.shapes)))
+        out.buf = buf
+        return out
 
-    def give_back(self, buf: dict[str, np.ndarray]) -> None:
-        self._free.put(buf)
-
-    def _fits(self, buf: dict[str, np.ndarray]) -> bool:
-        return {s: (a.shape, a.dtype) for s, a in buf.items()} == {s: (sh, self.dtype) for s, sh in self.shapes.items()}
-
-    def _reuse(self) -> dict[str, np.ndarray] | None:
-        with _spare_lock:
-            for i, buf in enumerate(_spare):
-                if self._fits(buf):
-                    return _spare.pop(i)  # (by position: dicts of arrays do not compare)
-        return None
+    def give_back(self, staging: _Staging) -> None:
+        self.pool.give_back(staging.buf)
 
     def close(self) -> None:
-        """Keep the free buffers for the next writer (up to SPARE_BYTES in this process)."""
-        while True:
-            try:
-                buf = self._free.get_nowait()
-            except queue.Empty:
-                return
-            with _spare_lock:
-                held = sum(a.nbytes for b in _spare for a in b.values())
-                if held + sum(a.nbytes for a in buf.values()) <= SPARE_BYTES:
-                    _spare.append(buf)
-
-
-class _Lent:
-    """A lent batch: `release` runs once no shard file still to be written holds its rows."""
-
-    def __init__(self, release: Callable[[], None]):
-        self.release = release
-        self.held = 1  # the append itself, until every shard file it reaches is counted
-        self.lock = threading.Lock()
-
-    def hold(self) -> None:
-        with self.lock:
-            self.held += 1
-
-    def done(self) -> None:
-        with self.lock:
-            self.held -= 1
-            last = self.held == 0
-        if last:
-            self.release()
+        """Keep the free buffers for the next writer (up to the spare's cap in this process)."""
+        self.pool.close()
 
 
 class ShardFiles(Layout):
@@ -152,7 +119,7 @@ class ShardFiles(Layout):
         self.buffers = StagingBuffers(shapes, np.dtype(cfg.zarr_dtype), n)
         self.stage: dict[str, np.ndarray] | None = None  # taken when a copied batch needs it
         self.parts: dict[str, list] = {s.name: [] for s in cfg.segments}  # the current file's rows, in order
-        self.lent: list[_Lent] = []  # lent batches whose rows the current file holds
+        self.lent: list[Lent] = []  # lent batches whose rows the current file holds
         self.stage_first = n_written // self.S * self.S
         self.stage_n = self.stage_written = n_written - self.stage_first
         if self.stage_n:  # resumed after a commit that wrote a partial shard: reload it
@@ -178,7 +145,7 @@ class ShardFiles(Layout):
 
     def append(self, batch: Batch, n0: int) -> None:
         """Gather a batch's rows (copied, or lent); hand each full shard file to the pipeline."""
-        lent = _Lent(batch.release) if batch.release is not None else None
+        lent = Lent(batch.release) if batch.release is not None else None
         i, b = 0, batch.b
         try:
             while i < b:
