@@ -55,6 +55,7 @@ __all__ = [
     "ShardCompleteError",
     "ShardExistsError",
     "ShardRewrittenError",
+    "StatisticsError",
     "StorageAccessError",
     "StoreChangedError",
     "StoreMismatchError",
