@@ -65,7 +65,7 @@ def stream_epoch(store, *, matmul=None) -> float:
 def kernel_ns_per_value(d: int, threads: int | None, rows: int = 32768, batches: int = 16) -> float:
     """The float16 neurons update alone, past the heaps' filling: wall ns per value (best
     of 3), at `threads` threads (None: every core), to show how it divides over cores."""
-    from actstore.features.accum import FeatureAccumulator
+    from actstore.features.topk.accum import FeatureAccumulator
 
     old = os.environ.get("ACTSTORE_FEATURE_THREADS")
     if threads is not None:

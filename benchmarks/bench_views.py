@@ -94,7 +94,7 @@ def make_tokenizer(folder: Path) -> None:
 
 def bench_view(root: Path, a: argparse.Namespace) -> dict:
     from actstore.features.run import run_features
-    from actstore.features.site import build_site
+    from actstore.features.views.site import build_site
 
     pass_s = None
     if not (root / "feat" / "meta.json").exists():  # --work keeps the store and the pass for reruns
@@ -168,7 +168,7 @@ def _site_sizes(site: Path, F: int) -> dict:
 
 def bench_vit(root: Path, a: argparse.Namespace) -> dict:
     from actstore.features.run import run_features
-    from actstore.features.site import build_site
+    from actstore.features.views.site import build_site
 
     pass_s = None
     if not (root / "feat" / "meta.json").exists():  # --work keeps the store and the pass for reruns
@@ -235,8 +235,8 @@ def bench_demo(root: Path, a: argparse.Namespace) -> dict:
 
 
 def bench_index(root: Path, n: int) -> dict:
-    from actstore.features import sitedata
-    from actstore.features.site import ASSETS, STATIC
+    from actstore.features.views import sitedata
+    from actstore.features.views.site import ASSETS, STATIC
 
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
@@ -304,7 +304,7 @@ def bench_index(root: Path, n: int) -> dict:
 def bench_delphi(root: Path, n_tokens: int, F: int, density: float) -> dict:
     from safetensors.numpy import save_file
 
-    from actstore.features.delphi import DelphiWriter, split_bounds
+    from actstore.features.exports.delphi import DelphiWriter, split_bounds
 
     rng = np.random.default_rng(0)
     ctx = 128

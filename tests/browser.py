@@ -183,7 +183,7 @@ def _browser(exe, *args, url):
 def site_record(site, f):
     """The JSON value of a site's data script data/f/<bucket>/<f>.js (what feature.html renders),
     its packed columns decoded."""
-    from actstore.features.sitedata import unpack
+    from actstore.features.views.sitedata import unpack
 
     text = (site / "data" / "f" / str(f // 1000) / f"{f}.js").read_text()
     assert text.startswith('ACTSTORE.load("feature",') and text.endswith(");\n")

@@ -36,7 +36,18 @@ LAYERS: list[list[str]] = [
         "actstore.importers",
         "actstore.trainers",
     ],
-    ["actstore.opener", "actstore.xarray_backend", "actstore.features", "actstore"],
+    [
+        "actstore.opener",
+        "actstore.xarray_backend",
+        # features/ along its flow: encoders -> the top-k pass -> views and exports of it
+        "actstore.features.staging",
+        "actstore.features.encoders",
+        "actstore.features.topk",
+        "actstore.features.views",
+        "actstore.features.exports",
+        "actstore.features",
+        "actstore",
+    ],
     ["actstore.cli"],
 ]
 MAX_LINES = 500
@@ -272,3 +283,22 @@ def test_ruff_format_is_applied():
         check=False,
     )
     assert res.returncode == 0, "run `ruff format src tests benchmarks examples`:\n" + res.stdout[-3000:] + res.stderr
+
+
+def test_star_imports_reach_only_what_a_module_exports():
+    """Every module a star import reaches declares `__all__` (so `from actstore import *` takes
+    no `os` or `annotations` with it), and errors.py's lists each exception it defines."""
+    bad = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+                tree = ast.parse(MODULES[node.module].read_text(encoding="utf-8"))
+                if not any(
+                    isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "__all__" for n in tree.body
+                ):
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module} has no __all__")
+    assert not bad, "\n".join(bad)
+    import actstore.errors as errors
+
+    defined = {n for n, v in vars(errors).items() if isinstance(v, type) and v.__module__ == errors.__name__}
+    assert sorted(errors.__all__) == sorted(defined)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import actstore
-from actstore.capture.progress import Progress, io_note
+from actstore.capture.capture_bar import CaptureBar, io_note
 from capture_support import tiny_dinov2
 
 
@@ -39,7 +39,7 @@ def test_the_bar_shows_every_writers_io():
     from actstore.write.pipeline import IOStats
 
     retry.reset_counts()  # the process's network retries (an earlier test's) join every bar's note
-    p = Progress(total=10, disable=True)
+    p = CaptureBar(total=10, disable=True)
     p.io(IOStats(2**20, 2**20, 2**29, 10**9, 3, 0.0, True), who=0)
     p.io(IOStats(3 * 2**20, 3 * 2**20, 2**29, 2 * 10**9, 5, 0.0, True), who=1)
     p.io(IOStats(0, 0, 2**29, 3 * 10**9, 7, 0.0, True), who=1)  # writer 1's latest replaces its last

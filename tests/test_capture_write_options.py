@@ -186,7 +186,7 @@ def test_the_recorded_model_id_resolves_to_a_tokenizer(tmp_path, llama_dir):
     model it came from; views then load the tokenizer from it."""
     from transformers import AutoModelForCausalLM
 
-    from actstore.features.context import load_tokenizer
+    from actstore.features.views.context import load_tokenizer
     from actstore.inputs import embedded
     from actstore.inputs.models import module_id
 

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.cli import main
-from actstore.features.context import load_tokenizer
+from actstore.features.views.context import load_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ def test_unembedding_auto_from_the_embedded_smollm2():
     import gguf
     from gguf.quants import dequantize
 
-    from actstore.features.logits import load_unembedding
+    from actstore.features.views.logits import load_unembedding
     from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
 
     class Store:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actstore.features import EncoderError, load_dictionary_learning, load_directions, load_saelens, load_saev
-from actstore.features.sources import load
+from actstore.features.encoders.sources import load
 
 D_IN, D_SAE = 16, 40
 
@@ -77,7 +77,7 @@ def test_saelens_encode_is_sae_lens_own(tmp_path, kind, cfg, device):
     # the reconstruction is SAELens's decode (its input normalisation undone), numpy and torch
     recon = sae.decode(sae.encode(torch.from_numpy(x))).detach().numpy()
     np.testing.assert_allclose(enc.decode(np.ascontiguousarray(want.T), x), recon, rtol=1e-4, atol=1e-4)
-    from actstore.features.quality import reconstruct_tensor
+    from actstore.features.topk.quality import reconstruct_tensor
 
     np.testing.assert_allclose(reconstruct_tensor(enc, torch.from_numpy(x)).numpy(), recon, rtol=1e-4, atol=1e-4)
     assert np.abs(recon - sae.b_dec.detach().numpy()).mean() > 1  # the latents reach the output: a real check
@@ -293,12 +293,12 @@ def test_bfloat16_saelens_checkpoint(tmp_path):
 @pytest.mark.parametrize("kind,cfg", [("topk", {"k": 5}), ("standard", {"normalize_activations": "layer_norm"})])
 def test_reconstruction_quality_every_sink(tmp_path, kind, cfg):
     """An SAE's quality figures over a pass's tokens (two segments, the default mask) are the
-    same from the numpy encode, the torch encode, the torch update (DeviceSink, as on a GPU)
+    same from the numpy encode, the torch encode, the torch update (DeviceConsumer, as on a GPU)
     and a feature subset (all latents encoded again), and equal SAELens's over those tokens."""
     from factory import text_store
 
-    from actstore.features.quality import Reconstruction
-    from actstore.features.topk import top_activations
+    from actstore.features.topk.quality import Reconstruction
+    from actstore.features.topk.layerpass import top_activations
     from actstore.read.masks import leaves_out_special
 
     sae, folder = _saelens(kind, tmp_path, **cfg)

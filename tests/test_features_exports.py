@@ -195,7 +195,7 @@ def test_delphi_writer_files_hold_the_reference_scatter_of_every_call(tmp_path):
     files are gone."""
     from safetensors.numpy import load_file
 
-    from actstore.features.delphi import DelphiWriter, _scatter_py
+    from actstore.features.exports.delphi import DelphiWriter, _scatter_py
 
     rng = np.random.default_rng(3)
     n = 5000
@@ -217,11 +217,12 @@ def test_delphi_writer_files_hold_the_reference_scatter_of_every_call(tmp_path):
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == sorted(p.name for p in paths)
     want_loc: list[list[np.ndarray]] = [[] for _ in range(4)]
     want_act: list[list[np.ndarray]] = [[] for _ in range(4)]
-    for args in calls:
+    for example, position, latent, value in calls:
         loc = np.empty((4, n, 3), np.uint16)
         act = np.empty((4, n), np.uint16)
         counts = np.zeros(4, np.int64)
-        _scatter_py(*args, w.split_of, w.bounds, loc, act, counts)
+        bits = value.astype(np.float16).view(np.uint16)  # numpy's own cast, not dtypes'
+        _scatter_py(example, position, latent, bits, w.split_of, w.bounds, loc, act, counts)
         for i, c in enumerate(counts.tolist()):
             want_loc[i].append(loc[i, :c])
             want_act[i].append(act[i, :c])
@@ -236,9 +237,10 @@ def test_delphi_writer_files_hold_the_reference_scatter_of_every_call(tmp_path):
 
 
 def test_delphi_float16_cast_is_numpys_for_every_kind_of_float32():
-    """The compiled scatter's float32 -> float16 cast gives numpy's bits: zeros, subnormals of
-    both formats, the halfway cases of rounding to even, overflow to infinity, NaN."""
-    from actstore.features.delphi import _scatter_compiled
+    """The scatter's float32 -> float16 cast (dtypes.f32_to_f16, then the compiled loop) gives
+    numpy's bits: zeros, subnormals of both formats, the halfway cases of rounding to even,
+    overflow to infinity, NaN."""
+    from actstore.features.exports.delphi import _scatter, _scatter_compiled
 
     assert _scatter_compiled is not None  # numba is a dependency of the views
     rng = np.random.default_rng(5)
@@ -261,7 +263,7 @@ def test_delphi_float16_cast_is_numpys_for_every_kind_of_float32():
     act = np.empty((1, n), np.uint16)
     counts = np.zeros(1, np.int64)
     zeros = np.zeros(n, np.int64)
-    _scatter_compiled(zeros, zeros, zeros, bits, np.zeros(1, np.int32), np.array([0, 1]), loc, act, counts)
+    _scatter(zeros, zeros, zeros, value, np.zeros(1, np.int32), np.array([0, 1]), loc, act, counts)
     with np.errstate(over="ignore", invalid="ignore"):
         want = value.astype(np.float16).view(np.uint16)
     nan = np.isnan(value)

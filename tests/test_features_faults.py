@@ -19,9 +19,10 @@ import pytest
 
 import actstore
 from actstore.errors import DiskFullError, FeatureError, StoreChangedError
-from actstore.features import publish, sources
+from actstore.features.topk import publish
+from actstore.features.encoders import sources
 from actstore.features.run import run_features
-from actstore.features.tables import FEATURES, INTERVALS, META, TOP, read_meta, read_table
+from actstore.features.topk.tables import FEATURES, INTERVALS, META, TOP, read_meta, read_table
 from actstore.storage import open_storage
 from feature_stores import D, make_store
 
@@ -207,7 +208,7 @@ def test_an_unknown_encoder_kind_is_a_feature_error_naming_it(store, tmp_path):
     ):
         with pytest.raises(FeatureError, match=says):
             sources.from_meta(bad, D)
-    from actstore.features.site import encoder_from_meta
+    from actstore.features.views.site import encoder_from_meta
 
     meta["encoder"]["kind"] = "magic"
     with pytest.raises(FeatureError, match=r"Got 'magic': the folder was not written by this version"):

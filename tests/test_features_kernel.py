@@ -1,4 +1,4 @@
-"""The compiled per-batch updates (actstore.features.kernel, kernel16) against the numpy
+"""The compiled per-batch updates (actstore.features.topk.kernel, kernel16) against the numpy
 reference update (FeatureAccumulator with kernel="numpy") on the same batches: the same
 top k, pools, counts, histograms and max; sums equal to rounding. Float32 batches (encoded
 features, bfloat16 / float32 stores) and float16 rows read in place (neurons of a float16
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actstore.features.accum import FeatureAccumulator
-from actstore.features.kernel16 import sort_key
+from actstore.features.topk.accum import FeatureAccumulator
+from actstore.features.topk.kernel16 import sort_key
 from factory import examples
 
 pytestmark = pytest.mark.dev  # numba's compiled kernel against the numpy reference

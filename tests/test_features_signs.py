@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from actstore.features import top_activations
-from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
-from actstore.features.encoders import Encoder, neurons
+from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
+from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import FeatureError
 from feature_stores import D, make_store, oracle_tokens
 
@@ -158,7 +158,7 @@ def test_bad_sign_and_kernel_are_refused(tmp_path):
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_mapped_and_read_groups_give_the_same_tables(tmp_path, zarr_format):
-    from actstore.features.groups import GroupReader
+    from actstore.features.topk.groups import GroupReader
 
     store = make_store(tmp_path / "s", zarr_format=zarr_format, per_shard=12, seed=6)
     assert GroupReader(store, 2, None, False).region is not None  # this store's files can be mapped

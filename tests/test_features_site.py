@@ -15,8 +15,8 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.features import FeatureError, TokenizerNotFoundError
-from actstore.features.context import load_tokenizer, text_windows
-from actstore.features.site import build_site
+from actstore.features.views.context import load_tokenizer, text_windows
+from actstore.features.views.site import build_site
 from factory import WORD_D, WORDS, image_store, word_tokenizer
 from browser import _browser, _chromium, screenshot, site_record
 
@@ -134,7 +134,7 @@ def vit_store(tmp_path_factory):
 
 def test_features_to_s3_and_view_from_s3(text_store, s3_url, tmp_path):
     from actstore.features.run import run_features
-    from actstore.features.tables import TOP, read_meta, read_table
+    from actstore.features.topk.tables import TOP, read_meta, read_table
 
     path, _ = text_store
     url = s3_url.replace("/store", "/features")
@@ -216,8 +216,8 @@ def test_neuronpedia_export_reads_back_in_saedashboard(text_store, tmp_path):
 def test_several_images_share_one_colour_scale(vit_store, tmp_path):
     from PIL import Image
 
-    from actstore.features.context import image_pixels
-    from actstore.features.images import heatmap
+    from actstore.features.views.context import image_pixels
+    from actstore.features.views.heatmaps import heatmap
 
     res = CliRunner().invoke(
         main,
@@ -274,8 +274,8 @@ def test_index_of_16384_features_draws_only_what_shows(tmp_path):
     import re
     import shutil as sh
 
-    from actstore.features import sitedata
-    from actstore.features.site import ASSETS, STATIC
+    from actstore.features.views import sitedata
+    from actstore.features.views.site import ASSETS, STATIC
 
     exe = _chromium()
     rng = np.random.default_rng(0)

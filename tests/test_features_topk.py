@@ -9,8 +9,8 @@ import pytest
 
 import actstore
 from actstore.features import top_activations
-from actstore.features.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
-from actstore.features.encoders import Encoder, neurons
+from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
+from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import EncoderError, FeatureError
 from actstore.errors import LayerNotFoundError
 from feature_stores import D, make_store, oracle_tokens

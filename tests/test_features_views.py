@@ -24,7 +24,7 @@ import actstore
 from actstore.cli import main
 from actstore.errors import DiskFullError, FeatureError, OutputBusyError, OutputExistsError
 from actstore.features.run import run_features
-from actstore.features.site import build_site
+from actstore.features.views.site import build_site
 from actstore.features.staging import MARKER
 
 pytestmark = pytest.mark.torch  # chromium, and delphi's loader imports torch
@@ -73,7 +73,7 @@ def test_a_build_out_of_space_leaves_the_old_site(feats, tmp_path, monkeypatch):
     site = tmp_path / "site"
     build_site(str(feats), site, plot_examples=0)
     before = _tree(site)
-    from actstore.features import site as site_module
+    from actstore.features.views import site as site_module
 
     real = site_module._write
     calls = {"n": 0}
@@ -96,8 +96,8 @@ def test_a_build_out_of_space_leaves_the_old_site(feats, tmp_path, monkeypatch):
 
 KILLER = """
 import os, signal, sys
-from actstore.features import sitedata
-from actstore.features.site import build_site
+from actstore.features.views import sitedata
+from actstore.features.views.site import build_site
 real, n = sitedata.script, [0]
 def script(kind, value):
     n[0] += 1
@@ -126,7 +126,7 @@ def test_a_killed_build_leaves_the_old_site_and_the_next_one_cleans_up(feats, tm
 SWAP_KILLER = """
 import os, signal, sys
 from actstore.storage import durable, swap
-from actstore.features.site import build_site
+from actstore.features.views.site import build_site
 if sys.argv[3] == "0":
     durable._renameat2 = None  # a file system without an atomic exchange
 real_exchange, real_rename = swap.exchange_paths, os.rename
@@ -214,7 +214,7 @@ def test_a_view_whose_store_is_replaced_mid_build_is_refused_naming_both_states(
     import shutil
 
     from actstore.errors import StoreChangedError
-    from actstore.features import sitedata
+    from actstore.features.views import sitedata
 
     path, _ = text_store
     copy = tmp_path / "store"
@@ -245,7 +245,7 @@ def test_a_view_whose_store_is_replaced_mid_build_is_refused_naming_both_states(
 
 
 def test_show_records_the_state_it_drew_and_refuses_a_changed_store(tmp_path, monkeypatch):
-    from actstore.features import show
+    from actstore.features.views import show
 
     path = _chat_store(tmp_path, model_id=str(tmp_path / "tok"))
     st = actstore.ActStore(path)
@@ -322,8 +322,8 @@ def test_a_store_without_token_ids_shows_example_and_position_rows(tmp_path):
     """A ShardWriter store written without token ids: the site names each row by (example,
     position), shows a row's context as positions [N] (never decoded with the store's
     tokenizer, which would read them as ids) and says so in a note; text views still refuse."""
-    from actstore.features.site import NO_IDS_NOTE
-    from actstore.features.windows import DEFAULT_WINDOW
+    from actstore.features.views.site import NO_IDS_NOTE
+    from actstore.features.views.windows import DEFAULT_WINDOW
 
     tok = word_tokenizer(tmp_path / "tok")  # a tokenizer that loads: it must not decode positions
     rng = np.random.default_rng(3)
@@ -348,7 +348,7 @@ def test_a_store_without_token_ids_shows_example_and_position_rows(tmp_path):
             shown = [vocab["text"][p] if p >= 0 else None for p in v[i].tolist()]
             want = [f"[{t + d}]" if 0 <= t + d < 7 else None for d in range(-before, after + 1)]
             assert shown == want, (f, i)
-    from actstore.features.windows import text_windows
+    from actstore.features.views.windows import text_windows
 
     with pytest.raises(FeatureError, match="keeps no token ids: text context needs a store captured with token_ids"):
         text_windows(actstore.ActStore(tmp_path / "s"), 2, None, np.zeros(1, int), np.zeros(1, int), np.zeros(1, int))
@@ -358,9 +358,9 @@ def test_unembedding_auto_applies_where_it_can_and_a_named_one_is_refused_before
     """--unembedding auto (the README's spelling) on a neurons pass builds the site without
     logit tables; a W_U named for a source without decoder directions (or an image store) is
     refused in one line before any window is read."""
-    from actstore.features import export as export_mod
-    from actstore.features import site as site_mod
-    from actstore.features.logits import applicable_unembedding
+    from actstore.features.exports import dashboards as export_mod
+    from actstore.features.views import site as site_mod
+    from actstore.features.views.logits import applicable_unembedding
 
     res = CliRunner().invoke(main, ["view", str(feats), "-o", str(tmp_path / "site"), "--unembedding", "auto"])
     assert res.exit_code == 0, res.output
@@ -421,7 +421,7 @@ def test_a_pass_of_both_tails_shows_the_negative_one(text_store, tmp_path):
 
 
 def test_neighbours_cooccurrence_and_common_tokens_are_the_arithmetic():
-    from actstore.features.relations import common_tokens, cooccurring, neighbours
+    from actstore.features.views.relations import common_tokens, cooccurring, neighbours
 
     W = np.array([[1, 0, 0], [0.9, 0.1, 0], [0.5, 1, 0], [0, 0, 0]], np.float32)
     idx, cos = neighbours(W, 2)
@@ -444,7 +444,7 @@ def test_logit_tables_fold_the_final_norm(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actstore.features.logits import load_unembedding, logit_tables
+    from actstore.features.views.logits import load_unembedding, logit_tables
 
     cfg = LlamaConfig(
         vocab_size=40,
@@ -502,7 +502,7 @@ def test_show_scales_colours_by_content_tokens_and_marks_the_response(tmp_path):
 
 def test_show_and_info_without_a_tokenizer_show_ids(tmp_path):
     path = _chat_store(tmp_path, model_id="")
-    from actstore.features.show import colour_scale, text_html
+    from actstore.features.views.show import colour_scale, text_html
 
     page = text_html(actstore.open(path), 0, 0)
     assert "token ids shown: records no model id. To decode them, --tokenizer takes embedded:smollm2-135m" in page

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.features.run import run_features
-from actstore.features.site import build_site
+from actstore.features.views.site import build_site
 from factory import image_store
 from browser import _browser, _chromium, site_record
 
@@ -109,7 +109,7 @@ def test_each_image_is_written_once(tmp_path):
     as the model saw it (centre-cropped), at --thumb-size pixels."""
     from PIL import Image
 
-    from actstore.features.context import image_pixels
+    from actstore.features.views.context import image_pixels
 
     rng = np.random.default_rng(3)
     refs = []
@@ -283,8 +283,8 @@ def test_the_page_decodes_every_float16_exactly(tmp_path):
     patterns the value numpy gives it (NaNs as NaN), in chromium."""
     import shutil
 
-    from actstore.features import sitedata
-    from actstore.features.site import STATIC
+    from actstore.features.views import sitedata
+    from actstore.features.views.site import STATIC
 
     exe = _chromium()
     bits = np.arange(1 << 16, dtype=np.uint16)

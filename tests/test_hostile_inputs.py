@@ -255,7 +255,7 @@ def test_before_and_after_a_refused_input_the_store_reads_as_written(store, tmp_
 @pytest.mark.torch  # --bias loads torch
 def test_a_bias_file_that_is_not_an_npy_array_or_does_not_fit_is_named(tmp_path):
     from actstore.errors import EncoderError
-    from actstore.features.sources import load_directions
+    from actstore.features.encoders.sources import load_directions
 
     W = tmp_path / "W.npy"
     np.save(W, np.ones((4, 3), np.float32))
@@ -280,7 +280,7 @@ def test_weights_only_loading_is_refused_with_a_torch_older_than_2_6(tmp_path, m
     import torch
 
     from actstore.errors import ActivaultFormatError, EncoderError
-    from actstore.features.sources import _torch_state
+    from actstore.features.encoders.sources import _torch_state
     from actstore.importers import import_activault
     from import_sources import ACTIVAULT_HOOK as HOOK
     from import_sources import write_hook

@@ -119,12 +119,12 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
 
     bars = []  # the job's one bar counts windows, whose number only the writers know: no total
 
-    class Bar(workers_mod.Progress):
+    class Bar(workers_mod.CaptureBar):
         def __init__(self, total, **kw):
             bars.append(total)
             super().__init__(total, **kw)
 
-    monkeypatch.setattr(workers_mod, "Progress", Bar)
+    monkeypatch.setattr(workers_mod, "CaptureBar", Bar)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli(
         "write",

@@ -197,13 +197,13 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s")
     calls = []
 
-    def failing_write(fd, arr):
+    def failing_write(fd, parts):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
-        os.write(fd, arr.tobytes())
+        return os.write(fd, b"".join(bytes(memoryview(p).cast("B")) for p in parts))
 
-    monkeypatch.setattr(pipeline_mod, "_write_all", failing_write)
+    monkeypatch.setattr(pipeline_mod, "write_all", failing_write)
     with pytest.raises(OSError, match="No space left"):
         export_saev(store, tmp_path / "d", patches_per_shard=30, batch_bytes=1, progress=False)
     assert os.listdir(tmp_path / "d") == []

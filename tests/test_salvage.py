@@ -69,7 +69,7 @@ def _n_tokens(counts: dict[int, int]) -> int:
 def _every_reader(store: Path, tmp: Path, counts: dict[int, int]) -> None:
     """Each reader and exporter reads exactly the examples of `counts`."""
     from actstore.features.run import run_features
-    from actstore.features.tables import TOP, read_table
+    from actstore.features.topk.tables import TOP, read_table
     from actstore.loaders import TokenStream
     from actstore.saelens import export_saelens
     from actstore.saev import export_saev, verify_saev

@@ -21,15 +21,15 @@ from click.testing import CliRunner
 import actstore
 from actstore.cli import main
 from actstore.features import neurons
-from actstore.features.context import text_windows
-from actstore.features.export import WINDOW as NP_WINDOW
-from actstore.features.export import export_neuronpedia
-from actstore.features.passdata import load_pass
+from actstore.features.views.context import text_windows
+from actstore.features.exports.dashboards import WINDOW as NP_WINDOW
+from actstore.features.exports.dashboards import export_neuronpedia
+from actstore.features.topk.passdata import load_pass
 from actstore.features.run import run_features
-from actstore.features.show import example_texts, text_html
-from actstore.features.site import build_site
-from actstore.features.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
-from actstore.features.windows import DEFAULT_WINDOW
+from actstore.features.views.show import example_texts, text_html
+from actstore.features.views.site import build_site
+from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
+from actstore.features.views.windows import DEFAULT_WINDOW
 from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, slow_pieces, smollm2_tokenizer
 from browser import _browser, _chromium, site_record
 
@@ -155,7 +155,7 @@ def test_context_windows_are_the_decode_of_their_ids(case):
 
 
 def _tok_of(store):
-    from actstore.features.context import load_tokenizer
+    from actstore.features.views.context import load_tokenizer
 
     return load_tokenizer(store)
 
@@ -250,7 +250,7 @@ def test_right_to_left_tokens_read_right_to_left_in_chromium(tmp_path):
     tokens of "مرحبا بالعالم" are drawn right to left, as the text is (each token isolated,
     they were drawn left to right: "عالمبال حبامر")."""
     exe = _chromium()
-    from actstore.features.site import STATIC
+    from actstore.features.views.site import STATIC
 
     tokens = ["مر", "حبا", " بال", "عالم"]
     spans = "".join(f'<span class="tk">{t}</span>' for t in tokens)

@@ -125,7 +125,7 @@ def test_progress_sees_the_pipeline(tmp_path):
         w.commit()
         s = w.io_stats()
     assert s.pending_bytes == 0 and s.objects >= 3 and s.written_bytes >= 5 * 3 * 4 * 2
-    from actstore.capture.progress import io_note
+    from actstore.capture.capture_bar import io_note
 
     assert io_note([s, s]) == f"write {2 * s.written_bytes / 1e6:,.0f} MB done, 0/1,024 MiB queued"
 

@@ -240,32 +240,6 @@ class ChunkIO:
             for tc in range(g.n_tchunks):
                 self.storage.put(g.chunk_key(ex, lp, tc), mv[tc * nb : (tc + 1) * nb], atomic=False)
 
-    def write_shards(
-        self, first_ex: int, acts_eltd: np.ndarray, writeback: Writeback | None = None, durable: bool = False
-    ) -> None:
-        """Write whole Zarr v3 shard files for examples first_ex.. (first_ex % S == 0).
-
-        `acts_eltd` is (n, L, n_tchunks*t_chunk, D) C-order; every shard file but the
-        last holds S examples, the last may hold fewer (its other index entries are
-        empty) and is replaced whole once it fills. Each file is put atomically, so a
-        shard file is always a whole one: the old version or the new.
-        """
-        g = self.geo
-        S = g.shard_examples
-        assert S is not None and first_ex % S == 0 and g.zarr_format == 3
-        for start in range(0, acts_eltd.shape[0], S):
-            part = np.ascontiguousarray(acts_eltd[start : start + S])
-            key = g.shard_key(first_ex + start)
-            self.storage.put(
-                key,
-                memoryview(part.reshape(-1).view(np.uint8)),
-                g.encode_index(part.shape[0]),
-                writeback=writeback,
-                durable=durable,
-            )
-            self._index_cache.pop(key, None)
-            self._mapped.pop(key, None)
-
     def write_shard_parts(
         self, first_ex: int, n: int, parts: list[Any], writeback: Writeback | None = None, durable: bool = False
     ) -> None:
@@ -281,12 +255,6 @@ class ChunkIO:
         self.storage.put(key, *views, g.encode_index(n), writeback=writeback, durable=durable)
         self._index_cache.pop(key, None)
         self._mapped.pop(key, None)
-
-    def delete_example(self, ex: int) -> None:
-        """Remove the chunk files of one example (used to drop an uncommitted block)."""
-        for lp in range(self.geo.n_layers):
-            for tc in range(self.geo.n_tchunks):
-                self.storage.delete(self.geo.chunk_key(ex, lp, tc))
 
 
 def drop_chunks(storage: Storage, array: str, first: int) -> None:

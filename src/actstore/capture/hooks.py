@@ -245,15 +245,15 @@ class Capture:
         module: the module whose forward is called.
         hooks: from resolve_hooks(module, layers).
         stop_early: end the forward pass once every hook has fired.
-        sink: called as sink(layer, tensor) as each hooked module fires, on the forward
+        on_output: called as on_output(layer, tensor) as each hooked module fires, on the forward
             thread (record() passes its device stage, actstore.capture.stage).
     """
 
-    def __init__(self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, sink: Any = None):
+    def __init__(self, module: Any, hooks: Sequence[HookPoint], *, stop_early: bool = True, on_output: Any = None):
         self.module = module
         self.hooks = list(hooks)
         self.stop_early = stop_early
-        self.sink = sink
+        self.on_output = on_output
         self._out: dict[int, Any] = {}
         self._active = False
         self._handles: list[Any] = []
@@ -291,8 +291,8 @@ class Capture:
                     f"module {hp.path} returned {type(out).__name__}, not a tensor; record another module"
                 )
             t = src.detach()
-            if self.sink is not None:
-                self.sink(hp.layer, t)  # the device stage takes it now (copied before anyone changes it)
+            if self.on_output is not None:
+                self.on_output(hp.layer, t)  # the device stage takes it now (copied before anyone changes it)
             elif not hp.block:
                 t = t.clone()  # an arbitrary module's output may be changed in place later
             self._out[hp.layer] = t

@@ -87,7 +87,7 @@ def run(
     net0 = retry.counts()
     t_fwd = 0.0
     try:
-        with Capture(lm.forward, job.hooks, stop_early=opts.stop_early, sink=stage.take) as cap:
+        with Capture(lm.forward, job.hooks, stop_early=opts.stop_early, on_output=stage.take) as cap:
             it = iter(batches)
             while True:
                 t1 = time.perf_counter()

@@ -18,7 +18,7 @@ from typing import Any
 from actstore.capture import ranks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, check_job
-from actstore.capture.progress import Progress
+from actstore.capture.capture_bar import CaptureBar
 from actstore.capture.record import record_shard
 from actstore.capture.runner_local import run_workers
 from actstore.capture.target import CaptureTarget
@@ -170,7 +170,7 @@ def _run_shard(
     share = make(o, lm, source, target, rank, world, n_done)
     own_bar = None
     if progress is None and o.progress:
-        own_bar = progress = Progress(total=share.total, desc=f"shard {rank}")
+        own_bar = progress = CaptureBar(total=share.total, desc=f"shard {rank}")
     opts = replace(o, runner="local", world_size=world)  # this process writes this shard
     opts.check(names="python")
     try:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from actstore.capture.progress import Progress
+from actstore.capture.capture_bar import CaptureBar
 from actstore.capture.ranks import bar_total
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions
@@ -34,7 +34,7 @@ def run_workers(o: CaptureOptions, n: int, run_shard: Callable[..., RecordResult
         print(f"starting {o.workers} writer processes (each loads {o.model}) ...", file=sys.stderr, flush=True)
     for p in procs:
         p.start()
-    bar = Progress(total=total, desc=f"{o.workers} writers", disable=not o.progress)
+    bar = CaptureBar(total=total, desc=f"{o.workers} writers", disable=not o.progress)
     results: dict[int, RecordResult] = {}
     errors: dict[int, str] = {}
     try:

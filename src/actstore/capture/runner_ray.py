@@ -129,7 +129,7 @@ def run_actors(
         from ray.util.queue import Empty, Queue
     except ImportError:
         raise CaptureError("the Ray runner needs Ray: pip install 'actstore[ray]'") from None
-    from actstore.capture.progress import Progress
+    from actstore.capture.capture_bar import CaptureBar
 
     started = _connect(s)
     try:
@@ -142,7 +142,7 @@ def run_actors(
         )(_Writer)
         writers = [actor.options(name=f"actstore-writer-{r}-{os.getpid()}").remote() for r in range(len(jobs))]
         pending = {w.run.remote(job, queue, r): r for r, (w, job) in enumerate(zip(writers, jobs))}
-        bar = Progress(total=total, desc=desc, disable=not s.progress)
+        bar = CaptureBar(total=total, desc=desc, disable=not s.progress)
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         try:

@@ -58,7 +58,7 @@ def plan_segments(
         return [
             SegPlan(
                 seg=seg,
-                t_pad=seg.n_chunks * seg.t_chunk,
+                t_pad=seg.t_pad,
                 lengths=np.full(b, seg.t_max, np.int32),
                 drop_first=drop,
                 token_ids=ids[:, int(drop) :] if ids is not None else None,
@@ -69,7 +69,7 @@ def plan_segments(
     select = batch.select or _select_from_mask(batch, cfg, b, t)
     plans = []
     for seg in cfg.segments:
-        t_pad = seg.n_chunks * seg.t_chunk
+        t_pad = seg.t_pad
         sel = [np.asarray(s[: seg.t_max], np.int64) for s in select[seg.name]]
         lengths = np.asarray([len(s) for s in sel], np.int32)
         idx = np.zeros((b, t_pad), np.int64)

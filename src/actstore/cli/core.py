@@ -92,14 +92,14 @@ def info_cmd(
     """Describe STORE: examples, layers, segments, shapes, dtype, sizes, truncation, shards."""
     info = store_info(store)
     if n_texts:
-        from actstore.features.show import example_texts
+        from actstore.features.views.show import example_texts
         from actstore.opener import open as open_store
 
         info["examples"], note = example_texts(open_store(store), n_texts, tokenizer=tokenizer)
         if note:
             info["examples_note"] = note
     if plots_dir:
-        from actstore.features.plots import write_plots
+        from actstore.features.views.plots import write_plots
         from actstore.opener import open as open_store
 
         info["plots"] = [str(p) for p in write_plots(open_store(store), plots_dir, max_examples=plot_examples)]

@@ -103,7 +103,7 @@ def features_cmd(
         from functools import partial
 
         from actstore.capture.splice import ce_loss_recovered
-        from actstore.features.quality import reconstruct_tensor
+        from actstore.features.topk.quality import reconstruct_tensor
 
         on = device if device.startswith("cuda") else "cpu"
         downstream = partial(
@@ -222,7 +222,7 @@ def view_cmd(
     """A static site of the output of `actstore features` SRC for dictionaries of 100k+ latents:
     an index of every feature (virtual scrolling, search, sort, the density histogram) and a
     page per feature, reading per-feature data files. No server or internet needed."""
-    from actstore.features.site import build_site
+    from actstore.features.views.site import build_site
 
     G.refuse_existing(out, overwrite)
     store = None
@@ -285,7 +285,7 @@ def export_neuronpedia_cmd(
 ) -> None:
     """Feature dashboards for Neuronpedia (its import layout) and SAEDashboard (its JSON), from
     the output of `actstore features` SRC."""
-    from actstore.features.export import export_neuronpedia
+    from actstore.features.exports.dashboards import export_neuronpedia
 
     G.refuse_existing(out, overwrite)
     store = None
@@ -349,8 +349,8 @@ def export_delphi_cmd(
 ) -> None:
     """Every non-zero activation of a dictionary over LAYER of STORE as delphi's latent cache
     (what delphi's LatentDataset reads to sample and explain latents)."""
-    from actstore.features import sources
-    from actstore.features.delphi import export_delphi
+    from actstore.features.encoders import sources
+    from actstore.features.exports.delphi import export_delphi
     from actstore.opener import open as open_store
 
     G.refuse_existing(out, overwrite)

@@ -276,7 +276,7 @@ ENCODERS = (  # (option, help): parameters neurons, sae, saev, dictionary, direc
 
 def encoder_options(f: Callable) -> Callable:
     """Decorator: the encoder choice of every feature command (ENCODERS; the command hands
-    them to actstore.features.sources.load). --neurons is a flag, the others existing paths."""
+    them to actstore.features.encoders.sources.load). --neurons is a flag, the others existing paths."""
     for flag, text in reversed(ENCODERS):
         kind: dict[str, Any] = {"is_flag": True} if flag == "--neurons" else {"type": click.Path(exists=True)}
         f = click.option(flag, help=text, **kind)(f)

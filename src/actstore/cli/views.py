@@ -78,7 +78,7 @@ def show_cmd(
     layer = st.layer_number(layer)  # a number, -1 or a name (actstore.read.layers)
     encoder, feat = None, dim
     if sae is not None:
-        from actstore.features.sources import load_saelens
+        from actstore.features.encoders.sources import load_saelens
 
         encoder, feat = load_saelens(sae), feature
     text = not st.config.attrs.get("image")
@@ -87,7 +87,7 @@ def show_cmd(
     path = Path(out or f"ex{'-'.join(map(str, ex))}-layer{layer}.{'html' if text else 'png'}")
     G.refuse_existing(path, overwrite)
     if text:
-        from actstore.features.show import text_html
+        from actstore.features.views.show import text_html
 
         html = text_html(st, ex[0], layer, encoder=encoder, feature=feat, tokenizer=tokenizer)
         from actstore.storage.files import atomic_write_bytes
@@ -95,12 +95,12 @@ def show_cmd(
         atomic_write_bytes(path, html.encode("utf-8"))
     elif len(ex) > 1 or feat is not None:
         G.require_extras("show", ("PIL",))
-        from actstore.features.show import images_png
+        from actstore.features.views.show import images_png
 
         path = images_png(st, list(ex), layer, path, encoder=encoder, feature=feat)
     else:
         G.require_extras("show", ("torch", "PIL"))
-        from actstore.features.show_image import render
+        from actstore.features.views.show_png import render
 
         from actstore.read.store import ActStore
 

@@ -3,10 +3,10 @@ context around each example, and a static site (docs/features.md)."""
 
 from __future__ import annotations
 
-from actstore.features.encoders import Encoder, neurons
+from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import EncoderError, FeatureError, TokenizerNotFoundError
-from actstore.features.sources import load_dictionary_learning, load_directions, load_saelens, load_saev
-from actstore.features.topk import FeatureTables, top_activations
+from actstore.features.encoders.sources import load_dictionary_learning, load_directions, load_saelens, load_saev
+from actstore.features.topk.layerpass import FeatureTables, top_activations
 
 __all__ = [
     "Encoder",

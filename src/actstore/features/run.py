@@ -9,10 +9,10 @@ from typing import Any
 
 from actstore._version import __version__
 from actstore.errors import FeatureError
-from actstore.features import sources
-from actstore.features.quality import Reconstruction
-from actstore.features.tables import store_checksum, write_tables
-from actstore.features.topk import top_activations
+from actstore.features.encoders import sources
+from actstore.features.topk.quality import Reconstruction
+from actstore.features.topk.tables import store_checksum, write_tables
+from actstore.features.topk.layerpass import top_activations
 from actstore.read.masks import leaves_out_special
 from actstore.progress import warn
 from actstore.read.sinkcheck import find_sinks, sink_warning
@@ -52,7 +52,7 @@ def run_features(
     store was opened with; a store finalized again, replaced or deleted during the pass is
     refused (StoreChangedError naming both states) and nothing is published. When the
     directions are an SAE (an SAELens checkpoint), meta.json's `quality` holds its
-    reconstruction quality over the pass's tokens (actstore.features.quality), and with
+    reconstruction quality over the pass's tokens (actstore.features.topk.quality), and with
     `downstream` (called as downstream(store, layer, encoder, keep_special=, segments=)
     before the pass; the CLI's --model: actstore.capture.splice) its figures too."""
     if store is None:

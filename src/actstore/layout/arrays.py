@@ -35,7 +35,7 @@ def shard_arrays(cfg: StoreConfig) -> list[ArraySpec]:
     L, D = cfg.n_layers, cfg.d_model
     out = []
     for seg in cfg.segments:
-        t_pad = seg.n_chunks * seg.t_chunk
+        t_pad = seg.t_pad
         out.append(
             ArraySpec(
                 key=keys.acts_array(seg.name),

@@ -93,10 +93,6 @@ class ChunkGeometry:
             return [self.shard_key(ex)]
         return [self.chunk_key(ex, layer_pos, tc) for tc in range(self.n_tchunks)]
 
-    def parse_key(self, rel: str) -> tuple[int, ...] | None:
-        """Chunk grid coordinates of a key relative to the array folder, or None."""
-        return parse_chunk_key(rel, self.zarr_format, self.separator)
-
 
 def parse_chunk_key(rel: str, zarr_format: int, separator: str, ndim: int = 4) -> tuple[int, ...] | None:
     """Chunk grid coordinates of a key relative to an `ndim`-d array's folder (for an

@@ -26,6 +26,12 @@ class SegmentSpec:
     def n_chunks(self) -> int:
         return -(-self.t_max // self.t_chunk)
 
+    @property
+    def t_pad(self) -> int:
+        """Tokens per example on the chunk grid (n_chunks * t_chunk, >= t_max): the rows the
+        writer stores per (example, layer) and read_into fills."""
+        return self.n_chunks * self.t_chunk
+
 
 @dataclass(frozen=True, kw_only=True)
 class StoreConfig:
@@ -82,7 +88,7 @@ class StoreConfig:
 
     def example_bytes(self) -> int:
         """Bytes of activations one example takes on disk (all layers, all segments, padded)."""
-        return sum(s.n_chunks * s.t_chunk for s in self.segments) * self.d_model * self.itemsize * self.n_layers
+        return sum(s.t_pad for s in self.segments) * self.d_model * self.itemsize * self.n_layers
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -253,7 +259,7 @@ def default_t_chunk(t_max: int, d_model: int, itemsize: int) -> int:
 def default_shard_examples(segments: Sequence[SegmentSpec], d_model: int, itemsize: int, n_layers: int) -> int:
     """Examples per Zarr shard file when the writer chooses: those that fill about
     DEFAULT_SHARD_BYTES (at least one, at most MAX_AUTO_SHARD_EXAMPLES)."""
-    example = sum(s.n_chunks * s.t_chunk for s in segments) * d_model * itemsize * n_layers
+    example = sum(s.t_pad for s in segments) * d_model * itemsize * n_layers
     return max(1, min(spec.MAX_AUTO_SHARD_EXAMPLES, spec.DEFAULT_SHARD_BYTES // max(example, 1)))
 
 

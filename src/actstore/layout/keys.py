@@ -140,10 +140,6 @@ def token_ids_field(segment: str) -> str:
     return segment + spec.TOKEN_IDS_SUFFIX
 
 
-def labels_field(segment: str) -> str:
-    return segment + spec.TOKEN_LABELS_SUFFIX
-
-
 def join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p)
 

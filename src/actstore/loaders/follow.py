@@ -317,7 +317,7 @@ class _Pool:
         for layer in self.layers:
             lp = self.cfg.layers.index(layer)
             for seg in self.segs:
-                t_pad = seg.n_chunks * seg.t_chunk
+                t_pad = seg.t_pad
                 buf = np.empty((hi - lo, t_pad, self.d), self.np_dtype)
                 reader.read_many(seg, [(e, lp, buf[e - lo]) for e in range(lo, hi)])
                 within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]

@@ -50,7 +50,7 @@ class SegmentGeometry:
 def segment_geometry(store: Reader) -> dict[str, SegmentGeometry]:
     out = {}
     for s in store.config.segments:
-        t_pad = s.n_chunks * s.t_chunk
+        t_pad = s.t_pad
         out[s.name] = SegmentGeometry(name=s.name, t_max=int(s.t_max), t_pad=int(t_pad))
     return out
 

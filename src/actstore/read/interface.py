@@ -140,7 +140,7 @@ class Reader(Protocol):
 
     def read_into(self, ex: int, layer: int, segment: str, out: np.ndarray) -> int:
         """Read segment `segment` of (ex, layer) padded into `out` (stored dtype, shape
-        (>= n_chunks * t_chunk, D)); returns the example's length. For loaders."""
+        (>= seg.t_pad, D)); returns the example's length. For loaders."""
         ...
 
     def read_many_into(self, items: Sequence[ReadItem]) -> None:

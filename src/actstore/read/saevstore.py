@@ -214,7 +214,7 @@ class SaevStore(Reader):
             raise TypeError(f"example index must be an int, got {ex!r}")
         pos, local = self.index.locate(int(ex))
         lp = layer_position(self.layers, layer)
-        return self._shard(pos)[local, lp].view(np.ndarray)  # a read-only view of the memory map
+        return self.shard_map(pos)[local, lp].view(np.ndarray)  # a read-only view of the memory map
 
     def lengths(self, ex: int) -> dict[str, int]:
         self.index.locate(ex)
@@ -266,7 +266,8 @@ class SaevStore(Reader):
             self._labels = np.memmap(path, dtype=np.uint8, mode="r", shape=(g.n_examples, g.content_tokens))
         return self._labels
 
-    def _shard(self, pos: int) -> np.memmap:
+    def shard_map(self, pos: int) -> np.memmap:
+        """The read-only memory map of shard file `pos` (opened once): the saev importer slices its rows."""
         mm = self._maps.get(pos)
         if mm is None:
             path = self.path / P.SHARD_NAME_FORMAT.format(pos)

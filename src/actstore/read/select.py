@@ -118,12 +118,12 @@ def gather(
     """Read into one (total rows, D) buffer of the stored dtype, in (example, layer, segment)
     order, segment k of example i taking rows[i, k] rows.
 
-    read_into writes whole padded chunks (n_chunks * t_chunk rows), so each read may spill
+    read_into writes whole padded chunks (SegmentSpec.t_pad rows), so each read may spill
     past its rows: only into rows that a later read overwrites, or into a tail allocated
     for the last reads (cut off before returning).
     """
     n_layers, d = len(layers), store.d_model
-    n_pad = np.array([s.n_chunks * s.t_chunk for s in segs], dtype=np.int64)
+    n_pad = np.array([s.t_pad for s in segs], dtype=np.int64)
     per_layer = rows.sum(axis=1)  # rows of one (example, layer)
     total = int(per_layer.sum()) * n_layers
     tail = 0

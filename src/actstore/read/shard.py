@@ -231,7 +231,7 @@ class ShardReader:
 
     def read_padded(self, seg: SegmentSpec, local: int, lp: int, out: np.ndarray) -> None:
         """Fill `out` ((k * t_chunk, D), the stored dtype) with the first k token chunks (all
-        of them when out has n_chunks * t_chunk rows or more, the rest of `out` untouched)."""
+        of them when out has seg.t_pad rows or more, the rest of `out` untouched)."""
         io = self.io[seg.name]
         if io is not None:
             if io.read_into(local, lp, out) or self.check_reads:
@@ -251,7 +251,7 @@ class ShardReader:
         z = self._zarr.get(seg.name)
         if z is None:
             z = self._zarr[seg.name] = self._open_zarr(keys.acts_array(seg.name))
-        k = min(out.shape[0], seg.n_chunks * seg.t_chunk)
+        k = min(out.shape[0], seg.t_pad)
         t = min(k, seg.t_max)
         try:
             out[:t] = z[local, lp, :t]
@@ -280,7 +280,7 @@ class ShardReader:
         want = self._el_crc(seg, local, lp)
         if want is None:
             return
-        rows = seg.n_chunks * seg.t_chunk
+        rows = seg.t_pad
         full = out
         if out.shape[0] < rows:  # the read stopped at the example's tokens: the checksum covers every chunk
             full = np.empty((rows, self.cfg.d_model), dtype=out.dtype)

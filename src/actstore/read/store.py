@@ -233,7 +233,7 @@ class ActStore(Reader):
 
     def read_into(self, ex: int, layer: int, segment: str, out: np.ndarray) -> int:
         """Read segment `segment` of (ex, layer) padded to T_max into `out` (stored dtype,
-        shape (>= n_chunks*t_chunk, D)); returns the example's length. For loaders."""
+        shape (>= seg.t_pad, D)); returns the example's length. For loaders."""
         seg = self.config.segment(segment)
         sh, local, lp = self._where(ex, layer)
         if out.nbytes > UNCHECKED_READ_BYTES:
@@ -305,9 +305,7 @@ class ActStore(Reader):
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)
         n = seg.t_max if pad else int(sh.lengths(seg)[local])
-        rows = (
-            seg.n_chunks * seg.t_chunk if pad else -(-n // seg.t_chunk) * seg.t_chunk
-        )  # only the chunks holding tokens
+        rows = seg.t_pad if pad else -(-n // seg.t_chunk) * seg.t_chunk  # only the chunks holding tokens
         dtype = self._act_dtype
         if rows * self.config.d_model * dtype.itemsize > UNCHECKED_READ_BYTES:
             sh.check_backed(seg)

@@ -93,6 +93,6 @@ def _examples(src: SaevStore, start: int, stop: int) -> np.ndarray:
     while ex < stop:
         pos, local = src.index.locate(ex)
         n = min(stop - ex, int(src.index.counts[pos]) - local)
-        parts.append(src._shard(pos)[local : local + n])
+        parts.append(src.shard_map(pos)[local : local + n])
         ex += n
     return parts[0] if len(parts) == 1 else np.concatenate(parts)

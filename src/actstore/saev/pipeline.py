@@ -26,6 +26,7 @@ from actstore.layout import saevspec as P
 from actstore.read.store import ActStore
 from actstore.saev.checksums import FileCrc
 from actstore.saev.plan import ExportPlan
+from actstore.storage.durable import write_all
 
 READ_ONLY = 0o444
 # float16 -> float32: numpy's cast runs at ~2 GB/s per core, torch's (F16C) at ~10 GB/s.
@@ -127,7 +128,7 @@ class ShardPipeline:
                         path = self.dir / P.SHARD_NAME_FORMAT.format(s)
                         fd, shard, crc = _create(path), s, FileCrc()
                     with _naming(path):
-                        _write_all(fd, buf[: r1 - r0])
+                        write_all(fd, (buf[: r1 - r0],))
                     crc.update(buf[: r1 - r0])
                     bar.update((r1 - r0) * buf[0].nbytes)
                     free.put(buf)
@@ -249,13 +250,6 @@ def _create(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
-def _write_all(fd: int, arr: np.ndarray) -> None:
-    view = memoryview(arr.reshape(-1).view(np.uint8))
-    while view.nbytes:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 @contextlib.contextmanager
 def _naming(path: Path | None) -> Iterator[None]:
     """An OSError inside names `path` (os.write's and os.fsync's name no file)."""
@@ -282,7 +276,7 @@ def write_small(path: Path, data: bytes, fsync: bool) -> None:
     fd = _create(path)
     try:
         with _naming(path):
-            _write_all(fd, np.frombuffer(data, dtype=np.uint8))
+            write_all(fd, (data,))
             if fsync:
                 os.fsync(fd)
         os.fchmod(fd, READ_ONLY)
@@ -326,7 +320,7 @@ def _write_labels(labels: np.ndarray, path: Path, fsync: bool) -> None:
     fd = _create(path)
     try:
         with _naming(path):
-            _write_all(fd, np.ascontiguousarray(labels))
+            write_all(fd, (np.ascontiguousarray(labels),))
             if fsync:
                 os.fsync(fd)
         os.fchmod(fd, READ_ONLY)

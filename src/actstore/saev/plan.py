@@ -338,9 +338,7 @@ def _parts(seg_names: list[str], cfg: Any, cls_mode: str) -> tuple[tuple[Part, .
         skip = 1 if k == 0 and cls_mode == "drop" else 0
         count = seg.t_max - skip
         if count > 0:
-            parts.append(
-                Part(segment=name, skip=skip, count=count, dst=dst, n_pad=seg.n_chunks * seg.t_chunk, fixed=seg.fixed)
-            )
+            parts.append(Part(segment=name, skip=skip, count=count, dst=dst, n_pad=seg.t_pad, fixed=seg.fixed))
         dst += count
     return tuple(parts), dst
 

@@ -13,13 +13,13 @@ links/shards and links/dataset, so both spellings are created.
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 from actstore.layout import saevspec as P
 from actstore.errors import SaevOptionError
 from actstore.read.saevstore import is_saev_dir
 from actstore.read.saevschema import read_json
+from actstore.storage.files import atomic_write
 
 RUN_DIRS = ("checkpoint", "links", "inference")
 
@@ -96,9 +96,7 @@ def link_run(
     for name, target in links.items():
         p = link_dir / name
         if not p.is_symlink():
-            tmp = link_dir / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
-            os.symlink(target, tmp)
-            os.replace(tmp, p)  # a link appears whole or not at all
+            atomic_write(p, lambda tmp, target=target: os.symlink(target, tmp))  # a link appears whole or not at all
     return run_dir
 
 

@@ -37,12 +37,12 @@ import stat
 import struct
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from actstore.layout.checksum import crc32c
+from actstore.storage.files import atomic_write, write_new
 
 __all__ = ["HEADER", "LOW_WATER", "RESCAN_FRACTION", "STAT_NAMES", "CacheDir"]
 
@@ -210,27 +210,14 @@ class CacheDir:
         if size > self.max_bytes:
             self.count(skipped=1)
             return
-        folder, name = path.rsplit("/", 1)
-        tmp = f"{folder}/.{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        folder = path.rsplit("/", 1)[0]
         try:
             if folder not in self.made_dirs:
                 os.makedirs(folder, exist_ok=True)
                 self.made_dirs.add(folder)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o644)
-            try:
-                for part in (HEADER.pack(MAGIC, VERSION, crc32c(view), view.nbytes), view):
-                    part = memoryview(part)
-                    while part.nbytes:
-                        part = part[os.write(fd, part) :]
-                now = time.time_ns()
-                os.utime(fd, ns=(now, now))
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError:
+            atomic_write(path, lambda tmp: _write_entry(tmp, view))
+        except OSError:  # (atomic_write removed its temporary file)
             self.count(errors=1)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             return
         with self.lock:
             self.counts["written"] += 1
@@ -316,3 +303,11 @@ def _dirs(folder: str, pattern: re.Pattern) -> list[str]:
             return [e.path for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _write_entry(path: Path, view: memoryview) -> None:
+    """A new entry file: its header and bytes, its mtime set to now (its first use: the
+    file system's own timestamp may be coarser than the clock eviction compares)."""
+    write_new(path, HEADER.pack(MAGIC, VERSION, crc32c(view), view.nbytes), view)
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))

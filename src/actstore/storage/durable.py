@@ -10,6 +10,7 @@ import queue
 import threading
 import uuid
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from actstore.storage.base import Writeback
@@ -23,6 +24,7 @@ __all__ = [
     "sync_file_range",
     "syncfs",
     "tmp_name",
+    "write_all",
 ]
 
 SYNC_FILE_RANGE_WRITE = 2
@@ -55,6 +57,29 @@ def exchange_paths(a: str | os.PathLike, b: str | os.PathLike) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+# Buffers one os.writev takes (Linux IOV_MAX); more parts take more calls.
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def write_all(fd: int, parts: Iterable[Any]) -> int:
+    """Write the concatenation of `parts` (bytes-like, C-contiguous) at `fd`'s offset as one
+    gathered write (os.writev, IOV_MAX parts a call), resumed where a short write stopped;
+    nothing is copied. Returns the bytes written. os.write where there is no writev (Windows)."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    total = 0
+    while views:
+        n = os.writev(fd, views[:IOV_MAX]) if hasattr(os, "writev") else os.write(fd, views[0])
+        total += n
+        done = 0
+        while done < len(views) and n >= views[done].nbytes:  # the parts written whole
+            n -= views[done].nbytes
+            done += 1
+        views = views[done:]
+        if n:  # a short write stopped inside this part
+            views[0] = views[0][n:]
+    return total
 
 
 def tmp_name(path: Path) -> Path:

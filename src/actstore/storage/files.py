@@ -10,15 +10,16 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from actstore.errors import ActstoreError, DiskFullError, ExportWriteError, UnsafePathError
-from actstore.storage.durable import fsync_dir, syncfs, tmp_name
-from actstore.storage.regular import open_regular
+from actstore.storage.durable import fsync_dir, syncfs, tmp_name, write_all
+from actstore.storage.regular import O_BINARY, open_regular
 
 __all__ = [
+    "atomic_write",
     "atomic_write_bytes",
     "atomic_write_json",
     "export_os_errors",
@@ -27,6 +28,7 @@ __all__ = [
     "safe_child",
     "syncfs",
     "tmp_name",
+    "write_new",
 ]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -72,24 +74,53 @@ def export_os_errors(what: str, out: str | os.PathLike, rerun: str, *, left: str
         raise err from e
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
-    """Write `data` to a temporary file beside `path`, then rename it over `path`."""
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], *, fsync: bool = False) -> None:
+    """Publish the file that `write(tmp)` makes at a temporary path beside `path` (a bytes
+    write, PIL's `Image.save`, matplotlib's `savefig`, `os.symlink`) by renaming it over
+    `path`: readers see the old file or the whole new one, never a part.
+
+    Args:
+        path: the file to publish.
+        write: makes the file at the path it is given (pass the format explicitly where the
+            writer guesses it from the suffix: the temporary name ends `.tmp-<pid>-<random>`).
+        fsync: the file's bytes and its name survive a power loss once this returns.
+
+    On any error, the callback's included, the temporary file is removed and the error
+    raised (an OSError that names no file names `path`); `path` is left as it was.
+    """
     path = Path(path)
     tmp = tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        write(tmp)
+        if fsync:
+            fd = os.open(tmp, os.O_RDONLY | O_BINARY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not e.filename:  # a buffered write names no file
+        if isinstance(e, OSError) and not e.filename:  # a write on a descriptor names no file
             e.filename = str(path)
         raise
     if fsync:
         fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview, *, fsync: bool = False) -> None:
+    """Write `data` to a temporary file beside `path`, then rename it over `path` (atomic_write)."""
+    atomic_write(path, lambda tmp: write_new(tmp, data), fsync=fsync)
+
+
+def write_new(path: str | os.PathLike, *parts: Any) -> None:
+    """Create the file `path` (never one that exists) holding the concatenation of `parts`
+    (bytes-like), in one gathered write."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_BINARY, 0o644)
+    try:
+        write_all(fd, parts)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = False) -> None:

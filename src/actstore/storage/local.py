@@ -26,7 +26,8 @@ from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
 from actstore.storage.mapping import MappedFile
 from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
 from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
-from actstore.storage.durable import syncfs, tmp_name
+from actstore.storage.durable import syncfs, tmp_name, write_all
+from actstore.storage.files import atomic_write
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import (
@@ -94,13 +95,13 @@ class LocalStorage(Storage):
         return LocalStorage(path, eager_writeback=self.eager_writeback, read_nowait=self.read_nowait, top=self._top)
 
     # ---- reads ----------------------------------------------------------------------
-    def _open_regular(self, key: str) -> int:
+    def open_regular(self, key: str) -> int:
         """An fd of the regular file `key`; links, FIFOs, devices and folders are refused
         (actstore.storage.regular), never blocking."""
         return open_regular(self.path(_checked(key)), missing=KeyNotFound)
 
     def get(self, key: str, *, max_bytes: int | None = None) -> bytes:
-        fd = self._open_regular(key)
+        fd = self.open_regular(key)
         try:
             size = os.fstat(fd).st_size
             if max_bytes is not None and size > max_bytes:
@@ -118,7 +119,7 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        fd = self._open_regular(key)
+        fd = self.open_regular(key)
         try:
             return os.pread(fd, length, start)
         finally:
@@ -130,7 +131,7 @@ class LocalStorage(Storage):
         try:
             fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
-            fd = self._open_regular(key)  # explains what is wrong (or works after a race)
+            fd = self.open_regular(key)  # explains what is wrong (or works after a race)
         try:
             n = os.preadv(fd, [dest], offset)
             if n < len(dest):
@@ -149,7 +150,7 @@ class LocalStorage(Storage):
         try:
             fd = os.open(self._root + key, READ_FLAGS)
         except OSError:
-            fd = self._open_regular(key)
+            fd = self.open_regular(key)
         try:
             counts, short = preadv_runs(fd, ranges)
             if short:
@@ -166,7 +167,7 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return None
         except OSError:
-            fd = self._open_regular(key)
+            fd = self.open_regular(key)
         try:
             extra = bytearray(1)
             n = os.readv(fd, [dest, extra])
@@ -306,29 +307,24 @@ class LocalStorage(Storage):
         if not atomic:
             self._write_file(path, parts, durable, writeback)
             return
-        tmp = str(tmp_name(Path(path)))
-        try:
-            self._write_file(tmp, parts, durable, writeback)
-            os.replace(tmp, path)
-            if not durable:
-                self._note(path, tmp)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        written: list[str] = []
+
+        def write(tmp: Path) -> None:
+            written.append(str(tmp))
+            self._write_file(str(tmp), parts, durable, writeback)
+
+        atomic_write(path, write)  # (a durable file syncs itself in _write_file)
         if durable:
             fsync_dir(path.rsplit("/", 1)[0])
+        else:
+            self._note(path, written[0])
 
     def _write_file(self, path: str, parts: tuple, durable: bool, writeback: Writeback | None) -> None:
         if not durable:  # (a durable put syncs itself)
             self._note(path)
         fd = _open_write(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY | _O_NOFOLLOW)
         try:
-            for part in parts:
-                view = memoryview(part).cast("B")
-                while view.nbytes:
-                    n = os.write(fd, view)
-                    view = view[n:]
+            write_all(fd, parts)  # one gathered write
             if durable:
                 os.fsync(fd)
             elif self.eager_writeback:
@@ -342,25 +338,8 @@ class LocalStorage(Storage):
     def put_stream(self, key: str, parts: Iterator[bytes]) -> None:
         path = self.path(_checked(key))
         self._parent(path)
-        tmp = str(tmp_name(Path(path)))
         with named_writes(path):
-            self._put_stream(path, tmp, parts)
-
-    def _put_stream(self, path: str, tmp: str, parts: Iterator[bytes]) -> None:
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_BINARY, 0o644)
-            try:
-                for part in parts:
-                    view = memoryview(part).cast("B")
-                    while view.nbytes:
-                        view = view[os.write(fd, view) :]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            atomic_write(path, lambda tmp: _write_stream(tmp, parts))
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         path = Path(self.path(_checked(key)))
@@ -387,9 +366,7 @@ class LocalStorage(Storage):
         fd = _open_write(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_BINARY | _O_NOFOLLOW)
         try:
             with named_writes(path):
-                view = memoryview(data).cast("B")
-                while view.nbytes:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, (data,))
                 return os.fstat(fd).st_size
         finally:
             os.close(fd)
@@ -490,3 +467,13 @@ def _checked(key: str) -> str:
     if key.startswith("/") or key == ".." or key.startswith("../") or "/../" in key or key.endswith("/.."):
         raise UnsafePathError(f"key {key!r} points outside the store; refusing to follow it")
     return key
+
+
+def _write_stream(path: Path, parts: Iterator[bytes]) -> None:
+    """A new file of `parts`, each held only while it is written."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY, 0o644)
+    try:
+        for part in parts:
+            write_all(fd, (part,))
+    finally:
+        os.close(fd)

@@ -155,7 +155,7 @@ class FileRegion:
                 slot.pins += 1
                 return slot.index, slot.size
         try:
-            fd = storage._open_regular(key)  # the local storage's own checks: no links, regular files only
+            fd = storage.open_regular(key)  # the local storage's own checks: no links, regular files only
         except KeyNotFound:
             return None
         try:
@@ -293,10 +293,6 @@ class FileRegion:
             _LIBC.munmap(base, self.nbytes)
         self._slots = OrderedDict()
         self._by_index = []
-
-    def _unmap_all(self) -> None:
-        _LIBC.munmap(self.base, self.nbytes)
-        self.base = None
 
     def __del__(self) -> None:
         try:

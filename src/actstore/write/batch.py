@@ -32,7 +32,7 @@ class Batch:
     """One checked batch: activations padded to whole chunks, per-sample rows, text lines."""
 
     b: int
-    acts: dict[str, np.ndarray]  # segment -> (b, L, n_chunks * t_chunk, D), the stored dtype; each
+    acts: dict[str, np.ndarray]  # segment -> (b, L, seg.t_pad, D), the stored dtype; each
     # (example, layer) row C-contiguous, the array itself perhaps a strided view (layer-major)
     aliased: dict[str, bool]  # segment -> acts[segment] is a view of the caller's memory
     lengths: dict[str, np.ndarray]  # segment -> (b,) int32
@@ -161,7 +161,7 @@ def prepare(
         if b and cfg.n_layers and not all(stored[0, lp].flags.c_contiguous for lp in range(cfg.n_layers)):
             # the layouts take (example, layer) rows whole
             stored = stored.map(np.ascontiguousarray) if isinstance(stored, LayerList) else np.ascontiguousarray(stored)
-        batch.acts[seg.name] = pad_tokens(stored, seg.n_chunks * seg.t_chunk)
+        batch.acts[seg.name] = pad_tokens(stored, seg.t_pad)
         # Buffered batches outlive append: never keep a view of the caller's memory.
         batch.aliased[seg.name] = isinstance(x, LayerList) or np.may_share_memory(batch.acts[seg.name], x)
         batch.lengths[seg.name] = lens
@@ -208,7 +208,7 @@ def _check_shape(cfg: StoreConfig, seg: SegmentSpec, x: Any, b: int | None) -> i
     t = x.shape[2]
     if seg.fixed and t != seg.t_max:
         raise AppendError(f"segment {seg.name!r} holds exactly {seg.t_max} tokens per example; the batch has {t}")
-    if t > seg.t_max and not (t == seg.n_chunks * seg.t_chunk and not x[:, :, seg.t_max :].any()):
+    if t > seg.t_max and not (t == seg.t_pad and not x[:, :, seg.t_max :].any()):
         raise AppendError(
             f"segment {seg.name!r}: batch has {t} tokens but the store holds at most {seg.t_max}; truncate it to {seg.t_max} (and pass source_lengths to record truncation)"
         )

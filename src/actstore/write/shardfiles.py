@@ -112,7 +112,7 @@ class ShardFiles(Layout):
         self.pipeline = pipeline
         self._writeback = writeback
         self.durable = durable
-        shapes = {s.name: (self.S, cfg.n_layers, s.n_chunks * s.t_chunk, cfg.d_model) for s in cfg.segments}
+        shapes = {s.name: (self.S, cfg.n_layers, s.t_pad, cfg.d_model) for s in cfg.segments}
         file_bytes = self.S * cfg.example_bytes()
         # One buffer filling, one per pipeline thread writing, within the pipeline's bytes.
         n = max(2, min(pipeline.threads + 1, pipeline.max_bytes // max(file_bytes, 1) + 1))
