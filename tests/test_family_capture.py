@@ -208,6 +208,9 @@ def test_a_refused_family_write_leaves_nothing_and_a_member_never_written_is_nam
     from actstore.write.family import create_family
 
     member = Member(name="d32", model=0, model_id=str(a), sites=("blocks.1.hook_resid_post",), width=32)
-    create_family(tmp_path / "half", Family((member, dataclasses.replace(member, name="d64", width=64))))
+    create_family(
+        tmp_path / "half",
+        Family((member, dataclasses.replace(member, name="d64", width=64, sites=("blocks.1.mlp.hook_post",)))),
+    )
     with pytest.raises(StoreNotFoundError, match=r"member d32 \(blocks.1.hook_resid_post\) was never written"):
         actstore.open(tmp_path / "half")
