@@ -14,7 +14,7 @@ import pytest
 
 import actstore
 import actstore.torch
-from actstore.errors import CaptureError, LayerNotFoundError
+from actstore.errors import CaptureError, LayerNotFoundError, StoreNotFoundError
 from actstore.inputs.models import LoadedModel
 
 pytestmark = pytest.mark.torch
@@ -187,3 +187,30 @@ def test_write_with_sites_of_several_widths_makes_a_family(tmp_path):
         with torch.no_grad():
             post = mlp.act_fn(mlp.gate_proj(torch.from_numpy(fam[ex, SITE_IN]))).numpy()
         np.testing.assert_allclose(fam[ex, SITE_POST], post, rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_family_write_leaves_nothing_and_a_member_never_written_is_named(tmp_path):
+    """Bad --data fails before the family's record is written; a family whose capture
+    stopped before a member was written says which member, and how to go on."""
+    from capture_support import save_llama
+    from factory import cli
+
+    a = save_llama(tmp_path / "a", layers=2, seed=0)
+    b = save_llama(tmp_path / "b", layers=2, seed=1)
+    res = cli(
+        "write", tmp_path / "fam", "--model", a, "--model", b, "--data", "embedded:nope", "--layers", "1", ok=False
+    )
+    assert res.exit_code == 1 and "no embedded data 'nope'" in res.output
+    assert not (tmp_path / "fam").exists()
+    import dataclasses
+
+    from actstore.layout.family import Family, Member
+    from actstore.write.family import create_family
+
+    member = Member(name="d32", model=0, model_id=str(a), sites=("blocks.1.hook_resid_post",), width=32)
+    create_family(
+        tmp_path / "half",
+        Family((member, dataclasses.replace(member, name="d64", width=64, sites=("blocks.1.mlp.hook_post",)))),
+    )
+    with pytest.raises(StoreNotFoundError, match=r"member d32 \(blocks.1.hook_resid_post\) was never written"):
+        actstore.open(tmp_path / "half")

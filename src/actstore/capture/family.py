@@ -168,13 +168,17 @@ def write_models(o: Any, models: Sequence[str], write_one: Callable[[Any], dict[
     from actstore.capture import preflight
     from actstore.capture.options import check_job
     from actstore.capture.target import CaptureTarget
+    from actstore.inputs.data import load_source
     from actstore.inputs.models import load_model
+    from actstore.inputs.textdecode import Decoding
     from actstore.read.family import FamilyStore
     from actstore.read.store import ActStore
 
     check_job(o)  # what fails without a model fails first, as in a job of one model
-    for name in models:
-        preflight.check_model(replace(o, model=name), CaptureTarget(o.store).identity())
+    modalities = [preflight.check_model(replace(o, model=name), CaptureTarget(o.store).identity()) for name in models]
+    # the data must open before the family's record is written (nothing is left of a refused run)
+    source = load_source(o.data, o.text_field, Decoding(o.encoding, o.errors)).limit(o.max_examples)
+    preflight.check_data(o, source, modalities[0])
     import torch
 
     lms = [load_model(m, device=o.device, torch_dtype=o.model_dtype) for m in models]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from actstore import catalog
-from actstore.errors import AlignmentError, LayerNotFoundError
+from actstore.errors import AlignmentError, LayerNotFoundError, StoreNotFoundError
 from actstore.layout import family as fam
 from actstore.layout import spec
 from actstore.storage import Storage, open_storage
@@ -62,7 +62,16 @@ class FamilyStore:
         self.family, storage = read_family(path)
         local = storage.local_root
         self.path: Path | str = local if local is not None else storage.url
-        self.members = {m.name: open_member(member_location(storage, m), **options) for m in self.family.members}
+        self.members = {}
+        for m in self.family.members:
+            try:
+                self.members[m.name] = open_member(member_location(storage, m), **options)
+            except StoreNotFoundError as e:
+                raise StoreNotFoundError(
+                    f"family {self.path}: member {m.name} ({', '.join(m.sites)}) was never written (the capture that "
+                    "made this family stopped before it); rerun the same `actstore write` with --resume, or remove "
+                    "the folder"
+                ) from e
         counts = {name: len(s) for name, s in self.members.items()}
         if len(set(counts.values())) != 1:
             raise AlignmentError(

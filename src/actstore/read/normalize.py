@@ -29,6 +29,7 @@ import numpy as np
 
 from actstore.dtypes import TORCH_GRAIN
 from actstore.errors import StatisticsError
+from actstore.read.interface import Reader
 from actstore.stats import stats_key
 
 MODES = ("standardize", "scale")
@@ -46,7 +47,7 @@ class Normalization:
     count: int
 
 
-def normalization(store: object, layer: int, segment: str | None = None) -> Normalization:
+def normalization(store: Reader, layer: int, segment: str | None = None) -> Normalization:
     """Statistics of `layer` (and `segment`; the only one by default) for normalising inputs:
     over the tokens the loaders' default mask keeps (content tokens only for a text store
     whose labels mark token kinds: actstore.read.masks).
@@ -74,7 +75,9 @@ def normalization(store: object, layer: int, segment: str | None = None) -> Norm
     )
 
 
-def norm_tables(store: Any, layers: Sequence[int], segments: Sequence[Any], mode: str) -> tuple[np.ndarray, np.ndarray]:
+def norm_tables(
+    store: Reader, layers: Sequence[int], segments: Sequence[Any], mode: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Per (layer, segment) key k = li*S + si: (shift (K, D), scale (K, D)) float32 so that
     normalised = (x - shift) * scale (modes: the module docstring). `segments`: names, or
     objects with a `.name`."""
@@ -118,7 +121,7 @@ def normalize_into(dst: Any, src: Any, shift: Any | None, scale: Any | None, key
     return dst
 
 
-def _key(store: Any, key: str, what: str) -> tuple[Any, int]:
+def _key(store: Reader, key: str, what: str) -> tuple[Any, int]:
     """(the store's statistics, the position of `key`), or the StatisticsError saying why not."""
     st = store.stats()
     if st is None:
@@ -134,5 +137,5 @@ def _key(store: Any, key: str, what: str) -> tuple[Any, int]:
     return st, pos
 
 
-def _name(store: Any) -> str:
+def _name(store: Reader) -> str:
     return str(getattr(store, "path", "this store"))
