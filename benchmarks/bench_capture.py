@@ -33,15 +33,17 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `actstore write` sets it (see docs/capture.md)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from common import save  # noqa: E402
 
-import torch  # noqa: E402
-
 from actstore.capture import load_model, record  # noqa: E402
-from actstore.inputs.data import load_source  # noqa: E402
-from actstore.inputs.prepare import image_batches, text_batches  # noqa: E402
 from actstore.inputs.budgets import text_plan  # noqa: E402
-from actstore.inputs.prepare import TextPlan  # noqa: E402
+from actstore.inputs.data import load_source  # noqa: E402
+from actstore.inputs.prepare import (  # noqa: E402
+    TextPlan,  # noqa: E402
+    image_batches,
+    text_batches,
+)
 
 
 def parse_layers(s: str) -> list[int]:

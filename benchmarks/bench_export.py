@@ -50,8 +50,9 @@ print(json.dumps({"seconds": dt, "cpu": cpu, "bytes": res.nbytes, "n_shards": re
 
 
 def build_store(path: Path, gb: float, tokens: int, d_model: int, layers: int) -> int:
-    import actstore
     from tqdm import tqdm
+
+    import actstore
 
     ex_bytes = layers * tokens * d_model * 2
     n = max(1, int(gb * 1e9 // ex_bytes))

@@ -33,9 +33,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `actstore write` sets it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import save  # noqa: E402
-
 import torch  # noqa: E402
+from common import save  # noqa: E402
 
 import actstore  # noqa: E402
 

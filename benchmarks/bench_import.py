@@ -31,11 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
-from actstore.storage.durable import syncfs  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.importers import import_activault, import_saelens  # noqa: E402
 from actstore.saelens import export_saelens  # noqa: E402
+from actstore.storage.durable import syncfs  # noqa: E402
 from actstore.torch import TokenStream  # noqa: E402
 
 

@@ -27,9 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from common import add_store_shape_args, save  # noqa: E402
-
 import s3server  # noqa: E402  (tests/s3server.py: moto's server on 127.0.0.1)
+from common import add_store_shape_args, save  # noqa: E402
 
 
 def _write_store(url: str, a: argparse.Namespace) -> float:

@@ -24,10 +24,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import save  # noqa: E402
-from actstore.storage.durable import syncfs  # noqa: E402
 
 import actstore  # noqa: E402
 from actstore.saelens import export_saelens  # noqa: E402
+from actstore.storage.durable import syncfs  # noqa: E402
 
 
 def make_store(path: Path, tokens: int, d: int, **layout) -> actstore.ActStore:

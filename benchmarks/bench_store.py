@@ -31,7 +31,6 @@ from common import add_store_shape_args, percentile_us, save  # noqa: E402
 import actstore  # noqa: E402
 from actstore.storage.files import syncfs  # noqa: E402
 
-
 LAYOUTS = {
     "v2": {"zarr_format": 2},
     "v3-sharded": {"zarr_format": 3, "shard_examples": 64},

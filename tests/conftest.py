@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import settings
-
 from needs import module_needs, shares_module_fixture
 
 TESTS = Path(__file__).resolve().parent
@@ -224,9 +223,10 @@ def text_store(tmp_path_factory):
 def fault_original(tmp_path_factory):
     """(root, every value a reader gives) of a finalized faultlib store of 6 examples
     (segments prompt and response, a text, an int64 field, statistics), built once per module."""
-    import actstore
     import faultlib
     from hostile import everything
+
+    import actstore
 
     root = tmp_path_factory.mktemp("fault") / "store"
     faultlib.write_shard(root, 0, 6)

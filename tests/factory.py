@@ -29,7 +29,6 @@ import numpy as np
 from hypothesis import strategies as st
 
 import actstore
-
 from actstore.dtypes import bf16_bits_to_f32, f32_to_bf16_bits
 from actstore.layout import spec
 

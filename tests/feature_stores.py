@@ -7,7 +7,6 @@ import numpy as np
 import actstore
 from actstore.layout.spec import TOKEN_KIND_NAMES
 
-
 D = 8
 
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 from click.testing import CliRunner
+from watchdog import within
 
 import actstore
 from actstore.errors import ActstoreError
-from watchdog import within
 
 
 def everything(path: Path | str) -> dict[str, Any]:

@@ -12,7 +12,6 @@ import numpy as np
 from actstore import ActStore
 from actstore.storage import open_storage
 
-
 ACTIVAULT_HOOK = "models.layers.3.mlp.post"
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 LAYERS = [15, 16]
 
 

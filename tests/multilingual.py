@@ -73,8 +73,9 @@ def byte_fallback_tokenizer(folder) -> Path:
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
     """The embedded SmolLM2 tokenizer, loaded once per test process (no weights)."""
-    from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
     from transformers import AutoTokenizer
+
+    from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
 
     return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
 

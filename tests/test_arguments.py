@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from factory import vit_store
 
 import actstore
 from actstore.cli import main
 from actstore.errors import ActstoreError, ExampleIndexError
-from factory import vit_store
 
 
 @pytest.fixture(scope="module")

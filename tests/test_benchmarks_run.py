@@ -320,7 +320,6 @@ def test_spec_data(tmp_path):
     """spec_data.py on a tiny config-built Llama: the lengths it stores, their quantiles and
     what each truncation policy loses, recomputed here from the lengths."""
     import numpy as np
-
     from capture_support import save_llama
 
     model = save_llama(tmp_path / "llama", layers=2)

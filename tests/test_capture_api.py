@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 import torch
+from capture_support import all_vectors, tiny_dinov2, tiny_llama
 
 import actstore
 from actstore.capture import Capture, CaptureError, NoBlocksError, UnknownLayerError, normalization, resolve_hooks
-from capture_support import all_vectors, tiny_dinov2, tiny_llama
 
 
 def _f16(x: torch.Tensor) -> np.ndarray:

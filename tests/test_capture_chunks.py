@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 
-
 import numpy as np
 import pytest
 import torch
+from capture_support import WORDS, save_llama, tiny_llama, write_jsonl
 from click.testing import CliRunner
 
 import actstore
 from actstore.capture.target import CaptureTarget
-from actstore.inputs.budgets import MIN_T_CHUNK, measured_t_chunk
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
+from actstore.inputs.budgets import MIN_T_CHUNK, measured_t_chunk
 from actstore.write import ShardWriter
-from capture_support import WORDS, save_llama, tiny_llama, write_jsonl
 
 
 def cli(*args) -> str:

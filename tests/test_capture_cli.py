@@ -10,11 +10,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-import actstore
-from actstore.read.info import store_info
-from factory import cli
 from capture_support import (
     PAIRS,
     SENTENCES,
@@ -27,6 +22,11 @@ from capture_support import (
     tiny_llama,
     write_jsonl,
 )
+from factory import cli
+from PIL import Image
+
+import actstore
+from actstore.read.info import store_info
 
 
 def assert_f16_close(got: np.ndarray, ref: np.ndarray) -> None:

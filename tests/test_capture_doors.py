@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from capture_support import tiny_llama
+from screen_count import count_screens
 
 import actstore
 from actstore.write import batch as batches
-from capture_support import tiny_llama
-from screen_count import count_screens
 
 
 def _refuse_prepare(monkeypatch) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import skimage.data
 import torch
+from capture_support import reference_pixels, write_jsonl
 from click.testing import CliRunner
 from PIL import Image
 
@@ -17,7 +18,6 @@ import actstore
 from actstore.capture import load_model
 from actstore.cli import main
 from actstore.saev import verify_saev
-from capture_support import reference_pixels, write_jsonl
 
 pytestmark = pytest.mark.slow
 

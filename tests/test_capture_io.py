@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from capture_support import tiny_dinov2
 
 import actstore
 from actstore.capture.capture_bar import CaptureBar, io_note
-from capture_support import tiny_dinov2
 
 
 @pytest.mark.slow

@@ -11,12 +11,12 @@ import re
 import numpy as np
 import pytest
 import torch
+from capture_support import tiny_llama
 
 import actstore
 from actstore.capture import CaptureError, devstats
 from actstore.capture.devstats import moments, running_stats
 from actstore.stats import RunningStats
-from capture_support import tiny_llama
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:

@@ -3,8 +3,6 @@ uninterrupted run (activations, keys, texts, lengths, labels and statistics)."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import signal
 import subprocess
@@ -12,12 +10,13 @@ import sys
 import time
 
 import numpy as np
+import pytest
+from capture_support import SENTENCES, save_llama, write_jsonl
 from click.testing import CliRunner
 
 import actstore
 from actstore.capture import committed
 from actstore.cli import main
-from capture_support import SENTENCES, save_llama, write_jsonl
 
 pytestmark = pytest.mark.slow  # captures killed and resumed in subprocesses
 

@@ -70,9 +70,8 @@ def test_an_nnsight_language_model_gives_the_hf_store(tmp_path, layers):
 
 
 def test_a_transformer_bridge_gives_the_hf_store(tmp_path):
-    from transformer_lens.model_bridge import TransformerBridge
-
     from capture_support import make_tokenizer
+    from transformer_lens.model_bridge import TransformerBridge
 
     model = _llama()
     hf = {

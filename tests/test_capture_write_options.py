@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from capture_support import PAIRS, SENTENCES, make_tokenizer, save_dinov2, save_llama, tiny_llama, write_jsonl
+from factory import cli
 
 import actstore
 from actstore.capture import CaptureError, CaptureOptions
-from capture_support import PAIRS, SENTENCES, make_tokenizer, save_dinov2, save_llama, tiny_llama, write_jsonl
-from factory import cli
 
 DEFAULT_SYSTEM = (
     "{% if messages[0]['role'] != 'system' %}<s> system : we are water people </s>{% endif %}"

@@ -4,11 +4,11 @@ the golden stores in tests/test_store_golden.py still match byte for byte)."""
 
 from __future__ import annotations
 
+from factory import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.layout.checksum import combine, combine_all, crc32c
-from factory import examples
 
 
 @settings(deadline=None, derandomize=True)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from factory import word_store, word_tokenizer
 
 from actstore.cli import grammar as G
 from actstore.cli import main
-from factory import word_store, word_tokenizer
 
 pytestmark = pytest.mark.torch  # word_store's tokenizer is a transformers one; export-saelens streams through torch
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from factory import vit_store
 
 from actstore.cli import OTHER, SECTIONS, main, section_of
 from actstore.cli import grammar as G
-from factory import vit_store
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = sorted(main.commands)

@@ -9,10 +9,10 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from factory import word_store, word_tokenizer
 
 import actstore
 from actstore.cli import main
-from factory import word_store, word_tokenizer
 
 pytestmark = pytest.mark.torch  # the word store's tokenizer is a transformers one
 

@@ -16,9 +16,8 @@ from click.testing import CliRunner
 from factory import qa_store
 
 import actstore
-from actstore.copy import transfer
 from actstore.cli import main
-from actstore.copy import MARKER, CopyError, CopyVerifyError, copy_store
+from actstore.copy import MARKER, CopyError, CopyVerifyError, copy_store, transfer
 from actstore.errors import NotFinalizedError, StoreMismatchError, StoreNotFoundError
 from actstore.storage import LocalStorage, open_storage
 

@@ -6,11 +6,11 @@ with counts; a misspelled TransformerLens hook name gets the closest names."""
 from __future__ import annotations
 
 import pytest
+from capture_support import SENTENCES, save_llama, tiny_llama
+from factory import cli
 
 import actstore
 from actstore.capture import run as run_mod
-from capture_support import SENTENCES, save_llama, tiny_llama
-from factory import cli
 
 LATIN = "caf\u00e9 na\u00efve d\u00e9j\u00e0 vu"
 

@@ -12,15 +12,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from capture_support import SENTENCES, save_llama, write_jsonl
 from click.testing import CliRunner
+from factory import cli, text_store, vit_store
 
 import actstore
 from actstore.cli import main
 from actstore.loaders.pairs import PairDataset, PairIndex
 from actstore.loaders.tokens import TokenStream
 from actstore.read.masks import default_token_mask, leaves_out_special
-from factory import text_store, vit_store, cli
-from capture_support import SENTENCES, save_llama, write_jsonl
 
 DOCS = [" ".join(SENTENCES[(k + j) % len(SENTENCES)] for j in range(1 + k % 3)) for k in range(6)]
 

@@ -19,15 +19,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from capture_support import PAIRS, save_llama, write_jsonl
 from click.testing import CliRunner
 
 import actstore
 from actstore.capture import ranks
-from actstore.errors import CaptureError
 from actstore.cli import main
+from actstore.errors import CaptureError
 from actstore.layout import keys
 from actstore.verify import verify_store
-from capture_support import PAIRS, save_llama, write_jsonl
 
 pytestmark = pytest.mark.slow  # writer processes and Ray
 
@@ -361,9 +361,9 @@ def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_p
     """actstore.record(..., runner="ray"): the list of batches split among writer actors, each
     loading the model from its folder; the store equals a single record() value for value."""
     import torch
+    from capture_support import SENTENCES, tiny_llama
 
     from actstore.capture import record
-    from capture_support import SENTENCES, tiny_llama
 
     _, tok = tiny_llama(layers=3)
     enc = [tok(SENTENCES[i % len(SENTENCES)] + " the end" * (i % 3)) for i in range(10)]
@@ -410,11 +410,11 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
     """What a Ray actor restarted mid-shard runs (runner_ray._record_rank): the batches after the
     shard's committed examples, so the store equals an uninterrupted one."""
     import torch
+    from capture_support import tiny_llama
 
     from actstore.capture import record
     from actstore.capture.options import CaptureOptions
     from actstore.capture.runner_ray import _record_rank
-    from capture_support import tiny_llama
 
     model, _ = tiny_llama(layers=2)
     torch.manual_seed(0)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # the example scripts end to end
 

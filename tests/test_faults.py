@@ -17,15 +17,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
 
 from actstore import ActStore, finalize
 from actstore.errors import DiskFullError
-from actstore.write.finalize import load_manifest
 from actstore.verify import verify_store
-
-import faultlib as F
+from actstore.write.finalize import load_manifest
 
 pytestmark = pytest.mark.slow  # writers killed mid-write, full disks, readers racing finalize
 

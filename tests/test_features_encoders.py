@@ -297,8 +297,8 @@ def test_reconstruction_quality_every_sink(tmp_path, kind, cfg):
     and a feature subset (all latents encoded again), and equal SAELens's over those tokens."""
     from factory import text_store
 
-    from actstore.features.topk.quality import Reconstruction
     from actstore.features.topk.layerpass import top_activations
+    from actstore.features.topk.quality import Reconstruction
     from actstore.read.masks import leaves_out_special
 
     sae, folder = _saelens(kind, tmp_path, **cfg)

@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from factory import WORDS
 from factory import WORD_D as D
+from factory import WORDS
 
 import actstore
 from actstore.cli import main
@@ -131,8 +131,8 @@ def test_neuronpedia_layout_has_the_importers_columns(text_store, tmp_path):
 def test_delphi_cache_reads_back_in_delphi(text_store, tmp_path):
     """Every non-zero of the SAE over the store's content tokens, in delphi's split files,
     as delphi's own LatentDataset loads and samples them."""
-    from safetensors.numpy import load_file
     from sae_lens import StandardSAE, StandardSAEConfig
+    from safetensors.numpy import load_file
 
     from actstore.features import load_saelens
 

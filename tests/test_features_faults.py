@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from feature_stores import D, make_store
 
 import actstore
 from actstore.errors import DiskFullError, FeatureError, StoreChangedError
-from actstore.features.topk import publish
 from actstore.features.encoders import sources
 from actstore.features.run import run_features
+from actstore.features.topk import publish
 from actstore.features.topk.tables import FEATURES, INTERVALS, META, TOP, read_meta, read_table
 from actstore.storage import open_storage
-from feature_stores import D, make_store
 
 pytestmark = pytest.mark.torch  # the CLI's features encodes with torch
 

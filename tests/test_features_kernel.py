@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factory import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.features.topk.accum import FeatureAccumulator
 from actstore.features.topk.kernel16 import sort_key
-from factory import examples
 
 pytestmark = pytest.mark.dev  # numba's compiled kernel against the numpy reference
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from actstore.features import top_activations
-from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
-from actstore.features.encoders.encoder import Encoder, neurons
-from actstore.errors import FeatureError
 from feature_stores import D, make_store, oracle_tokens
+
+from actstore.errors import FeatureError
+from actstore.features import top_activations
+from actstore.features.encoders.encoder import Encoder, neurons
+from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 
 pytestmark = pytest.mark.torch  # the torch update against the numba one
 

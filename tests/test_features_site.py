@@ -10,15 +10,15 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+from browser import _browser, _chromium, screenshot, site_record
 from click.testing import CliRunner
+from factory import WORD_D, WORDS, image_store, word_tokenizer
 
 import actstore
 from actstore.cli import main
 from actstore.features import FeatureError, TokenizerNotFoundError
 from actstore.features.views.context import load_tokenizer, text_windows
 from actstore.features.views.site import build_site
-from factory import WORD_D, WORDS, image_store, word_tokenizer
-from browser import _browser, _chromium, screenshot, site_record
 
 D = WORD_D
 

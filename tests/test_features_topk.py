@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from feature_stores import D, make_store, oracle_tokens
 
 import actstore
+from actstore.errors import EncoderError, FeatureError, LayerNotFoundError
 from actstore.features import top_activations
-from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 from actstore.features.encoders.encoder import Encoder, neurons
-from actstore.errors import EncoderError, FeatureError
-from actstore.errors import LayerNotFoundError
-from feature_stores import D, make_store, oracle_tokens
+from actstore.features.topk.accum import HIST_EDGES, N_BINS, hash_keys, order_keys
 
 NUMBA = pytest.param("numba", marks=pytest.mark.dev)  # the compiled kernel: numba comes with the views extra
 

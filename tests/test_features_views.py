@@ -16,16 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from browser import _browser, _chromium, site_record
 from click.testing import CliRunner
 from factory import WORD_D, chat_word_store, odd_token_store, word_tokenizer
-from browser import _browser, _chromium, site_record
 
 import actstore
 from actstore.cli import main
 from actstore.errors import DiskFullError, FeatureError, OutputBusyError, OutputExistsError
 from actstore.features.run import run_features
-from actstore.features.views.site import build_site
 from actstore.features.staging import MARKER
+from actstore.features.views.site import build_site
 
 pytestmark = pytest.mark.torch  # chromium, and delphi's loader imports torch
 

@@ -10,14 +10,14 @@ import re
 
 import numpy as np
 import pytest
+from browser import _browser, _chromium, site_record
 from click.testing import CliRunner
+from factory import image_store
 
 import actstore
 from actstore.cli import main
 from actstore.features.run import run_features
 from actstore.features.views.site import build_site
-from factory import image_store
-from browser import _browser, _chromium, site_record
 
 pytestmark = pytest.mark.torch  # Pillow, transformers' tokenizers and chromium (the dev install)
 
@@ -246,8 +246,9 @@ class _Bar:
 def test_every_long_step_of_view_and_features_shows_progress(vit, tmp_path, monkeypatch):
     """A bar on each step that grows with the data, for images and for text, each ending at
     its total."""
-    import actstore.progress
     from factory import word_store, word_tokenizer
+
+    import actstore.progress
 
     monkeypatch.setattr(actstore.progress, "bar", _Bar)
     store, feat, _ = vit

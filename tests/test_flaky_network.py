@@ -23,16 +23,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from capture_support import make_images, save_dinov2
 from click.testing import CliRunner
+from factory import pairs_store as qa_store
+from faultproxy import FaultProxy
 
 import actstore
 from actstore.cli import main
 from actstore.copy import copy_store
 from actstore.storage import open_storage, retry
 from actstore.torch import PairDataset, TokenStream
-from faultproxy import FaultProxy
-from capture_support import make_images, save_dinov2
-from factory import pairs_store as qa_store
 
 RATES = dict(fail=0.0, drop_request=0.0, drop_response=0.0, reset=0.10, cut=0.03, cut_chunks=0.05, keepalive=False)
 RETRY_SECONDS = 30.0  # a request's deadline in these tests (the default is 120 s)

@@ -14,23 +14,22 @@ import json
 import pickle
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
+from factory import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actstore import ActStore
-from actstore.layout import spec
-from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError, LegacyFormatError
-from actstore.legacy import parse_metadata, restricted_loads
 from actstore.catalog import read_blocks, read_commit, read_identity
+from actstore.errors import ActstoreError, CorruptStoreError, FormatVersionError, LegacyFormatError
+from actstore.layout import spec
 from actstore.layout.records import parse_manifest
-from actstore.write.finalize import finalize, load_manifest
+from actstore.legacy import parse_metadata, restricted_loads
 from actstore.storage import LocalStorage
 from actstore.verify import verify_store
-
-import faultlib as F
-from factory import examples
+from actstore.write.finalize import finalize, load_manifest
 
 SETTINGS = settings(
     max_examples=examples(200),  # above the profile's 100: the hostile parsers' rarer branches

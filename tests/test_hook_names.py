@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from factory import cli
 
 import actstore
 from actstore.errors import LayerNotFoundError
-from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
-from factory import cli
 
 NAMES = ["blocks.1.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.0.hook_mlp_out", "blocks.0.hook_attn_out"]
 

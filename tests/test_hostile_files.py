@@ -9,15 +9,14 @@ import os
 import shutil
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
+from hostile import everything, outcome, run_cli, same
 
 import actstore
 from actstore.errors import CorruptStoreError, StoreNotFoundError, UnsafePathError
 from actstore.verify import verify_store
-
-import faultlib as F
-from hostile import everything, outcome, run_cli, same
 
 SH0 = "shards/shard-00000.zarr"
 
@@ -214,8 +213,8 @@ def test_chunk_written_in_place_never_follows_a_link(tmp_path):
 @pytest.mark.parametrize("name", ["d.jsonl", "d.txt", "d.parquet", "glob"])
 def test_capture_data_that_is_a_fifo_is_refused(tmp_path, name):
     """`actstore write --data` on a FIFO blocked before the model even loaded."""
-    from actstore.inputs.data import load_source
     from actstore.errors import DataError
+    from actstore.inputs.data import load_source
 
     target = tmp_path / ("g/a.txt" if name == "glob" else name)
     target.parent.mkdir(exist_ok=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile import everything, outcome, run_cli, same
 
 import actstore
 from actstore.errors import (
@@ -23,7 +24,6 @@ from actstore.errors import (
     StorageAccessError,
 )
 from actstore.verify import verify_store
-from hostile import everything, outcome, run_cli, same
 
 SH0 = "shards/shard-00000.zarr"
 LAYOUTS = {"v3-sharded": {"zarr_format": 3, "shard_examples": 4}, "v2": {"zarr_format": 2}}
@@ -278,12 +278,12 @@ def test_a_bias_file_that_is_not_an_npy_array_or_does_not_fit_is_named(tmp_path)
 @pytest.mark.torch  # loads torch
 def test_weights_only_loading_is_refused_with_a_torch_older_than_2_6(tmp_path, monkeypatch):
     import torch
+    from import_sources import ACTIVAULT_HOOK as HOOK
+    from import_sources import write_hook
 
     from actstore.errors import ActivaultFormatError, EncoderError
     from actstore.features.encoders.sources import _torch_state
     from actstore.importers import import_activault
-    from import_sources import ACTIVAULT_HOOK as HOOK
-    from import_sources import write_hook
 
     write_hook(tmp_path, n_files=1)
     monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.5.1"))

@@ -10,13 +10,12 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hostile import outcome, run_cli
+from legacy_stores import LAYERS, legacy_records, write_legacy
 
 from actstore.errors import LegacyFormatError
 from actstore.legacy import import_pkl
 from actstore.legacy.safe_pickle import MAX_OBJECTS
-
-from hostile import outcome, run_cli
-from legacy_stores import LAYERS, legacy_records, write_legacy
 
 
 def _shared_array_shard(n: int) -> dict:

@@ -9,16 +9,15 @@ import json
 import tracemalloc
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
+from hostile import everything, outcome, run_cli, same
 
 import actstore
 from actstore.errors import AppendError, CorruptStoreError, FormatVersionError
 from actstore.layout.config import StoreConfig
 from actstore.verify import verify_store
-
-import faultlib as F
-from hostile import everything, outcome, run_cli, same
 
 SH0 = "shards/shard-00000.zarr"
 

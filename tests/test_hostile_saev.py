@@ -10,12 +10,11 @@ import shutil
 import tracemalloc
 
 import pytest
+from factory import vit_store
+from hostile import everything, outcome, run_cli, same
 
 import actstore
 from actstore.saev import export_saev, verify_saev
-
-from hostile import everything, outcome, run_cli, same
-from factory import vit_store
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from import_sources import ACTIVAULT_HOOK as HOOK
+from import_sources import check_store, write_hook
 
 from actstore.cli import main
 from actstore.errors import StoreMismatchError
-from actstore.importers import ActivaultFormatError, import_activault
-from actstore.importers import driver
+from actstore.importers import ActivaultFormatError, driver, import_activault
 from actstore.storage import open_storage
-from import_sources import ACTIVAULT_HOOK as HOOK
-from import_sources import check_store, write_hook
 
 
 def test_local_hook_folder_exact_and_metadata_kept(tmp_path):

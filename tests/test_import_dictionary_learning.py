@@ -10,11 +10,11 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from import_sources import tokens_of, write_cache
 
 from actstore import ActStore
 from actstore.cli import main
 from actstore.importers import DictionaryLearningCacheError, import_dictionary_learning
-from import_sources import tokens_of, write_cache
 
 
 def test_every_shard_exactly_in_order(tmp_path):

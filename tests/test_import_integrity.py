@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from import_sources import ACTIVAULT_HOOK as AV_HOOK
+from import_sources import check_store, saelens_cache, tokens_of, write_cache, write_hook
 
 import actstore
 from actstore import ActStore
@@ -26,8 +28,6 @@ from actstore.cli import main
 from actstore.errors import ImportSourceError
 from actstore.importers import import_activault, import_dictionary_learning, import_saelens
 from actstore.storage import open_storage
-from import_sources import ACTIVAULT_HOOK as AV_HOOK
-from import_sources import check_store, saelens_cache, tokens_of, write_cache, write_hook
 
 pytestmark = pytest.mark.torch  # Activault megabatches and SAELens caches are torch files
 

@@ -10,6 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from import_sources import SAELENS_HOOK as HOOK
+from import_sources import saelens_cache
 
 import actstore
 from actstore import ActStore, ShardWriter
@@ -17,8 +19,6 @@ from actstore.cli import main
 from actstore.importers import SaelensDatasetError, SaelensSource, import_saelens
 from actstore.saelens import export_saelens
 from actstore.storage import open_storage
-from import_sources import SAELENS_HOOK as HOOK
-from import_sources import saelens_cache
 
 pytestmark = pytest.mark.torch  # SAELens caches are written with torch
 

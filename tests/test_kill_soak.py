@@ -12,10 +12,10 @@ import subprocess
 
 import numpy as np
 import pytest
+from writer_proc import LAYERS, example_data, spawn
 
 import actstore
 from actstore import ActStore
-from writer_proc import LAYERS, example_data, spawn
 
 pytestmark = pytest.mark.soak
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from capture_support import make_images, save_dinov2
+from factory import cli
 
 import actstore
 from actstore.errors import LayerNotFoundError
-from capture_support import make_images, save_dinov2
-from factory import cli
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from writer_proc import LAYERS, D, T, example_data
+from writer_proc import spawn as _spawn
 
 import actstore
 from actstore import ActStore, ShardWriter
@@ -20,7 +22,6 @@ from actstore.cli import main
 from actstore.errors import LeaseLostError, NotFinalizedError, ShardBusyError, ShardExistsError
 from actstore.layout import keys
 from actstore.layout.leases import Lease, dump_lease
-from writer_proc import spawn as _spawn, LAYERS, D, T, example_data
 
 
 def _writer(path, shard: int = 0, **kw) -> ShardWriter:

@@ -11,9 +11,11 @@ import pickle
 import subprocess
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from legacy_stores import LAYERS, D, T, legacy_records, write_legacy
 
 from actstore import ActStore
 from actstore.cli import main
@@ -21,9 +23,6 @@ from actstore.errors import LegacyExportExistsError, LegacyFormatError, StoreMis
 from actstore.legacy import export_pkl, import_pkl, parse_metadata, restricted_loads
 from actstore.legacy import importer as importer_mod
 from actstore.verify import verify_store
-
-import faultlib as F
-from legacy_stores import D, LAYERS, T, legacy_records, write_legacy
 
 
 @pytest.fixture

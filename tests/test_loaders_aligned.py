@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factory import examples, tagged_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,6 @@ from actstore import ActStore, ShardWriter
 from actstore.loaders.aligned import AlignedTokenStream, AlignmentError
 from actstore.loaders.source import stats_tables
 from actstore.torch import TokenStream
-from factory import examples, tagged_store
 
 LAYERS = [2, 5, 9]
 SEGS = {"prompt": 9, "response": 4}

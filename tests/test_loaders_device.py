@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from factory import plain_vit_store
 
 from actstore.loaders.buffers import BufferRing
 from actstore.torch import TokenStream
-from factory import plain_vit_store
 
 
 def vit_store(path):

@@ -3,13 +3,12 @@ examples/train_while_capturing.py trains on a store while another process fills 
 
 from __future__ import annotations
 
-import pytest
-
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import actstore

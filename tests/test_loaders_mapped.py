@@ -12,6 +12,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from factory import LAYOUTS, plain_vit_store
+from factory import pairs_store as qa_store
 
 import actstore
 from actstore import ActStore, ShardWriter
@@ -19,8 +21,6 @@ from actstore.read.batched import map_chunks
 from actstore.storage import LocalStorage
 from actstore.storage.mapping import FileRegion
 from actstore.torch import TokenStream
-from factory import LAYOUTS, plain_vit_store
-from factory import pairs_store as qa_store
 
 
 def vit_store(path, layout="v2", n=12):
@@ -108,8 +108,8 @@ def test_pages_that_left_the_page_cache_are_populated_again(tmp_path):
     assert region.to_populate([(slot, 0, 60)]) == []
     rows = region.rows[region.first_row(slot, 0) : region.first_row(slot, 0) + 5]
     np.testing.assert_array_equal(rows.view(np.float16).reshape(5, 6), store[1, 0])
-    from actstore.storage.files import syncfs
     from actstore.storage import mapping
+    from actstore.storage.files import syncfs
 
     # Evict the page: unmap it from this process (MADV_DONTNEED), then drop it from the page cache.
     path = storage.where(key)

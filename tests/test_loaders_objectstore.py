@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from watchdog import within
 
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.loaders.pairs import PairDataset
 from actstore.loaders.tokens import TokenStream
-from watchdog import within
 
 GUARD_S = 90  # far beyond a healthy run (a few seconds); a hang fails here
 

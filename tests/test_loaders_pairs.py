@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from factory import examples
+from factory import pairs_store as qa_store
+from factory import plain_vit_store as vit_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loader_checks import check_batch
 
 from actstore.torch import PairBatchSampler, PairDataset, PairIndex
-from factory import examples, pairs_store as qa_store
-from factory import plain_vit_store as vit_store
-from loader_checks import check_batch
 
 
 def test_batch_equals_store_slices(tmp_path):

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from loader_checks import check_batch, check_values, expected_rows, rows_of
 
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.saev import SaevStore, export_saev
 from actstore.torch import PairDataset, TokenStream
-from loader_checks import check_batch
-from loader_checks import check_values, expected_rows, rows_of
 
 
 def _saev_dir(tmp_path, n=11, t=5, d=6):

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from factory import pairs_store, plain_vit_store
 
 from actstore.loaders.spec import StreamOptions
 from actstore.torch import (
@@ -20,7 +21,6 @@ from actstore.torch import (
     StreamSpec,
     TokenStream,
 )
-from factory import pairs_store, plain_vit_store
 
 
 def test_the_spec_is_checked_once_and_frozen():

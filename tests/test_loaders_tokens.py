@@ -9,15 +9,16 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from factory import examples
+from factory import pairs_store as qa_store
+from factory import plain_vit_store as vit_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loader_checks import check_values, expected_rows, rows_of
 
 import actstore
 from actstore import ActStore
 from actstore.torch import PairBatchSampler, TokenStream
-from factory import examples, pairs_store as qa_store
-from factory import plain_vit_store as vit_store
-from loader_checks import check_values, expected_rows, rows_of
 
 
 def content(store):

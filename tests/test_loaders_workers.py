@@ -10,12 +10,12 @@ import threading
 import numpy as np
 import pytest
 import torch
+from factory import plain_vit_store as vit_store
+from loader_checks import rows_of
 
 from actstore.loaders.buffers import WorkerBatch
 from actstore.loaders.feed import DeviceFeeder
 from actstore.torch import TokenStream
-from factory import plain_vit_store as vit_store
-from loader_checks import rows_of
 
 CPU = torch.device("cpu")
 

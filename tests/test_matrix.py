@@ -13,18 +13,18 @@ import itertools
 import os
 from pathlib import Path
 
+import emulators
 import numpy as np
 import pytest
+import s3server
 import torch
+from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
+from factory import cli
+from watchdog import within
 
 import actstore
-import emulators
-import s3server
 from actstore.loaders.pairs import PairDataset
 from actstore.loaders.tokens import TokenStream
-from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
-from watchdog import within
-from factory import cli
 
 STORAGES = ("local", "s3", "gs", "az")
 LAYOUTS = {"chunks": ["--zarr-format", "2"], "sharded": ["--zarr-format", "3", "--shard-examples", "4"]}

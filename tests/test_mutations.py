@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import faultlib as F
 import pytest
+from hostile import everything, outcome, same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,9 +36,6 @@ import actstore
 from actstore.read.info import store_info
 from actstore.saev import export_saev, verify_saev
 from actstore.verify import verify_store
-
-import faultlib as F
-from hostile import everything, outcome, same
 
 pytestmark = pytest.mark.slow  # every mutation of every layout, about 2 minutes
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factory import plain_vit_store
 
 from actstore.errors import StatisticsError
 from actstore.read.normalize import NORM_EPS, VAR_EPS, norm_tables, normalization
-from factory import plain_vit_store
 
 
 def test_normalization_and_the_tables_follow_the_statistics(tmp_path):

@@ -11,16 +11,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
+from factory import cli
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import actstore
-from actstore.inputs.data import load_source
 from actstore.capture import token_origins
+from actstore.inputs.data import load_source
 from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.verify import verify_store
-from capture_support import SENTENCES, save_llama, tiny_llama, write_jsonl
-from factory import cli
 
 DOCS = [
     " ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 4)) for k in range(9)

@@ -10,13 +10,12 @@ import json
 import numpy as np
 import pytest
 import zarr
+from factory import LAYOUTS
 
 from actstore import ActStore, ShardWriter, finalize
 from actstore.layout import spec
 from actstore.layout.checksum import crc32c, per_sample_crc32c
 from actstore.verify import verify_store
-
-from factory import LAYOUTS
 
 SH0 = "shards/shard-00000.zarr"
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zarr
 from click.testing import CliRunner
+from factory import LAYOUTS
 
 import actstore
 from actstore import ActStore, ShardWriter, finalize
@@ -19,8 +20,6 @@ from actstore.cli import main
 from actstore.errors import CorruptChunkError
 from actstore.layout import spec
 from actstore.verify import verify_store
-
-from factory import LAYOUTS
 
 SH0 = "shards/shard-00000.zarr"
 

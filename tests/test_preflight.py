@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
 from click.testing import CliRunner
 
 import actstore
 from actstore.capture import run as run_mod
 from actstore.cli import main
-from capture_support import PAIRS, SENTENCES, make_images, save_dinov2, save_llama, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from writer_proc import LAYERS, example_data
+from writer_proc import spawn as _spawn
 
 import actstore
 from actstore import ActStore
 from actstore.errors import NotFinalizedError
-from writer_proc import spawn as _spawn, LAYERS, example_data
 
 pytestmark = pytest.mark.slow  # racing writer processes
 

@@ -10,13 +10,13 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
+from factory import LAYOUTS
+from factory import pairs_store as qa_store
+from faultproxy import FaultProxy
 
 import actstore
 from actstore.storage import ObjectStorage
 from actstore.torch import PairDataset, TokenStream
-from faultproxy import FaultProxy
-from factory import LAYOUTS
-from factory import pairs_store as qa_store
 
 
 def batches(store, **kw):

@@ -11,11 +11,11 @@ import time
 from datetime import timedelta
 
 import pytest
+from faultproxy import FaultProxy
 
 from actstore.errors import StorageAccessError
 from actstore.progress import bar, notes
 from actstore.storage import ObjectStorage, retry
-from faultproxy import FaultProxy
 
 QUICK = {
     "max_retries": 1,

@@ -6,11 +6,11 @@ import shutil
 import tempfile
 
 import numpy as np
+from factory import examples, expected_view, random_acts, store_cases, writer_kwargs
 from hypothesis import HealthCheck, given, settings
 
 import actstore
 from actstore import ActStore, ShardWriter
-from factory import examples, expected_view, random_acts, store_cases, writer_kwargs
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])

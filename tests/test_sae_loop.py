@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factory import WORDS, cli, word_tokenizer
 
 import actstore
 from actstore.layout import spec
-from factory import WORDS, cli, word_tokenizer
 
 pytestmark = pytest.mark.slow  # trains an SAE and runs a model
 

@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 
 import actstore
-from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.cli import main
 from actstore.errors import LayerNotFoundError
+from actstore.layout.spec import TOKEN_KIND_NAMES
 from actstore.saelens import SaelensExportError, export_saelens, saelens_data_provider
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

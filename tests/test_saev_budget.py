@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 
+from factory import vit_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actstore.saev import export_saev, verify_saev
 from actstore.layout import saevspec as P
+from actstore.saev import export_saev, verify_saev
 from actstore.saev.plan import fitted_budget
-from factory import vit_store
 
 
 def test_a_small_store_exports_files_the_size_of_its_data(tmp_path):

@@ -12,13 +12,13 @@ import os
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from factory import vit_store
 
 import actstore
 from actstore.cli import main
-from actstore.saev import SaevFormatError, export_saev, import_saev, verify_saev
 from actstore.layout import saevspec as P
+from actstore.saev import SaevFormatError, export_saev, import_saev, verify_saev
 from actstore.saev.checksums import file_crc
-from factory import vit_store
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import warnings
 
 import numpy as np
 import pytest
+from factory import text_store, vit_store
+from saev_checks import expected_labels, expected_rows, seed_read_vector
 
 import actstore
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError
 from actstore.saev import SaevExistsError, SaevOptionError, export_saev, verify_saev
 from actstore.saev import pipeline as pipeline_mod
-from saev_checks import expected_labels, expected_rows, seed_read_vector
-from factory import text_store, vit_store
 
 CASES = [
     # (kind, dtype, protocol, options, store options)

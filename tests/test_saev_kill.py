@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
+from factory import vit_store
+from saev_checks import dir_files
 
 from actstore.saev import export_saev, verify_saev
-from saev_checks import dir_files
-from factory import vit_store
 
 pytestmark = pytest.mark.slow  # exports killed in a subprocess
 

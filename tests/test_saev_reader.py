@@ -9,13 +9,13 @@ import pickle
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from factory import text_store, vit_store
+from saev_checks import dir_files
 
 import actstore
 from actstore.cli import main
 from actstore.errors import ExampleIndexError, LayerNotFoundError
 from actstore.saev import SaevFormatError, SaevOptionError, SaevStore, export_saev, import_saev, link_run, verify_saev
-from saev_checks import dir_files
-from factory import text_store, vit_store
 
 
 @pytest.fixture(scope="module")

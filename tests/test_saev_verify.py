@@ -8,9 +8,9 @@ import shutil
 
 import numpy as np
 import pytest
+from factory import vit_store
 
 from actstore.saev import export_saev, verify_saev
-from factory import vit_store
 
 SHAPE = "examples_per_shard 3 x 2 layers x 5 tokens x 8 d_model x 4 bytes"  # 960 bytes per shard
 

@@ -16,11 +16,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import faultlib
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import faultlib
 from actstore import ActStore, finalize
 from actstore.cli import main
 from actstore.layout import keys, records

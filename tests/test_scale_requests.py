@@ -10,11 +10,11 @@ import re
 
 import numpy as np
 import pytest
+from faultproxy import FaultProxy
 
 import actstore
 from actstore.verify import verify_store
 from actstore.verify.check import Listing
-from faultproxy import FaultProxy
 
 SHARDED = {"zarr_format": 3, "shard_examples": 64}
 

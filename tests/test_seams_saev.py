@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factory import cli, vit_store
 
 import actstore
 from actstore.saev import export_saev, verify_saev
-from factory import vit_store, cli
 
 
 @pytest.mark.dev  # its images need Pillow

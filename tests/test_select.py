@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factory import examples, random_acts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from zarr.codecs import ZstdCodec
@@ -12,7 +13,6 @@ from zarr.codecs import ZstdCodec
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.errors import ExampleIndexError, LayerNotFoundError
-from factory import examples, random_acts
 
 LAYERS = (2, 5, 9)
 

@@ -9,12 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+from factory import LAYOUTS as FACTORY_LAYOUTS
 
 from actstore import ActStore, ShardWriter, finalize
 from actstore.errors import ShardBusyError, ShardExistsError
 from actstore.verify import verify_store
 from actstore.write import setup
-from factory import LAYOUTS as FACTORY_LAYOUTS
 
 LAYOUTS = {**FACTORY_LAYOUTS, "zarr-engine": {"engine": "zarr"}}  # + zarr-python's arrays of the default layout
 

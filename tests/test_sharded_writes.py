@@ -7,8 +7,8 @@ from __future__ import annotations
 import errno
 import json
 
-import numpy as np
 import numcodecs
+import numpy as np
 import pytest
 import zarr
 

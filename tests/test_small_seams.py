@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from factory import vit_store
 
 from actstore.capture import ranks
-from actstore.errors import CaptureError
 from actstore.cli import main
-from factory import vit_store
+from actstore.errors import CaptureError
 
 
 def cli(*args):

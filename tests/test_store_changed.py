@@ -12,9 +12,9 @@ import json
 import shutil
 from pathlib import Path
 
+import faultlib
 import pytest
 
-import faultlib
 from actstore import finalize
 from actstore.errors import StoreChangedError
 from actstore.saelens import export as saelens_export

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from actstore.features.topk.publish import publish as publish_files
 from actstore.features.staging import MARKER, staged_folder
-from actstore.saev.publish import publish as publish_dir, remove_stale, temp_dir
+from actstore.features.topk.publish import publish as publish_files
+from actstore.saev.publish import publish as publish_dir
+from actstore.saev.publish import remove_stale, temp_dir
 from actstore.storage import durable, open_storage
 from actstore.storage.swap import STAGE_MARKER, recover
 

@@ -12,6 +12,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from capture_support import SENTENCES, tiny_llama, write_jsonl
+from factory import cli, word_store, word_tokenizer
 from tokenizers import processors
 
 import actstore
@@ -19,8 +21,6 @@ from actstore.errors import CaptureError
 from actstore.inputs.prepare import TextPlan, choose_bos, head, kept, prompt_tokens, separator_tokens, tail
 from actstore.loaders.tokens import TokenStream
 from actstore.read.sinkcheck import SINK_RATIO, find_sinks, sink_warning
-from factory import cli, word_store, word_tokenizer
-from capture_support import SENTENCES, tiny_llama, write_jsonl
 
 PAIRS = [{"prompt": s, "response": SENTENCES[(i + 1) % 8]} for i, s in enumerate(SENTENCES[:6])]
 

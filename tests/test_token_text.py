@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from factory import word_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multilingual import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer, load, slow_pieces, smollm2_tokenizer
 
 from actstore.inputs.tokentext import MARGIN, TokenText
-from factory import word_tokenizer
-from multilingual import TEXTS, byte_fallback_tokenizer, byte_level_tokenizer, load, slow_pieces, smollm2_tokenizer
 
 pytestmark = pytest.mark.torch  # the tokenizers are transformers ones
 

@@ -9,15 +9,15 @@ import json
 
 import pytest
 import torch
+from factory import tagged_store
 
 from actstore.loaders.aligned import AlignmentError
 from actstore.trainers import DictionaryLearningSource, paired_source, sparsify_inputs
-from factory import tagged_store
 
 
 def test_dictionary_learning_trains_from_a_store(tmp_path):
-    from dictionary_learning.trainers.standard import StandardTrainer
     from dictionary_learning.dictionary import AutoEncoder
+    from dictionary_learning.trainers.standard import StandardTrainer
     from dictionary_learning.training import trainSAE
 
     st = tagged_store(tmp_path / "s", d=6, n=40)

@@ -7,20 +7,19 @@ import os
 import shutil
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 import actstore
 from actstore import ActStore
-from actstore.layout import spec
 from actstore.chunkio import crc32c
 from actstore.cli import main
 from actstore.errors import CorruptChunkError, StoreNotFoundError, UnsafePathError, VerificationError
-from actstore.verify import ERROR, WARNING, verify_store
+from actstore.layout import spec
 from actstore.layout.spec import EL_CRC_FILE
-
-import faultlib as F
+from actstore.verify import ERROR, WARNING, verify_store
 
 SH0 = "shards/shard-00000.zarr"
 SH1 = "shards/shard-00001.zarr"

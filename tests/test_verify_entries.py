@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
 
@@ -15,8 +16,6 @@ import actstore
 from actstore.layout import chunks, keys, records, texts
 from actstore.layout.records import Block
 from actstore.verify import ERROR, WARNING, verify_store
-
-import faultlib as F
 
 SH0 = "shards/shard-00000.zarr"
 PROMPT = "arrays/prompt_activations"

@@ -6,19 +6,18 @@ import json
 import tracemalloc
 from pathlib import Path
 
+import faultlib as F
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from actstore import ActStore
-from actstore.layout import spec
 from actstore.cli import main
 from actstore.errors import CorruptStoreError, FormatVersionError, UnsafePathError
+from actstore.layout import spec
 from actstore.layout.records import MAX_EXAMPLES
-from actstore.write.finalize import finalize, load_manifest
 from actstore.verify import ERROR, verify_store
-
-import faultlib as F
+from actstore.write.finalize import finalize, load_manifest
 
 SH0 = "shards/shard-00000.zarr"
 

@@ -16,22 +16,22 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from browser import _browser, _chromium, site_record
 from click.testing import CliRunner
+from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, slow_pieces, smollm2_tokenizer
 
 import actstore
 from actstore.cli import main
 from actstore.features import neurons
-from actstore.features.views.context import text_windows
 from actstore.features.exports.dashboards import WINDOW as NP_WINDOW
 from actstore.features.exports.dashboards import export_neuronpedia
-from actstore.features.topk.passdata import load_pass
 from actstore.features.run import run_features
+from actstore.features.topk.passdata import load_pass
+from actstore.features.views.context import text_windows
 from actstore.features.views.show import example_texts, text_html
 from actstore.features.views.site import build_site
 from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.views.windows import DEFAULT_WINDOW
-from multilingual import TEXTS, byte_level_tokenizer, load, multilingual_store, slow_pieces, smollm2_tokenizer
-from browser import _browser, _chromium, site_record
 
 pytestmark = pytest.mark.torch  # transformers' tokenizers, chromium
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from capture_support import SENTENCES, tiny_llama, write_jsonl
+from factory import cli
 from tokenizers import processors
 
 import actstore
 from actstore.capture import token_origins
 from actstore.inputs.packing import doc_tokens, plan_windows
 from actstore.loaders.tokens import TokenStream
-from capture_support import SENTENCES, tiny_llama, write_jsonl
-from factory import cli
 
 DOCS = [" ".join(SENTENCES[i % len(SENTENCES)] for i in range(k, k + 1 + k % 3)) for k in range(6)]
 

@@ -8,12 +8,12 @@ import re
 
 import numpy as np
 import pytest
+from screen_count import count_screens
 
 from actstore import ShardWriter, finalize
 from actstore.layout.config import make_config
 from actstore.write import batch as batches
 from actstore.write.options import WriterOptions
-from screen_count import count_screens
 
 STORE = dict(
     layers=[1, 4],

@@ -10,12 +10,12 @@ import warnings
 import numpy as np
 import pytest
 import xarray as xr
+from factory import LAYOUTS, random_acts
 
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout import spec
 from actstore.layout.arrays import decode_keys
-from factory import LAYOUTS, random_acts
 
 LAYERS = [2, 5, 9]
 HOOKS = {"2": "model.layers.2", "5": "model.layers.5"}  # layer 9 unnamed: falls back to "layer 9"

@@ -8,12 +8,12 @@ import os
 import numpy as np
 import pytest
 import zarr
+from factory import random_acts
 from zarr.codecs import ZstdCodec
 
 import actstore
 from actstore import ActStore, ShardWriter
 from actstore.layout.chunks import geometry_from_metadata
-from factory import random_acts
 
 LAYERS = [3, 7]
 

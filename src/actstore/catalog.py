@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from actstore.layout import spec
 from actstore.errors import CorruptStoreError, NotFinalizedError, StoreNotFoundError
-from actstore.layout import jsonio, keys, records
+from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.config import StoreConfig
 from actstore.layout.family import FAMILY_FILE, MAX_FAMILY_BYTES, Family
 from actstore.layout.family import parse as parse_family

@@ -8,7 +8,6 @@ zarr-python and actstore read each other's output (tests/test_zarr_compat.py).
 from __future__ import annotations
 
 from collections import OrderedDict
-
 from typing import Any
 
 import numpy as np

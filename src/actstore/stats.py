@@ -13,10 +13,9 @@ to float64 rounding.
 
 from __future__ import annotations
 
-from typing import Any
-
 import io
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

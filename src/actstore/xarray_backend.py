@@ -17,8 +17,8 @@ from xarray.backends import BackendEntrypoint
 
 from actstore.layout import spec
 from actstore.opener import open as open_store
-from actstore.read.xarray import to_dataset
 from actstore.read.saevstore import is_saev_dir
+from actstore.read.xarray import to_dataset
 
 
 class ActstoreBackendEntrypoint(BackendEntrypoint):

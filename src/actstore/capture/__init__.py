@@ -11,6 +11,10 @@ module's output. `actstore write` runs the whole job from the command line. Impo
 package does not import torch; its functions do.
 """
 
+from actstore.capture.hooks import Capture, find_blocks, resolve_hooks
+from actstore.capture.options import CaptureOptions
+from actstore.capture.record import RecordResult, committed, record
+from actstore.capture.run import write
 from actstore.errors import (
     CaptureError,
     DataError,
@@ -20,13 +24,9 @@ from actstore.errors import (
     UnknownLayerError,
     UnreadableImageError,
 )
-from actstore.capture.hooks import Capture, find_blocks, resolve_hooks
 from actstore.inputs.models import LoadedModel, load_model
 from actstore.inputs.packing import token_origins
 from actstore.inputs.prepare import CaptureBatch
-from actstore.capture.options import CaptureOptions
-from actstore.capture.record import RecordResult, committed, record
-from actstore.capture.run import write
 from actstore.read.normalize import normalization
 
 WriteOptions = CaptureOptions  # the name before CaptureOptions, kept one release

@@ -21,7 +21,6 @@ from actstore.layout.family import Family, Member
 from actstore.read.family import member_location
 from actstore.write.family import create_family
 
-
 # Sites that are d_model wide in every decoder (the residual stream and what adds to it):
 # a capture of these alone is one store, with no width measured.
 D_MODEL_SITE = re.compile(r"^blocks\.-?\d+\.hook_(resid_pre|resid_mid|resid_post|mlp_in|mlp_out|attn_out)$")

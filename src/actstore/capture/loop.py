@@ -18,8 +18,8 @@ from typing import Any
 from actstore.capture.drain import Drain
 from actstore.capture.hooks import Capture
 from actstore.capture.record_inputs import accepts, as_batch, device_of
-from actstore.capture.writeside import Job, WriteSide
 from actstore.capture.stage import Stage
+from actstore.capture.writeside import Job, WriteSide
 from actstore.errors import EmptyDatasetError
 from actstore.storage import retry
 from actstore.write.pipeline import IOStats

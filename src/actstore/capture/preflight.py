@@ -18,9 +18,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_name
 from actstore.errors import CaptureError, UnknownLayerError
 from actstore.storage.regular import describe
-from actstore.capture.hooks import BLOCK_PATHS, TL_HOOKS, TL_NAME, resid_post_name
 
 # (modality, blocks) of the embedded defaults (actstore/inputs/embedded.py).
 EMBEDDED_SHAPES = {"dinov2-s14": ("image", 12), "smollm2-135m": ("text", 30), "minilm-l6": ("text", 6)}

@@ -19,8 +19,8 @@ from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
 from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
-from actstore.capture.writeside import Job, ShardContents
 from actstore.capture.target import CaptureTarget
+from actstore.capture.writeside import Job, ShardContents
 from actstore.errors import CaptureError
 from actstore.inputs.models import LoadedModel, wrap_module
 from actstore.write.pipeline import IOStats

@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from actstore.capture import ranks
+from actstore.capture.capture_bar import CaptureBar
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, check_job
-from actstore.capture.capture_bar import CaptureBar
 from actstore.capture.record import record_shard
 from actstore.capture.runner_local import run_workers
 from actstore.capture.target import CaptureTarget
@@ -97,9 +97,8 @@ def write(o: CaptureOptions) -> dict[str, Any]:
         finalize(target.url)
         summary["finalized"] = True
         from actstore.read.masks import summarize
-        from actstore.read.store import ActStore
-
         from actstore.read.sinkcheck import find_sinks, sink_warning
+        from actstore.read.store import ActStore
 
         done = ActStore(target.url)
         mask = summarize(done)  # which tokens every reader's default mask keeps

@@ -11,9 +11,9 @@ from dataclasses import replace
 from typing import Any
 
 from actstore.capture.capture_bar import CaptureBar
-from actstore.capture.ranks import bar_total
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions
+from actstore.capture.ranks import bar_total
 from actstore.errors import CaptureError
 
 

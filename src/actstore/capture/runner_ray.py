@@ -197,8 +197,8 @@ def _drain(queue: Any, bar: Any, empty: type[Exception], callback: Callable[[int
 def run_ray(o: Any, n: int, run_shard: Callable[..., Any]) -> list[Any]:
     """Write shards 0..o.workers-1 of n examples (documents with --pack / --chunk) with Ray actors, each calling
     `run_shard(o, rank, world, progress=...)` (actstore.capture.run)."""
-    from actstore.inputs.data import absolute_data
     from actstore.capture.ranks import bar_total
+    from actstore.inputs.data import absolute_data
 
     store = os.path.abspath(o.store) if "://" not in str(o.store) else o.store
     # The driver checked that a fresh run starts on no shard: a restarted actor resumes.

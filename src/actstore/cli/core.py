@@ -8,8 +8,7 @@ import click
 
 from actstore.cli import grammar as G
 from actstore.cli.params import STORE
-
-from actstore.read.info import store_info, format_info
+from actstore.read.info import format_info, store_info
 from actstore.write.finalize import finalize
 
 

@@ -9,7 +9,6 @@ import click
 
 from actstore.cli import grammar as G
 from actstore.cli.params import STORE
-
 from actstore.layout import spec
 from actstore.legacy.safe_pickle import MAX_OBJECTS
 from actstore.storage.retry import counts as network_counts
@@ -50,8 +49,8 @@ def verify_cmd(store: str, deep: bool, as_json: bool, strict: bool, quiet: bool)
     from actstore.errors import ActstoreError
     from actstore.saelens.check import is_saelens_folder
     from actstore.storage import is_url
-    from actstore.write.finalize import load_manifest
     from actstore.verify import verify_store
+    from actstore.write.finalize import load_manifest
 
     if not is_url(store) and is_saelens_folder(store):
         _verify_saelens(store, as_json, quiet)

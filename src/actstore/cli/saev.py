@@ -10,9 +10,8 @@ import click
 
 from actstore.cli import grammar as G
 from actstore.cli.params import STORE
-from actstore.read.layers import parse_layer_list
-
 from actstore.layout import saevspec as P
+from actstore.read.layers import parse_layer_list
 from actstore.storage.retry import counts as network_counts
 
 

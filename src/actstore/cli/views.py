@@ -101,7 +101,6 @@ def show_cmd(
     else:
         G.require_extras("show", ("torch", "PIL"))
         from actstore.features.views.show_png import render
-
         from actstore.read.store import ActStore
 
         # Drawn from the store opened above, whose state the picture records.

@@ -3,8 +3,8 @@ context around each example, and a static site (docs/features.md)."""
 
 from __future__ import annotations
 
-from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import EncoderError, FeatureError, TokenizerNotFoundError
+from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.features.encoders.sources import load_dictionary_learning, load_directions, load_saelens, load_saev
 from actstore.features.topk.layerpass import FeatureTables, top_activations
 

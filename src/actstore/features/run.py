@@ -10,14 +10,14 @@ from typing import Any
 from actstore._version import __version__
 from actstore.errors import FeatureError
 from actstore.features.encoders import sources
+from actstore.features.topk.layerpass import top_activations
 from actstore.features.topk.quality import Reconstruction
 from actstore.features.topk.tables import store_checksum, write_tables
-from actstore.features.topk.layerpass import top_activations
-from actstore.read.masks import leaves_out_special
 from actstore.progress import warn
-from actstore.read.sinkcheck import find_sinks, sink_warning
-from actstore.read.family import FamilyStore
 from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.family import FamilyStore
+from actstore.read.masks import leaves_out_special
+from actstore.read.sinkcheck import find_sinks, sink_warning
 from actstore.read.state import check_unchanged
 
 

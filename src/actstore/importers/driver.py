@@ -141,8 +141,8 @@ def run_import(
         commit_bytes: commit a shard's block every this many bytes (a kill loses at most one block).
         zarr_format: 2 (chunk files) or 3 (sharded).
     """
-    from actstore.write.finalize import finalize
     from actstore.progress import bar
+    from actstore.write.finalize import finalize
 
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"workers must be an int >= 1. Got {workers!r}.")

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from actstore.errors import DataError, EmptyDatasetError, UnreadableImageError
 from actstore.inputs import embedded
 from actstore.inputs.textdecode import Decoding
-from actstore.errors import DataError, EmptyDatasetError, UnreadableImageError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 EMBEDDED_PREFIX = "embedded:"

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actstore.inputs import embedded
-from actstore.errors import ModelLoadError
 from actstore.dtypes import require_torch
+from actstore.errors import ModelLoadError
+from actstore.inputs import embedded
 
 EMBEDDED_PREFIX = "embedded:"
 _VISION_TYPES = (

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from actstore.inputs.data import Source
 from actstore.errors import CaptureError
+from actstore.inputs.data import Source
 from actstore.inputs.prepare import CaptureBatch
 
 if TYPE_CHECKING:

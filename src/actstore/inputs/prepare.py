@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.inputs.data import Source, load_image
 from actstore.errors import CaptureError
+from actstore.inputs.data import Source, load_image
 from actstore.inputs.models import ImageSpec
 from actstore.layout.spec import BOS_MODES, FIRST_KIND, FIRST_LABEL
 

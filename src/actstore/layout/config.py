@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.errors import CorruptStoreError, FormatVersionError, StoreMismatchError
+from actstore.layout import spec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.errors import CorruptStoreError, UnsafePathError
-from actstore.layout import jsonio, keys
+from actstore.layout import jsonio, keys, spec
 from actstore.layout.config import StoreConfig, check_format_header
 
 MAX_EXAMPLES = 2**48  # a document claiming more is refused before anything is allocated

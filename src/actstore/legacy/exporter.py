@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from actstore.errors import LegacyExportExistsError
-from actstore.storage.files import atomic_write_bytes, atomic_write_json, export_os_errors
 from actstore.legacy.metadata import METADATA_FILE, SHARD_NAME_FORMAT
+from actstore.storage.files import atomic_write_bytes, atomic_write_json, export_os_errors
 
 if TYPE_CHECKING:
     from actstore.read.store import ActStore

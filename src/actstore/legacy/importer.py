@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.errors import CorruptStoreError, LegacyFormatError, StoreMismatchError, UnsafePathError
-from actstore.storage.files import read_regular, safe_child
-from actstore.layout import jsonio
+from actstore.layout import jsonio, spec
 from actstore.legacy.metadata import METADATA_FILE, LegacyMetadata, LegacyShardInfo, parse_metadata
 from actstore.legacy.safe_pickle import MAX_OBJECTS, load_shard_bytes
+from actstore.storage.files import read_regular, safe_child
 
 SEGMENT = "tokens"
 TEXTS = ("text_preview", "metadata")

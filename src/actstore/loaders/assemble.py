@@ -32,8 +32,8 @@ from torch.utils.data import get_worker_info
 
 from actstore.hostmem import DeviceCopy, hand_over
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing, WorkerBatch, WorkerRing
-from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.loaders.state import StreamState
+from actstore.loaders.windows import WindowSlot, void_rows
 from actstore.read.normalize import normalize_into
 
 SPLIT_ROWS = 256  # rows one gather thread takes at a time

@@ -48,9 +48,9 @@ from actstore.loaders.followcheck import (
     same_generation,
     vanished,
 )
-from actstore.read.layers import resolve_layer
-from actstore.read.interface import Reader
 from actstore.loaders.spec import StreamSpec, make_spec
+from actstore.read.interface import Reader
+from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, effective_token_mask
 from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage

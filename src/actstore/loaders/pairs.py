@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from actstore.read.api import ReaderLike, as_reader
 from actstore.loaders.buffers import TORCH_DTYPES, BufferRing
-from actstore.read.masks import DEFAULT
+from actstore.loaders.feed import DeviceLoader, cuda_device
 from actstore.loaders.source import (
     TokenMask,
     pick_layers,
@@ -34,9 +33,10 @@ from actstore.loaders.source import (
     segment_lengths,
     stored_numpy_dtype,
 )
-from actstore.loaders.feed import DeviceLoader, cuda_device
 from actstore.loaders.spec import dist_rank_world
 from actstore.loaders.windows import TaskPacker
+from actstore.read.api import ReaderLike, as_reader
+from actstore.read.masks import DEFAULT
 from actstore.storage.forksafe import worker_context
 
 

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.loaders.assemble import BatchMaker, OnDevice
 from actstore.hostmem import ENDED, BoundedQueue
+from actstore.loaders.assemble import BatchMaker, OnDevice
 from actstore.loaders.buffers import Stopped
 from actstore.loaders.plan import EpochPlan, WindowSlice
 from actstore.loaders.source import TokenUnits
+from actstore.loaders.state import StreamState
 from actstore.loaders.windows import MappedFill, ReadFill, WindowSlot
 from actstore.storage.mapping import FileRegion
-from actstore.loaders.state import StreamState
 
 _STOP = object()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose threads may still run

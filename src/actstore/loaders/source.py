@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.errors import LayerNotFoundError, SegmentNotFoundError, TokenMaskError
+from actstore.layout import spec
 from actstore.read.interface import Reader
 from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, effective_token_mask

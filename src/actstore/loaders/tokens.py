@@ -21,10 +21,10 @@ import torch
 from torch.utils.data import get_worker_info
 
 from actstore.loaders.aligned import AlignedTokenStream
-from actstore.loaders.family import narrow
 from actstore.loaders.base import BaseTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.deprecated import forwarded, legacy_stream
+from actstore.loaders.family import narrow
 from actstore.loaders.pipeline import TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
 from actstore.loaders.position import StreamPosition

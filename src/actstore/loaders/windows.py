@@ -23,8 +23,8 @@ import numpy as np
 from actstore.errors import CorruptChunkError
 from actstore.loaders.plan import WindowSlice
 from actstore.loaders.source import request_objects
-from actstore.storage.mapping import FileRegion
 from actstore.loaders.state import StreamState
+from actstore.storage.mapping import FileRegion
 
 TASK_BYTES = 128 * 2**20  # most bytes one I/O task reads (the reads of one object stay together up to this)
 KNOWN_UNITS = 1 << 20  # units whose mapped rows are remembered (about 200 bytes each)

@@ -6,7 +6,7 @@ read.xarray work through the Reader interface only, so an actstore store and a s
 directory read the same way.
 """
 
-from actstore.read.interface import Reader, SegmentReader
 from actstore.read.api import as_reader
+from actstore.read.interface import Reader, SegmentReader
 
 __all__ = ["Reader", "SegmentReader", "as_reader"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from typing import Union
 
-from actstore.read.interface import ReadItem, Reader, SegmentReader
 from actstore.read.family import FamilyStore, is_family
+from actstore.read.interface import Reader, ReadItem, SegmentReader
 from actstore.read.saevstore import SaevStore, is_saev_dir
 from actstore.read.store import ActStore
 from actstore.storage import Storage

@@ -18,7 +18,6 @@ from actstore.chunkio import ChunkIO
 from actstore.errors import CorruptChunkError
 from actstore.storage.mapping import FileRegion
 
-
 WHOLE_FILE_BYTES = 128 * 2**20  # the largest shard file read whole when most of it is wanted
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from actstore.read.family import FamilyStore, is_family
 from actstore.read.masks import summarize
 from actstore.read.sinkcheck import find_sinks, sink_warning
-from actstore.read.family import FamilyStore, is_family
 from actstore.read.store import ActStore
 
 

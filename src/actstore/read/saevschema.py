@@ -11,11 +11,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from actstore.errors import ActstoreError
-from actstore.storage.files import read_regular
+from actstore.errors import ActstoreError, SaevFormatError
 from actstore.layout import jsonio
 from actstore.layout import saevspec as P
-from actstore.errors import SaevFormatError
+from actstore.storage.files import read_regular
 from actstore.storage.regular import describe
 
 HINT = "a saev shard directory holds only regular files (run `actstore verify-saev`)"

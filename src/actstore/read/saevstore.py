@@ -14,14 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from actstore.errors import FieldNotFoundError, SaevFormatError
+from actstore.index import ExampleIndex, layer_position
+from actstore.layout import saevspec as P
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
-from actstore.index import ExampleIndex, layer_position
 from actstore.read.interface import Reader
-from actstore.read.select import is_pair, select
-from actstore.layout import saevspec as P
-from actstore.errors import FieldNotFoundError, SaevFormatError
 from actstore.read.saevschema import check_metadata, check_shards_json, read_json, regular_size
+from actstore.read.select import is_pair, select
 
 SEGMENT = spec.DEFAULT_SEGMENT
 # What a saev directory name looks like (saevspec.metadata_hash): 2.0 a full sha256, 2.1 its first 8 hex digits.

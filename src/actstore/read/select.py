@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import ExampleIndexError
 from actstore.index import layer_position
+from actstore.layout import spec
 from actstore.read.interface import Reader
 from actstore.read.shard import UNCHECKED_READ_BYTES
 

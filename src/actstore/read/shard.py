@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 
 from actstore import catalog
-from actstore.layout import spec
 from actstore.chunkio import ChunkIO, crc32c
 from actstore.errors import ActstoreError, CorruptChunkError, CorruptStoreError, StoreNotFoundError
-from actstore.layout import jsonio, keys, records, texts
+from actstore.layout import jsonio, keys, records, spec, texts
 from actstore.layout.arraymeta import array_problems, chunk_rows
 from actstore.layout.arrays import array_specs, every_chunk
 from actstore.layout.chunks import (

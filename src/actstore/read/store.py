@@ -15,15 +15,15 @@ from typing import Any
 import numpy as np
 
 from actstore import catalog
-from actstore.layout import keys, spec
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import FieldNotFoundError, StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
+from actstore.layout import keys, spec
 from actstore.layout.config import SegmentSpec, StoreConfig
 from actstore.layout.records import Manifest
 from actstore.read.batched import MappedChunk
 from actstore.read.family import is_family
-from actstore.read.interface import ReadItem, Reader
+from actstore.read.interface import Reader, ReadItem
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
 from actstore.storage import Storage, open_storage

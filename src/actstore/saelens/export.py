@@ -31,9 +31,9 @@ import numpy as np
 
 from actstore.errors import SaelensExportError
 from actstore.index import layer_position
-from actstore.read.family import FamilyStore
-from actstore.read.api import Reader, ReaderLike, as_reader
 from actstore.read import masks
+from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.family import FamilyStore
 from actstore.read.state import check_unchanged
 from actstore.saelens.card import dataset_card
 from actstore.saelens.check import CONFIG, file_record

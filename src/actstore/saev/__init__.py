@@ -4,10 +4,10 @@ See docs/export.md. The protocol constants live in actstore.layout.saevspec.
 """
 
 from actstore.errors import SaevExistsError, SaevExportError, SaevFormatError, SaevOptionError
-from actstore.saev.export import SaevExport, default_dump_to, export_saev
-from actstore.saev.plan import SaevExportOptions
-from actstore.saev.importer import import_saev
 from actstore.read.saevstore import SaevStore, is_saev_dir
+from actstore.saev.export import SaevExport, default_dump_to, export_saev
+from actstore.saev.importer import import_saev
+from actstore.saev.plan import SaevExportOptions
 from actstore.saev.runs import link_run
 from actstore.saev.verify import SaevReport, verify_saev
 

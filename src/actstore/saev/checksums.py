@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout.checksum import crc32c, extend_zeros
-from actstore.layout import saevspec as P
 from actstore.errors import SaevFormatError
+from actstore.layout import saevspec as P
+from actstore.layout.checksum import crc32c, extend_zeros
 from actstore.read.saevschema import read_json, regular_size
 
 ALGORITHM = "crc32c"

@@ -16,19 +16,19 @@ from typing import Any
 
 from actstore.errors import SaevExistsError, SaevExportError, SaevOptionError
 from actstore.layout import saevspec as P
-from actstore.read.family import FamilyStore
-from actstore.read.api import Reader, ReaderLike, as_reader
-from actstore.read.store import ActStore
-from actstore.read.state import check_unchanged
-from actstore.saev.checksums import file_crc, sidecar_bytes
 from actstore.progress import say
+from actstore.read.api import Reader, ReaderLike, as_reader
+from actstore.read.family import FamilyStore
 from actstore.read.masks import summarize
-from actstore.storage.files import export_os_errors
+from actstore.read.state import check_unchanged
+from actstore.read.store import ActStore
+from actstore.saev.checksums import file_crc, sidecar_bytes
 from actstore.saev.pipeline import ShardPipeline, write_labels, write_small
 from actstore.saev.plan import DEFAULT_BATCH_BYTES, ExportPlan, SaevExportOptions, make_plan
 from actstore.saev.publish import publish, remove_stale, temp_dir
-from actstore.storage.durable import fsync_dir
 from actstore.saev.verify import verify_saev
+from actstore.storage.durable import fsync_dir
+from actstore.storage.files import export_os_errors
 
 
 @dataclass(frozen=True, kw_only=True)

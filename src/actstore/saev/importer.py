@@ -10,8 +10,8 @@ import numpy as np
 
 from actstore.read.saevstore import SaevStore
 from actstore.saev import checksums
-from actstore.write.finalize import finalize
 from actstore.write import ShardWriter
+from actstore.write.finalize import finalize
 
 DEFAULT_BATCH_BYTES = 64 * 2**20
 
@@ -45,7 +45,6 @@ def import_saev(
         batch_bytes: float32 bytes appended per batch.
     """
     from actstore.progress import bar as progress_bar  # a live bar on a terminal, lines in a pipe
-
     from actstore.read.store import ActStore
 
     src = SaevStore(saev_dir)

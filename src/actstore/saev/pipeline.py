@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout import spec
 from actstore.layout import saevspec as P
+from actstore.layout import spec
 from actstore.read.store import ActStore
 from actstore.saev.checksums import FileCrc
 from actstore.saev.plan import ExportPlan

@@ -19,13 +19,13 @@ from typing import Any
 import numpy as np
 
 from actstore.chunkio import crc32c
-from actstore.layout import jsonio
-from actstore.layout.spec import LEN_SUFFIX, TOKEN_LABELS_SUFFIX
+from actstore.errors import SaevOptionError
 from actstore.index import layer_position
+from actstore.layout import jsonio
+from actstore.layout import saevspec as P
+from actstore.layout.spec import LEN_SUFFIX, TOKEN_LABELS_SUFFIX
 from actstore.read.masks import leaves_out_special
 from actstore.read.store import ActStore
-from actstore.layout import saevspec as P
-from actstore.errors import SaevOptionError
 
 CLS_MODES = ("keep", "drop", "none")
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from actstore.layout import saevspec as P
 from actstore.errors import SaevOptionError
-from actstore.read.saevstore import is_saev_dir
+from actstore.layout import saevspec as P
 from actstore.read.saevschema import read_json
+from actstore.read.saevstore import is_saev_dir
 from actstore.storage.files import atomic_write
 
 RUN_DIRS = ("checkpoint", "links", "inference")

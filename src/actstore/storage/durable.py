@@ -9,8 +9,8 @@ import os
 import queue
 import threading
 import uuid
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from actstore.storage.base import Writeback

@@ -23,11 +23,18 @@ from typing import Any
 
 from actstore.errors import StorageAccessError, UnsafePathError
 from actstore.storage.base import Entry, KeyNotFound, Storage, Writeback
-from actstore.storage.mapping import MappedFile
-from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
-from actstore.storage.durable import SYNC_FILE_RANGE_WRITE, FileWriteback, fsync_dir, fsync_files, sync_file_range
-from actstore.storage.durable import syncfs, tmp_name, write_all
+from actstore.storage.durable import (
+    SYNC_FILE_RANGE_WRITE,
+    FileWriteback,
+    fsync_dir,
+    fsync_files,
+    sync_file_range,
+    syncfs,
+    tmp_name,
+    write_all,
+)
 from actstore.storage.files import atomic_write
+from actstore.storage.mapping import MappedFile
 from actstore.storage.regular import O_BINARY as _O_BINARY
 from actstore.storage.regular import O_NOFOLLOW as _O_NOFOLLOW
 from actstore.storage.regular import (
@@ -38,8 +45,11 @@ from actstore.storage.regular import (
     named_writes,
     not_regular,
     open_regular,
+)
+from actstore.storage.regular import (
     open_write as _open_write,
 )
+from actstore.storage.vectored import RWF_NOWAIT, pread_cached, preadv_runs
 
 
 class LocalStorage(Storage):

@@ -11,10 +11,10 @@ from actstore.layout import keys
 from actstore.layout.records import Manifest
 from actstore.storage import open_storage
 from actstore.verify.check import Checker
-from actstore.verify.report import ERROR, WARNING, VerifyReport, plural
 from actstore.verify.deep import load_stats
-from actstore.verify.shard import check_shard
 from actstore.verify.family import FAMILY_FILE, verify_members
+from actstore.verify.report import ERROR, WARNING, VerifyReport, plural
+from actstore.verify.shard import check_shard
 
 
 def verify_store(

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from actstore.layout.arrays import encode_keys
 from actstore.dtypes import clip_to, convert, to_numpy
 from actstore.errors import AppendError, Float16OverflowError, NonFiniteError
 from actstore.layout import keys, spec
 from actstore.layout import texts as texts_layout
+from actstore.layout.arrays import encode_keys
 from actstore.layout.config import SegmentSpec, StoreConfig
 
 

@@ -17,16 +17,16 @@ from functools import partial
 from typing import Any
 
 from actstore import catalog
-from actstore.write import zarr_arrays as arrays
 from actstore.chunkio import ChunkIO, drop_chunks
 from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsError, StoreMismatchError
-from actstore.layout.config import StoreConfig
 from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.chunks import array_meta_key, geometry_from_metadata, key_scheme, row_chunk_key
-from actstore.write.committed import PerSampleRows, committed_keys, missing_objects, refuse_missing
+from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage
+from actstore.write import zarr_arrays as arrays
 from actstore.write.appendfiles import AppendFiles
+from actstore.write.committed import PerSampleRows, committed_keys, missing_objects, refuse_missing
 from actstore.write.layouts import ChunkFiles, Layout, ZarrArrays
 from actstore.write.metabuffer import MetaBufferStore
 from actstore.write.options import WriterOptions

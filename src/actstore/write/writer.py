@@ -19,16 +19,16 @@ from typing import Any, Unpack
 import numpy as np
 
 from actstore import catalog
-from actstore.write import zarr_arrays as arrays
 from actstore._version import __version__
 from actstore.errors import AppendError, DiskFullError, StoreNotFoundError
 from actstore.layout import keys, records, spec
+from actstore.layout.arrays import shard_arrays
+from actstore.layout.checksum import per_sample_crc32c
 from actstore.layout.config import StoreConfig
 from actstore.stats import RunningStats, stats_key, update_masked
 from actstore.storage import open_storage
 from actstore.write import batch as batches
-from actstore.layout.arrays import shard_arrays
-from actstore.layout.checksum import per_sample_crc32c
+from actstore.write import zarr_arrays as arrays
 from actstore.write.appendfiles import AppendFiles
 from actstore.write.identity import claim_store
 from actstore.write.lease import ShardLease

@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.encoders.encoder import Encoder
 from actstore.errors import EncoderError, FeatureError
+from actstore.features.encoders.encoder import Encoder
 
 SAELENS_ARCHITECTURES = ("standard", "jumprelu", "topk")
 SAELENS_NORMALIZE = {

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.features.views import context, relations
-from actstore.features.exports import neuronpedia
 from actstore.features.encoders.encoder import Encoder
-from actstore.features.views.logits import applicable_unembedding
-from actstore.features.topk.passdata import check_store, load_pass, open_store_of
-from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
+from actstore.features.exports import neuronpedia
 from actstore.features.staging import staged_folder
+from actstore.features.topk.passdata import check_store, load_pass, open_store_of
+from actstore.features.views import context, relations
+from actstore.features.views.logits import applicable_unembedding
+from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, gather_rows
 from actstore.features.views.windows import text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import ReaderLike

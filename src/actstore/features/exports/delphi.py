@@ -33,9 +33,9 @@ import numpy as np
 
 from actstore.dtypes import f32_to_f16
 from actstore.errors import FeatureError
-from actstore.progress import updater
 from actstore.features.encoders.encoder import Encoder
 from actstore.features.staging import staged_folder
+from actstore.progress import updater
 from actstore.read.api import Reader
 
 N_SPLITS = 5  # delphi's CacheConfig default

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.topk.accum import FeatureAccumulator
 from actstore.features.encoders.encoder import LAYER_NORM_EPS, Encoder
+from actstore.features.topk.accum import FeatureAccumulator
 
 
 def tail_sizes(sign: str, k: int, pool: int) -> tuple[tuple[int, int], tuple[int, int] | None]:

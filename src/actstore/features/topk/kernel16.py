@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from actstore.dtypes import f32_to_f16
-from actstore.features.topk.kernel import njit, heap_offer
+from actstore.features.topk.kernel import heap_offer, njit
 
 BLOCK = 32  # features per block: a block's counters (32 x 256 uint32) stay in L1 over the batch
 ONE = 1 << 20  # a packed uint32 counter: count << 20 | sum of low bytes (< 2**20 for up to CHUNK tokens)

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError, LayerNotFoundError
-from actstore.progress import updater
-from actstore.features.topk.collect import SIGNS, FeatureTables, build_tables
 from actstore.features.encoders.encoder import Encoder
-from actstore.features.topk.groups import GroupReader
+from actstore.features.topk.collect import SIGNS, FeatureTables, build_tables
 from actstore.features.topk.consumers import DeviceConsumer, HostConsumer
+from actstore.features.topk.groups import GroupReader
+from actstore.progress import updater
 from actstore.read.api import ReaderLike, as_reader
 
 MAX_TOP_K = 10_000

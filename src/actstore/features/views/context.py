@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.encoders.encoder import Encoder
 from actstore.errors import FeatureError, TokenizerNotFoundError
+from actstore.features.encoders.encoder import Encoder
+from actstore.features.views.windows import DEFAULT_WINDOW
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
-from actstore.features.views.windows import DEFAULT_WINDOW
 from actstore.read.store import ActStore
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-
 SCALE = 2  # drawn at twice the model's input size
 ALPHA = 0.55  # weight of the heat colours over the image
 

@@ -32,8 +32,8 @@ def norm_stats(
     and `position_count` (by token position in `store[ex, layer]`). `store`: a Reader, or
     a store's path or URL; `progress`: True for a bar on stderr, or a callable taking the
     examples read."""
-    from actstore.progress import updater
     from actstore.features.views.windows import left_out, token_labels
+    from actstore.progress import updater
 
     store = as_reader(store)
     labels = token_labels(store)

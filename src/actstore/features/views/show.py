@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.views import context
-from actstore.features.encoders.encoder import Encoder, neurons
 from actstore.errors import FeatureError
+from actstore.features.encoders.encoder import Encoder, neurons
+from actstore.features.views import context
 from actstore.inputs.tokentext import TokenText
 from actstore.read.api import Reader
 
@@ -155,8 +155,8 @@ def images_png(
     one colour scale [min, max] over all of them, with a colour bar."""
     from PIL import Image, ImageDraw
 
-    from actstore.features.views.show_png import colormap
     from actstore.features.views.heatmaps import heatmap
+    from actstore.features.views.show_png import colormap
 
     im = store.config.attrs.get("image")
     if not im:

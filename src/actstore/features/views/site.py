@@ -20,17 +20,18 @@ from typing import Any
 import numpy as np
 
 from actstore.errors import FeatureError
-from actstore.progress import updater
-from actstore.features.views import context, relations, sitedata
 from actstore.features.encoders.encoder import Encoder
+from actstore.features.staging import staged_folder
 from actstore.features.topk.passdata import PassData, check_store, load_pass, open_store_of
+from actstore.features.topk.quality import DENSE_FRACTION
+from actstore.features.views import context, relations, sitedata
 from actstore.features.views.sitedata import KIND_INTERVAL, KIND_TOP, Rows, Vocab
 from actstore.features.views.sitevision import VisionPages
-from actstore.features.staging import staged_folder
-from actstore.features.topk.quality import DENSE_FRACTION
-from actstore.features.views.thumbs import DEFAULT_SIZE as DEFAULT_THUMB, parse_size
+from actstore.features.views.thumbs import DEFAULT_SIZE as DEFAULT_THUMB
+from actstore.features.views.thumbs import parse_size
 from actstore.features.views.windows import DEFAULT_WINDOW, n_examples, text_windows, window_pieces
 from actstore.inputs.tokentext import TokenText
+from actstore.progress import updater
 from actstore.read.api import Reader, ReaderLike
 from actstore.storage.durable import write_all
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from actstore.features.views import sitedata
 from actstore.features.encoders.encoder import Encoder
+from actstore.features.views import sitedata
 from actstore.features.views.patches import patch_values
 from actstore.features.views.sitedata import Rows
 from actstore.features.views.thumbs import BUCKET, DEFAULT_SIZE, write_thumbnails
