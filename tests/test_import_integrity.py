@@ -250,7 +250,9 @@ def test_export_saelens_token_kinds_come_back_as_token_kinds(tmp_path):
     ) as w:
         w.append(rng.standard_normal((6, 1, 5, 4)), token_labels=rng.integers(0, 3, (6, 5)).astype(np.uint8))
     actstore.finalize(tmp_path / "src")
-    actstore.saelens.export_saelens(
+    from actstore.saelens.export import export_saelens
+
+    export_saelens(
         ActStore(tmp_path / "src"), tmp_path / "exp", layer=2, context_size=4, skip_special=False, progress=False
     )
     import_saelens(tmp_path / "exp", tmp_path / "back", progress=False)
