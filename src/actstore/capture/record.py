@@ -17,7 +17,6 @@ from actstore.capture import family, loop, proof, wrappers
 from actstore.capture.hooks import resolve_hooks
 from actstore.capture.loop import RecordResult
 from actstore.capture.options import CaptureOptions, OldRecordSettings, make_options
-from actstore.capture.runner_ray import ShardExtras
 from actstore.capture.segments import check_lengths
 from actstore.capture.target import CaptureTarget
 from actstore.capture.writeside import Job, ShardContents
@@ -105,13 +104,6 @@ def record(
     """
     opts = make_options(options, _renamed(dict(settings)))
     opts.check(names="python")
-    if opts.runner == "ray":
-        if isinstance(model, (list, tuple)):
-            raise CaptureError("runner='ray' records one model; record a family of models with the local runner")
-        extras = ShardExtras(
-            segments=segments, t_chunk=t_chunk, token_labels=token_labels, texts=texts, model_id=model_id, attrs=attrs
-        )
-        return _record_ray(model, batches, store, opts, shard, progress, extras)
     contents = ShardContents(
         segments=dict(segments) if segments else None,
         t_chunk=dict(t_chunk) if t_chunk else None,
@@ -119,6 +111,10 @@ def record(
         texts=tuple(texts),
         attrs=dict(attrs or {}),
     )
+    if opts.runner == "ray":
+        if isinstance(model, (list, tuple)):
+            raise CaptureError("runner='ray' records one model; record a family of models with the local runner")
+        return _record_ray(model, batches, store, opts, shard, progress, contents, model_id)
     if isinstance(model, (list, tuple)):  # several models on the same tokens: a family
         passed = _passed(opts, shard, contents, progress, io_progress)
         return _family(list(model), list(batches), store, opts, model_id, {}, passed)
@@ -237,7 +233,8 @@ def _record_ray(
     opts: CaptureOptions,
     shard: int,
     progress: Callable[[int, int, int], None] | None,
-    extras: ShardExtras,
+    contents: ShardContents,
+    model_id: str | None,
 ) -> list[RecordResult]:
     """record(runner="ray"): the writers as Ray actors (actstore.capture.runner_ray)."""
     from dataclasses import replace
@@ -256,7 +253,7 @@ def _record_ray(
         progress=False,
     )
     results = record_ray(
-        record, model, batches, store, settings, replace(opts, runner="local"), extras, callback=progress
+        record, model, batches, store, settings, replace(opts, runner="local"), contents, model_id, callback=progress
     )
     return [
         res

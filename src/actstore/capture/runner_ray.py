@@ -19,7 +19,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,19 +37,6 @@ class RaySettings:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     progress: bool = True
-
-
-@dataclass(frozen=True)
-class ShardExtras:
-    """What record() writes beside the activations, sent to every writer actor as it was
-    given (record()'s Args describe each)."""
-
-    segments: Mapping[str, int] | None = None
-    t_chunk: Mapping[str, int] | None = None
-    token_labels: bool | Mapping[int, str] = False
-    texts: Sequence[str] = ()
-    model_id: str | None = None
-    attrs: Mapping[str, Any] | None = None
 
 
 def _connect(s: RaySettings) -> bool:
@@ -232,14 +219,16 @@ def record_ray(
     store: str | os.PathLike,
     s: RaySettings,
     opts: Any,
-    extras: ShardExtras,
+    contents: Any,
+    model_id: str | None,
     *,
     callback: Callable[[int, int, int], None] | None = None,
 ) -> list[Any]:
     """record() with `s.workers` writer actors: writer r records the contiguous slice r of
     `batches` (a sequence) into shard r. `model` is a model spec for load_model (a folder, a
     hub id, `embedded:...`), a picklable callable that returns the model, or a model (sent
-    to every actor). `opts` (a CaptureOptions) and `extras` go to each actor's record().
+    to every actor). `opts` (a CaptureOptions), `contents` (what the shard holds beside its layers: a
+    writeside.ShardContents) and `model_id` go to each actor's record().
     Returns each writer's RecordResult in rank order (for a shard that was already
     complete, its count of committed examples); finalize afterwards."""
     from actstore.capture.ranks import split
@@ -262,7 +251,9 @@ def record_ray(
     for r in range(s.workers):
         a, b = split(len(batches), s.workers, r)
         jobs.append(
-            functools.partial(_record_rank, record, model, list(batches[a:b]), root, r, s.workers, opts, extras)
+            functools.partial(
+                _record_rank, record, model, list(batches[a:b]), root, r, s.workers, opts, contents, model_id
+            )
         )
     return run_actors(jobs, s, total=None, desc=f"{s.workers} ray writers", callback=callback)
 
@@ -275,7 +266,8 @@ def _record_rank(
     rank: int,
     world: int,
     opts: Any,
-    extras: ShardExtras,
+    contents: Any,
+    model_id: str | None,
     progress: Any,
 ) -> Any:
     """One actor's record(): the batches after the shard's committed examples (commits fall
@@ -304,12 +296,12 @@ def _record_rank(
         store,
         replace(opts, world_size=world, resume=True),
         shard=rank,
-        segments=extras.segments,
-        t_chunk=extras.t_chunk,
-        token_labels=extras.token_labels,
-        texts=extras.texts,
-        model_id=extras.model_id,
-        attrs=extras.attrs,
+        segments=contents.segments,
+        t_chunk=contents.t_chunk,
+        token_labels=contents.token_labels,
+        texts=contents.texts,
+        model_id=model_id,
+        attrs=contents.attrs,
         progress=progress.update,
         io_progress=getattr(progress, "io", None),
     )
