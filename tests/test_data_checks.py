@@ -124,7 +124,7 @@ def test_encoding_reads_latin1_and_errors_replace_or_skip_go_on_with_counts(tmp_
     "layer,hint",
     [
         ("blocks.1.hook_resid_pots", "did you mean 'blocks.1.hook_resid_post'"),
-        ("blocks.1.hook_mlp", "did you mean 'blocks.1.hook_mlp_out'"),
+        ("blocks.1.hook_mlp", "did you mean 'blocks.1.hook_mlp_in' or 'blocks.1.hook_mlp_out'"),
     ],
 )
 def test_a_misspelled_hook_name_is_refused_before_the_model_loads_with_the_closest(

@@ -415,6 +415,7 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
     from actstore.capture import record
     from actstore.capture.options import CaptureOptions
     from actstore.capture.runner_ray import _record_rank
+    from actstore.capture.writeside import ShardContents
 
     model, _ = tiny_llama(layers=2)
     torch.manual_seed(0)
@@ -431,10 +432,10 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
         def update(self, examples, tokens, nbytes):
             Bar.n += examples
 
-    res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, {}, Bar())
+    res = _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, ShardContents(), None, Bar())
     assert (res.n_before, res.n_written, Bar.n) == (4, 4, 4)
     assert (
-        _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, {}, Bar()) == 8
+        _record_rank(record, model, batches, str(tmp_path / "s"), 0, 1, opts, ShardContents(), None, Bar()) == 8
     )  # complete: its count, no model loaded
     record(model, batches, tmp_path / "one", layers=[1])
     for p in ("s", "one"):
@@ -445,7 +446,18 @@ def test_a_restarted_record_actor_resumes_after_the_committed_batches(tmp_path):
         np.testing.assert_array_equal(a[i, 1], b[i, 1])
     _partial(tmp_path / "t", model, [torch.randint(4, 60, (4, 5))])
     with pytest.raises(CaptureError, match="holds 4 committed examples, which do not end on a batch of its slice"):
-        _record_rank(record, model, [torch.randint(4, 60, (3, 5))] * 3, str(tmp_path / "t"), 0, 1, opts, {}, Bar())
+        _record_rank(
+            record,
+            model,
+            [torch.randint(4, 60, (3, 5))] * 3,
+            str(tmp_path / "t"),
+            0,
+            1,
+            opts,
+            ShardContents(),
+            None,
+            Bar(),
+        )
 
 
 def _partial(path, model, batches) -> None:

@@ -2,7 +2,7 @@
 file being written and the fix, publishes nothing, and leaves no partial files behind
 (pkl: an unfinished export that a rerun replaces). Real limits come from RLIMIT_FSIZE in
 the CLI's process (EFBIG, the file-size limit a full disk behaves like); ENOSPC and EIO
-are raised by a stand-in for os.write."""
+are raised by a stand-in for the gathered write (storage.durable.write_all)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import os
 import resource
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -115,19 +114,6 @@ def test_export_pkl_past_a_file_size_limit_names_the_file_and_what_is_left(store
     )
 
 
-def _failing_os(err: int, after: int) -> types.SimpleNamespace:
-    """os, but its write fails with `err` after `after` calls (as a full disk or a bad sector)."""
-    calls = [0]
-
-    def write(fd, data):
-        calls[0] += 1
-        if calls[0] > after:
-            raise OSError(err, os.strerror(err))
-        return os.write(fd, data)
-
-    return types.SimpleNamespace(**{**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")}, "write": write})
-
-
 @pytest.mark.parametrize(
     ("err", "kind", "says"),
     [
@@ -140,7 +126,15 @@ def _failing_os(err: int, after: int) -> types.SimpleNamespace:
     ],
 )
 def test_export_saev_on_a_full_or_failing_disk(store, tmp_path, monkeypatch, err, kind, says):
-    monkeypatch.setattr(saev_pipeline, "os", _failing_os(err, after=1))
+    calls, real = [0], saev_pipeline.write_all
+
+    def write_all(fd, parts):  # the one gathered write fails after its first call (a full disk, a bad sector)
+        calls[0] += 1
+        if calls[0] > 1:
+            raise OSError(err, os.strerror(err))
+        return real(fd, parts)
+
+    monkeypatch.setattr(saev_pipeline, "write_all", write_all)
     with pytest.raises(kind) as e:
         export_saev(store, tmp_path / "dump", protocol="2.0", progress=False, batch_bytes=4096)
     msg = str(e.value)

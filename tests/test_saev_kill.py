@@ -21,7 +21,7 @@ import os, sys, time
 from actstore.saev import pipeline as ex, export_saev
 
 marker, store, dump = sys.argv[1:4]
-real = ex._write_all
+real = ex.write_all
 writes = []
 
 def slow_write(fd, arr):
@@ -31,7 +31,7 @@ def slow_write(fd, arr):
         open(marker, "w").close()
         time.sleep(120)
 
-ex._write_all = slow_write
+ex.write_all = slow_write
 export_saev(store, dump, patches_per_shard=30, batch_bytes=1, progress=False)
 """
 
