@@ -59,11 +59,12 @@ def _same(a, b, names):
 
 @pytest.mark.parametrize("layers", [SITES, ["blocks.1.attn.hook_z"], ["blocks.1.mlp.hook_post"]])
 def test_an_nnsight_language_model_gives_the_hf_store(tmp_path, layers):
+    from capture_support import make_tokenizer
     from nnsight import LanguageModel
 
     model = _llama()
     hf = _store(model, tmp_path / "hf", layers)
-    wrapped = _store(LanguageModel(model), tmp_path / "nn", layers)
+    wrapped = _store(LanguageModel(model, tokenizer=make_tokenizer()), tmp_path / "nn", layers)
     _same(hf, wrapped, layers)
     assert wrapped.config.attrs["capture"]["sites"]["tool"].startswith("nnsight ")
     assert hf.config.attrs["capture"]["sites"]["tool"].startswith("transformers ")

@@ -1,8 +1,9 @@
 """Models as the interpretability tools hold them: nnsight's LanguageModel, TransformerLens's
 TransformerBridge, resolved to the HF module record() calls and the modules its hooks read.
 
-- nnsight `LanguageModel` / `NNsight` wraps an HF module without changing it: record() calls
-  and hooks the wrapped module (`._model`), and the site names resolve as for that module.
+- nnsight `LanguageModel` / `TransformersModel` / `NNsight` wraps an HF module without changing
+  it: record() calls and hooks the wrapped module (`._module` from nnsight 0.8, `._model`
+  before), and the site names resolve as for that module.
 - TransformerLens `TransformerBridge` inserts its own components (with HookPoints) into the
   HF module tree it wraps: record() calls that HF model (`.original_model`) and reads each site
   from the bridge's HookPoint of the same tensor (`BRIDGE_POINTS`). TransformerLens's own
@@ -35,7 +36,7 @@ BRIDGE_POINTS = {
 def tool_of(model: Any) -> str:
     """Which tool holds `model`: "nnsight", "transformer_lens" (a TransformerBridge) or "transformers"."""
     mod = type(model).__module__.split(".")[0]
-    if mod == "nnsight" and hasattr(model, "_model"):
+    if mod == "nnsight" and _nnsight_module(model) is not None:
         return "nnsight"
     if mod == "transformer_lens" and "original_model" in getattr(model, "__dict__", {}):
         return "transformer_lens"
@@ -52,10 +53,21 @@ def unwrap(model: Any) -> Any:
     """The HF module a wrapper holds (the module itself when it is not a wrapper)."""
     tool = tool_of(model)
     if tool == "nnsight":
-        return model._model
+        return _nnsight_module(model)
     if tool == "transformer_lens":
         return model.__dict__["original_model"]
     return model
+
+
+def _nnsight_module(model: Any) -> Any:
+    """The torch module an nnsight model wraps: `_module` (nnsight 0.8), `_model` (before)."""
+    import torch
+
+    for name in ("_module", "_model"):
+        inner = getattr(model, name, None)
+        if isinstance(inner, torch.nn.Module):
+            return inner
+    return None
 
 
 def hook_points(model: Any) -> Callable[[int, str], tuple[str, Any, int]] | None:
