@@ -13,14 +13,14 @@ if [ "${1:-}" = "--fast" ]; then
   args=(-m "not slow and not soak" "${@:2}")
 fi
 # Tests run in parallel processes (pytest-xdist): much of the suite waits on servers,
-# subprocesses, retries over a flaky network and the disk, so 4 processes on 2 cores (at least
-# 4, at most 8) cut the wall time. `--dist loadgroup`:
+# subprocesses, retries over a flaky network and the disk, so 3 processes on 2 cores (at least
+# 3, at most 8) cut the wall time (4 measured slower: 758 s against 718 s). `--dist loadgroup`:
 # the tests of a module with a module-scoped fixture stay in one process (the fixture is made
 # once), every other test goes to whichever process is free, longest first by the durations
 # recorded in tests/durations.json (tests/conftest.py orders them; --no-loadscope-reorder keeps
 # that order). ACTSTORE_TEST_WORKERS=N sets the number, 0 runs in this process (for a debugger).
 # Every run prints its 25 slowest tests (pyproject.toml's addopts).
-workers=${ACTSTORE_TEST_WORKERS:-$(python3 -c "import os; print(min(8, max(4, os.cpu_count() or 1)))")}
+workers=${ACTSTORE_TEST_WORKERS:-$(python3 -c "import os; print(min(8, max(3, os.cpu_count() or 1)))")}
 if [ "$workers" -gt 0 ]; then
   args=(-n "$workers" --dist loadgroup --no-loadscope-reorder "${args[@]}")
 fi
