@@ -26,7 +26,7 @@ import torch
 from capture_support import make_images, save_dinov2
 from click.testing import CliRunner
 from factory import pairs_store as qa_store
-from faultproxy import FaultProxy
+from faultproxy import FaultProxy, quick_obstore_backoff
 
 import actstore
 from actstore.cli import main
@@ -48,12 +48,13 @@ VIT = dict(
 
 @contextlib.contextmanager
 def flaky(s3_endpoint: str, seed: int):
-    """The proxy with RATES in front of moto, as every client's endpoint; a watchdog."""
+    """The proxy with RATES in front of moto, as every client's endpoint (its clients wait
+    little between obstore's own tries: quick_obstore_backoff); a watchdog."""
     old = os.environ.get("AWS_ENDPOINT_URL")
     retry.set_policy(retry.RetryPolicy(deadline_s=RETRY_SECONDS))
     faulthandler.dump_traceback_later(RUN_LIMIT_S, exit=True, file=sys.__stderr__)
     try:
-        with FaultProxy(s3_endpoint, seed=seed, **RATES) as proxy:
+        with FaultProxy(s3_endpoint, seed=seed, **RATES) as proxy, quick_obstore_backoff():
             os.environ["AWS_ENDPOINT_URL"] = proxy.url
             yield proxy
     finally:

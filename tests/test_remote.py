@@ -127,11 +127,15 @@ def test_cli_on_a_url(s3_url, tmp_path):
 
 def test_an_unreliable_s3_still_gives_an_exact_store(s3_endpoint, s3_url, monkeypatch):
     """A proxy answers 503 to 10% of requests and drops 3% before and 2% after the server
-    acted: obstore's retries still give an exact store, read back and verified."""
-    from faultproxy import FaultProxy
+    acted: obstore's retries still give an exact store, read back and verified (with short
+    pauses between its tries: the retries are what is tested, not the waits)."""
+    from faultproxy import FaultProxy, quick_obstore_backoff
 
     x = (np.arange(9 * 2 * 5 * 8, dtype=np.float32).reshape(9, 2, 5, 8) % 31) / 4
-    with FaultProxy(s3_endpoint, fail=0.10, drop_request=0.03, drop_response=0.02, seed=7) as proxy:
+    with (
+        FaultProxy(s3_endpoint, fail=0.10, drop_request=0.03, drop_response=0.02, seed=7) as proxy,
+        quick_obstore_backoff(),
+    ):
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         _write(s3_url, x, zarr_format=3, shard_examples=4)
         st = actstore.ActStore(s3_url)
