@@ -50,11 +50,12 @@ def pytest_configure(config):
     """DataLoader workers of stores in object storage start by forkserver (obstore does not
     survive fork): the server is one fresh interpreter per test process, and each worker forks
     from it. Preloading torch and the loaders there makes a worker a fork, not a fresh import
-    of torch (seconds each). Modules missing here (the core job: no torch) are skipped by
+    of torch (seconds each); the victim and racer scripts (tests/forked.py) fork from it with
+    actstore imported. Modules missing here (the core job: no torch) are skipped by
     multiprocessing itself."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(["torch", "actstore.loaders.tokens", "actstore.loaders.pairs"])
+    multiprocessing.set_forkserver_preload(["actstore", "torch", "actstore.loaders.tokens", "actstore.loaders.pairs"])
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -7,19 +7,19 @@ As a script it is the victim of the kill loop and the full-disk test:
     python tests/faultlib.py export-saev STORE DUMP_TO
     python tests/faultlib.py write-fsize STORE SHARD COUNT AFTER LIMIT
 
-Each prints "ready" once imported and set up, then does its work and prints
+tests run it with spawn() (forked with its imports done, tests/forked.py). Each prints
+"ready" once imported and set up, then does its work and prints
 "done <seconds>". Example k of shard s always holds `example_acts(s, k)`.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 
 LAYERS = [2, 7]
@@ -148,22 +148,12 @@ def flip_bit(path: Path, byte: int, bit: int = 0) -> None:
 
 
 # ---- victim processes ------------------------------------------------------------------
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO / "src") + os.pathsep + str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "faultlib.py"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=str(REPO),
-    )
+def spawn(*args: str) -> forked.Child:
+    """This script's stage `args` in a process of its own, forked with its imports done (tests/forked.py)."""
+    return forked.start(HERE / "faultlib.py", *args)
 
 
-def wait_ready(proc: subprocess.Popen) -> None:
+def wait_ready(proc: forked.Child) -> None:
     line = proc.stdout.readline()
     if line.strip() != "ready":
         proc.kill()
@@ -179,7 +169,7 @@ def run_to_end(*args: str) -> float:
     return float(out.split()[-1])
 
 
-def kill_after(proc: subprocess.Popen, delay: float) -> bool:
+def kill_after(proc: forked.Child, delay: float) -> bool:
     """SIGKILL `proc` after `delay` seconds of work; True if it was still working then."""
     wait_ready(proc)
     time.sleep(delay)

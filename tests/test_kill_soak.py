@@ -5,11 +5,10 @@ duplicates nothing. In the soak job (`pytest -m soak`, scripts/test_soak.sh)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
 
+import forked
 import numpy as np
 import pytest
 from writer_proc import LAYERS, example_data, spawn
@@ -24,17 +23,17 @@ TOTAL = {0: 48, 1: 30}  # examples per shard; shard 1 holds ids 1000...
 FIRST = {0: 0, 1: 1000}
 
 
-def _spawn(path: str, shard: int, resume: bool) -> subprocess.Popen:
+def _spawn(path: str, shard: int, resume: bool) -> forked.Child:
     args = [path, str(shard), str(FIRST[shard]), str(TOTAL[shard]), "--batch", "2", "--commit-bytes", "2500"]
     args += ["--fsync", "--sleep", "0.002"] + (["--resume"] if resume else [])
     return spawn(*args)
 
 
-def _kill_at(p: subprocess.Popen, after: int) -> None:
+def _kill_at(p: forked.Child, after: int) -> None:
     """SIGKILL `p` once it has appended `after` examples (or let it end first)."""
     for line in p.stdout:
         if line.startswith("appended") and int(line.split()[1]) >= after:
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
             break
     p.wait(timeout=120)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -80,7 +79,7 @@ def test_a_live_writer_refuses_a_resumer_and_a_killed_ones_shard_is_taken_over(t
     ):
         _writer(path, resume=True)
     assert _lease_files(path) == ["shard-00000.0.json"]
-    os.kill(p.pid, signal.SIGKILL)
+    p.kill()
     p.wait()
     with pytest.raises(ShardExistsError, match="pass resume=True"):  # dead holder: the usual rule applies
         _writer(path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -58,7 +57,7 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, trial):
             appended = int(line.split()[1])
             committed = int(line.split()[3])
             if appended >= target:
-                os.kill(p.pid, signal.SIGKILL)
+                p.kill()
                 break
     p.wait(timeout=30)
     assert p.returncode == -signal.SIGKILL
@@ -88,7 +87,7 @@ def test_partial_finalize_publishes_only_committed_prefix(tmp_path):
     for line in p.stdout:
         if line.startswith("appended") and int(line.split()[1]) >= 20:
             committed = int(line.split()[3])
-            os.kill(p.pid, signal.SIGKILL)
+            p.kill()
             break
     p.wait(timeout=30)
     m = actstore.finalize(path, allow_partial=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 
 from actstore import ShardWriter
@@ -24,16 +24,10 @@ D = 16
 T = 9
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    """This script in a new process (text pipes for its lines), for the multi-process tests."""
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.Popen(
-        [sys.executable, str(root / "tests" / "writer_proc.py"), *args],
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def spawn(*args: str) -> forked.Child:
+    """This script in a process of its own (text pipes for its lines), for the multi-process
+    tests: forked with its imports done (tests/forked.py), not a fresh interpreter."""
+    return forked.start(Path(__file__).resolve(), *args)
 
 
 def example_data(k: int) -> np.ndarray:
