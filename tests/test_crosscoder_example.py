@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.torch  # its script trains with torch
+pytestmark = [pytest.mark.torch, pytest.mark.slow]  # an example script end to end, three runs (as test_examples.py)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_crosscoder.py"
 

@@ -215,6 +215,8 @@ def test_cp_down(stores, storage, layout, data, tmp_path):
 # gs: the emulator refuses obstore's uploads (tests/emulators.py). local: two capture workers
 # writing a folder are test_capture_cli's (equal to one writer, both layouts) and cp into a
 # folder test_copy's, so here only the object stores, where the writers race over the network.
+# Slow: two spawned writer processes, each importing torch and loading the model (15-20 s a cell).
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", ["s3", "az"])
 def test_cp_up_and_two_writers(stores, storage):
     ref = actstore.ActStore(stores("local", "chunks", "packed"))
