@@ -38,7 +38,8 @@ pytestmark = pytest.mark.torch  # transformers' tokenizers, chromium
 D = 4
 
 
-@pytest.fixture(scope="module", params=["smollm2", "byte-level"])
+# The shipped SmolLM2 tokenizer (read from its GGUF file) is slow: `--fast` runs the byte-level one.
+@pytest.fixture(scope="module", params=[pytest.param("smollm2", marks=pytest.mark.slow), "byte-level"])
 def case(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     if request.param == "smollm2":
