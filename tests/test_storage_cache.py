@@ -429,7 +429,7 @@ def test_processes_sharing_a_cache_dir_read_exact_bytes(inner, tmp_path):
         inner.put(f"shards/s{i % 3}/c/{i}", payload(i, 2000 + i))
     max_bytes = 30_000  # room for ~12 of 40 objects (+ ranges): constant eviction
     cache = CachedStorage(inner, tmp_path / "cache", max_bytes=max_bytes, namespace="n", cacheable=data_only)
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # fresh processes, forked with their imports done
     with ctx.Pool(3) as pool:
         results = pool.map(_worker, [(cache, n_keys, seed) for seed in range(3)])
     assert [wrong for wrong, _, _ in results] == [0, 0, 0]
