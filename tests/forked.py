@@ -1,7 +1,7 @@
 """A test script's process without a fresh interpreter: `start(script, *args)` forks it from
 the test process's forkserver, whose imports (actstore, numpy, torch: tests/conftest.py's
 preload) are done once, and runs the script as `python script args` would (`__main__`,
-sys.argv, the test process's environment). The process is as separate as a spawned one (its
+sys.argv, the test process's environment and folder). The process is as separate as a spawned one (its
 own memory, files and signals; a SIGKILL ends it mid-write); only the 0.7 s of imports a fresh
 interpreter pays at each start is gone. The returned Child reads like subprocess.Popen's
 (stdout/stderr text pipes, pid, poll, wait, kill, communicate, returncode)."""
@@ -21,21 +21,26 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, args: list[str], env: dict[str, str], out: Any, err: Any) -> None:
-    """In the forked process: the environment, stdout and stderr of the caller's, then the script."""
+def _run(script: str, args: list[str], env: dict[str, str], cwd: str, out: Any, err: Any, code: str | None) -> None:
+    """In the forked process: the caller's environment, folder, stdout and stderr, then the
+    script (or, given `code`, that code as `python -c` runs it)."""
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(REPO)
+    os.chdir(cwd)
     os.dup2(out.fileno(), 1)
     os.dup2(err.fileno(), 2)
     out.close()
     err.close()
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stream
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.argv = [script, *args]
-    for p in (str(REPO / "src"), str(REPO), str(Path(script).parent)):
+    for p in (str(REPO / "src"), str(REPO), str(REPO / "tests"), str(Path(script).parent)):
         if p not in sys.path:
             sys.path.insert(0, p)
+    if code is not None:
+        sys.argv = ["-c", *args]
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the test's own code
+        return
+    sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")
 
 
@@ -95,13 +100,27 @@ class Child:
         return out, "".join(err)
 
 
-def start(script: str | Path, *args: str) -> Child:
-    """`python script *args` forked from the forkserver (see the module's text)."""
+def start(script: str | Path, *args: str, code: str | None = None, env: dict[str, str] | None = None) -> Child:
+    """`python script *args` (or `python -c code *args`) forked from the forkserver (see the
+    module's text), in the environment `env` (default: this process's)."""
     ctx = multiprocessing.get_context("forkserver")
     out_r, out_w = ctx.Pipe(duplex=False)
     err_r, err_w = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_run, args=(str(script), [str(a) for a in args], dict(os.environ), out_w, err_w))
+    env = dict(os.environ if env is None else env)
+    proc = ctx.Process(target=_run, args=(str(script), [str(a) for a in args], env, os.getcwd(), out_w, err_w, code))
     proc.start()
     out_w.close()
     err_w.close()
     return Child(proc, out_r, err_r)
+
+
+def run_code(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, "-c", code, *args], capture_output=True, text=True)`, forked:
+    its exit code (-9 for a SIGKILL), stdout and stderr."""
+    child = start("-c", *args, code=code, env=env)
+    try:
+        out, err = child.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        raise
+    return subprocess.CompletedProcess(["-c", *args], child.returncode, out, err)

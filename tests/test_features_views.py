@@ -10,10 +10,10 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from browser import _browser, _chromium, site_record
@@ -114,7 +114,7 @@ def test_a_killed_build_leaves_the_old_site_and_the_next_one_cleans_up(feats, tm
     build_site(str(feats), site, plot_examples=0)
     before = _tree(site)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([sys.executable, "-c", KILLER, str(feats), str(site)], env=env, capture_output=True, timeout=300)
+    r = forked.run_code(KILLER, str(feats), str(site), env=env, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     assert _tree(site) == before  # the old site, whole: not one page of the killed build
     stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(".site.staging-")]
@@ -151,12 +151,7 @@ def test_view_overwrite_killed_in_the_swap_window_never_loses_the_users_folder(f
     (mine / "thesis.tex").write_text("precious")
     (mine / "figs" / "a.png").write_bytes(b"png")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, "-c", SWAP_KILLER, str(feats), str(mine), "1" if exchange else "0"],
-        env=env,
-        capture_output=True,
-        timeout=300,
-    )
+    r = forked.run_code(SWAP_KILLER, str(feats), str(mine), "1" if exchange else "0", env=env, timeout=300)
     assert r.returncode == -9, r.stderr[-2000:]
     assert (mine / "index.html").exists()  # killed with the new site in place
     res = CliRunner().invoke(main, ["view", str(feats), "--out", str(mine), "--overwrite", "--quiet"])

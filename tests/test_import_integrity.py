@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -98,15 +98,10 @@ def test_an_import_killed_before_its_first_commit_reruns_to_the_end(tmp_path, ki
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILL_SCRIPT, source_class, command, str(src), str(store)],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc = forked.start("-c", source_class, command, str(src), str(store), code=KILL_SCRIPT, env=env)
     try:
         assert proc.stdout.readline().strip() == "appended"
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
@@ -139,12 +134,10 @@ def test_import_saelens_killed_inside_the_shard_claim_reruns_to_the_end(tmp_path
     src, check = _saelens(tmp_path)
     store = tmp_path / "s"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CLAIM_SCRIPT, str(src), str(store)], env=env, stdout=subprocess.PIPE, text=True
-    )
+    proc = forked.start("-c", str(src), str(store), code=CLAIM_SCRIPT, env=env)
     try:
         assert proc.stdout.readline().strip() == "claiming"
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import faultlib
+import forked
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -45,15 +43,10 @@ time.sleep(600)
 
 def _killed_before_first_commit(store: Path, appended: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(faultlib.REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", VICTIM, str(store), str(appended), str(faultlib.HERE)],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc = forked.start("-c", str(store), str(appended), str(faultlib.HERE), code=VICTIM, env=env)
     try:
         assert proc.stdout.readline().strip() == "claimed"
-        os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from actstore.features.staging import MARKER, staged_folder
@@ -56,13 +56,7 @@ print("not killed", flush=True)
 
 def _kill_at(target: Path, step: str, exchange: bool) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, "-c", VICTIM, str(target), step, "1" if exchange else "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = forked.run_code(VICTIM, str(target), step, "1" if exchange else "0", env=env, timeout=120)
     assert r.returncode == -9, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
