@@ -100,27 +100,39 @@ class Child:
         return out, "".join(err)
 
 
-def start(script: str | Path, *args: str, code: str | None = None, env: dict[str, str] | None = None) -> Child:
+def start(
+    script: str | Path,
+    *args: str,
+    code: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> Child:
     """`python script *args` (or `python -c code *args`) forked from the forkserver (see the
-    module's text), in the environment `env` (default: this process's)."""
+    module's text), in the environment `env` and folder `cwd` (default: this process's)."""
     ctx = multiprocessing.get_context("forkserver")
     out_r, out_w = ctx.Pipe(duplex=False)
     err_r, err_w = ctx.Pipe(duplex=False)
     env = dict(os.environ if env is None else env)
-    proc = ctx.Process(target=_run, args=(str(script), [str(a) for a in args], env, os.getcwd(), out_w, err_w, code))
+    where = str(cwd or os.getcwd())
+    proc = ctx.Process(target=_run, args=(str(script), [str(a) for a in args], env, where, out_w, err_w, code))
     proc.start()
     out_w.close()
     err_w.close()
     return Child(proc, out_r, err_r)
 
 
-def run_code(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`subprocess.run([python, "-c", code, *args], capture_output=True, text=True)`, forked:
-    its exit code (-9 for a SIGKILL), stdout and stderr."""
-    child = start("-c", *args, code=code, env=env)
+def run(script: str | Path, *args: str, timeout: float, **kw: Any) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, script, *args], capture_output=True, text=True)`, forked
+    (start's keywords): its exit code (-9 for a SIGKILL), stdout and stderr."""
+    child = start(script, *args, **kw)
     try:
         out, err = child.communicate(timeout)
     except subprocess.TimeoutExpired:
         child.kill()
         raise
-    return subprocess.CompletedProcess(["-c", *args], child.returncode, out, err)
+    return subprocess.CompletedProcess([str(script), *args], child.returncode, out, err)
+
+
+def run_code(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -c code *args` as `run` runs a script."""
+    return run("-c", *args, code=code, timeout=timeout, env=env)

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 pytestmark = [
@@ -29,13 +28,9 @@ def run_bench(name: str, args: list[str], tmp_path: Path, timeout: int = 300, sc
             os.pathsep
         ),
     }
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / f"{script or 'bench_' + name}.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+    # forked with torch imported (tests/forked.py), not a fresh interpreter: 2-3 s less a script
+    r = forked.run(
+        ROOT / "benchmarks" / f"{script or 'bench_' + name}.py", *args, cwd=tmp_path, env=env, timeout=timeout
     )
     assert r.returncode == 0, f"bench_{name}.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     files = sorted((tmp_path / "bench-results").glob("*.json"))
