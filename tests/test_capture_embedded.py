@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import skimage.data
@@ -167,18 +168,10 @@ def test_embedded_minilm_over_pydoc_topics(tmp_path):
 
 
 def test_capture_example_runs(tmp_path):
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    r = subprocess.run(
-        [sys.executable, "examples/capture_record.py", str(tmp_path / "ex")],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = forked.run(root / "examples" / "capture_record.py", str(tmp_path / "ex"), cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr
     tok = load_model("embedded:minilm-l6").tokenizer
     texts = ["The cat sat on the mat.", "Activations are stored as float16.", "Paris is the capital of France."]

@@ -5,10 +5,9 @@ uninterrupted run ends (the same batches, in step across the two stores)."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]  # an example script end to end, three runs (as test_examples.py)
@@ -17,7 +16,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_crosscoder.p
 
 
 def _run(cwd, *args):
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+    proc = forked.run(EXAMPLE, *args, cwd=cwd, timeout=300)  # forked with torch imported (tests/forked.py)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 

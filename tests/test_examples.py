@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 pytestmark = pytest.mark.slow  # the example scripts end to end
@@ -14,13 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "examples/quickstart.py", str(tmp_path / "qs")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = forked.run(ROOT / "examples" / "quickstart.py", str(tmp_path / "qs"), cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "n=80, layers=[2, 6, 11], d_model=64, prompt=32, response=16" in r.stdout
     line = next(l for l in r.stdout.splitlines() if l.startswith("store[5, 6]:"))

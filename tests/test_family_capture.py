@@ -5,10 +5,9 @@ B's member equals a capture of B alone bit for bit, and aligned streams pair the
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 
@@ -132,9 +131,7 @@ def test_a_stream_of_one_site_and_sites_of_several_widths(tmp_path):
 
 
 def test_transcoder_example_trains_on_an_aligned_stream(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "60"], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    proc = forked.run(EXAMPLE, "--steps", "60", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     err = float(re.search(r"aligned: max \|mlp\(x_in\) - x_out\| = ([0-9.e+-]+) over 256 tokens", out).group(1))

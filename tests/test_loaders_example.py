@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -20,13 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_sae.py"
 
 def test_train_sae_example_loss_falls(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--steps", "150", "--checkpoint", str(ckpt)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = forked.run(EXAMPLE, "--steps", "150", "--checkpoint", str(ckpt), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     losses = [float(m) for m in re.findall(r"^step +\d+ +epoch \d+ +loss ([0-9.]+)", proc.stdout, re.M)]
     assert len(losses) == 7  # steps 1, 25, 50, ..., 150
