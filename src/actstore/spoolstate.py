@@ -11,6 +11,7 @@ info, verify and finalize all see the spool through `read_state`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from actstore import catalog
 from actstore.errors import KeyNotFound
@@ -173,3 +174,51 @@ def read_state(storage: Storage, cache: BlockCache | None = None) -> SpoolState 
         consumers=read_consumers(storage),
         dropped=read_dropped(storage),
     )
+
+
+def describe(state: SpoolState) -> dict[str, Any]:
+    """The spool as `actstore info` and `actstore spool status` show it."""
+    kept, removed = state.kept(), state.removed
+    lags = state.lags()
+    consumers = []
+    for name, ranks in sp.by_name(state.consumers).items():
+        acked = sum(1 for b in state.blocks if sp.acked_by(b, ranks))
+        consumers.append(
+            {
+                "name": name,
+                "ranks": len(ranks),
+                "world_size": max(r.world_size for r in ranks),
+                "acked_blocks": acked,
+                "lag_blocks": lags.get(name),
+                "dropped": name in state.dropped,
+                "updated": max(r.updated for r in ranks),
+            }
+        )
+    return {
+        "budget_bytes": state.budget,
+        "blocks": len(state.blocks),
+        "kept_blocks": len(kept),
+        "kept_bytes": state.kept_bytes,
+        "removed_blocks": sum(1 for b in state.blocks if sp.is_removed(b, removed)),
+        "removed_bytes": state.removed_bytes,
+        "consumers": consumers,
+        "dropped": sorted(state.dropped),
+    }
+
+
+def spool_lines(d: dict[str, Any]) -> list[str]:
+    """`describe()` as the lines `actstore info` and `actstore spool status` print."""
+    size = sp.format_bytes
+    lines = [
+        f"spool        budget {size(d['budget_bytes'])}: {d['kept_blocks']} blocks kept ({size(d['kept_bytes'])}), "
+        f"{d['removed_blocks']} removed ({size(d['removed_bytes'])}) of {d['blocks']} committed"
+    ]
+    if not d["consumers"]:
+        lines.append("  no consumer registered (writers wait for one once the budget is full)")
+    for c in d["consumers"]:
+        state = "dropped" if c["dropped"] else f"lagging {c['lag_blocks']} blocks"
+        lines.append(
+            f"  consumer {c['name']}: {c['ranks']} of {c['world_size']} ranks, {c['acked_blocks']} blocks acked, "
+            f"{state} (updated {c['updated']})"
+        )
+    return lines

@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -281,31 +283,33 @@ class SpoolGate:
                 bar.close()
 
 
-def describe(state: SpoolState) -> dict[str, Any]:
-    """The spool as `actstore info` and `actstore spool status` show it."""
-    kept, removed = state.kept(), state.removed
-    lags = state.lags()
-    consumers = []
-    for name, ranks in sp.by_name(state.consumers).items():
-        acked = sum(1 for b in state.blocks if sp.acked_by(b, ranks))
-        consumers.append(
-            {
-                "name": name,
-                "ranks": len(ranks),
-                "world_size": max(r.world_size for r in ranks),
-                "acked_blocks": acked,
-                "lag_blocks": lags.get(name),
-                "dropped": name in state.dropped,
-                "updated": max(r.updated for r in ranks),
-            }
+# ---- the commands' operations ----------------------------------------------------------------
+def gc(storage: Storage, remover: str | None = None) -> tuple[SpoolState, int, int] | None:
+    """Remove every consumed block of the spool at `storage` (`actstore spool gc`, finalize):
+    (the state after, blocks removed, bytes removed); None when the store is no spool.
+    `remover`: the name its removal records go under (default: `cli-<8 hex>`, new each run)."""
+    state = read_state(storage)
+    if state is None:
+        return None
+    cfg = catalog.read_identity(storage)
+    n, nbytes = remove_consumed(storage, cfg, state, remover or sp.cli_remover(os.urandom(4).hex()))
+    return (read_state(storage) if n else state), n, nbytes
+
+
+def drop(storage: Storage, name: str, by: str | None = None) -> tuple[SpoolState, int, int]:
+    """Drop consumer `name` (`actstore spool drop`): it holds no block back from now on (the
+    writers go on), and a consumer of that name that comes back is refused. Then removes
+    what is consumed without it."""
+    sp.check_name(name)
+    if read_record(storage) is None:
+        raise SpoolError(f"{storage.url} is not a spool (no {sp.SPOOL_FILE}); nothing to drop")
+    known = {r.name for r in read_state(storage).consumers}
+    if name not in known:
+        raise SpoolError(
+            f"no consumer named {name!r} is registered in the spool {storage.url}; registered: {sorted(known) or 'none'}"
         )
-    return {
-        "budget_bytes": state.budget,
-        "blocks": len(state.blocks),
-        "kept_blocks": len(kept),
-        "kept_bytes": state.kept_bytes,
-        "removed_blocks": sum(1 for b in state.blocks if sp.is_removed(b, removed)),
-        "removed_bytes": state.removed_bytes,
-        "consumers": consumers,
-        "dropped": sorted(state.dropped),
-    }
+    who = by or f"{getpass.getuser()}@{socket.gethostname()} (actstore spool drop)"
+    storage.put(sp.dropped_key(name), sp.dump_dropped(sp.DroppedRecord(name=name, dropped=records.now(), by=who)))
+    out = gc(storage)
+    assert out is not None
+    return out
