@@ -112,11 +112,11 @@ def _geometries(sh: Storage, cfg: StoreConfig) -> list[ChunkGeometry]:
     return out
 
 
-def activation_keys(sh: Storage, cfg: StoreConfig, start: int, stop: int) -> list[str]:
+def activation_keys(geos: list[ChunkGeometry], start: int, stop: int) -> list[str]:
     """The activation files (keys relative to the shard) of examples [start, stop)."""
     return [
         k
-        for geo in _geometries(sh, cfg)
+        for geo in geos
         for ex in range(start, stop)
         for lp in range(geo.n_layers)
         for k in geo.chunk_keys_of(ex, lp)
@@ -153,7 +153,8 @@ def remove_blocks(
         storage.put(sp.removed_key(shard, remover), sp.dump_removed(rec))  # intent, before any deletion
         state.removers.setdefault(shard, {})[remover] = rec
         sh = catalog.shard_storage(storage, shard)
-        doomed = [k for b in group for k in activation_keys(sh, cfg, b.start, b.stop)]
+        geos = _geometries(sh, cfg)  # (one read of each activation array's metadata per shard)
+        doomed = [k for b in group for k in activation_keys(geos, b.start, b.stop)]
         delete_keys(sh, doomed)
         freed += sum(b.nbytes for b in group)
     return freed
