@@ -256,3 +256,51 @@ def test_block_owner_splits_blocks_between_consumer_ranks(tmp_path):
     state = read_state(open_storage(url))
     assert len(state.consumable()) == 4 and state.lags() == {"ddp": 0}
     assert sp.consumed(state.blocks[0], state.consumers, ())
+
+
+def test_shardwriter_defaults_to_one_file_per_example_with_a_spool(tmp_path):
+    with ShardWriter(tmp_path / "s", spool="1MB", commit_bytes=2**16, layers=[0], d_model=4, tokens=2) as w:
+        assert w.cfg.zarr_format == 3 and w.cfg.shard_examples is None
+
+
+def test_the_capture_options_refuse_a_spool_of_zarr_shard_files():
+    from actstore.capture.options import CaptureOptions
+    from actstore.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="--spool removes the activation files .* --shard-examples"):
+        CaptureOptions(spool="1GB", shard_examples=8).check("cli")
+    with pytest.raises(CaptureError, match=r"--spool: a spool budget must be .*Got '1 GQ'"):
+        CaptureOptions(spool="1 GQ").check("cli")
+    o = CaptureOptions(spool="1GB")
+    assert o.writer_options(None).spool == 10**9 and o.store_shard_examples() is None
+
+
+@pytest.mark.slow
+def test_a_killed_spooled_writer_resumes_and_the_consumer_gets_everything_once(tmp_path):
+    import signal
+
+    from writer_proc import LAYERS as WL
+    from writer_proc import D as WD
+    from writer_proc import T as WT
+    from writer_proc import example_data, spawn
+
+    url = str(tmp_path / "s")
+    example = len(WL) * WT * WD * 2
+    budget, commit = 6 * example, 3 * example
+    consumer = SimConsumer(url, "sae")
+    thread = consumer.start()
+    p = spawn(url, "0", "0", "60", "--spool", str(budget), "--commit-bytes", str(commit))
+    for line in p.stdout:  # killed once it has committed a few blocks and removal has begun
+        if line.startswith("appended") and int(line.split()[-1]) >= 15:
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait(WAIT)
+    q = spawn(url, "0", "0", "60", "--spool", str(budget), "--commit-bytes", str(commit), "--resume")
+    out, err = q.communicate(timeout=WAIT)
+    assert q.returncode == 0 and out.splitlines()[-1] == "closed", err
+    _drain(consumer, thread)
+    assert consumer.error is None
+    assert sorted(k for _, k in consumer.got) == list(range(60))
+    for (_, k), rows in consumer.got.items():
+        np.testing.assert_array_equal(rows, example_data(k))
+    assert consumer.max_disk <= budget + commit + 3 * example  # (a block may end a batch past commit_bytes)

@@ -30,8 +30,7 @@ def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]
     n_tokens = sum(tokens.values())
     stats = store.stats()
     mask = summarize(store)
-    removed = store.removed.n_removed() if store.removed is not None else 0
-    found = find_sinks(store) if n and sinks and not removed else []  # (a spool's removed examples read nothing)
+    found = find_sinks(store) if n and sinks else []
     spool = read_state(store.storage) if store.removed is not None else None
     return {
         "path": store.storage.url,

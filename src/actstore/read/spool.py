@@ -10,6 +10,9 @@ always finds the record then)."""
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import numpy as np
 
 from actstore.errors import ExampleRemovedError
 from actstore.layout import spool as sp
@@ -54,3 +57,13 @@ class RemovedExamples:
 
     def n_removed(self) -> int:
         return sum(sp.range_count(r) for r in self.by_shard.values())
+
+    def kept(self, store: Any, examples: np.ndarray) -> np.ndarray:
+        """The examples of `examples` (global numbers of `store`) whose activations are kept."""
+        self.refresh()
+        out = []
+        for ex in examples.tolist():
+            pos, local = store.index.locate(ex)
+            if not sp.contains(self.by_shard.get(store.manifest.shards[pos].shard, ()), local):
+                out.append(ex)
+        return np.asarray(out, np.int64)

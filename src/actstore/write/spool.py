@@ -115,11 +115,7 @@ def _geometries(sh: Storage, cfg: StoreConfig) -> list[ChunkGeometry]:
 def activation_keys(geos: list[ChunkGeometry], start: int, stop: int) -> list[str]:
     """The activation files (keys relative to the shard) of examples [start, stop)."""
     return [
-        k
-        for geo in geos
-        for ex in range(start, stop)
-        for lp in range(geo.n_layers)
-        for k in geo.chunk_keys_of(ex, lp)
+        k for geo in geos for ex in range(start, stop) for lp in range(geo.n_layers) for k in geo.chunk_keys_of(ex, lp)
     ]
 
 
