@@ -161,6 +161,7 @@ class TokenPipeline:
         self.stop.set()
         for q in (self.free, self.full, self.out):
             q.stop()
+        self.maker.wake()
 
     @staticmethod
     def _get(q: BoundedQueue) -> Any:

@@ -151,7 +151,7 @@ class TokenStream(BaseTokenStream):
         # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
         self._spare: dict[str, Any] = {}
         self._active = 0  # iterations running (their threads use the buffers and mappings)
-        self._worker_flags = None  # under a TokenLoader: its workers' slot flags (buffers.WorkerRing)
+        self._worker_slots = None  # under a TokenLoader: its workers' shared slots (buffers.WorkerSlots)
 
     def share_window(self, window_batches: int, run: int) -> None:
         """Set the shuffle window (batches) and the run length (units); an aligned stream gives
