@@ -157,6 +157,9 @@ def test_a_writer_waits_while_the_consumer_is_paused_and_goes_on(tmp_path):
     n_at_wait = len(w)
     assert n_at_wait * EXAMPLE <= budget + BLOCK and not done.is_set()
     assert activation_bytes(open_storage(url)) <= budget
+    line = wspool.waiting_line(read_state(open_storage(url)), 2 * EXAMPLE)
+    assert line.startswith("spool full: ") and "of 1.54 kB kept" in line
+    assert line.endswith("waiting for consumer(s) sae (lagging 3 blocks)"), line
     consumer.paused.clear()  # ... and goes on once it reads again
     assert done.wait(WAIT)
     t.join(WAIT)
@@ -304,3 +307,30 @@ def test_a_killed_spooled_writer_resumes_and_the_consumer_gets_everything_once(t
     for (_, k), rows in consumer.got.items():
         np.testing.assert_array_equal(rows, example_data(k))
     assert consumer.max_disk <= budget + commit + 3 * example  # (a block may end a batch past commit_bytes)
+
+
+def test_a_stop_while_waiting_leaves_the_shard_resumable(tmp_path):
+    url = str(tmp_path / "s")
+    batches = _batches(4, 12)
+    w = ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, **KW)
+
+    def interrupted():
+        raise KeyboardInterrupt  # what Ctrl-C does to a waiting writer
+
+    w.spool.keepalive = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        with w:
+            for x in batches:
+                w.append(x)
+    assert w.n_committed == 8  # two blocks committed (no consumer: nothing removed), then it waited
+    with ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, resume=True, **KW) as again:
+        assert len(again) == 8
+        consumer = SimConsumer(url, "sae")
+        thread = consumer.start()
+        for x in batches[4:]:
+            again.append(x)
+    _drain(consumer, thread)
+    want = np.concatenate(batches)
+    assert sorted(k for _, k in consumer.got) == list(range(24))
+    for (_, k), rows in consumer.got.items():
+        np.testing.assert_array_equal(rows, want[k])
