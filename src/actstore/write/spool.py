@@ -120,15 +120,9 @@ def activation_keys(geos: list[ChunkGeometry], start: int, stop: int) -> list[st
 
 
 def delete_keys(storage: Storage, keys_: list[str]) -> None:
-    """Delete objects in batches (one request per DELETE_BATCH keys where the storage can)."""
-    many = getattr(storage, "delete_many", None)
+    """Delete objects in batches (an object store: one request per DELETE_BATCH keys)."""
     for i in range(0, len(keys_), DELETE_BATCH):
-        part = keys_[i : i + DELETE_BATCH]
-        if many is not None:
-            many(part)
-        else:
-            for k in part:
-                storage.delete(k)
+        storage.delete_many(keys_[i : i + DELETE_BATCH])
 
 
 def remove_blocks(
