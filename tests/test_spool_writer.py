@@ -334,3 +334,31 @@ def test_a_stop_while_waiting_leaves_the_shard_resumable(tmp_path):
     assert sorted(k for _, k in consumer.got) == list(range(24))
     for (_, k), rows in consumer.got.items():
         np.testing.assert_array_equal(rows, want[k])
+
+
+def test_the_block_cache_reads_only_what_a_shard_added(tmp_path, monkeypatch):
+    from actstore.spoolstate import BlockCache
+
+    url = str(tmp_path / "s")
+    storage = open_storage(url)
+    x = _batches(9, 8)
+    w = ShardWriter(url, spool=100 * BLOCK, commit_bytes=BLOCK, **KW)
+    for b in x[:4]:
+        w.append(b)  # two blocks
+    cache = BlockCache()
+    assert [(b.index, b.start, b.stop) for b in cache.blocks(storage)] == [(0, 0, 4), (1, 4, 8)]
+    reads = []
+    real = type(storage.child("x")).get_range
+    monkeypatch.setattr(type(storage), "get_range", lambda s, k, start, n: reads.append(start) or real(s, k, start, n))
+    for b in x[4:]:
+        w.append(b)
+    w.close()
+    reads.clear()  # (the writer's own looks read them too)
+    assert [(b.index, b.start, b.stop, b.nbytes) for b in cache.blocks(storage)][2:] == [
+        (2, 8, 12, BLOCK),
+        (3, 12, 16, BLOCK),
+    ]
+    assert len(reads) == 1 and reads[0] > 0  # the new records only, from where the cached ones end
+    with ShardWriter(url, spool=100 * BLOCK, commit_bytes=BLOCK, overwrite=True, **KW) as w2:
+        w2.append(x[0])
+    assert [(b.index, b.start, b.stop) for b in cache.blocks(storage)] == [(0, 0, 2)]

@@ -91,13 +91,15 @@ def read_dropped(storage: Storage) -> dict[str, sp.DroppedRecord]:
 
 @dataclass
 class BlockCache:
-    """Committed blocks per shard between scans: (n_blocks, blocks)."""
+    """Committed blocks per shard between scans: (their bytes in blocks.jsonl, blocks). A
+    shard's committed block records never change (a resume drops only the uncommitted
+    tail), so a grown shard's new records are read from where the cached ones end."""
 
     shards: dict[int, tuple[int, list[sp.SpoolBlock]]] = field(default_factory=dict)
 
     def blocks(self, storage: Storage) -> list[sp.SpoolBlock]:
         """The committed blocks of every shard (one listing of shards/; per shard its
-        commit record, and its blocks.jsonl when it grew)."""
+        commit record, and the new part of its blocks.jsonl when it grew)."""
         out: list[sp.SpoolBlock] = []
         for shard in catalog.shard_numbers(storage):
             sh = catalog.shard_storage(storage, shard)
@@ -105,13 +107,27 @@ class BlockCache:
                 commit = records.parse_commit(sh.get(keys.COMMIT), sh.where(keys.COMMIT))
             except KeyNotFound:
                 continue  # a claim under way: nothing committed
-            n, cached = self.shards.get(shard, (0, []))
-            if commit.n_blocks != n:
-                got = catalog.read_blocks(sh, commit.n_blocks)
-                cached = [sp.SpoolBlock(shard, i, b.start, b.stop, b.nbytes) for i, b in enumerate(got)]
-                self.shards[shard] = (commit.n_blocks, cached)
+            offset, cached = self.shards.get(shard, (0, []))
+            if commit.n_blocks < len(cached):  # the shard was written again (overwrite): read it afresh
+                offset, cached = 0, []
+            if commit.n_blocks > len(cached):
+                offset, cached = self._grown(sh, shard, commit.n_blocks, offset, cached)
+                self.shards[shard] = (offset, cached)
             out += cached
         return out
+
+    @staticmethod
+    def _grown(
+        sh: Storage, shard: int, n_blocks: int, offset: int, cached: list[sp.SpoolBlock]
+    ) -> tuple[int, list[sp.SpoolBlock]]:
+        """(bytes, blocks) of a shard's first `n_blocks` block records, read from `offset`."""
+        size = sh.size(keys.BLOCKS) or 0
+        data = sh.get_range(keys.BLOCKS, offset, size - offset) if size > offset else b""
+        where, n_new = sh.where(keys.BLOCKS), n_blocks - len(cached)
+        new = records.parse_blocks(data, n_new, where)
+        first = len(cached)
+        cached = cached + [sp.SpoolBlock(shard, first + i, b.start, b.stop, b.nbytes) for i, b in enumerate(new)]
+        return offset + records.committed_length(data, n_new, where), cached
 
 
 @dataclass
