@@ -107,19 +107,27 @@ def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, r
     budget = 4 * BLOCK
     n = 40 if where == "local" else 20  # 80 (40) examples per writer: 10x (5x) the budget in all
     consumer = SimConsumer(url, "sae")
+    consumer.paused.set()  # paused first: both writers must wait for it
     thread = consumer.start()
-    writers: list[ShardWriter] = []
+    writers = [ShardWriter(url, shard=s, spool=budget, commit_bytes=BLOCK, world_size=2, **KW) for s in (0, 1)]
     errors: list[BaseException] = []
 
-    def run(shard):
+    def run(w):
         try:
-            writers.append(_write(url, shard, _batches(shard, n), budget, world_size=2))
+            with w:
+                for x in _batches(w.shard, n):
+                    w.append(x)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    ts = [threading.Thread(target=run, args=(w,)) for w in writers]
     for t in ts:
         t.start()
+    for w in writers:
+        assert w.spool.waiting.wait(WAIT)  # both wait while the consumer is paused ...
+    assert activation_bytes(open_storage(url)) <= budget + 2 * BLOCK
+    assert sum(len(w) for w in writers) < 2 * n * 2
+    consumer.paused.clear()  # ... and go on when it reads again
     for t in ts:
         t.join(WAIT)
     _drain(consumer, thread)
@@ -129,7 +137,6 @@ def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, r
     assert sorted(consumer.got) == sorted(want)
     for k, x in want.items():
         np.testing.assert_array_equal(consumer.got[k], x)
-    assert sum(w.spool.waited_seconds > 0 for w in writers) >= 1  # the budget held them back
     state = read_state(open_storage(url))
     assert state.removed_bytes > 0 and state.kept_bytes <= budget + 2 * BLOCK
     assert 2 * n * 2 * EXAMPLE == sum(b.nbytes for b in state.blocks)
