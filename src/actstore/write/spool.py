@@ -201,7 +201,7 @@ class SpoolGate:
         self.waiting = threading.Event()  # set while the writer waits for consumers (tests and callers watch it)
         self.keepalive = keepalive
         self._cache = BlockCache()
-        self._kept: int | None = None  # the store's kept bytes at the last scan, plus this writer's commits since
+        self._kept: int | None = None  # the store's kept bytes at the last look (None: no look yet)
         self.waited_seconds = 0.0
         self.removed_blocks = 0
         self.scans = 0
@@ -217,18 +217,17 @@ class SpoolGate:
         self._kept = state.kept_bytes
         return state
 
-    def committed(self, nbytes: int) -> None:
-        """After this writer's commit of a block of `nbytes`: look at the store again (other
-        writers' commits and removals) when a batch might soon not fit."""
-        if self._kept is not None:
-            self._kept += nbytes
+    def committed(self) -> None:
+        """After this writer's commit: look at the store again (its block, other writers'
+        commits, consumers' acknowledgements, removals)."""
         self.scan()
 
-    def reserve(self, uncommitted: int, nbytes: int, commit: Callable[[], int]) -> None:
+    def reserve(self, uncommitted: int, nbytes: int, commit: Callable[[], None]) -> None:
         """Return once the store's kept bytes + `uncommitted` (this writer's, since its last
         commit) + `nbytes` (the batch about to be written) fit the budget. `commit` commits
-        what the writer holds (so consumers can read it) and returns the bytes it made
-        kept; called only when the batch does not fit beside it."""
+        what the writer holds (so consumers can read it, and it can be removed); called
+        only when the batch does not fit beside it. Otherwise removes consumed blocks and
+        waits, looking again every `poll_seconds`; never fails for waiting."""
         if nbytes > self.budget:
             raise SpoolError(
                 f"a batch of {sp.format_bytes(nbytes)} of activations does not fit the spool's budget of "
