@@ -295,10 +295,8 @@ class ObjectStorage(Storage):
             if not self._missing(e, key):
                 raise
 
-    @translated("delete")
-    @retried("delete")
     def delete_prefix(self, prefix: str) -> None:
-        self.delete_many([e.key for e in self.list(prefix)])
+        self.delete_many([e.key for e in self.list(prefix)])  # (each step translated and retried)
 
     @translated("delete")
     @retried("delete")
