@@ -11,6 +11,7 @@ __all__ = [
     "AppendError",
     "CaptureError",
     "CaptureShardExistsError",
+    "ConsumerDroppedError",
     "CopyError",
     "CopyVerifyError",
     "CorruptChunkError",
@@ -22,6 +23,7 @@ __all__ = [
     "EmptyDatasetError",
     "EncoderError",
     "ExampleIndexError",
+    "ExampleRemovedError",
     "ExportWriteError",
     "FeatureError",
     "FieldNotFoundError",
@@ -55,6 +57,7 @@ __all__ = [
     "ShardCompleteError",
     "ShardExistsError",
     "ShardRewrittenError",
+    "SpoolError",
     "StatisticsError",
     "StorageAccessError",
     "StoreChangedError",
@@ -361,3 +364,19 @@ class ForkedClientError(ActstoreError, RuntimeError):
 class StoreChangedError(ActstoreError, RuntimeError):
     """The store changed while a view, export or `show` read it (its manifest is not the one
     the read began with): nothing was published."""
+
+
+# ---- the spool (a store with a byte budget: docs/capture.md) ----
+
+
+class SpoolError(ActstoreError, ValueError):
+    """A spool option or record is refused: a bad budget, a budget that differs from the
+    store's, a block larger than the budget, a layout the spool cannot free."""
+
+
+class ExampleRemovedError(ActstoreError, LookupError):
+    """An example's activations were removed from a spool after every consumer read them."""
+
+
+class ConsumerDroppedError(ActstoreError, RuntimeError):
+    """A spool consumer was dropped (`actstore spool drop`); it must register under a new name."""
