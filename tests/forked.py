@@ -1,10 +1,11 @@
 """A test script's process without a fresh interpreter: `start(script, *args)` forks it from
 the test process's forkserver, whose imports (actstore, numpy, torch: tests/conftest.py's
 preload) are done once, and runs the script as `python script args` would (`__main__`,
-sys.argv, the test process's environment and folder). The process is as separate as a spawned one (its
-own memory, files and signals; a SIGKILL ends it mid-write); only the 0.7 s of imports a fresh
-interpreter pays at each start is gone. The returned Child reads like subprocess.Popen's
-(stdout/stderr text pipes, pid, poll, wait, kill, communicate, returncode)."""
+sys.argv, the test process's environment and folder). The process is as separate as a
+spawned one (its own memory, files and signals; a SIGKILL ends it mid-write); only the
+imports a fresh interpreter pays at each start (0.7 s for actstore, 2-3 s with torch) are
+gone. The returned Child reads like subprocess.Popen's (stdout/stderr text pipes, pid, poll,
+wait, kill, communicate, returncode); `run` and `run_code` are subprocess.run's."""
 
 from __future__ import annotations
 
@@ -90,14 +91,21 @@ class Child:
         return self._proc.exitcode
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        """The rest of stdout and stderr (read side by side: neither pipe fills), then the exit."""
-        err: list[str] = []
-        t = threading.Thread(target=lambda: err.append(self.stderr.read()), daemon=True)
-        t.start()
-        out = self.stdout.read()
-        t.join(timeout)
+        """The rest of stdout and stderr (read side by side: neither pipe fills), then the exit;
+        subprocess.TimeoutExpired past `timeout` (the caller kills, as with Popen)."""
+        got: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda k=k, f=f: got.__setitem__(k, f.read()), daemon=True)
+            for k, f in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout)
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout)
         self.wait(timeout)
-        return out, "".join(err)
+        return got["out"], got["err"]
 
 
 def start(
