@@ -21,7 +21,9 @@ stamp=$venv/.actstore-setup
 want=$(cat pyproject.toml scripts/test_core.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x $venv/bin/python ] || "$PY" -m venv $venv
-  $venv/bin/python -m pip --disable-pip-version-check -q install "zarr>=3.2" -e . pytest pytest-xdist hypothesis ruff \
+  # --no-compile: made beside the main suite (.ci/run), which keeps both cores busy; Python
+  # compiles what the core tests import when they first import it.
+  $venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "zarr>=3.2" -e . pytest pytest-xdist hypothesis ruff \
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
   echo "$want" > "$stamp"
 fi
