@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from types import SimpleNamespace
@@ -134,7 +135,7 @@ class FollowStream(BaseTokenStream):
     def _batches(self) -> Iterator[torch.Tensor]:
         storage = open_storage(self.location)
         cfg = self._wait_for_identity(storage)
-        pool = _Pool(self, cfg)
+        pool = self._pool(cfg)
         reader = threading.Thread(target=pool.run, args=(storage,), daemon=True, name="actstore-follow")
         reader.start()
         try:
@@ -144,6 +145,9 @@ class FollowStream(BaseTokenStream):
             with pool.cond:
                 pool.cond.notify_all()
             reader.join()
+
+    def _pool(self, cfg: StoreConfig) -> _Pool:
+        return _Pool(self, cfg)
 
     def _wait_for_identity(self, storage: Storage) -> StoreConfig:
         t0 = time.monotonic()
@@ -186,6 +190,8 @@ class _Pool:
         self.unit_max = READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)  # rows of one read
         self.cap = max(fs.buffer_bytes // row_bytes, 2 * fs.batch_size) + self.unit_max
         self.rows = np.empty((self.cap, self.d), self.np_dtype)
+        self.tags: np.ndarray | None = None  # a consumer's pool: each row's tag (loaders/consumerstate.py)
+        self.drawn: deque[np.ndarray] = deque()  # with tags: the tags of each batch drawn, in order
         self.n = 0
         self.done = False
         self.error: BaseException | None = None
@@ -230,14 +236,21 @@ class _Pool:
                 last_new = now
                 continue
             if now >= next_writers_check:
-                check_writers(storage, taken)
+                self._check_writers(storage, taken)
                 next_writers_check = now + LEASE_CHECK_S
             if self.fs.idle_timeout_s is not None and now - last_new > self.fs.idle_timeout_s:
                 raise NotFinalizedError(
                     f"no block was committed to {storage.url} for {self.fs.idle_timeout_s:g} s and it is not finalized: "
-                    "are its writers running? (finalize it when they are done)"
+                    "are its writers running? (finalize it when they are done)" + self._idle_hint()
                 )
             self.stop.wait(self.fs.poll_s)
+
+    def _check_writers(self, storage: Storage, taken: dict[int, Taken]) -> None:
+        check_writers(storage, taken)
+
+    def _idle_hint(self) -> str:
+        """More to say when the stream gives up waiting (a consumer's pending acknowledgements)."""
+        return ""
 
     def _poll_shard(self, storage: Storage, number: int, taken: dict[int, Taken]) -> bool:
         """Take the rows a shard committed since the last look; whether there were any."""
@@ -278,9 +291,8 @@ class _Pool:
         t.commit = rec  # (only now: a read given up is tried again at the next look)
         return True
 
-    def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
-        """Take the examples t.n..rec.n_committed of a shard into the pool, a piece of about
-        piece_bytes at a time, each once the shard holds the same block records after it was read."""
+    def _open(self, storage: Storage, number: int, rec: Any) -> tuple[ShardReader, dict, dict]:
+        """A reader of a shard's committed prefix, its segments' lengths and kept-token masks."""
         entry = ShardEntry(
             shard=number,
             name=keys.shard_name(number),
@@ -294,6 +306,12 @@ class _Pool:
         reader = ShardReader(storage, entry, self.cfg)
         lens = {s.name: reader.lengths(s) for s in self.segs}
         keep = {s.name: self._keep(reader, s.name) for s in self.segs}
+        return reader, lens, keep
+
+    def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
+        """Take the examples t.n..rec.n_committed of a shard into the pool, a piece of about
+        piece_bytes at a time, each once the shard holds the same block records after it was read."""
+        reader, lens, keep = self._open(storage, number, rec)
         shard = catalog.shard_storage(storage, number)
         piece: list[np.ndarray] = []
         units: list[tuple[int, int, int, float]] = []
@@ -333,8 +351,9 @@ class _Pool:
         arr = np.asarray(reader.per_sample(name))
         return arr == 0 if self.mask == CONTENT else arr != 0
 
-    def _add(self, rows: np.ndarray) -> None:
-        """Rows into the pool, waiting while it has no room (the loop has not drawn yet)."""
+    def _add(self, rows: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Rows (and their tags, in a consumer's pool) into the pool, waiting while it has no
+        room (the loop has not drawn yet)."""
         at = 0
         while at < len(rows):
             with self.cond:
@@ -344,6 +363,8 @@ class _Pool:
                     return
                 k = min(len(rows) - at, self.cap - self.n)
                 self.rows[self.n : self.n + k] = rows[at : at + k]
+                if tags is not None:
+                    self.tags[self.n : self.n + k] = tags[at : at + k]
                 self.n += k
                 at += k
                 self.cond.notify_all()
@@ -374,6 +395,9 @@ class _Pool:
         holes = take[take < n - b]
         tail = np.arange(n - b, n)[~drawn[n - b :]]
         self.rows[holes] = self.rows[tail]  # copy: the pool's last rows into the holes
+        if self.tags is not None:
+            self.drawn.append(self.tags[take])  # (a copy) before the batch is yielded: the loop pops it
+            self.tags[holes] = self.tags[tail]
         self.n = n - b
         if self.cfg.dtype == "bfloat16":
             out = out.view(torch.bfloat16)
