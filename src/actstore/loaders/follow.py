@@ -12,9 +12,11 @@ rows of the shard generations the store publishes: a shard rewritten or deleted 
 stream, a store deleted, or a writer that died end it with an error naming them
 (actstore.loaders.followcheck says how each is seen).
 
-What it cannot do, and says so when asked: resume (the order depends on when blocks were
-committed), DataLoader workers and ranks (one process reads the growing store), and
-normalisation (the store's statistics exist once it is finalized).
+What a plain follow stream cannot do, and says so when asked: resume (the order depends
+on when blocks were committed) and ranks: a named consumer does both
+(`TokenStream.follow(path, consumer="name")`, actstore.loaders.consumer, which builds on
+this pool); DataLoader workers (one process reads the growing store) and normalisation
+(the store's statistics exist once it is finalized) neither does.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ from actstore.storage import Storage, open_storage
 READ_EXAMPLES = 64  # examples of a shard read together
 NO_RESUME = (
     "a follow stream cannot be resumed: its order depends on when each block was committed; "
-    "once the store is finalized, train on TokenStream(store), which resumes exactly"
+    "make it a named consumer (TokenStream.follow(path, consumer='name')), which resumes from its state_dict(), "
+    "or train on TokenStream(store) once the store is finalized"
 )
 
 
@@ -419,8 +422,8 @@ def _refuse(options: dict[str, Any]) -> None:
     rank 0 of world size 1; unknown names are make_spec's to refuse)."""
     why = {
         "normalize": "the store's statistics exist once it is finalized; normalise in your loop",
-        "rank": "one process reads the growing store",
-        "world_size": "one process reads the growing store",
+        "rank": "one process reads the growing store (a named consumer takes ranks: consumer='name')",
+        "world_size": "one process reads the growing store (a named consumer takes ranks: consumer='name')",
         "return_index": "examples are numbered only once the store is finalized",
         "shuffle": "its order is the order of the commits, mixed in the pool",
         "drop_last": "the last batch is what is left when the store is finalized",
