@@ -344,7 +344,9 @@ class _Pool:
                 within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]
                 if keep[seg.name] is not None:
                     within[:, : seg.t_max] &= keep[seg.name][lo:hi]
-                parts.append(buf[within])  # copy: the kept rows
+                parts.append(
+                    buf.reshape(-1, self.d) if within.all() else buf[within]
+                )  # (a copy only if some are left out)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _keep(self, reader: ShardReader, seg: str) -> np.ndarray | None:
