@@ -47,7 +47,13 @@ def batches(a) -> list[torch.Tensor]:
 def capture(model, data, store: Path, a, spool: int | None = None) -> float:
     t0 = time.perf_counter()
     actstore.record(
-        model, data, store, layers=[0, 1], commit_bytes=a.commit_bytes, writer_nice=0, **({"spool": spool} if spool else {})
+        model,
+        data,
+        store,
+        layers=[0, 1],
+        commit_bytes=a.commit_bytes,
+        writer_nice=0,
+        **({"spool": spool} if spool else {}),
     )
     return time.perf_counter() - t0
 
@@ -84,7 +90,11 @@ def with_consumers(store: Path, named: bool, a) -> tuple[list[threading.Thread],
 
     def read(i: int) -> None:
         kw = dict(layers=[i], batch_size=a.train_batch, buffer_bytes=a.buffer_bytes, poll_s=0.02)
-        s = TokenStream.follow(store, consumer=f"l{i}", ack="yielded", **kw) if named else TokenStream.follow(store, **kw)
+        s = (
+            TokenStream.follow(store, consumer=f"l{i}", ack="yielded", **kw)
+            if named
+            else TokenStream.follow(store, **kw)
+        )
         for x in s:
             counts[i] += len(x)
 
@@ -125,7 +135,9 @@ def write_side(a, folder: Path, model, data) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--tokens", type=int, default=131072)
     ap.add_argument("--d-model", type=int, default=576)
@@ -141,13 +153,20 @@ def main() -> None:
     model = ReplayModel(2, a.batch_size, a.seq_len, a.d_model, torch.float16, "cpu")
     data = batches(a)
     a.tokens = len(data) * a.batch_size * a.seq_len
-    result = {"command": "python benchmarks/bench_online.py " + " ".join(sys.argv[1:]), "tokens": a.tokens, "d_model": a.d_model}
+    result = {
+        "command": "python benchmarks/bench_online.py " + " ".join(sys.argv[1:]),
+        "tokens": a.tokens,
+        "d_model": a.d_model,
+    }
     folder = Path(tempfile.mkdtemp(prefix="bench-online-", dir=a.dir))
     try:
         if a.only in (None, "read"):
             result["read"] = r = read_side(a, folder, model, data)
             save("online", result)
-            print(f"consumer / offline epoch: {r['consumer_over_offline']:.2f}x (tokens/s, median of {a.repeats})", flush=True)
+            print(
+                f"consumer / offline epoch: {r['consumer_over_offline']:.2f}x (tokens/s, median of {a.repeats})",
+                flush=True,
+            )
         if a.only in (None, "write"):
             result["write"] = w = write_side(a, folder, model, data)
             path = save("online", result)

@@ -226,13 +226,19 @@ class ConsumerStream(FollowStream):
 
 
 class _ConsumerPool(_Pool):
-    """The follow stream's pool, reading the consumer's blocks whole and tagging their rows."""
+    """The follow stream's pool, reading the consumer's blocks whole and tagging their rows.
+    It is full at buffer_bytes exactly (no headroom: a block's rows are added as room
+    appears), so a pool's state when a batch is drawn is a function of the order of the
+    blocks, not of the reader thread's timing."""
+
+    HEADROOM = 0
 
     def __init__(self, fs: ConsumerStream, cfg: StoreConfig):
         super().__init__(fs, cfg)
         self.tags = np.empty(self.cap, np.int64)
         self.rng = fs.rng
         self.warned: set[int] = set()
+        self.spool = False  # the store was seen to be a spool
 
     def _check_writers(self, storage: Storage, taken: dict[int, Taken]) -> None:
         """A dead writer is waited for (its shard may resume); a dropped consumer stops."""
@@ -244,6 +250,16 @@ class _ConsumerPool(_Pool):
             if number not in self.warned:
                 self.warned.add(number)
                 warn(f"consumer {self.fs.name!r} waits for shard {number} to resume: {e}")
+
+    def _nothing_new(self, storage: Storage) -> None:
+        """On a spool the writers may be waiting for the blocks this pool holds: serve it as
+        it is rather than wait for it to fill (the batches mix fewer blocks meanwhile)."""
+        if not self.spool:
+            self.spool = records.is_spool(storage)
+        if self.spool and not self.starved:
+            with self.cond:
+                self.starved = True
+                self.cond.notify_all()
 
     def _idle_hint(self) -> str:
         pending = self.fs.pending_blocks()
@@ -301,6 +317,8 @@ class _ConsumerPool(_Pool):
             records.check_not_dropped(fs._storage, fs.name)
             fs.skipped.append((number, b.start, b.stop))
             return
+        if self.n >= self.cap - self.unit_max:
+            self.starved = False  # full again: the writers keep up
         block_id, left = fs.progress.begin(number, b.start, b.stop, len(rows))
         idx = np.flatnonzero(left)
         if len(idx):

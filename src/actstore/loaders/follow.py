@@ -166,6 +166,8 @@ class FollowStream(BaseTokenStream):
 class _Pool:
     """The reader thread's state and the pool of token vectors it fills."""
 
+    HEADROOM = 1  # room kept above a full pool: the rows of one read (a consumer's pool: none, see there)
+
     def __init__(self, fs: FollowStream, cfg: StoreConfig):
         self.fs, self.cfg = fs, cfg
         names: dict[str, int] = {}
@@ -190,11 +192,12 @@ class _Pool:
         self.np_dtype = np.dtype(spec.ACT_DTYPES[cfg.dtype])
         self.d = int(cfg.d_model)
         row_bytes = self.d * self.np_dtype.itemsize
-        self.unit_max = READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)  # rows of one read
+        self.unit_max = self.HEADROOM * READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)
         self.cap = max(fs.buffer_bytes // row_bytes, 2 * fs.batch_size) + self.unit_max
         self.rows = np.empty((self.cap, self.d), self.np_dtype)
         self.tags: np.ndarray | None = None  # a consumer's pool: each row's tag (loaders/consumerstate.py)
         self.drawn: deque[np.ndarray] = deque()  # with tags: the tags of each batch drawn, in order
+        self.starved = False  # draw before the pool is full: its writers wait for what it holds
         self.n = 0
         self.done = False
         self.error: BaseException | None = None
@@ -238,6 +241,7 @@ class _Pool:
             if grew:
                 last_new = now
                 continue
+            self._nothing_new(storage)
             if now >= next_writers_check:
                 self._check_writers(storage, taken)
                 next_writers_check = now + LEASE_CHECK_S
@@ -250,6 +254,9 @@ class _Pool:
 
     def _check_writers(self, storage: Storage, taken: dict[int, Taken]) -> None:
         check_writers(storage, taken)
+
+    def _nothing_new(self, storage: Storage) -> None:
+        """A look found no new block (a consumer of a spool then serves a pool not yet full)."""
 
     def _idle_hint(self) -> str:
         """More to say when the stream gives up waiting (a consumer's pending acknowledgements)."""
@@ -380,7 +387,7 @@ class _Pool:
         full = self.cap - self.unit_max  # the reader cannot be sure to add a read's rows beyond this
         while True:
             with self.cond:
-                while not (self.error or self.n >= full or self.done):
+                while not (self.error or self.n >= full or self.done or (self.starved and self.n)):
                     self.cond.wait(0.1)
                 if self.error is not None:
                     raise self.error
