@@ -247,6 +247,7 @@ class RecordSettings(TypedDict, total=False):
     fsync: bool
     writer_threads: int | None
     resume: bool
+    spool: str | None
 
 
 class OldRecordSettings(RecordSettings, total=False):

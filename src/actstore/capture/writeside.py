@@ -103,7 +103,7 @@ class Job:
             dtype=self.opts.dtype,
             **seg_kw,
             zarr_format=self.opts.zarr_format,
-            shard_examples=self.opts.shard_examples,
+            shard_examples=self.opts.store_shard_examples(),
             texts=c.texts,
             token_labels=c.token_labels,
             token_ids=self.token_ids,

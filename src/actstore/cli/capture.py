@@ -29,7 +29,7 @@ MORE_OPTIONS = (
     *("generate", "temperature", "top_p", "seed", "pack", "chunk", "context", "window_bos"),
     *("zarr_format", "shard_examples", "commit_bytes", "fsync", "queue_size", "writer_threads", "writer_nice"),
     *("workers", "runner", "cpus_per_worker", "gpus_per_worker", "ray_address", "rank", "world_size"),
-    *("resume", "finalize"),
+    *("resume", "spool", "finalize"),
 )
 
 

@@ -267,7 +267,10 @@ class LocalStorage(Storage):
                     if e.is_dir(follow_symlinks=False):
                         stack.append(e.path)
                         continue
-                    st = e.stat(follow_symlinks=False)
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # removed since the folder was read (a renamed temporary file, a spool's removal)
                     yield Entry(e.path[base:], st.st_size, kind_of(st.st_mode))
                 if empty and d != top:
                     yield Entry(d[base:], 0, "dir")

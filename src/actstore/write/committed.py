@@ -39,6 +39,7 @@ from actstore.layout.checksum import per_sample_crc32c
 from actstore.layout.chunks import ChunkGeometry, array_meta_key, key_scheme, row_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Block
+from actstore.layout.spool import Ranges, contains
 from actstore.storage import KeyNotFound, Storage
 
 MAX_NAMED = 5  # missing objects named in the error, one by one
@@ -94,7 +95,11 @@ class PerSampleRows:
 
 
 def committed_keys(
-    n: int, *, per_sample: Iterable[tuple[int, Callable[[int], str]]], activations: Iterable[ChunkGeometry]
+    n: int,
+    *,
+    per_sample: Iterable[tuple[int, Callable[[int], str]]],
+    activations: Iterable[ChunkGeometry],
+    removed: Ranges = (),
 ) -> list[str]:
     """The objects examples [0, n) of a shard are stored in (keys relative to the shard).
 
@@ -111,7 +116,8 @@ def committed_keys(
         if geo.shard_examples is not None:
             out += [geo.shard_key(s * geo.shard_examples) for s in range(-(-n // geo.shard_examples))]
         else:
-            out += [k for ex in range(n) for lp in range(geo.n_layers) for k in geo.chunk_keys_of(ex, lp)]
+            kept = [ex for ex in range(n) if not contains(removed, ex)]
+            out += [k for ex in kept for lp in range(geo.n_layers) for k in geo.chunk_keys_of(ex, lp)]
     return out
 
 

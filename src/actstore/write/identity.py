@@ -6,6 +6,7 @@ from actstore import catalog
 from actstore.errors import StoreMismatchError
 from actstore.layout import keys, records
 from actstore.layout.config import StoreConfig
+from actstore.layout.spool import SPOOL_DIR
 from actstore.storage import Storage
 
 
@@ -17,7 +18,7 @@ def claim_store(storage: Storage, cfg: StoreConfig) -> StoreConfig:
         foreign = [
             n
             for n in names
-            if n not in (keys.IDENTITY, keys.SHARDS, keys.MANIFEST, keys.LEASES) and not keys.is_temporary(n)
+            if n not in (keys.IDENTITY, keys.SHARDS, keys.MANIFEST, keys.LEASES, SPOOL_DIR) and not keys.is_temporary(n)
         ]
         if foreign:
             raise StoreMismatchError(

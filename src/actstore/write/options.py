@@ -19,6 +19,7 @@ from typing import Any, TypedDict
 
 from actstore.layout import spec
 from actstore.layout.config import StoreConfig, make_config
+from actstore.layout.spool import BUDGET_HELP, parse_budget
 from actstore.optionspec import check_positive, is_int, option
 
 ON_NONFINITE = ("count", "raise")
@@ -45,8 +46,11 @@ class WriterOptions:
     world_size: int | None = None
     io_threads: int | None = None
     io_bytes: int | None = None
+    spool: int | str | None = None  # a spool's byte budget ("50GB", "512MiB", bytes); None: no spool
 
     def __post_init__(self) -> None:
+        if self.spool is not None:  # held as bytes, whatever the spelling
+            object.__setattr__(self, "spool", parse_budget(self.spool))
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be one of {list(ON_NONFINITE)}. Got {self.on_nonfinite!r}.")
         if self.on_overflow not in ON_OVERFLOW:
@@ -103,6 +107,7 @@ class WriterKeywords(TypedDict, total=False):
     world_size: int | None
     io_threads: int | None
     io_bytes: int | None
+    spool: int | str | None
 
 
 CONFIG_KEYWORDS = tuple(p for p in inspect.signature(make_config).parameters if p != "segments_specs")
@@ -230,6 +235,13 @@ class LayoutOptions:
         section=PIPE,
     )
     resume: bool = option(False, "Continue every writer after its last committed example.", section=WRITERS)
+    spool: str | None = option(  # None: keep every token
+        None,
+        "Make the store a spool with this byte budget: blocks every registered consumer (TokenStream.follow(..., "
+        f"consumer=NAME)) acknowledged are removed, and writers wait while the kept bytes would exceed it; {BUDGET_HELP}. "
+        "Needs one activation file per example (--zarr-format 2, or 3 with no Zarr sharding: the default then).",
+        section=WRITERS,
+    )
 
     def writer_options(self, world_size: int | None) -> WriterOptions:
         """The options of the capture's ShardWriter (the shard's rank is checked against `world_size`)."""
@@ -241,7 +253,15 @@ class LayoutOptions:
             fsync=self.fsync,
             world_size=world_size,
             io_threads=self.writer_threads or default_writer_threads(),
+            spool=self.spool,
         )
+
+    def store_shard_examples(self) -> int | str | None:
+        """Examples per Zarr shard file of the store: a spool's "auto" is no sharding (its
+        files are removed per example)."""
+        if self.spool is not None and self.shard_examples == spec.SHARD_EXAMPLES_AUTO:
+            return None
+        return self.shard_examples
 
     def check_layout(self, n: Any) -> None:
         """Reject contradictory layout and writer settings, named by `n` (field -> the caller's spelling)."""
@@ -265,3 +285,15 @@ class LayoutOptions:
                 raise CaptureError(f"{n('shard_examples')} must be a positive int. Got {self.shard_examples}.")
             if self.zarr_format != 3:
                 raise CaptureError(f"{n('shard_examples')} (Zarr sharding) needs {n('zarr_format')} 3")
+        if self.spool is not None:
+            from actstore.errors import SpoolError
+
+            try:
+                parse_budget(self.spool)
+            except SpoolError as e:
+                raise CaptureError(f"{n('spool')}: {e}") from None
+            if self.shard_examples not in (spec.SHARD_EXAMPLES_AUTO, None):
+                raise CaptureError(
+                    f"{n('spool')} removes the activation files of consumed examples, one file per example: it cannot "
+                    f"be used with {n('shard_examples')} (Zarr shard files of several examples); leave it out"
+                )

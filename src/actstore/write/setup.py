@@ -22,6 +22,7 @@ from actstore.errors import CorruptStoreError, ShardCompleteError, ShardExistsEr
 from actstore.layout import jsonio, keys, records, spec
 from actstore.layout.chunks import array_meta_key, geometry_from_metadata, key_scheme, row_chunk_key
 from actstore.layout.config import StoreConfig
+from actstore.layout.spool import Ranges
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage
 from actstore.write import zarr_arrays as arrays
@@ -293,16 +294,17 @@ class ShardSetup:
         names += [keys.field_array(f) for f in self.cfg.fields]
         return names
 
-    def check_committed(self, n: int) -> None:
+    def check_committed(self, n: int, removed: Ranges = ()) -> None:
         """Before the commit record that completes a shard committed in several commits: every
-        object of its n examples is still there (actstore.write.committed), else raise."""
+        object of its n examples is still there (actstore.write.committed), else raise; the
+        activation files of `removed` examples (a spool's consumed blocks) are not looked for."""
         per_sample = []
         for name in self.per_sample_names():
             arr = self.group[name]
             fmt, sep = key_scheme(jsonio.loads(self.meta.read(array_meta_key(name, arr.metadata.zarr_format)), name))
             per_sample.append((int(arr.chunks[0]), partial(row_chunk_key, name, fmt, sep, len(arr.shape))))
         io = getattr(self.layout, "io", None) or {}
-        want = committed_keys(n, per_sample=per_sample, activations=[c.geo for c in io.values()])
+        want = committed_keys(n, per_sample=per_sample, activations=[c.geo for c in io.values()], removed=removed)
         want += [k for k, v in self.meta.written.items() if v is not None]
         want += [keys.BLOCKS, *(keys.text_file(t) for t in self.cfg.texts)]
         want += [keys.EL_CRC] if self.el_crc_file else []

@@ -35,6 +35,7 @@ from actstore.write.lease import ShardLease
 from actstore.write.options import WriterKeywords, WriterOptions, from_keywords
 from actstore.write.pipeline import IOStats
 from actstore.write.setup import ShardSetup, set_rows
+from actstore.write.spool import spool_gate
 
 _DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -105,6 +106,10 @@ class ShardWriter:
             object store (actstore.write.pipeline).
         io_bytes: bytes handed to those threads and not yet written before an append waits
             (default 512 MiB; the staging buffers of a sharded layout count).
+        spool: make the store a spool with this byte budget ("50GB", "512MiB", bytes), or
+            write into the spool it is (a writer opened without it on a spool gets its
+            budget): before a batch is written the writer waits until it fits
+            (actstore.write.spool; docs/capture.md, "The spool").
     """
 
     def __init__(
@@ -134,6 +139,9 @@ class ShardWriter:
             )
         self.shard = shard
         claim_store(self.storage, cfg)
+        self.spool = spool_gate(
+            self.storage, cfg, shard, opts.spool, int(opts.commit_bytes), lambda: self._lease.check()
+        )
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
         self._created = records.now()
         self.options = opts
@@ -281,6 +289,8 @@ class ShardWriter:
         # From here on the batch is written.
         n0, b = self.n_written, batch.b
         self._check_background()
+        if self.spool is not None:  # back-pressure: wait until the batch fits the spool's budget
+            self.spool.reserve(self._block_bytes, sum(a.nbytes for a in batch.acts.values()), self.commit)
         release, batch_stats = batch.release, batch.stats
         batch.release = release if self._layout.borrows else None  # rows written from where they are
         try:
@@ -399,7 +409,8 @@ class ShardWriter:
         self._meta.flush()  # the arrays' new shapes and attributes, each document once
         self._records.write_created()
         if complete and n0:
-            self._files.check_committed(n1)  # committed in several commits: none of its objects was lost
+            # committed in several commits: none of its objects was lost (but a spool's removed ones)
+            self._files.check_committed(n1, self.spool.removed_here() if self.spool else ())
         if self.fsync:
             sh.sync_written()  # a group commit: every file of the block synced at once, not the disk
             self.storage.sync_written()
@@ -409,6 +420,8 @@ class ShardWriter:
             sh.delete(old_stats)
         self.n_committed = n1
         self._block_bytes = 0
+        if self.spool is not None and n1 > n0:
+            self.spool.committed((n1 - n0) * cfg.example_bytes())
 
     def _take_pending(self, name: str, n: int) -> np.ndarray:
         parts = self._pending.pop(name, [])

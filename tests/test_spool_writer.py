@@ -1,0 +1,258 @@
+"""The writer side of a spool (issue 41): ShardWriter(spool=) opens or joins a spool, waits
+while the kept bytes would exceed the budget, removes consumed blocks (records first), and
+the bytes on disk stay within budget + one block per writer while a simulated consumer
+(tests/spoolsim.py) reads every example once, exactly as appended."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from spoolsim import SimConsumer, activation_bytes
+
+from actstore import ShardWriter
+from actstore.errors import SpoolError
+from actstore.layout import spool as sp
+from actstore.spoolstate import read_state
+from actstore.storage import open_storage
+from actstore.write import spool as wspool
+
+L, T, D = 2, 4, 8
+KW = dict(layers=[0, 1], d_model=D, tokens=T, zarr_format=2, stats=False)
+EXAMPLE = L * T * D * 2  # float16
+BLOCK = 4 * EXAMPLE  # commit every 4 examples
+WAIT = 60  # seconds an event may take before the test fails (never slept)
+
+
+@pytest.fixture(autouse=True)
+def _fast_polls(monkeypatch):
+    monkeypatch.setattr(wspool, "POLL_SECONDS", 0.005)
+
+
+def _batches(seed: int, n: int, b: int = 2) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((b, L, T, D)).astype(np.float16) for _ in range(n)]
+
+
+def _write(url, shard, batches, budget, **kw):
+    with ShardWriter(url, shard=shard, spool=budget, commit_bytes=BLOCK, **{**KW, **kw}) as w:
+        for x in batches:
+            w.append(x)
+    return w
+
+
+def _drain(consumer: SimConsumer, thread: threading.Thread) -> None:
+    """Let the consumer read what is left (a look that finds nothing), then stop it."""
+    consumer.idle.clear()
+    assert consumer.idle.wait(WAIT)
+    consumer.stop.set()
+    thread.join(WAIT)
+
+
+# ---- opening -------------------------------------------------------------------------
+
+
+def test_the_first_writer_creates_the_spool_record(tmp_path):
+    url = str(tmp_path / "s")
+    with ShardWriter(url, spool="1MiB", commit_bytes=BLOCK, **KW) as w:
+        assert w.spool is not None and w.spool.budget == 2**20
+    rec = json.loads((tmp_path / "s" / "spool" / "spool.json").read_text())
+    assert rec["budget_bytes"] == 2**20 and rec["format_version"] == 1
+    # a later writer without spool= joins the spool with its budget
+    with ShardWriter(url, shard=1, commit_bytes=BLOCK, **KW) as w:
+        assert w.spool is not None and w.spool.budget == 2**20
+
+
+def test_a_writer_with_another_budget_is_refused_naming_both(tmp_path):
+    url = str(tmp_path / "s")
+    _write(url, 0, [], "1MiB")
+    with pytest.raises(SpoolError, match=r"budget of 1048576 bytes .* asked for 2000000 bytes"):
+        ShardWriter(url, shard=1, spool="2MB", commit_bytes=BLOCK, **KW)
+    assert not (tmp_path / "s" / "shards" / "shard-00001.zarr").exists()  # refused before the shard was claimed
+
+
+def test_a_block_larger_than_the_budget_is_refused(tmp_path):
+    with pytest.raises(SpoolError, match=r"does not fit the spool's budget of 1.00 kB"):
+        ShardWriter(tmp_path / "s", spool=1000, commit_bytes=2000, **KW)
+
+
+def test_zarr_shard_files_of_several_examples_are_refused(tmp_path):
+    kw = {**KW, "zarr_format": 3, "shard_examples": 8}
+    with pytest.raises(SpoolError, match=r"8 examples per Zarr shard file; .* zarr_format=2 \(--zarr-format 2\)"):
+        ShardWriter(tmp_path / "s", spool="1MB", **kw)
+
+
+def test_a_bad_budget_names_the_spellings(tmp_path):
+    with pytest.raises(SpoolError, match=r"SI \(kB, MB, GB, TB, PB.*Got '5 parsecs'"):
+        ShardWriter(tmp_path / "s", spool="5 parsecs", **KW)
+
+
+# ---- back-pressure and removal -----------------------------------------------------------
+
+
+def _appended(seeds_by_shard, n, b=2):
+    return {
+        (shard, i * b + j): x[j]
+        for shard, seed in seeds_by_shard.items()
+        for i, x in enumerate(_batches(seed, n, b))
+        for j in range(b)
+    }
+
+
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, request):
+    url = request.getfixturevalue("s3_url") if where == "s3" else str(tmp_path / "s")
+    budget = 4 * BLOCK
+    n = 40 if where == "local" else 20  # 80 (40) examples per writer: 10x (5x) the budget in all
+    consumer = SimConsumer(url, "sae")
+    thread = consumer.start()
+    writers: list[ShardWriter] = []
+    errors: list[BaseException] = []
+
+    def run(shard):
+        try:
+            writers.append(_write(url, shard, _batches(shard, n), budget, world_size=2))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(WAIT)
+    _drain(consumer, thread)
+    assert not errors and consumer.error is None, (errors, consumer.error)
+    assert consumer.max_disk <= budget + 2 * BLOCK, consumer.max_disk
+    want = _appended({0: 0, 1: 1}, n)
+    assert sorted(consumer.got) == sorted(want)
+    for k, x in want.items():
+        np.testing.assert_array_equal(consumer.got[k], x)
+    assert sum(w.spool.waited_seconds > 0 for w in writers) >= 1  # the budget held them back
+    state = read_state(open_storage(url))
+    assert state.removed_bytes > 0 and state.kept_bytes <= budget + 2 * BLOCK
+    assert 2 * n * 2 * EXAMPLE == sum(b.nbytes for b in state.blocks)
+
+
+def test_a_writer_waits_while_the_consumer_is_paused_and_goes_on(tmp_path):
+    url = str(tmp_path / "s")
+    budget = 3 * BLOCK
+    consumer = SimConsumer(url, "sae")
+    consumer.paused.set()
+    thread = consumer.start()
+    w = ShardWriter(url, spool=budget, commit_bytes=BLOCK, **KW)
+    done = threading.Event()
+    batches = _batches(5, 30)
+
+    def run():
+        with w:
+            for x in batches:
+                w.append(x)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert w.spool.waiting.wait(WAIT)  # paused consumer: the writer waits ...
+    n_at_wait = len(w)
+    assert n_at_wait * EXAMPLE <= budget + BLOCK and not done.is_set()
+    assert activation_bytes(open_storage(url)) <= budget
+    consumer.paused.clear()  # ... and goes on once it reads again
+    assert done.wait(WAIT)
+    t.join(WAIT)
+    _drain(consumer, thread)
+    assert consumer.error is None
+    assert len(consumer.got) == 60 and consumer.max_disk <= budget + BLOCK
+
+
+def test_a_writer_with_no_consumer_waits_for_one_and_says_so(tmp_path, capsys):
+    url = str(tmp_path / "s")
+    w = ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, **KW)
+    done = threading.Event()
+
+    def run():
+        with w:
+            for x in _batches(1, 12):
+                w.append(x)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert w.spool.waiting.wait(WAIT)
+    state = read_state(open_storage(url))
+    assert "no consumer registered yet" in wspool.waiting_line(state, EXAMPLE * 2)
+    consumer = SimConsumer(url, "late")
+    ct = consumer.start()
+    assert done.wait(WAIT)
+    t.join(WAIT)
+    _drain(consumer, ct)
+    assert len(consumer.got) == 24
+
+
+def test_removal_writes_its_record_before_deleting(tmp_path, monkeypatch):
+    url = str(tmp_path / "s")
+    _write(url, 0, _batches(2, 4), 10 * BLOCK)  # 8 examples, 2 blocks
+    consumer = SimConsumer(url, "sae")
+    consumer.register()
+    consumer.look()
+    storage = open_storage(url)
+    state = read_state(storage)
+    seen = []
+
+    def deleting(st, ks):
+        rec = json.loads((tmp_path / "s" / "spool" / "removed" / "shard-00000.zarr" / "cli-0a0b0c0d.json").read_text())
+        seen.append((rec["removed"], len(ks)))
+        for k in ks:
+            st.delete(k)
+
+    monkeypatch.setattr(wspool, "delete_keys", deleting)
+    blocks, nbytes = wspool.remove_consumed(storage, state.record and _cfg(storage), state, "cli-0a0b0c0d")
+    assert (blocks, nbytes) == (2, 8 * EXAMPLE)
+    assert seen == [([[0, 8]], 8 * L)]  # the record named both blocks before a file went; one chunk per (ex, layer)
+    assert activation_bytes(storage) == 0
+    after = read_state(storage)
+    assert after.kept_bytes == 0 and after.removed_bytes == 8 * EXAMPLE and after.removed == {0: ((0, 8),)}
+    assert (tmp_path / "s" / "shards" / "shard-00000.zarr" / "arrays" / "tokens_len").exists()  # per-sample kept
+
+
+def _cfg(storage):
+    from actstore import catalog
+
+    return catalog.read_identity(storage)
+
+
+def test_a_resumed_spooled_writer_continues_after_removals(tmp_path):
+    url = str(tmp_path / "s")
+    budget = 3 * BLOCK
+    consumer = SimConsumer(url, "sae")
+    thread = consumer.start()
+    first, second = _batches(7, 10), _batches(8, 10)
+    with pytest.raises(RuntimeError, match="stop"):
+        with ShardWriter(url, spool=budget, commit_bytes=BLOCK, **KW) as w:
+            for x in first:
+                w.append(x)
+            raise RuntimeError("stop")  # the writer leaves with its appends committed, shard incomplete
+    with ShardWriter(url, spool=budget, commit_bytes=BLOCK, resume=True, **KW) as w:
+        assert len(w) == 20
+        for x in second:
+            w.append(x)
+    _drain(consumer, thread)
+    assert consumer.error is None
+    want = {(0, i): x for i, x in enumerate(np.concatenate(first + second))}
+    assert sorted(consumer.got) == sorted(want)
+    for k, x in want.items():
+        np.testing.assert_array_equal(consumer.got[k], x)
+    assert read_state(open_storage(url)).removed.get(0)  # blocks were removed before the resume completed
+
+
+def test_block_owner_splits_blocks_between_consumer_ranks(tmp_path):
+    url = str(tmp_path / "s")
+    _write(url, 0, _batches(3, 8), 10 * BLOCK)  # 16 examples, 4 blocks
+    r0, r1 = SimConsumer(url, "ddp", 0, 2), SimConsumer(url, "ddp", 1, 2)
+    r0.register()
+    r1.register()
+    assert r0.look() == 2 and r1.look() == 2
+    assert set(r0.got).isdisjoint(r1.got) and len(r0.got) + len(r1.got) == 16
+    state = read_state(open_storage(url))
+    assert len(state.consumable()) == 4 and state.lags() == {"ddp": 0}
+    assert sp.consumed(state.blocks[0], state.consumers, ())
