@@ -51,6 +51,7 @@ from actstore.loaders.followcheck import Taken, check_writers, same_generation
 from actstore.loaders.spec import dist_rank_world
 from actstore.progress import warn
 from actstore.read.interface import Reader
+from actstore.spoolstate import read_record, removed_ranges
 from actstore.storage import Storage, open_storage
 
 ACK_MODES = ("checkpoint", "manual", "yielded")
@@ -255,7 +256,7 @@ class _ConsumerPool(_Pool):
         """On a spool the writers may be waiting for the blocks this pool holds: serve it as
         it is rather than wait for it to fill (the batches mix fewer blocks meanwhile)."""
         if not self.spool:
-            self.spool = records.is_spool(storage)
+            self.spool = read_record(storage) is not None
         if self.spool and not self.starved:
             with self.cond:
                 self.starved = True
@@ -277,7 +278,7 @@ class _ConsumerPool(_Pool):
         fs: ConsumerStream = self.fs
         reader, lens, keep = self._open(storage, number, rec)
         shard = catalog.shard_storage(storage, number)
-        removed = records.removed_of(storage, number)
+        removed = removed_ranges(storage, number)
         piece: list[tuple[int, Any, np.ndarray | None]] = []
         size = 0
         for i in range(len(t.blocks), len(blocks)):
@@ -292,7 +293,7 @@ class _ConsumerPool(_Pool):
                 try:
                     rows = self._read_unit(reader, lens, keep, b.start, b.stop)
                 except (ActstoreError, OSError):
-                    if not overlaps(records.removed_of(storage, number), b.start, b.stop):
+                    if not overlaps(removed_ranges(storage, number), b.start, b.stop):
                         raise
                     rows = None  # removed while it was read: skipped below
                 size += 0 if rows is None else rows.nbytes
@@ -301,7 +302,7 @@ class _ConsumerPool(_Pool):
                 continue
             if not same_generation(shard, blocks):
                 raise _Changed("its block records changed while it was read")
-            removed = records.removed_of(storage, number)  # after the read: a removal names its blocks first
+            removed = removed_ranges(storage, number)  # after the read: a removal names its blocks first
             for j, blk, got in piece:
                 self._take_block(
                     number, j, blk, got, removed, mine=block_owner(number, j, blk.start, fs.world_size) == fs.rank

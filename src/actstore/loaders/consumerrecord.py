@@ -1,7 +1,7 @@
 """A consumer rank's records in the store (docs/format.md, "The spool"): registration (a
 create-only record), its acknowledged blocks (the record replaced, only ever growing), the
-check that it was not dropped, and the removed examples of a shard that it must skip.
-The records' form is actstore.layout.spool's; this module does their I/O for a reader."""
+check that it was not dropped. The records' form is actstore.layout.spool's; this module
+does their I/O for a reader (what a spool holds now is actstore.spoolstate's to read)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ from actstore.layout import spool
 from actstore.layout.records import now
 from actstore.layout.spool import ConsumerRecord, Ranges
 from actstore.storage import Storage
-
-
-def is_spool(storage: Storage) -> bool:
-    return storage.exists(spool.SPOOL_FILE)
 
 
 def check_not_dropped(storage: Storage, name: str) -> None:
@@ -80,19 +76,3 @@ def write_acked(storage: Storage, rec: ConsumerRecord, acked: Mapping[int, Range
     new = replace(rec, acked=grown, updated=now())
     storage.put(spool.consumer_key(rec.name, rec.rank), spool.dump_consumer(new))
     return new
-
-
-def removed_of(storage: Storage, shard: int) -> Ranges:
-    """The examples of `shard` whose activations a spool removed (or is removing): the union
-    of its removers' records, each written before the deletion it names."""
-    folder = spool.removed_dir(shard)
-    recs = []
-    for file in storage.list_dir(folder):
-        if spool.parse_remover_file(file) is None:
-            continue
-        key = f"{folder}/{file}"
-        try:
-            recs.append(spool.parse_removed(storage.get(key), storage.where(key)))
-        except KeyNotFound:
-            continue
-    return spool.removed_union(recs)
