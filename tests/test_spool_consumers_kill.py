@@ -4,7 +4,8 @@ exactly once over its whole run, except the tokens it trained on after that chec
 which it gets again. Each run is a forked process (no fresh interpreter) that logs every
 vector it trains on with an unbuffered write (what a kill cannot take back) and saves
 checkpoints atomically; it kills itself with SIGKILL at a random batch, at a random
-phase of its checkpoint sequence. And a writer killed with -9 whose shard is resumed
+phase of its checkpoint sequence; before each restart the spool removes every block the
+store's record acknowledged. And a writer killed with -9 whose shard is resumed
 while a consumer goes on."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -22,12 +24,15 @@ import pytest
 import spoolhelp as sh
 
 import actstore
+from actstore import catalog
 from actstore.layout import spool
 from actstore.loaders import consumer as consumer_module
 from actstore.loaders import follow
 from actstore.loaders.consumerstate import not_covered, ranges_of
+from actstore.spoolstate import read_state
 from actstore.storage import open_storage
 from actstore.torch import TokenStream
+from actstore.write import spool as writer_spool
 
 OPTS = dict(layers=[1], batch_size=8, buffer_bytes=24 * sh.D * 2, token_mask="all", poll_s=0.01, idle_timeout_s=60)
 ROW = sh.D * 2  # bytes of one float16 token vector in the log
@@ -74,37 +79,50 @@ def logged(work: Path, lo: int = 0, hi: int | None = None) -> sh.Counter:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
+    """A finalized spool (its budget never reached), copied for each trial."""
     path = tmp_path_factory.mktemp("kill") / "s"
     for s in (0, 1):
-        sh.write_blocks(path, s, range(12), world_size=2)
+        sh.write_blocks(path, s, range(12), world_size=2, spool=1 << 20, zarr_format=2, commit_bytes=1 << 16)
     actstore.finalize(path)
     return path
 
 
-@pytest.mark.slow  # 42 forked runs: about 5 s
+def remove_consumed(path) -> int:
+    """What a spool's writers or `actstore spool gc` would do: remove every block that every
+    consumer acknowledged; the bytes removed."""
+    storage = open_storage(path)
+    _, nbytes = writer_spool.remove_consumed(
+        storage, catalog.read_identity(storage), read_state(storage), spool.cli_remover("0000abcd")
+    )
+    return nbytes
+
+
+@pytest.mark.slow  # 42 forked runs and 21 copies of a store: 5-15 s
 def test_a_consumer_killed_at_random_points_gets_every_token_once_but_the_replayed(store, tmp_path):
     want = sh.expected({0: 12, 1: 12}, [1])
     total_batches = -(-sum(want.values()) // OPTS["batch_size"])
     rng = random.Random(41)
-    replays = []
+    replays, removed = [], []
     for trial in range(21):
         work = tmp_path / f"t{trial}"
-        work.mkdir()
+        path = shutil.copytree(store, work / "s")
         phase = PHASES[trial % 3]
         kill_at = rng.randrange(2 * EVERY, total_batches - 1)
         if phase != PHASES[0]:
             kill_at = kill_at // EVERY * EVERY  # a checkpoint's batch
-        assert run(str(store), str(work), kill_at, phase, trial) == -signal.SIGKILL
+        assert run(str(path), str(work), kill_at, phase, trial) == -signal.SIGKILL
         at_kill = len((work / "log").read_bytes()) // ROW
         saved = json.loads((work / "ckpt.json").read_text())
-        rec = spool.parse_consumer(open_storage(store).get(spool.consumer_key("sae", 0)), "record")
+        rec = spool.parse_consumer(open_storage(path).get(spool.consumer_key("sae", 0)), "record")
         assert not not_covered(rec.acked, ranges_of(saved["stream"]["completed"]))  # never ahead of the checkpoint
-        assert run(str(store), str(work), None, PHASES[0], trial) == 0
+        removed.append(remove_consumed(path))  # the acknowledged blocks are gone before the restart
+        assert run(str(path), str(work), None, PHASES[0], trial) == 0
         replayed = logged(work, saved["trained"], at_kill)
         replays.append(at_kill - saved["trained"])
         assert logged(work) == want + replayed, (trial, kill_at, phase)
-        open_storage(store).delete_prefix(spool.consumer_dir("sae"))  # the next trial registers anew
-    assert sum(r > 0 for r in replays) >= 7  # runs that trained past their checkpoint got those tokens again
+    assert (
+        sum(r > 0 for r in replays) >= 7 and sum(n > 0 for n in removed) >= 10
+    )  # runs that trained past their checkpoint got those tokens again
 
 
 def test_a_writer_killed_with_9_resumes_while_the_consumer_goes_on(tmp_path, monkeypatch):
