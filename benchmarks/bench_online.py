@@ -13,6 +13,8 @@ ReplayModel: the capture pipeline alone sets the pace).
    median of spooled / plain tokens per second. A third figure, plain with the same two
    consumers following it (no names, nothing removed), separates the consumers' CPU from
    the spool's own cost.
+Every store has a spool's layout (Zarr 3, one file per example: shard_examples=None), so
+that the runs write the same files.
 
 Run: python benchmarks/bench_online.py --dir /dev/shm
 Results: bench-results/online.json.
@@ -53,6 +55,7 @@ def capture(model, data, store: Path, a, spool: int | None = None) -> float:
         layers=[0, 1],
         commit_bytes=a.commit_bytes,
         writer_nice=0,
+        shard_examples=None,  # a spool's layout (one file per example), plain or not: the same files
         **({"spool": spool} if spool else {}),
     )
     return time.perf_counter() - t0

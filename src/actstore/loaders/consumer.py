@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -33,8 +33,9 @@ import torch
 
 from actstore import catalog
 from actstore.errors import ActstoreError, NotFinalizedError, SpoolError
-from actstore.layout import spool
+from actstore.layout import keys, spool
 from actstore.layout.config import StoreConfig
+from actstore.layout.records import parse_blocks
 from actstore.layout.spool import Ranges, block_owner, overlaps
 from actstore.loaders import consumerrecord as records
 from actstore.loaders.consumerstate import (
@@ -47,7 +48,7 @@ from actstore.loaders.consumerstate import (
     ranges_of,
 )
 from actstore.loaders.follow import FollowStream, _Changed, _Pool
-from actstore.loaders.followcheck import Taken, check_writers, same_generation
+from actstore.loaders.followcheck import Taken, check_writers
 from actstore.loaders.spec import dist_rank_world
 from actstore.progress import warn
 from actstore.read.interface import Reader
@@ -226,6 +227,28 @@ class ConsumerStream(FollowStream):
         return sum(b - a for s, a, b in not_covered(done, acked))
 
 
+def _records_prefix(shard: Storage, blocks: list[Any]) -> Callable[[], bool]:
+    """A check that the shard still holds the block records `blocks`: their bytes, read once
+    (and parsed once, to be `blocks`), compared with the start of its blocks.jsonl at each
+    call (followcheck.same_generation parses every record at each look: a cost that grows
+    with the shard, at each piece of a long read)."""
+    try:
+        lines = shard.get(keys.BLOCKS).split(b"\n")
+    except (ActstoreError, OSError) as e:
+        raise _Changed(f"reading its block records failed: {e}") from None
+    prefix = b"".join(line + b"\n" for line in lines[: len(blocks)])
+    if len(lines) <= len(blocks) or parse_blocks(prefix, len(blocks), shard.where(keys.BLOCKS)) != blocks:
+        raise _Changed("its block records changed")
+
+    def same() -> bool:
+        try:
+            return shard.get(keys.BLOCKS).startswith(prefix)
+        except (ActstoreError, OSError):
+            return False  # gone or torn: being rewritten
+
+    return same
+
+
 class _ConsumerPool(_Pool):
     """The follow stream's pool, reading the consumer's blocks whole and tagging their rows.
     It is full at buffer_bytes exactly (no headroom: a block's rows are added as room
@@ -278,6 +301,7 @@ class _ConsumerPool(_Pool):
         fs: ConsumerStream = self.fs
         reader, lens, keep = self._open(storage, number, rec)
         shard = catalog.shard_storage(storage, number)
+        same = _records_prefix(shard, blocks)
         removed = removed_ranges(storage, number)
         piece: list[tuple[int, Any, np.ndarray | None]] = []
         size = 0
@@ -300,7 +324,7 @@ class _ConsumerPool(_Pool):
             piece.append((i, b, rows if mine else None))
             if i + 1 < len(blocks) and size < self.piece_bytes:
                 continue
-            if not same_generation(shard, blocks):
+            if not same():
                 raise _Changed("its block records changed while it was read")
             removed = removed_ranges(storage, number)  # after the read: a removal names its blocks first
             for j, blk, got in piece:

@@ -56,10 +56,11 @@ class InFlight:
     start: int
     stop: int
     yielded: np.ndarray  # bool, one per kept row of the block
+    left: int = -1  # rows not yet yielded (counted when made)
 
-    @property
-    def done(self) -> bool:
-        return bool(self.yielded.all())
+    def __post_init__(self) -> None:
+        if self.left < 0:
+            self.left = int(len(self.yielded) - np.count_nonzero(self.yielded))
 
 
 def _pack(bits: np.ndarray) -> str:
@@ -109,13 +110,19 @@ class Progress:
 
     def mark(self, tags: np.ndarray) -> None:
         """The rows `tags` were handed to the loop."""
+        if not len(tags):
+            return
+        tags = np.sort(tags)  # grouped by block (the id is the high bits); each row once
         ids = tags >> ROW_BITS
         rows = tags & ((1 << ROW_BITS) - 1)
+        cuts = [0, *(np.flatnonzero(np.diff(ids)) + 1).tolist(), len(tags)]
         with self.lock:
-            for block_id in np.unique(ids).tolist():
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                block_id = int(ids[a])
                 f = self.flying[block_id]
-                f.yielded[rows[ids == block_id]] = True
-                if f.done:
+                f.yielded[rows[a:b]] = True
+                f.left -= b - a
+                if not f.left:
                     self._complete(f.shard, f.start, f.stop)
                     del self.flying[block_id]
 

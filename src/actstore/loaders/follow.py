@@ -198,6 +198,8 @@ class _Pool:
         self.tags: np.ndarray | None = None  # a consumer's pool: each row's tag (loaders/consumerstate.py)
         self.drawn: deque[np.ndarray] = deque()  # with tags: the tags of each batch drawn, in order
         self.starved = False  # draw before the pool is full: its writers wait for what it holds
+        self.staged: deque[tuple[np.ndarray, np.ndarray | None]] = deque()  # read, waiting for room in the pool
+        self.staged_rows = 0
         self.n = 0
         self.done = False
         self.error: BaseException | None = None
@@ -364,22 +366,33 @@ class _Pool:
         return arr == 0 if self.mask == CONTENT else arr != 0
 
     def _add(self, rows: np.ndarray, tags: np.ndarray | None = None) -> None:
-        """Rows (and their tags, in a consumer's pool) into the pool, waiting while it has no
-        room (the loop has not drawn yet)."""
-        at = 0
-        while at < len(rows):
-            with self.cond:
-                while self.n == self.cap and not self.stop.is_set():
-                    self.cond.wait(0.1)
-                if self.stop.is_set():
-                    return
-                k = min(len(rows) - at, self.cap - self.n)
-                self.rows[self.n : self.n + k] = rows[at : at + k]
-                if tags is not None:
-                    self.tags[self.n : self.n + k] = tags[at : at + k]
-                self.n += k
-                at += k
-                self.cond.notify_all()
+        """Rows (and their tags, in a consumer's pool) into the pool, in order: what does not
+        fit waits in `staged` (views, no copy) for the loop to move it in after a draw; the
+        reader waits only while more than half a pool is staged."""
+        with self.cond:
+            k = 0 if self.staged else min(len(rows), self.cap - self.n)
+            self._put(rows[:k], None if tags is None else tags[:k])
+            if k < len(rows):
+                self.staged.append((rows[k:], None if tags is None else tags[k:]))
+                self.staged_rows += len(rows) - k
+            self.cond.notify_all()
+            while self.staged_rows > self.cap // 2 and not self.stop.is_set():
+                self.cond.wait(0.1)
+
+    def _put(self, rows: np.ndarray, tags: np.ndarray | None) -> None:
+        """Rows into the pool's free room (the caller holds the lock and checked it fits)."""
+        k = len(rows)
+        self.rows[self.n : self.n + k] = rows  # copy: into the pool
+        if tags is not None:
+            self.tags[self.n : self.n + k] = tags
+        self.n += k
+
+    def _refill(self) -> None:
+        """Staged rows into the room a draw made, first staged first (the lock held)."""
+        k = min(self.cap - self.n, self.staged_rows)
+        if k > 0:
+            self._fill(np.arange(self.n, self.n + k))
+            self.n += k
 
     # ---- the loop's side -----------------------------------------------------------
     def serve(self) -> Iterator[torch.Tensor]:
@@ -391,9 +404,11 @@ class _Pool:
                     self.cond.wait(0.1)
                 if self.error is not None:
                     raise self.error
+                self._refill()
                 if self.done and not self.n:
                     return
                 batch = self._draw(min(b, self.n))
+                self._refill()
                 self.cond.notify_all()
             yield batch
 
@@ -402,15 +417,38 @@ class _Pool:
         n = self.n
         take = self.rng.choice(n, b, replace=False)
         out = torch.from_numpy(self.rows[take])  # copy: the batch
+        if self.tags is not None:
+            self.drawn.append(self.tags[take])  # (a copy) before the batch is yielded: the loop pops it
+        if self.staged_rows >= b:
+            self._fill(take)  # staged rows straight into the holes: no compaction
+            return self._cast(out)
         drawn = np.zeros(n, bool)
         drawn[take] = True
         holes = take[take < n - b]
         tail = np.arange(n - b, n)[~drawn[n - b :]]
         self.rows[holes] = self.rows[tail]  # copy: the pool's last rows into the holes
         if self.tags is not None:
-            self.drawn.append(self.tags[take])  # (a copy) before the batch is yielded: the loop pops it
             self.tags[holes] = self.tags[tail]
         self.n = n - b
+        return self._cast(out)
+
+    def _fill(self, holes: np.ndarray) -> None:
+        """The first len(holes) staged rows into the pool's rows `holes` (the lock held)."""
+        at = 0
+        while at < len(holes):
+            rows, tags = self.staged[0]
+            k = min(len(rows), len(holes) - at)
+            self.rows[holes[at : at + k]] = rows[:k]  # copy: into the pool
+            if tags is not None:
+                self.tags[holes[at : at + k]] = tags[:k]
+            at += k
+            self.staged_rows -= k
+            if k == len(rows):
+                self.staged.popleft()
+            else:
+                self.staged[0] = (rows[k:], None if tags is None else tags[k:])
+
+    def _cast(self, out: torch.Tensor) -> torch.Tensor:
         if self.cfg.dtype == "bfloat16":
             out = out.view(torch.bfloat16)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
