@@ -109,10 +109,10 @@ class Progress:
             self.flying = {}
 
     def mark(self, tags: np.ndarray) -> None:
-        """The rows `tags` were handed to the loop."""
+        """The rows `tags` (each once; sorted here, in place) were handed to the loop."""
         if not len(tags):
             return
-        tags = np.sort(tags)  # grouped by block (the id is the high bits); each row once
+        tags.sort()  # (in place: the batch's own copy) grouped by block, the id being the high bits
         ids = tags >> ROW_BITS
         rows = tags & ((1 << ROW_BITS) - 1)
         cuts = [0, *(np.flatnonzero(np.diff(ids)) + 1).tolist(), len(tags)]
