@@ -13,6 +13,11 @@ import spoolhelp as sh
 from spoolsim import activation_bytes
 
 import actstore
+from actstore.errors import ConsumerDroppedError, NotFinalizedError
+from actstore.layout import spool
+from actstore.layout.records import now
+from actstore.loaders.consumerrecord import read_record
+from actstore.loaders.consumerstate import triples_of
 from actstore.spoolstate import read_state
 from actstore.storage import open_storage
 from actstore.torch import TokenStream
@@ -162,3 +167,55 @@ def test_one_writer_and_one_consumer_of_a_spool_on_s3(s3_url):
     state = read_state(open_storage(s3_url))
     assert state.removed_bytes > 0 and w.spool.waited_seconds > 0
     assert state.kept_bytes <= budget + BLOCK
+
+
+def test_a_consumer_that_never_checkpoints_is_told_why_and_a_drop_lets_the_writer_go_on(tmp_path):
+    """ack="checkpoint" without state_dict() calls acknowledges nothing: the writer waits, the
+    consumer's idle timeout names the pending acknowledgements; `spool drop` (its record)
+    lets the writer finish, and the dropped consumer is refused from then on."""
+    url = str(tmp_path / "s")
+    w = spooled_writer(url, 0, 1, 3 * BLOCK)
+    s = TokenStream.follow(url, consumer="lazy", **{**OPTS, "layers": [1], "idle_timeout_s": 0.5})
+    done = threading.Event()
+
+    def write():
+        with w:
+            sh.write_blocks(url, 0, range(10), w=w)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = []
+    with pytest.raises(
+        NotFinalizedError,
+        match=r"consumer 'lazy' has \d+ examples yielded but not acknowledged, which a spool's writers wait for: call state_dict\(\)",
+    ):
+        got.extend(b.clone() for b in s)
+    assert w.spool.waiting.is_set() and not done.is_set() and got
+    storage = open_storage(url)
+    storage.put(
+        spool.dropped_key("lazy"), spool.dump_dropped(spool.DroppedRecord(name="lazy", dropped=now(), by="test"))
+    )
+    assert done.wait(WAIT)  # nothing holds the blocks back now
+    writer.join(WAIT)
+    with pytest.raises(ConsumerDroppedError, match="consumer 'lazy' of .* was dropped"):
+        s.state_dict()  # (its acknowledgement is refused)
+        s.state_dict()
+    with pytest.raises(ConsumerDroppedError, match="register under a new name"):
+        TokenStream.follow(url, consumer="lazy", **OPTS)
+
+
+def test_manual_acknowledgement_writes_exactly_the_state_given(tmp_path):
+    url = str(tmp_path / "s")
+    sh.write_blocks(url, 0, range(8))
+    actstore.finalize(url)
+    s = TokenStream.follow(url, consumer="m", ack="manual", **{**OPTS, "layers": [1]})
+    it = iter(s)
+    for _ in range(8):
+        next(it)
+    first = s.state_dict()
+    next(it)
+    s.state_dict()
+    assert dict(read_record(open_storage(url), "m", 0).acked) == {}  # nothing until acknowledge()
+    s.acknowledge(first)
+    assert triples_of(read_record(open_storage(url), "m", 0).acked) == first["completed"] != []
