@@ -31,7 +31,7 @@ def _parts(ts: TokenStream) -> TokenPipeline:
     """A stream's pipeline parts (no window of its own to read)."""
     for _ in ts:  # an epoch first: mappings and buffers as in a warm run
         pass
-    pipe = TokenPipeline(ts, ts.plan(), range(0), 0, False)
+    pipe = TokenPipeline(ts, ts.plan(), range(0), 0, False, ts.spares)
     pipe.close()
     return pipe
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import enum
+import inspect
 import typing
 from collections.abc import Sequence
 from dataclasses import fields
@@ -74,6 +75,24 @@ def test_write_options_are_generated_from_the_fields_with_their_defaults():
             assert to_field(spec, p.default) == f.default
         assert p.help == spec.help
     assert seen == offered, f"fields with an OptionSpec that write does not offer: {sorted(offered - seen)}"
+
+
+@pytest.mark.parametrize("name", ["import-activault", "import-saelens", "import-dictionary-learning"])
+def test_the_importers_take_writes_zarr_format_option(name):
+    """--zarr-format of an importer is the writer's field, as `write` offers it: one default, one help."""
+    from actstore.importers.driver import run_import
+    from actstore.write.options import LayoutOptions
+
+    mine = {p.name: p for p in _options(main.commands[name])}["zarr_format"]
+    write = {p.name: p for p in _options(main.commands["write"])}["zarr_format"]
+    field = {f.name: f for f in fields(LayoutOptions)}["zarr_format"]
+    assert mine.field is field and write.field is field
+    assert (
+        (mine.default, mine.help, mine.opts)
+        == (write.default, write.help, write.opts)
+        == ("3", spec_of(field).help, ["--zarr-format"])
+    )
+    assert inspect.signature(run_import).parameters["zarr_format"].default == field.default == 3
 
 
 def test_no_option_of_write_spells_a_default_in_its_source():

@@ -169,3 +169,25 @@ def test_mapped_and_read_groups_give_the_same_tables(tmp_path, zarr_format):
         for table in ("top", "features", "intervals"):
             for c in getattr(a, table):
                 np.testing.assert_array_equal(getattr(a, table)[c], getattr(b, table)[c])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_device_groups_hold_the_read_groups_rows(tmp_path, dtype, monkeypatch):
+    """The torch pass's groups (reused buffers, through hostmem's HostBuffer; no device copy on
+    torch's CPU device) hold the same rows as the numpy reader's, group after group."""
+    import torch
+
+    from actstore.features.topk import groups as G
+
+    store = make_store(tmp_path / "s", dtype=dtype, per_shard=7, seed=4)
+    t_all = G.GroupReader(store, 2, None, False, mmap=False).t_all  # rows of one example's block
+    monkeypatch.setattr(G, "READ_BYTES", 5 * t_all * D * 2)  # groups of 5 examples: the ring of 3 goes round
+    on_torch = G.GroupReader(store, 2, None, False, device=torch.device("cpu"))
+    on_host = G.GroupReader(store, 2, None, False, mmap=False)
+    assert on_torch.copy is None and on_torch.group == 5
+    seen = []
+    for (ex_t, flat_t, rows_t, ords_t), (ex_h, flat_h, rows_h, ords_h) in zip(on_torch, on_host, strict=True):
+        assert ex_t == ex_h and np.array_equal(rows_t, rows_h) and np.array_equal(ords_t, ords_h)
+        np.testing.assert_array_equal(flat_t.float().numpy()[rows_t], np.asarray(flat_h, np.float32)[rows_h])
+        seen.append(flat_t.untyped_storage().data_ptr())
+    assert len(seen) == 5 and seen[:2] == seen[3:] and len(set(seen)) == 3  # 21 examples: 5 groups on 3 buffers

@@ -38,3 +38,16 @@ def test_host_buffer_views_share_memory_and_reuse_is_refused_while_a_view_lives(
     assert not unreferenced(x)
     del view
     assert unreferenced(x)
+
+
+def test_the_device_copy_is_spelled_once():
+    """Side streams, their events and record_stream appear in hostmem/devcopy.py only: every
+    copy between host and device (capture, loaders, the features pass) goes through it."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "actstore"
+    steps = ("cuda.Stream(", "record_stream(", "cuda.Event(", "record_event(", "cuda.stream(")
+    found = sorted(
+        str(p.relative_to(src)) for p in src.rglob("*.py") if any(s in p.read_text(encoding="utf-8") for s in steps)
+    )
+    assert found == ["hostmem/devcopy.py"]

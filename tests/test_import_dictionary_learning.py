@@ -29,6 +29,20 @@ def test_every_shard_exactly_in_order(tmp_path):
     assert "beyond config.json's shard_count" in st.config.attrs["dictionary_learning"]["note"]
 
 
+def test_the_zarr_format_defaults_to_writes_and_2_still_writes_chunk_files(tmp_path):
+    folder, shards = write_cache(tmp_path, sizes=(9, 7))
+    for flags, fmt in (([], 3), (["--zarr-format", "2"], 2)):
+        out = tmp_path / f"s{fmt}"
+        res = CliRunner().invoke(main, ["import-dictionary-learning", str(folder), str(out), "--quiet", *flags])
+        assert res.exit_code == 0, res.output
+        st = ActStore(out)
+        assert st.config.zarr_format == fmt
+        meta = sorted(p.name for p in out.glob("shards/shard-00000.zarr/arrays/*_activations/*") if p.is_file())
+        # Zarr 3: metadata beside a c/ folder of shard files; Zarr 2: metadata beside one file per chunk
+        assert meta == (["zarr.json"] if fmt == 3 else [".zarray", ".zattrs", "0.0.0.0", "1.0.0.0"])
+        np.testing.assert_array_equal(tokens_of(st, 5), np.concatenate(shards))
+
+
 def test_resumes_exactly(tmp_path, monkeypatch):
     folder, shards = write_cache(tmp_path, sizes=(40, 30))
     from actstore.importers.dictionary_learning import DictionaryLearningSource

@@ -32,9 +32,9 @@ def epoch(store, **kw):
     return ts, [{k: v.clone() for k, v in b.items()} if isinstance(b, dict) else b.clone() for b in ts]
 
 
-def spare(ts) -> dict:
+def spare(ts):
     """What the stream keeps between epochs (once its read-ahead of the next has finished)."""
-    return ts._spare["pending"].finish() if "pending" in ts._spare else ts._spare
+    return ts.spares.kept()
 
 
 def same(a, b) -> bool:
@@ -59,7 +59,7 @@ def test_mapped_batches_equal_read_batches(tmp_path, layout, kw):
     base = dict(batch_size=5, seed=2, buffer_bytes=5 * 8 * 2 * 3, **kw)  # windows of 3 batches
     mapped, got = epoch(store, **base)
     _, want = epoch(store, mmap=False, **base)
-    assert spare(mapped)["region"] is not None and len(got) == len(want) > 3
+    assert spare(mapped).region is not None and len(got) == len(want) > 3
     assert all(same(a, b) for a, b in zip(got, want))
     n_rows = sum(len(b["acts"] if isinstance(b, dict) else b) for b in got)
     assert n_rows == mapped.n_tokens
@@ -69,7 +69,7 @@ def test_warm_epochs_map_once_and_read_nothing(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s", n=20)
     ts = TokenStream(store, batch_size=8, seed=1)
     first = [b.clone() for b in ts]
-    region = spare(ts)["region"]
+    region = spare(ts).region
     assert (
         region.stats()["mapped"] == 40 and region.stats()["pinned"] == 40
     )  # the next epoch's window, read ahead, pins them
@@ -90,7 +90,7 @@ def test_warm_epochs_map_once_and_read_nothing(tmp_path, monkeypatch):
         ts.release()  # its threads still gather from the mappings
     del it
     ts.release()  # mappings gone: the next epoch maps and populates every file again
-    assert region.base is None and ts._spare == {}
+    assert region.base is None and ts.spares.kept().empty and not ts.spares.reading_ahead
     ts.set_epoch(0)
     third = [b.clone() for b in ts]
     assert all(torch.equal(a, b) for a, b in zip(first, third))
@@ -154,9 +154,7 @@ def test_windows_fall_back_to_reads_when_slots_run_out(tmp_path, monkeypatch):
     store = vit_store(tmp_path / "s", n=12)
     ts, got = epoch(store, batch_size=6, seed=4)
     _, want = epoch(store, batch_size=6, seed=4, mmap=False)
-    assert (
-        spare(ts)["region"].n_slots == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
-    )
+    assert spare(ts).region.n_slots == 3 and all(torch.equal(a, b) for a, b in zip(got, want)) and len(got) == len(want)
 
 
 def test_chunks_not_a_whole_number_of_rows_from_the_start_are_read(tmp_path):
@@ -224,7 +222,7 @@ def test_stores_that_are_not_local_raw_chunks_are_read(tmp_path):
     assert cached.mappable_files(["tokens"]) is None  # a CachedStorage: the read path
     assert isinstance(store._shard(0).storage, LocalStorage)
     ts, got = epoch(cached, batch_size=4, seed=1)
-    assert spare(ts)["region"] is None
+    assert spare(ts).region is None
     _, want = epoch(store, batch_size=4, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

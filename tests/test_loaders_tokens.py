@@ -292,8 +292,9 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     want = {e: fresh(e) for e in (1, 5, 6)}
     ts = TokenStream(store, **kw)
     assert [b.clone() for b in ts] and ts.epoch == 1
-    pending = ts._spare["pending"]  # the reader of epoch 0 finishes its read-ahead in the background
-    assert pending.finish()["ahead"][1].start == 0 and ts._spare["ahead"][0] == (3, 1)  # seed 3, epoch 1, window 0
+    assert ts.spares.reading_ahead  # the reader of epoch 0 finishes its read-ahead in the background
+    ahead = ts.spares.kept().ahead  # (waits for it)
+    assert ahead[1].start == 0 and ahead[0] == (3, 1) and not ts.spares.reading_ahead  # seed 3, epoch 1, window 0
     calls = []
     from actstore.loaders.windows import MappedFill
 
@@ -302,13 +303,13 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     monkeypatch.setattr(owner, name, lambda self, *a: calls.append(a[:2]) or real(self, *a))
     got = [b.clone() for b in ts]  # epoch 1: its first window is already in memory
     assert len(got) == len(want[1]) and all(torch.equal(a, b) for a, b in zip(got, want[1]))
-    ts._spare["pending"].finish()  # epoch 2's first window, read in the background
+    ts.spares.kept()  # epoch 2's first window, read in the background: wait for it
     p1, p2 = ts.plan(1), ts.plan(2)
     assert len(calls) == sum(len(p1.window(j).units) for j in range(1, p1.n_windows)) + len(p2.window(0).units)
     ts.set_epoch(5)  # the window read ahead (epoch 2) is not epoch 5's
     ts.discard_read_ahead()
-    assert "ahead" not in ts._spare and ts._spare["slots"]  # forgotten, its slots kept
-    region = ts._spare["region"]
+    assert ts.spares.kept().ahead is None and ts.spares.kept().slots  # forgotten, its slots kept
+    region = ts.spares.kept().region
     assert (region is not None) == mmap
     if mmap:  # mapped: the store's files stay mapped for the next epochs, none pinned now
         assert region.stats()["mapped"] == 80 and region.stats()["pinned"] == 0
@@ -325,3 +326,34 @@ def test_next_epochs_first_window_is_read_ahead_and_serves_only_that_epoch(tmp_p
     resumed.load_state_dict(state)
     rest = [b.clone() for b in resumed]
     assert all(torch.equal(a, b) for a, b in zip(first3 + rest, want[6])) and len(first3 + rest) == len(want[6])
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "read"])
+def test_the_pipeline_hands_its_spare_buffers_to_the_next_epoch(tmp_path, mmap):
+    """The window slots, the batch maker's ring and the mappings pass from one epoch's
+    pipeline to the next through the stream's Spares: the next epoch's batches land in the
+    same memory, with the values a fresh stream gives."""
+    store = vit_store(tmp_path / "s", n=24, t=5, d=6)
+    kw = dict(batch_size=8, buffer_bytes=8 * 6 * 2 * 3, seed=4, mmap=mmap)  # windows of 3 batches
+    ts = TokenStream(store, **kw)
+    first = [b.untyped_storage().data_ptr() for b in ts]  # (each batch dropped: its ring slot is reused)
+    kept = ts.spares.kept()
+    maker, slots, region = kept.maker, list(kept.slots), kept.region
+    bufs = {id(s.buf) for s in slots if s.buf is not None}
+    assert (region is not None) == mmap and len(slots) == 3 and (len(bufs) == 0) == mmap
+    ring = len(maker.ring.slots)
+    assert len(first) == 30 and len(set(first)) <= ring < len(first)  # batches in reused buffers
+    fresh = TokenStream(store, **kw)
+    fresh.set_epoch(1)
+    want = [b.clone() for b in fresh]
+    second, got = [], []
+    for b in ts:  # epoch 1: its pipeline took the spares
+        assert not ts.spares.kept().slots  # (taken: the running pipeline holds them)
+        second.append(b.untyped_storage().data_ptr())
+        got.append(b.clone())
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert set(second) <= set(first)  # no batch of epoch 1 took fresh memory
+    again = ts.spares.kept()  # handed back at the end of epoch 1
+    assert again.maker is maker and again.region is region and {id(s) for s in again.slots} == {id(s) for s in slots}
+    assert {id(s.buf) for s in again.slots if s.buf is not None} == bufs
+    assert not hasattr(ts, "_spare")

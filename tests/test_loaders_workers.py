@@ -13,7 +13,7 @@ import torch
 from factory import plain_vit_store as vit_store
 from loader_checks import rows_of
 
-from actstore.loaders.buffers import WorkerBatch
+from actstore.loaders.buffers import Stopped, WorkerBatch, WorkerRing, WorkerSlots
 from actstore.loaders.feed import DeviceFeeder
 from actstore.torch import TokenStream
 
@@ -44,7 +44,7 @@ def test_persistent_workers_give_the_batches_of_workers_started_each_epoch(tmp_p
     assert not torch.equal(
         b[0][0] if not return_index else b[0][0]["acts"], b[1][0] if not return_index else b[1][0]["acts"]
     )
-    assert kept.stream.epoch == 3 and kept._flags is not None and int(kept._flags.sum()) == 0  # every slot handed back
+    assert kept.stream.epoch == 3 and kept._slots is not None and kept._slots.busy() == 0  # every slot handed back
     if return_index:  # every token once per epoch
         for e in b:
             assert sorted(rows_of(e)) == sorted(set(rows_of(e))) and len(rows_of(e)) == 30 * 2 * 5
@@ -88,7 +88,7 @@ def test_the_loader_feeds_a_device_through_the_feeder(tmp_path):
     got = epochs(loader, 2)
     assert [len(e) for e in got] == [len(e) for e in want] == [13, 13]
     assert all(torch.equal(x, y) for e, f in zip(got, want) for x, y in zip(e, f))
-    assert got[0][0].dtype == torch.float32 and int(loader._flags.sum()) == 0
+    assert got[0][0].dtype == torch.float32 and loader._slots.busy() == 0
     one = TokenStream(store, prefetch_batches=3, **kw)
     one.device = CPU  # the worker's float16 rows cast and normalised by the device step
     in_process = [b.clone() for b in TokenStream(store, **kw)]
@@ -114,7 +114,7 @@ def test_workers_ship_the_stored_dtype_and_keys_and_the_main_process_normalises(
     assert len(got) == len(want) == 13 and all(torch.equal(x["acts"], y["acts"]) for x, y in zip(got, want))
     assert all(isinstance(i, WorkerBatch) and i.batch["acts"].dtype == torch.float16 for i in sent)
     assert all(torch.equal(i.keys, i.batch["layer"]) for i in sent)  # one segment: key = layer position
-    assert got[0]["acts"].dtype == torch.float32 and int(loader._flags.sum()) == 0
+    assert got[0]["acts"].dtype == torch.float32 and loader._slots.busy() == 0
     st = store.stats()
     for b in got[:3]:
         for row, layer, ex, tok in zip(b["acts"], b["layer"], b["example"], b["token"]):
@@ -205,8 +205,93 @@ def test_the_stream_under_a_loader_stays_a_plain_dataset(tmp_path):
     store = vit_store(tmp_path / "s", n=20)
     ts = TokenStream(store, batch_size=16, seed=2)
     first = [b.clone() for b in ts.loader(num_workers=2, multiprocessing_context="fork")]
-    assert ts._worker_flags is None and ts.position.shared is None
+    assert ts._worker_slots is None and ts.position.shared is None
     ts.set_epoch(0)
     plain = list(DataLoader(ts, batch_size=None, num_workers=2, multiprocessing_context="fork"))
     assert all(isinstance(b, torch.Tensor) for b in plain) and len(plain) == len(first) == 13
     assert all(torch.equal(a, b) for a, b in zip(first, plain))
+
+
+def _waiting_take(ring: WorkerRing) -> tuple[threading.Thread, dict]:
+    """ring.take on another thread (a worker's assembler), its result or error in the dict."""
+    out: dict = {}
+
+    def take():
+        try:
+            out["batch"] = ring.take((2, 3))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+
+    t = threading.Thread(target=take, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_worker_waiting_for_a_busy_slot_wakes_when_it_is_given_back():
+    slots = WorkerSlots(1, 2, "fork")
+    ring = WorkerRing(slots, 0, torch.float32)
+    first, second = ring.take((2, 3)), ring.take((2, 3))
+    assert slots.flags.tolist() == [[1, 1]] and slots.busy() == 2
+    t, out = _waiting_take(ring)  # slot 0 again: blocked until the main process hands it back
+    assert "batch" not in out
+    slots.give_back(0, 0)
+    t.join(timeout=60)  # (a failure guard: the wake comes at once)
+    assert not t.is_alive() and ring.last == 0
+    assert out["batch"].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert slots.flags.tolist() == [[1, 1]] and second.untyped_storage().data_ptr() != first.data_ptr()
+
+
+def test_a_worker_waiting_for_a_slot_is_woken_by_the_end_of_its_iteration():
+    slots = WorkerSlots(2, 1, "fork")
+    ring = WorkerRing(slots, 1, torch.float16)
+    ring.stop = threading.Event()
+    ring.take((2, 3))
+    t, out = _waiting_take(ring)
+    ring.stop.set()
+    ring.wake()
+    t.join(timeout=60)
+    assert not t.is_alive() and isinstance(out.get("error"), Stopped)
+    assert slots.flags.tolist() == [[0], [1]]  # worker 1's slot still holds its batch
+    ring.clear()  # the next iteration: its slot free again, the wake-up drained
+    assert slots.busy() == 0 and not slots.freed[1].acquire(False)
+
+
+def test_one_slot_per_worker_waits_across_processes_for_every_batch(tmp_path, monkeypatch):
+    """With one slot each, a worker waits for every batch to be copied out by the main
+    process: each wake crosses the process boundary (the DataLoader's timeout guards a hang)."""
+    import actstore.loaders.tokenloader as TL
+
+    monkeypatch.setattr(TL, "SLOTS_BEYOND_PREFETCH", 0)
+    store = vit_store(tmp_path / "s", n=20)
+    kw = dict(batch_size=16, seed=7, buffer_bytes=16 * 6 * 2 * 2)
+    lw = dict(num_workers=2, multiprocessing_context="fork", prefetch_factor=1, timeout=120)
+    loader = TokenStream(store, **kw).loader(**lw)
+    got = [b.clone() for b in loader]
+    assert loader._slots.n_slots == 1 and loader._slots.busy() == 0
+    monkeypatch.setattr(TL, "SLOTS_BEYOND_PREFETCH", 5)
+    want = [b.clone() for b in TokenStream(store, **kw).loader(**lw)]  # slots to spare: no waits
+    assert len(got) == len(want) == 13 and all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def test_a_workers_error_reaches_the_loop(tmp_path, monkeypatch):
+    from actstore.loaders.assemble import BatchMaker
+
+    real = BatchMaker.make
+    made = []
+
+    def failing(self, slot, rows, keys):
+        made.append(1)
+        if len(made) == 3:
+            raise OSError("disk gone mid-window")
+        return real(self, slot, rows, keys)
+
+    monkeypatch.setattr(BatchMaker, "make", failing)  # the forked worker inherits it
+    store = vit_store(tmp_path / "s", n=20)
+    loader = TokenStream(store, batch_size=16, seed=1).loader(
+        num_workers=1, multiprocessing_context="fork", timeout=120
+    )
+    got = []
+    with pytest.raises(OSError, match="disk gone mid-window"):
+        for b in loader:
+            got.append(b.clone())
+    assert len(got) == 2

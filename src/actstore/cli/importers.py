@@ -5,6 +5,11 @@ from __future__ import annotations
 import click
 
 from actstore.cli import grammar as G
+from actstore.cli.fields import field_options
+from actstore.write.options import LayoutOptions
+
+# --zarr-format as `actstore write` offers it: the writer's field, its default and help (one spelling).
+ZARR_FORMAT = field_options(LayoutOptions, ("zarr_format",))
 
 
 def register(main: click.Group) -> None:
@@ -17,13 +22,7 @@ def _common(f):
     f = click.option(
         "--workers", type=int, default=2, show_default=True, help="Source files imported at once (one writer each)."
     )(f)
-    f = click.option(
-        "--zarr-format",
-        type=click.Choice(["2", "3"]),
-        default="2",
-        show_default=True,
-        help="2: one file per chunk; 3: sharded (fewer, larger files).",
-    )(f)
+    f = ZARR_FORMAT(f)
     f = click.option(
         "--layer",
         default=None,
@@ -78,7 +77,7 @@ def import_activault_cmd(
     store: str,
     hook_name: str | None,
     workers: int,
-    zarr_format: str,
+    zarr_format: int,
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
@@ -100,7 +99,7 @@ def import_activault_cmd(
         hook=hook_name,
         layer=layer,
         workers=workers,
-        zarr_format=int(zarr_format),
+        zarr_format=zarr_format,
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
@@ -117,7 +116,7 @@ def import_saelens_cmd(
     store: str,
     hook_name: str | None,
     workers: int,
-    zarr_format: str,
+    zarr_format: int,
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
@@ -137,7 +136,7 @@ def import_saelens_cmd(
         hook_name=hook_name,
         layer=layer,
         workers=workers,
-        zarr_format=int(zarr_format),
+        zarr_format=zarr_format,
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )
@@ -156,7 +155,7 @@ def import_dictionary_learning_cmd(
     store: str,
     tokens_per_example: int | None,
     workers: int,
-    zarr_format: str,
+    zarr_format: int,
     layer: int | None,
     commit_mb: float | None,
     quiet: bool,
@@ -177,7 +176,7 @@ def import_dictionary_learning_cmd(
         tokens_per_example=tokens_per_example,
         layer=layer,
         workers=workers,
-        zarr_format=int(zarr_format),
+        zarr_format=zarr_format,
         commit_bytes=_commit_bytes(commit_mb),
         progress=not quiet,
     )

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from actstore.errors import CorruptStoreError, ImportSourceError, ImportVerifyError, StoreMismatchError
-from actstore.layout import records
+from actstore.layout import records, spec
 from actstore.layout.config import StoreConfig, make_config
 from actstore.storage import KeyNotFound, open_storage
 
@@ -129,7 +129,7 @@ def run_import(
     workers: int = 2,
     progress: bool = True,
     commit_bytes: int | None = None,
-    zarr_format: int = 2,
+    zarr_format: int = spec.DEFAULT_ZARR_FORMAT,
 ) -> ImportReport:
     """Write every part of `source` into `store` (parallel, resumable), finalize and verify it.
 
@@ -139,7 +139,7 @@ def run_import(
         workers: parts written at once (each by its own ShardWriter).
         progress: show a progress bar.
         commit_bytes: commit a shard's block every this many bytes (a kill loses at most one block).
-        zarr_format: 2 (chunk files) or 3 (sharded).
+        zarr_format: 3 (Zarr shard files, the default, as `actstore write`) or 2 (chunk files).
     """
     from actstore.progress import bar
     from actstore.write.finalize import finalize

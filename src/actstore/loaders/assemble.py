@@ -67,14 +67,14 @@ class BatchMaker:
         stored = TORCH_DTYPES[ts.store.dtype]
         info = get_worker_info() if in_worker else None
         # Under a TokenLoader a worker ships the stored dtype and the keys; the main process converts.
-        self.ships_stored = info is not None and ts._worker_flags is not None
+        self.ships_stored = info is not None and ts._worker_slots is not None
         dtype = stored if self.device is not None or self.ships_stored else ts.dtype
         self.norm = None if self.ships_stored else ts._norm
         self.last_keys: np.ndarray | None = None
         self.worker = info.id if info is not None else None
-        if info is not None and ts._worker_flags is not None:  # under a TokenLoader: reused shared slots
-            if not (isinstance(ring, WorkerRing) and ring.dtype == dtype and ring.flags is ts._worker_flags):
-                ring = WorkerRing(ts._worker_flags, info.id, dtype)
+        if info is not None and ts._worker_slots is not None:  # under a TokenLoader: reused shared slots
+            if not (isinstance(ring, WorkerRing) and ring.dtype == dtype and ring.shared_slots is ts._worker_slots):
+                ring = WorkerRing(ts._worker_slots, info.id, dtype)
         else:
             pin = self.device is not None or (ts.pin_memory and not in_worker)
             if not isinstance(ring, BufferRing) or ring.dtype != dtype or ring.pin != pin or ring.shared != in_worker:
@@ -93,6 +93,11 @@ class BatchMaker:
         if isinstance(self.ring, WorkerRing):
             self.ring.clear()
             self.ring.stop = stop
+
+    def wake(self) -> None:
+        """End a worker's wait for a free slot (the iteration's `stop` is set)."""
+        if isinstance(self.ring, WorkerRing):
+            self.ring.wake()
 
     def sent(self, batch: Any) -> Any:
         """The batch as the consumer hands it on: from a worker's reused slot, with its number."""

@@ -8,15 +8,16 @@ is never overwritten.
 In a DataLoader worker, a batch goes to shared memory, which the DataLoader hands to the
 main process by handle. Under a TokenLoader (WorkerRing) a worker's shared slots are
 allocated once and reused once the main process has copied a batch out of its slot (it
-says so in a flags tensor shared with the workers); a worker under a plain DataLoader
+says so in a flags tensor shared with the workers, and wakes a worker waiting for the
+slot: WorkerSlots); a worker under a plain DataLoader
 takes fresh shared memory for every batch (BufferRing(shared=True)), since nothing tells
 it when the main process is done with one.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
-import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -88,46 +89,104 @@ class WorkerBatch(NamedTuple):
     keys: Any = None
 
 
-class WorkerRing:
-    """A DataLoader worker's reused shared-memory slots, under a TokenLoader.
+class WorkerSlots:
+    """Which of a TokenLoader's workers' shared-memory slots are busy, and a wait for one.
 
-    Slot i of worker w is free when flags[w, i] is 0; `take` marks it busy (1) and the main
-    process sets it back to 0 once it has copied the batch out (TokenLoader). A worker
-    clears its flags when it starts an iteration: the DataLoader has then discarded every
-    batch of the previous one.
+    Slot i of worker w is busy while flags[w, i] is 1 (a worker's WorkerRing sets it, the
+    main process clears it once it has copied the batch out: `give_back`). A worker that
+    finds its next slot busy blocks on its semaphore, which every `give_back` of one of its
+    slots releases (and its own `wake`: its iteration ended); nothing is polled. The flags
+    stay the truth: a wake-up for another reason only makes the worker look again.
+    Semaphores, not a shared lock: a process killed mid-call can block no other.
+
+    Made in the main process with the DataLoader's start method (`context`), and handed to
+    the workers when they start.
 
     Args:
-        flags: (workers, slots) int8 tensor in shared memory.
+        n_workers, n_slots: the DataLoader's workers, and slots per worker.
+        context: a multiprocessing context, start method name or None (the default one).
+    """
+
+    def __init__(self, n_workers: int, n_slots: int, context: Any = None):
+        if context is None or isinstance(context, str):
+            context = multiprocessing.get_context(context)
+        self.flags = torch.zeros((n_workers, n_slots), dtype=torch.int8).share_memory_()
+        self.freed = [context.Semaphore(0) for _ in range(n_workers)]  # one release per slot given back
+
+    @property
+    def n_slots(self) -> int:
+        return int(self.flags.shape[1])
+
+    def busy(self) -> int:
+        """Slots of all workers not handed back."""
+        return int(self.flags.sum())
+
+    def give_back(self, worker: int, slot: int) -> None:
+        """The main process copied the batch out of `slot`: the worker may reuse it."""
+        self.flags[worker, slot] = 0
+        self.freed[worker].release()  # after the flag: a woken worker sees the slot free
+
+    def wait(self, worker: int, slot: int, stop: threading.Event | None) -> None:
+        """Block until `slot` of `worker` is free; Stopped once `stop` is set (and woken)."""
+        flag = self.flags[worker, slot]
+        while int(flag):  # still being copied out by the main process: wait (backpressure)
+            if stop is not None and stop.is_set():
+                raise Stopped()
+            self.freed[worker].acquire()  # woken by a give_back of this worker's slots, or by wake()
+        self._drain(worker)  # wake-ups for slots found free without waiting: none left to spin on
+
+    def wake(self, worker: int) -> None:
+        """Wake `worker`'s wait (from the worker itself: its iteration ended, `stop` is set)."""
+        self.freed[worker].release()
+
+    def clear(self, worker: int) -> None:
+        """A new iteration of `worker`: every slot free (the DataLoader dropped the last one's batches)."""
+        self.flags[worker].zero_()
+        self._drain(worker)
+
+    def _drain(self, worker: int) -> None:
+        while self.freed[worker].acquire(False):
+            pass
+
+
+class WorkerRing:
+    """A DataLoader worker's reused shared-memory slots, under a TokenLoader (see WorkerSlots).
+
+    `take` gives the next slot in turn, waiting (blocked, not polling) while the main
+    process is still copying a batch out of it; marks it busy. A worker clears its flags
+    when it starts an iteration: the DataLoader has then discarded every batch of the
+    previous one.
+
+    Args:
+        slots: the loader's WorkerSlots (in shared memory).
         worker: this worker's id.
         dtype: element type.
     """
 
-    POLL_S = 0.0005  # wait between looks at a busy slot (the main process is copying it out)
-
-    def __init__(self, flags: torch.Tensor, worker: int, dtype: torch.dtype):
-        self.flags, self.worker, self.dtype = flags, worker, dtype
-        self.slots: list[torch.Tensor | None] = [None] * flags.shape[1]
+    def __init__(self, slots: WorkerSlots, worker: int, dtype: torch.dtype):
+        self.shared_slots, self.worker, self.dtype = slots, worker, dtype
+        self.slots: list[torch.Tensor | None] = [None] * slots.n_slots
         self.next = 0
         self.last = -1  # the slot last taken (its batch carries the number to the main process)
-        self.stop: threading.Event | None = None  # set: stop waiting (the iteration ended)
+        self.stop: threading.Event | None = None  # set (then `wake`): stop waiting (the iteration ended)
         self.pin, self.shared = False, False  # what BatchMaker compares with a BufferRing's
 
     def clear(self) -> None:
-        self.flags[self.worker].zero_()
+        self.shared_slots.clear(self.worker)
+
+    def wake(self) -> None:
+        """End a wait for a slot (after setting `stop`)."""
+        self.shared_slots.wake(self.worker)
 
     def take(self, shape: tuple[int, ...]) -> torch.Tensor:
         i = self.next % len(self.slots)
         self.next += 1
-        flag = self.flags[self.worker, i]
-        while int(flag):  # still being copied out by the main process: wait (backpressure)
-            if self.stop is not None and self.stop.is_set():
-                raise Stopped()
-            time.sleep(self.POLL_S)
+        self.shared_slots.wait(self.worker, i, self.stop)
         numel = int(np.prod(shape))
         t = self.slots[i]
         if t is None or t.numel() < numel:
             t = self.slots[i] = shared_empty((numel,), self.dtype)
-        flag.fill_(1)
+        self.shared_slots.flags[self.worker, i] = 1
         self.last = i
         return t[:numel].view(shape)
 

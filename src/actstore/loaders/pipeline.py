@@ -4,8 +4,10 @@ A reader thread fills windows (actstore/loaders/windows.py: mapped from the page
 on a local disk, or read into window buffers through a thread pool) while an assembler
 thread gathers batches from the previous window straight into a ring of reused buffers
 (actstore/loaders/assemble.py) and queues them, so the training loop finds a batch
-waiting. Window slots, the ring and the file mappings are handed back to the stream at
-the end and reused by the next epoch.
+waiting. The window slots (their buffers), the batch maker (its ring of batch buffers),
+the file mappings and the next epoch's first window, read ahead, are the stream's
+`Spares` in this process: each pipeline takes them when it starts and hands them back
+when it ends, for the next epoch to reuse (memory written before costs no page faults).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,20 +54,94 @@ def _stop_all() -> None:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-class TokenPipeline:
-    """One consumer's reader and assembler threads, with bounded queues between them."""
+@dataclass
+class Kept:
+    """What an ended pipeline leaves to the next one of its stream in this process."""
 
-    def __init__(self, ts: StreamState, plan: EpochPlan, windows: range, skip: int, in_worker: bool):
-        self.ts, self.plan = ts, plan
-        spare, ts._spare = ts._spare, {}
-        if "pending" in spare:  # the last epoch's reader, reading this epoch's first window
-            spare = spare["pending"].finish()
-        self.maker = spare.get("maker")
+    slots: list[WindowSlot] = field(default_factory=list)  # window slots, each keeping its buffer
+    maker: BatchMaker | None = None  # the batch maker, with its ring of batch buffers
+    ahead: tuple | None = None  # (plan key, window, slot): the next epoch's first window, read
+    region: FileRegion | None = None  # the store's files, mapped (kept from epoch to epoch)
+
+    @property
+    def empty(self) -> bool:
+        return not self.slots and self.maker is None and self.ahead is None and self.region is None
+
+
+class Spares:
+    """One stream's spare buffers in this process, handed from each of its pipelines to the
+    next: what the last one kept, or the last one itself while it is still reading the
+    next epoch's first window (the spares then wait for it when they are taken)."""
+
+    def __init__(self) -> None:
+        self._kept = Kept()
+        self._reading: TokenPipeline | None = None  # an ended epoch's pipeline, still reading ahead
+
+    @property
+    def reading_ahead(self) -> bool:
+        """A pipeline is still reading the next epoch's first window in the background."""
+        return self._reading is not None
+
+    def kept(self) -> Kept:
+        """What is kept now (waiting for a pipeline still reading ahead)."""
+        if self._reading is not None:
+            pipe, self._reading = self._reading, None
+            self._kept = pipe.finish()
+        return self._kept
+
+    def take(self) -> Kept:
+        """Everything kept, for a new pipeline; the spares are empty until it hands them back."""
+        kept, self._kept = self.kept(), Kept()
+        return kept
+
+    def keep(self, kept: Kept) -> None:
+        """A stopped pipeline's buffers, unless another pipeline handed its own back first."""
+        if self._reading is None and self._kept.empty:
+            self._kept = kept
+
+    def keep_reading(self, pipe: TokenPipeline) -> None:
+        """The epoch's pipeline ended while reading the next epoch's first window: its buffers
+        come when it is done (the next `take` waits for it)."""
+        self._reading = pipe
+
+    def discard_read_ahead(self) -> None:
+        """Forget the next epoch's first window, read ahead; its slot is kept for reuse."""
+        kept = self.kept()
+        if kept.ahead is not None:
+            kept.ahead[2].release()
+            kept.ahead = None
+
+    def release(self) -> None:
+        """Give back everything: the buffers go, the batch maker's threads end, the files are unmapped."""
+        self.discard_read_ahead()
+        kept = self.take()
+        if kept.maker is not None:
+            kept.maker.close()
+        if kept.region is not None:
+            kept.region.close()
+
+
+class TokenPipeline:
+    """One consumer's reader and assembler threads, with bounded queues between them.
+
+    Args:
+        ts: the stream.
+        plan: the epoch's plan.
+        windows: the windows this consumer reads.
+        skip: batches of those already consumed.
+        in_worker: in a DataLoader worker.
+        spares: the stream's spare buffers in this process: taken now, handed back at the end.
+    """
+
+    def __init__(self, ts: StreamState, plan: EpochPlan, windows: range, skip: int, in_worker: bool, spares: Spares):
+        self.ts, self.plan, self.spares = ts, plan, spares
+        spare = spares.take()  # (waits for the last epoch's reader, reading this epoch's first window)
+        self.maker = spare.maker
         if self.maker is None or self.maker.in_worker != in_worker:
-            self.maker = BatchMaker(ts, in_worker, spare.get("ring"))
+            self.maker = BatchMaker(ts, in_worker)
         self.pool = ThreadPoolExecutor(ts.threads, thread_name_prefix="actstore-read")
         cap = plan.window_tokens + max(s.t_pad for s in ts.segments)
-        self.region = _region(ts, spare.get("region"))
+        self.region = _region(ts, spare.region)
         self.mapped = MappedFill(ts, self.region, self.pool) if self.region is not None else None
         self.reads = ReadFill(ts, self.pool, cap)
         n_slots = ts.prefetch + 2  # one being served, one being read, `prefetch` waiting
@@ -74,14 +151,14 @@ class TokenPipeline:
             skip -= plan.window_n_batches(todo.pop(0))
         self.windows, self.first_skip = todo, skip
         # The last epoch's reader may have read this epoch's first window already.
-        ahead = spare.get("ahead")
+        ahead = spare.ahead
         self.in_main = not in_worker
         use_ahead = (
             ahead is not None and self.in_main and ahead[0] == _plan_key(ts, plan) and todo[:1] == [0] and skip == 0
         )
         if ahead is not None and not use_ahead:
             ahead[2].release()
-        kept = [s for s in spare.get("slots", []) if not (use_ahead and s is ahead[2])]
+        kept = [s for s in spare.slots if not (use_ahead and s is ahead[2])]
         kept = [s if s.buf is None or s.buf.shape == (cap, ts.d_model) else WindowSlot() for s in kept]
         self.slots = [
             kept.pop() if kept else WindowSlot()
@@ -129,31 +206,26 @@ class TokenPipeline:
             # stream waits for it (finish) and takes its buffers.
             self.threads[1].join(timeout=30)
             if not self.threads[1].is_alive():
-                self.ts._spare = {"pending": self}
+                self.spares.keep_reading(self)
                 return
         self.halt()
-        spare = self.finish()
-        if not self.ts._spare:  # stopped mid-epoch: the next iteration reuses its slots and mappings
-            self.ts._spare = spare
+        self.spares.keep(self.finish())  # stopped mid-epoch: the next iteration reuses its slots and mappings
 
-    def finish(self) -> dict:
-        """Wait for the threads and hand the slots, ring and mappings back to the stream
-        (and return them); windows not served are released."""
+    def finish(self) -> Kept:
+        """Wait for the threads and return what the next pipeline may reuse: the slots,
+        the batch maker and the mappings (nothing when a thread is stuck); windows not
+        served are released."""
         for t in self.threads:
             t.join(timeout=30)
         self.pool.shutdown(wait=True, cancel_futures=True)
-        spare: dict[str, Any] = {}
-        if not any(t.is_alive() for t in self.threads):
-            ahead_slot = self.ahead[2] if self.ahead is not None else None
-            for s in self.slots:
-                if s is not ahead_slot:
-                    s.release()
-            spare = {"slots": self.slots, "maker": self.maker, "ahead": self.ahead, "region": self.region}
-        else:
+        if any(t.is_alive() for t in self.threads):
             self.maker.close()
-        if self.ts._spare.get("pending") is self:
-            self.ts._spare = spare
-        return spare
+            return Kept()
+        ahead_slot = self.ahead[2] if self.ahead is not None else None
+        for s in self.slots:
+            if s is not ahead_slot:
+                s.release()
+        return Kept(slots=self.slots, maker=self.maker, ahead=self.ahead, region=self.region)
 
     # ---- threads ------------------------------------------------------------------
     def halt(self) -> None:
@@ -161,6 +233,7 @@ class TokenPipeline:
         self.stop.set()
         for q in (self.free, self.full, self.out):
             q.stop()
+        self.maker.wake()
 
     @staticmethod
     def _get(q: BoundedQueue) -> Any:

@@ -48,8 +48,7 @@ class StreamState(Protocol):
 
     # ---- per-process state, private to the loaders package -----------------------------
     _norm: tuple[np.ndarray, np.ndarray] | None  # (shift, scale) per (layer, segment) key
-    _spare: dict[str, Any]  # a stopped pipeline's slots and mappings, or the next epoch's pipeline
-    _worker_flags: Any  # under a TokenLoader with workers: their slot flags (buffers.WorkerRing)
+    _worker_slots: Any  # under a TokenLoader with workers: their shared slots' state (buffers.WorkerSlots)
 
     def plan(self, epoch: int | None = None) -> EpochPlan: ...
 

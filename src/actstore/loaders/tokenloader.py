@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from actstore.loaders.assemble import device_step
-from actstore.loaders.buffers import BufferRing, WorkerBatch, host_copy
+from actstore.loaders.buffers import BufferRing, WorkerBatch, WorkerSlots, host_copy
 from actstore.loaders.feed import DeviceFeeder
 from actstore.loaders.state import StreamState
 from actstore.read.normalize import normalize_into
@@ -82,7 +82,7 @@ class TokenLoader:
         self.persistent_workers = bool(persistent_workers)
         self._dl: DataLoader | None = None
         self._ring: BufferRing | None = None
-        self._flags: torch.Tensor | None = None
+        self._slots: WorkerSlots | None = None  # the workers' shared slots: busy flags and wake-ups
         self._position: torch.Tensor | None = None  # (epoch, batches_done, num_workers) for the workers
         self._mapped: dict[tuple[int, int], torch.Tensor] = {}  # the last tensor received from each worker slot
         for source in getattr(stream, "streams", [stream]):  # an AlignedTokenStream streams several sources
@@ -145,13 +145,13 @@ class TokenLoader:
         if self._dl is not None and self.persistent_workers:
             return self._dl
         s = self.stream
-        if self._flags is None:
+        if self._slots is None:
             self._position = torch.zeros(3, dtype=torch.int64).share_memory_()
-            slots = self.prefetch_factor + SLOTS_BEYOND_PREFETCH
-            self._flags = torch.zeros((self.num_workers, slots), dtype=torch.int8).share_memory_()
+            n_slots = self.prefetch_factor + SLOTS_BEYOND_PREFETCH
+            self._slots = WorkerSlots(self.num_workers, n_slots, self.multiprocessing_context)
         plain = not hasattr(s, "streams")  # a plain TokenStream (an aligned one combines its sources' batches)
         self._dl = DataLoader(
-            _UnderLoader(s, self._position, self._flags if plain else None),
+            _UnderLoader(s, self._position, self._slots if plain else None),
             batch_size=None,
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch_factor,
@@ -203,20 +203,20 @@ class TokenLoader:
         mapping it again, page by page, for every batch sent from it."""
         if isinstance(item, WorkerBatch):
             self._mapped[(item.worker, item.slot)] = item.batch["acts"] if isinstance(item.batch, dict) else item.batch
-            self._flags[item.worker, item.slot] = 0
+            self._slots.give_back(item.worker, item.slot)
 
 
 class _UnderLoader(IterableDataset):
     """The stream as a TokenLoader's workers iterate it: with the loader's position and
-    slot flags (tensors in shared memory), set on the worker's own copy of the stream, so
+    shared slots (in shared memory), set on the worker's own copy of the stream, so
     that the stream itself stays as it was for any other DataLoader."""
 
-    def __init__(self, stream: Any, position: torch.Tensor, flags: torch.Tensor | None):
-        self.stream, self.position, self.flags = stream, position, flags
+    def __init__(self, stream: Any, position: torch.Tensor, slots: WorkerSlots | None):
+        self.stream, self.position, self.slots = stream, position, slots
 
     def __iter__(self) -> Iterator[Any]:
         s = self.stream
-        s.position.shared, s._worker_flags = self.position, self.flags
+        s.position.shared, s._worker_slots = self.position, self.slots
         return iter(s)
 
 

@@ -25,7 +25,7 @@ from actstore.loaders.base import BaseTokenStream
 from actstore.loaders.buffers import TORCH_DTYPES
 from actstore.loaders.deprecated import forwarded, legacy_stream
 from actstore.loaders.family import narrow
-from actstore.loaders.pipeline import TokenPipeline
+from actstore.loaders.pipeline import Spares, TokenPipeline
 from actstore.loaders.plan import EpochPlan, consumed_per_worker, rank_batches
 from actstore.loaders.position import StreamPosition
 from actstore.loaders.source import TokenUnits, pick_layers, pick_segments, stats_tables, stored_numpy_dtype
@@ -67,6 +67,8 @@ class TokenStream(BaseTokenStream):
     Attributes:
         spec: the options (StreamSpec).
         position: where the stream stands (StreamPosition); a TokenLoader advances it.
+        spares: the buffers and mappings kept from one iteration to the next in this
+            process (actstore.loaders.pipeline.Spares; `release()` gives them back).
         layers, segments, d_model, dtype, units, n_tokens, window_batches, run: the
             options resolved against the store.
     """
@@ -161,10 +163,11 @@ class TokenStream(BaseTokenStream):
         self.run = max(1, int(spec.run_bytes // unit_bytes))
         self.buffer_bytes = spec.buffer_bytes
         self.position = StreamPosition(seed=spec.seed)
-        # Buffers kept from one epoch to the next in this process (memory written before costs no page faults).
-        self._spare: dict[str, Any] = {}
+        # Buffers kept from one epoch to the next in this process (memory written before costs no
+        # page faults): its pipelines take them and hand them back (pipeline.Spares).
+        self.spares = Spares()
         self._active = 0  # iterations running (their threads use the buffers and mappings)
-        self._worker_flags = None  # under a TokenLoader: its workers' slot flags (buffers.WorkerRing)
+        self._worker_slots = None  # under a TokenLoader: its workers' shared slots (buffers.WorkerSlots)
 
     def share_window(self, window_batches: int, run: int) -> None:
         """Set the shuffle window (batches) and the run length (units); an aligned stream gives
@@ -187,7 +190,7 @@ class TokenStream(BaseTokenStream):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if "_legacy" not in state:
-            state["_spare"] = {}
+            state["spares"] = Spares()  # buffers belong to one process
             state["_active"] = 0
         return state
 
@@ -257,13 +260,7 @@ class TokenStream(BaseTokenStream):
     def discard_read_ahead(self) -> None:
         """Forget the next epoch's first window, read ahead at the end of the last epoch
         (to measure a cold epoch, say); its buffer is kept for reuse."""
-        spare = self._spare
-        if "pending" in spare:
-            spare = spare["pending"].finish()
-        ahead = spare.pop("ahead", None)
-        if ahead is not None:
-            ahead[2].release()
-        self._spare = spare
+        self.spares.discard_read_ahead()
 
     @forwarded
     def release(self) -> None:
@@ -272,12 +269,7 @@ class TokenStream(BaseTokenStream):
         files (whose pages the kernel may then evict). The next epoch starts afresh."""
         if self._active:
             raise RuntimeError("release() while this stream is being iterated: finish or close the iteration first")
-        self.discard_read_ahead()
-        spare, self._spare = self._spare, {}
-        if spare.get("maker") is not None:
-            spare["maker"].close()
-        if spare.get("region") is not None:
-            spare["region"].close()
+        self.spares.release()
 
     @forwarded
     def loader(self, num_workers: int = 0, **kwargs: Unpack[LoaderOptions]) -> TokenLoader:
@@ -311,7 +303,7 @@ class TokenStream(BaseTokenStream):
             done, first = consumed_per_worker(plan.worker_batches(n_workers), pos.batches_done)
             worker = (worker + first) % n_workers  # continue the DataLoader's cycle where it stopped
             skip = int(done[worker])
-        pipe = TokenPipeline(self, plan, plan.worker_windows(worker, n_workers), skip, in_worker=not in_main)
+        pipe = TokenPipeline(self, plan, plan.worker_windows(worker, n_workers), skip, not in_main, self.spares)
         self._active += 1
         try:
             for batch in pipe:

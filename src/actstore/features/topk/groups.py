@@ -13,7 +13,8 @@ rows of an array, and their order keys `example << 31 | token` (token: the posit
 - Read (object stores, bfloat16, the torch update): `read_many_into` (an object store
   answers with batched range requests) into a ring of reused buffers (memory written
   before costs no page faults; for a CUDA device the buffers are pinned and copied there
-  asynchronously).
+  by actstore.hostmem's DeviceCopy: on a side stream, so that the next group's copy
+  overlaps this one's encoding, and handed over to the consumer's stream before it sees it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from actstore.dtypes import bf16_bits_to_f32
 from actstore.errors import SegmentNotFoundError
 from actstore.features.topk.accum import TOKEN_BITS
+from actstore.hostmem import DONE, DeviceCopy, HostBuffer, hand_over
 from actstore.layout import spec
 from actstore.read.api import Reader
 from actstore.read.masks import leaves_out_special
@@ -95,7 +97,9 @@ class GroupReader:
         self.t_all = int(self.offs[-1])
         self.group = max(1, READ_BYTES // max(1, self.t_all * self.d * self.dtype.itemsize))
         self.arange = np.arange(max((s.t_pad for s in self.segs), default=0), dtype=np.int64)
-        self.ring = [_Buffer(self.group * self.t_all, self.d, store.dtype, device) for _ in range(RING)]
+        on_device = device is not None and device.type != "cpu"
+        self.copy = DeviceCopy(device) if on_device else None  # the groups' copies to the device
+        self.ring = [_Buffer(self.group * self.t_all, self.d, store.dtype, device, self.copy) for _ in range(RING)]
         self.region = _region(store, self.segs, self.d * self.dtype.itemsize) if mmap and device is None else None
 
     def __iter__(self) -> Iterator[tuple[range, Any, np.ndarray, np.ndarray]]:
@@ -105,7 +109,8 @@ class GroupReader:
             nxt = reader.submit(self._read, 0, 0) if n_ex else None
             try:
                 for i, g0 in enumerate(starts):
-                    exs, flat, rows, ords, pins = nxt.result()
+                    exs, flat, rows, ords, pins, ready = nxt.result()
+                    hand_over([flat], ready)  # a device group: safe for this thread's stream
                     # ready the next group while this one is encoded (the kernels hold no GIL)
                     nxt = reader.submit(self._read, g0 + self.group, i + 1) if g0 + self.group < n_ex else None
                     try:
@@ -121,7 +126,7 @@ class GroupReader:
                 if self.region is not None:
                     self.region.close()
 
-    def _read(self, g0: int, i: int) -> tuple[range, Any, np.ndarray, np.ndarray, list[int]]:
+    def _read(self, g0: int, i: int) -> tuple[range, Any, np.ndarray, np.ndarray, list[int], Any]:
         exs = range(g0, min(len(self.store), g0 + self.group))
         if self.region is not None:
             mapped = self._map(exs)
@@ -136,9 +141,10 @@ class GroupReader:
         ]
         self.store.read_many_into(items)
         rows, ords = self._tokens(exs)
-        return exs, ring.rows(len(exs) * self.t_all), rows, ords, []
+        flat, ready = ring.rows(len(exs) * self.t_all)
+        return exs, flat, rows, ords, [], ready
 
-    def _map(self, exs: range) -> tuple[range, Any, np.ndarray, np.ndarray, list[int]] | None:
+    def _map(self, exs: range) -> tuple[range, Any, np.ndarray, np.ndarray, list[int], Any] | None:
         """The group mapped: its units' files pinned in the region and made resident; the
         kept tokens' rows are region rows. None (nothing pinned) when a unit cannot be mapped."""
         region = self.region
@@ -167,7 +173,7 @@ class GroupReader:
             region.unpin(pins)
             raise
         rows, ords = self._tokens(exs, starts)
-        return exs, self.flat, rows, ords, pins
+        return exs, self.flat, rows, ords, pins, DONE
 
     def _tokens(self, exs: range, mapped: list | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The kept tokens of a group: their rows in its buffer (or, `mapped` (per segment the
@@ -218,19 +224,20 @@ def _region(store: Reader, segs: list[_Seg], row_bytes: int) -> Any:
 
 
 class _Buffer:
-    """One group buffer, reused: a numpy array, or (for a torch device) a tensor pinned
-    when the device is CUDA, copied there with non_blocking and reused only once that copy
-    has completed (an event)."""
+    """One group buffer, reused: a numpy array, or (for a torch device) a tensor, pinned
+    when the device is CUDA, copied there by the reader's DeviceCopy and reused only once
+    that copy has completed (its event)."""
 
-    def __init__(self, n_rows: int, d: int, kind: str, device: Any):
-        self.device, self.kind, self.event = device, kind, None
+    def __init__(self, n_rows: int, d: int, kind: str, device: Any, copy: DeviceCopy | None):
+        self.device, self.kind, self.copy, self.event = device, kind, copy, None
         if device is None:
             self.buf = np.empty((n_rows, d), spec.ACT_DTYPES[kind])
             return
         import torch
 
         dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[kind]
-        self.tensor = torch.empty((n_rows, d), dtype=dtype, pin_memory=device.type == "cuda")
+        host = HostBuffer(n_rows * d * dtype.itemsize, "pinned" if copy is not None else "plain")
+        (self.tensor,) = host.carve([((n_rows, d), dtype)])
         bits = self.tensor.view(torch.int16) if kind == "bfloat16" else self.tensor
         self.buf = bits.numpy().view(np.uint16) if kind == "bfloat16" else bits.numpy()  # the reader's view
 
@@ -241,17 +248,14 @@ class _Buffer:
             self.event = None
         return self.buf[:n_rows]
 
-    def rows(self, n_rows: int) -> Any:
-        """The group's rows as the consumer takes them: numpy (bfloat16 as float32), or on the device."""
+    def rows(self, n_rows: int) -> tuple[Any, Any]:
+        """(the group's rows as the consumer takes them: numpy (bfloat16 as float32), or
+        on the device; the event after their copy there, DONE when there was none)."""
         if self.device is None:
             flat = self.buf[:n_rows]
-            return bf16_bits_to_f32(flat) if self.kind == "bfloat16" else flat
+            return (bf16_bits_to_f32(flat) if self.kind == "bfloat16" else flat), DONE
         t = self.tensor[:n_rows]
-        if self.device.type == "cpu":
-            return t
-        import torch
-
-        out = t.to(self.device, non_blocking=True)  # from pinned memory: an asynchronous copy
-        self.event = torch.cuda.Event()
-        self.event.record()
-        return out
+        if self.copy is None:
+            return t, DONE  # a CPU torch device: the buffer itself
+        (out,), self.event = self.copy.to_device([t])  # from pinned memory: an asynchronous copy
+        return out, self.event
