@@ -4,8 +4,8 @@ It streams the committed blocks of a store that writers are still filling, and e
 the store is finalized and every example it publishes has been streamed. A reader thread
 looks at the writer shards' commit records every `poll_s` seconds; the examples a commit
 adds are read at once (their shard read through a ShardReader of the committed prefix,
-which is what finalize would publish) into a pool of at most `buffer_bytes` of token
-vectors. A batch is drawn at random from the pool once the pool is full, or when the
+which is what finalize would publish) into a pool of `buffer_bytes` of token vectors (up
+to half a pool more waits beside it, read ahead, to fill the room each batch makes). A batch is drawn at random from the pool once the pool is full, or when the
 store is finalized (the pool is then drained): each batch mixes a window of the most
 recently committed tokens. Every kept token vector is yielded exactly once, and only
 rows of the shard generations the store publishes: a shard rewritten or deleted under the
