@@ -62,13 +62,16 @@ def kept(path: Any, layers: Any = None) -> Counter:
     return rows(TokenStream(actstore.open(path), batch_size=256, shuffle=False, layers=layers, token_mask="all"))
 
 
+def block_rows(shard: int, index: int, layers: Iterable[int] = (1,)) -> Counter:
+    """The kept token vectors of block `index` of shard `shard` (from its generator)."""
+    acts, lengths = block(shard, index)
+    out: Counter = Counter()
+    for e, n_tok in enumerate(lengths):
+        for layer in layers:
+            out.update(r.tobytes() for r in acts[e, LAYERS.index(layer), :n_tok])
+    return out
+
+
 def expected(shards: dict[int, int], layers: list[int]) -> Counter:
     """The kept token vectors of blocks 0..n-1 of each shard (from their generator, not the store)."""
-    out: Counter = Counter()
-    for shard, n in shards.items():
-        for i in range(n):
-            acts, lengths = block(shard, i)
-            for e, n_tok in enumerate(lengths):
-                for layer in layers:
-                    out.update(r.tobytes() for r in acts[e, LAYERS.index(layer), :n_tok])
-    return out
+    return sum((block_rows(shard, i, layers) for shard, n in shards.items() for i in range(n)), Counter())

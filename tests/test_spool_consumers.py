@@ -43,15 +43,6 @@ def finished_store(path, shards=None):
     return shards
 
 
-def block_rows(shard: int, index: int, layers=(1,)) -> sh.Counter:
-    acts, lengths = sh.block(shard, index)
-    out = sh.Counter()
-    for e, n in enumerate(lengths):
-        for layer in layers:
-            out.update(r.tobytes() for r in acts[e, sh.LAYERS.index(layer), :n])
-    return out
-
-
 def test_two_consumers_each_get_every_token_once_while_the_store_is_written(tmp_path):
     path = tmp_path / "s"
     got: dict[str, list] = {"l1": [], "both": []}
@@ -124,7 +115,7 @@ def test_a_restart_without_a_state_continues_from_the_record(tmp_path):
     for shard, ranges in done.items():
         for a, b in ranges:
             for i in range(a // sh.PER_BLOCK, b // sh.PER_BLOCK):
-                acked_rows += block_rows(shard, i)
+                acked_rows += sh.block_rows(shard, i)
     rest = [b.clone() for b in consumer(path, ack="yielded")]
     assert sh.rows(rest) == sh.expected({0: 10, 1: 7}, [1]) - acked_rows
     assert acked_rows <= sh.rows(first)
@@ -230,3 +221,28 @@ def test_a_consumer_of_an_object_store(tmp_path, s3_url):
     reader.join()
     assert sh.rows(got) == sh.expected({0: 6}, [1])
     assert dict(record(s3_url).acked) == {0: ((0, 18),)}
+
+
+def test_a_block_whose_file_was_replaced_under_a_read_is_read_again(tmp_path, monkeypatch):
+    """On an object store a Zarr shard file is rewritten whole as it grows: a read may see the
+    index of one version and the data of the next (a crc32c mismatch). The consumer reads the
+    block again (the shard's block records unchanged); damage that stays is raised."""
+    from actstore.errors import CorruptChunkError
+    from actstore.loaders import follow
+
+    path = tmp_path / "s"
+    finished_store(path)
+    fails = {"left": 2}
+
+    class Flaky(follow.ShardReader):
+        def read_many(self, seg, items):
+            if fails["left"]:
+                fails["left"] -= 1
+                raise CorruptChunkError("shard file x has a damaged index (crc32c mismatch)")
+            return super().read_many(seg, items)
+
+    monkeypatch.setattr(follow, "ShardReader", Flaky)
+    assert sh.rows(consumer(path)) == sh.expected({0: 10, 1: 7}, [1]) and fails["left"] == 0
+    fails["left"] = 10**6
+    with pytest.raises(CorruptChunkError, match="damaged index"):
+        list(consumer(path, "other"))

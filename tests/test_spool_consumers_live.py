@@ -219,3 +219,35 @@ def test_manual_acknowledgement_writes_exactly_the_state_given(tmp_path):
     assert dict(read_record(open_storage(url), "m", 0).acked) == {}  # nothing until acknowledge()
     s.acknowledge(first)
     assert triples_of(read_record(open_storage(url), "m", 0).acked) == first["completed"] != []
+
+
+def test_two_ranks_of_one_consumer_share_a_live_spool(tmp_path):
+    """Ranks 0 and 1 of one name (threads standing in for DDP processes) each read the blocks
+    block_owner gives them; together they consume the spool, disjointly and completely."""
+    url = str(tmp_path / "s")
+    budget, n_blocks = 4 * BLOCK, 20
+    got, errors = {"r0": [], "r1": []}, []
+    w = spooled_writer(url, 0, 1, budget)
+
+    def rank(r):
+        try:
+            for b in TokenStream.follow(
+                url, consumer="ddp", rank=r, world_size=2, ack="yielded", **{**OPTS, "layers": [1]}
+            ):
+                got[f"r{r}"].append(b.clone())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    with w:
+        sh.write_blocks(url, 0, range(n_blocks), w=w)
+    actstore.finalize(url)
+    for t in ranks:
+        t.join(WAIT)
+    assert not errors, errors
+    r0, r1 = sh.rows(got["r0"]), sh.rows(got["r1"])
+    assert r0 + r1 == sh.expected({0: n_blocks}, [1]) and not (r0 & r1)
+    assert r0 == sum((sh.block_rows(0, i) for i in range(0, n_blocks, 2)), sh.Counter())  # (0 + i) % 2 == 0
+    assert w.spool.waited_seconds > 0 and read_state(open_storage(url)).removed_bytes > 0
