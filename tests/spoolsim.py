@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from actstore import catalog
-from actstore.layout import keys, records
+from actstore.layout import keys, records, spec
 from actstore.layout import spool as sp
 from actstore.layout.records import ShardEntry
 from actstore.read.shard import ShardReader
@@ -94,12 +94,15 @@ class SimConsumer:
             nbytes=0,
         )
         reader = ShardReader(self.storage, entry, cfg)
-        seg = cfg.segments[0]
+        dtype = np.dtype(spec.ACT_DTYPES[cfg.dtype])
         for ex in range(b.start, b.stop):
-            out = np.empty((len(cfg.layers), seg.t_pad, cfg.d_model), np.float16)
-            for lp in range(len(cfg.layers)):
-                reader.read_padded(seg, ex, lp, out[lp])
-            self.got[(b.shard, ex)] = out[:, : seg.t_max]
+            parts = []  # each segment's stored tokens, as ActStore[ex, layer] joins them
+            for seg in cfg.segments:
+                out = np.empty((len(cfg.layers), seg.t_pad, cfg.d_model), dtype)
+                for lp in range(len(cfg.layers)):
+                    reader.read_padded(seg, ex, lp, out[lp])
+                parts.append(out[:, : int(reader.lengths(seg)[ex])])
+            self.got[(b.shard, ex)] = np.concatenate(parts, axis=1)
 
     def run(self) -> None:
         """Look until stopped (a thread's target); while paused, read nothing."""

@@ -475,3 +475,40 @@ def _partial(path, model, batches) -> None:
 
     with pytest.raises(RuntimeError, match="killed"):
         record(model, then_killed(), path, layers=[1], world_size=1, commit_bytes=1)
+
+
+# ---- a spool written by several writers (issue 41) ----------------------------------------------
+def _spooled_capture(job, path, *runner) -> None:
+    """`actstore write --spool` with two writers and a simulated consumer reading as they
+    write: every example read once, equal to the reference; the disk within budget + one
+    block per writer."""
+    from spoolsim import SimConsumer
+
+    one = job["one"]
+    eb = one.config.example_bytes()
+    block, budget = 2 * eb, 6 * eb
+    consumer = SimConsumer(str(path), "sae")
+    thread = consumer.start()
+    cli("write", path, *job["common"], *runner, "--spool", str(budget), "--commit-mb", str(block / 2**20))
+    consumer.idle.clear()
+    assert consumer.idle.wait(120)
+    consumer.stop.set()
+    thread.join(60)
+    assert consumer.error is None, consumer.error
+    store = actstore.ActStore(path)
+    assert len(store) == 20 and consumer.max_disk <= budget + 2 * block, consumer.max_disk
+    starts = {s.shard: s.start for s in store.manifest.shards}
+    got = {starts[shard] + local: rows for (shard, local), rows in consumer.got.items()}
+    assert sorted(got) == list(range(20))
+    for i in range(20):
+        for lp, layer in enumerate((0, 2)):
+            np.testing.assert_array_equal(got[i][lp], one[i, layer])
+    assert verify_store(path).ok and verify_store(path).n_removed_examples > 0
+
+
+def test_a_spool_written_by_two_local_workers(job):
+    _spooled_capture(job, job["dir"] / "spool-local.store", "--workers", "2")
+
+
+def test_a_spool_written_by_ray_workers(job, ray_in_process):
+    _spooled_capture(job, job["dir"] / "spool-ray.store", "--runner", "ray", "--workers", "2")

@@ -47,6 +47,15 @@ def test_tables_list_exactly_the_code_fields():
     assert _table_fields("### 3.2 Dtypes", "dtype") == list(spec.ACT_DTYPES)
 
 
+def test_the_spool_tables_list_exactly_the_record_fields():
+    from actstore.layout import spool
+
+    assert _table_fields("`spool/spool.json`: written once") == list(spool.SPOOL_FIELDS)
+    assert _table_fields("`spool/consumers/<name>/rank-<r>.json`: one per rank") == list(spool.CONSUMER_FIELDS)
+    assert _table_fields("`spool/dropped/<name>.json`: written by") == list(spool.DROPPED_FIELDS)
+    assert _table_fields("`spool/removed/<shard_name>/<remover>.json`: what one") == list(spool.REMOVED_FIELDS)
+
+
 def test_every_spec_constant_is_named_in_the_document():
     names = [n for n in dir(spec) if n.isupper()]
     missing = [n for n in names if n not in DOC and not n.endswith("_FIELDS")]

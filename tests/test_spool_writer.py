@@ -107,19 +107,27 @@ def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, r
     budget = 4 * BLOCK
     n = 40 if where == "local" else 20  # 80 (40) examples per writer: 10x (5x) the budget in all
     consumer = SimConsumer(url, "sae")
+    consumer.paused.set()  # paused first: both writers must wait for it
     thread = consumer.start()
-    writers: list[ShardWriter] = []
+    writers = [ShardWriter(url, shard=s, spool=budget, commit_bytes=BLOCK, world_size=2, **KW) for s in (0, 1)]
     errors: list[BaseException] = []
 
-    def run(shard):
+    def run(w):
         try:
-            writers.append(_write(url, shard, _batches(shard, n), budget, world_size=2))
+            with w:
+                for x in _batches(w.shard, n):
+                    w.append(x)
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    ts = [threading.Thread(target=run, args=(w,)) for w in writers]
     for t in ts:
         t.start()
+    for w in writers:
+        assert w.spool.waiting.wait(WAIT)  # both wait while the consumer is paused ...
+    assert activation_bytes(open_storage(url)) <= budget + 2 * BLOCK
+    assert sum(len(w) for w in writers) < 2 * n * 2
+    consumer.paused.clear()  # ... and go on when it reads again
     for t in ts:
         t.join(WAIT)
     _drain(consumer, thread)
@@ -129,7 +137,6 @@ def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, r
     assert sorted(consumer.got) == sorted(want)
     for k, x in want.items():
         np.testing.assert_array_equal(consumer.got[k], x)
-    assert sum(w.spool.waited_seconds > 0 for w in writers) >= 1  # the budget held them back
     state = read_state(open_storage(url))
     assert state.removed_bytes > 0 and state.kept_bytes <= budget + 2 * BLOCK
     assert 2 * n * 2 * EXAMPLE == sum(b.nbytes for b in state.blocks)
@@ -157,6 +164,9 @@ def test_a_writer_waits_while_the_consumer_is_paused_and_goes_on(tmp_path):
     n_at_wait = len(w)
     assert n_at_wait * EXAMPLE <= budget + BLOCK and not done.is_set()
     assert activation_bytes(open_storage(url)) <= budget
+    line = wspool.waiting_line(read_state(open_storage(url)), 2 * EXAMPLE)
+    assert line.startswith("spool full: ") and "of 1.54 kB kept" in line
+    assert line.endswith("waiting for consumer(s) sae (lagging 3 blocks)"), line
     consumer.paused.clear()  # ... and goes on once it reads again
     assert done.wait(WAIT)
     t.join(WAIT)
@@ -256,3 +266,106 @@ def test_block_owner_splits_blocks_between_consumer_ranks(tmp_path):
     state = read_state(open_storage(url))
     assert len(state.consumable()) == 4 and state.lags() == {"ddp": 0}
     assert sp.consumed(state.blocks[0], state.consumers, ())
+
+
+def test_shardwriter_defaults_to_one_file_per_example_with_a_spool(tmp_path):
+    with ShardWriter(tmp_path / "s", spool="1MB", commit_bytes=2**16, layers=[0], d_model=4, tokens=2) as w:
+        assert w.cfg.zarr_format == 3 and w.cfg.shard_examples is None
+
+
+def test_the_capture_options_refuse_a_spool_of_zarr_shard_files():
+    from actstore.capture.options import CaptureOptions
+    from actstore.errors import CaptureError
+
+    with pytest.raises(CaptureError, match="--spool removes the activation files .* --shard-examples"):
+        CaptureOptions(spool="1GB", shard_examples=8).check("cli")
+    with pytest.raises(CaptureError, match=r"--spool: a spool budget must be .*Got '1 GQ'"):
+        CaptureOptions(spool="1 GQ").check("cli")
+    o = CaptureOptions(spool="1GB")
+    assert o.writer_options(None).spool == 10**9 and o.store_shard_examples() is None
+
+
+@pytest.mark.slow
+def test_a_killed_spooled_writer_resumes_and_the_consumer_gets_everything_once(tmp_path):
+    import signal
+
+    from writer_proc import LAYERS as WL
+    from writer_proc import D as WD
+    from writer_proc import T as WT
+    from writer_proc import example_data, spawn
+
+    url = str(tmp_path / "s")
+    example = len(WL) * WT * WD * 2
+    budget, commit = 6 * example, 3 * example
+    consumer = SimConsumer(url, "sae")
+    thread = consumer.start()
+    p = spawn(url, "0", "0", "60", "--spool", str(budget), "--commit-bytes", str(commit))
+    for line in p.stdout:  # killed once it has committed a few blocks and removal has begun
+        if line.startswith("appended") and int(line.split()[-1]) >= 15:
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait(WAIT)
+    q = spawn(url, "0", "0", "60", "--spool", str(budget), "--commit-bytes", str(commit), "--resume")
+    out, err = q.communicate(timeout=WAIT)
+    assert q.returncode == 0 and out.splitlines()[-1] == "closed", err
+    _drain(consumer, thread)
+    assert consumer.error is None
+    assert sorted(k for _, k in consumer.got) == list(range(60))
+    for (_, k), rows in consumer.got.items():
+        np.testing.assert_array_equal(rows, example_data(k))
+    assert consumer.max_disk <= budget + commit + 3 * example  # (a block may end a batch past commit_bytes)
+
+
+def test_a_stop_while_waiting_leaves_the_shard_resumable(tmp_path):
+    url = str(tmp_path / "s")
+    batches = _batches(4, 12)
+    w = ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, **KW)
+
+    def interrupted():
+        raise KeyboardInterrupt  # what Ctrl-C does to a waiting writer
+
+    w.spool.keepalive = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        with w:
+            for x in batches:
+                w.append(x)
+    assert w.n_committed == 8  # two blocks committed (no consumer: nothing removed), then it waited
+    with ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, resume=True, **KW) as again:
+        assert len(again) == 8
+        consumer = SimConsumer(url, "sae")
+        thread = consumer.start()
+        for x in batches[4:]:
+            again.append(x)
+    _drain(consumer, thread)
+    want = np.concatenate(batches)
+    assert sorted(k for _, k in consumer.got) == list(range(24))
+    for (_, k), rows in consumer.got.items():
+        np.testing.assert_array_equal(rows, want[k])
+
+
+def test_the_block_cache_reads_only_what_a_shard_added(tmp_path, monkeypatch):
+    from actstore.spoolstate import BlockCache
+
+    url = str(tmp_path / "s")
+    storage = open_storage(url)
+    x = _batches(9, 8)
+    w = ShardWriter(url, spool=100 * BLOCK, commit_bytes=BLOCK, **KW)
+    for b in x[:4]:
+        w.append(b)  # two blocks
+    cache = BlockCache()
+    assert [(b.index, b.start, b.stop) for b in cache.blocks(storage)] == [(0, 0, 4), (1, 4, 8)]
+    reads = []
+    real = type(storage.child("x")).get_range
+    monkeypatch.setattr(type(storage), "get_range", lambda s, k, start, n: reads.append(start) or real(s, k, start, n))
+    for b in x[4:]:
+        w.append(b)
+    w.close()
+    reads.clear()  # (the writer's own looks read them too)
+    assert [(b.index, b.start, b.stop, b.nbytes) for b in cache.blocks(storage)][2:] == [
+        (2, 8, 12, BLOCK),
+        (3, 12, 16, BLOCK),
+    ]
+    assert len(reads) == 1 and reads[0] > 0  # the new records only, from where the cached ones end
+    with ShardWriter(url, spool=100 * BLOCK, commit_bytes=BLOCK, overwrite=True, **KW) as w2:
+        w2.append(x[0])
+    assert [(b.index, b.start, b.stop) for b in cache.blocks(storage)] == [(0, 0, 2)]

@@ -147,6 +147,11 @@ class WriteContract(ReadContract):
         assert sorted(e.key for e in storage.list()) == ["meta/log", "x/y/2"]
         storage.delete_prefix("x")
         assert [e.key for e in storage.list()] == ["meta/log"] and not storage.exists("x/y/2")
+        for i in range(3):
+            storage.put(f"d/{i}", b"d")
+        storage.delete_many(["d/0", "d/2", "d/none"])  # one request on an object store; a missing key is no error
+        assert sorted(e.key for e in storage.list("d")) == ["d/1"]
+        storage.delete("d/1")
         storage.sync()
         assert storage.get("meta/log") == b"abcd"
 

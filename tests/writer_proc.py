@@ -1,6 +1,6 @@
 """A writer process for multi-process tests: deterministic data per global example id.
 
-python tests/writer_proc.py STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W] [--fsync]
+python tests/writer_proc.py STORE SHARD FIRST COUNT [--resume] [--batch B] [--commit-bytes N] [--sleep S] [--world-size W] [--fsync] [--spool BUDGET]
 writes examples FIRST..FIRST+COUNT-1 as shard SHARD; example id k holds example_data(k).
 With --resume it continues after the shard's last committed example.
 """
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--world-size", type=int, default=None)
     ap.add_argument("--fsync", action="store_true", help="durable commits (each file synced, then the commit)")
+    ap.add_argument("--spool", default=None, help="write into a spool of this budget (issue 41)")
     ap.add_argument("--start-after", default=None, help="wait until this file exists (a start line for racers)")
     a = ap.parse_args()
     if a.start_after:
@@ -79,6 +80,7 @@ def _write(a: argparse.Namespace) -> None:
         texts=["id"],
         world_size=a.world_size,
         fsync=a.fsync or None,
+        spool=a.spool,
     ) as w:
         done = w.n_committed
         print(f"start {done}", flush=True)

@@ -11,6 +11,7 @@ info, verify and finalize all see the spool through `read_state`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from actstore import catalog
 from actstore.errors import KeyNotFound
@@ -90,13 +91,15 @@ def read_dropped(storage: Storage) -> dict[str, sp.DroppedRecord]:
 
 @dataclass
 class BlockCache:
-    """Committed blocks per shard between scans: (n_blocks, blocks)."""
+    """Committed blocks per shard between scans: (their bytes in blocks.jsonl, blocks). A
+    shard's committed block records never change (a resume drops only the uncommitted
+    tail), so a grown shard's new records are read from where the cached ones end."""
 
     shards: dict[int, tuple[int, list[sp.SpoolBlock]]] = field(default_factory=dict)
 
     def blocks(self, storage: Storage) -> list[sp.SpoolBlock]:
         """The committed blocks of every shard (one listing of shards/; per shard its
-        commit record, and its blocks.jsonl when it grew)."""
+        commit record, and the new part of its blocks.jsonl when it grew)."""
         out: list[sp.SpoolBlock] = []
         for shard in catalog.shard_numbers(storage):
             sh = catalog.shard_storage(storage, shard)
@@ -104,13 +107,27 @@ class BlockCache:
                 commit = records.parse_commit(sh.get(keys.COMMIT), sh.where(keys.COMMIT))
             except KeyNotFound:
                 continue  # a claim under way: nothing committed
-            n, cached = self.shards.get(shard, (0, []))
-            if commit.n_blocks != n:
-                got = catalog.read_blocks(sh, commit.n_blocks)
-                cached = [sp.SpoolBlock(shard, i, b.start, b.stop, b.nbytes) for i, b in enumerate(got)]
-                self.shards[shard] = (commit.n_blocks, cached)
+            offset, cached = self.shards.get(shard, (0, []))
+            if commit.n_blocks < len(cached):  # the shard was written again (overwrite): read it afresh
+                offset, cached = 0, []
+            if commit.n_blocks > len(cached):
+                offset, cached = self._grown(sh, shard, commit.n_blocks, offset, cached)
+                self.shards[shard] = (offset, cached)
             out += cached
         return out
+
+    @staticmethod
+    def _grown(
+        sh: Storage, shard: int, n_blocks: int, offset: int, cached: list[sp.SpoolBlock]
+    ) -> tuple[int, list[sp.SpoolBlock]]:
+        """(bytes, blocks) of a shard's first `n_blocks` block records, read from `offset`."""
+        size = sh.size(keys.BLOCKS) or 0
+        data = sh.get_range(keys.BLOCKS, offset, size - offset) if size > offset else b""
+        where, n_new = sh.where(keys.BLOCKS), n_blocks - len(cached)
+        new = records.parse_blocks(data, n_new, where)
+        first = len(cached)
+        cached = cached + [sp.SpoolBlock(shard, first + i, b.start, b.stop, b.nbytes) for i, b in enumerate(new)]
+        return offset + records.committed_length(data, n_new, where), cached
 
 
 @dataclass
@@ -173,3 +190,51 @@ def read_state(storage: Storage, cache: BlockCache | None = None) -> SpoolState 
         consumers=read_consumers(storage),
         dropped=read_dropped(storage),
     )
+
+
+def describe(state: SpoolState) -> dict[str, Any]:
+    """The spool as `actstore info` and `actstore spool status` show it."""
+    kept, removed = state.kept(), state.removed
+    lags = state.lags()
+    consumers = []
+    for name, ranks in sp.by_name(state.consumers).items():
+        acked = sum(1 for b in state.blocks if sp.acked_by(b, ranks))
+        consumers.append(
+            {
+                "name": name,
+                "ranks": len(ranks),
+                "world_size": max(r.world_size for r in ranks),
+                "acked_blocks": acked,
+                "lag_blocks": lags.get(name),
+                "dropped": name in state.dropped,
+                "updated": max(r.updated for r in ranks),
+            }
+        )
+    return {
+        "budget_bytes": state.budget,
+        "blocks": len(state.blocks),
+        "kept_blocks": len(kept),
+        "kept_bytes": state.kept_bytes,
+        "removed_blocks": sum(1 for b in state.blocks if sp.is_removed(b, removed)),
+        "removed_bytes": state.removed_bytes,
+        "consumers": consumers,
+        "dropped": sorted(state.dropped),
+    }
+
+
+def spool_lines(d: dict[str, Any]) -> list[str]:
+    """`describe()` as the lines `actstore info` and `actstore spool status` print."""
+    size = sp.format_bytes
+    lines = [
+        f"spool        budget {size(d['budget_bytes'])}: {d['kept_blocks']} blocks kept ({size(d['kept_bytes'])}), "
+        f"{d['removed_blocks']} removed ({size(d['removed_bytes'])}) of {d['blocks']} committed"
+    ]
+    if not d["consumers"]:
+        lines.append("  no consumer registered (writers wait for one once the budget is full)")
+    for c in d["consumers"]:
+        state = "dropped" if c["dropped"] else f"lagging {c['lag_blocks']} blocks"
+        lines.append(
+            f"  consumer {c['name']}: {c['ranks']} of {c['world_size']} ranks, {c['acked_blocks']} blocks acked, "
+            f"{state} (updated {c['updated']})"
+        )
+    return lines

@@ -28,13 +28,14 @@ COMMAND_MODULES = (
     "importers",
     "features",
     "views",
+    "spool",
 )
 
 # The top-level help's sections, in order. A command not named here goes by its name's
 # prefix (export-*, import-*, verify*); tests/test_cli_grammar.py fails on one left over.
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Capture": ("write", "finalize"),
-    "Inspect": ("info",),
+    "Inspect": ("info", "spool"),
     "Views": ("show", "features", "view"),
     "Exports": ("export-saev", "export-saelens", "export-pkl", "export-neuronpedia", "link-run", "cp"),
     "Imports": ("import-saev", "import-pkl", "import-activault", "import-saelens", "import-dictionary-learning"),

@@ -9,6 +9,8 @@ import click
 from actstore.cli import grammar as G
 from actstore.cli.params import STORE
 from actstore.read.info import format_info, store_info
+from actstore.spoolstate import describe, read_state, spool_lines
+from actstore.storage import open_storage
 from actstore.write.finalize import finalize
 
 
@@ -32,6 +34,8 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
     replaced atomically). Readers see only finalized shards.
     """
     m = finalize(store, allow_partial=allow_partial)
+    spool = read_state(open_storage(store))  # a spool: what is kept, and the consumers still reading
+    lagging = {n: k for n, k in spool.lags().items() if k} if spool is not None else {}
     if as_json:
         partial = (
             {"missing_ranks": list(m.partial.missing_ranks), "incomplete_shards": list(m.partial.incomplete_shards)}
@@ -46,6 +50,7 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
                     "shards": [s.shard for s in m.shards],
                     "world_size": m.world_size,
                     "partial": partial,
+                    "spool": describe(spool) if spool is not None else None,
                 }
             )
         )
@@ -54,6 +59,15 @@ def finalize_cmd(store: str, allow_partial: bool, as_json: bool, quiet: bool) ->
             f"finalized {store}: {m.n_examples} examples in {len(m.shards)} shards"
             + (" (PARTIAL)" if m.partial else "")
         )
+        if spool is not None:
+            click.echo("\n".join(spool_lines(describe(spool))))
+        if lagging:
+            click.echo(
+                "consumers still reading: "
+                + ", ".join(f"{n} ({k} blocks to go)" for n, k in sorted(lagging.items()))
+                + "; they continue until they have every block, and their blocks are removed as they acknowledge "
+                "them (run `actstore spool gc` once they are done)"
+            )
 
 
 @click.command("info")

@@ -9,6 +9,7 @@ from actstore.read.family import FamilyStore, is_family
 from actstore.read.masks import summarize
 from actstore.read.sinkcheck import find_sinks, sink_warning
 from actstore.read.store import ActStore
+from actstore.spoolstate import describe, read_state, spool_lines
 
 
 def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]:
@@ -30,6 +31,7 @@ def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]
     stats = store.stats()
     mask = summarize(store)
     found = find_sinks(store) if n and sinks else []
+    spool = read_state(store.storage) if store.removed is not None else None
     return {
         "path": store.storage.url,
         "n_examples": n,
@@ -69,6 +71,7 @@ def store_info(path: str | os.PathLike, *, sinks: bool = True) -> dict[str, Any]
         "mask_line": mask.line(),
         "sinks": [s.to_json() for s in found],  # kept positions over SINK_RATIO x the others' mean norm
         "sink_warning": sink_warning(found, store),
+        "spool": describe(spool) if spool is not None else None,
         "partial": (
             {
                 "missing_ranks": list(store.manifest.partial.missing_ranks),
@@ -168,6 +171,8 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append("token ids    kept (int32 per stored token: store.token_ids(ex))")
     if info.get("world_size"):
         lines.append(f"ranks        {info['world_size']} (world size of the run)")
+    if info.get("spool"):
+        lines += spool_lines(info["spool"])
     if info.get("partial"):
         p = info["partial"]
         lines.append(

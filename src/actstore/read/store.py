@@ -16,7 +16,7 @@ import numpy as np
 
 from actstore import catalog
 from actstore.dtypes import bf16_bits_to_f32
-from actstore.errors import FieldNotFoundError, StoreNotFoundError
+from actstore.errors import ActstoreError, FieldNotFoundError, StoreNotFoundError
 from actstore.index import ExampleIndex, layer_position
 from actstore.layout import keys, spec
 from actstore.layout.config import SegmentSpec, StoreConfig
@@ -26,6 +26,7 @@ from actstore.read.family import is_family
 from actstore.read.interface import Reader, ReadItem
 from actstore.read.select import is_pair, select
 from actstore.read.shard import UNCHECKED_READ_BYTES, ShardReader
+from actstore.read.spool import RemovedExamples
 from actstore.storage import Storage, open_storage
 from actstore.storage.mapping import FileRegion
 
@@ -115,6 +116,7 @@ class ActStore(Reader):
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
         self.manifest, data = self._read_manifest()
+        self.removed = RemovedExamples.of(self.storage)  # a spool's removed examples (None: no spool)
         self.manifest_sha256 = hashlib.sha256(data).hexdigest()  # the exact state opened (consumers record it)
         if self._cache is not None:
             self.storage = _cached(self.storage, *self._cache)
@@ -303,6 +305,18 @@ class ActStore(Reader):
         return sh.map_chunks(self.config.segment(segment), region, local, lp)
 
     def _read_segment(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
+        if self.removed is None:
+            return self._read_kept(seg, ex, layer, pad=pad)
+        pos, local = self.index.locate(ex)
+        try:  # a spool: files deleted before or during the read have their removal record already
+            out = self._read_kept(seg, ex, layer, pad=pad)
+        except (ActstoreError, OSError):
+            self.removed.check(ex, self.manifest.shards[pos].shard, local, fresh=True)
+            raise
+        self.removed.check(ex, self.manifest.shards[pos].shard, local, fresh=True)
+        return out
+
+    def _read_kept(self, seg: SegmentSpec, ex: int, layer: int, *, pad: bool) -> np.ndarray:
         sh, local, lp = self._where(ex, layer)
         n = seg.t_max if pad else int(sh.lengths(seg)[local])
         rows = seg.t_pad if pad else -(-n // seg.t_chunk) * seg.t_chunk  # only the chunks holding tokens
@@ -434,6 +448,8 @@ class ActStore(Reader):
         layer = self.layer_number(layer)
         pos, local = self.index.locate(ex)
         lp = layer_position(self.config.layers, layer)
+        if self.removed is not None:
+            self.removed.check(ex, self.manifest.shards[pos].shard, local)
         return self._shard(pos), local, lp
 
     def _shard(self, pos: int) -> ShardReader:

@@ -187,6 +187,11 @@ class Storage(abc.ABC):
     def delete(self, key: str) -> None:
         """Remove one object; a missing one is not an error."""
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove objects (an object store: in batched requests); missing ones are not errors."""
+        for key in keys:
+            self.delete(key)
+
     @abc.abstractmethod
     def delete_prefix(self, prefix: str) -> None:
         """Remove every object under the folder `prefix`."""

@@ -295,12 +295,22 @@ class ObjectStorage(Storage):
             if not self._missing(e, key):
                 raise
 
+    def delete_prefix(self, prefix: str) -> None:
+        self.delete_many([e.key for e in self.list(prefix)])  # (each step translated and retried)
+
     @translated("delete")
     @retried("delete")
-    def delete_prefix(self, prefix: str) -> None:
-        keys = [e.key for e in self.list(prefix)]
+    def delete_many(self, keys: list[str]) -> None:
+        """Remove objects, up to 1000 per request (a missing one is not an error)."""
         for i in range(0, len(keys), 1000):
-            _obstore(self.url).delete(self.store, keys[i : i + 1000])
+            part = keys[i : i + 1000]
+            try:
+                _obstore(self.url).delete(self.store, part)
+            except Exception as e:
+                if not self._missing(e, part[0]):
+                    raise
+                for key in part:  # a service that fails a batch holding a missing key (Azure): one by one
+                    self.delete(key)
 
     def sync(self, prefix: str = "") -> None:
         """A finished put is durable in an object store: nothing to do."""

@@ -213,7 +213,8 @@ class ActsCheck:
         """Record the chunk files of published examples that are not there."""
         L, n_tc, n = self.cfg.n_layers, self.n_tc, self.ctx.n
         expected = n * L * n_tc
-        if expected - len(found) > MAX_MISSING_ENUMERATED:
+        gone = sum(max(0, min(b, n) - a) for a, b in self.ctx.removed) * L * n_tc
+        if expected - gone - len(found) > MAX_MISSING_ENUMERATED:
             self.deep_ok = False
             self.add(
                 ERROR,
@@ -225,6 +226,9 @@ class ActsCheck:
         if len(found) < expected:
             present = np.zeros(expected, bool)  # bounded: expected <= files found + MAX_MISSING_ENUMERATED
             present[np.asarray(found, np.int64)] = True
+            if self.ctx.removed:  # a spool's consumed examples: their files are gone on purpose
+                for a, b in self.ctx.removed:
+                    present[a * L * n_tc : min(b, n) * L * n_tc] = True
             for flat in np.flatnonzero(~present)[: 100 * MAX_LISTED]:
                 ex, rest = divmod(int(flat), L * n_tc)
                 lp, tc = divmod(rest, n_tc)

@@ -14,6 +14,7 @@ from actstore.layout import keys, spec
 from actstore.layout.chunks import parse_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Commit
+from actstore.layout.spool import Ranges
 from actstore.storage import Entry, Storage
 from actstore.verify.report import ERROR, WARNING, Problem, VerifyReport
 
@@ -75,6 +76,7 @@ class ShardCtx:
     start: int | None  # its first global example; None before finalize
     n: int  # examples published (or committed, before finalize)
     rec: Commit | None
+    removed: Ranges = ()  # examples whose activation files a spool removed (not looked for)
 
     def key(self, rel: str) -> str:
         return f"{self.prefix}/{rel}" if rel else self.prefix
@@ -105,6 +107,7 @@ class Checker:
         self.listing = Listing(storage)
         self._counts: dict[tuple[Any, str], int] = {}
         self.cfg: StoreConfig | None = None
+        self.removed: dict[int, Ranges] = {}  # a spool's removed examples by shard (actstore.spoolstate)
 
     def add(self, severity: str, kind: str, message: str, key: str | None = None, **where: Any) -> None:
         c = (where.get("shard"), kind)

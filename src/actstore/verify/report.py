@@ -36,6 +36,8 @@ class VerifyReport:
     n_examples: int = 0
     n_chunk_files: int = 0
     n_bytes_read: int = 0
+    n_removed_examples: int = 0  # a spool's consumed examples, whose activation files were removed
+    n_removed_bytes: int = 0
 
     @property
     def errors(self) -> list[Problem]:
@@ -59,6 +61,11 @@ class VerifyReport:
             f"verify ({mode}) {self.path}: {self.n_examples} examples in {self.n_shards} shards, "
             f"{self.n_chunk_files} chunk files checked, {self.n_bytes_read} bytes read"
         )
+        if self.n_removed_examples:
+            head += (
+                f"; {self.n_removed_examples} examples ({self.n_removed_bytes} bytes of activations) removed by the "
+                "spool after every consumer read them: their activation files are not checked"
+            )
         if not self.problems:
             return head + ": OK"
         return head + f": {plural(len(self.errors), 'error')}, {plural(len(self.warnings), 'warning')}"

@@ -14,6 +14,7 @@ from actstore.layout.arrays import ArraySpec, array_specs, every_chunk
 from actstore.layout.chunks import array_shape, key_scheme, row_chunk_key
 from actstore.layout.config import StoreConfig
 from actstore.layout.records import Block, ShardEntry
+from actstore.layout.spool import overlaps
 from actstore.storage import KeyNotFound
 from actstore.verify import deep as deep_checks
 from actstore.verify.acts import ActsCheck
@@ -68,13 +69,24 @@ def check_shard(v: Checker, name: str, entry: ShardEntry | None) -> None:
     n = entry.n_examples if entry is not None else rec.n_committed
     n_blocks = entry.n_blocks if entry is not None else rec.n_blocks
     ctx = ShardCtx(
-        name=name, prefix=prefix, storage=sh, shard=shard, start=entry.start if entry else None, n=n, rec=rec
+        name=name,
+        prefix=prefix,
+        storage=sh,
+        shard=shard,
+        start=entry.start if entry else None,
+        n=n,
+        rec=rec,
+        removed=v.removed.get(shard, ()),
     )
     v.report.n_shards += 1
     v.report.n_examples += n
     if rec is not None and entry is not None:
         _commit_vs_manifest(v, ctx, entry)
     blocks = _blocks(v, ctx, n_blocks, entry)
+    if ctx.removed:
+        gone = [b for b in blocks or [] if overlaps(ctx.removed, b.start, b.stop)]
+        v.report.n_removed_examples += sum(b.stop - b.start for b in gone)
+        v.report.n_removed_bytes += sum(b.nbytes for b in gone)
     el = _el_crcs(v, ctx)
     _check_dir_entries(v, ctx)
     _check_group(v, ctx)

@@ -9,6 +9,8 @@ from actstore import catalog
 from actstore.errors import ActstoreError, FormatVersionError, StoreNotFoundError, VerificationError
 from actstore.layout import keys
 from actstore.layout.records import Manifest
+from actstore.layout.spool import SPOOL_DIR, SPOOL_FILE, removed_union
+from actstore.spoolstate import read_record, read_removed
 from actstore.storage import open_storage
 from actstore.verify.check import Checker
 from actstore.verify.deep import load_stats
@@ -107,13 +109,26 @@ def _run(v: Checker) -> VerifyReport:
     v.cfg = manifest.config if manifest is not None else ident
     if v.cfg is None:
         return v.report
+    _load_spool(v)
     _check_root(v, manifest)
     _check_shards(v, manifest)
     return v.report
 
 
+def _load_spool(v: Checker) -> None:
+    """A spool's removed examples, whose activation files are gone on purpose (damaged spool
+    records are an error: then every missing file is reported)."""
+    if v.listing.kind(SPOOL_FILE) is None:
+        return
+    try:
+        if read_record(v.storage) is not None:
+            v.removed = {s: removed_union(r.values()) for s, r in read_removed(v.storage).items()}
+    except (ActstoreError, OSError) as e:
+        v.add(ERROR, "spool", f"the spool's records cannot be read ({e})", SPOOL_DIR)
+
+
 def _check_root(v: Checker, manifest: Manifest | None) -> None:
-    expected = {keys.IDENTITY, keys.MANIFEST, keys.SHARDS}
+    expected = {keys.IDENTITY, keys.MANIFEST, keys.SHARDS, SPOOL_DIR}
     if manifest is not None and manifest.stats:
         expected.add(manifest.stats)
         kind = v.listing.kind(manifest.stats)

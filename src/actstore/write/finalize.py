@@ -12,10 +12,12 @@ from actstore.errors import ActstoreError, CorruptStoreError, DiskFullError, Not
 from actstore.layout import keys, records
 from actstore.layout.checksum import crc32c
 from actstore.layout.records import Manifest, ShardEntry
+from actstore.layout.spool import FINALIZE_REMOVER
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage, open_storage
 from actstore.write import family
 from actstore.write.committed import check_per_sample
+from actstore.write.spool import gc as spool_gc
 
 __all__ = ["Manifest", "ShardEntry", "finalize", "load_manifest"]
 
@@ -140,6 +142,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         partial=partial,
     )
     _publish(storage, keys.MANIFEST, records.dump_manifest(manifest))
+    spool_gc(storage, FINALIZE_REMOVER)  # a spool: what every consumer has read goes (records first)
     return records.parse_manifest(records.dump_manifest(manifest), storage.where(keys.MANIFEST), storage.url)
 
 

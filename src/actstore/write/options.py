@@ -162,6 +162,12 @@ def from_keywords(
             f"the writer's {list(OPTION_KEYWORDS)}"
         )
     opts = writer_options(options, {k: v for k, v in keywords.items() if k in OPTION_KEYWORDS})
+    if (
+        opts.spool is not None
+        and config is None
+        and keywords.get("shard_examples", spec.SHARD_EXAMPLES_AUTO) == (spec.SHARD_EXAMPLES_AUTO)
+    ):
+        keywords = {**keywords, "shard_examples": None}  # a spool removes files per example: no Zarr sharding
     cfg = store_config(config, {k: v for k, v in keywords.items() if k in CONFIG_KEYWORDS})
     return cfg, opts
 

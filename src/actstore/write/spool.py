@@ -15,10 +15,12 @@
 
 from __future__ import annotations
 
+import getpass
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -110,27 +112,17 @@ def _geometries(sh: Storage, cfg: StoreConfig) -> list[ChunkGeometry]:
     return out
 
 
-def activation_keys(sh: Storage, cfg: StoreConfig, start: int, stop: int) -> list[str]:
+def activation_keys(geos: list[ChunkGeometry], start: int, stop: int) -> list[str]:
     """The activation files (keys relative to the shard) of examples [start, stop)."""
     return [
-        k
-        for geo in _geometries(sh, cfg)
-        for ex in range(start, stop)
-        for lp in range(geo.n_layers)
-        for k in geo.chunk_keys_of(ex, lp)
+        k for geo in geos for ex in range(start, stop) for lp in range(geo.n_layers) for k in geo.chunk_keys_of(ex, lp)
     ]
 
 
 def delete_keys(storage: Storage, keys_: list[str]) -> None:
-    """Delete objects in batches (one request per DELETE_BATCH keys where the storage can)."""
-    many = getattr(storage, "delete_many", None)
+    """Delete objects in batches (an object store: one request per DELETE_BATCH keys)."""
     for i in range(0, len(keys_), DELETE_BATCH):
-        part = keys_[i : i + DELETE_BATCH]
-        if many is not None:
-            many(part)
-        else:
-            for k in part:
-                storage.delete(k)
+        storage.delete_many(keys_[i : i + DELETE_BATCH])
 
 
 def remove_blocks(
@@ -151,7 +143,8 @@ def remove_blocks(
         storage.put(sp.removed_key(shard, remover), sp.dump_removed(rec))  # intent, before any deletion
         state.removers.setdefault(shard, {})[remover] = rec
         sh = catalog.shard_storage(storage, shard)
-        doomed = [k for b in group for k in activation_keys(sh, cfg, b.start, b.stop)]
+        geos = _geometries(sh, cfg)  # (one read of each activation array's metadata per shard)
+        doomed = [k for b in group for k in activation_keys(geos, b.start, b.stop)]
         delete_keys(sh, doomed)
         freed += sum(b.nbytes for b in group)
     return freed
@@ -208,7 +201,7 @@ class SpoolGate:
         self.waiting = threading.Event()  # set while the writer waits for consumers (tests and callers watch it)
         self.keepalive = keepalive
         self._cache = BlockCache()
-        self._kept: int | None = None  # the store's kept bytes at the last scan, plus this writer's commits since
+        self._kept: int | None = None  # the store's kept bytes at the last look (None: no look yet)
         self.waited_seconds = 0.0
         self.removed_blocks = 0
         self.scans = 0
@@ -224,18 +217,17 @@ class SpoolGate:
         self._kept = state.kept_bytes
         return state
 
-    def committed(self, nbytes: int) -> None:
-        """After this writer's commit of a block of `nbytes`: look at the store again (other
-        writers' commits and removals) when a batch might soon not fit."""
-        if self._kept is not None:
-            self._kept += nbytes
+    def committed(self) -> None:
+        """After this writer's commit: look at the store again (its block, other writers'
+        commits, consumers' acknowledgements, removals)."""
         self.scan()
 
-    def reserve(self, uncommitted: int, nbytes: int, commit: Callable[[], int]) -> None:
+    def reserve(self, uncommitted: int, nbytes: int, commit: Callable[[], None]) -> None:
         """Return once the store's kept bytes + `uncommitted` (this writer's, since its last
         commit) + `nbytes` (the batch about to be written) fit the budget. `commit` commits
-        what the writer holds (so consumers can read it) and returns the bytes it made
-        kept; called only when the batch does not fit beside it."""
+        what the writer holds (so consumers can read it, and it can be removed); called
+        only when the batch does not fit beside it. Otherwise removes consumed blocks and
+        waits, looking again every `poll_seconds`; never fails for waiting."""
         if nbytes > self.budget:
             raise SpoolError(
                 f"a batch of {sp.format_bytes(nbytes)} of activations does not fit the spool's budget of "
@@ -281,31 +273,33 @@ class SpoolGate:
                 bar.close()
 
 
-def describe(state: SpoolState) -> dict[str, Any]:
-    """The spool as `actstore info` and `actstore spool status` show it."""
-    kept, removed = state.kept(), state.removed
-    lags = state.lags()
-    consumers = []
-    for name, ranks in sp.by_name(state.consumers).items():
-        acked = sum(1 for b in state.blocks if sp.acked_by(b, ranks))
-        consumers.append(
-            {
-                "name": name,
-                "ranks": len(ranks),
-                "world_size": max(r.world_size for r in ranks),
-                "acked_blocks": acked,
-                "lag_blocks": lags.get(name),
-                "dropped": name in state.dropped,
-                "updated": max(r.updated for r in ranks),
-            }
+# ---- the commands' operations ----------------------------------------------------------------
+def gc(storage: Storage, remover: str | None = None) -> tuple[SpoolState, int, int] | None:
+    """Remove every consumed block of the spool at `storage` (`actstore spool gc`, finalize):
+    (the state after, blocks removed, bytes removed); None when the store is no spool.
+    `remover`: the name its removal records go under (default: `cli-<8 hex>`, new each run)."""
+    state = read_state(storage)
+    if state is None:
+        return None
+    cfg = catalog.read_identity(storage)
+    n, nbytes = remove_consumed(storage, cfg, state, remover or sp.cli_remover(os.urandom(4).hex()))
+    return (read_state(storage) if n else state), n, nbytes
+
+
+def drop(storage: Storage, name: str, by: str | None = None) -> tuple[SpoolState, int, int]:
+    """Drop consumer `name` (`actstore spool drop`): it holds no block back from now on (the
+    writers go on), and a consumer of that name that comes back is refused. Then removes
+    what is consumed without it."""
+    sp.check_name(name)
+    if read_record(storage) is None:
+        raise SpoolError(f"{storage.url} is not a spool (no {sp.SPOOL_FILE}); nothing to drop")
+    known = {r.name for r in read_state(storage).consumers}
+    if name not in known:
+        raise SpoolError(
+            f"no consumer named {name!r} is registered in the spool {storage.url}; registered: {sorted(known) or 'none'}"
         )
-    return {
-        "budget_bytes": state.budget,
-        "blocks": len(state.blocks),
-        "kept_blocks": len(kept),
-        "kept_bytes": state.kept_bytes,
-        "removed_blocks": sum(1 for b in state.blocks if sp.is_removed(b, removed)),
-        "removed_bytes": state.removed_bytes,
-        "consumers": consumers,
-        "dropped": sorted(state.dropped),
-    }
+    who = by or f"{getpass.getuser()}@{socket.gethostname()} (actstore spool drop)"
+    storage.put(sp.dropped_key(name), sp.dump_dropped(sp.DroppedRecord(name=name, dropped=records.now(), by=who)))
+    out = gc(storage)
+    assert out is not None
+    return out

@@ -421,7 +421,7 @@ class ShardWriter:
         self.n_committed = n1
         self._block_bytes = 0
         if self.spool is not None and n1 > n0:
-            self.spool.committed((n1 - n0) * cfg.example_bytes())
+            self.spool.committed()
 
     def _take_pending(self, name: str, n: int) -> np.ndarray:
         parts = self._pending.pop(name, [])
