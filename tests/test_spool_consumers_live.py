@@ -40,8 +40,8 @@ class Disk:
         self.storage, self.high, self.stop = open_storage(url), 0, threading.Event()
         real = writer_spool.SpoolGate.committed
 
-        def committed(gate, nbytes):
-            real(gate, nbytes)
+        def committed(gate, *args):
+            real(gate, *args)
             self.sample()
 
         monkeypatch.setattr(writer_spool.SpoolGate, "committed", committed)
