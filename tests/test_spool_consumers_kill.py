@@ -24,12 +24,10 @@ import pytest
 import spoolhelp as sh
 
 import actstore
-from actstore import catalog
 from actstore.layout import spool
 from actstore.loaders import consumer as consumer_module
 from actstore.loaders import follow
 from actstore.loaders.consumerstate import not_covered, ranges_of
-from actstore.spoolstate import read_state
 from actstore.storage import open_storage
 from actstore.torch import TokenStream
 from actstore.write import spool as writer_spool
@@ -88,16 +86,11 @@ def store(tmp_path_factory):
 
 
 def remove_consumed(path) -> int:
-    """What a spool's writers or `actstore spool gc` would do: remove every block that every
-    consumer acknowledged; the bytes removed."""
-    storage = open_storage(path)
-    _, nbytes = writer_spool.remove_consumed(
-        storage, catalog.read_identity(storage), read_state(storage), spool.cli_remover("0000abcd")
-    )
+    """`actstore spool gc`: remove every block that every consumer acknowledged; the bytes."""
+    _, _, nbytes = writer_spool.gc(open_storage(path))
     return nbytes
 
 
-@pytest.mark.slow  # 42 forked runs and 21 copies of a store: 5-15 s
 def test_a_consumer_killed_at_random_points_gets_every_token_once_but_the_replayed(store, tmp_path):
     want = sh.expected({0: 12, 1: 12}, [1])
     total_batches = -(-sum(want.values()) // OPTS["batch_size"])

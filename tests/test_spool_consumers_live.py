@@ -14,8 +14,6 @@ from spoolsim import activation_bytes
 
 import actstore
 from actstore.errors import ConsumerDroppedError, NotFinalizedError
-from actstore.layout import spool
-from actstore.layout.records import now
 from actstore.loaders.consumerrecord import read_record
 from actstore.loaders.consumerstate import triples_of
 from actstore.spoolstate import read_state
@@ -192,10 +190,7 @@ def test_a_consumer_that_never_checkpoints_is_told_why_and_a_drop_lets_the_write
     ):
         got.extend(b.clone() for b in s)
     assert w.spool.waiting.is_set() and not done.is_set() and got
-    storage = open_storage(url)
-    storage.put(
-        spool.dropped_key("lazy"), spool.dump_dropped(spool.DroppedRecord(name="lazy", dropped=now(), by="test"))
-    )
+    writer_spool.drop(open_storage(url), "lazy", by="the test")  # `actstore spool drop STORE lazy`
     assert done.wait(WAIT)  # nothing holds the blocks back now
     writer.join(WAIT)
     with pytest.raises(ConsumerDroppedError, match="consumer 'lazy' of .* was dropped"):
