@@ -56,7 +56,6 @@ from actstore.spoolstate import read_record, removed_ranges
 from actstore.storage import Storage, open_storage
 
 ACK_MODES = ("checkpoint", "manual", "yielded")
-READ_TRIES = 3  # reads of a block whose file changed under the read (then it is damage)
 
 
 class ConsumerStream(FollowStream):
@@ -315,18 +314,12 @@ class _ConsumerPool(_Pool):
                 and not fs.progress.is_completed(number, b.start, b.stop)
                 and not overlaps(removed, b.start, b.stop)
             ):
-                for attempt in range(READ_TRIES):
-                    try:
-                        rows = self._read_unit(reader, lens, keep, b.start, b.stop)
-                        break
-                    except (ActstoreError, OSError):
-                        if overlaps(removed_ranges(storage, number), b.start, b.stop):
-                            break  # removed while it was read: skipped below
-                        if attempt + 1 == READ_TRIES or not same():
-                            raise
-                        # a file its writer replaced between two reads of it (an object store's
-                        # Zarr shard file, rewritten whole as it grows): read it again
-                        reader, lens, keep = self._open(storage, number, rec)
+                try:
+                    rows = self._read_unit(reader, lens, keep, b.start, b.stop)
+                except (ActstoreError, OSError):
+                    if not overlaps(removed_ranges(storage, number), b.start, b.stop):
+                        raise  # (a file replaced under the read: the follow stream reads it again)
+                    rows = None  # removed while it was read: skipped below
                 size += 0 if rows is None else rows.nbytes
             piece.append((i, b, rows if mine else None))
             if i + 1 < len(blocks) and size < self.piece_bytes:

@@ -59,6 +59,7 @@ from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
 
 READ_EXAMPLES = 64  # examples of a shard read together
+READ_TRIES = 3  # looks at a shard whose read failed with its block records unchanged, before it is damage
 NO_RESUME = (
     "a follow stream cannot be resumed: its order depends on when each block was committed; "
     "make it a named consumer (TokenStream.follow(path, consumer='name')), which resumes from its state_dict(), "
@@ -297,10 +298,13 @@ class _Pool:
         try:
             self._read(storage, number, rec, blocks, t)
         except (ActstoreError, OSError) as e:
-            if same_generation(shard, blocks):
-                raise  # damage, not a change
-            raise _Changed(f"reading it failed: {e}") from None
-        t.commit = rec  # (only now: a read given up is tried again at the next look)
+            if not same_generation(shard, blocks):
+                raise _Changed(f"reading it failed: {e}") from None
+            t.failed += 1  # a file replaced whole between two reads of it (an object store's
+            if t.failed < READ_TRIES:  # Zarr shard file as it grows): read again at the next look
+                return False
+            raise  # damage, not a change
+        t.commit, t.failed = rec, 0  # (only now: a read given up is tried again at the next look)
         return True
 
     def _open(self, storage: Storage, number: int, rec: Any) -> tuple[ShardReader, dict, dict]:
