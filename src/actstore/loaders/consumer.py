@@ -24,6 +24,7 @@ checkpoint, which it gets again; a checkpoint older than the store's record is r
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -190,9 +191,6 @@ class ConsumerStream(FollowStream):
 
     # ---- iteration -----------------------------------------------------------------
     def _pool(self, cfg: StoreConfig) -> _Pool:
-        return _ConsumerPool(self, cfg)
-
-    def _pool(self, cfg: StoreConfig) -> _Pool:
         self._current = _ConsumerPool(self, cfg)
         return self._current
 
@@ -220,8 +218,9 @@ class ConsumerStream(FollowStream):
         self._last_flush = time.monotonic()
         self._write(self.progress.completed_now())
 
-    def pending_blocks(self) -> int:
-        """Examples completed but not yet acknowledged in the store (what a spool still keeps for this consumer)."""
+    def pending_examples(self) -> int:
+        """Examples of blocks completed but not yet acknowledged in the store (a spool keeps
+        them for this consumer)."""
         done = self.progress.completed_now()
         acked = self.record.acked if self.record is not None else {}
         return sum(b - a for s, a, b in not_covered(done, acked))
@@ -261,7 +260,7 @@ class _ConsumerPool(_Pool):
         super().__init__(fs, cfg)
         self.tags = np.empty(self.cap, np.int64)
         self.rng = fs.rng
-        self.warned: set[int] = set()
+        self.warned: set[str] = set()  # shards whose dead writer was reported
         self.spool = False  # the store was seen to be a spool
 
     def _check_writers(self, storage: Storage, taken: dict[int, Taken]) -> None:
@@ -270,10 +269,10 @@ class _ConsumerPool(_Pool):
         try:
             check_writers(storage, taken)
         except NotFinalizedError as e:
-            number = min(n for n, t in taken.items() if t.commit is not None and not t.commit.complete)
-            if number not in self.warned:
-                self.warned.add(number)
-                warn(f"consumer {self.fs.name!r} waits for shard {number} to resume: {e}")
+            shard = re.match(r"shard (\d+) ", str(e))  # (check_writers names the first dead one)
+            if shard is None or shard.group(1) not in self.warned:
+                self.warned.add(shard.group(1) if shard else str(e))
+                warn(f"consumer {self.fs.name!r} waits for a writer to resume: {e}")
 
     def _nothing_new(self, storage: Storage) -> None:
         """On a spool the writers may be waiting for the blocks this pool holds: serve it as
@@ -286,7 +285,7 @@ class _ConsumerPool(_Pool):
                 self.cond.notify_all()
 
     def _idle_hint(self) -> str:
-        pending = self.fs.pending_blocks()
+        pending = self.fs.pending_examples()
         if not pending:
             return ""
         return (
