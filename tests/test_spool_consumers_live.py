@@ -6,8 +6,11 @@ again (events, no sleeps); the same with one writer and one consumer on s3://.""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import threading
 
+import numpy as np
 import pytest
 import spoolhelp as sh
 from spoolsim import activation_bytes
@@ -245,4 +248,36 @@ def test_two_ranks_of_one_consumer_share_a_live_spool(tmp_path):
     r0, r1 = sh.rows(got["r0"]), sh.rows(got["r1"])
     assert r0 + r1 == sh.expected({0: n_blocks}, [1]) and not (r0 & r1)
     assert r0 == sum((sh.block_rows(0, i) for i in range(0, n_blocks, 2)), sh.Counter())  # (0 + i) % 2 == 0
+    assert w.spool.waited_seconds > 0 and read_state(open_storage(url)).removed_bytes > 0
+
+
+def _consume_to_file(url: str, name: str, layer: int, out: str) -> None:
+    """A consumer process: every batch's vectors appended to `out`."""
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for b in TokenStream.follow(url, consumer=name, layers=[layer], ack="yielded", **OPTS):
+        os.write(fd, b.numpy().tobytes())
+    os._exit(0)
+
+
+def test_consumers_in_other_processes_read_a_live_spool(tmp_path):
+    """Two consumer processes (forked before the writer starts: no thread is forked) and a
+    writer in this one: each process gets every token of its layer once."""
+    url = str(tmp_path / "s")
+    budget, n_blocks = 4 * BLOCK, 40  # 10x the budget
+    fork = multiprocessing.get_context("fork")
+    procs = [
+        fork.Process(target=_consume_to_file, args=(url, f"p{layer}", layer, str(tmp_path / f"p{layer}")))
+        for layer in sh.LAYERS
+    ]
+    for p in procs:
+        p.start()
+    with spooled_writer(url, 0, 1, budget) as w:
+        sh.write_blocks(url, 0, range(n_blocks), w=w)
+    actstore.finalize(url)
+    for p in procs:
+        p.join(WAIT)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for layer in sh.LAYERS:
+        data = np.frombuffer((tmp_path / f"p{layer}").read_bytes(), np.uint8).reshape(-1, sh.D * 2)
+        assert sh.Counter(r.tobytes() for r in data) == sh.expected({0: n_blocks}, [layer])
     assert w.spool.waited_seconds > 0 and read_state(open_storage(url)).removed_bytes > 0
