@@ -369,3 +369,34 @@ def test_the_block_cache_reads_only_what_a_shard_added(tmp_path, monkeypatch):
     with ShardWriter(url, spool=100 * BLOCK, commit_bytes=BLOCK, overwrite=True, **KW) as w2:
         w2.append(x[0])
     assert [(b.index, b.start, b.stop) for b in cache.blocks(storage)] == [(0, 0, 2)]
+
+
+def test_a_full_disk_while_removing_stops_the_writer_resumably(tmp_path, monkeypatch):
+    import errno
+
+    from actstore.errors import DiskFullError
+
+    url = str(tmp_path / "s")
+    batches = _batches(6, 8)
+    w = ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, **KW)
+    consumer = SimConsumer(url, "sae")
+    consumer.register()
+    storage_type = type(w.storage)
+    real_put = storage_type.put
+
+    def put(self, key, *parts, **kw):
+        if key.startswith("spool/removed/"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_put(self, key, *parts, **kw)
+
+    monkeypatch.setattr(storage_type, "put", put)
+    with pytest.raises(DiskFullError, match="this batch of 2 examples was not added; the shard keeps its last commit"):
+        with w:
+            for i, x in enumerate(batches):
+                if i == 4:
+                    consumer.look()  # two blocks to remove: the removal record cannot be written
+                w.append(x)
+    monkeypatch.undo()
+    assert w.n_committed == 8 and read_state(open_storage(url)).removed == {}  # nothing deleted without its record
+    with ShardWriter(url, spool=2 * BLOCK, commit_bytes=BLOCK, resume=True, **KW) as again:
+        assert len(again) == 8

@@ -289,11 +289,11 @@ class ShardWriter:
         # From here on the batch is written.
         n0, b = self.n_written, batch.b
         self._check_background()
-        if self.spool is not None:  # back-pressure: wait until the batch fits the spool's budget
-            self.spool.reserve(self._block_bytes, sum(a.nbytes for a in batch.acts.values()), self.commit)
         release, batch_stats = batch.release, batch.stats
         batch.release = release if self._layout.borrows else None  # rows written from where they are
         try:
+            if self.spool is not None:  # back-pressure: wait until the batch fits the spool's budget
+                self.spool.reserve(self._block_bytes, sum(a.nbytes for a in batch.acts.values()), self.commit)
             self._layout.append(batch, n0)
         except OSError as e:
             if e.errno in _DISK_FULL_ERRNOS:
