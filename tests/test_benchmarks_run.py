@@ -422,3 +422,15 @@ def test_bench_gpu_read(tmp_path):
     assert positive(*(r["tokens_per_s"] for r in part["loader_alone"]))
     (feat,) = part["features"]
     assert feat["features"] == 128 and feat["cpu_tokens"] == 2048 and "gpu_s" not in feat and positive(feat["cpu_s"])
+
+
+def test_bench_online(tmp_path):
+    """bench_online.py: a consumer against an offline epoch, a spooled writer against a
+    plain one (every consumer got every token: the script checks it)."""
+    args = ["--tokens", "512", "--d-model", "32", "--batch-size", "2", "--seq-len", "16", "--commit-bytes", "2048"]
+    args += ["--train-batch", "64", "--buffer-bytes", "4096", "--repeats", "1", "--dir", str(tmp_path)]
+    d = run_bench("online", args, tmp_path)
+    assert d["tokens"] == 512 and d["write"]["capture_bytes"] == 512 * 2 * 32 * 2
+    assert positive(
+        d["read"]["consumer_over_offline"], d["write"]["spooled_over_plain"], d["write"]["spooled_over_followed"]
+    )

@@ -5,6 +5,7 @@ who still reads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +48,9 @@ def test_finalize_removes_what_every_consumer_read_and_readers_refuse_it(spool):
     url, x = spool
     m = finalize(url)
     assert m.n_examples == 16  # every committed example is published (their fields and texts stay)
+    # the manifest says it is a spool (readers look up removals only then), with the spool's budget
+    assert m.spool_budget == 100 * BLOCK
+    assert json.loads((Path(url) / "manifest.json").read_text())["spool_budget"] == 100 * BLOCK
     state = read_state(open_storage(url))
     assert state.removed == {0: ((0, 8),)} and state.lags() == {"sae": 0, "slow": 2}
     assert set(state.removers[0]) == {"finalize"}

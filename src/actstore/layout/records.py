@@ -327,6 +327,7 @@ class Manifest:
     actstore_version: str
     world_size: int | None = None  # the ranks of the run, when its writers were ranked
     partial: Partial | None = None  # set when finalize published with ranks or shards unfinished
+    spool_budget: int | None = None  # a spool's byte budget (readers then look for removed examples)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -359,6 +360,7 @@ def dump_manifest(m: Manifest) -> bytes:
             "stats": m.stats,
             **({"world_size": m.world_size} if m.world_size is not None else {}),
             **({"partial": {k: list(getattr(m.partial, k)) for k in spec.PARTIAL_FIELDS}} if m.partial else {}),
+            **({"spool_budget": m.spool_budget} if m.spool_budget is not None else {}),
         }
     )
 
@@ -412,6 +414,9 @@ def parse_manifest(data: bytes, where: str, root: str | None = None) -> Manifest
     world = doc.get("world_size")
     if world is not None and not (is_count(world) and 0 < world <= spec.MAX_WORLD_SIZE):
         raise CorruptStoreError(f"{where}: world_size must be an int in 1..{spec.MAX_WORLD_SIZE}, got {world!r}")
+    budget = doc.get("spool_budget")
+    if budget is not None and not (is_count(budget) and budget > 0):
+        raise CorruptStoreError(f"{where}: spool_budget must be a positive int (bytes), got {budget!r}")
     return Manifest(
         config=cfg,
         n_examples=n_total,
@@ -424,6 +429,7 @@ def parse_manifest(data: bytes, where: str, root: str | None = None) -> Manifest
         actstore_version=doc["actstore_version"],
         world_size=world,
         partial=_partial(doc.get("partial"), where),
+        spool_budget=budget,
     )
 
 

@@ -161,7 +161,7 @@ MANIFEST_FIELDS = (
     "overflow",
     "stats",
 )
-MANIFEST_OPTIONAL_FIELDS = ("world_size", "partial")
+MANIFEST_OPTIONAL_FIELDS = ("world_size", "partial", "spool_budget")
 PARTIAL_FIELDS = ("missing_ranks", "incomplete_shards")
 LEASE_FIELDS = ("shard", "generation", "token", "host", "pid", "pid_start", "started", "renewed", "ttl")
 STATS_FILE = "stats-{:08x}.npz"

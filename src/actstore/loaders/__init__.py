@@ -3,7 +3,8 @@
 - PairDataset + PairBatchSampler: b random examples x k random layers -> (b, k, T, D).
 - TokenStream (+ TokenLoader): shuffled, resumable (batch_size, D) token vectors; its
   options one StreamSpec, where it stands one StreamPosition; TokenStream.aligned(...) and
-  TokenStream.follow(...) make the other kinds (every kind is a BaseTokenStream).
+  TokenStream.follow(...) make the other kinds (every kind is a BaseTokenStream);
+  TokenStream.follow(..., consumer="name") a durable, resumable ConsumerStream.
 """
 
 from actstore.dtypes import require_torch
@@ -14,6 +15,7 @@ require_torch(
 
 from actstore.loaders.aligned import AlignedTokenStream  # noqa: E402
 from actstore.loaders.base import BaseTokenStream  # noqa: E402
+from actstore.loaders.consumer import ConsumerStream  # noqa: E402
 from actstore.loaders.follow import FollowStream  # noqa: E402
 from actstore.loaders.pairs import PairBatchSampler, PairDataset, PairIndex  # noqa: E402
 from actstore.loaders.position import StreamPosition  # noqa: E402
@@ -24,6 +26,7 @@ from actstore.loaders.tokens import TokenStream  # noqa: E402
 __all__ = [
     "AlignedTokenStream",
     "BaseTokenStream",
+    "ConsumerStream",
     "FollowStream",
     "PairBatchSampler",
     "PairDataset",

@@ -4,17 +4,19 @@ It streams the committed blocks of a store that writers are still filling, and e
 the store is finalized and every example it publishes has been streamed. A reader thread
 looks at the writer shards' commit records every `poll_s` seconds; the examples a commit
 adds are read at once (their shard read through a ShardReader of the committed prefix,
-which is what finalize would publish) into a pool of at most `buffer_bytes` of token
-vectors. A batch is drawn at random from the pool once the pool is full, or when the
+which is what finalize would publish) into a pool of `buffer_bytes` of token vectors (up
+to half a pool more waits beside it, read ahead, to fill the room each batch makes). A batch is drawn at random from the pool once the pool is full, or when the
 store is finalized (the pool is then drained): each batch mixes a window of the most
 recently committed tokens. Every kept token vector is yielded exactly once, and only
 rows of the shard generations the store publishes: a shard rewritten or deleted under the
 stream, a store deleted, or a writer that died end it with an error naming them
 (actstore.loaders.followcheck says how each is seen).
 
-What it cannot do, and says so when asked: resume (the order depends on when blocks were
-committed), DataLoader workers and ranks (one process reads the growing store), and
-normalisation (the store's statistics exist once it is finalized).
+What a plain follow stream cannot do, and says so when asked: resume (the order depends
+on when blocks were committed) and ranks: a named consumer does both
+(`TokenStream.follow(path, consumer="name")`, actstore.loaders.consumer, which builds on
+this pool); DataLoader workers (one process reads the growing store) and normalisation
+(the store's statistics exist once it is finalized) neither does.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from types import SimpleNamespace
@@ -56,9 +59,11 @@ from actstore.read.shard import ShardReader
 from actstore.storage import Storage, open_storage
 
 READ_EXAMPLES = 64  # examples of a shard read together
+READ_TRIES = 3  # looks at a shard whose read failed with its block records unchanged, before it is damage
 NO_RESUME = (
     "a follow stream cannot be resumed: its order depends on when each block was committed; "
-    "once the store is finalized, train on TokenStream(store), which resumes exactly"
+    "make it a named consumer (TokenStream.follow(path, consumer='name')), which resumes from its state_dict(), "
+    "or train on TokenStream(store) once the store is finalized"
 )
 
 
@@ -134,7 +139,7 @@ class FollowStream(BaseTokenStream):
     def _batches(self) -> Iterator[torch.Tensor]:
         storage = open_storage(self.location)
         cfg = self._wait_for_identity(storage)
-        pool = _Pool(self, cfg)
+        pool = self._pool(cfg)
         reader = threading.Thread(target=pool.run, args=(storage,), daemon=True, name="actstore-follow")
         reader.start()
         try:
@@ -144,6 +149,9 @@ class FollowStream(BaseTokenStream):
             with pool.cond:
                 pool.cond.notify_all()
             reader.join()
+
+    def _pool(self, cfg: StoreConfig) -> _Pool:
+        return _Pool(self, cfg)
 
     def _wait_for_identity(self, storage: Storage) -> StoreConfig:
         t0 = time.monotonic()
@@ -158,6 +166,8 @@ class FollowStream(BaseTokenStream):
 
 class _Pool:
     """The reader thread's state and the pool of token vectors it fills."""
+
+    HEADROOM = 1  # room kept above a full pool: the rows of one read (a consumer's pool: none, see there)
 
     def __init__(self, fs: FollowStream, cfg: StoreConfig):
         self.fs, self.cfg = fs, cfg
@@ -183,9 +193,14 @@ class _Pool:
         self.np_dtype = np.dtype(spec.ACT_DTYPES[cfg.dtype])
         self.d = int(cfg.d_model)
         row_bytes = self.d * self.np_dtype.itemsize
-        self.unit_max = READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)  # rows of one read
+        self.unit_max = self.HEADROOM * READ_EXAMPLES * len(self.layers) * sum(s.t_max for s in self.segs)
         self.cap = max(fs.buffer_bytes // row_bytes, 2 * fs.batch_size) + self.unit_max
         self.rows = np.empty((self.cap, self.d), self.np_dtype)
+        self.tags: np.ndarray | None = None  # a consumer's pool: each row's tag (loaders/consumerstate.py)
+        self.drawn: deque[np.ndarray] = deque()  # with tags: the tags of each batch drawn, in order
+        self.starved = False  # draw before the pool is full: its writers wait for what it holds
+        self.staged: deque[tuple[np.ndarray, np.ndarray | None]] = deque()  # read, waiting for room in the pool
+        self.staged_rows = 0
         self.n = 0
         self.done = False
         self.error: BaseException | None = None
@@ -229,15 +244,26 @@ class _Pool:
             if grew:
                 last_new = now
                 continue
+            self._nothing_new(storage)
             if now >= next_writers_check:
-                check_writers(storage, taken)
+                self._check_writers(storage, taken)
                 next_writers_check = now + LEASE_CHECK_S
             if self.fs.idle_timeout_s is not None and now - last_new > self.fs.idle_timeout_s:
                 raise NotFinalizedError(
                     f"no block was committed to {storage.url} for {self.fs.idle_timeout_s:g} s and it is not finalized: "
-                    "are its writers running? (finalize it when they are done)"
+                    "are its writers running? (finalize it when they are done)" + self._idle_hint()
                 )
             self.stop.wait(self.fs.poll_s)
+
+    def _check_writers(self, storage: Storage, taken: dict[int, Taken]) -> None:
+        check_writers(storage, taken)
+
+    def _nothing_new(self, storage: Storage) -> None:
+        """A look found no new block (a consumer of a spool then serves a pool not yet full)."""
+
+    def _idle_hint(self) -> str:
+        """More to say when the stream gives up waiting (a consumer's pending acknowledgements)."""
+        return ""
 
     def _poll_shard(self, storage: Storage, number: int, taken: dict[int, Taken]) -> bool:
         """Take the rows a shard committed since the last look; whether there were any."""
@@ -272,15 +298,17 @@ class _Pool:
         try:
             self._read(storage, number, rec, blocks, t)
         except (ActstoreError, OSError) as e:
-            if same_generation(shard, blocks):
-                raise  # damage, not a change
-            raise _Changed(f"reading it failed: {e}") from None
-        t.commit = rec  # (only now: a read given up is tried again at the next look)
+            if not same_generation(shard, blocks):
+                raise _Changed(f"reading it failed: {e}") from None
+            t.failed += 1  # a file replaced whole between two reads of it (an object store's
+            if t.failed < READ_TRIES:  # Zarr shard file as it grows): read again at the next look
+                return False
+            raise  # damage, not a change
+        t.commit, t.failed = rec, 0  # (only now: a read given up is tried again at the next look)
         return True
 
-    def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
-        """Take the examples t.n..rec.n_committed of a shard into the pool, a piece of about
-        piece_bytes at a time, each once the shard holds the same block records after it was read."""
+    def _open(self, storage: Storage, number: int, rec: Any) -> tuple[ShardReader, dict, dict]:
+        """A reader of a shard's committed prefix, its segments' lengths and kept-token masks."""
         entry = ShardEntry(
             shard=number,
             name=keys.shard_name(number),
@@ -294,6 +322,12 @@ class _Pool:
         reader = ShardReader(storage, entry, self.cfg)
         lens = {s.name: reader.lengths(s) for s in self.segs}
         keep = {s.name: self._keep(reader, s.name) for s in self.segs}
+        return reader, lens, keep
+
+    def _read(self, storage: Storage, number: int, rec: Any, blocks: list[Any], t: Taken) -> None:
+        """Take the examples t.n..rec.n_committed of a shard into the pool, a piece of about
+        piece_bytes at a time, each once the shard holds the same block records after it was read."""
+        reader, lens, keep = self._open(storage, number, rec)
         shard = catalog.shard_storage(storage, number)
         piece: list[np.ndarray] = []
         units: list[tuple[int, int, int, float]] = []
@@ -323,7 +357,9 @@ class _Pool:
                 within = np.arange(t_pad)[None, :] < lens[seg.name][lo:hi, None]
                 if keep[seg.name] is not None:
                     within[:, : seg.t_max] &= keep[seg.name][lo:hi]
-                parts.append(buf[within])  # copy: the kept rows
+                parts.append(
+                    buf.reshape(-1, self.d) if within.all() else buf[within]
+                )  # (a copy only if some are left out)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def _keep(self, reader: ShardReader, seg: str) -> np.ndarray | None:
@@ -333,20 +369,34 @@ class _Pool:
         arr = np.asarray(reader.per_sample(name))
         return arr == 0 if self.mask == CONTENT else arr != 0
 
-    def _add(self, rows: np.ndarray) -> None:
-        """Rows into the pool, waiting while it has no room (the loop has not drawn yet)."""
-        at = 0
-        while at < len(rows):
-            with self.cond:
-                while self.n == self.cap and not self.stop.is_set():
-                    self.cond.wait(0.1)
-                if self.stop.is_set():
-                    return
-                k = min(len(rows) - at, self.cap - self.n)
-                self.rows[self.n : self.n + k] = rows[at : at + k]
-                self.n += k
-                at += k
-                self.cond.notify_all()
+    def _add(self, rows: np.ndarray, tags: np.ndarray | None = None) -> None:
+        """Rows (and their tags, in a consumer's pool) into the pool, in order: what does not
+        fit waits in `staged` (views, no copy) for the loop to move it in after a draw; the
+        reader waits only while more than half a pool is staged."""
+        with self.cond:
+            k = 0 if self.staged else min(len(rows), self.cap - self.n)
+            self._put(rows[:k], None if tags is None else tags[:k])
+            if k < len(rows):
+                self.staged.append((rows[k:], None if tags is None else tags[k:]))
+                self.staged_rows += len(rows) - k
+            self.cond.notify_all()
+            while self.staged_rows > self.cap // 2 and not self.stop.is_set():
+                self.cond.wait(0.1)
+
+    def _put(self, rows: np.ndarray, tags: np.ndarray | None) -> None:
+        """Rows into the pool's free room (the caller holds the lock and checked it fits)."""
+        k = len(rows)
+        self.rows[self.n : self.n + k] = rows  # copy: into the pool
+        if tags is not None:
+            self.tags[self.n : self.n + k] = tags
+        self.n += k
+
+    def _refill(self) -> None:
+        """Staged rows into the room a draw made, first staged first (the lock held)."""
+        k = min(self.cap - self.n, self.staged_rows)
+        if k > 0:
+            self._fill(np.arange(self.n, self.n + k))
+            self.n += k
 
     # ---- the loop's side -----------------------------------------------------------
     def serve(self) -> Iterator[torch.Tensor]:
@@ -354,13 +404,15 @@ class _Pool:
         full = self.cap - self.unit_max  # the reader cannot be sure to add a read's rows beyond this
         while True:
             with self.cond:
-                while not (self.error or self.n >= full or self.done):
+                while not (self.error or self.n >= full or self.done or (self.starved and self.n)):
                     self.cond.wait(0.1)
                 if self.error is not None:
                     raise self.error
+                self._refill()
                 if self.done and not self.n:
                     return
                 batch = self._draw(min(b, self.n))
+                self._refill()
                 self.cond.notify_all()
             yield batch
 
@@ -369,12 +421,38 @@ class _Pool:
         n = self.n
         take = self.rng.choice(n, b, replace=False)
         out = torch.from_numpy(self.rows[take])  # copy: the batch
+        if self.tags is not None:
+            self.drawn.append(self.tags[take])  # (a copy) before the batch is yielded: the loop pops it
+        if self.staged_rows >= b:
+            self._fill(take)  # staged rows straight into the holes: no compaction
+            return self._cast(out)
         drawn = np.zeros(n, bool)
         drawn[take] = True
         holes = take[take < n - b]
         tail = np.arange(n - b, n)[~drawn[n - b :]]
         self.rows[holes] = self.rows[tail]  # copy: the pool's last rows into the holes
+        if self.tags is not None:
+            self.tags[holes] = self.tags[tail]
         self.n = n - b
+        return self._cast(out)
+
+    def _fill(self, holes: np.ndarray) -> None:
+        """The first len(holes) staged rows into the pool's rows `holes` (the lock held)."""
+        at = 0
+        while at < len(holes):
+            rows, tags = self.staged[0]
+            k = min(len(rows), len(holes) - at)
+            self.rows[holes[at : at + k]] = rows[:k]  # copy: into the pool
+            if tags is not None:
+                self.tags[holes[at : at + k]] = tags[:k]
+            at += k
+            self.staged_rows -= k
+            if k == len(rows):
+                self.staged.popleft()
+            else:
+                self.staged[0] = (rows[k:], None if tags is None else tags[k:])
+
+    def _cast(self, out: torch.Tensor) -> torch.Tensor:
         if self.cfg.dtype == "bfloat16":
             out = out.view(torch.bfloat16)
         return out if out.dtype == self.out_dtype else out.to(self.out_dtype)
@@ -395,8 +473,8 @@ def _refuse(options: dict[str, Any]) -> None:
     rank 0 of world size 1; unknown names are make_spec's to refuse)."""
     why = {
         "normalize": "the store's statistics exist once it is finalized; normalise in your loop",
-        "rank": "one process reads the growing store",
-        "world_size": "one process reads the growing store",
+        "rank": "one process reads the growing store (a named consumer takes ranks: consumer='name')",
+        "world_size": "one process reads the growing store (a named consumer takes ranks: consumer='name')",
         "return_index": "examples are numbered only once the store is finalized",
         "shuffle": "its order is the order of the commits, mixed in the pool",
         "drop_last": "the last batch is what is left when the store is finalized",

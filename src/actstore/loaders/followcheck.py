@@ -39,6 +39,7 @@ class Taken:
     n: int = 0
     blocks: list[Block] = field(default_factory=list)
     commit: Commit | None = None  # the commit record last looked at
+    failed: int = 0  # reads failed in a row, the block records unchanged (follow.READ_TRIES)
 
 
 def check_seconds(name: str, v: Any, *, positive: bool, none_means: str | None = None) -> float | None:

@@ -168,10 +168,12 @@ class StreamOptions(SourceOptions, total=False):
 
 
 class FollowOptions(StreamOptions, total=False):
-    """TokenStream.follow's keywords: StreamSpec's fields and the follow stream's clock."""
+    """TokenStream.follow's keywords: StreamSpec's fields, the follow stream's clock, and a
+    durable consumer's acknowledgement mode (with consumer=)."""
 
     poll_s: float
     idle_timeout_s: float | None
+    ack: str
 
 
 class LoaderOptions(TypedDict, total=False):

@@ -94,11 +94,24 @@ class TokenStream(BaseTokenStream):
         )
 
     @staticmethod
-    def follow(store: str | os.PathLike | Storage | Reader, **options: Unpack[FollowOptions]) -> FollowStream:
+    def follow(
+        store: str | os.PathLike | Storage | Reader, *, consumer: str | None = None, **options: Unpack[FollowOptions]
+    ) -> FollowStream:
         """A store that writers are still filling (training while capturing): its committed
         blocks as they come, mixed in a pool of `buffer_bytes`, until it is finalized
         (actstore/loaders/follow.py). `options`: StreamSpec's fields (those a growing store
-        cannot honour refused by name), `poll_s` and `idle_timeout_s`."""
+        cannot honour refused by name), `poll_s` and `idle_timeout_s`.
+
+        With `consumer="name"`: a durable named consumer (a ConsumerStream,
+        actstore/loaders/consumer.py) that registers in the store, reads the blocks its
+        `rank` of `world_size` owns that it has not acknowledged, resumes from
+        `state_dict()`, and acknowledges as `ack` says ("checkpoint", "manual", "yielded")."""
+        if consumer is not None:
+            from actstore.loaders.consumer import ConsumerStream
+
+            return ConsumerStream(store, consumer=consumer, **options)
+        if "ack" in options:
+            raise ValueError("TokenStream.follow(...) takes ack= only with consumer='name' (a durable consumer)")
         from actstore.loaders.follow import FollowStream
 
         return FollowStream(store, **options)

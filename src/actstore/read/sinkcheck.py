@@ -96,7 +96,7 @@ def find_sinks(
     segments = list(store.segments if segments is None else segments)
     examples = sample_examples(store, len(layers))
     if getattr(store, "removed", None) is not None:  # a spool: only examples whose activations are kept
-        examples = store.removed.kept(store, examples)
+        examples = store.removed.kept(store.index, store.manifest, examples)
     if not len(examples) or not layers:
         return []
     keeps = store.config.default_keeps if leaves_out_special(store) else None

@@ -10,13 +10,14 @@ always finds the record then)."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
 from actstore.errors import ExampleRemovedError
+from actstore.index import ExampleIndex
 from actstore.layout import spool as sp
-from actstore.spoolstate import read_record, read_removed, removed_ranges
+from actstore.layout.records import Manifest
+from actstore.spoolstate import read_removed, removed_ranges
 from actstore.storage import Storage
 
 REFRESH_SECONDS = 1.0
@@ -32,9 +33,10 @@ class RemovedExamples:
         self.refresh()
 
     @classmethod
-    def of(cls, storage: Storage) -> RemovedExamples | None:
-        """The view of the store at `storage`; None when it is no spool."""
-        return cls(storage) if read_record(storage) is not None else None
+    def of(cls, storage: Storage, manifest: Manifest) -> RemovedExamples | None:
+        """The view of the store at `storage`; None when its manifest says it is no spool
+        (finalize records the spool's budget there: opening any other store costs no request)."""
+        return cls(storage) if manifest.spool_budget is not None else None
 
     def refresh(self) -> None:
         self.by_shard = {s: sp.removed_union(r.values()) for s, r in read_removed(self.storage).items()}
@@ -58,12 +60,13 @@ class RemovedExamples:
     def n_removed(self) -> int:
         return sum(sp.range_count(r) for r in self.by_shard.values())
 
-    def kept(self, store: Any, examples: np.ndarray) -> np.ndarray:
-        """The examples of `examples` (global numbers of `store`) whose activations are kept."""
+    def kept(self, index: ExampleIndex, manifest: Manifest, examples: np.ndarray) -> np.ndarray:
+        """The examples of `examples` (global numbers of the store `index` and `manifest`
+        describe) whose activations are kept."""
         self.refresh()
         out = []
         for ex in examples.tolist():
-            pos, local = store.index.locate(ex)
-            if not sp.contains(self.by_shard.get(store.manifest.shards[pos].shard, ()), local):
+            pos, local = index.locate(ex)
+            if not sp.contains(self.by_shard.get(manifest.shards[pos].shard, ()), local):
                 out.append(ex)
         return np.asarray(out, np.int64)

@@ -116,7 +116,7 @@ class ActStore(Reader):
             if not local.exists():
                 raise StoreNotFoundError(f"no store at {local}")
         self.manifest, data = self._read_manifest()
-        self.removed = RemovedExamples.of(self.storage)  # a spool's removed examples (None: no spool)
+        self.removed = RemovedExamples.of(self.storage, self.manifest)  # a spool's removed examples (None: no spool)
         self.manifest_sha256 = hashlib.sha256(data).hexdigest()  # the exact state opened (consumers record it)
         if self._cache is not None:
             self.storage = _cached(self.storage, *self._cache)

@@ -13,6 +13,7 @@ from actstore.layout import keys, records
 from actstore.layout.checksum import crc32c
 from actstore.layout.records import Manifest, ShardEntry
 from actstore.layout.spool import FINALIZE_REMOVER
+from actstore.spoolstate import read_record as read_spool_record
 from actstore.stats import RunningStats, read_stats
 from actstore.storage import Storage, open_storage
 from actstore.write import family
@@ -140,6 +141,7 @@ def finalize(path: str | os.PathLike | Storage, *, allow_partial: bool = False) 
         actstore_version=__version__,
         world_size=world,
         partial=partial,
+        spool_budget=spool.budget_bytes if (spool := read_spool_record(storage)) is not None else None,
     )
     _publish(storage, keys.MANIFEST, records.dump_manifest(manifest))
     spool_gc(storage, FINALIZE_REMOVER)  # a spool: what every consumer has read goes (records first)
