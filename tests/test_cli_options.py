@@ -162,7 +162,6 @@ KNOWN_UNTYPED_KWARGS = {
     "actstore.importers.import_dictionary_learning": "the importers' keywords (issue 43: config=/options=)",
     "actstore.loaders.aligned.AlignedTokenStream.__init__": "TokenStream's spec (issue 43, item 4)",
     "actstore.loaders.aligned.AlignedTokenStream.loader": "torch DataLoader's keywords",
-    "actstore.loaders.follow.FollowStream.__init__": "TokenStream's spec (issue 43, item 4)",
     "actstore.loaders.follow.FollowStream.loader": "torch DataLoader's keywords",
     "actstore.loaders.pairs.PairDataset.sampler": "PairBatchSampler's keywords",
     "actstore.loaders.pairs.PairDataset.loader": "torch DataLoader's keywords",

@@ -48,6 +48,7 @@ def test_finalize_and_export_saev_print_one_json_summary(tmp_path):
         "shards": [0],
         "world_size": 2,
         "partial": {"missing_ranks": [1], "incomplete_shards": []},
+        "spool": None,  # no spool (test_spool_tools checks a spool's summary)
     }
     assert r.invoke(main, ["finalize", str(path), "--allow-partial", "--quiet"]).output == ""
     res = r.invoke(

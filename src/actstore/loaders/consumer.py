@@ -27,7 +27,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ from actstore.loaders.consumerstate import (
 )
 from actstore.loaders.follow import FollowStream, _Changed, _Pool
 from actstore.loaders.followcheck import Taken, check_writers
-from actstore.loaders.spec import dist_rank_world
+from actstore.loaders.spec import StreamOptions, dist_rank_world
 from actstore.progress import warn
 from actstore.read.interface import Reader
 from actstore.spoolstate import read_record, removed_ranges
@@ -87,7 +87,7 @@ class ConsumerStream(FollowStream):
         rank: int | None = None,
         world_size: int | None = None,
         ack: str = "checkpoint",
-        **options: Any,
+        **options: Unpack[StreamOptions],
     ):
         self.name = spool.check_name(consumer)
         if ack not in ACK_MODES:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from actstore.loaders.followcheck import (
     same_generation,
     vanished,
 )
-from actstore.loaders.spec import StreamSpec, make_spec
+from actstore.loaders.spec import StreamOptions, StreamSpec, make_spec
 from actstore.read.interface import Reader
 from actstore.read.layers import resolve_layer
 from actstore.read.masks import CONTENT, effective_token_mask
@@ -92,7 +92,7 @@ class FollowStream(BaseTokenStream):
         *,
         poll_s: float = 0.1,
         idle_timeout_s: float | None = 600.0,
-        **options: Any,
+        **options: Unpack[StreamOptions],
     ):
         _refuse(options)
         self.spec = spec = make_spec(None, options, "TokenStream.follow()")

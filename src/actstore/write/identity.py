@@ -10,10 +10,11 @@ from actstore.layout.spool import SPOOL_DIR
 from actstore.storage import Storage
 
 
-def claim_store(storage: Storage, cfg: StoreConfig) -> StoreConfig:
+def claim_store(storage: Storage, cfg: StoreConfig) -> bool:
     """Create the store's identity record (create-only), or check that the existing store
-    has `cfg`; returns the store's configuration."""
-    names = storage.list_dir()  # one listing answers both: is it a store, and is it empty (no HEAD first)
+    has `cfg`; returns whether the store holds a spool folder (the same listing tells, so a
+    writer of a store that is no spool asks nothing more about one)."""
+    names = storage.list_dir()  # one listing answers all: is it a store, is it empty, is it a spool (no HEAD first)
     if keys.IDENTITY not in names:
         foreign = [
             n
@@ -26,7 +27,6 @@ def claim_store(storage: Storage, cfg: StoreConfig) -> StoreConfig:
                 "write the store to a new or empty folder"
             )
         if storage.put_if_absent(keys.IDENTITY, records.dump_identity(cfg)):
-            return cfg
-    existing = catalog.read_identity(storage)
-    existing.check_same_store(cfg, storage.url)
-    return existing
+            return SPOOL_DIR in names
+    catalog.read_identity(storage).check_same_store(cfg, storage.url)
+    return SPOOL_DIR in names

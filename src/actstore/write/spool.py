@@ -72,12 +72,19 @@ def open_spool(storage: Storage, budget: int, cfg: StoreConfig, commit_bytes: in
 
 
 def spool_gate(
-    storage: Storage, cfg: StoreConfig, shard: int, budget: int | None, commit_bytes: int, keepalive: Callable[[], None]
+    storage: Storage,
+    cfg: StoreConfig,
+    shard: int,
+    budget: int | None,
+    commit_bytes: int,
+    keepalive: Callable[[], None],
+    spooled: bool = True,
 ) -> SpoolGate | None:
     """The back-pressure of a writer opened with spool=`budget` (the store becomes a spool),
-    or of any writer on a store that is one (its budget); None for a store with no spool."""
+    or of any writer on a store that is one (its budget); None for a store with no spool.
+    `spooled`: whether the store's listing showed a spool folder (False: no record is read)."""
     if budget is None:
-        found = read_record(storage)
+        found = read_record(storage) if spooled else None
         if found is None:
             return None
         budget = found.budget_bytes

@@ -138,9 +138,9 @@ class ShardWriter:
                 f"{self.root} is a file, not a store folder: choose another path (nothing was written)"
             )
         self.shard = shard
-        claim_store(self.storage, cfg)
+        spooled = claim_store(self.storage, cfg)
         self.spool = spool_gate(
-            self.storage, cfg, shard, opts.spool, int(opts.commit_bytes), lambda: self._lease.check()
+            self.storage, cfg, shard, opts.spool, int(opts.commit_bytes), lambda: self._lease.check(), spooled
         )
         self.cfg = cfg  # equal to the store's identity except free-form attrs, kept per shard
         self._created = records.now()
