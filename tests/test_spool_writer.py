@@ -101,7 +101,7 @@ def _appended(seeds_by_shard, n, b=2):
     }
 
 
-@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=[pytest.mark.slow, pytest.mark.dev])])  # s3: moto
 def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, request):
     url = request.getfixturevalue("s3_url") if where == "s3" else str(tmp_path / "s")
     budget = 4 * BLOCK
