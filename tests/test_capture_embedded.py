@@ -223,8 +223,10 @@ def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(
     chance = len(store) / float(lengths.sum() - len(store))  # a random kept token is a line's first real token
     sd = np.sqrt(chance * (1 - chance) / len(top1))
     assert len(top1) > 500 and (top1.token == 1).mean() <= chance + 3 * sd, ((top1.token == 1).mean(), chance)
+    few = tmp_path / "few.txt"  # the check reads 8 examples or more: 8 lines show the sink
+    few.write_text("\n".join(_pydoc_lines(8)) + "\n", encoding="utf-8")
     res = CliRunner().invoke(
-        main, ["write", str(tmp_path / "never"), "--model", "embedded:smollm2-135m", "--data", str(lines), "--layers", "16", "--quiet", "--bos", "never"]
+        main, ["write", str(tmp_path / "never"), "--model", "embedded:smollm2-135m", "--data", str(few), "--layers", "16", "--quiet", "--bos", "never"]
     )  # fmt: skip
     assert res.exit_code == 0
     assert "attention sink counted as content" in res.output and "layer 16 token 0:" in res.output
