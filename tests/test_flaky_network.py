@@ -3,8 +3,9 @@ moto resets 10% of new connections at accept (every answer closes its connection
 request meets that rate), cuts 3% of answers midway and 5% of chunk objects' answers: every
 job a user runs over a URL still finishes exact (TokenStream epochs, PairDataset batches,
 `verify --deep`, `cp` both ways, `export-saev` from a URL, a capture to a URL), and says how
-many network failures it rode through. The default suite runs each job once or twice; the
-`soak` marker (`pytest -m soak`, run by CI's scripts/test_soak.sh) runs each 10 times.
+many network failures it rode through. The default suite runs each job once; the `soak`
+marker (`pytest -m soak`, run by CI) runs each at least 3 times and on until every kind of
+fault fired 3 times in it (at most 10 runs).
 
 Every run is bounded: requests give up after RETRY_SECONDS (then the test fails with the
 project's error), the proxy's upstream calls after 60 s, and a watchdog ends the process
@@ -37,7 +38,10 @@ from actstore.torch import PairDataset, TokenStream
 RATES = dict(fail=0.0, drop_request=0.0, drop_response=0.0, reset=0.10, cut=0.03, cut_chunks=0.05, keepalive=False)
 RETRY_SECONDS = 30.0  # a request's deadline in these tests (the default is 120 s)
 RUN_LIMIT_S = 300  # the watchdog: one run of one job
-SOAK_RUNS = 4
+SOAK_RUNS = 10  # the most runs of one job in the soak
+SOAK_MIN_RUNS = 3  # the fewest
+SOAK_FAULTS = 3  # each kind of fault fires at least this often in a job's soak
+FAULT_KINDS = ("reset", "cut_answer", "cut_chunk_answer")  # FaultProxy's counts
 VIT = dict(
     zarr_format=3,
     shard_examples=4,
@@ -228,22 +232,25 @@ def test_a_job_over_a_flaky_network_is_exact(job, s3_endpoint, s3_url, tmp_path)
 @pytest.mark.soak
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_soak_a_job_over_a_flaky_network(job, s3_endpoint, tmp_path, capsys):
-    """SOAK_RUNS runs of each job, each seed its own failures; all exact. The inputs are
-    made once (the first run) and each run writes to a fresh prefix of one bucket."""
+    """Each job run again and again, each seed its own failures, all exact: at least
+    SOAK_MIN_RUNS runs and on until every kind of fault fired SOAK_FAULTS times (resets at
+    accept, answers cut at the rate of every answer and at the chunk objects' own rate),
+    at most SOAK_RUNS runs. The inputs are made once (the first run) and each run writes to
+    a fresh prefix of one bucket."""
     import s3server
 
     bucket = s3server.create_bucket(s3_endpoint)
     made: dict = {}
     seen = {"connections": 0, "reset": 0, "cut_answer": 0, "cut_chunk_answer": 0}
     retry.reset_counts()
-    for run in range(SOAK_RUNS):
+    run = 0
+    while run < SOAK_MIN_RUNS or (run < SOAK_RUNS and min(seen[k] for k in FAULT_KINDS) < SOAK_FAULTS):
         run_dir = tmp_path / f"run{run}"
         run_dir.mkdir()
         proxy = JOBS[job](s3_endpoint, f"s3://{bucket}/run{run}/store", run_dir, seed=100 + run, made=made)
         for k in seen:
             seen[k] += proxy.counts[k]
+        run += 1
     with capsys.disabled():
-        print(f"\n[soak] {job}: {SOAK_RUNS} runs exact; proxy {seen}; client {retry.counts()}", flush=True)
-    # every kind of fault fired several times: resets at accept, answers cut at the rate of
-    # every answer and at the chunk objects' own rate
-    assert seen["reset"] >= SOAK_RUNS and seen["cut_answer"] >= 3 and seen["cut_chunk_answer"] >= 3, seen
+        print(f"\n[soak] {job}: {run} runs exact; proxy {seen}; client {retry.counts()}", flush=True)
+    assert min(seen[k] for k in FAULT_KINDS) >= SOAK_FAULTS, seen
