@@ -254,3 +254,26 @@ def test_soak_a_job_over_a_flaky_network(job, s3_endpoint, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n[soak] {job}: {run} runs exact; proxy {seen}; client {retry.counts()}", flush=True)
     assert min(seen[k] for k in FAULT_KINDS) >= SOAK_FAULTS, seen
+
+
+def test_a_coroutine_is_made_again_after_a_connection_reset():
+    """retry.acall, the zarr store's async reads' retry (which the jobs above meet only by
+    chance): a reset is counted, a fresh coroutine tried, its result returned."""
+    import asyncio
+
+    tries = []
+
+    async def read() -> bytes:
+        tries.append(len(tries))
+        if len(tries) == 1:
+            raise ConnectionResetError("connection reset by peer")
+        return b"bytes"
+
+    retry.reset_counts()
+    retry.set_policy(retry.RetryPolicy(deadline_s=RETRY_SECONDS, first_wait_s=0.01))
+    try:
+        got = asyncio.run(retry.acall(read, what="read", where="s3://acall/k", root="s3://acall"))
+    finally:
+        retry.set_policy(None)
+    c = retry.counts()
+    assert got == b"bytes" and tries == [0, 1] and (c["reset"], c["retried"], c["recovered"]) == (1, 1, 1), c
