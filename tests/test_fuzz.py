@@ -208,6 +208,23 @@ def test_fuzz_verify_never_crashes(working_copy, store_values, data):
         (root / target).write_bytes(original)  # the next example mutates the pristine copy again
 
 
+def test_a_manifest_describing_another_store_is_an_identity_error_of_verify(store, tmp_path):
+    """The branch that random manifests reach only by chance: a manifest whose configuration
+    is not actstore.json's is named by verify (and the shard metadata disagrees with it too)."""
+    root = F.copy_store(store, tmp_path / "s")
+    doc = json.loads((root / spec.MANIFEST_FILE).read_text())
+    doc["config"]["model_id"] = "another/model"
+    (root / spec.MANIFEST_FILE).write_text(json.dumps(doc))
+    rep = verify_store(root)
+    assert [(p.kind, p.path) for p in rep.errors] == [
+        ("identity", spec.MANIFEST_FILE),
+        ("shard-meta", "shards/shard-00000.zarr/.zattrs"),
+    ]
+    assert rep.errors[0].message == (
+        "actstore.json and manifest.json describe different stores: model_id: store has None, asked for 'another/model'"
+    )
+
+
 legacy_doc = {
     "version": "1.0",
     "created_at": "2025-01-09T12:00:00Z",
