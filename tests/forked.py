@@ -144,3 +144,19 @@ def run(script: str | Path, *args: str, timeout: float, **kw: Any) -> subprocess
 def run_code(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -c code *args` as `run` runs a script."""
     return run("-c", *args, code=code, timeout=timeout, env=env)
+
+
+CLI_CODE = """
+import resource, runpy, sys
+fsize = int(sys.argv.pop(1))
+if fsize >= 0:  # the kernel refuses a write past it with EFBIG (Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.dont_write_bytecode = True  # no cached bytecode written under the limit
+runpy.run_module("actstore.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(*args: str, timeout: float, fsize: int = -1, **kw: Any) -> subprocess.CompletedProcess:
+    """`python -m actstore.cli ARGS` as `run` runs a script, its files limited to `fsize`
+    bytes where given (RLIMIT_FSIZE, as `ulimit -f` limits them)."""
+    return run("-c", str(fsize), *map(str, args), code=CLI_CODE, timeout=timeout, **kw)
