@@ -37,6 +37,9 @@ def _requests(proxy: FaultProxy, since: int) -> list[tuple[str, str]]:
 def proxy(s3_endpoint, monkeypatch):
     with FaultProxy(s3_endpoint, fail=0, drop_request=0, drop_response=0) as p:
         monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
+        # An hour's lease: its renewals (every TTL/4) are timed, not counted here; a writer
+        # slowed past 15 s by a loaded machine would add a renewal's requests to the count.
+        monkeypatch.setenv("ACTSTORE_LEASE_TTL", "3600")
         yield p
 
 
