@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import ray
@@ -113,29 +114,12 @@ def test_slurm_array_and_torchrun_variables_give_the_ranks(job):
 
 def test_torchrun_launches_two_ranks(job):
     path = job["dir"] / "torchrun.store"
-    torchrun = Path(sys.executable).parent / "torchrun"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
     port = _free_port()
-    res = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--no-python",
-            str(Path(sys.executable).parent / "actstore"),
-            "write",
-            str(path),
-            *map(str, job["common"]),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python"]
+    args += [str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"])]
+    # torchrun itself forked (tests/forked.py); the two ranks it starts are processes of their own.
+    res = forked.run_code(_TORCHRUN, *args, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "rank 0 of 2 (from RANK/WORLD_SIZE)" in res.stderr and "rank 1 of 2 (from RANK/WORLD_SIZE)" in res.stderr
     cli("finalize", path)
@@ -187,15 +171,63 @@ def test_ray_address_that_does_not_answer_fails_fast(job):
     assert not (job["dir"] / "none.store").exists()
 
 
-# (The tests below share one in-process Ray, which must not be running for the one above.)
+# (The tests below share one Ray cluster, which must not be running for the one above.)
 @pytest.fixture(scope="module")
-def ray_in_process(s3_endpoint):
-    """One in-process Ray for the module's tests (starting one takes 5-10 s here), started
-    once the S3 test server's environment is set, which its workers inherit."""
+def ray_cluster(s3_endpoint):
+    """One `ray start --head` on 127.0.0.1 for the module's tests (starting one takes 5-10 s
+    here), with a private temp dir, started once the S3 test server's environment is set,
+    which its workers inherit; every process of it ended at teardown."""
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    port = _free_port()
+    env = {**os.environ, **RAY_ENV}
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    # A session of its own: every process of the cluster (agents rename their command
+    # lines) carries the session id of `ray start`.
+    start = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--node-ip-address",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num-cpus",
+            "2",
+            "--include-dashboard",
+            "false",
+            "--include-log-monitor",
+            "false",
+            "--object-store-memory",
+            str(80 * 2**20),
+            "--temp-dir",
+            str(temp),
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _, err = start.communicate(timeout=120)
+        assert start.returncode == 0, err[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        _end_processes_of(temp, start.pid)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_in_process(ray_cluster):
+    """This process's Ray driver, joined to the module's cluster: `actstore write --runner ray`
+    and record(runner="ray") in this process use it."""
     with pytest.MonkeyPatch.context() as mp:
         for k, v in RAY_ENV.items():
             mp.setenv(k, v)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+        # Read when ray was imported (before RAY_ENV was set): keep this driver on loopback too.
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(address=ray_cluster, logging_level="ERROR", log_to_driver=False)
         try:
             yield
         finally:
@@ -203,12 +235,8 @@ def ray_in_process(s3_endpoint):
 
 
 def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
-    path = job["dir"] / "ray.store"
-    cli("write", path, *job["common"], "--runner", "ray", "--workers", "2")
-    assert_same_store(path, job["one"])
-    assert actstore.ActStore(path).manifest.world_size == 2
-
-    # Kill writer 1's process as soon as it holds its shard; Ray restarts it and it resumes.
+    """Writer 1's process is killed as soon as it holds its shard; Ray restarts it and it
+    resumes; the store equals one writer's (the uninterrupted Ray runs below equal it too)."""
     killed = tmp = job["dir"] / "ray-kill.store"
     pids: list[int] = []
 
@@ -243,49 +271,10 @@ def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, 
     assert pids, "writer 1 was never seen holding its shard"
     assert "finalized" in res.output
     assert_same_store(killed, job["one"])
+    assert actstore.ActStore(killed).manifest.world_size == 2
     assert not list(
         (killed / keys.LEASES).iterdir()
     )  # the restarted writer took the dead one's lease over and gave it back
-
-
-@pytest.fixture
-def ray_cluster(tmp_path_factory):
-    """`ray start --head` on 127.0.0.1 with a private temp dir; every process of it ended at teardown."""
-    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    port = _free_port()
-    env = {**os.environ, **RAY_ENV}
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    # A session of its own: every process of the cluster (agents rename their command
-    # lines) carries the session id of `ray start`.
-    start = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--node-ip-address",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--num-cpus",
-            "2",
-            "--include-dashboard",
-            "false",
-            "--temp-dir",
-            str(temp),
-            "--disable-usage-stats",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        _, err = start.communicate(timeout=120)
-        assert start.returncode == 0, err[-2000:]
-        yield f"127.0.0.1:{port}"
-    finally:
-        _end_processes_of(temp, start.pid)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _end_processes_of(temp: Path, session: int) -> None:
@@ -316,34 +305,16 @@ def _end_processes_of(temp: Path, session: int) -> None:
     assert ours() == []
 
 
-def test_ray_cluster_from_ray_address(job, ray_cluster):
-    path = job["dir"] / "cluster.store"
+def test_ray_cluster_from_ray_address_writes_to_s3_equal_to_a_local_capture(job, s3_url, ray_cluster):
+    """A driver process of its own (`actstore write`, forked: tests/forked.py) joins the cluster
+    at RAY_ADDRESS; each actor writes its own shard straight to the bucket (the actors reach
+    moto through the AWS_* environment they inherit); leases work through conditional puts there too."""
     env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster}
-    res = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "actstore"),
-            "write",
-            str(path),
-            *map(str, job["common"]),
-            "--runner",
-            "ray",
-            "--workers",
-            "2",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["write", s3_url, *map(str, job["common"]), "--runner", "ray", "--workers", "2"]
+    res = forked.run_code(_CLI, *args, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_store(path, job["one"])
-
-
-def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
-    """Each actor writes its own shard straight to the bucket (the actors reach moto through
-    the AWS_* environment they inherit); leases work through conditional puts there too."""
-    cli("write", s3_url, *job["common"], "--runner", "ray", "--workers", "2")
     assert_same_store(s3_url, job["one"])
+    assert actstore.ActStore(s3_url).manifest.world_size == 2
     w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
     with pytest.raises(
         actstore.errors.ShardBusyError,
@@ -355,6 +326,10 @@ def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
         w2.append(np.ones((1, 1, 2, 4), np.float16))
     actstore.finalize(s3_url + "2")
     assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))
+
+
+_TORCHRUN = "import sys; from torch.distributed.run import main; sys.argv[0] = 'torchrun'; main()"
+_CLI = "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; main()"
 
 
 def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_path):
@@ -506,7 +481,8 @@ def _spooled_capture(job, path, *runner) -> None:
     assert verify_store(path).ok and verify_store(path).n_removed_examples > 0
 
 
-def test_a_spool_written_by_two_local_workers(job):
+def test_a_spool_written_by_two_local_workers(job, monkeypatch):
+    forked.writers_from_forkserver(monkeypatch)
     _spooled_capture(job, job["dir"] / "spool-local.store", "--workers", "2")
 
 
