@@ -33,8 +33,14 @@ from actstore.verify import verify_store
 pytestmark = pytest.mark.slow  # writer processes and Ray
 
 ROOT = Path(__file__).resolve().parents[1]
-# Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth.
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth, and no
+# memory monitor (on a busy test machine it kills the writers for other processes' memory).
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_memory_monitor_refresh_ms": "0",
+}
 
 
 def cli(*args, env=None, ok: bool = True):
@@ -110,6 +116,9 @@ def test_slurm_array_and_torchrun_variables_give_the_ranks(job):
     cli("finalize", path)
     assert actstore.ActStore(path).manifest.world_size == 2
     assert_same_store(path, job["one"])
+
+
+_TORCHRUN = "import sys; from torch.distributed.run import main; sys.argv[0] = 'torchrun'; main()"
 
 
 def test_torchrun_launches_two_ranks(job):
@@ -218,6 +227,34 @@ def ray_cluster(s3_endpoint):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _end_processes_of(temp: Path, session: int) -> None:
+    """SIGTERM, then SIGKILL, every process of the cluster's session or naming its temp dir
+    (`ray stop` would end other runs' clusters too)."""
+
+    def ours() -> list[int]:
+        found = []
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    sid = int((p / "stat").read_bytes().rsplit(b")", 1)[1].split()[3])
+                    if sid == session or str(temp).encode() in (p / "cmdline").read_bytes():
+                        found.append(int(p.name))
+                except (OSError, IndexError, ValueError):
+                    pass
+        return found
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 5
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert ours() == []
+
+
 @pytest.fixture(scope="module")
 def ray_in_process(ray_cluster):
     """This process's Ray driver, joined to the module's cluster: `actstore write --runner ray`
@@ -232,6 +269,32 @@ def ray_in_process(ray_cluster):
             yield
         finally:
             ray.shutdown()
+
+
+def test_ray_cluster_from_ray_address_writes_to_s3_equal_to_a_local_capture(job, s3_url, ray_cluster, monkeypatch):
+    """`actstore write` joins the cluster at RAY_ADDRESS (and leaves it at the end); each actor
+    writes its own shard straight to the bucket (the actors reach moto through the AWS_*
+    environment they inherit); leases work through conditional puts there too. First of the
+    module's Ray tests: no driver has joined the cluster yet (ray_in_process)."""
+    assert not ray.is_initialized()
+    for k, v in {**RAY_ENV, "RAY_ADDRESS": ray_cluster}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)  # see ray_in_process
+    cli("write", s3_url, *job["common"], "--runner", "ray", "--workers", "2")
+    assert not ray.is_initialized()
+    assert_same_store(s3_url, job["one"])
+    assert actstore.ActStore(s3_url).manifest.world_size == 2
+    w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
+    with pytest.raises(
+        actstore.errors.ShardBusyError,
+        match=rf"shard 0 of {s3_url}2 is being written by another writer: pid {os.getpid()}",
+    ):
+        actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True)
+    w._close_files()
+    with actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True) as w2:
+        w2.append(np.ones((1, 1, 2, 4), np.float16))
+    actstore.finalize(s3_url + "2")
+    assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))
 
 
 def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
@@ -275,61 +338,6 @@ def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, 
     assert not list(
         (killed / keys.LEASES).iterdir()
     )  # the restarted writer took the dead one's lease over and gave it back
-
-
-def _end_processes_of(temp: Path, session: int) -> None:
-    """SIGTERM, then SIGKILL, every process of the cluster's session or naming its temp dir
-    (`ray stop` would end other runs' clusters too)."""
-
-    def ours() -> list[int]:
-        found = []
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    sid = int((p / "stat").read_bytes().rsplit(b")", 1)[1].split()[3])
-                    if sid == session or str(temp).encode() in (p / "cmdline").read_bytes():
-                        found.append(int(p.name))
-                except (OSError, IndexError, ValueError):
-                    pass
-        return found
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in ours():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 5
-        while ours() and time.monotonic() < deadline:
-            time.sleep(0.1)
-    assert ours() == []
-
-
-def test_ray_cluster_from_ray_address_writes_to_s3_equal_to_a_local_capture(job, s3_url, ray_cluster):
-    """A driver process of its own (`actstore write`, forked: tests/forked.py) joins the cluster
-    at RAY_ADDRESS; each actor writes its own shard straight to the bucket (the actors reach
-    moto through the AWS_* environment they inherit); leases work through conditional puts there too."""
-    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster}
-    args = ["write", s3_url, *map(str, job["common"]), "--runner", "ray", "--workers", "2"]
-    res = forked.run_code(_CLI, *args, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_store(s3_url, job["one"])
-    assert actstore.ActStore(s3_url).manifest.world_size == 2
-    w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
-    with pytest.raises(
-        actstore.errors.ShardBusyError,
-        match=rf"shard 0 of {s3_url}2 is being written by another writer: pid {os.getpid()}",
-    ):
-        actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True)
-    w._close_files()
-    with actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2, resume=True) as w2:
-        w2.append(np.ones((1, 1, 2, 4), np.float16))
-    actstore.finalize(s3_url + "2")
-    assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))
-
-
-_TORCHRUN = "import sys; from torch.distributed.run import main; sys.argv[0] = 'torchrun'; main()"
-_CLI = "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; main()"
 
 
 def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_path):
