@@ -22,15 +22,28 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv with $("$PY" --version 2>&1)"
   "$PY" -m venv .venv
 fi
-# Not quiet: pip's lines (Collecting, Downloading with the size, a bar on a terminal,
-# Installing) are the progress of the minutes this takes. --no-compile: pip would byte-compile
-# all 28,000 .py files it installs (70 s of CPU); Python compiles the few thousand a run
-# imports when it first imports them (about 12 s).
-pip() {
-  .venv/bin/python -m pip --disable-pip-version-check "$@" --no-compile \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
 t0=$SECONDS
+# The installer is uv (from the registry, into .venv, by pip): it resolves as pip does (the
+# same versions, checked against pip's on this project's dev extra) and installs in parallel,
+# with 5x less CPU than pip (14 s against 68 s for the dev extra; pip also byte-compiles by
+# default). uv does not read pip's configuration, so the machine's pip settings (find-links,
+# extra index URLs, constraints, certificates) are handed to it (scripts/pip_to_uv.sh). Where
+# the registry has no uv, pip installs, --no-compile. Not quiet: the installer's lines (a bar on
+# a terminal, "+ package==version" lines) are the progress of the minute this takes.
+if [ ! -x .venv/bin/uv ]; then
+  .venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "uv==0.13.9" 2>/dev/null ||
+    say "uv is not in the registry; installing with pip (slower)"
+fi
+if [ -x .venv/bin/uv ]; then
+  # shellcheck source=scripts/pip_to_uv.sh
+  source scripts/pip_to_uv.sh
+  pip() { shift; .venv/bin/uv pip install --python .venv/bin/python "${uv_args[@]}" "$@"; }  # `pip install ARGS`
+else
+  pip() {
+    .venv/bin/python -m pip --disable-pip-version-check "$@" --no-compile \
+      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  }
+fi
 # torch 2.13.0 pinned by scripts/torch-cpu.txt to the CPU build (an unpinned torch pulls a
 # multi-GB CUDA build): a package whose dependencies want another torch fails here, named,
 # instead of pulling a CUDA build in its place.

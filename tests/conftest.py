@@ -8,12 +8,14 @@
   tests/, has its tests marked `torch` (`dev`), as has every test using the S3 server; the
   rest is marked by hand (`pytestmark = pytest.mark.torch` when a test reaches torch through
   the CLI or a subprocess). Where torch is not installed such modules are not imported.
+  `slow` is marked by hand on heavy tests and here on every test recorded at SLOW_SECONDS or
+  more; `scripts/test.sh --fast` leaves them out.
 - Hypothesis: one profile, `short` (the default: 100 examples a test, no deadline) or `long`
   (ACTSTORE_HYPOTHESIS=long: 1,000).
 - Schedule (pytest-xdist `--dist loadgroup`, scripts/test.sh, with the scheduler made here):
   a module that shares a module-scoped fixture runs in one process (its fixture is made
-  once); every other test goes to whichever process is free. Longest first, by the durations recorded in tests/durations.json (refresh:
-  ACTSTORE_RECORD_DURATIONS=1 bash scripts/test.sh).
+  once); every other test goes to whichever process is free. Longest first, by the durations
+  recorded in tests/durations.json (refresh: ACTSTORE_RECORD_DURATIONS=1 bash scripts/test.sh).
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ SERVER_FIXTURES = {
     "gs_endpoint",
     "gs_url",
 }  # the dev install's servers
+# A test recorded at this many seconds or more (tests/durations.json: a full run, 3 processes
+# on 2 cores) is marked slow, as are the heavy tests marked by hand: `scripts/test.sh --fast`
+# leaves them out (the quick check of every module, a minute or so of tests).
+SLOW_SECONDS = 1.0
 
 # The one Hypothesis profile: a test sets no budget of its own, or a smaller one through
 # factory.examples(n), which scales with the profile.
@@ -78,7 +84,8 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The markers core/torch/dev, and the longest-first order of the processes' work units."""
+    """The markers core/torch/dev, slow by recorded time, and the longest-first order of the
+    processes' work units."""
     for item in items:
         needs = module_needs(Path(item.fspath))
         if SERVER_FIXTURES & set(item.fixturenames):
@@ -88,6 +95,9 @@ def pytest_collection_modifyitems(config, items):
         if not any(item.get_closest_marker(m) for m in ("torch", "dev", "soak")):  # the soak job runs its own
             item.add_marker("core")
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    for item in items:  # `slow` by hand, or by its recorded time (--fast: the quick tests)
+        if recorded.get(item.nodeid, 0.0) >= SLOW_SECONDS and not item.get_closest_marker("slow"):
+            item.add_marker("slow")
     default = 0.2  # a test not yet recorded
     cost: dict[str, float] = {}
     for item in items:
