@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The soak trials (pytest marker `soak`): each job over a flaky network 10 times, exact every
-# time (tests/test_flaky_network.py), and 96 SIGKILLs of durable writers at random moments, no torn or
-# mixed block after any (tests/test_kill_soak.py). CI (.ci/run) runs them inside the test command's
+# The soak trials (pytest marker `soak`): each job over a flaky network 3 to 10 times (until
+# each kind of fault fired 3 times in it), exact every time (tests/test_flaky_network.py), and
+# 96 SIGKILLs of durable writers at random moments, no torn or mixed block after any
+# (tests/test_kill_soak.py). CI (.ci/run) runs them inside the test command's
 # session (`bash scripts/test.sh -m "soak or not soak"`); this runs them alone, about 3 minutes here.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -113,6 +113,8 @@ class FaultProxy:
             "connections": 0,
             "reset": 0,
             "cut": 0,
+            "cut_answer": 0,  # answers cut: at the rate of every answer
+            "cut_chunk_answer": 0,  # and at the chunk objects' own rate
             "upstream_error": 0,
         }
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
@@ -166,6 +168,8 @@ class FaultProxy:
                 ):
                     with proxy.lock:
                         proxy.counts["cut"] += 1
+                        proxy.counts["cut_answer"] += fate == "cut"
+                        proxy.counts["cut_chunk_answer"] += fate == "cut_chunk"
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
                         if k.lower() not in ("transfer-encoding", "connection", "content-length"):

@@ -144,3 +144,53 @@ def run(script: str | Path, *args: str, timeout: float, **kw: Any) -> subprocess
 def run_code(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -c code *args` as `run` runs a script."""
     return run("-c", *args, code=code, timeout=timeout, env=env)
+
+
+CLI_CODE = """
+import resource, runpy, sys
+fsize = int(sys.argv.pop(1))
+if fsize >= 0:  # the kernel refuses a write past it with EFBIG (Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.dont_write_bytecode = True  # no cached bytecode written under the limit
+runpy.run_module("actstore.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def run_cli(*args: str, timeout: float, fsize: int = -1, **kw: Any) -> subprocess.CompletedProcess:
+    """`python -m actstore.cli ARGS` as `run` runs a script, its files limited to `fsize`
+    bytes where given (RLIMIT_FSIZE, as `ulimit -f` limits them)."""
+    return run("-c", str(fsize), *map(str, args), code=CLI_CODE, timeout=timeout, **kw)
+
+
+def writers_from_forkserver(monkeypatch: Any) -> None:
+    """For the rest of the test, `--workers N`'s writer processes (actstore.capture.runner_local
+    starts them with multiprocessing's "spawn") fork from the forkserver instead, in the test's
+    environment and folder of the moment (as a spawned one starts): each is still a process of
+    its own that gets its job pickled and reports over the queue, without a fresh interpreter's
+    import of torch (seconds each)."""
+    real = multiprocessing.get_context
+    forked = _ForkedContext(real("forkserver"))
+    monkeypatch.setattr(
+        multiprocessing, "get_context", lambda method=None: forked if method == "spawn" else real(method)
+    )
+
+
+class _ForkedContext:
+    """The forkserver's context, whose processes start in the caller's environment and folder."""
+
+    def __init__(self, ctx: Any):
+        self._ctx = ctx
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+    def Process(self, target: Any = None, args: tuple = (), kwargs: dict | None = None, **kw: Any) -> Any:  # noqa: N802 - multiprocessing's name
+        here = (dict(os.environ), os.getcwd(), target)
+        return self._ctx.Process(target=_in_env, args=(*here, *args), kwargs=kwargs or {}, **kw)
+
+
+def _in_env(env: dict[str, str], cwd: str, target: Any, *args: Any, **kwargs: Any) -> Any:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    return target(*args, **kwargs)

@@ -16,7 +16,6 @@ tests/test_views_text.py).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -70,14 +69,12 @@ def byte_fallback_tokenizer(folder) -> Path:
     return Path(folder)
 
 
-@functools.lru_cache(maxsize=1)
 def smollm2_tokenizer():
-    """The embedded SmolLM2 tokenizer, loaded once per test process (no weights)."""
-    from transformers import AutoTokenizer
+    """The embedded SmolLM2 tokenizer (no weights), the one the views and the loader use:
+    read once per test process."""
+    from actstore.inputs.embedded import smollm2_tokenizer as shared
 
-    from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
-
-    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
+    return shared()
 
 
 def load(folder_or_embedded: str):

@@ -7,6 +7,7 @@ import html
 import json
 import re
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -462,8 +463,10 @@ def test_captured_vit_store_exports_to_saev_without_extra_options(tmp_path, dino
 
 
 @pytest.mark.slow
-def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_dir):
+def test_sharded_layout_with_workers_equals_a_single_v2_writer(tmp_path, llama_dir, monkeypatch):
     import zarr
+
+    forked.writers_from_forkserver(monkeypatch)  # the spawned writers: test_workers_and_ranks_equal_a_single_writer
 
     data = write_jsonl(tmp_path / "p.jsonl", PAIRS * 2)
     common = ["--model", llama_dir, "--data", data, "--layers", "0,2", "--batch-size", "2", "--quiet"]
@@ -532,7 +535,8 @@ def test_writer_nice_option_reaches_the_capture_and_is_range_checked(tmp_path, m
 
 
 @pytest.mark.slow
-def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images):
+def test_capture_to_s3_equals_a_local_capture(tmp_path, s3_url, dino_dir, images, monkeypatch):
+    forked.writers_from_forkserver(monkeypatch)
     cli(
         "write",
         tmp_path / "local",

@@ -23,6 +23,13 @@ from actstore.saev import verify_saev
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(scope="module")
+def smollm2():
+    """The shipped SmolLM2, loaded once (seconds of GGUF conversion): the CLI's writes in this
+    process reuse it (load_model's cache), and this module runs in one test process."""
+    return load_model("embedded:smollm2-135m")
+
+
 def _cli(*args):
     res = CliRunner().invoke(main, [str(a) for a in args])
     assert res.exit_code == 0, res.output + repr(res.exception)
@@ -94,7 +101,7 @@ def test_embedded_vit_store_equals_hidden_states_and_show(tmp_path):
     assert verify_saev(path).problems == []
 
 
-def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):
+def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path, smollm2):
     prompt = "What is the capital of France?"
     data = write_jsonl(tmp_path / "q.jsonl", [{"prompt": prompt}])
     out = tmp_path / "llm"
@@ -114,7 +121,7 @@ def test_embedded_llm_generates_and_stores_its_hidden_states(tmp_path):
     )
     store = actstore.ActStore(out)
     assert "Paris" in store.sample(0)["response"]
-    lm = load_model("embedded:smollm2-135m")
+    lm = smollm2
     tok = lm.tokenizer
     rendered = tok.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -195,7 +202,7 @@ def _pydoc_lines(n: int) -> list[str]:
     return found[::7][:n]
 
 
-def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(tmp_path):
+def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(tmp_path, smollm2):
     """Issue 39 item 1 on the real model: a plain-text capture starts every line with the BOS
     (labelled special, left out by default), and a --bos never store, whose token 0 is the
     attention sink counted as content, is named by the sink check."""
@@ -206,7 +213,7 @@ def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(
     )  # fmt: skip
     assert res.exit_code == 0 and "warning" not in res.output, res.output
     store = actstore.ActStore(tmp_path / "auto")
-    lm = load_model("embedded:smollm2-135m")
+    lm = smollm2
     tok = lm.tokenizer
     assert lm.document_bos == tok.convert_tokens_to_ids("<|endoftext|>") == 0  # SmolLM2's document start
     for i, text in enumerate(_pydoc_lines(24)):
@@ -223,8 +230,10 @@ def test_embedded_smollm2_token_0_is_a_labelled_bos_and_never_warns_of_the_sink(
     chance = len(store) / float(lengths.sum() - len(store))  # a random kept token is a line's first real token
     sd = np.sqrt(chance * (1 - chance) / len(top1))
     assert len(top1) > 500 and (top1.token == 1).mean() <= chance + 3 * sd, ((top1.token == 1).mean(), chance)
+    few = tmp_path / "few.txt"  # the check reads 8 examples or more: 8 lines show the sink
+    few.write_text("\n".join(_pydoc_lines(8)) + "\n", encoding="utf-8")
     res = CliRunner().invoke(
-        main, ["write", str(tmp_path / "never"), "--model", "embedded:smollm2-135m", "--data", str(lines), "--layers", "16", "--quiet", "--bos", "never"]
+        main, ["write", str(tmp_path / "never"), "--model", "embedded:smollm2-135m", "--data", str(few), "--layers", "16", "--quiet", "--bos", "never"]
     )  # fmt: skip
     assert res.exit_code == 0
     assert "attention sink counted as content" in res.output and "layer 16 token 0:" in res.output

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
+import forked
 import numpy as np
 import pytest
 from capture_support import SENTENCES, save_llama, write_jsonl
@@ -16,9 +15,10 @@ from click.testing import CliRunner
 
 import actstore
 from actstore.capture import committed
+from actstore.capture.target import CaptureTarget
 from actstore.cli import main
 
-pytestmark = pytest.mark.slow  # captures killed and resumed in subprocesses
+pytestmark = pytest.mark.slow  # a capture killed in a process of its own and resumed
 
 
 def _cli(*args):
@@ -29,8 +29,8 @@ def _cli(*args):
 
 def test_sigkill_halfway_then_resume_equals_uninterrupted(tmp_path):
     model = save_llama(tmp_path / "llama", layers=3)
-    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES * 3])  # 27 examples
-    n = 27
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": s} for s in SENTENCES * 2])  # 18 examples
+    n = 18
     common = [
         "--model",
         model,
@@ -47,21 +47,17 @@ def test_sigkill_halfway_then_resume_equals_uninterrupted(tmp_path):
     killed = tmp_path / "killed"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     code = "import sys; from actstore.cli import main; sys.argv[0] = 'actstore'; main()"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "write", str(killed), *map(str, common)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = forked.start("-c", "write", str(killed), *map(str, common), code=code, env=env)  # a process of its own
     deadline = time.monotonic() + 120
-    while committed(killed, 0)[0] < 8:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        assert time.monotonic() < deadline, "the writer never committed 8 examples"
+    target = CaptureTarget(killed)
+    while target.committed(0)[0] < 6:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the writer never committed 6 examples"
         time.sleep(0.005)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.kill()
+    assert proc.wait() == -signal.SIGKILL
     n_done, complete = committed(killed, 0)
-    assert 8 <= n_done < n and not complete and not (killed / "manifest.json").exists()
+    assert 6 <= n_done < n and not complete and not (killed / "manifest.json").exists()
     out = _cli("write", killed, *common, "--resume")
     assert f"wrote {n - n_done} examples" in out and f"{n} examples in shard(s) [0]" in out
     _cli("write", tmp_path / "whole", *common)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -178,10 +177,8 @@ def test_resume_after_sigkill(src, tmp_path, s3_url):
         "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "copy_store(sys.argv[1], sys.argv[2], progress=progress, workers=2)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(src), s3_url], check=False, capture_output=True, timeout=120
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    proc = forked.run_code(script, str(src), s3_url, timeout=120)  # a process of its own, actstore imported
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
     partial = store_files(s3_url)
     assert 20 <= len(partial) < len(store_files(src)) and "manifest.json" not in partial
     with pytest.raises(NotFinalizedError):

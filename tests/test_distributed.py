@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import ray
@@ -32,8 +33,14 @@ from actstore.verify import verify_store
 pytestmark = pytest.mark.slow  # writer processes and Ray
 
 ROOT = Path(__file__).resolve().parents[1]
-# Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth.
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+# Ray on loopback only (../shared/notes/scaleout-facts.md), no usage reporting, no auth, and no
+# memory monitor (on a busy test machine it kills the writers for other processes' memory).
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_memory_monitor_refresh_ms": "0",
+}
 
 
 def cli(*args, env=None, ok: bool = True):
@@ -111,31 +118,17 @@ def test_slurm_array_and_torchrun_variables_give_the_ranks(job):
     assert_same_store(path, job["one"])
 
 
+_TORCHRUN = "import sys; from torch.distributed.run import main; sys.argv[0] = 'torchrun'; main()"
+
+
 def test_torchrun_launches_two_ranks(job):
     path = job["dir"] / "torchrun.store"
-    torchrun = Path(sys.executable).parent / "torchrun"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE"))}
     port = _free_port()
-    res = subprocess.run(
-        [
-            str(torchrun),
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(port),
-            "--no-python",
-            str(Path(sys.executable).parent / "actstore"),
-            "write",
-            str(path),
-            *map(str, job["common"]),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--no-python"]
+    args += [str(Path(sys.executable).parent / "actstore"), "write", str(path), *map(str, job["common"])]
+    # torchrun itself forked (tests/forked.py); the two ranks it starts are processes of their own.
+    res = forked.run_code(_TORCHRUN, *args, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "rank 0 of 2 (from RANK/WORLD_SIZE)" in res.stderr and "rank 1 of 2 (from RANK/WORLD_SIZE)" in res.stderr
     cli("finalize", path)
@@ -187,70 +180,12 @@ def test_ray_address_that_does_not_answer_fails_fast(job):
     assert not (job["dir"] / "none.store").exists()
 
 
-# (The tests below share one in-process Ray, which must not be running for the one above.)
+# (The tests below share one Ray cluster, which must not be running for the one above.)
 @pytest.fixture(scope="module")
-def ray_in_process(s3_endpoint):
-    """One in-process Ray for the module's tests (starting one takes 5-10 s here), started
-    once the S3 test server's environment is set, which its workers inherit."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in RAY_ENV.items():
-            mp.setenv(k, v)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-        try:
-            yield
-        finally:
-            ray.shutdown()
-
-
-def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
-    path = job["dir"] / "ray.store"
-    cli("write", path, *job["common"], "--runner", "ray", "--workers", "2")
-    assert_same_store(path, job["one"])
-    assert actstore.ActStore(path).manifest.world_size == 2
-
-    # Kill writer 1's process as soon as it holds its shard; Ray restarts it and it resumes.
-    killed = tmp = job["dir"] / "ray-kill.store"
-    pids: list[int] = []
-
-    def killer() -> None:
-        lease = tmp / keys.lease_key(1, 0)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not pids:
-            try:
-                pid = json.loads(lease.read_text())["pid"]
-            except (OSError, ValueError, KeyError):
-                time.sleep(0.01)
-                continue
-            os.kill(pid, signal.SIGKILL)
-            pids.append(pid)
-
-    t = threading.Thread(target=killer)
-    t.start()
-    res = cli(
-        "write",
-        killed,
-        *job["common"],
-        "--runner",
-        "ray",
-        "--workers",
-        "2",
-        "--batch-size",
-        "1",
-        "--commit-mb",
-        "0.001",
-    )
-    t.join()
-    assert pids, "writer 1 was never seen holding its shard"
-    assert "finalized" in res.output
-    assert_same_store(killed, job["one"])
-    assert not list(
-        (killed / keys.LEASES).iterdir()
-    )  # the restarted writer took the dead one's lease over and gave it back
-
-
-@pytest.fixture
-def ray_cluster(tmp_path_factory):
-    """`ray start --head` on 127.0.0.1 with a private temp dir; every process of it ended at teardown."""
+def ray_cluster(s3_endpoint):
+    """One `ray start --head` on 127.0.0.1 for the module's tests (starting one takes 5-10 s
+    here), with a private temp dir, started once the S3 test server's environment is set,
+    which its workers inherit; every process of it ended at teardown."""
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths have a length limit
     port = _free_port()
     env = {**os.environ, **RAY_ENV}
@@ -270,6 +205,10 @@ def ray_cluster(tmp_path_factory):
             "2",
             "--include-dashboard",
             "false",
+            "--include-log-monitor",
+            "false",
+            "--object-store-memory",
+            str(80 * 2**20),
             "--temp-dir",
             str(temp),
             "--disable-usage-stats",
@@ -316,34 +255,35 @@ def _end_processes_of(temp: Path, session: int) -> None:
     assert ours() == []
 
 
-def test_ray_cluster_from_ray_address(job, ray_cluster):
-    path = job["dir"] / "cluster.store"
-    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster}
-    res = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "actstore"),
-            "write",
-            str(path),
-            *map(str, job["common"]),
-            "--runner",
-            "ray",
-            "--workers",
-            "2",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert_same_store(path, job["one"])
+@pytest.fixture(scope="module")
+def ray_in_process(ray_cluster):
+    """This process's Ray driver, joined to the module's cluster: `actstore write --runner ray`
+    and record(runner="ray") in this process use it."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in RAY_ENV.items():
+            mp.setenv(k, v)
+        # Read when ray was imported (before RAY_ENV was set): keep this driver on loopback too.
+        mp.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+        ray.init(address=ray_cluster, logging_level="ERROR", log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
-def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
-    """Each actor writes its own shard straight to the bucket (the actors reach moto through
-    the AWS_* environment they inherit); leases work through conditional puts there too."""
+def test_ray_cluster_from_ray_address_writes_to_s3_equal_to_a_local_capture(job, s3_url, ray_cluster, monkeypatch):
+    """`actstore write` joins the cluster at RAY_ADDRESS (and leaves it at the end); each actor
+    writes its own shard straight to the bucket (the actors reach moto through the AWS_*
+    environment they inherit); leases work through conditional puts there too. First of the
+    module's Ray tests: no driver has joined the cluster yet (ray_in_process)."""
+    assert not ray.is_initialized()
+    for k, v in {**RAY_ENV, "RAY_ADDRESS": ray_cluster}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)  # see ray_in_process
     cli("write", s3_url, *job["common"], "--runner", "ray", "--workers", "2")
+    assert not ray.is_initialized()
     assert_same_store(s3_url, job["one"])
+    assert actstore.ActStore(s3_url).manifest.world_size == 2
     w = actstore.ShardWriter(s3_url + "2", shard=0, layers=[0], d_model=4, tokens=2)
     with pytest.raises(
         actstore.errors.ShardBusyError,
@@ -355,6 +295,49 @@ def test_ray_writers_to_s3_equal_a_local_capture(job, s3_url, ray_in_process):
         w2.append(np.ones((1, 1, 2, 4), np.float16))
     actstore.finalize(s3_url + "2")
     assert np.array_equal(actstore.ActStore(s3_url + "2")[0, 0], np.ones((2, 4), np.float16))
+
+
+def test_ray_workers_equal_a_single_writer_and_a_killed_actor_is_restarted(job, ray_in_process):
+    """Writer 1's process is killed as soon as it holds its shard; Ray restarts it and it
+    resumes; the store equals one writer's (the uninterrupted Ray runs below equal it too)."""
+    killed = tmp = job["dir"] / "ray-kill.store"
+    pids: list[int] = []
+
+    def killer() -> None:
+        lease = tmp / keys.lease_key(1, 0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not pids:
+            try:
+                pid = json.loads(lease.read_text())["pid"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.01)
+                continue
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    res = cli(
+        "write",
+        killed,
+        *job["common"],
+        "--runner",
+        "ray",
+        "--workers",
+        "2",
+        "--batch-size",
+        "1",
+        "--commit-mb",
+        "0.001",
+    )
+    t.join()
+    assert pids, "writer 1 was never seen holding its shard"
+    assert "finalized" in res.output
+    assert_same_store(killed, job["one"])
+    assert actstore.ActStore(killed).manifest.world_size == 2
+    assert not list(
+        (killed / keys.LEASES).iterdir()
+    )  # the restarted writer took the dead one's lease over and gave it back
 
 
 def test_record_with_the_ray_engine_equals_one_writer(job, ray_in_process, tmp_path):
@@ -506,7 +489,8 @@ def _spooled_capture(job, path, *runner) -> None:
     assert verify_store(path).ok and verify_store(path).n_removed_examples > 0
 
 
-def test_a_spool_written_by_two_local_workers(job):
+def test_a_spool_written_by_two_local_workers(job, monkeypatch):
+    forked.writers_from_forkserver(monkeypatch)
     _spooled_capture(job, job["dir"] / "spool-local.store", "--workers", "2")
 
 

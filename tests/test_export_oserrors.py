@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import errno
 import os
-import resource
 import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 
@@ -45,25 +44,8 @@ def store(tmp_path_factory) -> Path:
 
 
 def _cli_limited(*args) -> subprocess.CompletedProcess:
-    """`actstore ARGS` in a process whose files may not grow past LIMIT bytes."""
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(REPO / "src") + os.pathsep + str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        PYTHONDONTWRITEBYTECODE="1",
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "actstore.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(REPO),
-        preexec_fn=limit,
-        timeout=300,
-    )
+    """`actstore ARGS` in a process of its own (forked: tests/forked.py) whose files may not grow past LIMIT bytes."""
+    return forked.run_cli(*args, fsize=LIMIT, cwd=REPO, timeout=300)
 
 
 def test_export_saev_past_a_file_size_limit_names_the_file_and_the_fix(store, tmp_path):

@@ -65,6 +65,19 @@ def store(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def working_copy(store, tmp_path_factory) -> Path:
+    """One copy of the store for every example (each restores the one file it changed)."""
+    return F.copy_store(store, tmp_path_factory.mktemp("v") / "s")
+
+
+@pytest.fixture(scope="module")
+def store_values(store) -> list[dict[int, np.ndarray]]:
+    """store[ex, layer] of the pristine store, read once."""
+    st_ = ActStore(store)
+    return [{layer: st_[ex, layer] for layer in st_.layers} for ex in range(len(st_))]
+
+
 def _paths(doc, prefix=()):
     """Every (path, container) position inside a JSON document."""
     yield prefix
@@ -166,8 +179,8 @@ def test_fuzz_identity_commit_and_blocks(store, tmp_path, data):
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(data=st.data())
-def test_fuzz_verify_never_crashes(store, tmp_path_factory, data):
-    root = F.copy_store(store, tmp_path_factory.mktemp("v") / "s")
+def test_fuzz_verify_never_crashes(working_copy, store_values, data):
+    root = working_copy
     target = data.draw(
         st.sampled_from(
             [
@@ -178,18 +191,38 @@ def test_fuzz_verify_never_crashes(store, tmp_path_factory, data):
             ]
         )
     )
-    doc = json.loads((root / target).read_text())
-    (root / target).write_text(json.dumps(_mutate(doc, data)))
+    original = (root / target).read_bytes()
+    (root / target).write_text(json.dumps(_mutate(json.loads(original), data)))
     try:
-        rep = verify_store(root, deep=True)
-    except ActstoreError:
-        return
-    if rep.ok:  # verify passed the mutated store: then it reads exactly as before
-        before, after = ActStore(store), ActStore(root)
-        assert len(after) == len(before)
-        for ex in range(len(before)):
-            for layer in before.layers:
-                np.testing.assert_array_equal(after[ex, layer], before[ex, layer])
+        try:
+            rep = verify_store(root, deep=True)
+        except ActstoreError:
+            return
+        if rep.ok:  # verify passed the mutated store: then it reads exactly as before
+            after = ActStore(root)
+            assert len(after) == len(store_values)
+            for ex, per_layer in enumerate(store_values):
+                for layer, want in per_layer.items():
+                    np.testing.assert_array_equal(after[ex, layer], want)
+    finally:
+        (root / target).write_bytes(original)  # the next example mutates the pristine copy again
+
+
+def test_a_manifest_describing_another_store_is_an_identity_error_of_verify(store, tmp_path):
+    """The branch that random manifests reach only by chance: a manifest whose configuration
+    is not actstore.json's is named by verify (and the shard metadata disagrees with it too)."""
+    root = F.copy_store(store, tmp_path / "s")
+    doc = json.loads((root / spec.MANIFEST_FILE).read_text())
+    doc["config"]["model_id"] = "another/model"
+    (root / spec.MANIFEST_FILE).write_text(json.dumps(doc))
+    rep = verify_store(root)
+    assert [(p.kind, p.path) for p in rep.errors] == [
+        ("identity", spec.MANIFEST_FILE),
+        ("shard-meta", "shards/shard-00000.zarr/.zattrs"),
+    ]
+    assert rep.errors[0].message == (
+        "actstore.json and manifest.json describe different stores: model_id: store has None, asked for 'another/model'"
+    )
 
 
 legacy_doc = {

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import forked
@@ -262,22 +261,9 @@ def test_another_source_is_still_refused_once_a_shard_committed(tmp_path):
 
 
 def _limited(*args: str) -> subprocess.CompletedProcess:
-    """`actstore ARGS` in a process whose files may not grow past 64 KiB (RLIMIT_FSIZE: the
-    kernel refuses the write with EFBIG, as a full disk refuses it with ENOSPC)."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(
-        [sys.executable, "-m", "actstore.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        preexec_fn=limit,
-        timeout=300,
-    )
+    """`actstore ARGS` in a process (forked: tests/forked.py) whose files may not grow past 64
+    KiB (RLIMIT_FSIZE: the kernel refuses the write with EFBIG, as a full disk refuses it with ENOSPC)."""
+    return forked.run_cli(*args, fsize=64 * 1024, timeout=300)
 
 
 @pytest.mark.parametrize("zarr_format", ["3", "2"])

@@ -59,10 +59,12 @@ def _same(a, b):
     )
 
 
-@pytest.mark.parametrize("context", [None, "spawn"])
-def test_token_stream_with_two_workers_reads_a_bucket(s3_store, context):
+# The token stream's workers by the default for object storage (forkserver); the spawned
+# (fresh) interpreters unpickle a store in a bucket for the pair loader below, and a token
+# stream in test_matrix.py's test_loaders_with_two_workers[local-spawn]: each pickle once.
+def test_token_stream_with_two_workers_reads_a_bucket(s3_store):
     want = _tokens(s3_store)
-    got = _tokens(s3_store, num_workers=2, multiprocessing_context=context)
+    got = _tokens(s3_store, num_workers=2)
     assert sum(len(b["acts"]) for b in want) == 12 * 2 * 5
     rows = lambda bs: sorted(
         tuple(r) for b in bs for r in torch.stack([b["example"], b["layer"], b["token"]], 1).tolist()
@@ -138,22 +140,19 @@ def test_a_store_unpickled_where_the_environment_lacks_the_endpoint_reads_the_sa
     know the endpoint the training script set later: a pickled store in object storage
     carries the provider settings it was opened with, and reads the same there."""
     import pickle
-    import subprocess
-    import sys
+
+    import forked
 
     st = ActStore(s3_store)
     (tmp_path / "store.pkl").write_bytes(pickle.dumps(st))
     np.save(tmp_path / "want.npy", np.asarray(st[3, 1]))
     code = (
-        "import pickle, sys, numpy as np; st = pickle.load(open(sys.argv[1], 'rb')); "
+        "import os, pickle, sys, numpy as np\n"
+        "assert not [k for k in os.environ if k.startswith('AWS_')]\n"
+        "st = pickle.load(open(sys.argv[1], 'rb'))\n"
         "assert np.array_equal(np.asarray(st[3, 1]), np.load(sys.argv[2])); print('same', len(st))"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}  # no endpoint, no credentials
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "store.pkl"), str(tmp_path / "want.npy")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # a process forked from the forkserver (tests/forked.py): separate, its environment only `env`
+    r = forked.run_code(code, str(tmp_path / "store.pkl"), str(tmp_path / "want.npy"), env=env, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "same 12", r.stderr[-2000:]

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import emulators
+import forked
 import numpy as np
 import pytest
 import s3server
@@ -215,10 +216,12 @@ def test_cp_down(stores, storage, layout, data, tmp_path):
 # gs: the emulator refuses obstore's uploads (tests/emulators.py). local: two capture workers
 # writing a folder are test_capture_cli's (equal to one writer, both layouts) and cp into a
 # folder test_copy's, so here only the object stores, where the writers race over the network.
-# Slow: two spawned writer processes, each importing torch and loading the model (15-20 s a cell).
+# Slow: two writer processes (forked from the forkserver), each loading the model.
 @pytest.mark.slow
 @pytest.mark.parametrize("storage", ["s3", "az"])
-def test_cp_up_and_two_writers(stores, storage):
+def test_cp_up_and_two_writers(stores, storage, monkeypatch):
+    # Spawned writers: test_capture_cli::test_workers_and_ranks_equal_a_single_writer.
+    forked.writers_from_forkserver(monkeypatch)
     ref = actstore.ActStore(stores("local", "chunks", "packed"))
     dest = f"{stores._bucket(storage, f'up-{storage}')}/store"
     cli("cp", ref.path, dest, "--quiet")

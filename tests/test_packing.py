@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import forked
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -125,6 +126,8 @@ def test_packed_store_holds_every_token_once_and_equals_the_model(tmp_path, llam
             super().__init__(total, **kw)
 
     monkeypatch.setattr(workers_mod, "CaptureBar", Bar)
+    # Spawned writers: test_capture_cli::test_workers_and_ranks_equal_a_single_writer.
+    forked.writers_from_forkserver(monkeypatch)
     two = tmp_path / "two"  # two writers split the windows: the same store
     cli(
         "write",

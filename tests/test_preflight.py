@@ -4,6 +4,7 @@ leaves the store as it was."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,47 +193,39 @@ def test_checked_before_the_model_loads(env, monkeypatch, case, store_key, args,
 # What makes these checks fast (well under the issue's two seconds; docs/benchmarks.md has the
 # times) is that they run before torch, transformers or any model is imported, checked here
 # in a fresh interpreter, without timing anything.
-PROBE = """import sys
+PROBE = """import contextlib, io, json, sys
 from actstore.cli import main
-try:
-    main(sys.argv[1:])
-except SystemExit as e:
-    print("exit", e.code, sorted(m for m in ("torch", "transformers", "skimage") if m in sys.modules))
+for argv in json.loads(sys.argv[1]):  # one case after another; torch must stay unimported through all
+    err, code = io.StringIO(), None
+    with contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([code, sorted(m for m in ("torch", "transformers", "skimage") if m in sys.modules), err.getvalue()]))
 """
 
 
 def test_the_checks_run_before_torch_is_imported(env):
+    """One fresh interpreter runs the cases one after another: after each, torch, transformers
+    and skimage are still not imported."""
+    runs = []
     for case, store_key, args, _ in CASES[::2] + [CASES[-1]]:
         target, argv = _args(env, store_key, args, case)
-        res = subprocess.run(
-            [sys.executable, "-c", PROBE, "write", target, *argv, "--quiet"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert res.stdout.strip().splitlines()[-1] == "exit 1 []", (case, res.stdout, res.stderr[-2000:])
-        assert res.stderr.startswith("actstore: error: "), (case, res.stderr[-2000:])
+        runs.append((case, ["write", target, *argv, "--quiet"]))
+    generate = ["--model", "embedded:dinov2-s14", "--data", "embedded:images", "--layers", "0", "--generate", "2"]
+    runs.append(("generate", ["write", str(env["dir"] / "x.store"), *generate]))
     res = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PROBE,
-            "write",
-            str(env["dir"] / "x.store"),
-            "--model",
-            "embedded:dinov2-s14",
-            "--data",
-            "embedded:images",
-            "--layers",
-            "0",
-            "--generate",
-            "2",
-        ],
+        [sys.executable, "-c", PROBE, json.dumps([argv for _, argv in runs])],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert res.stdout.strip().splitlines()[-1] == "exit 1 []", res.stdout + res.stderr[-2000:]
+    got = [json.loads(line) for line in res.stdout.strip().splitlines()]
+    assert len(got) == len(runs), (res.stdout, res.stderr[-2000:])
+    for (case, _), (code, imported, err) in zip(runs, got):
+        assert (code, imported) == (1, []), (case, err)
+        assert err.startswith("actstore: error: "), (case, err)
 
 
 def test_the_first_given_response_is_found_in_every_pair_source(tmp_path):

@@ -148,11 +148,10 @@ def test_an_unreliable_s3_still_gives_an_exact_store(s3_endpoint, s3_url, monkey
 
 def test_a_writer_killed_mid_upload_resumes_exactly(s3_url, tmp_path):
     """SIGKILL a writer process while it uploads, resume its shard: the store is exact."""
-    import os
     import signal
-    import subprocess
-    import sys
     import time
+
+    import forked
 
     from actstore import catalog
 
@@ -165,7 +164,7 @@ def test_a_writer_killed_mid_upload_resumes_exactly(s3_url, tmp_path):
         "    w.append(x[i : i + 2])\n"
         "w.close()\n"
     )
-    proc = subprocess.Popen([sys.executable, str(script), s3_url], env=dict(os.environ))
+    proc = forked.start(script, s3_url)  # a process of its own, forked with actstore imported
     storage = open_storage(s3_url)
     deadline = time.time() + 60
     while time.time() < deadline and catalog.committed(storage, 0)[0] < 8 and proc.poll() is None:

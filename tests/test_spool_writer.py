@@ -105,7 +105,7 @@ def _appended(seeds_by_shard, n, b=2):
 def test_two_ranked_writers_and_a_consumer_stay_within_budget(tmp_path, where, request):
     url = request.getfixturevalue("s3_url") if where == "s3" else str(tmp_path / "s")
     budget = 4 * BLOCK
-    n = 40 if where == "local" else 20  # 80 (40) examples per writer: 10x (5x) the budget in all
+    n = 20 if where == "local" else 12  # 40 (24) examples per writer: 5x (3x) the budget in all
     consumer = SimConsumer(url, "sae")
     consumer.paused.set()  # paused first: both writers must wait for it
     thread = consumer.start()

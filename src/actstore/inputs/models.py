@@ -132,13 +132,13 @@ def _load_embedded(which: str) -> LoadedModel:
             image=image,
         )
     if which == "smollm2-135m":
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         folder = embedded.smollm2_folder()
         for mod, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
             embedded.need_module(mod, pip, "embedded:smollm2-135m")
         with _quiet_gguf():
-            tok = AutoTokenizer.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
+            tok = embedded.smollm2_tokenizer()
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=embedded.SMOLLM2_GGUF)
         return LoadedModel(
             model=model,

@@ -35,11 +35,9 @@ def load_tokenizer(store: Reader, tokenizer: str | None = None) -> Any:
         raise TokenizerNotFoundError("decoding token ids needs transformers: pip install 'actstore[capture]'") from None
     try:
         if name.startswith("embedded:smollm2-135m"):
-            from actstore.inputs.embedded import SMOLLM2_GGUF, smollm2_folder
+            from actstore.inputs.embedded import smollm2_tokenizer
 
-            return AutoTokenizer.from_pretrained(
-                smollm2_folder(), gguf_file=SMOLLM2_GGUF
-            )  # the GGUF's tokenizer metadata only
+            return smollm2_tokenizer()  # the GGUF's tokenizer metadata only
         if name.startswith("embedded:minilm-l6"):
             from actstore.inputs.embedded import minilm_folder
 
