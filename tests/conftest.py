@@ -25,6 +25,13 @@ import json
 import os
 from pathlib import Path
 
+# One compute thread a process (torch's intra-op pool, OpenBLAS, MKL), set before numpy or
+# torch starts its pool, inherited by the forkserver, forked scripts and subprocesses: the
+# suite runs more processes than the machine has cores, where a second thread per process
+# buys no speed and its spin-waits (OpenMP's, at every small op) burn CPU: a tiny training
+# loop took 7 times the CPU seconds with two threads. A run that sets the variable keeps its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 from hypothesis import settings
@@ -60,7 +67,10 @@ def pytest_configure(config):
     actstore imported. Modules missing here (the core job: no torch) are skipped by
     multiprocessing itself."""
     import multiprocessing
+    import sys
 
+    if "torch" in sys.modules:  # imported before this file (a plugin): its pool as the variable says
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     multiprocessing.set_forkserver_preload(["actstore", "torch", "actstore.loaders.tokens", "actstore.loaders.pairs"])
 
 

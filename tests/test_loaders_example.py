@@ -4,8 +4,6 @@ examples/train_while_capturing.py trains on a store while another process fills 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import forked
@@ -36,12 +34,9 @@ def test_train_sae_example_loss_falls(tmp_path):
 def test_train_while_capturing(tmp_path):
     """One process captures (a tiny random Llama, record()), this example's process trains a
     TopK SAE on the same store meanwhile (TokenStream.follow()), on every stored token."""
-    r = subprocess.run(
-        [sys.executable, str(EXAMPLE.parent / "train_while_capturing.py"), str(tmp_path / "twc.store")],
-        cwd=EXAMPLE.parents[1],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # forked with torch imported (tests/forked.py); the capture it starts is a fresh interpreter
+    r = forked.run(
+        EXAMPLE.parent / "train_while_capturing.py", tmp_path / "twc.store", cwd=EXAMPLE.parents[1], timeout=300
     )
     assert r.returncode == 0, r.stderr[-3000:]
     trained = next(l for l in r.stdout.splitlines() if l.startswith("trained "))

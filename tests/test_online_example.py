@@ -5,10 +5,9 @@ activation files on disk never pass the budget plus one block."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch]  # the embedded SmolLM2, end to end
@@ -17,13 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_online_sae(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "examples/online_sae.py", str(tmp_path / "osae.store"), "--texts", "24"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # forked with torch imported (tests/forked.py): the threads, the spool and the model are the script's own
+    r = forked.run(ROOT / "examples" / "online_sae.py", tmp_path / "osae.store", "--texts", "24", cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     tokens = int(re.search(r"^captured (\d+) tokens of layers \[8, 16\]", out, re.M).group(1))

@@ -11,11 +11,9 @@ HookedTransformer holding the same weights) on the same SAE and token rows.
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -147,16 +145,18 @@ def _saelens_ce(model_folder: Path, sae_folder: Path, tokens: torch.Tensor) -> d
 def test_train_sae_features_view(tmp_path):
     model, store = _model_and_store(tmp_path)
     sae, feats, site = tmp_path / "sae", tmp_path / "feats", tmp_path / "site"
-    act = shlex.quote(str(Path(sys.executable).parent / "actstore"))
-    line = (
-        f"{shlex.quote(sys.executable)} examples/train_sae.py {store} --steps 40 --batch-size 64 --k 4 "
-        f"--expansion 2 --out {sae}"
-        f" && {act} features {store} --layer {LAYER} --sae {sae} --model {model} --ce-tokens 100 --out {feats}"
-        f" && {act} view {feats} --out {site} --quiet"
+    # the example as a user runs it (forked with torch imported: tests/forked.py), then the two
+    # commands through click's runner in this process
+    ex = forked.run(
+        ROOT / "examples" / "train_sae.py",
+        *(store, "--steps", 40, "--batch-size", 64, "--k", 4, "--expansion", 2, "--out", sae),
+        cwd=ROOT,
+        timeout=600,
     )
-    r = subprocess.run(line, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "CE loss recovered" in r.stdout and (site / "index.html").is_file()
+    assert ex.returncode == 0, ex.stderr[-3000:]
+    r = cli("features", store, "--layer", LAYER, "--sae", sae, "--model", model, "--ce-tokens", 100, "--out", feats)
+    cli("view", feats, "--out", site, "--quiet")
+    assert "CE loss recovered" in r.output and (site / "index.html").is_file()
 
     # SAELens reads the folder as it is, and encodes as actstore's encoder does
     from sae_lens import SAE

@@ -175,18 +175,32 @@ def _load_embedded(which: str) -> LoadedModel:
 
 @contextmanager
 def _quiet_gguf() -> Iterator[None]:
-    """Silence transformers' plain tqdm over GGUF tensors (not covered by its progress-bar switch)."""
+    """Silence transformers' plain tqdm over GGUF tensors (not covered by its progress-bar switch),
+    and read the GGUF file's header once: transformers parses it for the tokenizer, the config
+    and the weights (a pure-Python pass over the 49k-token vocabulary, seconds each), the same
+    read-only reader serves all three inside this block."""
     try:
+        import gguf
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
     except ImportError:
         yield
         return
-    orig = getattr(gguf_utils, "tqdm", None)
+    orig, reader = getattr(gguf_utils, "tqdm", None), gguf.GGUFReader
+    readers: dict[str, Any] = {}
     if orig is not None:
         gguf_utils.tqdm = lambda it, *a, **k: it
+
+    def read_once(path: Any, mode: str = "r") -> Any:
+        key = f"{os.fspath(path)}:{mode}"
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = read_once
     try:
         yield
     finally:
+        gguf.GGUFReader = reader
         if orig is not None:
             gguf_utils.tqdm = orig
 
