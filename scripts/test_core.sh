@@ -42,6 +42,7 @@ if $venv/bin/python -c "import torch" 2>/dev/null; then
   echo "scripts/test_core.sh: torch is installed in $venv; remove the folder and rerun" >&2
   exit 1
 fi
+unset PYTHONDONTWRITEBYTECODE  # bytecode caches written as modules are imported (scripts/test.sh says why)
 $venv/bin/python -c "import zarr, sys; print(f'core install: zarr {zarr.__version__} on Python {sys.version.split()[0]}, no torch')"
 workers=${ACTSTORE_TEST_WORKERS:-$(python3 -c "import os; print(min(8, max(3, os.cpu_count() or 1)))")}
 xdist=()
