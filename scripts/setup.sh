@@ -12,7 +12,7 @@ profile=${1:-dev}
 case "$profile" in demo | dev) ;; *) echo "setup: unknown profile '$profile' (demo or dev)" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/setup.sh scripts/install.sh | sha256sum | cut -c1-16)
 done_already() { [ -f ".venv/.actstore-$1" ] && [ "$(cat ".venv/.actstore-$1")" = "$want" ]; }
 if done_already dev || done_already "$profile"; then
   exit 0
@@ -23,27 +23,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 t0=$SECONDS
-# The installer is uv (from the registry, into .venv, by pip): it resolves as pip does (the
-# same versions, checked against pip's on this project's dev extra) and installs in parallel,
-# with 5x less CPU than pip (14 s against 68 s for the dev extra; pip also byte-compiles by
-# default). uv does not read pip's configuration, so the machine's pip settings (find-links,
-# extra index URLs, constraints, certificates) are handed to it (scripts/pip_to_uv.sh). Where
-# the registry has no uv, pip installs, --no-compile. Not quiet: the installer's lines (a bar on
-# a terminal, "+ package==version" lines) are the progress of the minute this takes.
-if [ ! -x .venv/bin/uv ]; then
-  .venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "uv==0.13.9" 2>/dev/null ||
-    say "uv is not in the registry; installing with pip (slower)"
-fi
-if [ -x .venv/bin/uv ]; then
-  # shellcheck source=scripts/pip_to_uv.sh
-  source scripts/pip_to_uv.sh
-  pip() { shift; .venv/bin/uv pip install --python .venv/bin/python "${uv_args[@]}" "$@"; }  # `pip install ARGS`
-else
-  pip() {
-    .venv/bin/python -m pip --disable-pip-version-check "$@" --no-compile \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-  }
-fi
+# shellcheck source=scripts/install.sh
+source scripts/install.sh  # venv_install: uv (pip where the registry has no uv); it says why
+pip() { shift; venv_install .venv "$@"; }  # `pip install ARGS`
 # torch 2.13.0 pinned by scripts/torch-cpu.txt to the CPU build (an unpinned torch pulls a
 # multi-GB CUDA build): a package whose dependencies want another torch fails here, named,
 # instead of pulling a CUDA build in its place.

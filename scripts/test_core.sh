@@ -18,21 +18,12 @@ if [ -z "$PY" ]; then
 fi
 venv=.venv-core
 stamp=$venv/.actstore-setup
-want=$(cat pyproject.toml scripts/test_core.sh | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml scripts/test_core.sh scripts/install.sh | sha256sum | cut -c1-16)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   [ -x $venv/bin/python ] || "$PY" -m venv $venv
-  # Installed by uv as in scripts/setup.sh (pip where the registry has no uv; --no-compile:
-  # made beside the main suite, which keeps both cores busy).
-  want_pkgs=("zarr>=3.2" -e . pytest pytest-xdist hypothesis ruff)
-  $venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "uv==0.13.9" 2>/dev/null || true
-  if [ -x $venv/bin/uv ]; then
-    # shellcheck source=scripts/pip_to_uv.sh
-    source scripts/pip_to_uv.sh
-    $venv/bin/uv pip install -q --python $venv/bin/python "${uv_args[@]}" "${want_pkgs[@]}"
-  else
-    $venv/bin/python -m pip --disable-pip-version-check -q install --no-compile "${want_pkgs[@]}" \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-  fi
+  # shellcheck source=scripts/install.sh
+  source scripts/install.sh  # as scripts/setup.sh installs (made beside the main suite)
+  venv_install $venv -q "zarr>=3.2" -e . pytest pytest-xdist hypothesis ruff
   echo "$want" > "$stamp"
 fi
 if [ "${1:-}" = "--setup-only" ]; then  # (.ci/run makes the venv while the main suite runs)
